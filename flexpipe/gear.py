@@ -45,9 +45,7 @@ class Gear:
 
     def key(self) -> str:
         """A stable short id: `tp2-pp1-bf16-kvauto-s256`."""
-        return (
-            f"tp{self.tp}-pp{self.pp}-{self.dtype}-kv{self.kv_cache_dtype}-s{self.max_num_seqs}"
-        )
+        return f"tp{self.tp}-pp{self.pp}-{self.dtype}-kv{self.kv_cache_dtype}-s{self.max_num_seqs}"
 
     def __str__(self) -> str:
         return (

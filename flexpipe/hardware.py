@@ -194,9 +194,7 @@ def gpu_spec(name: str) -> GpuSpec:
     try:
         return _GPU_BY_KEY[_normalise(name)]
     except KeyError:
-        raise CatalogError(
-            f"unknown GPU type {name!r}; known: {', '.join(sorted(GPUS))}"
-        ) from None
+        raise CatalogError(f"unknown GPU type {name!r}; known: {', '.join(sorted(GPUS))}") from None
 
 
 def link_spec(name: str) -> LinkSpec:

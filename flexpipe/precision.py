@@ -35,14 +35,23 @@ PRECISIONS: dict[str, Precision] = {
         # FP8 W8A8 (e4m3, per-tensor scales): Hopper/Ada tensor cores.
         Precision("fp8", 1.0, "fp8", 2.0, "FP8 weights and activations (W8A8)", "auto", "fp8"),
         # INT8 W8A8 (SmoothQuant-style, vLLM compressed-tensors).
-        Precision("int8", 1.0, "int8", 2.0, "INT8 weights and activations (W8A8)", "auto",
-                  "compressed-tensors"),
+        Precision(
+            "int8",
+            1.0,
+            "int8",
+            2.0,
+            "INT8 weights and activations (W8A8)",
+            "auto",
+            "compressed-tensors",
+        ),
         # INT4 weight-only (AWQ / GPTQ, group size 128): 0.5 B per weight plus one fp16 scale
         # and zero point per 128 weights = 0.5 + 4/128 B. Math runs in fp16 after dequant.
-        Precision("int4-awq", 0.5 + 4 / 128, "fp16", 2.0, "INT4 weight-only, AWQ", "float16",
-                  "awq"),
-        Precision("int4-gptq", 0.5 + 4 / 128, "fp16", 2.0, "INT4 weight-only, GPTQ",
-                  "float16", "gptq"),
+        Precision(
+            "int4-awq", 0.5 + 4 / 128, "fp16", 2.0, "INT4 weight-only, AWQ", "float16", "awq"
+        ),
+        Precision(
+            "int4-gptq", 0.5 + 4 / 128, "fp16", 2.0, "INT4 weight-only, GPTQ", "float16", "gptq"
+        ),
     )
 }
 PRECISION_ALIASES = {

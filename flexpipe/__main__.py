@@ -1,0 +1,3 @@
+from flexpipe.cli import main
+
+main()

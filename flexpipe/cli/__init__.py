@@ -1,0 +1,21 @@
+"""The `flexpipe` command line. Each subcommand lives in its own module with a
+`register(app)` function; this module only assembles them."""
+
+from __future__ import annotations
+
+import typer
+
+from flexpipe.cli import cluster, engine, estimate, gateway, gears, plan, up
+
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="flexpipe: serve LLMs on the GPUs a cluster actually has free.",
+)
+
+for _module in (estimate, cluster, engine, gateway, gears, plan, up):
+    _module.register(app)
+
+
+def main() -> None:
+    app()

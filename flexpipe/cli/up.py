@@ -1,0 +1,10 @@
+"""`flexpipe up` (being built)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the `flexpipe` app."""
+    del app
