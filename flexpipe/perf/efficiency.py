@@ -1,0 +1,71 @@
+"""Every efficiency factor and fixed cost of the performance model, in one place.
+
+Defaults are justified in docs/performance-model.md; override them from a YAML/JSON mapping
+(`Efficiency.from_mapping`) or the CLI (`--set hbm_efficiency=0.7`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+GiB = float(2**30)
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    # Achieved fraction of HBM bandwidth when streaming weights and KV (decode GEMV, paged
+    # attention). vLLM reaches 75-85% model-bandwidth utilisation on A100/H100 at small batch.
+    hbm_efficiency: float = 0.80
+    # Achieved fraction of dense tensor-core peak in large GEMMs (prefill): 55-65% MFU.
+    compute_efficiency: float = 0.60
+    # Attention kernels (FlashAttention-2 prefill, paged decode) reach less of peak.
+    attention_compute_efficiency: float = 0.45
+    # NCCL/custom all-reduce bus bandwidth against the link's line rate.
+    allreduce_bandwidth_efficiency: float = 0.75
+    # Point-to-point send/recv (pipeline hand-offs, KV transfer) against line rate.
+    p2p_bandwidth_efficiency: float = 0.80
+    # Fixed CPU cost of one engine iteration (scheduling, input prep, CUDA-graph launch,
+    # sampling), and what each running sequence adds to it.
+    step_overhead_s: float = 0.0010
+    per_seq_overhead_s: float = 0.000010
+    # Memory the engine cannot give to weights or KV: CUDA context, allocator slack, NCCL
+    # buffers (per GPU), plus activations sized by the token budget (see memory.py).
+    cuda_context_bytes: float = 0.75 * GiB
+    nccl_buffer_bytes: float = 0.25 * GiB  # only when tp > 1 or pp > 1
+    # Cold start: weights are read once from storage (safetensors on local NVMe, page cache
+    # cold) and the engine starts (CUDA init, NCCL, profiling run, CUDA-graph capture).
+    storage_bandwidth_bytes_per_s: float = 2.0e9
+    engine_startup_s: float = 20.0
+    # Context length an engine is launched with unless told (vLLM's --max-model-len).
+    default_max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value < 0 or (f.name.endswith("efficiency") and not 0 < value <= 1):
+                raise ValueError(f"efficiency {f.name}={value} is out of range")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], base: Efficiency | None = None) -> Efficiency:
+        """Override defaults from a mapping; unknown keys are an error (typos are caught)."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown efficiency factor(s) {', '.join(unknown)}; known: {', '.join(known)}"
+            )
+        parsed: dict[str, Any] = {}
+        for key, raw in values.items():
+            try:
+                parsed[key] = int(raw) if key == "default_max_model_len" else float(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"efficiency factor {key} must be a number, got {raw!r}") from None
+        return replace(base or cls(), **parsed)
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+
+DEFAULT_EFFICIENCY = Efficiency()
