@@ -1,0 +1,51 @@
+"""The two contracts: a `RoutingPolicy` ranks instances; a `Scorer` scores them in [0, 1].
+
+Policies rank and the framework (the gateway, the simulator) retries, queues and backs off
+(STYLE 8). Hooks are optional with no-op defaults (STYLE 9): a stateless policy is tiny.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Protocol, runtime_checkable
+
+from flexpipe.policies.routing.snapshot import Decision, InstanceView, RoutingSnapshot
+
+
+@runtime_checkable
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision: ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Returns one score per instance (same order as `snapshot.instances`), each in [0, 1]."""
+
+    name: str
+
+    def score(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> list[float]: ...
+
+
+class PolicyHooks:
+    """No-op lifecycle hooks a policy may override."""
+
+    def on_request_complete(self, instance: str, now: float) -> None:
+        del instance, now
+
+    def on_instance_removed(self, instance: str) -> None:
+        del instance
+
+
+def rank_by_score(
+    instances: tuple[InstanceView, ...], scores: list[float], rng: random.Random
+) -> tuple[str, ...]:
+    """Names sorted by score, highest first; ties broken by the seeded RNG, full ones last."""
+    keyed = [(v.is_full, -s, rng.random(), v.name) for v, s in zip(instances, scores, strict=True)]
+    keyed.sort()
+    return tuple(k[3] for k in keyed)
+
+
+def clamp01(x: float) -> float:
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x

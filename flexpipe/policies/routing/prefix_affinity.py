@@ -1,0 +1,133 @@
+"""prefix_affinity: send a prompt where its prefix is already cached, without overloading it.
+
+- Seen prefix: the instance with the longest matched prefix (from the prefix index, via
+  `InstanceView.num_prefix_blocks_matched`), ties to the lower least_load cost.
+- Imbalance guard: if that instance's cost exceeds the cheapest instance's by more than
+  `imbalance_ratio` times and `imbalance_abs_s` seconds of work, fall back to least_load
+  (SGLang's cache-aware router does the same with request counts).
+- Unseen prefix (no match anywhere): bounded-load consistent hashing of the first block
+  (typically the system prompt), so sessions sharing it converge on one instance: walk a
+  ring of `num_virtual_nodes` points per instance from the key and take the first instance
+  whose in-flight count is within `load_bound` x the mean (Mirrokni et al. 2018).
+- No prompt blocks at all: least_load.
+
+The rest of the ranking (for retries) follows least_load.
+
+Parameters (defaults): `min_match_ratio` 0.1, `imbalance_ratio` 2.0, `imbalance_abs_s` 1.0,
+`load_bound` 1.25, `num_virtual_nodes` 64, `output_weight` 1.0.
+
+    routing: {policy: prefix_affinity, params: {imbalance_ratio: 2.0, load_bound: 1.25}}
+
+Also registered as the scorer `prefix`: matched blocks / prompt blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+
+from flexpipe.policies.routing.base import PolicyHooks
+from flexpipe.policies.routing.least_load import LeastLoad, instance_costs
+from flexpipe.policies.routing.registry import register_policy, register_scorer
+from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
+
+
+def _point(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+class PrefixScorer(PolicyHooks):
+    name = "prefix"
+
+    def score(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> list[float]:
+        del now, rng
+        total = len(snapshot.request.block_hashes)
+        if total == 0:
+            return [0.0] * len(snapshot.instances)
+        return [min(1.0, v.num_prefix_blocks_matched / total) for v in snapshot.instances]
+
+
+class PrefixAffinity(PolicyHooks):
+    name = "prefix_affinity"
+
+    def __init__(
+        self,
+        min_match_ratio: float = 0.1,
+        imbalance_ratio: float = 2.0,
+        imbalance_abs_s: float = 1.0,
+        load_bound: float = 1.25,
+        num_virtual_nodes: int = 64,
+        output_weight: float = 1.0,
+    ) -> None:
+        if load_bound < 1.0 or imbalance_ratio < 1.0 or num_virtual_nodes < 1:
+            raise ValueError("load_bound and imbalance_ratio must be >= 1, num_virtual_nodes >= 1")
+        self.min_match_ratio = min_match_ratio
+        self.imbalance_ratio = imbalance_ratio
+        self.imbalance_abs_s = imbalance_abs_s
+        self.load_bound = load_bound
+        self.num_virtual_nodes = num_virtual_nodes
+        self._least_load = LeastLoad(output_weight)
+        self._rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}  # names -> ring
+
+    def _ring(self, names: tuple[str, ...]) -> tuple[list[int], list[str]]:
+        ring = self._rings.get(names)
+        if ring is None:
+            points = sorted(
+                (_point(f"{n}#{i}"), n) for n in names for i in range(self.num_virtual_nodes)
+            )
+            ring = ([p for p, _ in points], [n for _, n in points])
+            if len(self._rings) > 64:  # pools change rarely; keep the memo small
+                self._rings.clear()
+            self._rings[names] = ring
+        return ring
+
+    def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision:
+        views = snapshot.instances
+        if not views:
+            return Decision((), "empty")
+        by_load = self._least_load.choose(snapshot, now, rng)
+        hashes = snapshot.request.block_hashes
+        if not hashes:
+            return Decision(by_load.ranked, "no_prefix")
+        costs = instance_costs(snapshot, now, self._least_load.output_weight)
+        best_i = max(
+            range(len(views)),
+            key=lambda i: (views[i].num_prefix_blocks_matched, -costs[i], views[i].name),
+        )
+        best = views[best_i]
+        if best.num_prefix_blocks_matched >= max(1.0, self.min_match_ratio * len(hashes)):
+            finite = [c for c in costs if math.isfinite(c)]
+            low = min(finite) if finite else math.inf
+            c = costs[best_i]
+            overloaded = best.is_full or (
+                math.isfinite(low)
+                and (
+                    not math.isfinite(c)
+                    or (c > self.imbalance_ratio * low and c - low > self.imbalance_abs_s)
+                )
+            )
+            if overloaded:
+                return Decision(by_load.ranked, "imbalance")
+            rest = tuple(n for n in by_load.ranked if n != best.name)
+            return Decision((best.name, *rest), "prefix_hit")
+        # Unseen prefix: bounded-load consistent hashing on the first block.
+        names = tuple(sorted(v.name for v in views))
+        points, owners = self._ring(names)
+        in_flight = {v.name: v.num_in_flight for v in views}
+        usable = {v.name for v in views if not v.is_full and not snapshot.is_stale(v, now)}
+        if not usable:
+            usable = {v.name for v in views if not v.is_full}
+        bound = math.ceil(self.load_bound * (sum(in_flight.values()) + 1) / len(views))
+        start = bisect.bisect_left(points, hashes[0] & 0xFFFFFFFFFFFFFFFF)
+        for k in range(len(points)):
+            name = owners[(start + k) % len(points)]
+            if name in usable and in_flight[name] < bound:
+                rest = tuple(n for n in by_load.ranked if n != name)
+                return Decision((name, *rest), "hash")
+        return Decision(by_load.ranked, "hash_overflow")
+
+
+register_policy("prefix_affinity", PrefixAffinity)
+register_scorer("prefix", PrefixScorer)
