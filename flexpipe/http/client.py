@@ -1,0 +1,305 @@
+"""A small fast HTTP/1.1 client for talking to upstream engines: keep-alive connection pool
+per backend, TCP_NODELAY, bodies streamed chunk by chunk as they arrive, and three separate
+timeouts (connect, time to first byte, between chunks) and no total timeout, so a healthy
+long stream is never cut.
+
+    pool = ClientPool()
+    resp = await pool.request("http://127.0.0.1:8001", "POST", "/v1/completions", body,
+                              timeouts=Timeouts(connect_s=2, ttfb_s=60, idle_s=30))
+    resp.status, resp.headers
+    async for chunk in resp.iter_chunks(): ...     # or: body = await resp.read()
+    resp.release()          # back to the pool if complete; aborts the upstream if not
+    await pool.close()
+
+Closing a response that is not complete aborts its TCP connection, which is how an engine
+(vLLM, the sim engine) learns that the client went away and cancels the request.
+
+Built on an `asyncio.Protocol` with httptools' response parser: no per-chunk task or queue,
+one future per wait, timeouts via `call_later` (cheaper than `asyncio.wait_for`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = ["ClientPool", "Timeouts", "UpstreamError", "UpstreamResponse"]
+
+_MAX_BUFFERED_CHUNKS = 64  # pause reading the socket beyond this many unread chunks
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect_s: float = 5.0
+    ttfb_s: float = 300.0  # request sent -> response head (prefill can be long)
+    idle_s: float = 120.0  # between two body chunks
+
+
+class UpstreamError(Exception):
+    """`kind`: "connect" (could not connect), "ttfb", "idle" (timeouts), "closed" (the
+    upstream went away mid-response), "protocol" (unparsable response)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+def _time_out(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(True)
+
+
+class _Conn(asyncio.Protocol):
+    """One upstream connection; parses one response at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.num_uses = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.chunks: deque[bytes] = deque()
+        self.head_done = False
+        self.complete = False
+        self.keep_alive = True
+        self.error: UpstreamError | None = None
+        self.got_bytes = False
+        self.waiter: asyncio.Future[bool] | None = None
+        self.paused = False
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(False)
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.error = UpstreamError("protocol", str(exc))
+            self.keep_alive = False
+            if self.transport is not None:
+                self.transport.abort()
+            self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete and self.error is None:
+            self.error = UpstreamError("closed", "upstream closed the connection")
+        self._wake()
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        if len(self.chunks) > _MAX_BUFFERED_CHUNKS and self.transport is not None:
+            self.transport.pause_reading()
+            self.paused = True
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    async def wait(self, timeout_s: float, kind: str) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bool] = loop.create_future()
+        self.waiter = fut
+        handle = loop.call_later(timeout_s, _time_out, fut)
+        try:
+            timed_out = await fut
+        finally:
+            handle.cancel()
+            self.waiter = None
+        if timed_out:
+            raise UpstreamError(kind, f"no data for {timeout_s:g} s")
+
+
+class UpstreamResponse:
+    def __init__(self, pool: ClientPool, key: str, conn: _Conn, timeouts: Timeouts) -> None:
+        self._pool = pool
+        self._key = key
+        self._conn = conn
+        self._timeouts = timeouts
+        self.status = conn.status
+        self.headers = conn.headers
+        self._released = False
+
+    @property
+    def complete(self) -> bool:
+        return self._conn.complete and not self._conn.chunks
+
+    async def next_chunk(self) -> bytes | None:
+        """The next body chunk as it arrived, or None at the end of the body."""
+        conn = self._conn
+        while True:
+            if conn.chunks:
+                chunk = conn.chunks.popleft()
+                if conn.paused and len(conn.chunks) < _MAX_BUFFERED_CHUNKS // 2:
+                    conn.paused = False
+                    if conn.transport is not None:
+                        conn.transport.resume_reading()
+                return chunk
+            if conn.complete:
+                return None
+            if conn.error is not None:
+                raise conn.error
+            try:
+                await conn.wait(self._timeouts.idle_s, "idle")
+            except UpstreamError:
+                self.close()
+                raise
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        while (chunk := await self.next_chunk()) is not None:
+            yield chunk
+
+    async def read(self) -> bytes:
+        parts = []
+        while (chunk := await self.next_chunk()) is not None:
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with the response: the connection goes back to the pool when the body was
+        read to the end, and is aborted otherwise (cancelling the upstream request)."""
+        if self._released:
+            return
+        self._released = True
+        conn = self._conn
+        if conn.complete and conn.keep_alive and not conn.closed and conn.error is None:
+            self._pool._put(self._key, conn)
+        elif conn.transport is not None:
+            conn.transport.abort()
+
+    close = release
+
+
+class ClientPool:
+    """Keep-alive connections per backend (`scheme://host:port`), reused LIFO."""
+
+    def __init__(self, max_idle_per_backend: int = 512) -> None:
+        self.max_idle_per_backend = max_idle_per_backend
+        self._idle: dict[str, list[_Conn]] = {}  # backend -> idle connections
+        self._addrs: dict[str, tuple[str, int, str]] = {}  # backend -> host, port, host header
+        self.num_connects = 0
+
+    def _addr(self, backend: str) -> tuple[str, int, str]:
+        addr = self._addrs.get(backend)
+        if addr is None:
+            parts = urlsplit(backend)
+            if parts.scheme != "http" or not parts.hostname:
+                raise ValueError(f"only http://host:port backends are supported: {backend!r}")
+            port = parts.port or 80
+            addr = (parts.hostname, port, f"{parts.hostname}:{port}")
+            self._addrs[backend] = addr
+        return addr
+
+    def _put(self, key: str, conn: _Conn) -> None:
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= self.max_idle_per_backend:
+            if conn.transport is not None:
+                conn.transport.close()
+            return
+        conn._reset()
+        idle.append(conn)
+
+    async def _connect(self, backend: str, timeout_s: float) -> _Conn:
+        host, port, _ = self._addr(backend)
+        loop = asyncio.get_running_loop()
+        try:
+            _, proto = await asyncio.wait_for(loop.create_connection(_Conn, host, port), timeout_s)
+        except TimeoutError:
+            raise UpstreamError("connect", f"connect to {backend} timed out") from None
+        except OSError as exc:
+            raise UpstreamError("connect", f"{backend}: {exc.strerror or exc}") from None
+        self.num_connects += 1
+        return proto
+
+    async def request(
+        self,
+        backend: str,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        timeouts: Timeouts = Timeouts(),
+    ) -> UpstreamResponse:
+        """Send a request and wait for the response head (status and headers)."""
+        _, _, host_header = self._addr(backend)
+        lines = [f"{method} {path} HTTP/1.1\r\nhost: {host_header}\r\n"]
+        if body or method in ("POST", "PUT", "PATCH"):
+            lines.append(f"content-length: {len(body)}\r\n")
+        if headers:
+            for k, v in headers.items():
+                lines.append(f"{k}: {v}\r\n")
+        lines.append("\r\n")
+        data = "".join(lines).encode("latin-1") + body
+        for attempt in range(2):
+            conn, reused = self._take(backend)
+            if conn is None:
+                conn = await self._connect(backend, timeouts.connect_s)
+            assert conn.transport is not None
+            conn.num_uses += 1
+            conn.transport.write(data)
+            try:
+                while not conn.head_done:
+                    if conn.error is not None:
+                        raise conn.error
+                    await conn.wait(timeouts.ttfb_s, "ttfb")
+            except UpstreamError as exc:
+                if conn.transport is not None:
+                    conn.transport.abort()
+                # A reused keep-alive connection the server had just closed: retry once.
+                if exc.kind == "closed" and reused and not conn.got_bytes and attempt == 0:
+                    continue
+                raise
+            return UpstreamResponse(self, backend, conn, timeouts)
+        raise AssertionError("unreachable")
+
+    def _take(self, backend: str) -> tuple[_Conn | None, bool]:
+        idle = self._idle.get(backend)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+                return conn, True
+        return None, False
+
+    def drop_backend(self, backend: str) -> None:
+        for conn in self._idle.pop(backend, []):
+            if conn.transport is not None:
+                conn.transport.close()
+
+    async def close(self) -> None:
+        for backend in list(self._idle):
+            self.drop_backend(backend)
+        await asyncio.sleep(0)
