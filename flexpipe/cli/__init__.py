@@ -13,6 +13,13 @@ app = typer.Typer(
     help="flexpipe: serve LLMs on the GPUs a cluster actually has free.",
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """flexpipe: serve LLMs on the GPUs a cluster actually has free."""
+
+
 for _module in (estimate, cluster, engine, gateway, gears, plan, up):
     _module.register(app)
 

@@ -1,10 +1,210 @@
-"""`flexpipe estimate` (being built)."""
+"""`flexpipe estimate`: the performance model's memory plan and step times for one gear."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from flexpipe.cli.common import parse_overrides, user_errors
+from flexpipe.gear import GearError, GpuSlot, Placement, parse_gear, uniform_placement
+from flexpipe.hardware import link_spec
+from flexpipe.model_spec import load_model_spec
+from flexpipe.perf import Efficiency, PerfModel
+
+GiB = float(2**30)
+
+
+def parse_gpu_list(text: str) -> list[str]:
+    """`A100-80G-SXM:2` or `A100-80G-SXM:1,V100-32G:1` -> one GPU type per GPU."""
+    out: list[str] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, count = part.partition(":")
+        try:
+            n = int(count) if count else 1
+        except ValueError:
+            raise GearError(f"bad --gpus item {part!r}: expected TYPE[:COUNT]") from None
+        if n < 1:
+            raise GearError(f"bad --gpus item {part!r}: COUNT must be >= 1")
+        out.extend([name.strip()] * n)
+    return out
+
+
+def load_efficiency(path: Path | None, overrides: list[str]) -> Efficiency:
+    eff = Efficiency()
+    if path is not None:
+        doc = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: expected a mapping of efficiency factors")
+        eff = Efficiency.from_mapping(doc.get("efficiency", doc), eff)
+    if overrides:
+        eff = Efficiency.from_mapping(parse_overrides(overrides), eff)
+    return eff
+
+
+def estimate_report(pm: PerfModel, context_len: int) -> dict[str, Any]:
+    """The numbers `estimate` prints, as plain data (also its --json output)."""
+    mem = pm.memory
+    report: dict[str, Any] = {
+        "model": pm.model.name,
+        "gear": str(pm.gear),
+        "gpus": [
+            {"name": g.name, "type": g.spec.name, "free_gib": round(g.free_bytes / GiB, 2)}
+            for g in pm.placement.gpus
+        ],
+        "layers_per_stage": [s.num_layers for s in pm.placement.stages],
+        "feasible": pm.feasible,
+        "reason": pm.reason,
+        "memory": {
+            "per_gpu": [
+                {
+                    "name": g.name,
+                    "budget_gib": round(g.budget_bytes / GiB, 2),
+                    "weights_gib": round(g.weights_bytes / GiB, 2),
+                    "reserve_gib": round(g.reserve_bytes / GiB, 2),
+                    "kv_gib": round(max(g.kv_bytes, 0.0) / GiB, 2),
+                    "kv_bytes_per_token": g.kv_bytes_per_token,
+                }
+                for g in mem.per_gpu
+            ],
+            "kv_bytes_per_token": mem.kv_bytes_per_token,
+            "kv_capacity_tokens": mem.kv_capacity_tokens,
+            "num_kv_blocks": mem.num_kv_blocks,
+            "block_size": mem.block_size,
+            "max_model_len": mem.max_model_len,
+        },
+        "context_len": context_len,
+        "steps": [],
+    }
+    if not pm.feasible:
+        return report
+    max_batch = min(mem.max_batch(context_len), pm.gear.max_num_seqs)
+    report["memory"]["max_batch"] = max_batch
+    batches = sorted({b for b in (1, 8, 32, max_batch) if 1 <= b <= max_batch})
+    for b in batches:
+        report["steps"].append(
+            {
+                "batch": b,
+                "decode_step_ms": round(pm.decode_step_s(b, context_len) * 1e3, 3),
+                "decode_tokens_per_s": round(pm.decode_tokens_per_s(b, context_len), 1),
+                "prefill_ms": round(pm.prefill_s(context_len) * 1e3, 3) if b == 1 else None,
+            }
+        )
+    report["prefill_ms"] = round(pm.prefill_s(context_len) * 1e3, 3)
+    report["cold_start_s"] = round(pm.cold_start_s(), 2)
+    return report
+
+
+def _print_report(report: dict[str, Any], console: Console) -> None:
+    status = "[green]fits[/]" if report["feasible"] else f"[red]does not fit[/]: {report['reason']}"
+    console.print(f"[bold]{report['model']}[/] · {report['gear']} · {status}")
+    mem = Table(title="Memory plan (per GPU)")
+    for col in ("GPU", "budget GiB", "weights GiB", "reserve GiB", "KV GiB", "KV B/token"):
+        mem.add_column(col, justify="right" if col != "GPU" else "left")
+    for g in report["memory"]["per_gpu"]:
+        mem.add_row(
+            g["name"],
+            f"{g['budget_gib']:.1f}",
+            f"{g['weights_gib']:.1f}",
+            f"{g['reserve_gib']:.1f}",
+            f"{g['kv_gib']:.1f}",
+            f"{g['kv_bytes_per_token']:,.0f}",
+        )
+    console.print(mem)
+    m = report["memory"]
+    console.print(
+        f"KV capacity: {m['kv_capacity_tokens']:,} tokens = {m['num_kv_blocks']:,} blocks of "
+        f"{m['block_size']} · max batch at {report['context_len']} tokens of context: "
+        f"{m.get('max_batch', 0)} · layers per stage: {report['layers_per_stage']}"
+    )
+    if not report["feasible"]:
+        return
+    steps = Table(title=f"Step times (context {report['context_len']} tokens)")
+    for col in ("batch", "decode step ms", "decode tokens/s"):
+        steps.add_column(col, justify="right")
+    for s in report["steps"]:
+        steps.add_row(
+            str(s["batch"]), f"{s['decode_step_ms']:.2f}", f"{s['decode_tokens_per_s']:,.0f}"
+        )
+    console.print(steps)
+    console.print(
+        f"prefill of {report['context_len']} tokens: {report['prefill_ms']:.1f} ms · "
+        f"cold start: {report['cold_start_s']:.1f} s"
+    )
+
+
+def _cluster_placement(cluster_file: Path, on: str, tp: int, pp: int, num_layers: int) -> Placement:
+    from flexpipe.cluster import load_cluster, placement_on
+
+    ids = [p.strip() for p in on.split(",") if p.strip()]
+    if len(ids) != tp * pp:
+        raise GearError(f"--on names {len(ids)} GPUs; the gear needs tp x pp = {tp * pp}")
+    cluster = load_cluster(cluster_file)
+    stages = [ids[i * tp : (i + 1) * tp] for i in range(pp)]
+    return placement_on(cluster, stages, num_layers)
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the `flexpipe` app."""
-    del app
+    @app.command()
+    def estimate(
+        model: Annotated[str, typer.Option(help="Short id, HF repo id or config.json path.")],
+        gear: Annotated[str, typer.Option(help="e.g. tp=2,pp=1,dtype=bf16")] = "tp=1",
+        gpus: Annotated[
+            str | None, typer.Option(help="GPU types per rank: A100-80G-SXM:2 or A:1,B:1")
+        ] = None,
+        link: Annotated[str, typer.Option(help="Link inside a stage (TP).")] = "nvlink3",
+        pp_link: Annotated[
+            str | None, typer.Option(help="Link between pipeline stages (default: --link).")
+        ] = None,
+        cluster: Annotated[Path | None, typer.Option(help="Cluster file (with --on).")] = None,
+        on: Annotated[
+            str | None, typer.Option(help="GPU ids in the cluster, stage by stage.")
+        ] = None,
+        context_len: Annotated[int, typer.Option(help="Context length per sequence.")] = 1024,
+        gpu_memory_utilization: Annotated[float, typer.Option()] = 0.9,
+        max_model_len: Annotated[int | None, typer.Option()] = None,
+        efficiency: Annotated[
+            Path | None, typer.Option(help="YAML with efficiency factor overrides.")
+        ] = None,
+        set_: Annotated[
+            list[str] | None, typer.Option("--set", help="Override one factor: KEY=VALUE.")
+        ] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    ) -> None:
+        """Memory plan, step times and decode tokens/s of one gear on concrete GPUs."""
+        with user_errors():
+            spec = load_model_spec(model)
+            g = parse_gear(gear)
+            eff = load_efficiency(efficiency, set_ or [])
+            if cluster is not None or on is not None:
+                if cluster is None or on is None:
+                    raise GearError("--cluster and --on go together")
+                placement = _cluster_placement(cluster, on, g.tp, g.pp, spec.num_layers)
+            else:
+                types = parse_gpu_list(gpus or f"A100-80G-SXM:{g.num_gpus}")
+                if len(types) != g.num_gpus:
+                    raise GearError(
+                        f"--gpus gives {len(types)} GPUs; the gear needs tp x pp = {g.num_gpus}"
+                    )
+                slots = [GpuSlot.whole(t, f"gpu{i}") for i, t in enumerate(types)]
+                placement = uniform_placement(
+                    slots,
+                    g.tp,
+                    g.pp,
+                    spec.num_layers,
+                    link_spec(link),
+                    link_spec(pp_link or link),
+                )
+            if context_len < 1:
+                raise ValueError("--context-len must be >= 1")
+            pm = PerfModel(spec, g, placement, eff, gpu_memory_utilization, max_model_len)
+            report = estimate_report(pm, context_len)
+        if as_json:
+            typer.echo(json.dumps(report, indent=2))
+        else:
+            _print_report(report, Console())
