@@ -1,0 +1,1 @@
+"""The sim engine: a vLLM-compatible server whose timing is the performance model."""

@@ -1,0 +1,136 @@
+"""One request as the sim engine tracks it: tokens, progress, KV blocks, and how it ends.
+
+There is no prefill or decode phase: `num_computed_tokens` catches up with `num_tokens`; when
+it does, the "model" samples one more token (as vLLM V1 does). Chunked prefill, prefix-cache
+hits, preemption by recompute and transferred KV are all just different values of
+`num_computed_tokens`.
+
+Generated tokens are deterministic: a `random.Random` seeded from (seed, prompt token ids)
+draws from the tokenizer's generation vocabulary. When the client gives max_tokens, the sim
+"model" talks until it is cut off (finish_reason "length"); without max_tokens it stops by
+itself (an EOS, finish_reason "stop") after a deterministic 8 to 256 tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexpipe.engine.block_manager import KVState
+from flexpipe.engine.tokenizer import EOS_ID
+
+NATURAL_LEN_RANGE = (8, 256)  # EOS after this many tokens when max_tokens is not given
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int | None = None  # None: stop "naturally" (see module docstring)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    seed: int | None = None
+
+
+@dataclass(eq=False, slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_output_tokens: int  # hard cap: min(max_tokens, max_model_len - prompt)
+    gen_ids: Sequence[int]  # the vocabulary generated tokens are drawn from
+    engine_seed: int = 0
+    fragments: dict[int, str] | None = None  # token id -> text, needed for stop strings
+    arrival_s: float = 0.0
+    num_preloaded_tokens: int = 0  # KV that arrived by transfer (migration): never computed
+    # progress
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    kv: KVState = field(default_factory=KVState)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    num_preemptions: int = 0
+    admitted: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None
+    error: str | None = None
+    # generation
+    _rng: random.Random | None = None
+    _natural_len: int = 0
+    _text_tail: str = ""
+    # runtime (the async runner's, not the scheduler's)
+    first_token_s: float = 0.0
+    last_token_s: float = 0.0
+    scheduled_s: float = 0.0
+    waiter: asyncio.Future[None] | None = None
+    sink: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        seed = self.params.seed if self.params.seed is not None else self.engine_seed
+        self._rng = random.Random(hash((seed, tuple(self.prompt_token_ids))))
+        if self.params.max_tokens is None and not self.params.ignore_eos:
+            lo, hi = NATURAL_LEN_RANGE
+            self._natural_len = max(self._rng.randint(lo, hi), self.params.min_tokens)
+        else:
+            self._natural_len = 1 << 62
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def sample(self) -> int:
+        """Append the next generated token; set finish_reason when it ends the request."""
+        rng = self._rng
+        assert rng is not None
+        n_out = len(self.token_ids) - len(self.prompt_token_ids) + 1
+        params = self.params
+        if n_out >= self._natural_len:
+            tok = EOS_ID
+        else:
+            gen = self.gen_ids
+            tok = gen[int(rng.random() * len(gen))]
+        self.token_ids.append(tok)
+        if tok == EOS_ID and not params.ignore_eos:
+            self.finish_reason = "stop"
+        elif params.stop_token_ids and tok in params.stop_token_ids and n_out > params.min_tokens:
+            self.finish_reason = "stop"
+            self.stop_reason = tok
+        elif params.stop and self.fragments is not None and n_out > params.min_tokens:
+            self._text_tail = (self._text_tail + self.fragments.get(tok, ""))[-256:]
+            for s in params.stop:
+                if s and s in self._text_tail:
+                    self.finish_reason = "stop"
+                    self.stop_reason = s
+                    break
+        if self.finish_reason is None and n_out >= self.max_output_tokens:
+            self.finish_reason = "length"
+        return tok

@@ -1,0 +1,244 @@
+"""The sim engine's iteration-level scheduler: pure, steppable by hand.
+
+`schedule()` turns the waiting and running requests into a `StepPlan` (which requests get how
+many tokens this step, and the `BatchShape` the performance model prices); `finish_step(plan)`
+applies it as if the GPU had run it: computed tokens advance, requests that caught up sample
+a token, finished ones free their blocks. No clock, no I/O: the async runner does the waiting.
+
+Policy (vLLM V1's, with V0's admission watermark):
+- Running requests first, in admission order, each getting `num_tokens - num_computed_tokens`
+  tokens (1 for a decode; a chunk of its prompt otherwise) within the step's token budget
+  (`max_num_batched_tokens`; chunked prefill splits a long prompt over steps).
+- When a running request needs a block and none is free, the most recently admitted running
+  request is preempted: its blocks are freed and it goes back to the head of the waiting queue
+  to be recomputed (its cached prefix blocks may still be hit).
+- Then waiting requests, FCFS, while there is budget, fewer than `max_num_seqs` running, no
+  preemption happened this step, and enough free blocks remain above the watermark.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from flexpipe.engine.block_manager import BlockManager
+from flexpipe.engine.request import EngineRequest, Status
+from flexpipe.perf import BatchShape
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01  # fraction of blocks kept free when admitting a request
+
+
+@dataclass(slots=True)
+class StepPlan:
+    # (request, tokens scheduled this step, tokens already computed before the step)
+    scheduled: list[tuple[EngineRequest, int, int]] = field(default_factory=list)
+    batch: BatchShape = field(default_factory=BatchShape)
+    preempted: list[EngineRequest] = field(default_factory=list)
+    rejected: list[EngineRequest] = field(default_factory=list)  # can never fit: errored
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.num_preemptions = 0
+        self._num_watermark_blocks = int(config.watermark * block_manager.num_blocks)
+
+    # --- queue changes -------------------------------------------------------------------
+    def add(self, req: EngineRequest) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def abort(self, req: EngineRequest, reason: str = "abort") -> None:
+        """Drop a request wherever it is and free its blocks at once."""
+        if req.status is Status.FINISHED:
+            return
+        if req.status is Status.WAITING:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        else:
+            try:
+                self.running.remove(req)
+            except ValueError:
+                pass
+        self.bm.free(req.kv)
+        req.status = Status.FINISHED
+        if req.finish_reason is None:
+            req.finish_reason = reason
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --- one step ------------------------------------------------------------------------
+    def _preempt(self, req: EngineRequest) -> None:
+        self.bm.free(req.kv)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> StepPlan:
+        cfg = self.config
+        bm = self.bm
+        plan = StepPlan()
+        scheduled = plan.scheduled
+        budget = cfg.max_num_batched_tokens
+        running = self.running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    i += 1
+                    continue
+                num_new = budget
+            if num_new <= 0:
+                i += 1
+                continue
+            total = req.num_computed_tokens + num_new
+            ok = True
+            while not bm.allocate(req.kv, total):
+                victim = running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    ok = False
+                    break
+            if not ok:
+                break
+            scheduled.append((req, num_new, req.num_computed_tokens))
+            budget -= num_new
+            i += 1
+
+        if not plan.preempted:
+            self._admit(plan, budget)
+        if not scheduled and not running and self.waiting:
+            # nothing runs and the head cannot be admitted even with every block free
+            head = self.waiting[0]
+            if bm.blocks_for(head.num_tokens) > bm.num_blocks:
+                self.waiting.popleft()
+                head.status = Status.FINISHED
+                head.finish_reason = "error"
+                head.error = (
+                    f"request needs {head.num_tokens} tokens of KV cache; the engine holds "
+                    f"{bm.num_blocks * bm.block_size}"
+                )
+                plan.rejected.append(head)
+        plan.batch = _batch_shape(scheduled)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        cfg = self.config
+        bm = self.bm
+        waiting = self.waiting
+        running = self.running
+        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+            req = waiting[0]
+            bm.update_hashes(req.kv, req.token_ids)
+            computed = bm.computed_blocks(req.kv, req.num_tokens)
+            num_computed = max(len(computed) * bm.block_size, req.num_preloaded_tokens)
+            num_new = req.num_tokens - num_computed
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    _undo_query(bm, req.num_tokens, len(computed))
+                    break
+                num_new = budget
+            watermark = self._num_watermark_blocks if running else 0
+            if not bm.allocate(req.kv, num_computed + num_new, computed, watermark):
+                _undo_query(bm, req.num_tokens, len(computed))
+                break
+            waiting.popleft()
+            running.append(req)
+            req.status = Status.RUNNING
+            if not req.admitted:
+                req.admitted = True
+                req.num_cached_tokens = len(computed) * bm.block_size
+            req.num_computed_tokens = num_computed
+            plan.scheduled.append((req, num_new, num_computed))
+            budget -= num_new
+
+    def finish_step(self, plan: StepPlan) -> list[EngineRequest]:
+        """Apply a step the GPU has finished. Returns the requests that got a new token
+        (finished ones included, with finish_reason set and blocks freed)."""
+        bm = self.bm
+        bs = bm.block_size
+        out: list[EngineRequest] = []
+        any_finished = False
+        for req, num_new, before in plan.scheduled:
+            if req.status is not Status.RUNNING or req.num_computed_tokens != before:
+                continue  # aborted or preempted since the plan
+            computed = before + num_new
+            req.num_computed_tokens = computed
+            if bm.enable_caching and computed >= bs:
+                bm.cache_full_blocks(req.kv, computed)
+            if computed < req.num_tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            req.sample()
+            if bm.enable_caching and req.num_tokens % bs == 0:
+                bm.update_hashes(req.kv, req.token_ids)
+            if req.num_tokens >= self.config.max_model_len and req.finish_reason is None:
+                req.finish_reason = "length"
+            if req.finish_reason is not None:
+                req.status = Status.FINISHED
+                bm.free(req.kv)
+                any_finished = True
+            out.append(req)
+        if any_finished:
+            self.running = [r for r in self.running if r.status is Status.RUNNING]
+        return out
+
+
+def _undo_query(bm: BlockManager, num_tokens: int, num_hit_blocks: int) -> None:
+    """A cache lookup that did not lead to admission is not counted (it will be retried)."""
+    bm.stats.num_queries_tokens -= num_tokens
+    bm.stats.num_hit_tokens -= num_hit_blocks * bm.block_size
+
+
+def _batch_shape(scheduled: list[tuple[EngineRequest, int, int]]) -> BatchShape:
+    num_prefill_tokens = 0
+    prefill_attention = 0.0
+    num_prefill_seqs = 0
+    num_decode = 0
+    decode_context = 0
+    for req, n, before in scheduled:
+        if n == 1 and before >= req.num_prompt_tokens:
+            num_decode += 1
+            decode_context += before + 1
+        else:
+            num_prefill_tokens += n
+            prefill_attention += n * (before + n / 2)
+            num_prefill_seqs += 1
+    return BatchShape(
+        num_prefill_tokens=num_prefill_tokens,
+        prefill_attention_tokens=prefill_attention,
+        num_decode_seqs=num_decode,
+        decode_context_tokens=decode_context,
+        num_prefill_seqs=num_prefill_seqs,
+    )
