@@ -18,6 +18,7 @@ Policy (vLLM V1's, with V0's admission watermark):
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,15 +68,11 @@ class Scheduler:
         if req.status is Status.FINISHED:
             return
         if req.status is Status.WAITING:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-            except ValueError:
-                pass
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.running.remove(req)
-            except ValueError:
-                pass
         self.bm.free(req.kv)
         req.status = Status.FINISHED
         if req.finish_reason is None:
