@@ -499,11 +499,18 @@ class _Errors:
         self.source = source
         self.lines = lines or {}
         self.items: list[str] = []
+        self._order: list[tuple[int, int]] = []  # (line or a big number, arrival)
 
     def add(self, place: str, reason: str) -> None:
         line = self.lines.get(place)
         where = f" (line {line})" if line is not None else ""
+        self._order.append((line if line is not None else 1 << 30, len(self.items)))
         self.items.append(f"{self.source}: {place}: {reason}{where}")
+
+    def raise_if_any(self) -> None:
+        """Raise one ClusterError with every problem, in file order where lines are known."""
+        if self.items:
+            raise ClusterError([self.items[i] for _, i in sorted(self._order)])
 
 
 def _join(place: str, key: str | int) -> str:
@@ -743,7 +750,8 @@ def parse_cluster(
     errors = _Errors(source, lines)
     top = _mapping(doc, "", _TOP_KEYS, errors)
     if top is None:
-        raise ClusterError(errors.items)
+        errors.raise_if_any()
+        raise AssertionError("unreachable")
     name = _string(top.get("name"), "name", errors, required=False) or Path(source).stem
     description = _string(top.get("description"), "description", errors, required=False)
     defaults = _mapping(top.get("defaults") or {}, "defaults", _DEFAULT_KEYS, errors) or {}
@@ -855,8 +863,7 @@ def parse_cluster(
         if len(errors.items) == ok and link is not None and len(ends) == 2:
             node_links.append(NodePairLink((ends[0], ends[1]), link, measured))
 
-    if errors.items:
-        raise ClusterError(errors.items)
+    errors.raise_if_any()
     return Cluster(name, tuple(nodes), tuple(node_links), intra_default, description, source)
 
 
@@ -905,7 +912,7 @@ def parse_cluster_yaml(text: str, source: str = "<cluster>") -> Cluster:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "document"
-        reason = " ".join(str(p) for p in (exc.context, exc.problem) if p)
+        reason = "; ".join(str(p) for p in (exc.context, exc.problem) if p)
         raise ClusterError([f"{source}: {where}: YAML syntax error: {reason}"]) from None
     except yaml.YAMLError as exc:
         raise ClusterError([f"{source}: YAML syntax error: {exc}"]) from None
