@@ -1,0 +1,89 @@
+"""Tables of the store (SQLAlchemy 2 declarative).
+
+`gear_points`: one row per (model, gear, GPU types, link class, batch size) — a point of a
+gear's curve, measured by gear_bench or predicted by the performance model, with its
+provenance. `instances` and `shifts` are the controller's (room for it: written by `flexpipe
+up` today, read by the shift log later).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import DateTime, Float, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class GearPointRow(Base):
+    __tablename__ = "gear_points"
+    __table_args__ = (
+        UniqueConstraint("model", "gear_key", "gpu_types", "link", "batch_size", name="uq_point"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # key
+    model: Mapped[str] = mapped_column(String(200), index=True)
+    gear_key: Mapped[str] = mapped_column(String(120))  # Gear.key(): tp2-pp1-bf16-kvauto-s256
+    gear: Mapped[str] = mapped_column(String(300))  # str(Gear): parseable by parse_gear
+    gpu_types: Mapped[str] = mapped_column(String(300))  # "+"-joined, placement order
+    link: Mapped[str] = mapped_column(String(60))  # link class of the group ("none" for 1 GPU)
+    batch_size: Mapped[int] = mapped_column(Integer)  # concurrency the point was driven at
+    # curve values, all in modelled (GPU) time
+    prefill_tokens_per_s: Mapped[float] = mapped_column(Float)
+    decode_tokens_per_s: Mapped[float] = mapped_column(Float)
+    requests_per_s: Mapped[float] = mapped_column(Float)
+    ttft_p50_s: Mapped[float] = mapped_column(Float)
+    ttft_p90_s: Mapped[float] = mapped_column(Float)
+    ttft_p99_s: Mapped[float] = mapped_column(Float)
+    tpot_p50_s: Mapped[float] = mapped_column(Float)
+    tpot_p90_s: Mapped[float] = mapped_column(Float)
+    tpot_p99_s: Mapped[float] = mapped_column(Float)
+    e2e_p50_s: Mapped[float] = mapped_column(Float)
+    e2e_p90_s: Mapped[float] = mapped_column(Float)
+    e2e_p99_s: Mapped[float] = mapped_column(Float)
+    peak_kv_usage: Mapped[float | None] = mapped_column(Float, nullable=True)  # fraction 0..1
+    cold_start_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # provenance
+    source: Mapped[str] = mapped_column(String(20))  # "measured" | "predicted"
+    engine: Mapped[str] = mapped_column(String(40))  # "sim" | "vllm" | "perf-model"
+    engine_version: Mapped[str] = mapped_column(String(80))
+    input_len: Mapped[int] = mapped_column(Integer)
+    output_len: Mapped[int] = mapped_column(Integer)
+    num_requests: Mapped[int] = mapped_column(Integer)
+    num_failed: Mapped[int] = mapped_column(Integer, default=0)
+    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    note: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class InstanceRow(Base):
+    """An engine instance a launcher started (for the controller and the shift log)."""
+
+    __tablename__ = "instances"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200))
+    model: Mapped[str] = mapped_column(String(200))
+    gear: Mapped[str] = mapped_column(String(300))
+    gpu_ids: Mapped[str] = mapped_column(String(500))  # ","-joined cluster GPU ids
+    endpoint: Mapped[str] = mapped_column(String(300))
+    engine: Mapped[str] = mapped_column(String(40))
+    state: Mapped[str] = mapped_column(String(20))  # starting|rehearsing|active|draining|gone
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    cold_start_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class ShiftRow(Base):
+    """One entry of the shift log: what changed, why, with the inputs as JSON."""
+
+    __tablename__ = "shifts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    kind: Mapped[str] = mapped_column(String(40))  # "plan", "shift", ...
+    summary: Mapped[str] = mapped_column(Text)
+    detail_json: Mapped[str] = mapped_column(Text, default="{}")

@@ -1,0 +1,222 @@
+"""The store: a SQLAlchemy engine over SQLite by default (any SQLAlchemy URL works, e.g.
+`postgresql+psycopg://...`). The URL comes from the argument, else `$FLEXPIPE_STORE`, else
+`sqlite:///~/.flexpipe/flexpipe.db`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import fields
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, delete, select
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from flexpipe.gears.point import GearKey, GearPoint
+from flexpipe.store.schema import Base, GearPointRow, InstanceRow, ShiftRow
+
+STORE_ENV = "FLEXPIPE_STORE"
+
+
+class StoreError(ValueError):
+    """The store cannot be opened or written; the message says which URL and why."""
+
+
+def default_store_url() -> str:
+    env = os.environ.get(STORE_ENV)
+    if env:
+        return env
+    return f"sqlite:///{Path.home() / '.flexpipe' / 'flexpipe.db'}"
+
+
+def _display(url: str) -> str:
+    """The URL without its password (safe to print)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+class Store:
+    def __init__(self, url: str | None = None) -> None:
+        self.url = url or default_store_url()
+        try:
+            parsed = make_url(self.url)
+        except ArgumentError:
+            raise StoreError(f"not a database URL: {self.url!r}") from None
+        if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+            path = Path(os.path.expanduser(str(parsed.database)))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            parsed = parsed.set(database=str(path))
+        try:
+            self.engine: Engine = create_engine(parsed)
+            Base.metadata.create_all(self.engine)
+        except (SQLAlchemyError, ModuleNotFoundError) as exc:
+            raise StoreError(f"cannot open store {_display(self.url)}: {exc}") from None
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- gear table --------------------------------------------------------------------------
+
+    def put_points(self, points: Iterable[GearPoint]) -> int:
+        """Insert points; a point with the same key and batch size replaces the old one."""
+        num = 0
+        with Session(self.engine) as session, session.begin():
+            for p in points:
+                session.execute(
+                    delete(GearPointRow).where(
+                        GearPointRow.model == p.model,
+                        GearPointRow.gear_key == p.gear_key,
+                        GearPointRow.gpu_types == p.gpu_types,
+                        GearPointRow.link == p.link,
+                        GearPointRow.batch_size == p.batch_size,
+                    )
+                )
+                session.add(GearPointRow(**_point_values(p)))
+                num += 1
+        return num
+
+    def points(
+        self,
+        model: str | None = None,
+        gear_key: str | None = None,
+        gpu_types: str | None = None,
+        link: str | None = None,
+    ) -> list[GearPoint]:
+        """Points matching every filter given, ordered by key then batch size."""
+        query = select(GearPointRow)
+        for column, value in (
+            (GearPointRow.model, model),
+            (GearPointRow.gear_key, gear_key),
+            (GearPointRow.gpu_types, gpu_types),
+            (GearPointRow.link, link),
+        ):
+            if value is not None:
+                query = query.where(column == value)
+        query = query.order_by(
+            GearPointRow.model,
+            GearPointRow.gear_key,
+            GearPointRow.gpu_types,
+            GearPointRow.link,
+            GearPointRow.batch_size,
+        )
+        with Session(self.engine) as session:
+            return [_row_point(r) for r in session.scalars(query)]
+
+    def curves(self, model: str | None = None) -> dict[GearKey, list[GearPoint]]:
+        """Points grouped by curve key (each list sorted by batch size)."""
+        out: dict[GearKey, list[GearPoint]] = {}
+        for p in self.points(model=model):
+            out.setdefault(p.key, []).append(p)
+        return out
+
+    def delete_points(self, model: str | None = None, gear_key: str | None = None) -> int:
+        query = delete(GearPointRow)
+        if model is not None:
+            query = query.where(GearPointRow.model == model)
+        if gear_key is not None:
+            query = query.where(GearPointRow.gear_key == gear_key)
+        with Session(self.engine) as session, session.begin():
+            result = session.execute(query)
+            return int(getattr(result, "rowcount", 0) or 0)
+
+    # -- instances and shift log (the controller's; `flexpipe up` writes them) ---------------
+
+    def add_instance(
+        self,
+        name: str,
+        model: str,
+        gear: str,
+        gpu_ids: Sequence[str],
+        endpoint: str,
+        engine: str,
+        state: str = "starting",
+        cold_start_s: float | None = None,
+    ) -> int:
+        with Session(self.engine) as session, session.begin():
+            row = InstanceRow(
+                name=name,
+                model=model,
+                gear=gear,
+                gpu_ids=",".join(gpu_ids),
+                endpoint=endpoint,
+                engine=engine,
+                state=state,
+                started_at=datetime.now(UTC),
+                cold_start_s=cold_start_s,
+            )
+            session.add(row)
+            session.flush()
+            return int(row.id)
+
+    def set_instance_state(self, instance_id: int, state: str) -> None:
+        with Session(self.engine) as session, session.begin():
+            row = session.get(InstanceRow, instance_id)
+            if row is None:
+                raise StoreError(f"no instance {instance_id}")
+            row.state = state
+            if state == "gone":
+                row.stopped_at = datetime.now(UTC)
+
+    def instances(self, state: str | None = None) -> list[dict[str, Any]]:
+        query = select(InstanceRow).order_by(InstanceRow.id)
+        if state is not None:
+            query = query.where(InstanceRow.state == state)
+        with Session(self.engine) as session:
+            return [
+                {c.name: getattr(r, c.name) for c in InstanceRow.__table__.columns}
+                for r in session.scalars(query)
+            ]
+
+    def log_shift(self, kind: str, summary: str, detail: dict[str, Any] | None = None) -> int:
+        with Session(self.engine) as session, session.begin():
+            row = ShiftRow(
+                at=datetime.now(UTC),
+                kind=kind,
+                summary=summary,
+                detail_json=json.dumps(detail or {}, default=str),
+            )
+            session.add(row)
+            session.flush()
+            return int(row.id)
+
+    def shifts(self) -> list[dict[str, Any]]:
+        with Session(self.engine) as session:
+            return [
+                {
+                    "id": r.id,
+                    "at": r.at,
+                    "kind": r.kind,
+                    "summary": r.summary,
+                    "detail": json.loads(r.detail_json),
+                }
+                for r in session.scalars(select(ShiftRow).order_by(ShiftRow.id))
+            ]
+
+
+_POINT_NAMES = tuple(f.name for f in fields(GearPoint))
+
+
+def _point_values(p: GearPoint) -> dict[str, Any]:
+    return {name: getattr(p, name) for name in _POINT_NAMES}
+
+
+def _row_point(row: GearPointRow) -> GearPoint:
+    values = {name: getattr(row, name) for name in _POINT_NAMES}
+    stamp: datetime = values["measured_at"]
+    if stamp.tzinfo is None:  # SQLite drops the zone; we always store UTC
+        values["measured_at"] = stamp.replace(tzinfo=UTC)
+    return GearPoint(**values)
