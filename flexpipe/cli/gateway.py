@@ -1,10 +1,101 @@
-"""`flexpipe gateway` (being built)."""
+"""`flexpipe gateway`: the OpenAI-compatible gateway in front of any OpenAI-compatible engines."""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the `flexpipe` app."""
-    del app
+    app.command("gateway")(gateway)
+
+
+def gateway(
+    backend: Annotated[
+        list[str] | None,
+        typer.Option("--backend", "-b", help="Engine base URL (repeat for more)."),
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="gateway.yaml (docs/gateway.md).")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address [127.0.0.1].")] = None,
+    port: Annotated[int | None, typer.Option(help="Port [8000].")] = None,
+    policy: Annotated[
+        str | None, typer.Option(help="Routing policy by name (docs/routing.md) [composite].")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model served by the --backend URLs (else discovered).")
+    ] = None,
+    admin_token: Annotated[
+        str | None,
+        typer.Option(envvar="FLEXPIPE_ADMIN_TOKEN", help="Bearer token for the admin API."),
+    ] = None,
+    max_concurrency: Annotated[
+        int | None, typer.Option(help="Requests in flight per instance [256].")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
+) -> None:
+    """Serve the OpenAI API on HOST:PORT and route to the backends."""
+    from flexpipe.gateway import (
+        BackendConfig,
+        ConfigError,
+        Gateway,
+        GatewayConfig,
+        config_from_dict,
+        load_config,
+    )
+    from flexpipe.gateway.config import validate
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(config) if config else config_from_dict({})
+        for url in backend or []:
+            cfg.backends.append(BackendConfig(url=url.rstrip("/"), model=model))
+        if host is not None:
+            cfg.host = host
+        if port is not None:
+            cfg.port = port
+        if policy is not None:
+            cfg.policy, cfg.policy_params = policy, {}
+        if admin_token is not None:
+            cfg.admin_token = admin_token
+        if max_concurrency is not None:
+            cfg.max_concurrency_per_instance = max_concurrency
+        validate(cfg)
+        if not cfg.backends:
+            raise ConfigError("no backends: pass --backend URL or list them in --config")
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    assert isinstance(cfg, GatewayConfig)
+
+    async def run() -> None:
+        gw = Gateway(cfg)
+        try:
+            server = await gw.start()
+        except OSError as exc:
+            typer.echo(f"error: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}", err=True)
+            await gw.close()
+            raise typer.Exit(2) from None
+        typer.echo(
+            f"flexpipe gateway on http://{server.host}:{server.port}/v1 "
+            f"({len(cfg.backends)} backend(s), policy {cfg.policy})",
+            err=True,
+        )
+        try:
+            await server.serve_forever()
+        finally:
+            await gw.close()
+
+    from flexpipe.http.server import install_uvloop
+
+    install_uvloop()
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass

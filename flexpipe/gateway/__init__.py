@@ -1,0 +1,27 @@
+"""The OpenAI-compatible gateway: routing, backpressure, retries, migration, tenants,
+metrics and an admin API in front of any OpenAI-compatible engines (docs/gateway.md)."""
+
+from flexpipe.gateway.app import Gateway
+from flexpipe.gateway.config import (
+    BackendConfig,
+    ConfigError,
+    GatewayConfig,
+    TenantConfig,
+    config_from_dict,
+    load_config,
+)
+from flexpipe.gateway.pool import Instance, InstanceState, Pool, PoolError
+
+__all__ = [
+    "BackendConfig",
+    "ConfigError",
+    "Gateway",
+    "GatewayConfig",
+    "Instance",
+    "InstanceState",
+    "Pool",
+    "PoolError",
+    "TenantConfig",
+    "config_from_dict",
+    "load_config",
+]

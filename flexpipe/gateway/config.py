@@ -1,0 +1,162 @@
+"""Gateway configuration: dataclasses with defaults, loaded from YAML and/or CLI flags.
+
+host: 127.0.0.1
+port: 8000
+admin_token: change-me            # or env FLEXPIPE_ADMIN_TOKEN; admin API off without it
+backends:
+  - url: http://127.0.0.1:8001    # model discovered from /v1/models when omitted
+  - {url: http://127.0.0.1:8002, model: llama-2-7b, weight: 0.5, max_concurrency: 64}
+routing:
+  policy: composite               # any registered policy (docs/routing.md)
+  params: {weights: {prefix: 3, queue: 2, kv: 2, load: 2}}
+tenants:                          # optional; without it no API key is required
+  - {key: sk-team-a, name: team-a, requests_per_min: 600, tokens_per_min: 200000,
+     max_concurrency: 32}
+tenants_file: keys.yaml           # optional: the same list in its own file
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message is one readable line."""
+
+
+@dataclass(slots=True)
+class BackendConfig:
+    url: str
+    model: str | None = None  # None: ask the backend's /v1/models
+    weight: float = 1.0
+    max_concurrency: int = 0  # 0: the gateway-wide `max_concurrency_per_instance`
+    api_key: str | None = None  # sent upstream as a bearer token (e.g. vLLM --api-key)
+
+
+@dataclass(slots=True)
+class TenantConfig:
+    key: str
+    name: str = ""
+    requests_per_min: float = 0.0  # 0 = unlimited
+    tokens_per_min: float = 0.0
+    max_concurrency: int = 0
+
+    def __repr__(self) -> str:  # never show the key
+        return f"TenantConfig(name={self.name!r})"
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backends: list[BackendConfig] = field(default_factory=list)
+    policy: str = "composite"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    max_concurrency_per_instance: int = 256
+    max_queue: int = 1024  # requests waiting for a free instance; beyond: 429
+    max_queue_wait_s: float = 15.0
+    connect_timeout_s: float = 3.0
+    ttfb_timeout_s: float = 300.0
+    idle_timeout_s: float = 60.0
+    retry_jitter_s: float = 0.05
+    max_retries: int = 1
+    max_migrations: int = 1
+    scrape_interval_s: float = 1.0
+    max_metrics_age_s: float = 5.0
+    health_interval_s: float = 2.0
+    eject_after_failures: int = 2
+    eject_base_backoff_s: float = 1.0
+    eject_max_backoff_s: float = 30.0
+    block_chars: int = 64
+    max_prefix_blocks_per_instance: int = 50_000
+    default_expected_output_tokens: int = 256
+    max_body_bytes: int = 16 * 1024 * 1024
+    admin_token: str | None = None
+    tenants: list[TenantConfig] = field(default_factory=list)
+
+
+def _build(cls: type[Any], data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _tenants(data: Any, where: str) -> list[TenantConfig]:
+    if not isinstance(data, list):
+        raise ConfigError(f"{where}: expected a list of tenants")
+    return [_build(TenantConfig, t, f"{where}[{i}]") for i, t in enumerate(data)]
+
+
+def config_from_dict(data: dict[str, Any], base_dir: Path | None = None) -> GatewayConfig:
+    data = dict(data)
+    backends = [
+        _build(BackendConfig, {"url": b} if isinstance(b, str) else b, f"backends[{i}]")
+        for i, b in enumerate(data.pop("backends", []) or [])
+    ]
+    tenants = _tenants(data.pop("tenants", []) or [], "tenants")
+    tenants_file = data.pop("tenants_file", None)
+    if tenants_file:
+        path = Path(tenants_file)
+        if base_dir is not None and not path.is_absolute():
+            path = base_dir / path
+        tenants += _tenants(_read_yaml(path), str(path))
+    routing = data.pop("routing", None) or {}
+    if not isinstance(routing, dict):
+        raise ConfigError("routing: expected a mapping with `policy` and `params`")
+    cfg: GatewayConfig = _build(GatewayConfig, data, "gateway config")
+    cfg.backends = backends
+    cfg.tenants = tenants
+    cfg.policy = str(routing.get("policy", cfg.policy))
+    cfg.policy_params = dict(routing.get("params") or {})
+    if cfg.admin_token is None:
+        cfg.admin_token = os.environ.get("FLEXPIPE_ADMIN_TOKEN") or None
+    validate(cfg)
+    return cfg
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__})") from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    path = Path(path)
+    data = _read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return config_from_dict(data, path.parent)
+
+
+def validate(cfg: GatewayConfig) -> None:
+    from flexpipe.policies.routing import create_policy
+
+    for b in cfg.backends:
+        if not b.url.startswith("http://"):
+            raise ConfigError(f"backend {b.url!r}: only http:// URLs are supported")
+        if b.weight <= 0:
+            raise ConfigError(f"backend {b.url!r}: weight must be > 0")
+    if len({t.key for t in cfg.tenants}) != len(cfg.tenants):
+        raise ConfigError("tenants: duplicate API key")
+    if cfg.max_queue < 0 or cfg.max_concurrency_per_instance < 1:
+        raise ConfigError("max_queue must be >= 0 and max_concurrency_per_instance >= 1")
+    try:
+        create_policy(cfg.policy, **cfg.policy_params)
+    except ValueError as exc:
+        raise ConfigError(f"routing: {exc}") from None

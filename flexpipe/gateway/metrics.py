@@ -1,0 +1,94 @@
+"""The gateway's Prometheus metrics (`flexpipe_` namespace) in a per-server registry, so two
+gateways in one process (tests, the simulator) never share counters."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_TPOT_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "flexpipe_requests",
+            "Requests finished, by model, instance and HTTP status (or error kind).",
+            ["model", "instance", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "flexpipe_time_to_first_token_seconds",
+            "Time from request arrival to the first streamed token.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "flexpipe_time_per_output_token_seconds",
+            "Mean time between streamed tokens of a request after the first.",
+            ["model"],
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "flexpipe_e2e_request_latency_seconds",
+            "Time from request arrival to the last byte.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "flexpipe_in_flight_requests", "Requests open per instance.", ["instance"], registry=r
+        )
+        self.queued = Gauge(
+            "flexpipe_queued_requests", "Requests waiting for a free instance.", registry=r
+        )
+        self.rejected = Counter(
+            "flexpipe_rejected_requests",
+            "Requests refused before routing, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "flexpipe_retries", "Retries before the first byte, by cause.", ["reason"], registry=r
+        )
+        self.migrations = Counter(
+            "flexpipe_migrations",
+            "Streams continued on another instance after theirs failed, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "flexpipe_ejections", "Instances ejected as unhealthy.", ["instance"], registry=r
+        )
+        self.decisions = Counter(
+            "flexpipe_routing_decisions",
+            "Routing decisions by policy and reason.",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.prefix_blocks = Counter(
+            "flexpipe_prefix_blocks",
+            "Prompt blocks routed (all) and estimated cached on the chosen instance (matched).",
+            ["kind"],
+            registry=r,
+        )
+        self.instance_up = Gauge(
+            "flexpipe_instance_up",
+            "1 when the instance is routable (active), else 0.",
+            ["instance", "state"],
+            registry=r,
+        )
+        self.prefix_all = self.prefix_blocks.labels("all")
+        self.prefix_matched = self.prefix_blocks.labels("matched")
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,148 @@
+"""Producers of instance state, on the real clock: active health probes (eject with backoff,
+re-admit when healthy), metrics scraping of the engines' /metrics (vLLM names), and model
+discovery from /v1/models. Scorers never call these; they read what these wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+import orjson
+
+from flexpipe.gateway.pool import Instance, InstanceState
+from flexpipe.http.client import Timeouts, UpstreamError
+
+if TYPE_CHECKING:
+    from flexpipe.gateway.app import Gateway
+
+log = logging.getLogger("flexpipe.gateway")
+
+_PROBE_TIMEOUTS = Timeouts(connect_s=1.0, ttfb_s=2.0, idle_s=2.0)
+
+# vLLM metric name -> Instance field (older vLLM spells the KV one gpu_cache_usage_perc)
+_METRICS = {
+    b"vllm:num_requests_running": "num_running",
+    b"vllm:num_requests_waiting": "num_waiting",
+    b"vllm:kv_cache_usage_perc": "kv_usage",
+    b"vllm:gpu_cache_usage_perc": "kv_usage",
+}
+
+
+def parse_engine_metrics(text: bytes) -> dict[str, float]:
+    """Sum the samples of the metrics routing needs over all their label sets."""
+    out: dict[str, float] = {}
+    for line in text.split(b"\n"):
+        if not line.startswith(b"vllm:"):
+            continue
+        name_end = min(i for i in (line.find(b"{"), line.find(b" ")) if i >= 0)
+        field = _METRICS.get(line[:name_end])
+        if field is None:
+            continue
+        try:
+            value = float(line.rsplit(b" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        out[field] = out.get(field, 0.0) + value
+    return out
+
+
+class Prober:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        await asyncio.gather(
+            *(self.discover(i) for i in self.gw.pool.instances.values() if i.model is None)
+        )
+        await asyncio.gather(*(self.scrape(i) for i in self.gw.pool.instances.values()))
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._every(self.gw.cfg.health_interval_s, self.probe)),
+            loop.create_task(self._every(self.gw.cfg.scrape_interval_s, self.scrape)),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    async def _every(self, interval_s: float, fn: object) -> None:
+        assert callable(fn)
+        while True:
+            await asyncio.sleep(interval_s)
+            instances = list(self.gw.pool.instances.values())
+            try:
+                await asyncio.gather(*(fn(i) for i in instances))
+            except Exception:  # a bug here must not stop the loop
+                log.exception("prober loop failed")
+
+    async def _get(self, inst: Instance, path: str) -> tuple[int, bytes]:
+        resp = await self.gw.client.request(inst.url, "GET", path, timeouts=_PROBE_TIMEOUTS)
+        try:
+            return resp.status, await resp.read()
+        finally:
+            resp.release()
+
+    async def discover(self, inst: Instance) -> bool:
+        """Fill in the model an instance serves from its /v1/models."""
+        try:
+            status, body = await self._get(inst, "/v1/models")
+            data = orjson.loads(body)["data"] if status == 200 else []
+            if data:
+                inst.model = str(data[0]["id"])
+                return True
+        except (UpstreamError, orjson.JSONDecodeError, KeyError, TypeError, IndexError):
+            pass
+        if inst.state is not InstanceState.EJECTED:
+            self.gw.eject(inst)  # unknown model: not routable until a probe succeeds
+        return False
+
+    async def probe(self, inst: Instance) -> None:
+        now = self.gw.clock()
+        if inst.state is InstanceState.EJECTED and now < inst.ejected_until_s:
+            return
+        try:
+            status, _ = await self._get(inst, "/health")
+            ok = status == 200
+        except UpstreamError:
+            ok = False
+        if inst.removed:
+            return
+        if ok:
+            if inst.state is InstanceState.EJECTED:
+                if inst.model is None and not await self.discover(inst):
+                    return
+                await self.scrape(inst)
+                self.gw.pool.readmit(inst)
+                log.warning("re-admitted %s", inst.url)
+            inst.num_consecutive_failures = 0
+            return
+        inst.num_consecutive_failures += 1
+        if inst.state is InstanceState.EJECTED:
+            self.gw.eject(inst)  # still down: back off longer
+        elif inst.num_consecutive_failures >= self.gw.cfg.eject_after_failures:
+            self.gw.eject(inst)
+
+    async def scrape(self, inst: Instance) -> None:
+        if inst.state is InstanceState.EJECTED:
+            return
+        try:
+            status, body = await self._get(inst, "/metrics")
+        except UpstreamError:
+            return  # the probe decides about health; stale metrics count as saturated
+        if status != 200:
+            return
+        values = parse_engine_metrics(body)
+        inst.num_running = int(values.get("num_running", 0))
+        inst.num_waiting = int(values.get("num_waiting", 0))
+        inst.kv_usage = values.get("kv_usage", 0.0)
+        num_requests = inst.num_running + inst.num_waiting
+        inst.num_scraped_tokens = num_requests * self.gw.mean_request_tokens
+        inst.num_tokens_sent_since_scrape = 0.0
+        inst.scraped_at_s = self.gw.clock()
