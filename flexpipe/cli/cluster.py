@@ -159,6 +159,7 @@ def _print_tables(cluster: Cluster, fast_bytes_per_s: float, console: Console) -
         f"may go): {shown}{more}",
         highlight=False,
         markup=False,
+        soft_wrap=True,
     )
     console.print(_summary(cluster), highlight=False, markup=False)
 
