@@ -61,6 +61,7 @@ __all__ = [
     "load_cluster",
     "parse_bytes",
     "parse_cluster",
+    "parse_cluster_yaml",
     "placement_on",
 ]
 
@@ -191,6 +192,7 @@ class Cluster:
     # O(1)): gpu id -> Gpu, node name -> Node, (gpu a, gpu b) -> effective link for declared
     # intra-node pairs, (node a, node b) -> effective network link for declared pairs.
     _gpus: dict[str, Gpu] = field(init=False, repr=False, compare=False)
+    _gpu_tuple: tuple[Gpu, ...] = field(init=False, repr=False, compare=False)
     _nodes: dict[str, Node] = field(init=False, repr=False, compare=False)
     _gpu_pairs: dict[tuple[str, str], LinkSpec] = field(init=False, repr=False, compare=False)
     _node_pairs: dict[tuple[str, str], LinkSpec] = field(init=False, repr=False, compare=False)
@@ -221,6 +223,7 @@ class Cluster:
                             gpu_pairs[key] = spec
         node_pairs = {_pair(*p.nodes): p.spec for p in self.node_links}
         object.__setattr__(self, "_gpus", gpus)
+        object.__setattr__(self, "_gpu_tuple", tuple(gpus.values()))
         object.__setattr__(self, "_nodes", nodes)
         object.__setattr__(self, "_gpu_pairs", gpu_pairs)
         object.__setattr__(self, "_node_pairs", node_pairs)
@@ -231,7 +234,7 @@ class Cluster:
     @property
     def gpus(self) -> tuple[Gpu, ...]:
         """Every GPU, in file order (node by node)."""
-        return tuple(self._gpus.values())
+        return self._gpu_tuple
 
     @property
     def gpu_ids(self) -> tuple[str, ...]:
@@ -301,6 +304,7 @@ class Cluster:
         are built greedily in file order (a GPU joins the first group whose members it all
         reaches fast), which finds the NVLink islands / NVSwitch nodes exactly; with partial
         meshes it is a good, not an optimal, partition. Largest groups first, then file order.
+        Topology only: fully used GPUs are in their groups too (filter on `free_bytes`).
         """
         threshold = min_bandwidth_bytes_per_s
         node_names = [n.name for n in self.nodes]
