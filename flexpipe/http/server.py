@@ -54,7 +54,7 @@ import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs
 
 import httptools
@@ -295,8 +295,8 @@ class _Connection(asyncio.Protocol):
 
     # --- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports do not subclass asyncio.Transport; they have its methods
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
