@@ -201,7 +201,9 @@ def wait_http(url: str, timeout_s: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def fake_engine_process(token_delay_s: float = 0.0) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def fake_engine_process(
+    token_delay_s: float = 0.0,
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, __file__, str(port), str(token_delay_s)],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 from typing import Annotated
@@ -95,7 +96,5 @@ def gateway(
     from flexpipe.http.server import install_uvloop
 
     install_uvloop()
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
-    except KeyboardInterrupt:
-        pass

@@ -108,9 +108,9 @@ def rewrite_event(payload: bytes, state: StreamState, chat: bool) -> tuple[bytes
     for choice in obj.get("choices") or ():
         if chat:
             delta = choice.get("delta") or {}
-            if delta.pop("role", None) is not None and not delta.get("content"):
-                if not choice.get("finish_reason") and not obj.get("usage"):
-                    return None, 0
+            role_only = delta.pop("role", None) is not None and not delta.get("content")
+            if role_only and not choice.get("finish_reason") and not obj.get("usage"):
+                return None, 0
             if delta.get("content"):
                 num_tokens += 1
         elif choice.get("text"):

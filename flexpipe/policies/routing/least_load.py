@@ -4,9 +4,10 @@ Cost per instance = (queued and running tokens, from the engine's /metrics corre
 this gateway sent since the scrape, + this request's prompt tokens + its expected output)
 divided by the instance's measured speed times its weight. A GPU half as fast gets half the
 traffic at equal queues (seed 001 §4.1-4.2). Instances whose speed is not yet measured get
-the mean of the measured ones. Stale metrics (older than the snapshot's `max_metrics_age_s`,
-or never scraped) make an instance count as saturated: it ranks after every fresh one, and
-if all are stale the order falls back to fewest in flight.
+the mean of the measured ones (a nominal 100 tokens/s while none is measured). Stale metrics
+(older than the snapshot's `max_metrics_age_s`, or never scraped) make an instance count as
+saturated: it ranks after every fresh one, and if all are stale the order falls back to
+fewest in flight.
 
 Parameters: `output_weight` (default 1.0) scales the expected output tokens (decode tokens
 cost more than prefill tokens on real engines; raise it to reflect that).
@@ -25,6 +26,8 @@ from flexpipe.policies.routing.base import PolicyHooks, rank_by_score
 from flexpipe.policies.routing.registry import register_policy, register_scorer
 from flexpipe.policies.routing.snapshot import Decision, InstanceView, RoutingSnapshot
 
+NOMINAL_SPEED_TOKENS_PER_S = 100.0  # used while no instance of the pool has a measured speed
+
 
 def instance_costs(
     snapshot: RoutingSnapshot, now: float, output_weight: float = 1.0
@@ -32,7 +35,7 @@ def instance_costs(
     """Estimated seconds of work ahead on each instance if it took this request (inf = stale)."""
     req = snapshot.request
     measured = [v.speed_tokens_per_s for v in snapshot.instances if v.speed_tokens_per_s > 0]
-    default_speed = sum(measured) / len(measured) if measured else 1.0
+    default_speed = sum(measured) / len(measured) if measured else NOMINAL_SPEED_TOKENS_PER_S
     extra = req.num_prompt_tokens + output_weight * req.num_expected_output_tokens
     costs = []
     for v in snapshot.instances:

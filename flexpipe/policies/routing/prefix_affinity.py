@@ -120,7 +120,9 @@ class PrefixAffinity(PolicyHooks):
         if not usable:
             usable = {v.name for v in views if not v.is_full}
         bound = math.ceil(self.load_bound * (sum(in_flight.values()) + 1) / len(views))
-        start = bisect.bisect_left(points, hashes[0] & 0xFFFFFFFFFFFFFFFF)
+        # Fibonacci hashing spreads the (32-bit CRC) block hash over the 64-bit ring.
+        key = (hashes[0] * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        start = bisect.bisect_left(points, key)
         for k in range(len(points)):
             name = owners[(start + k) % len(points)]
             if name in usable and in_flight[name] < bound:

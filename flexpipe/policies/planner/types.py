@@ -1,0 +1,243 @@
+"""The planner's inputs and outputs: plain, immutable dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexpipe.gear import Gear
+from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S
+from flexpipe.policies.planner.performance import GearEstimate, Workload
+
+__all__ = [
+    "Alternative",
+    "Baseline",
+    "ModelDemand",
+    "ModelOutcome",
+    "Plan",
+    "PlannedInstance",
+    "PlannerConfig",
+    "Slo",
+    "UnusedGpu",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_p99_s: float
+    tpot_p99_s: float
+
+    def __post_init__(self) -> None:
+        if self.ttft_p99_s <= 0 or self.tpot_p99_s <= 0:
+            raise ValueError("SLOs must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDemand:
+    """One model to serve: what clients call it, its shape, its load and its SLOs."""
+
+    name: str  # the served model name clients ask for
+    model: str  # model spec id or config.json path (flexpipe.model_spec)
+    request_rate_per_s: float
+    input_tokens: int  # mean prompt length
+    output_tokens: int  # mean completion length
+    slo: Slo
+    dtypes: tuple[str, ...] = ("bf16",)  # precisions the owner accepts (quality)
+    max_model_len: int | None = None  # context the engines are launched with
+
+    def __post_init__(self) -> None:
+        if self.request_rate_per_s < 0:
+            raise ValueError(f"{self.name}: request_rate_per_s must be >= 0")
+        if self.input_tokens < 1 or self.output_tokens < 1:
+            raise ValueError(f"{self.name}: input_tokens and output_tokens must be >= 1")
+        if not self.dtypes:
+            raise ValueError(f"{self.name}: dtypes must name at least one precision")
+
+    @property
+    def workload(self) -> Workload:
+        return Workload(self.input_tokens, self.output_tokens)
+
+    @property
+    def demand_tokens_per_s(self) -> float:
+        """The output tokens per second the demand asks for (what goodput is measured in)."""
+        return self.request_rate_per_s * self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """Knobs, with the defaults a platform engineer meets first (docs/planner.md)."""
+
+    # Tensor parallelism only over links at least this fast (flexpipe.hardware's default).
+    fast_link_bytes_per_s: float = DEFAULT_FAST_LINK_BYTES_PER_S
+    max_pp: int = 4
+    # Concurrencies (max_num_seqs) tried per placement; the largest that meets the SLOs wins.
+    batch_ladder: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+    # Instances are loaded to this share of their SLO-meeting capacity (queueing headroom).
+    target_utilization: float = 0.85
+    # A GPU free only until `free_until_s` is used when at least this much time is left.
+    min_lease_s: float = 900.0
+    gpu_memory_utilization: float = 0.9
+    max_alternatives: int = 6
+    # Baselines (one big group, wait for identical GPUs) are computed up to this many GPUs.
+    max_baseline_gpus: int = 8
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target_utilization <= 1:
+            raise ValueError("target_utilization must be in (0, 1]")
+        if self.max_pp < 1 or not self.batch_ladder or min(self.batch_ladder) < 1:
+            raise ValueError("max_pp and batch sizes must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """A choice the planner did not make, and why (with numbers)."""
+
+    description: str  # "tp=1 on gpu1" / "tp=2 over gpu2+gpu3 (across eth25)"
+    gpu_ids: tuple[str, ...]
+    tokens_per_s_per_gpu: float | None  # SLO-meeting output tokens/s per GPU; None: cannot run
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedInstance:
+    name: str  # "<model name>-<n>"
+    model: str  # the demand's served name
+    model_id: str  # the model spec id
+    gear: Gear  # max_num_seqs = the chosen concurrency
+    stages: tuple[tuple[str, ...], ...]  # GPU ids per pipeline stage (TP group)
+    layers_per_stage: tuple[int, ...]
+    estimate: GearEstimate  # at gear.max_num_seqs
+    capacity_tokens_per_s: float  # SLO-meeting output tokens/s at target utilisation
+    capacity_requests_per_s: float
+    assigned_requests_per_s: float  # the share of the demand routed here
+    kv_capacity_tokens: int
+    max_concurrency: int  # sequences of full context whose KV fits
+    why: str
+    alternatives: tuple[Alternative, ...] = ()
+
+    @property
+    def gpu_ids(self) -> tuple[str, ...]:
+        return tuple(g for s in self.stages for g in s)
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpu_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOutcome:
+    name: str
+    demand_tokens_per_s: float
+    served_tokens_per_s: float  # min(demand, SLO-meeting capacity)
+    capacity_tokens_per_s: float
+    num_instances: int
+    num_gpus: int
+
+    @property
+    def covered(self) -> bool:
+        return self.served_tokens_per_s >= self.demand_tokens_per_s * (1 - 1e-9)
+
+
+@dataclass(frozen=True, slots=True)
+class UnusedGpu:
+    gpu_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    """A plan the planner compares itself with (e.g. one big group, or waiting for identical
+    GPUs), with its SLO-meeting throughput now."""
+
+    name: str
+    description: str
+    goodput_tokens_per_s: float
+    detail: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    instances: tuple[PlannedInstance, ...]
+    models: tuple[ModelOutcome, ...]
+    unused: tuple[UnusedGpu, ...] = ()
+    baselines: tuple[Baseline, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def goodput_tokens_per_s(self) -> float:
+        """SLO-meeting output tokens/s of the demand: sum over models of min(demand, capacity)."""
+        return sum(m.served_tokens_per_s for m in self.models)
+
+    @property
+    def capacity_tokens_per_s(self) -> float:
+        return sum(i.capacity_tokens_per_s for i in self.instances)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(i.num_gpus for i in self.instances)
+
+    def instances_of(self, model: str) -> list[PlannedInstance]:
+        return [i for i in self.instances if i.model == model]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (`flexpipe plan --json`)."""
+        return {
+            "goodput_tokens_per_s": self.goodput_tokens_per_s,
+            "num_gpus": self.num_gpus,
+            "models": [
+                {
+                    "name": m.name,
+                    "demand_tokens_per_s": m.demand_tokens_per_s,
+                    "served_tokens_per_s": m.served_tokens_per_s,
+                    "capacity_tokens_per_s": m.capacity_tokens_per_s,
+                    "covered": m.covered,
+                    "num_instances": m.num_instances,
+                    "num_gpus": m.num_gpus,
+                }
+                for m in self.models
+            ],
+            "instances": [
+                {
+                    "name": i.name,
+                    "model": i.model,
+                    "model_id": i.model_id,
+                    "gear": str(i.gear),
+                    "gear_key": i.gear.key(),
+                    "stages": [list(s) for s in i.stages],
+                    "layers_per_stage": list(i.layers_per_stage),
+                    "batch": i.estimate.batch,
+                    "output_tokens_per_s": i.estimate.output_tokens_per_s,
+                    "capacity_tokens_per_s": i.capacity_tokens_per_s,
+                    "capacity_requests_per_s": i.capacity_requests_per_s,
+                    "assigned_requests_per_s": i.assigned_requests_per_s,
+                    "ttft_s": i.estimate.ttft_s,
+                    "tpot_s": i.estimate.tpot_s,
+                    "e2e_s": i.estimate.e2e_s,
+                    "source": i.estimate.source,
+                    "kv_capacity_tokens": i.kv_capacity_tokens,
+                    "max_concurrency": i.max_concurrency,
+                    "why": i.why,
+                    "alternatives": [
+                        {
+                            "description": a.description,
+                            "gpu_ids": list(a.gpu_ids),
+                            "tokens_per_s_per_gpu": a.tokens_per_s_per_gpu,
+                            "reason": a.reason,
+                        }
+                        for a in i.alternatives
+                    ],
+                }
+                for i in self.instances
+            ],
+            "unused": [{"gpu_id": u.gpu_id, "reason": u.reason} for u in self.unused],
+            "baselines": [
+                {
+                    "name": b.name,
+                    "description": b.description,
+                    "goodput_tokens_per_s": b.goodput_tokens_per_s,
+                    "detail": b.detail,
+                }
+                for b in self.baselines
+            ],
+            "notes": list(self.notes),
+        }
