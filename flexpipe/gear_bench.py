@@ -1,0 +1,467 @@
+"""gear_bench: measure gears, not guess them (seed 000 §2.2).
+
+For each candidate gear: launch an engine through the launcher (the same one the controller
+uses), wait for /health 200 (cold start), drive a fixed-shape closed-loop load — by default
+200 requests of 512 prompt tokens and 128 output tokens — at a sweep of concurrencies from 1
+to the largest whose KV fits, stop the engine, and store one gear-table point per
+concurrency. Every point is stored as soon as it is measured, so an interrupted run keeps
+what it has.
+
+The load generator streams /v1/completions with `ignore_eos` and `stream_options.
+include_usage` and times each response client-side: TTFT (first token), TPOT ((e2e - TTFT) /
+(tokens - 1)), e2e. A sim engine's wall time is `time_scale` x modelled time, so times are
+divided by the time scale and stored as modelled (GPU) seconds. Peak KV use is the maximum of
+the engine's `vllm:kv_cache_usage_perc` scraped during the point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+
+import orjson
+
+from flexpipe import __version__
+from flexpipe.gear import Gear, GearError, parse_gear
+from flexpipe.gears import MEASURED, GearPoint, placement_key, uniform_gear_placement
+from flexpipe.gears.table import max_batch_that_fits
+from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
+from flexpipe.launch import EngineHandle, EngineSpec, Launcher, LaunchError
+from flexpipe.model_spec import ModelSpec, load_model_spec
+from flexpipe.perf import InfeasibleGear, PerfModel
+
+DEFAULT_NUM_REQUESTS = 200
+
+
+class BenchError(RuntimeError):
+    """A gear_bench run that cannot go on; the message is for the user."""
+
+
+class EngineDied(BenchError):
+    """The engine under test went away in the middle of a sweep point."""
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    input_len: int = 512
+    output_len: int = 128
+    num_requests: int = DEFAULT_NUM_REQUESTS
+    request_timeout_s: float = 600.0  # modelled seconds a request may take (ttfb / idle)
+
+    def __post_init__(self) -> None:
+        if self.input_len < 2 or self.output_len < 2 or self.num_requests < 1:
+            raise ValueError("input_len and output_len must be >= 2, num_requests >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A gear and the hardware it runs on, checked against the performance model."""
+
+    gear: Gear
+    spec: EngineSpec
+    pm: PerfModel
+    max_concurrency: int
+
+
+@dataclass(slots=True)
+class LoadResult:
+    concurrency: int
+    wall_s: float
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    peak_kv_usage: float | None = None
+
+
+def default_sweep(max_concurrency: int) -> list[int]:
+    """1, 2, 4, ... and the largest that fits."""
+    out = [1]
+    while out[-1] * 2 < max_concurrency:
+        out.append(out[-1] * 2)
+    if out[-1] != max_concurrency:
+        out.append(max_concurrency)
+    return out
+
+
+def auto_gears(model: ModelSpec, num_gpus: int, base: Gear | None = None) -> list[Gear]:
+    """Every tp x pp that uses at most `num_gpus` GPUs and divides the model's heads."""
+    base = base or Gear()
+    out = []
+    for tp in (1, 2, 4, 8):
+        if tp > num_gpus or model.num_heads % tp:
+            continue
+        for pp in range(1, num_gpus // tp + 1):
+            if pp <= model.num_layers:
+                out.append(replace(base, tp=tp, pp=pp))
+    return out
+
+
+def candidates(
+    model: ModelSpec,
+    gears: Sequence[Gear],
+    workload: Workload,
+    gpu_types: Sequence[str] = ("A100-80G-SXM",),
+    link: str = "nvlink3",
+) -> tuple[list[Candidate], list[str]]:
+    """Gears with their hardware; the second list says, one line each, which gears cannot
+    run and why (not enough GPUs, memory)."""
+    out: list[Candidate] = []
+    rejected: list[str] = []
+    for g in gears:
+        types = list(gpu_types)
+        if len(types) == 1:
+            types = types * g.num_gpus
+        if len(types) < g.num_gpus:
+            rejected.append(f"{g.key()}: needs {g.num_gpus} GPUs, {len(types)} given")
+            continue
+        types = types[: g.num_gpus]
+        try:
+            placement = uniform_gear_placement(model, g, types, link)
+            pm = PerfModel(model, g, placement)
+            pm.require_feasible()
+            fits = max_batch_that_fits(pm, workload.input_len, workload.output_len)
+            if fits < 1:
+                raise InfeasibleGear(
+                    f"not one {workload.input_len + workload.output_len}-token sequence fits "
+                    f"in the KV cache ({pm.memory.kv_capacity_tokens} tokens)"
+                )
+        except (InfeasibleGear, GearError) as exc:
+            rejected.append(f"{g.key()} on {'+'.join(types)}: does not fit: {exc}")
+            continue
+        uniform = len(set(types)) == 1
+        spec = EngineSpec(
+            model=model.name,
+            gear=g,
+            name=f"bench-{g.key()}",
+            gpu_type=types[0],
+            link=link,
+            gpu_indices=tuple(range(g.num_gpus)),
+        )
+        if not uniform:
+            rejected.append(f"{g.key()}: mixed GPU types need a cluster file (flexpipe up)")
+            continue
+        out.append(Candidate(g, spec, pm, fits))
+    return out, rejected
+
+
+def make_prompt(rng: random.Random, num_tokens: int, request_index: int) -> str:
+    """A prompt of about `num_tokens` tokens (exact for the sim's word tokenizer: one word
+    each, plus BOS). Each request starts differently so prefix caching does not hide prefill."""
+    from flexpipe.engine.tokenizer import WORDS
+
+    words = [w for w in WORDS if w.isalpha()]
+    head = [f"request{request_index}"]
+    body = [rng.choice(words) for _ in range(max(0, num_tokens - 2))]
+    return " ".join(head + body)
+
+
+async def _one_request(
+    pool: ClientPool,
+    endpoint: str,
+    body: bytes,
+    timeouts: Timeouts,
+    result: LoadResult,
+    time_scale: float,
+) -> None:
+    start = time.perf_counter()
+    first: float | None = None
+    num_chunks = 0
+    usage: dict[str, int] = {}
+    try:
+        resp = await pool.request(
+            endpoint,
+            "POST",
+            "/v1/completions",
+            body,
+            {"content-type": "application/json"},
+            timeouts,
+        )
+        try:
+            if resp.status != 200:
+                text = (await resp.read())[:300].decode(errors="replace")
+                result.errors.append(f"HTTP {resp.status}: {text}")
+                return
+            buf = b""
+            async for chunk in resp.iter_chunks():
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    event = orjson.loads(line[6:])
+                    if event.get("usage"):
+                        usage = event["usage"]
+                    choices = event.get("choices") or []
+                    if choices and choices[0].get("text") is not None:
+                        if first is None:
+                            first = time.perf_counter()
+                        num_chunks += 1
+        finally:
+            resp.release()
+    except UpstreamError as exc:
+        result.errors.append(str(exc))
+        return
+    end = time.perf_counter()
+    if first is None:
+        result.errors.append("stream ended without a token")
+        return
+    num_out = int(usage.get("completion_tokens", num_chunks))
+    scale = time_scale or 1.0
+    ttft, e2e = (first - start) / scale, (end - start) / scale
+    result.ttft_s.append(ttft)
+    result.e2e_s.append(e2e)
+    if num_out > 1:
+        result.tpot_s.append((e2e - ttft) / (num_out - 1))
+    result.output_tokens.append(num_out)
+    result.prompt_tokens.append(int(usage.get("prompt_tokens", 0)))
+
+
+async def _scrape_kv(
+    pool: ClientPool, endpoint: str, result: LoadResult, stop: asyncio.Event
+) -> None:
+    """Max of vllm:kv_cache_usage_perc while the point runs."""
+    timeouts = Timeouts(connect_s=1.0, ttfb_s=2.0, idle_s=2.0)
+    while not stop.is_set():
+        with contextlib.suppress(UpstreamError, OSError, ValueError):
+            resp = await pool.request(endpoint, "GET", "/metrics", timeouts=timeouts)
+            text = (await resp.read()).decode(errors="replace")
+            resp.release()
+            for line in text.splitlines():
+                if line.startswith(("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")):
+                    value = float(line.rsplit(" ", 1)[1])
+                    result.peak_kv_usage = max(result.peak_kv_usage or 0.0, value)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.2)
+
+
+async def run_load(
+    endpoint: str,
+    model: str,
+    workload: Workload,
+    concurrency: int,
+    time_scale: float = 1.0,
+    seed: int = 0,
+    on_done: Callable[[int], None] | None = None,
+    engine: EngineHandle | None = None,
+) -> LoadResult:
+    """A closed loop: `concurrency` clients send the workload's requests back to back.
+
+    Raises EngineDied when `engine` exits during the point."""
+    rng = random.Random(seed)
+    prompts = [make_prompt(rng, workload.input_len, i) for i in range(workload.num_requests)]
+    timeout_s = max(5.0, workload.request_timeout_s * (time_scale or 1.0))
+    timeouts = Timeouts(connect_s=5.0, ttfb_s=timeout_s, idle_s=timeout_s)
+    result = LoadResult(concurrency, 0.0)
+    pool = ClientPool()
+    queue = list(range(workload.num_requests))
+    queue.reverse()
+
+    async def client() -> None:
+        while queue:
+            i = queue.pop()
+            body = orjson.dumps(
+                {
+                    "model": model,
+                    "prompt": prompts[i],
+                    "max_tokens": workload.output_len,
+                    "min_tokens": workload.output_len,
+                    "ignore_eos": True,
+                    "temperature": 0.0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            )
+            await _one_request(pool, endpoint, body, timeouts, result, time_scale)
+            if on_done is not None:
+                on_done(i)
+            if engine is not None and engine.returncode is not None:
+                return
+
+    stop = asyncio.Event()
+    scraper = asyncio.create_task(_scrape_kv(pool, endpoint, result, stop))
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    finally:
+        stop.set()
+        await scraper
+        await pool.close()
+    result.wall_s = (time.perf_counter() - start) / (time_scale or 1.0)
+    if engine is not None and engine.returncode is not None:
+        raise EngineDied(f"the engine went away at concurrency {concurrency}")
+    return result
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return math.nan
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def to_point(
+    cand: Candidate,
+    res: LoadResult,
+    workload: Workload,
+    engine: str,
+    cold_start_s: float | None,
+    engine_version: str,
+) -> GearPoint:
+    key = placement_key(cand.pm.model.name, cand.gear, cand.pm.placement)
+    prefill = [p / t for p, t in zip(res.prompt_tokens, res.ttft_s, strict=True) if t > 0 and p > 0]
+    return GearPoint(
+        model=key.model,
+        gear_key=key.gear_key,
+        gear=str(cand.gear),
+        gpu_types=key.gpu_types,
+        link=key.link,
+        batch_size=res.concurrency,
+        prefill_tokens_per_s=statistics.fmean(prefill) if prefill else 0.0,
+        decode_tokens_per_s=sum(res.output_tokens) / res.wall_s if res.wall_s else 0.0,
+        requests_per_s=len(res.e2e_s) / res.wall_s if res.wall_s else 0.0,
+        ttft_p50_s=_pct(res.ttft_s, 50),
+        ttft_p90_s=_pct(res.ttft_s, 90),
+        ttft_p99_s=_pct(res.ttft_s, 99),
+        tpot_p50_s=_pct(res.tpot_s, 50),
+        tpot_p90_s=_pct(res.tpot_s, 90),
+        tpot_p99_s=_pct(res.tpot_s, 99),
+        e2e_p50_s=_pct(res.e2e_s, 50),
+        e2e_p90_s=_pct(res.e2e_s, 90),
+        e2e_p99_s=_pct(res.e2e_s, 99),
+        peak_kv_usage=res.peak_kv_usage,
+        cold_start_s=cold_start_s,
+        source=MEASURED,
+        engine=engine,
+        engine_version=engine_version,
+        input_len=workload.input_len,
+        output_len=workload.output_len,
+        num_requests=len(res.e2e_s) + len(res.errors),
+        num_failed=len(res.errors),
+        measured_at=datetime.now(UTC),
+        note=f"{res.errors[0]} (+{len(res.errors) - 1} more)" if res.errors else None,
+    )
+
+
+class BenchObserver:
+    """Progress hooks (no-op defaults); the CLI draws rich progress bars with them."""
+
+    def gear_started(self, cand: Candidate, sweep: Sequence[int]) -> None: ...
+    def engine_ready(self, cand: Candidate, handle: EngineHandle) -> None: ...
+    def point_started(self, cand: Candidate, concurrency: int, num_requests: int) -> None: ...
+    def request_done(self) -> None: ...
+    def point_done(self, cand: Candidate, point: GearPoint) -> None: ...
+    def gear_failed(self, cand: Candidate, message: str) -> None: ...
+
+
+@dataclass(slots=True)
+class BenchReport:
+    points: list[GearPoint] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # one line per gear that failed
+    rejected: list[str] = field(default_factory=list)  # gears that cannot run here
+
+
+async def bench(
+    cands: Sequence[Candidate],
+    launcher: Launcher,
+    workload: Workload,
+    *,
+    engine: str = "sim",
+    time_scale: float = 1.0,
+    concurrencies: Sequence[int] | None = None,
+    store_point: Callable[[GearPoint], None] | None = None,
+    observer: BenchObserver | None = None,
+    report: BenchReport | None = None,
+) -> BenchReport:
+    """Benchmark each candidate in turn; a failing gear is recorded and the next one runs.
+    Cancellation (Ctrl-C) stops the running engine; points already measured are kept (they
+    were passed to `store_point` as they came)."""
+    obs = observer or BenchObserver()
+    out = report if report is not None else BenchReport()
+    version = f"flexpipe-sim {__version__}" if engine == "sim" else "vllm"
+    for cand in cands:
+        sweep = [c for c in (concurrencies or default_sweep(cand.max_concurrency)) if c >= 1]
+        too_big = [c for c in sweep if c > cand.max_concurrency]
+        sweep = [c for c in sweep if c <= cand.max_concurrency]
+        if too_big:
+            out.rejected.append(
+                f"{cand.gear.key()}: concurrency {','.join(map(str, too_big))} skipped: at most "
+                f"{cand.max_concurrency} sequences of "
+                f"{workload.input_len + workload.output_len} tokens fit"
+            )
+        if not sweep:
+            continue
+        obs.gear_started(cand, sweep)
+        try:
+            handle = await launcher.start(cand.spec)
+        except LaunchError as exc:
+            msg = f"{cand.gear.key()}: {exc}"
+            out.failures.append(msg)
+            obs.gear_failed(cand, msg)
+            continue
+        try:
+            cold = handle.cold_start_s / (time_scale or 1.0)
+            obs.engine_ready(cand, handle)
+            for i, conc in enumerate(sweep):
+                obs.point_started(cand, conc, workload.num_requests)
+                try:
+                    res = await run_load(
+                        handle.endpoint,
+                        cand.spec.served_model_name or cand.spec.model,
+                        workload,
+                        conc,
+                        time_scale,
+                        on_done=lambda _i: obs.request_done(),
+                        engine=handle,
+                    )
+                except EngineDied:
+                    msg = (
+                        f"{cand.gear.key()}: the engine died during the sweep at concurrency "
+                        f"{conc} (exit {handle.returncode}); kept {i} measured point(s)"
+                    )
+                    tail = getattr(handle, "log_tail", None)
+                    if callable(tail) and tail():
+                        msg += f"; last log lines:\n{tail()}"
+                    out.failures.append(msg)
+                    obs.gear_failed(cand, msg)
+                    break
+                if not res.e2e_s:
+                    msg = f"{cand.gear.key()}: every request failed at concurrency {conc}: " + (
+                        res.errors[0] if res.errors else "no response"
+                    )
+                    out.failures.append(msg)
+                    obs.gear_failed(cand, msg)
+                    break
+                point = to_point(cand, res, workload, engine, cold, version)
+                out.points.append(point)
+                if store_point is not None:
+                    store_point(point)
+                obs.point_done(cand, point)
+        finally:
+            await asyncio.shield(handle.stop())
+    return out
+
+
+def parse_gears(text: str, model: ModelSpec, num_gpus: int, base: Gear | None = None) -> list[Gear]:
+    """`auto` or gears separated by `;` (`tp=1;tp=2;tp=1,pp=2`)."""
+    if text.strip().lower() == "auto":
+        return auto_gears(model, num_gpus, base)
+    return [parse_gear(part, base) for part in text.split(";") if part.strip()]
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """The model spec, or a BenchError that says what models exist."""
+    try:
+        return load_model_spec(name)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None

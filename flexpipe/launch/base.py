@@ -1,0 +1,81 @@
+"""The one launcher interface: "start an engine for this gear on these GPUs, give me its
+endpoint". gear_bench, `flexpipe up` and the controller all go through it; a Ray launcher
+(placement groups across nodes) will implement the same Protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from flexpipe.gear import Gear
+
+
+class LaunchError(RuntimeError):
+    """An engine that could not be started; the message says why in one paragraph
+    (with the last lines of the engine's log)."""
+
+
+class EngineNotReady(LaunchError):
+    """The engine did not answer /health 200 within the timeout (it has been stopped)."""
+
+
+class EngineExited(LaunchError):
+    """The engine process exited (before ready, or while in use)."""
+
+    def __init__(self, message: str, returncode: int | None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """What to run and where. GPUs are named two ways: cluster ids (`gpu_ids`, the sim
+    engine uses them with `cluster_file` to know what it stands for) and device indices on the
+    host (`gpu_indices`, vLLM's CUDA_VISIBLE_DEVICES)."""
+
+    model: str
+    gear: Gear = field(default_factory=Gear)
+    name: str = "engine"  # instance name, for logs
+    gpu_ids: tuple[str, ...] = ()  # cluster GPU ids in pipeline order, tp per stage
+    gpu_indices: tuple[int, ...] = ()  # CUDA_VISIBLE_DEVICES
+    cluster_file: str | None = None
+    gpu_type: str = "A100-80G-SXM"  # sim without a cluster file: every rank this type
+    link: str = "nvlink3"
+    pp_link: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    extra_args: tuple[str, ...] = ()
+
+
+@runtime_checkable
+class EngineHandle(Protocol):
+    """A started engine. `endpoint` is its base URL (`http://127.0.0.1:8001`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def endpoint(self) -> str: ...
+
+    @property
+    def cold_start_s(self) -> float:
+        """Wall seconds from launch to /health 200."""
+        ...
+
+    @property
+    def returncode(self) -> int | None:
+        """None while running; the exit status once it has exited."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop the engine and everything it started (idempotent)."""
+        ...
+
+
+class Launcher(Protocol):
+    async def start(self, spec: EngineSpec) -> EngineHandle:
+        """Start an engine and return once it answers /health 200. Raises LaunchError
+        (EngineNotReady, EngineExited), leaving nothing running."""
+        ...
