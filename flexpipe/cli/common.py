@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 err_console = Console(stderr=True)
 
@@ -17,7 +18,7 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except (ValueError, FileNotFoundError) as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
