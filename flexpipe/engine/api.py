@@ -1,0 +1,584 @@
+"""The sim engine's HTTP API, shaped as vLLM's OpenAI-compatible server serves it.
+
+Routes: POST /v1/completions, /v1/chat/completions (streaming or not), GET /v1/models,
+/health, /ping, /version, /metrics, POST /tokenize, /detokenize, and the token-protected
+migration hooks: GET /admin/requests, POST /admin/export, POST /admin/import.
+
+Errors use vLLM's body and status codes (400 bad request, 401 wrong API key, 404 unknown model,
+413 body too large, 503 while loading). n > 1 is refused with a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from flexpipe import __version__ as flexpipe_version
+from flexpipe.engine.args import EngineConfig
+from flexpipe.engine.block_manager import BlockManager
+from flexpipe.engine.metrics import CONTENT_TYPE, EngineMetrics
+from flexpipe.engine.request import EngineRequest, SamplingParams, Status
+from flexpipe.engine.runner import Engine
+from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
+from flexpipe.engine.tokenizer import Tokenizer
+from flexpipe.http.server import (
+    App,
+    HttpError,
+    Request,
+    Response,
+    StreamResponse,
+    error_response,
+    json_response,
+)
+
+VLLM_COMPAT_VERSION = "0.11.0"
+_DONE = b"data: [DONE]\n\n"
+_BAD_BANDWIDTH = "bandwidth_bytes_per_s must be > 0"
+
+
+def _now_s() -> int:
+    return int(time.time())
+
+
+class SimServer:
+    """Everything one sim engine process serves: engine, tokenizer, metrics, routes."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        pm = cfg.pm
+        gear = cfg.gear
+        self.tokenizer = Tokenizer(cfg.model.vocab_size)
+        self.block_manager = BlockManager(
+            pm.memory.num_kv_blocks, gear.block_size, gear.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=gear.max_num_seqs,
+                max_num_batched_tokens=gear.max_num_batched_tokens,
+                max_model_len=cfg.max_model_len,
+                enable_chunked_prefill=cfg.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        cache_config = {
+            "block_size": gear.block_size,
+            "cache_dtype": gear.kv_cache_dtype,
+            "enable_prefix_caching": gear.enable_prefix_caching,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "num_cpu_blocks": 0,
+            "num_gpu_blocks": pm.memory.num_kv_blocks,
+            "num_gpu_blocks_override": None,
+            "sliding_window": None,
+            "swap_space": 0,
+        }
+        self.metrics = EngineMetrics(
+            cfg.served_model_name, self.scheduler, cfg.max_model_len, cache_config
+        )
+        self.engine = Engine(self.scheduler, pm.step_time_s, self.metrics, cfg.time_scale)
+        self.model_name = cfg.served_model_name
+        self._model_json = orjson.dumps(self.model_name)
+        self.ready_at = 0.0
+        self.started_at = 0.0
+        self.app = App(max_body_bytes=cfg.max_request_body_bytes)
+        self._routes()
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine loop; /health turns 200 after the (scaled) modelled cold start."""
+        self.started_at = time.monotonic()
+        self.ready_at = self.started_at + self.cfg.load_time_s * self.cfg.time_scale
+        self.engine.start()
+
+    async def stop(self) -> None:
+        await self.engine.stop()
+
+    @property
+    def ready(self) -> bool:
+        return time.monotonic() >= self.ready_at
+
+    def _routes(self) -> None:
+        a = self.app
+        a.add_route("POST", "/v1/completions", self.completions)
+        a.add_route("POST", "/v1/chat/completions", self.chat_completions)
+        a.add_route("GET", "/v1/models", self.models)
+        a.add_route("GET", "/health", self.health)
+        a.add_route("GET", "/ping", self.health)
+        a.add_route("GET", "/version", self.version)
+        a.add_route("GET", "/metrics", self.metrics_endpoint)
+        a.add_route("POST", "/tokenize", self.tokenize)
+        a.add_route("POST", "/detokenize", self.detokenize)
+        a.add_route("GET", "/admin/requests", self.admin_requests)
+        a.add_route("POST", "/admin/export", self.admin_export)
+        a.add_route("POST", "/admin/import", self.admin_import)
+
+    # --- checks --------------------------------------------------------------------------
+    def _check_api_key(self, req: Request) -> None:
+        key = self.cfg.api_key
+        if key is not None and req.headers.get("authorization") != f"Bearer {key}":
+            raise HttpError(401, "Unauthorized", "AuthenticationError")
+
+    def _check_ready(self) -> None:
+        if not self.ready:
+            raise HttpError(503, "The model is still loading", "ServiceUnavailableError")
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model not in self.cfg.served_model_names:
+            raise HttpError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    def _check_admin(self, req: Request) -> None:
+        token = self.cfg.admin_token
+        if token is None:
+            raise HttpError(403, "the admin API is disabled: start with --admin-token")
+        given = req.headers.get("x-admin-token") or req.headers.get("authorization", "")
+        if given not in (token, f"Bearer {token}"):
+            raise HttpError(401, "wrong or missing admin token", "AuthenticationError")
+
+    def _json_object(self, req: Request) -> dict[str, Any]:
+        body = req.json()
+        if not isinstance(body, dict):
+            raise HttpError(400, "the request body must be a JSON object")
+        return body
+
+    # --- simple endpoints ----------------------------------------------------------------
+    async def health(self, req: Request) -> Response:
+        if not self.ready:
+            return error_response(503, "loading model weights", "ServiceUnavailableError")
+        return Response(b"", content_type="text/plain")
+
+    async def version(self, req: Request) -> Response:
+        return json_response({"version": VLLM_COMPAT_VERSION, "flexpipe_sim": flexpipe_version})
+
+    async def metrics_endpoint(self, req: Request) -> Response:
+        return Response(self.metrics.render(), content_type=CONTENT_TYPE)
+
+    async def models(self, req: Request) -> Response:
+        self._check_api_key(req)
+        created = int(time.time())
+        data: list[dict[str, Any]] = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": self.cfg.model_path,
+                "parent": None,
+                "max_model_len": self.cfg.max_model_len,
+                "permission": [],
+            }
+            for name in self.cfg.served_model_names
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def tokenize(self, req: Request) -> Response:
+        self._check_api_key(req)
+        body = self._json_object(req)
+        self._check_model(body)
+        add_special = bool(body.get("add_special_tokens", True))
+        if "messages" in body:
+            messages = body["messages"]
+            if not isinstance(messages, list):
+                raise HttpError(400, "messages must be a list", param="messages")
+            text = self.tokenizer.apply_chat_template(
+                messages, bool(body.get("add_generation_prompt", True))
+            )
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            raise HttpError(400, "either prompt (a string) or messages is required")
+        ids = self.tokenizer.encode(text, add_special)
+        strs = [self.tokenizer.token_str(t) for t in ids] if body.get("return_token_strs") else None
+        return json_response(
+            {
+                "count": len(ids),
+                "max_model_len": self.cfg.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
+
+    async def detokenize(self, req: Request) -> Response:
+        self._check_api_key(req)
+        body = self._json_object(req)
+        self._check_model(body)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise HttpError(400, "tokens must be a list of token ids", param="tokens")
+        return json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    # --- generation ----------------------------------------------------------------------
+    async def completions(self, req: Request) -> Response | StreamResponse:
+        self._check_api_key(req)
+        body = self._json_object(req)
+        self._check_model(body)
+        self._check_ready()
+        prompt_ids = self._completion_prompt(body.get("prompt"))
+        return await self._generate(req, body, prompt_ids, chat=False)
+
+    async def chat_completions(self, req: Request) -> Response | StreamResponse:
+        self._check_api_key(req)
+        body = self._json_object(req)
+        self._check_model(body)
+        self._check_ready()
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise HttpError(400, "messages must be a non-empty list", param="messages")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise HttpError(400, "each message needs a role", param="messages")
+        text = self.tokenizer.apply_chat_template(
+            messages, bool(body.get("add_generation_prompt", True))
+        )
+        prompt_ids = self.tokenizer.encode(text)
+        return await self._generate(req, body, prompt_ids, chat=True)
+
+    def _completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            vocab = self.tokenizer.vocab_size
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise HttpError(400, f"token ids must be in [0, {vocab})", param="prompt")
+            return list(prompt)
+        if isinstance(prompt, list) and len(prompt) > 1:
+            raise HttpError(
+                400, "batched prompts are not supported by the sim engine", param="prompt"
+            )
+        raise HttpError(400, "prompt must be a non-empty string or token id list", param="prompt")
+
+    def _sampling(self, body: dict[str, Any], num_prompt: int, chat: bool) -> SamplingParams:
+        n = body.get("n", 1)
+        if n != 1 and n is not None:
+            raise HttpError(400, "n > 1 is not supported by the sim engine", param="n")
+        max_tokens = body.get("max_completion_tokens") if chat else None
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise HttpError(
+                400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
+            )
+        limit = self.cfg.max_model_len
+        if num_prompt >= limit or (max_tokens is not None and num_prompt + max_tokens > limit):
+            requested = num_prompt + (max_tokens or 0)
+            raise HttpError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {requested} tokens ({num_prompt} in the messages, "
+                f"{max_tokens or 0} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                param="max_tokens" if max_tokens else "messages",
+            )
+        for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 1e-9, 1.0)):
+            value = body.get(name)
+            if value is not None and (
+                not isinstance(value, int | float) or not lo <= float(value) <= hi
+            ):
+                raise HttpError(400, f"{name} must be in [{lo:g}, {hi:g}], got {value}", param=name)
+        stop = body.get("stop")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and (
+            not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)
+        ):
+            raise HttpError(400, "stop must be a string or a list of strings", param="stop")
+        stop_ids = body.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+            raise HttpError(400, "stop_token_ids must be a list of ints", param="stop_token_ids")
+        min_tokens = body.get("min_tokens") or 0
+        if not isinstance(min_tokens, int) or min_tokens < 0:
+            raise HttpError(400, "min_tokens must be >= 0", param="min_tokens")
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise HttpError(400, "min_tokens must be <= max_tokens", param="min_tokens")
+        seed = body.get("seed")
+        if seed is not None and not isinstance(seed, int):
+            raise HttpError(400, "seed must be an integer", param="seed")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            ignore_eos=bool(body.get("ignore_eos", False)),
+            stop=tuple(stop or ()),
+            stop_token_ids=tuple(stop_ids),
+            include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
+            seed=seed,
+        )
+
+    def _new_request(
+        self, req: Request, body: dict[str, Any], prompt_ids: list[int], chat: bool
+    ) -> EngineRequest:
+        params = self._sampling(body, len(prompt_ids), chat)
+        limit = self.cfg.max_model_len - len(prompt_ids)
+        rid = req.headers.get("x-request-id") or uuid.uuid4().hex
+        if rid in self.engine.requests:
+            rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+        return EngineRequest(
+            rid,
+            prompt_ids,
+            params,
+            min(params.max_tokens, limit) if params.max_tokens is not None else limit,
+            self.tokenizer.gen_ids,
+            engine_seed=self.cfg.seed,
+            fragments=self.tokenizer.gen_fragments if params.stop else None,
+        )
+
+    async def _generate(
+        self,
+        req: Request,
+        body: dict[str, Any],
+        prompt_ids: list[int],
+        chat: bool,
+        preloaded_tokens: int = 0,
+        transfer_s: float = 0.0,
+    ) -> Response | StreamResponse:
+        ereq = self._new_request(req, body, prompt_ids, chat)
+        ereq.num_preloaded_tokens = preloaded_tokens
+        stream = bool(body.get("stream", False))
+        opts = body.get("stream_options") or {}
+        include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+        headers = {"x-request-id": ereq.request_id}
+        if transfer_s > 0:
+            headers["x-flexpipe-kv-transfer-s"] = f"{transfer_s:.6f}"
+            if self.cfg.time_scale > 0:
+                await asyncio.sleep(transfer_s * self.cfg.time_scale)
+        self.engine.add(ereq)
+        if stream:
+            return StreamResponse(self._stream(ereq, chat, include_usage), headers=headers)
+        try:
+            while not ereq.is_finished:
+                await self.engine.wait(ereq)
+        except BaseException:
+            self.engine.abort(ereq)
+            raise
+        self.engine.release(ereq)
+        if ereq.finish_reason == "error":
+            raise HttpError(400, ereq.error or "request failed")
+        text = self._text(ereq, chat, len(ereq.output_token_ids))
+        rid = ("chatcmpl-" if chat else "cmpl-") + ereq.request_id
+        choice: dict[str, Any]
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": None,
+                "finish_reason": ereq.finish_reason,
+                "stop_reason": ereq.stop_reason,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": ereq.finish_reason,
+                "stop_reason": ereq.stop_reason,
+                "prompt_logprobs": None,
+            }
+        return json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": _now_s(),
+                "model": self.model_name,
+                "choices": [choice],
+                "usage": self._usage(ereq),
+            },
+            headers=headers,
+        )
+
+    @staticmethod
+    def _usage(ereq: EngineRequest) -> dict[str, Any]:
+        n_out = ereq.num_output_tokens
+        return {
+            "prompt_tokens": ereq.num_prompt_tokens,
+            "total_tokens": ereq.num_prompt_tokens + n_out,
+            "completion_tokens": n_out,
+            "prompt_tokens_details": {"cached_tokens": ereq.num_cached_tokens},
+        }
+
+    def _text(self, ereq: EngineRequest, chat: bool, upto: int) -> str:
+        """The output text of the first `upto` output tokens (stop strings applied)."""
+        frags = self.tokenizer.gen_fragments
+        start = ereq.num_prompt_tokens
+        text = "".join([frags.get(t, "") for t in ereq.token_ids[start : start + upto]])
+        stop = ereq.stop_reason
+        if isinstance(stop, str) and ereq.is_finished and upto >= ereq.num_output_tokens:
+            idx = text.find(stop)
+            if idx >= 0:
+                text = (
+                    text[: idx + len(stop)]
+                    if ereq.params.include_stop_str_in_output
+                    else text[:idx]
+                )
+        return text.lstrip(" ") if chat else text
+
+    async def _stream(
+        self, ereq: EngineRequest, chat: bool, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        engine = self.engine
+        created = _now_s()
+        rid = ("chatcmpl-" if chat else "cmpl-") + ereq.request_id
+        model = self._model_json
+        if chat:
+            head = (
+                b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
+                b'"choices":[{"index":0,"delta":{"content":' % (rid.encode(), created, model)
+            )
+            mid = b'},"logprobs":null,"finish_reason":'
+        else:
+            head = (
+                b'data: {"id":"%s","object":"text_completion","created":%d,"model":%s,'
+                b'"choices":[{"index":0,"text":' % (rid.encode(), created, model)
+            )
+            mid = b',"logprobs":null,"finish_reason":'
+        tail_open = b',"stop_reason":null}]}\n\n'
+        frags = self.tokenizer.gen_fragments
+        dumps = orjson.dumps
+        start = ereq.num_prompt_tokens
+        sent = 0  # output tokens sent
+        sent_chars = 0  # text characters sent (stop-string path)
+        use_text = bool(ereq.params.stop)
+        first = True
+        try:
+            if chat:
+                yield (
+                    b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
+                    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+                    b'"logprobs":null,"finish_reason":null}]}\n\n' % (rid.encode(), created, model)
+                )
+            while True:
+                n_out = len(ereq.token_ids) - start
+                finished = ereq.status is Status.FINISHED
+                if n_out == sent and not finished:
+                    await engine.wait(ereq)
+                    continue
+                if ereq.finish_reason == "error":
+                    raise HttpError(400, ereq.error or "request failed")
+                if use_text:
+                    full = self._text(ereq, False, n_out)
+                    piece = full[sent_chars:]
+                    sent_chars = len(full)
+                else:
+                    piece = "".join(
+                        [frags.get(t, "") for t in ereq.token_ids[start + sent : start + n_out]]
+                    )
+                if chat and first:
+                    piece = piece.lstrip(" ")
+                first = False
+                sent = n_out
+                if finished:
+                    stop = ereq.stop_reason
+                    tail = b',"stop_reason":%s}]}\n\n' % dumps(stop)
+                    out = head + dumps(piece) + mid + dumps(ereq.finish_reason) + tail
+                    if include_usage:
+                        out += (
+                            b'data: {"id":"%s","object":"%s","created":%d,"model":%s,'
+                            b'"choices":[],"usage":%s}\n\n'
+                            % (
+                                rid.encode(),
+                                b"chat.completion.chunk" if chat else b"text_completion",
+                                created,
+                                model,
+                                dumps(self._usage(ereq)),
+                            )
+                        )
+                    yield out + _DONE
+                    return
+                yield head + dumps(piece) + mid + b"null" + tail_open
+        finally:
+            if ereq.status is not Status.FINISHED:
+                engine.abort(ereq)
+            else:
+                engine.release(ereq)
+
+    # --- migration hooks (admin) ---------------------------------------------------------
+    async def admin_requests(self, req: Request) -> Response:
+        self._check_admin(req)
+        return json_response(
+            {
+                "requests": [
+                    {
+                        "request_id": r.request_id,
+                        "status": r.status.value,
+                        "num_prompt_tokens": r.num_prompt_tokens,
+                        "num_output_tokens": r.num_output_tokens,
+                        "num_computed_tokens": r.num_computed_tokens,
+                    }
+                    for r in self.engine.requests.values()
+                ]
+            }
+        )
+
+    async def admin_export(self, req: Request) -> Response:
+        """An in-flight request's state; with "abort": true it also stops it here."""
+        self._check_admin(req)
+        body = self._json_object(req)
+        rid = str(body.get("request_id", ""))
+        for prefix in ("chatcmpl-", "cmpl-"):
+            if rid.startswith(prefix) and rid not in self.engine.requests:
+                rid = rid[len(prefix) :]
+        ereq = self.engine.requests.get(rid)
+        if ereq is None:
+            raise HttpError(404, f"no in-flight request {rid!r}", "NotFoundError", "request_id")
+        pm = self.cfg.pm
+        num_kv = ereq.num_computed_tokens
+        state: dict[str, Any] = {
+            "request_id": ereq.request_id,
+            "model": self.model_name,
+            "status": ereq.status.value,
+            "prompt_token_ids": ereq.prompt_token_ids,
+            "output_token_ids": ereq.output_token_ids,
+            "num_tokens": ereq.num_tokens,
+            "num_kv_tokens": num_kv,
+            "kv_bytes_per_token": pm.memory.kv_bytes_per_token,
+            "kv_bytes": num_kv * pm.memory.kv_bytes_per_token,
+            "recompute_s": pm.prefill_s(ereq.num_tokens) if ereq.num_tokens else 0.0,
+            "max_tokens_left": ereq.max_output_tokens - ereq.num_output_tokens,
+        }
+        bandwidth = body.get("bandwidth_bytes_per_s")
+        if bandwidth is not None:
+            if not isinstance(bandwidth, int | float) or bandwidth <= 0:
+                raise HttpError(
+                    400, "bandwidth_bytes_per_s must be > 0", param="bandwidth_bytes_per_s"
+                )
+            latency = float(body.get("latency_s") or 0.0)
+            state["transfer_s"] = pm.kv_transfer_s(num_kv, float(bandwidth), latency)
+        if body.get("abort"):
+            self.engine.abort(ereq)
+            state["aborted"] = True
+        return json_response(state)
+
+    async def admin_import(self, req: Request) -> Response | StreamResponse:
+        """Admit a request whose first `num_kv_tokens` tokens arrive as transferred KV.
+
+        Body: a /v1/completions body (prompt as token ids: the original prompt followed by the
+        tokens generated so far) plus "num_kv_tokens", "bandwidth_bytes_per_s" and optional
+        "latency_s". The transfer time (the performance model's kv_transfer_s) is waited
+        before admission; those tokens are then never computed."""
+        self._check_admin(req)
+        body = self._json_object(req)
+        self._check_model(body)
+        self._check_ready()
+        prompt_ids = self._completion_prompt(body.get("prompt"))
+        num_kv = body.get("num_kv_tokens", 0)
+        if not isinstance(num_kv, int) or not 0 <= num_kv <= len(prompt_ids):
+            raise HttpError(400, "num_kv_tokens must be in [0, len(prompt)]", param="num_kv_tokens")
+        bandwidth = body.get("bandwidth_bytes_per_s")
+        transfer_s = 0.0
+        if num_kv:
+            if not isinstance(bandwidth, int | float) or bandwidth <= 0:
+                raise HttpError(
+                    400, "bandwidth_bytes_per_s must be > 0", param="bandwidth_bytes_per_s"
+                )
+            latency = float(body.get("latency_s") or 0.0)
+            transfer_s = self.cfg.pm.kv_transfer_s(num_kv, float(bandwidth), latency)
+        # the last token is always computed (its logits are needed)
+        num_kv = min(num_kv, len(prompt_ids) - 1)
+        return await self._generate(req, body, prompt_ids, False, num_kv, transfer_s)
+
+
+__all__ = ["VLLM_COMPAT_VERSION", "SimServer"]

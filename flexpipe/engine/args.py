@@ -1,0 +1,216 @@
+"""`vllm serve` flags (plus the sim's own) -> a performance model and an engine config.
+
+The vLLM flags a launcher passes are understood; any other vLLM flag is accepted with a
+warning, so a launcher needs no special case for the sim. Sim-only flags say which hardware
+the sim stands for: `--gpu-type` and `--link` (default: one A100-80G-SXM per tensor-parallel
+rank, joined by NVLink 3), or `--cluster FILE --gpu-ids g1,g2,...` (in pipeline order, tp per
+stage; `;` may separate stages explicitly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from flexpipe.gear import Gear, GearError, GpuSlot, uniform_placement
+from flexpipe.hardware import link_spec
+from flexpipe.model_spec import ModelSpec, load_model_spec
+from flexpipe.perf import PerfModel
+from flexpipe.precision import precision
+
+
+class EngineArgsError(ValueError):
+    """Flags that do not make a runnable engine; the message is one readable line."""
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool | None, help: str) -> None:
+    p.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+def build_parser(prog: str = "flexpipe engine sim") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="A vLLM-compatible server whose timing is flexpipe's performance model.",
+    )
+    p.add_argument("model_tag", nargs="?", default=None, help="the model (as `vllm serve MODEL`)")
+    p.add_argument("--model", default=None, help="model id, HF repo id or config.json path")
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", "-q", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    _bool_flag(p, "--enable-prefix-caching", True, "prefix caching (default on)")
+    _bool_flag(p, "--enable-chunked-prefill", True, "chunked prefill (default on)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    sim = p.add_argument_group("sim engine (flexpipe only)")
+    sim.add_argument("--gpu-type", default="A100-80G-SXM", help="GPU type each rank stands for")
+    sim.add_argument("--link", default="nvlink3", help="link between tensor-parallel ranks")
+    sim.add_argument("--pp-link", default=None, help="link between pipeline stages")
+    sim.add_argument("--cluster", default=None, help="cluster file (with --gpu-ids)")
+    sim.add_argument("--gpu-ids", default=None, help="GPU ids from --cluster, stage by stage")
+    sim.add_argument("--time-scale", type=float, default=1.0, help="0: no sleeping at all")
+    sim.add_argument("--load-time-s", type=float, default=None, help="override the cold start")
+    sim.add_argument("--admin-token", default=None, help="or env FLEXPIPE_ADMIN_TOKEN")
+    sim.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
+    sim.add_argument("--log-level", default="warning")
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelSpec
+    model_path: str
+    served_model_names: tuple[str, ...]
+    host: str
+    port: int
+    gear: Gear
+    pm: PerfModel
+    max_model_len: int
+    enable_chunked_prefill: bool
+    gpu_memory_utilization: float
+    api_key: str | None
+    admin_token: str | None
+    seed: int
+    time_scale: float
+    load_time_s: float  # modelled (unscaled)
+    max_request_body_bytes: int
+    log_level: str
+    ignored_flags: tuple[str, ...]
+    hardware: str  # one line: what the sim stands for
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def _dtype(args: argparse.Namespace) -> str:
+    """A flexpipe precision name from vLLM's --quantization / --dtype."""
+    q = (args.quantization or "").lower().removesuffix("_marlin")
+    if q in ("compressed-tensors", "smoothquant"):
+        q = "int8"
+    name = q if q else str(args.dtype).lower()
+    return precision(name).name
+
+
+def parse_engine_args(argv: Sequence[str]) -> EngineConfig:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(list(argv))
+    ignored = tuple(a for a in unknown if a.startswith("-"))
+    model_path = args.model or args.model_tag
+    if not model_path:
+        raise EngineArgsError("no model given: pass it as `MODEL` or `--model MODEL`")
+    try:
+        model = load_model_spec(model_path)
+    except ValueError as exc:
+        raise EngineArgsError(str(exc)) from None
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    try:
+        gear = Gear(
+            tp=tp,
+            pp=pp,
+            dtype=_dtype(args),
+            kv_cache_dtype=str(args.kv_cache_dtype).lower(),
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens or 8192,
+            block_size=args.block_size,
+            enable_prefix_caching=bool(args.enable_prefix_caching),
+        )
+        if args.cluster:
+            pm, hardware = _cluster_perf_model(args, model, gear)
+        else:
+            slots = [GpuSlot.whole(args.gpu_type, f"gpu{i}") for i in range(gear.num_gpus)]
+            placement = uniform_placement(
+                slots,
+                tp,
+                pp,
+                model.num_layers,
+                link_spec(args.link),
+                link_spec(args.pp_link or args.link),
+            )
+            pm = PerfModel(
+                model, gear, placement, None, args.gpu_memory_utilization, args.max_model_len
+            )
+            hardware = f"{gear.num_gpus} x {args.gpu_type} over {args.link}"
+        pm.require_feasible()
+    except (ValueError, KeyError) as exc:
+        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise EngineArgsError(f"cannot run {model_path} with tp={tp}, pp={pp}: {msg}") from None
+    max_model_len = pm.memory.max_model_len
+    if args.max_num_batched_tokens is None and not args.enable_chunked_prefill:
+        gear = replace(gear, max_num_batched_tokens=max(8192, max_model_len))
+    load_time_s = args.load_time_s if args.load_time_s is not None else pm.cold_start_s()
+    names = tuple(args.served_model_name or [model_path])
+    admin = args.admin_token or os.environ.get("FLEXPIPE_ADMIN_TOKEN") or None
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    if args.time_scale < 0:
+        raise EngineArgsError("--time-scale must be >= 0")
+    return EngineConfig(
+        model=model,
+        model_path=model_path,
+        served_model_names=names,
+        host=args.host,
+        port=args.port,
+        gear=gear,
+        pm=pm,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=bool(args.enable_chunked_prefill),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        api_key=api_key,
+        admin_token=admin,
+        seed=args.seed,
+        time_scale=args.time_scale,
+        load_time_s=load_time_s,
+        max_request_body_bytes=args.max_request_body_bytes,
+        log_level=args.log_level,
+        ignored_flags=ignored,
+        hardware=hardware,
+    )
+
+
+def _cluster_perf_model(
+    args: argparse.Namespace, model: ModelSpec, gear: Gear
+) -> tuple[PerfModel, str]:
+    from flexpipe.cluster import load_cluster, placement_on
+
+    if not args.gpu_ids:
+        raise GearError("--cluster needs --gpu-ids (e.g. --gpu-ids gpu0,gpu1)")
+    cluster = load_cluster(args.cluster)
+    text = str(args.gpu_ids)
+    if ";" in text:
+        stages = [[g.strip() for g in s.split(",") if g.strip()] for s in text.split(";")]
+    else:
+        flat = [g.strip() for g in text.split(",") if g.strip()]
+        if len(flat) != gear.num_gpus:
+            raise GearError(
+                f"--gpu-ids lists {len(flat)} GPUs; "
+                f"tp={gear.tp} x pp={gear.pp} needs {gear.num_gpus}"
+            )
+        stages = [flat[i * gear.tp : (i + 1) * gear.tp] for i in range(gear.pp)]
+    placement = placement_on(cluster, stages, model.num_layers)
+    if placement.tp != gear.tp or placement.pp != gear.pp:
+        raise GearError(
+            f"--gpu-ids gives tp={placement.tp}, pp={placement.pp}; "
+            f"flags say tp={gear.tp}, pp={gear.pp}"
+        )
+    pm = PerfModel(model, gear, placement, None, args.gpu_memory_utilization, args.max_model_len)
+    return pm, f"{args.cluster}: {'; '.join(','.join(s) for s in stages)}"
+
+
+def warn_ignored(cfg: EngineConfig) -> None:
+    for flag in cfg.ignored_flags:
+        print(
+            f"flexpipe sim engine: ignoring vLLM flag {flag} (no effect in the sim)",
+            file=sys.stderr,
+        )

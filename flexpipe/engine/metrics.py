@@ -1,0 +1,216 @@
+"""The sim engine's Prometheus metrics, with vLLM V1's names, types and labels.
+
+Every series carries `model_name` (the served model name) and `engine` ("0"), as vLLM V1
+does. State (running/waiting counts, KV usage, prefix-cache and preemption counters) is read
+from the scheduler at scrape time; request latencies are observed as tokens are emitted, on
+the wall clock (what a client sees, whatever the time scale).
+
+vLLM names: vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc,
+vllm:gpu_cache_usage_perc (the pre-V1 name, still read by many routers),
+vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total, vllm:num_preemptions_total,
+vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:request_success_total
+{finished_reason}, vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds,
+vllm:request_prompt_tokens, vllm:request_generation_tokens, vllm:iteration_tokens_total,
+vllm:cache_config_info (value 1; the config in labels).
+
+flexpipe additions: flexpipe:num_tokens_queued_running (prompt + output tokens of every
+waiting and running request: a load signal for least-load routing), flexpipe:num_kv_blocks_free,
+flexpipe:engine_lag_seconds (how far the engine loop runs behind modelled time),
+flexpipe:engine_steps_total, flexpipe:modelled_busy_seconds_total.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from flexpipe.engine.scheduler import Scheduler
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's build_1_2_5_buckets)."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > max_model_len:
+                return out
+            out.append(float(value))
+        exponent += 1
+
+
+class _StateCollector(Collector):
+    """Reads the scheduler's state at scrape time (no per-step bookkeeping)."""
+
+    def __init__(self, engine: EngineMetrics) -> None:
+        self.m = engine
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        s = m.scheduler
+        names = ["model_name", "engine"]
+        labels = [m.model_name, "0"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(labels, value)
+            return c
+
+        usage = s.bm.usage
+        st = s.bm.stats
+        queued = sum(r.num_tokens for r in s.waiting) + sum(
+            r.num_tokens - r.num_computed_tokens + 1 for r in s.running
+        )
+        for name, doc, value in (
+            ("vllm:num_requests_running", _DOC_RUNNING, s.num_running),
+            ("vllm:num_requests_waiting", _DOC_WAITING, s.num_waiting),
+            ("vllm:kv_cache_usage_perc", _DOC_USAGE, usage),
+            ("vllm:gpu_cache_usage_perc", _DOC_USAGE, usage),
+            ("flexpipe:num_tokens_queued_running", _DOC_QUEUED, queued),
+            ("flexpipe:num_kv_blocks_free", _DOC_FREE, s.bm.num_free_blocks),
+            ("flexpipe:engine_lag_seconds", _DOC_LAG, m.lag_s),
+        ):
+            yield gauge(name, doc, value)
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", _DOC_QUERIES, st.num_queries_tokens),
+            ("vllm:prefix_cache_hits", _DOC_HITS, st.num_hit_tokens),
+            ("vllm:num_preemptions", _DOC_PREEMPT, s.num_preemptions),
+            ("flexpipe:engine_steps", "Engine iterations run.", m.num_steps),
+            ("flexpipe:modelled_busy_seconds", _DOC_BUSY, m.busy_s),
+        ):
+            yield counter(name, doc, value)
+
+
+_DOC_RUNNING = "Number of requests in model execution batches."
+_DOC_WAITING = "Number of requests waiting to be processed."
+_DOC_USAGE = "KV-cache usage. 1 means 100 percent usage."
+_DOC_QUEUED = "Tokens of waiting requests plus tokens left to compute of running ones."
+_DOC_FREE = "Free KV blocks (cached blocks that may be evicted count as free)."
+_DOC_LAG = "How far the engine loop runs behind the modelled step deadlines."
+_DOC_QUERIES = "Prefix cache queries, in terms of number of queried tokens."
+_DOC_HITS = "Prefix cache hits, in terms of number of cached tokens."
+_DOC_PREEMPT = "Cumulative number of preemption from the engine."
+_DOC_BUSY = "Sum of modelled step times (unscaled)."
+
+
+class EngineMetrics:
+    """One server's metrics, in its own registry (two engines in one process do not mix)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        scheduler: Scheduler,
+        max_model_len: int,
+        cache_config: Mapping[str, object],
+    ) -> None:
+        self.model_name = model_name
+        self.scheduler = scheduler
+        self.registry = CollectorRegistry()
+        self.lag_s = 0.0
+        self.num_steps = 0
+        self.busy_s = 0.0
+        r = self.registry
+        names = ["model_name", "engine"]
+        lv = (model_name, "0")
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", names, registry=r
+        ).labels(*lv)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", names, registry=r
+        ).labels(*lv)
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*names, "finished_reason"],
+            registry=r,
+        )
+        self.success = {
+            reason: self._success.labels(*lv, reason) for reason in ("stop", "length", "abort")
+        }
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            names,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(*lv)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            names,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(*lv)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(*lv)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            names,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        ).labels(*lv)
+        token_buckets = _token_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            names,
+            buckets=token_buckets,
+            registry=r,
+        ).labels(*lv)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            names,
+            buckets=token_buckets,
+            registry=r,
+        ).labels(*lv)
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            names,
+            buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+            registry=r,
+        ).labels(*lv)
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine for cache_config",
+            [*cache_config.keys(), "engine"],
+            registry=r,
+        )
+        info.labels(*(str(v) for v in cache_config.values()), "0").set(1)
+        r.register(_StateCollector(self))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

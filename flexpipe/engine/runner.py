@@ -1,0 +1,163 @@
+"""The async engine loop: plan a step, sleep what the performance model says it takes, emit.
+
+Timing is kept against an absolute deadline: each step's modelled time (times `time_scale`)
+is added to the previous deadline and the loop sleeps until then, so the loop's own overhead
+(scheduling, HTTP writes) is absorbed instead of adding up; the deadline restarts when the
+engine goes idle. At `time_scale == 0` nothing sleeps, but the loop still yields to the event
+loop once per step so the streams are served.
+
+Consumers (the API handlers) wait on `req.waiter`, a future the loop resolves when the request
+has new tokens or has finished; they read the tokens from the request itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+from flexpipe.engine.metrics import EngineMetrics
+from flexpipe.engine.request import EngineRequest, Status
+from flexpipe.engine.scheduler import Scheduler, StepPlan
+from flexpipe.perf import BatchShape
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        step_time_s: Callable[[BatchShape], float],
+        metrics: EngineMetrics,
+        time_scale: float = 1.0,
+    ) -> None:
+        self.scheduler = scheduler
+        self.step_time_s = step_time_s
+        self.metrics = metrics
+        self.time_scale = time_scale
+        self.requests: dict[str, EngineRequest] = {}  # request id -> in-flight request
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # --- requests ------------------------------------------------------------------------
+    def add(self, req: EngineRequest) -> None:
+        req.arrival_s = time.monotonic()
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        self._wake.set()
+
+    def abort(self, req: EngineRequest, reason: str = "abort") -> None:
+        if req.status is not Status.FINISHED:
+            self.scheduler.abort(req, reason)
+            self.metrics.success["abort"].inc()
+            self._notify(req)
+        self.requests.pop(req.request_id, None)
+
+    def release(self, req: EngineRequest) -> None:
+        """The consumer is done with a finished request."""
+        self.requests.pop(req.request_id, None)
+
+    @staticmethod
+    def _notify(req: EngineRequest) -> None:
+        w = req.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self, req: EngineRequest) -> None:
+        """Until `req` has progressed (new token or finished) since the caller last looked."""
+        w = asyncio.get_running_loop().create_future()
+        req.waiter = w
+        try:
+            await w
+        finally:
+            req.waiter = None
+
+    # --- loop ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        sched = self.scheduler
+        metrics = self.metrics
+        clock = time.monotonic
+        scale = self.time_scale
+        deadline = clock()
+        while not self._stopping:
+            if not sched.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = clock()
+                continue
+            plan = sched.schedule()
+            for req in plan.rejected:
+                self._finish(req, clock())
+            if plan.is_empty:
+                if not plan.preempted and not plan.rejected:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    deadline = clock()
+                continue
+            if plan.batch.num_prefill_seqs:
+                now = clock()
+                for req, _, _ in plan.scheduled:
+                    if req.scheduled_s == 0.0:
+                        req.scheduled_s = now
+                        metrics.queue_time.observe(now - req.arrival_s)
+            step_s = self.step_time_s(plan.batch)
+            metrics.num_steps += 1
+            metrics.busy_s += step_s
+            if scale > 0:
+                deadline += step_s * scale
+                delay = deadline - clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                    metrics.lag_s = 0.0
+                else:
+                    metrics.lag_s = -delay
+                    await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(0)
+            self._emit(plan, sched.finish_step(plan), clock())
+
+    def _emit(self, plan: StepPlan, out: list[EngineRequest], now: float) -> None:
+        m = self.metrics
+        m.iteration_tokens.observe(plan.batch.num_tokens)
+        if not out:
+            return
+        m.generation_tokens.inc(len(out))
+        itl = m.itl.observe
+        for req in out:
+            if req.first_token_s == 0.0:
+                req.first_token_s = now
+                m.ttft.observe(now - req.arrival_s)
+                m.prompt_tokens.inc(req.num_prompt_tokens)
+                m.request_prompt_tokens.observe(req.num_prompt_tokens)
+            else:
+                itl(now - req.last_token_s)
+            req.last_token_s = now
+            if req.status is Status.FINISHED:
+                self._finish(req, now)
+            else:
+                w = req.waiter
+                if w is not None and not w.done():
+                    w.set_result(None)
+
+    def _finish(self, req: EngineRequest, now: float) -> None:
+        m = self.metrics
+        reason = req.finish_reason or "abort"
+        if reason in m.success:
+            m.success[reason].inc()
+        if req.finish_reason != "error":
+            m.e2e.observe(now - req.arrival_s)
+            m.request_generation_tokens.observe(req.num_output_tokens)
+        self._notify(req)
