@@ -64,6 +64,7 @@ class FakeEngine:
     healthy: bool = True
     num_requests: int = 0
     num_cancelled: int = 0
+    num_active: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     server: HttpServer | None = None
 
@@ -97,7 +98,7 @@ class FakeEngine:
 
     async def _metrics(self, req: Request) -> Response:
         text = (
-            f'vllm:num_requests_running{{model_name="{self.model}"}} 0.0\n'
+            f'vllm:num_requests_running{{model_name="{self.model}"}} {self.num_active}.0\n'
             f'vllm:num_requests_waiting{{model_name="{self.model}"}} 0.0\n'
             f'vllm:kv_cache_usage_perc{{model_name="{self.model}"}} 0.1\n'
         )
@@ -152,6 +153,7 @@ class FakeEngine:
             d = {"id": rid, "object": obj, "created": 1, "model": self.model, "choices": [choice]}
             return b"data: " + orjson.dumps(d) + b"\n\n"
 
+        self.num_active += 1
         try:
             if chat:
                 yield event({"index": 0, "delta": {"role": "assistant", "content": ""}})
@@ -176,6 +178,8 @@ class FakeEngine:
         except (asyncio.CancelledError, GeneratorExit):
             self.num_cancelled += 1
             raise
+        finally:
+            self.num_active -= 1
 
 
 def free_port() -> int:

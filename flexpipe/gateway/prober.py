@@ -27,6 +27,7 @@ _METRICS = {
     b"vllm:num_requests_waiting": "num_waiting",
     b"vllm:kv_cache_usage_perc": "kv_usage",
     b"vllm:gpu_cache_usage_perc": "kv_usage",
+    b"flexpipe:num_tokens_queued_running": "num_tokens",  # the sim engine's exact count
 }
 
 
@@ -34,7 +35,7 @@ def parse_engine_metrics(text: bytes) -> dict[str, float]:
     """Sum the samples of the metrics routing needs over all their label sets."""
     out: dict[str, float] = {}
     for line in text.split(b"\n"):
-        if not line.startswith(b"vllm:"):
+        if not line.startswith((b"vllm:", b"flexpipe:")):
             continue
         name_end = min(i for i in (line.find(b"{"), line.find(b" ")) if i >= 0)
         field = _METRICS.get(line[:name_end])
@@ -142,7 +143,10 @@ class Prober:
         inst.num_running = int(values.get("num_running", 0))
         inst.num_waiting = int(values.get("num_waiting", 0))
         inst.kv_usage = values.get("kv_usage", 0.0)
-        num_requests = inst.num_running + inst.num_waiting
-        inst.num_scraped_tokens = num_requests * self.gw.mean_request_tokens
+        if "num_tokens" in values:
+            inst.num_scraped_tokens = values["num_tokens"]
+        else:  # vLLM: estimate from the request counts
+            num_requests = inst.num_running + inst.num_waiting
+            inst.num_scraped_tokens = num_requests * self.gw.mean_request_tokens
         inst.num_tokens_sent_since_scrape = 0.0
         inst.scraped_at_s = self.gw.clock()
