@@ -1,0 +1,255 @@
+"""Candidate instances: a model's gear on concrete GPUs, evaluated once.
+
+An instance is a chain of pipeline stages, each a tensor-parallel group. Evaluating one:
+balance the layers over the stages (flexpipe.policies.partition, with stage costs taken from
+the performance model), check the memory plan on the GPUs as they are now (free memory), then
+walk the batch ladder and keep the largest concurrency whose TTFT and TPOT meet the SLOs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from flexpipe.cluster import Cluster, placement_on
+from flexpipe.gear import Gear, GpuSlot, Placement
+from flexpipe.hardware import GiB, LinkSpec
+from flexpipe.model_spec import ModelSpec
+from flexpipe.perf import BatchShape, Efficiency, InfeasibleGear, PerfModel, memory_plan, p2p_s
+from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY
+from flexpipe.policies.partition import InfeasiblePartition, StageCost, partition_layers
+from flexpipe.policies.planner.performance import GearEstimate, GearKey, GearPerformance
+from flexpipe.policies.planner.types import ModelDemand, PlannerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    model_index: int
+    stages: tuple[tuple[str, ...], ...]
+    gear: Gear  # max_num_seqs = the chosen concurrency
+    layers_per_stage: tuple[int, ...]
+    estimate: GearEstimate
+    capacity_tokens_per_s: float  # SLO-meeting, at target utilisation
+    capacity_requests_per_s: float
+    kv_capacity_tokens: int
+    max_concurrency: int
+
+    @property
+    def gpu_ids(self) -> tuple[str, ...]:
+        return tuple(g for s in self.stages for g in s)
+
+    @property
+    def num_gpus(self) -> int:
+        return len(self.gpu_ids)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.capacity_tokens_per_s / self.num_gpus
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    model_index: int
+    stages: tuple[tuple[str, ...], ...]
+    gear: Gear
+    reason: str
+    memory: bool = False  # rejected because it does not fit (more stages may help)
+
+    @property
+    def gpu_ids(self) -> tuple[str, ...]:
+        return tuple(g for s in self.stages for g in s)
+
+
+def describe(stages: tuple[tuple[str, ...], ...], gear: Gear) -> str:
+    """`tp=2 on gpu1+gpu2`, `tp=1,pp=3 on gpu0 | gpu1 | gpu2` (stages split by |)."""
+    shape = f"tp={gear.tp}" + (f",pp={gear.pp}" if gear.pp > 1 else "")
+    if gear.dtype != "bf16":
+        shape += f",{gear.dtype}"
+    return f"{shape} on {' | '.join('+'.join(s) for s in stages)}"
+
+
+class Evaluator:
+    """Evaluates candidates for a cluster snapshot; caches what repeats across nodes."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        demands: tuple[ModelDemand, ...],
+        specs: tuple[ModelSpec, ...],
+        performance: GearPerformance,
+        config: PlannerConfig,
+        efficiency: Efficiency | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.demands = demands
+        self.specs = specs
+        self.performance = performance
+        self.config = config
+        self.efficiency = efficiency or DEFAULT_EFFICIENCY
+        self._ladder = tuple(sorted(set(config.batch_ladder)))
+        # (model index, dtype, stage hardware, free bytes) -> stage costs for the partitioner
+        self._stage_costs: dict[tuple[object, ...], list[StageCost] | str] = {}
+
+    # -- partitioning ------------------------------------------------------------------
+
+    def _probe(self, spec: ModelSpec, gear: Gear, placement: Placement, layers: int) -> PerfModel:
+        probe_model = replace(spec, num_layers=layers * placement.pp)
+        stages = tuple(replace(s, num_layers=layers) for s in placement.stages)
+        probe = Placement(stages, placement.pp_links)
+        return PerfModel(
+            probe_model, gear, probe, self.efficiency, self.config.gpu_memory_utilization
+        )
+
+    def stage_costs(
+        self, m: int, gear: Gear, placement: Placement, max_model_len: int
+    ) -> list[StageCost] | str:
+        """Per-stage costs for the partitioner, derived from two probe performance models
+        (one and two layers per stage): time and memory are linear in a stage's layers."""
+        key = (
+            m,
+            gear,
+            tuple(
+                (tuple((g.spec.name, g.free_bytes) for g in s.gpus), s.tp_link)
+                for s in placement.stages
+            ),
+            placement.pp_links,
+        )
+        cached = self._stage_costs.get(key)
+        if cached is not None:
+            return cached
+        spec = self.specs[m]
+        one = self._probe(spec, gear, placement, 1)
+        two = self._probe(spec, gear, placement, 2)
+        demand = self.demands[m]
+        micro = 16  # decode micro-batch the split is balanced for
+        shape = BatchShape(
+            num_decode_seqs=micro,
+            decode_context_tokens=micro * demand.workload.mean_context_tokens,
+        )
+        try:
+            t1, t2 = one.stage_times_s(shape), two.stage_times_s(shape)
+        except InfeasibleGear as exc:
+            self._stage_costs[key] = str(exc)
+            return str(exc)
+        handoff_bytes = micro * spec.hidden_size * gear.precision.activation_bytes
+        eff = self.efficiency.p2p_bandwidth_efficiency
+        costs: list[StageCost] = []
+        tp = gear.tp
+        for k in range(placement.pp):
+            per_layer = max(t2[k] - t1[k], 1e-12)
+            fixed = max(t1[k] - per_layer, 0.0)
+            handoff = (
+                p2p_s(handoff_bytes, placement.pp_links[k], eff) if k < placement.pp - 1 else 0.0
+            )
+            max_layers = spec.num_layers
+            for r in range(tp):
+                g1 = one.memory.per_gpu[k * tp + r]
+                g2 = two.memory.per_gpu[k * tp + r]
+                w_layer = g2.weights_bytes - g1.weights_bytes
+                kv_layer = g1.kv_bytes_per_token
+                fixed_bytes = g1.weights_bytes - w_layer + g1.reserve_bytes
+                room = g1.budget_bytes - fixed_bytes
+                per = w_layer + kv_layer * max_model_len
+                max_layers = min(max_layers, int(room // per) if room > 0 else 0)
+            costs.append(StageCost(f"stage{k}", per_layer, max_layers, fixed, handoff))
+        self._stage_costs[key] = costs
+        return costs
+
+    # -- evaluation --------------------------------------------------------------------
+
+    def evaluate(
+        self, m: int, stages: tuple[tuple[str, ...], ...], dtype: str
+    ) -> Candidate | Rejection:
+        spec = self.specs[m]
+        demand = self.demands[m]
+        tp, pp = len(stages[0]), len(stages)
+        top = max(self._ladder)
+        gear = Gear(tp=tp, pp=pp, dtype=dtype, max_num_seqs=top)
+        if spec.num_heads % tp:
+            return Rejection(m, stages, gear, f"tp={tp} does not divide {spec.num_heads} heads")
+        if pp > spec.num_layers:
+            return Rejection(m, stages, gear, f"pp={pp} exceeds {spec.num_layers} layers")
+        try:
+            placement = placement_on(self.cluster, stages, spec.num_layers)
+        except ValueError as exc:
+            return Rejection(m, stages, gear, str(exc))
+        model_len = demand.max_model_len or min(
+            spec.max_position_embeddings, self.efficiency.default_max_model_len
+        )
+        if pp > 1:
+            costs = self.stage_costs(m, gear, placement, model_len)
+            if isinstance(costs, str):
+                return Rejection(m, stages, gear, costs)
+            try:
+                split = partition_layers(spec.num_layers, costs).layers_per_stage
+            except InfeasiblePartition as exc:
+                return Rejection(m, stages, gear, f"layers do not fit: {exc}", memory=True)
+            placement = Placement(
+                tuple(
+                    replace(s, num_layers=n) for s, n in zip(placement.stages, split, strict=True)
+                ),
+                placement.pp_links,
+            )
+        mem = memory_plan(
+            spec, gear, placement, self.efficiency, self.config.gpu_memory_utilization, model_len
+        )
+        if not mem.feasible:
+            return Rejection(m, stages, gear, mem.reason or "does not fit", memory=True)
+        context = demand.input_tokens + demand.output_tokens
+        max_concurrency = mem.max_batch(context)
+        best: GearEstimate | None = None
+        first_fail: str | None = None
+        slo = demand.slo
+        for batch in self._ladder:
+            if batch > max_concurrency:
+                if best is None and first_fail is None:
+                    first_fail = (
+                        f"KV for {context}-token sequences fits only {max_concurrency} at once"
+                    )
+                break
+            key = GearKey.of(spec, replace(gear, max_num_seqs=batch), placement)
+            try:
+                est = self.performance.estimate(key, demand.workload)
+            except InfeasibleGear as exc:
+                return Rejection(m, stages, gear, str(exc))
+            if est.tpot_s > slo.tpot_p99_s or est.ttft_s > slo.ttft_p99_s:
+                if best is None:
+                    first_fail = _slo_miss(est, slo.tpot_p99_s, slo.ttft_p99_s)
+                break  # both grow with the batch
+            if best is None or est.requests_per_s > best.requests_per_s:
+                best = est
+        if best is None:
+            return Rejection(m, stages, gear, first_fail or "no batch size meets the SLOs")
+        util = self.config.target_utilization
+        return Candidate(
+            model_index=m,
+            stages=stages,
+            gear=replace(gear, max_num_seqs=best.batch),
+            layers_per_stage=tuple(s.num_layers for s in placement.stages),
+            estimate=best,
+            capacity_tokens_per_s=best.output_tokens_per_s * util,
+            capacity_requests_per_s=best.requests_per_s * util,
+            kv_capacity_tokens=mem.kv_capacity_tokens,
+            max_concurrency=max_concurrency,
+        )
+
+    def tp_link(self, ids: tuple[str, ...]) -> LinkSpec | None:
+        return self.cluster.slowest_link(ids) if len(ids) > 1 else None
+
+
+def _slo_miss(est: GearEstimate, tpot_slo_s: float, ttft_slo_s: float) -> str:
+    if est.tpot_s > tpot_slo_s:
+        return (
+            f"TPOT p99 at batch {est.batch} is {est.tpot_s * 1e3:.1f} ms > SLO "
+            f"{tpot_slo_s * 1e3:.0f} ms"
+        )
+    return (
+        f"TTFT p99 at batch {est.batch} is {est.ttft_s * 1e3:.0f} ms > SLO "
+        f"{ttft_slo_s * 1e3:.0f} ms"
+    )
+
+
+def slot_summary(slot: GpuSlot) -> str:
+    return f"{slot.name} ({slot.spec.name}, {slot.free_bytes / GiB:.0f} GiB free)"
+
+
+__all__ = ["Candidate", "Evaluator", "Rejection", "describe", "slot_summary"]

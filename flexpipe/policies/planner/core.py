@@ -1,0 +1,480 @@
+"""The planner: which instances (model, gear, concrete GPUs) to run on the free GPUs now.
+
+Objective: maximise the SLO-meeting throughput of the demand, `sum over models of
+min(demand, capacity)` in output tokens/s; when demand is covered, use the fewest GPUs.
+
+Method (lazy greedy over candidates generated per node; see docs/planner.md):
+
+1. Usable GPUs: some memory free, and free for at least `min_lease_s` more.
+2. Per node, per model and precision, candidates: for each TP size, the best TP group of every
+   fast-link domain (TP never crosses a slow link); when no single group fits, pipeline chains
+   of the node's best groups (layers balanced by the partitioner), the smallest `pp` that fits
+   and one more. Each is evaluated once (`Evaluator`): memory plan, batch ladder, SLOs.
+3. Repeatedly take the candidate with the highest *marginal* value per GPU,
+   `min(capacity, unmet demand) / num_gpus`, re-generating the candidates of the node it used.
+   Values only fall as demand gets covered, so stale heap entries are re-scored lazily.
+
+Pure: no I/O, no clock (`now` is an argument), no randomness.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from flexpipe.cluster import Cluster
+from flexpipe.hardware import GB
+from flexpipe.model_spec import ModelSpec, load_model_spec
+from flexpipe.perf import Efficiency
+from flexpipe.policies.planner.candidates import Candidate, Evaluator, Rejection, describe
+from flexpipe.policies.planner.performance import GearPerformance, PerfModelPerformance
+from flexpipe.policies.planner.types import (
+    Alternative,
+    Baseline,
+    ModelDemand,
+    ModelOutcome,
+    Plan,
+    PlannedInstance,
+    PlannerConfig,
+    UnusedGpu,
+)
+
+__all__ = ["plan", "single_group_baseline", "usable_gpus"]
+
+_TP_SIZES = (1, 2, 4, 8)
+
+
+def usable_gpus(
+    cluster: Cluster, now_s: float, config: PlannerConfig
+) -> tuple[list[str], list[UnusedGpu]]:
+    """GPUs the planner may use, and why each other one is left out."""
+    usable: list[str] = []
+    unused: list[UnusedGpu] = []
+    for gpu in cluster.gpus:
+        if gpu.free_bytes <= 0:
+            owner = f" by {gpu.owner}" if gpu.owner else ""
+            unused.append(UnusedGpu(gpu.id, f"fully held{owner}"))
+        elif gpu.free_until_s is not None and gpu.free_until_s - now_s < config.min_lease_s:
+            left = max(0.0, gpu.free_until_s - now_s)
+            unused.append(
+                UnusedGpu(
+                    gpu.id,
+                    f"free only {left:.0f} s more (< min_lease_s {config.min_lease_s:.0f} s)",
+                )
+            )
+        else:
+            usable.append(gpu.id)
+    return usable, unused
+
+
+@dataclass
+class _NodeState:
+    name: str
+    domains: list[list[str]]  # fast-link domains restricted to this node, usable GPUs
+    version: int = 0
+    candidates: list[Candidate] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+
+
+class _Planner:
+    def __init__(
+        self,
+        cluster: Cluster,
+        demands: tuple[ModelDemand, ...],
+        performance: GearPerformance,
+        config: PlannerConfig,
+        now_s: float,
+        efficiency: Efficiency | None,
+    ) -> None:
+        self.cluster = cluster
+        self.demands = demands
+        self.config = config
+        self.specs: tuple[ModelSpec, ...] = tuple(load_model_spec(d.model) for d in demands)
+        self.evaluator = Evaluator(cluster, demands, self.specs, performance, config, efficiency)
+        self.usable, self.unused = usable_gpus(cluster, now_s, config)
+        usable = set(self.usable)
+        self.free_bytes = {g: cluster.gpu(g).free_bytes for g in self.usable}
+        self.nodes: dict[str, _NodeState] = {}
+        for domain in cluster.fast_domains(config.fast_link_bytes_per_s):
+            # A domain spanning nodes is split per node (TP stays inside a node).
+            per_node: dict[str, list[str]] = {}
+            for gid in domain:
+                if gid in usable:
+                    per_node.setdefault(cluster.gpu(gid).node, []).append(gid)
+            for node, ids in per_node.items():
+                self.nodes.setdefault(node, _NodeState(node, [])).domains.append(ids)
+        self.remaining = [d.demand_tokens_per_s for d in demands]
+
+    # -- candidates ----------------------------------------------------------------------
+
+    def _sorted(self, ids: list[str]) -> list[str]:
+        return sorted(ids, key=lambda g: (-self.free_bytes[g], g))
+
+    def generate(self, state: _NodeState) -> None:
+        state.candidates = []
+        state.rejections = []
+        domains = [self._sorted(d) for d in state.domains if d]
+        if not domains:
+            return
+        largest = max(len(d) for d in domains)
+        total = sum(len(d) for d in domains)
+        for m, demand in enumerate(self.demands):
+            if self.remaining[m] <= 0:
+                continue
+            for dtype in demand.dtypes:
+                for tp in _TP_SIZES:
+                    if tp > largest or self.specs[m].num_heads % tp:
+                        continue
+                    self._generate_tp(state, m, dtype, tp, domains, total)
+
+    def _generate_tp(
+        self,
+        state: _NodeState,
+        m: int,
+        dtype: str,
+        tp: int,
+        domains: list[list[str]],
+        total: int,
+    ) -> None:
+        seen: set[tuple[object, ...]] = set()
+        any_fit = False
+        for d in domains:
+            if len(d) < tp:
+                continue
+            group = tuple(d[:tp])
+            sig = (
+                tuple((self.cluster.gpu(g).type, self.free_bytes[g]) for g in group),
+                self.evaluator.tp_link(group),
+            )
+            if sig in seen:
+                continue
+            seen.add(sig)
+            result = self.evaluator.evaluate(m, (group,), dtype)
+            if isinstance(result, Candidate):
+                state.candidates.append(result)
+                any_fit = True
+            else:
+                state.rejections.append(result)
+        if any_fit:
+            return
+        groups = [tuple(d[i * tp : (i + 1) * tp]) for d in domains for i in range(len(d) // tp)]
+        groups.sort(key=lambda grp: (-min(self.free_bytes[g] for g in grp), grp))
+        fitted_pp = 0
+        for pp in range(2, self.config.max_pp + 1):
+            if pp > len(groups) or pp * tp > total:
+                break
+            result = self.evaluator.evaluate(m, tuple(groups[:pp]), dtype)
+            if isinstance(result, Candidate):
+                state.candidates.append(result)
+                fitted_pp = fitted_pp or pp
+            else:
+                state.rejections.append(result)
+            if fitted_pp and pp > fitted_pp:
+                break
+
+    # -- greedy ----------------------------------------------------------------------------
+
+    def value(self, c: Candidate) -> float:
+        return min(c.capacity_tokens_per_s, self.remaining[c.model_index]) / c.num_gpus
+
+    def run(self) -> list[tuple[Candidate, list[Alternative]]]:
+        heap: list[tuple[float, int, int, str, int, Candidate]] = []
+        counter = itertools.count()
+
+        def push(state: _NodeState) -> None:
+            for c in state.candidates:
+                v = self.value(c)
+                if v > 0:
+                    heapq.heappush(
+                        heap, (-v, c.num_gpus, next(counter), state.name, state.version, c)
+                    )
+
+        for state in self.nodes.values():
+            self.generate(state)
+            push(state)
+        chosen: list[tuple[Candidate, list[Alternative]]] = []
+        while heap:
+            neg, _, _, node, version, c = heapq.heappop(heap)
+            state = self.nodes[node]
+            if version != state.version:
+                continue
+            v = self.value(c)
+            if v <= 0:
+                continue
+            if v < -neg * (1 - 1e-12):
+                heapq.heappush(heap, (-v, c.num_gpus, next(counter), node, version, c))
+                continue
+            alternatives = self.alternatives(c, state)
+            chosen.append((c, alternatives))
+            self.remaining[c.model_index] -= min(
+                c.capacity_tokens_per_s, self.remaining[c.model_index]
+            )
+            taken = set(c.gpu_ids)
+            state.domains = [[g for g in d if g not in taken] for d in state.domains]
+            state.version += 1
+            self.generate(state)
+            push(state)
+        return chosen
+
+    # -- explanations --------------------------------------------------------------------
+
+    def alternatives(self, chosen: Candidate, state: _NodeState) -> list[Alternative]:
+        value = self.value(chosen)
+        out: list[Alternative] = []
+        others = sorted(
+            (
+                c
+                for c in state.candidates
+                if c.model_index == chosen.model_index and c is not chosen
+            ),
+            key=lambda c: -self.value(c),
+        )
+        for c in others:
+            v = self.value(c)
+            reason = f"{v:.0f} tok/s per GPU < {value:.0f}"
+            if v >= value * (1 - 1e-12):
+                reason = f"{v:.0f} tok/s per GPU, tie: fewer GPUs or earlier wins"
+            out.append(
+                Alternative(
+                    describe(c.stages, c.gear) + f" batch {c.estimate.batch}",
+                    c.gpu_ids,
+                    c.tokens_per_s_per_gpu,
+                    reason,
+                )
+            )
+        for r in state.rejections:
+            if r.model_index == chosen.model_index:
+                out.append(Alternative(describe(r.stages, r.gear), r.gpu_ids, None, r.reason))
+        out = out[: self.config.max_alternatives]
+        out.extend(self.slow_tp_alternatives(chosen))
+        return out
+
+    def slow_tp_alternatives(self, chosen: Candidate) -> list[Alternative]:
+        """On small clusters, what TP across a slow link would have given (not allowed)."""
+        if len(self.usable) > self.config.max_baseline_gpus or chosen.gear.pp > 1:
+            return []
+        group = chosen.gpu_ids
+        tp = 2 * chosen.gear.tp
+        outside = [g for g in self._sorted(list(self.free_bytes)) if g not in group]
+        if len(group) + len(outside) < tp or self.specs[chosen.model_index].num_heads % tp:
+            return []
+        wider = (*group, *outside[: tp - len(group)])
+        link = self.cluster.slowest_link(wider)
+        if link.bandwidth_bytes_per_s >= self.config.fast_link_bytes_per_s:
+            return []
+        result = self.evaluator.evaluate(chosen.model_index, (wider,), chosen.gear.dtype)
+        numbers = (
+            f"would give {result.tokens_per_s_per_gpu:.0f} tok/s per GPU; "
+            if isinstance(result, Candidate)
+            else f"{result.reason}; "
+        )
+        return [
+            Alternative(
+                describe((wider,), replace(chosen.gear, tp=tp)),
+                wider,
+                result.tokens_per_s_per_gpu if isinstance(result, Candidate) else None,
+                numbers
+                + f"not allowed: TP over {link.name} ({link.bandwidth_bytes_per_s / GB:.1f} GB/s"
+                f" < fast-link threshold {self.config.fast_link_bytes_per_s / GB:.0f} GB/s)",
+            )
+        ]
+
+
+def _why(c: Candidate, demand: ModelDemand, remaining_before: float) -> str:
+    est = c.estimate
+    slo = demand.slo
+    head = (
+        f"{c.tokens_per_s_per_gpu:.0f} SLO-meeting tok/s per GPU, the best left for {demand.name}"
+        if c.capacity_tokens_per_s <= remaining_before
+        else f"covers the last {remaining_before:.0f} tok/s of {demand.name} with the fewest GPUs"
+    )
+    return (
+        f"{head}: batch {est.batch}, TPOT p99 {est.tpot_s * 1e3:.1f} ms (SLO "
+        f"{slo.tpot_p99_s * 1e3:.0f}), TTFT p99 {est.ttft_s * 1e3:.0f} ms (SLO "
+        f"{slo.ttft_p99_s * 1e3:.0f}), {est.source}"
+    )
+
+
+def plan(
+    cluster: Cluster,
+    demands: Sequence[ModelDemand],
+    performance: GearPerformance | None = None,
+    config: PlannerConfig | None = None,
+    now_s: float = 0.0,
+    efficiency: Efficiency | None = None,
+) -> Plan:
+    """Plan instances for `demands` on `cluster`'s free GPUs at time `now_s`."""
+    config = config or PlannerConfig()
+    demands = tuple(demands)
+    names = [d.name for d in demands]
+    if len(set(names)) != len(names):
+        raise ValueError(f"model names must be unique; got {names}")
+    performance = performance or PerfModelPerformance(efficiency)
+    planner = _Planner(cluster, demands, performance, config, now_s, efficiency)
+    before = list(planner.remaining)
+    chosen = planner.run()
+    return _assemble(planner, chosen, before)
+
+
+def _assemble(
+    planner: _Planner, chosen: list[tuple[Candidate, list[Alternative]]], demand_tokens: list[float]
+) -> Plan:
+    demands = planner.demands
+    capacity = [0.0] * len(demands)
+    for c, _ in chosen:
+        capacity[c.model_index] += c.capacity_tokens_per_s
+    served = [min(d, cap) for d, cap in zip(demand_tokens, capacity, strict=True)]
+    remaining = list(demand_tokens)
+    instances: list[PlannedInstance] = []
+    counts = [0] * len(demands)
+    for c, alternatives in chosen:
+        m = c.model_index
+        d = demands[m]
+        share = c.capacity_tokens_per_s / capacity[m] if capacity[m] else 0.0
+        why = _why(c, d, remaining[m])
+        remaining[m] -= min(remaining[m], c.capacity_tokens_per_s)
+        instances.append(
+            PlannedInstance(
+                name=f"{d.name}-{counts[m]}",
+                model=d.name,
+                model_id=planner.specs[m].name,
+                gear=c.gear,
+                stages=c.stages,
+                layers_per_stage=c.layers_per_stage,
+                estimate=c.estimate,
+                capacity_tokens_per_s=c.capacity_tokens_per_s,
+                capacity_requests_per_s=c.capacity_requests_per_s,
+                assigned_requests_per_s=served[m] * share / d.output_tokens,
+                kv_capacity_tokens=c.kv_capacity_tokens,
+                max_concurrency=c.max_concurrency,
+                why=why,
+                alternatives=tuple(alternatives),
+            )
+        )
+        counts[m] += 1
+    used = {g for i in instances for g in i.gpu_ids}
+    unused = list(planner.unused)
+    for gid in planner.usable:
+        if gid not in used:
+            reason = (
+                "not needed: every demand is covered"
+                if all(r <= 0 for r in planner.remaining)
+                else "no model's gear fits it within the SLOs"
+            )
+            unused.append(UnusedGpu(gid, reason))
+    outcomes = tuple(
+        ModelOutcome(
+            name=d.name,
+            demand_tokens_per_s=demand_tokens[m],
+            served_tokens_per_s=served[m],
+            capacity_tokens_per_s=capacity[m],
+            num_instances=counts[m],
+            num_gpus=sum(i.num_gpus for i in instances if i.model == d.name),
+        )
+        for m, d in enumerate(demands)
+    )
+    baselines: list[Baseline] = []
+    if len(planner.usable) <= planner.config.max_baseline_gpus and demands and used:
+        baselines = _baselines(planner, sorted(used, key=planner.usable.index))
+    return Plan(tuple(instances), outcomes, tuple(unused), tuple(baselines))
+
+
+# -- baselines -------------------------------------------------------------------------------
+
+
+def _factorisations(n: int, num_heads: int) -> list[tuple[int, int]]:
+    return [(tp, n // tp) for tp in range(1, n + 1) if n % tp == 0 and num_heads % tp == 0]
+
+
+def single_group_baseline(
+    planner_or_cluster: _Planner | Cluster,
+    demands: Sequence[ModelDemand] | None,
+    gpu_ids: Sequence[str],
+    model_index: int = 0,
+    performance: GearPerformance | None = None,
+    config: PlannerConfig | None = None,
+) -> Candidate | Rejection:
+    """The best single instance over exactly `gpu_ids`, TP allowed across any link (the
+    "forced one big group" a fixed deployment template builds). Tries every tp x pp and stage
+    order; small groups only."""
+    if isinstance(planner_or_cluster, _Planner):
+        evaluator = planner_or_cluster.evaluator
+        demand = planner_or_cluster.demands[model_index]
+    else:
+        assert demands is not None
+        cfg = config or PlannerConfig()
+        demands = tuple(demands)
+        specs = tuple(load_model_spec(d.model) for d in demands)
+        evaluator = Evaluator(
+            planner_or_cluster, demands, specs, performance or PerfModelPerformance(), cfg
+        )
+        demand = demands[model_index]
+    ids = list(gpu_ids)
+    best: Candidate | Rejection | None = None
+    spec = evaluator.specs[model_index]
+    for tp, pp in _factorisations(len(ids), spec.num_heads):
+        for order in itertools.permutations(ids):
+            stages = tuple(tuple(order[k * tp : (k + 1) * tp]) for k in range(pp))
+            for dtype in demand.dtypes:
+                result = evaluator.evaluate(model_index, stages, dtype)
+                if isinstance(result, Candidate):
+                    if not isinstance(best, Candidate) or (
+                        result.capacity_tokens_per_s > best.capacity_tokens_per_s
+                    ):
+                        best = result
+                elif best is None:
+                    best = result
+    assert best is not None
+    return best
+
+
+def _baselines(planner: _Planner, used: list[str]) -> list[Baseline]:
+    out: list[Baseline] = []
+    m = 0
+    demand = planner.demands[m]
+    group = single_group_baseline(planner, None, used, m)
+    if isinstance(group, Candidate):
+        goodput = min(demand.demand_tokens_per_s, group.capacity_tokens_per_s)
+        detail = f"{describe(group.stages, group.gear)}, batch {group.estimate.batch}"
+    else:
+        goodput = 0.0
+        detail = group.reason
+    out.append(
+        Baseline(
+            "one-group",
+            f"one {demand.name} instance over all {len(used)} GPUs the plan uses "
+            "(TP allowed across any link)",
+            goodput,
+            detail,
+        )
+    )
+    out.append(_wait_for_identical(planner, m, 4))
+    return out
+
+
+def _wait_for_identical(planner: _Planner, m: int, n: int) -> Baseline:
+    """A fixed template: tp=n on n identical, fully free GPUs joined by fast links."""
+    demand = planner.demands[m]
+    name = f"wait-for-{n}-identical"
+    description = f"a fixed tp={n} template that needs {n} identical, fully free, fast-linked GPUs"
+    for domain in planner.cluster.fast_domains(planner.config.fast_link_bytes_per_s):
+        by_type: dict[str, list[str]] = {}
+        for gid in domain:
+            gpu = planner.cluster.gpu(gid)
+            if gpu.used_bytes == 0 and gid in planner.free_bytes:
+                by_type.setdefault(gpu.type, []).append(gid)
+        for ids in by_type.values():
+            if len(ids) >= n:
+                result = planner.evaluator.evaluate(m, (tuple(ids[:n]),), demand.dtypes[0])
+                if isinstance(result, Candidate):
+                    return Baseline(
+                        name,
+                        description,
+                        min(demand.demand_tokens_per_s, result.capacity_tokens_per_s),
+                        describe(result.stages, result.gear),
+                    )
+    return Baseline(
+        name, description, 0.0, f"no {n} such GPUs are free now: it serves nothing until they are"
+    )

@@ -1,0 +1,137 @@
+"""The models file: which models to serve, their demand and SLOs (docs/planner.md).
+
+```yaml
+models:
+  - name: llama-7b            # served model name (what clients ask for)
+    model: llama-2-7b         # model spec id or path to a config.json
+    demand: {request_rate_per_s: 12, input_tokens: 512, output_tokens: 128}
+    slo: {ttft_p99_ms: 1000, tpot_p99_ms: 60}
+    dtypes: [bf16]            # optional; precisions the owner accepts
+    max_model_len: 4096       # optional
+```
+
+`parse_models` validates a parsed document (pure); reading the file is the caller's job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flexpipe.model_spec import ModelSpecError, load_model_spec
+from flexpipe.policies.planner.types import ModelDemand, Slo
+from flexpipe.precision import PrecisionError, precision
+
+__all__ = ["ModelsFileError", "parse_models"]
+
+_MODEL_KEYS = {"name", "model", "demand", "slo", "dtypes", "max_model_len"}
+_DEMAND_KEYS = {"request_rate_per_s", "input_tokens", "output_tokens"}
+_SLO_KEYS = {"ttft_p99_ms", "tpot_p99_ms"}
+
+
+class ModelsFileError(ValueError):
+    """A models file that does not make sense; one line per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("\n".join(errors))
+
+
+def _number(doc: dict[str, Any], key: str, place: str, errors: list[str]) -> float:
+    value = doc.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        errors.append(f"{place}.{key}: expected a number, got {value!r}")
+        return 0.0
+    if value <= 0 and key != "request_rate_per_s":
+        errors.append(f"{place}.{key}: must be positive (got {value})")
+    if value < 0:
+        errors.append(f"{place}.{key}: must be >= 0 (got {value})")
+    return float(value)
+
+
+def _section(
+    doc: dict[str, Any], key: str, keys: set[str], place: str, errors: list[str]
+) -> dict[str, Any]:
+    value = doc.get(key)
+    if not isinstance(value, dict):
+        errors.append(f"{place}.{key}: expected a mapping with {', '.join(sorted(keys))}")
+        return {}
+    unknown = sorted(set(value) - keys)
+    if unknown:
+        errors.append(f"{place}.{key}: unknown key(s) {', '.join(map(str, unknown))}")
+    missing = sorted(keys - set(value))
+    if missing:
+        errors.append(f"{place}.{key}: missing {', '.join(missing)}")
+    return value
+
+
+def parse_models(doc: object, source: str = "<models>") -> tuple[ModelDemand, ...]:
+    """Validate a models document; every problem is reported at once (ModelsFileError)."""
+    errors: list[str] = []
+    if not isinstance(doc, dict) or not isinstance(doc.get("models"), list) or not doc["models"]:
+        raise ModelsFileError([f"{source}: expected `models:` with a list of at least one model"])
+    out: list[ModelDemand] = []
+    names: set[str] = set()
+    for i, item in enumerate(doc["models"]):
+        place = f"{source}: models[{i}]"
+        if not isinstance(item, dict):
+            errors.append(f"{place}: expected a mapping")
+            continue
+        ok = len(errors)
+        unknown = sorted(set(item) - _MODEL_KEYS)
+        if unknown:
+            errors.append(f"{place}: unknown key(s) {', '.join(map(str, unknown))}")
+        model = item.get("model")
+        name = item.get("name", model)
+        if not isinstance(model, str):
+            errors.append(f"{place}.model: expected a model id or config.json path")
+        else:
+            try:
+                load_model_spec(model)
+            except ModelSpecError as exc:
+                errors.append(f"{place}.model: {exc}")
+        if not isinstance(name, str):
+            errors.append(f"{place}.name: expected a string")
+        elif name in names:
+            errors.append(f"{place}.name: duplicate model name {name!r}")
+        else:
+            names.add(name)
+        demand = _section(item, "demand", _DEMAND_KEYS, place, errors)
+        rate = _number(demand, "request_rate_per_s", f"{place}.demand", errors) if demand else 0
+        inp = _number(demand, "input_tokens", f"{place}.demand", errors) if demand else 0
+        outp = _number(demand, "output_tokens", f"{place}.demand", errors) if demand else 0
+        slo = _section(item, "slo", _SLO_KEYS, place, errors)
+        ttft = _number(slo, "ttft_p99_ms", f"{place}.slo", errors) if slo else 0
+        tpot = _number(slo, "tpot_p99_ms", f"{place}.slo", errors) if slo else 0
+        dtypes_value = item.get("dtypes", ["bf16"])
+        dtypes: list[str] = []
+        if not isinstance(dtypes_value, list) or not dtypes_value:
+            errors.append(f"{place}.dtypes: expected a list of precisions")
+        else:
+            for d in dtypes_value:
+                try:
+                    dtypes.append(precision(str(d)).name)
+                except PrecisionError as exc:
+                    errors.append(f"{place}.dtypes: {exc}")
+        max_len = item.get("max_model_len")
+        if max_len is not None and (
+            isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1
+        ):
+            errors.append(f"{place}.max_model_len: expected a positive integer")
+        if len(errors) > ok:
+            continue
+        assert isinstance(name, str) and isinstance(model, str)
+        out.append(
+            ModelDemand(
+                name=name,
+                model=model,
+                request_rate_per_s=rate,
+                input_tokens=int(inp),
+                output_tokens=int(outp),
+                slo=Slo(ttft_p99_s=ttft / 1e3, tpot_p99_s=tpot / 1e3),
+                dtypes=tuple(dtypes),
+                max_model_len=max_len,
+            )
+        )
+    if errors:
+        raise ModelsFileError(errors)
+    return tuple(out)
