@@ -175,15 +175,22 @@ def test_hanging_engine_gets_a_504_and_is_ejected(lt: LoopThread) -> None:
 
 
 def test_stalled_stream_is_migrated_after_the_idle_timeout(lt: LoopThread) -> None:
-    slow, fast = FakeEngine(token_delay_s=2.0), FakeEngine()
-    r = Running(lt, [slow, fast], routing={"policy": "round_robin"}, idle_timeout_s=0.3)
+    slow, fast = FakeEngine(token_delay_s=1.0), FakeEngine()
+    r = Running(lt, [slow, fast], idle_timeout_s=0.3)
     try:
+        r.gw.pool.drain(fast.url)  # the stream starts on `slow`
         stream = r.client().completions.create(
             model="fake-model", prompt="x", max_tokens=4, stream=True
         )
-        chunks = [c for c in stream if c.choices]
-        assert "".join(c.choices[0].text for c in chunks) == "t0 t1 t2 t3 "
-        assert fast.num_requests == 1 and chunks[-1].choices[0].finish_reason == "length"
+        it = iter(stream)
+        first = next(it)  # t0 after 1 s; the next token would take another 1 s > idle timeout
+        r.gw.pool.activate(fast.url)
+        chunks = [first, *(c for c in it if c.choices)]
+        # the continuation asked `fast` for the 3 remaining tokens after prompt "x" + "t0 "
+        assert "".join(c.choices[0].text for c in chunks) == "t0 t0 t1 t2 "
+        assert fast.bodies[-1]["prompt"] == "xt0 " and fast.bodies[-1]["max_tokens"] == 3
+        assert {c.id for c in chunks} == {first.id}
+        assert chunks[-1].choices[0].finish_reason == "length"
     finally:
         r.close()
 
@@ -259,7 +266,7 @@ def test_client_disconnect_cancels_the_upstream(lt: LoopThread) -> None:
 
 
 def test_full_pool_queues_then_answers_429_with_retry_after(lt: LoopThread) -> None:
-    slow = FakeEngine(token_delay_s=0.2)
+    slow = FakeEngine(token_delay_s=0.5)
     r = Running(lt, [slow], max_concurrency_per_instance=1, max_queue=1, max_queue_wait_s=5)
 
     async def burst() -> list[int]:
