@@ -40,7 +40,7 @@ from flexpipe.perf import InfeasibleGear, PerfModel
 DEFAULT_NUM_REQUESTS = 200
 
 
-class BenchError(RuntimeError):
+class BenchError(ValueError):
     """A gear_bench run that cannot go on; the message is for the user."""
 
 
@@ -241,7 +241,7 @@ async def _scrape_kv(
                     value = float(line.rsplit(" ", 1)[1])
                     result.peak_kv_usage = max(result.peak_kv_usage or 0.0, value)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.2)
+            await asyncio.wait_for(stop.wait(), 0.05)
 
 
 async def run_load(
@@ -297,6 +297,12 @@ async def run_load(
         await scraper
         await pool.close()
     result.wall_s = (time.perf_counter() - start) / (time_scale or 1.0)
+    if engine is not None and result.errors:
+        # Errors may mean the engine died; its exit is noticed a moment after the sockets close.
+        for _ in range(40):
+            if engine.returncode is not None:
+                break
+            await asyncio.sleep(0.05)
     if engine is not None and engine.returncode is not None:
         raise EngineDied(f"the engine went away at concurrency {concurrency}")
     return result
@@ -379,7 +385,7 @@ async def bench(
     engine: str = "sim",
     time_scale: float = 1.0,
     concurrencies: Sequence[int] | None = None,
-    store_point: Callable[[GearPoint], None] | None = None,
+    store_point: Callable[[GearPoint], object] | None = None,
     observer: BenchObserver | None = None,
     report: BenchReport | None = None,
 ) -> BenchReport:

@@ -3,16 +3,30 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
-from flexpipe.cli.common import user_errors
+from flexpipe.cli.common import err_console, user_errors
 from flexpipe.gear import parse_gear
+from flexpipe.gear_bench import (
+    BenchObserver,
+    BenchReport,
+    Candidate,
+    Workload,
+    bench,
+    candidates,
+    parse_gears,
+    resolve_model,
+)
 from flexpipe.gears import GearEstimate, GearPoint, GearTable, export_points, import_points
+from flexpipe.launch import ENGINES, EngineHandle, LocalLauncher
 from flexpipe.store import Store
 
 StoreOpt = Annotated[
@@ -26,17 +40,24 @@ def _ms(seconds: float | None) -> str:
 
 
 def points_table(points: list[GearPoint], title: str) -> Table:
+    """Curve points; model, GPUs and link go in the title when every row shares them."""
+    keys = {(p.model, p.gpu_types, p.link) for p in points}
+    shared = len(keys) == 1
+    if shared:
+        model, gpus, link = next(iter(keys))
+        title = f"{title} · {model} on {gpus} ({link})"
     table = Table(title=title, title_justify="left")
-    for col in ("model", "gear", "GPUs", "link", "batch", "decode tok/s", "prefill tok/s"):
-        table.add_column(col, justify="right" if "tok" in col or col == "batch" else "left")
-    for col in ("TTFT p50/p99 ms", "TPOT p50/p99 ms", "e2e p99 s", "KV peak", "cold s", "source"):
-        table.add_column(col, justify="right")
+    cols = ["gear", "batch", "decode tok/s", "prefill tok/s", "TTFT p50/p99 ms"]
+    cols += ["TPOT p50/p99 ms", "e2e p99 s", "KV", "cold s", "source"]
+    if not shared:
+        cols = ["model", "GPUs", "link", *cols]
+    for col in cols:
+        table.add_column(
+            col, justify="left" if col in ("model", "GPUs", "link", "gear") else "right"
+        )
     for p in points:
-        table.add_row(
-            p.model,
+        row = [
             p.gear_key,
-            p.gpu_types,
-            p.link,
             str(p.batch_size),
             f"{p.decode_tokens_per_s:,.0f}",
             f"{p.prefill_tokens_per_s:,.0f}",
@@ -46,7 +67,10 @@ def points_table(points: list[GearPoint], title: str) -> Table:
             "-" if p.peak_kv_usage is None else f"{p.peak_kv_usage:.0%}",
             "-" if p.cold_start_s is None else f"{p.cold_start_s:.1f}",
             f"{p.source} ({p.engine})",
-        )
+        ]
+        if not shared:
+            row = [p.model, p.gpu_types, p.link, *row]
+        table.add_row(*row)
     return table
 
 
@@ -137,3 +161,137 @@ def register(app: typer.Typer) -> None:
             with Store(store) as st:
                 num = st.put_points(points)
         Console().print(f"imported {num} points from {path}")
+
+    register_bench(app)
+
+
+# -- flexpipe bench -----------------------------------------------------------------------------
+
+
+class _RichObserver(BenchObserver):
+    """Progress bars: one per gear (sweep points), one for the running point (requests)."""
+
+    def __init__(self, progress: Progress, console: Console) -> None:
+        self.progress = progress
+        self.console = console
+        self.gear_task: TaskID | None = None
+        self.point_task: TaskID | None = None
+
+    def gear_started(self, cand: Candidate, sweep: Sequence[int]) -> None:
+        self.gear_task = self.progress.add_task(
+            f"{cand.gear.key()} starting engine", total=len(sweep)
+        )
+
+    def engine_ready(self, cand: Candidate, handle: EngineHandle) -> None:
+        if self.gear_task is not None:
+            self.progress.update(
+                self.gear_task,
+                description=f"{cand.gear.key()} ready in {handle.cold_start_s:.1f} s",
+            )
+
+    def point_started(self, cand: Candidate, concurrency: int, num_requests: int) -> None:
+        if self.point_task is not None:
+            self.progress.remove_task(self.point_task)
+        self.point_task = self.progress.add_task(f"  concurrency {concurrency}", total=num_requests)
+
+    def request_done(self) -> None:
+        if self.point_task is not None:
+            self.progress.advance(self.point_task)
+
+    def point_done(self, cand: Candidate, point: GearPoint) -> None:
+        if self.gear_task is not None:
+            self.progress.advance(self.gear_task)
+        self.console.print(
+            f"  {cand.gear.key()} @ {point.batch_size}: {point.decode_tokens_per_s:,.0f} tok/s, "
+            f"TTFT p99 {_ms(point.ttft_p99_s)} ms, TPOT p99 {_ms(point.tpot_p99_s)} ms"
+            + (f", {point.num_failed} failed" if point.num_failed else ""),
+            highlight=False,
+        )
+
+    def gear_failed(self, cand: Candidate, message: str) -> None:
+        err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+
+
+def register_bench(app: typer.Typer) -> None:
+    @app.command("bench")
+    def bench_cmd(
+        model: Annotated[str, typer.Argument(help="Model id (llama-2-7b) or config.json path.")],
+        gears: Annotated[
+            str, typer.Option(help="'auto' (every gear that fits) or gears split by ';'.")
+        ] = "auto",
+        gpu_type: Annotated[
+            str, typer.Option(help="GPU type of every rank (sim: what it stands for).")
+        ] = "A100-80G-SXM",
+        num_gpus: Annotated[int, typer.Option(help="GPUs available to a gear.")] = 1,
+        link: Annotated[str, typer.Option(help="Link between the GPUs.")] = "nvlink3",
+        engine: Annotated[str, typer.Option(help="sim or vllm.")] = "sim",
+        time_scale: Annotated[
+            float, typer.Option(help="sim: wall seconds per modelled second (>0).")
+        ] = 1.0,
+        input_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 512,
+        output_len: Annotated[int, typer.Option(help="Output tokens per request.")] = 128,
+        num_requests: Annotated[int, typer.Option(help="Requests per sweep point.")] = 200,
+        concurrency: Annotated[
+            str | None, typer.Option(help="Sweep, e.g. 1,4,16 (default: 1,2,4.. max that fits).")
+        ] = None,
+        ready_timeout_s: Annotated[float, typer.Option(help="Wait for /health 200.")] = 900.0,
+        vllm_command: Annotated[
+            str, typer.Option(help="What runs for --engine vllm.")
+        ] = "vllm serve",
+        store: StoreOpt = None,
+    ) -> None:
+        """gear_bench: launch each gear, sweep concurrency, store the curves in the gear table."""
+        console = Console()
+        with user_errors():
+            if engine not in ENGINES:
+                raise ValueError(f"unknown engine {engine!r}; use sim or vllm")
+            if engine == "sim" and time_scale <= 0:
+                raise ValueError("--time-scale must be > 0 to measure (0 means no timing)")
+            spec = resolve_model(model)
+            workload = Workload(input_len, output_len, num_requests)
+            gear_list = parse_gears(gears, spec, num_gpus)
+            sweep = [int(c) for c in concurrency.split(",")] if concurrency else None
+            cands, rejected = candidates(spec, gear_list, workload, [gpu_type] * num_gpus, link)
+            st = Store(store)
+        for line in rejected:
+            console.print(f"[yellow]skipped:[/] {line}", highlight=False)
+        if not cands:
+            err_console.print("[bold red]error:[/] no gear to benchmark: none fits these GPUs")
+            raise typer.Exit(2)
+        launcher = LocalLauncher(
+            engine,
+            time_scale=time_scale if engine == "sim" else 1.0,
+            ready_timeout_s=ready_timeout_s,
+            vllm_command=vllm_command.split(),
+        )
+        report = BenchReport()
+        interrupted = False
+        with Progress(console=console, transient=True) as progress:
+            observer = _RichObserver(progress, console)
+            try:
+                asyncio.run(
+                    bench(
+                        cands,
+                        launcher,
+                        workload,
+                        engine=engine,
+                        time_scale=time_scale if engine == "sim" else 1.0,
+                        concurrencies=sweep,
+                        store_point=lambda p: st.put_points([p]),
+                        observer=observer,
+                        report=report,
+                    )
+                )
+            except KeyboardInterrupt:
+                interrupted = True
+        st.close()
+        console.print(points_table(report.points, f"gear_bench: {spec.name}"))
+        for line in report.rejected:
+            console.print(f"[yellow]note:[/] {line}", highlight=False)
+        if interrupted:
+            err_console.print(
+                f"interrupted: kept {len(report.points)} measured point(s); engines stopped"
+            )
+            raise typer.Exit(130)
+        if report.failures:
+            raise typer.Exit(1)
