@@ -139,3 +139,33 @@ def test_gears_cli_errors_are_one_line(tmp_path: Path) -> None:
     assert "not valid JSON" in res.output and "Traceback" not in res.output
     res = runner.invoke(app, ["gears", "show", "no-such-model", "--store", "sqlite://"])
     assert res.exit_code == 2 and "no-such-model" in res.output
+
+
+def planner_key(gear: str, batch: int) -> object:
+    from flexpipe.gears.table import uniform_gear_placement
+    from flexpipe.model_spec import load_model_spec
+    from flexpipe.policies.planner import GearKey
+
+    spec = load_model_spec("llama-2-7b")
+    g = replace(parse_gear(gear), max_num_seqs=batch)
+    return GearKey.of(spec, g, uniform_gear_placement(spec, g, ["A100-80G-SXM"], "nvlink3"))
+
+
+def test_the_planner_reads_the_gear_table() -> None:
+    from flexpipe.gears.performance import TablePerformance
+    from flexpipe.policies.planner import GearKey, Workload
+
+    perf = TablePerformance([make_point(1), make_point(4), make_point(16)])
+    w = Workload(512, 128)
+    key4 = planner_key("tp=1", 4)
+    assert isinstance(key4, GearKey)
+    exact = perf.estimate(key4, w)
+    assert exact.source == "measured" and exact.tpot_s == make_point(4).tpot_p99_s
+    assert "gear table: sim" in exact.detail
+    mid = perf.estimate(planner_key("tp=1", 10), w)  # type: ignore[arg-type]
+    assert mid.source == "measured" and "interpolated" in mid.detail
+    assert mid.tpot_s == pytest.approx(0.012 + 0.010)
+    far = perf.estimate(planner_key("tp=1", 64), w)  # type: ignore[arg-type]
+    assert far.source == "predicted" and "calibrated" in far.detail and "batch 16" in far.detail
+    other = perf.estimate(planner_key("tp=2", 4), w)  # type: ignore[arg-type]
+    assert other.source == "predicted" and other.detail == "performance model prior"

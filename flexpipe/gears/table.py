@@ -24,7 +24,8 @@ from flexpipe.gear import Gear, GpuSlot, Placement, uniform_placement
 from flexpipe.gears.point import NO_LINK, PREDICTED, GearKey, GearPoint
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import ModelSpec, load_model_spec
-from flexpipe.perf import BatchShape, Efficiency, InfeasibleGear, PerfModel
+from flexpipe.perf import Efficiency, InfeasibleGear, PerfModel
+from flexpipe.policies.planner.performance import Workload, steady_state
 
 DEFAULT_INPUT_LEN = 512
 DEFAULT_OUTPUT_LEN = 128
@@ -90,22 +91,14 @@ def predict_point(
     output_len: int = DEFAULT_OUTPUT_LEN,
     key: GearKey | None = None,
 ) -> GearPoint:
-    """The performance model's view of a closed loop of `batch_size` clients sending
-    `input_len`-token prompts for `output_len` tokens each (gear_bench's workload).
-
-    TTFT: one prompt's prefill in a step with the other sequences decoding. TPOT: the
-    pipelined decode interval at mid-generation context, plus each step's share of the
-    prefills that arrive (batch_size / output_len per step). Percentiles are equal: the
-    model has no noise.
-    """
+    """The performance model's view of `batch_size` sequences in flight with `input_len`-token
+    prompts and `output_len`-token outputs (gear_bench's workload): the planner's steady state
+    (flexpipe.policies.planner.steady_state, the one derivation). Percentiles are equal: the
+    model has no noise."""
     pm.require_feasible()
     b = batch_size
-    context_mid = input_len + output_len // 2
-    ttft = pm.step_time_s(
-        _batch(num_prefill=input_len, num_decode=b - 1, decode_context=(b - 1) * context_mid)
-    )
-    tpot = pm.decode_interval_s(b, context_mid) + b / output_len * pm.prefill_s(input_len)
-    e2e = ttft + (output_len - 1) * tpot
+    est = steady_state(pm, b, Workload(input_len, output_len))
+    ttft, tpot, e2e = est.ttft_s, est.tpot_s, est.e2e_s
     capacity = pm.memory.kv_capacity_tokens
     peak_kv = min(1.0, b * (input_len + output_len) / capacity) if capacity else None
     k = key or placement_key(pm.model.name, pm.gear, pm.placement)
@@ -117,8 +110,8 @@ def predict_point(
         link=k.link,
         batch_size=b,
         prefill_tokens_per_s=input_len / ttft,
-        decode_tokens_per_s=b * output_len / e2e,
-        requests_per_s=b / e2e,
+        decode_tokens_per_s=est.output_tokens_per_s,
+        requests_per_s=est.requests_per_s,
         ttft_p50_s=ttft,
         ttft_p90_s=ttft,
         ttft_p99_s=ttft,
@@ -138,16 +131,6 @@ def predict_point(
         num_requests=0,
         measured_at=datetime(1970, 1, 1, tzinfo=UTC),
         note="performance-model prediction",
-    )
-
-
-def _batch(num_prefill: int, num_decode: int, decode_context: int) -> BatchShape:
-    return BatchShape(
-        num_prefill_tokens=num_prefill,
-        prefill_attention_tokens=num_prefill * num_prefill / 2,
-        num_prefill_seqs=1 if num_prefill else 0,
-        num_decode_seqs=num_decode,
-        decode_context_tokens=decode_context,
     )
 
 
