@@ -54,7 +54,7 @@ class SimServer:
         gear = cfg.gear
         self.tokenizer = Tokenizer(cfg.model.vocab_size)
         self.block_manager = BlockManager(
-            pm.memory.num_kv_blocks, gear.block_size, gear.enable_prefix_caching
+            cfg.num_kv_blocks, gear.block_size, gear.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -71,8 +71,10 @@ class SimServer:
             "enable_prefix_caching": gear.enable_prefix_caching,
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
             "num_cpu_blocks": 0,
-            "num_gpu_blocks": pm.memory.num_kv_blocks,
-            "num_gpu_blocks_override": None,
+            "num_gpu_blocks": cfg.num_kv_blocks,
+            "num_gpu_blocks_override": (
+                cfg.num_kv_blocks if cfg.num_kv_blocks != pm.memory.num_kv_blocks else None
+            ),
             "sliding_window": None,
             "swap_space": 0,
         }

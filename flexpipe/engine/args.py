@@ -50,6 +50,7 @@ def build_parser(prog: str = "flexpipe engine sim") -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     _bool_flag(p, "--enable-prefix-caching", True, "prefix caching (default on)")
     _bool_flag(p, "--enable-chunked-prefill", True, "chunked prefill (default on)")
     p.add_argument("--api-key", default=None)
@@ -78,6 +79,7 @@ class EngineConfig:
     gear: Gear
     pm: PerfModel
     max_model_len: int
+    num_kv_blocks: int  # the memory plan's, or --num-gpu-blocks-override
     enable_chunked_prefill: bool
     gpu_memory_utilization: float
     api_key: str | None
@@ -148,6 +150,12 @@ def parse_engine_args(argv: Sequence[str]) -> EngineConfig:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise EngineArgsError(f"cannot run {model_path} with tp={tp}, pp={pp}: {msg}") from None
     max_model_len = pm.memory.max_model_len
+    num_kv_blocks = args.num_gpu_blocks_override or pm.memory.num_kv_blocks
+    if num_kv_blocks * gear.block_size < max_model_len:
+        raise EngineArgsError(
+            f"the KV cache holds {num_kv_blocks * gear.block_size} tokens, less than "
+            f"max_model_len {max_model_len}: lower --max-model-len"
+        )
     if args.max_num_batched_tokens is None and not args.enable_chunked_prefill:
         gear = replace(gear, max_num_batched_tokens=max(8192, max_model_len))
     load_time_s = args.load_time_s if args.load_time_s is not None else pm.cold_start_s()
@@ -165,6 +173,7 @@ def parse_engine_args(argv: Sequence[str]) -> EngineConfig:
         gear=gear,
         pm=pm,
         max_model_len=max_model_len,
+        num_kv_blocks=num_kv_blocks,
         enable_chunked_prefill=bool(args.enable_chunked_prefill),
         gpu_memory_utilization=args.gpu_memory_utilization,
         api_key=api_key,

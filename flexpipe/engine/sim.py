@@ -21,11 +21,10 @@ async def serve_engine(cfg: EngineConfig) -> None:
     server = SimServer(cfg)
     http = await serve(server.app, cfg.host, cfg.port)
     server.start()
-    mem = cfg.pm.memory
     print(
         f"flexpipe sim engine: {cfg.served_model_name} on http://{cfg.host}:{http.port} "
         f"({cfg.hardware}; tp={cfg.gear.tp} pp={cfg.gear.pp} {cfg.gear.dtype}; "
-        f"{mem.num_kv_blocks} KV blocks of {cfg.gear.block_size}; max_model_len "
+        f"{cfg.num_kv_blocks} KV blocks of {cfg.gear.block_size}; max_model_len "
         f"{cfg.max_model_len}; cold start {cfg.load_time_s:.1f} s x time scale {cfg.time_scale:g})",
         file=sys.stderr,
         flush=True,
