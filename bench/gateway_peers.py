@@ -1,0 +1,42 @@
+"""Start the gateways compared in bench/gateway_bench.py: flexpipe's own and the pip-installed
+Rust peers (`sglang-router`, `vllm-router`) from their own virtual environments under bench/.
+
+    python -m venv bench/.venv-sglang && bench/.venv-sglang/bin/pip install sglang-router
+    python -m venv bench/.venv-vllm-router && bench/.venv-vllm-router/bin/pip install vllm-router
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+SGLANG_PY = BENCH / ".venv-sglang" / "bin" / "python"
+VLLM_ROUTER = BENCH / ".venv-vllm-router" / "bin" / "vllm-router"
+
+
+def available() -> dict[str, bool]:
+    return {"sglang-router": SGLANG_PY.exists(), "vllm-router": VLLM_ROUTER.exists()}
+
+
+def gateway_command(kind: str, backends: list[str], port: int, policy: str) -> list[str]:
+    """`kind`: flexpipe | sglang-router | vllm-router; `policy` in that gateway's names."""
+    if kind == "flexpipe":
+        cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(port)]
+        for b in backends:
+            cmd += ["--backend", b]
+        return [*cmd, "--policy", policy]
+    if kind == "sglang-router":
+        return [str(SGLANG_PY), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                "--port", str(port), "--policy", policy, "--worker-urls", *backends]  # fmt: skip
+    if kind == "vllm-router":
+        return [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port),
+                "--policy", policy, "--worker-urls", *backends]  # fmt: skip
+    raise ValueError(kind)
+
+
+def start(cmd: list[str]) -> subprocess.Popen[bytes]:
+    log = open(BENCH / f".{Path(cmd[0]).name}-{cmd[-1][-5:]}.log", "wb")  # noqa: SIM115
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
