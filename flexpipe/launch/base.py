@@ -47,6 +47,7 @@ class EngineSpec:
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
     extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # extra environment (VLLM_PP_LAYER_PARTITION)
 
 
 @runtime_checkable

@@ -186,6 +186,7 @@ class LocalLauncher:
         """The argv and environment for a spec (public so users can see what runs)."""
         env = dict(os.environ)
         env.update(self.env)
+        env.update(dict(spec.env))
         flags = vllm_flags(spec, self.host, port)
         if self.engine == "vllm":
             if spec.gpu_indices:

@@ -1,0 +1,139 @@
+"""`flexpipe up` as a user runs it: a real process that plans the fragmented 4-GPU example,
+launches sim engines, serves the OpenAI API through the gateway, and on SIGINT / SIGTERM
+drains and stops everything it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from test_launcher import marker, processes_with  # noqa: F401  (fixture)
+from typer.testing import CliRunner
+
+from flexpipe.cli import app
+from flexpipe.launch import free_port
+from flexpipe.store import Store
+
+MODELS = """
+models:
+  - name: {name}
+    model: llama-2-7b
+    demand: {{request_rate_per_s: 8, input_tokens: 2048, output_tokens: 256}}
+    slo: {{ttft_p99_ms: 2000, tpot_p99_ms: 50}}
+    dtypes: [bf16, fp8]
+"""
+
+
+def write_models(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(MODELS.format(name=name))
+    return path
+
+
+def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout_s: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"no {needle!r} in output:\n{''.join(lines)}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_up_serves_the_plan_and_stops_everything(
+    marker: str,  # noqa: F811
+    tmp_path: Path,
+    sig: signal.Signals,
+) -> None:
+    port = free_port()
+    store_url = f"sqlite:///{tmp_path / 'fp.db'}"
+    argv = [
+        sys.executable, "-m", "flexpipe", "up", "--port", str(port), "--time-scale", "0.02",
+        "--models", str(write_models(tmp_path, marker)), "--store", store_url,
+    ]  # fmt: skip
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        lines = wait_for_line(proc, "serving", 90)
+        text = "".join(lines)
+        # the seed's plan: TP2 over the NVLinked pair, single-GPU instances elsewhere
+        assert "gpu2+gpu1" in text or "gpu1+gpu2" in text
+        assert f"http://127.0.0.1:{port}/v1" in text
+        assert text.count(" ready at ") == 3
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        assert [m.id for m in client.models.list().data] == [marker]
+        for _ in range(4):
+            out = client.completions.create(model=marker, prompt="hello there", max_tokens=5)
+            assert out.usage is not None and out.usage.completion_tokens == 5
+        chat = client.chat.completions.create(
+            model=marker, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert chat.choices[0].finish_reason == "length"
+        assert len(processes_with(marker)) == 3  # one engine per planned instance
+        proc.send_signal(sig)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, rest
+    assert "draining" in rest and "stopped 3 engine(s)" in rest
+    assert processes_with(marker) == []
+    with Store(store_url) as store:
+        rows = store.instances()
+    assert len(rows) == 3 and {r["state"] for r in rows} == {"gone"}
+
+
+def test_up_dry_run_prints_the_plan(tmp_path: Path) -> None:
+    res = CliRunner(env={"COLUMNS": "200"}).invoke(
+        app, ["up", "--dry-run", "--store", f"sqlite:///{tmp_path / 'fp.db'}"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "fragmented-4gpu" in res.output and "tp2-pp1-bf16" in res.output
+
+
+def test_up_errors_are_one_line(tmp_path: Path) -> None:
+    runner = CliRunner(env={"COLUMNS": "200"})
+    store = ["--store", f"sqlite:///{tmp_path / 'fp.db'}"]
+    res = runner.invoke(app, ["up", "--cluster", str(tmp_path / "nope.yaml"), *store])
+    assert res.exit_code == 2 and "cannot read the file" in res.output
+    res = runner.invoke(app, ["up", "--engine", "tgi", *store])
+    assert res.exit_code == 2 and "unknown engine 'tgi'" in res.output
+    # The example's GPUs sit in three nodes: vLLM through the local launcher runs on this
+    # machine only; say so instead of starting engines on the wrong devices.
+    res = runner.invoke(app, ["up", "--engine", "vllm", *store])
+    assert res.exit_code == 2 and "nodes node0, node1, node2" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_up_with_an_engine_that_cannot_start(marker: str, tmp_path: Path) -> None:  # noqa: F811
+    one_node = tmp_path / "one-node.yaml"
+    one_node.write_text(
+        "name: one\nnodes:\n  - name: n0\n    gpus:\n      - {id: g0, type: A100-80G-SXM}\n"
+    )
+    res = CliRunner(env={"COLUMNS": "200"}).invoke(
+        app,
+        [
+            "up", "--engine", "vllm", "--vllm-command", f"/nonexistent/vllm-{marker} serve",
+            "--cluster", str(one_node), "--port", str(free_port()),
+            "--models", str(write_models(tmp_path, marker)),
+            "--store", f"sqlite:///{tmp_path / 'fp.db'}",
+        ],
+    )  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert "did not start" in res.output and "No such file" in res.output
+    assert "no instance started" in res.output
+    assert processes_with(marker) == []
