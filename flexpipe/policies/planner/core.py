@@ -139,7 +139,6 @@ class _Planner:
         total: int,
     ) -> None:
         seen: set[tuple[object, ...]] = set()
-        any_fit = False
         for d in domains:
             if len(d) < tp:
                 continue
@@ -154,25 +153,22 @@ class _Planner:
             result = self.evaluator.evaluate(m, (group,), dtype)
             if isinstance(result, Candidate):
                 state.candidates.append(result)
-                any_fit = True
             else:
                 state.rejections.append(result)
-        if any_fit:
-            return
+        # Pipeline chains of the node's best groups, even when one group fits: more stages
+        # pool memory for KV (larger batches), and small fragments become useful.
         groups = [tuple(d[i * tp : (i + 1) * tp]) for d in domains for i in range(len(d) // tp)]
         groups.sort(key=lambda grp: (-min(self.free_bytes[g] for g in grp), grp))
-        fitted_pp = 0
         for pp in range(2, self.config.max_pp + 1):
             if pp > len(groups) or pp * tp > total:
                 break
             result = self.evaluator.evaluate(m, tuple(groups[:pp]), dtype)
             if isinstance(result, Candidate):
                 state.candidates.append(result)
-                fitted_pp = fitted_pp or pp
             else:
                 state.rejections.append(result)
-            if fitted_pp and pp > fitted_pp:
-                break
+                if not result.memory:
+                    break
 
     # -- greedy ----------------------------------------------------------------------------
 
@@ -216,7 +212,100 @@ class _Planner:
             state.version += 1
             self.generate(state)
             push(state)
+        self.absorb_leftovers(chosen)
         return chosen
+
+    def absorb_leftovers(self, chosen: list[tuple[Candidate, list[Alternative]]]) -> None:
+        """Local search after the greedy, per node. Value per GPU can strand a fragment (a GPU
+        too small to serve alone) or keep two small instances apart whose memory, pooled in one
+        pipeline, holds far larger batches. Moves: extend an instance with left-over groups as
+        extra stages; merge two instances of one model (and tp) into one chain. The best
+        improving move is applied until none improves the served demand."""
+        capacity = [0.0] * len(self.demands)
+        for c, _ in chosen:
+            capacity[c.model_index] += c.capacity_tokens_per_s
+        demand = [d.demand_tokens_per_s for d in self.demands]
+        # node -> evaluated moves (instances replaced, the result, a label); a node's moves are
+        # re-evaluated only when a move changed it (gains are re-scored every round).
+        moves: dict[str, list[tuple[tuple[Candidate, ...], Candidate, str]]] = {}
+        dirty = {self._node_of(c) for c, _ in chosen}
+        while True:
+            for node in dirty:
+                moves[node] = self._moves(node, [c for c, _ in chosen if self._node_of(c) == node])
+            dirty = set()
+            best: tuple[float, tuple[Candidate, ...], Candidate, str] | None = None
+            for node_moves in moves.values():
+                for members, result, label in node_moves:
+                    m = result.model_index
+                    served = min(demand[m], capacity[m])
+                    removed = sum(c.capacity_tokens_per_s for c in members)
+                    gain = min(demand[m], capacity[m] - removed + result.capacity_tokens_per_s)
+                    gain -= served
+                    if gain > 1e-6 * max(1.0, served) and (best is None or gain > best[0]):
+                        best = (gain, members, result, label)
+            if best is None:
+                break
+            gain, members, result, label = best
+            old = [(c, alts) for c, alts in chosen if any(c is x for x in members)]
+            notes = [
+                Alternative(
+                    describe(c.stages, c.gear) + f" batch {c.estimate.batch}",
+                    c.gpu_ids,
+                    c.tokens_per_s_per_gpu,
+                    f"replaced: {label}, +{gain:.0f} tok/s served",
+                )
+                for c, _ in old
+            ]
+            alternatives = [a for _, alts in old for a in alts]
+            chosen[:] = [(c, alts) for c, alts in chosen if not any(c is x for x in members)]
+            chosen.append((result, notes + alternatives))
+            m = result.model_index
+            capacity[m] += result.capacity_tokens_per_s - sum(
+                c.capacity_tokens_per_s for c in members
+            )
+            node = self._node_of(result)
+            state = self.nodes[node]
+            taken = set(result.gpu_ids)
+            state.domains = [[g for g in d if g not in taken] for d in state.domains]
+            dirty.add(node)
+        self.remaining = [max(0.0, d - cap) for d, cap in zip(demand, capacity, strict=True)]
+
+    def _node_of(self, c: Candidate) -> str:
+        return self.cluster.gpu(c.gpu_ids[0]).node
+
+    def _moves(
+        self, node: str, instances: list[Candidate]
+    ) -> list[tuple[tuple[Candidate, ...], Candidate, str]]:
+        state = self.nodes[node]
+        max_pp = self.config.max_pp
+        out: list[tuple[tuple[Candidate, ...], Candidate, str]] = []
+        for c in instances:
+            m, tp = c.model_index, c.gear.tp
+            groups = [
+                tuple(d[i * tp : (i + 1) * tp])
+                for d in (self._sorted(d) for d in state.domains if d)
+                for i in range(len(d) // tp)
+            ]
+            groups.sort(key=lambda grp: (-min(self.free_bytes[g] for g in grp), grp))
+            tried: list[tuple[tuple[Candidate, ...], tuple[tuple[str, ...], ...], str]] = []
+            for extra in range(1, min(max_pp - c.gear.pp, len(groups)) + 1):
+                added = ", ".join(g for grp in groups[:extra] for g in grp)
+                tried.append(((c,), (*c.stages, *groups[:extra]), f"extended with {added}"))
+            for other in instances:
+                if (
+                    other is c
+                    or other.model_index != m
+                    or other.gear.tp != tp
+                    or c.gear.pp + other.gear.pp > max_pp
+                ):
+                    continue
+                merged = "+".join(other.gpu_ids)
+                tried.append(((c, other), (*c.stages, *other.stages), f"merged with {merged}"))
+            for members, stages, label in tried:
+                result = self.evaluator.evaluate(m, stages, c.gear.dtype)
+                if isinstance(result, Candidate):
+                    out.append((members, result, label))
+        return out
 
     # -- explanations --------------------------------------------------------------------
 

@@ -79,7 +79,7 @@ class PlannerConfig:
     gpu_memory_utilization: float = 0.9
     max_alternatives: int = 6
     # Baselines (one big group, wait for identical GPUs) are computed up to this many GPUs.
-    max_baseline_gpus: int = 8
+    max_baseline_gpus: int = 4
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= 1:
