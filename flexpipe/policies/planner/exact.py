@@ -92,7 +92,7 @@ def solve_exact(candidates: Sequence[Candidate], demands: Sequence[ModelDemand])
     import highspy
     import numpy as np
 
-    h = highspy.Highs()
+    h = highspy.Highs()  # type: ignore[no-untyped-call]
     h.setOptionValue("output_flag", False)
     h.setOptionValue("mip_rel_gap", 1e-9)
     inf = highspy.kHighsInf

@@ -1,0 +1,245 @@
+"""The planner on the seed's fragmented 4-GPU cluster, its rules, and its gap to the ILP."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flexpipe.cluster import Cluster, load_cluster, placement_on
+from flexpipe.cluster_gen import generate_cluster
+from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, GiB
+from flexpipe.model_spec import load_model_spec
+from flexpipe.perf import PerfModel
+from flexpipe.policies.planner import (
+    GearEstimate,
+    GearKey,
+    ModelDemand,
+    ModelsFileError,
+    PerfModelPerformance,
+    Plan,
+    PlannerConfig,
+    Slo,
+    Workload,
+    parse_models,
+    plan,
+    single_group_baseline,
+)
+from flexpipe.policies.planner.candidates import Candidate
+from flexpipe.policies.planner.exact import all_candidates, solve_exact
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "examples" / "clusters" / "fragmented-4gpu.yaml"
+MODELS = ROOT / "examples" / "models" / "llama-7b.yaml"
+
+
+def models(path: Path = MODELS) -> tuple[ModelDemand, ...]:
+    return parse_models(yaml.safe_load(path.read_text()), str(path))
+
+
+def demand(**changes: object) -> ModelDemand:
+    base = ModelDemand("llama-7b", "llama-2-7b", 8.0, 2048, 256, Slo(2.0, 0.05), ("bf16", "fp8"))
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+def assert_sound(cluster: Cluster, p: Plan, config: PlannerConfig | None = None) -> None:
+    """Rules every plan keeps, checked independently of the planner's own bookkeeping."""
+    threshold = (config or PlannerConfig()).fast_link_bytes_per_s
+    used = [g for i in p.instances for g in i.gpu_ids]
+    assert len(used) == len(set(used)), "a GPU in two instances"
+    for inst in p.instances:
+        for stage in inst.stages:
+            if len(stage) > 1:  # TP only over fast links
+                assert cluster.slowest_link(stage).bandwidth_bytes_per_s >= threshold
+        spec = load_model_spec(inst.model_id)
+        placement = placement_on(cluster, inst.stages, spec.num_layers, inst.layers_per_stage)
+        pm = PerfModel(spec, inst.gear, placement)
+        assert pm.feasible, pm.reason
+        d = next(m for m in p.models if m.name == inst.model)
+        assert d is not None
+        assert pm.memory.max_batch(2048 + 256) >= 1
+
+
+def test_seed_experiment_tp2_on_nvlink_pair_and_gpu0_alone() -> None:
+    cluster = load_cluster(CLUSTER)
+    (d,) = models()
+    p = plan(cluster, [d])
+    assert_sound(cluster, p)
+    by_gpus = {frozenset(i.gpu_ids): i for i in p.instances}
+    tp2 = by_gpus[frozenset({"gpu1", "gpu2"})]
+    assert tp2.gear.tp == 2 and tp2.gear.pp == 1
+    assert frozenset({"gpu0"}) in by_gpus, "gpu0 serves on its own"
+    for inst in p.instances:
+        assert not ({"gpu0", "gpu3"} & set(inst.gpu_ids) and inst.num_gpus > 1)
+
+    forced = single_group_baseline(cluster, [d], ["gpu0", "gpu1", "gpu2"])
+    assert isinstance(forced, Candidate)
+    forced_goodput = min(d.demand_tokens_per_s, forced.capacity_tokens_per_s)
+    wait = next(b for b in p.baselines if b.name == "wait-for-4-identical")
+    ratio = p.goodput_tokens_per_s / forced_goodput
+    print(
+        f"plan {p.goodput_tokens_per_s:.0f} tok/s; forced 3-way group "
+        f"{forced_goodput:.0f} tok/s ({ratio:.2f}x); wait for 4 identical GPUs "
+        f"{wait.goodput_tokens_per_s:.0f} tok/s now"
+    )
+    assert ratio >= 1.4
+    assert wait.goodput_tokens_per_s == 0.0 and p.goodput_tokens_per_s > 0
+    # TP across the slow link was considered and rejected, with numbers.
+    reasons = [a.reason for i in p.instances for a in i.alternatives]
+    assert any("not allowed: TP over eth" in r for r in reasons)
+
+
+def test_tenant_leaving_gpu1_upgrades_the_tp2_gear() -> None:
+    cluster = load_cluster(CLUSTER)
+    (d,) = models()
+    before = plan(cluster, [d])
+    after = plan(cluster.with_used("gpu1", 0), [d])
+    old = next(i for i in before.instances if set(i.gpu_ids) == {"gpu1", "gpu2"})
+    new = next(i for i in after.instances if set(i.gpu_ids) == {"gpu1", "gpu2"})
+    print(
+        f"TP2 gear {old.gear.key()} -> {new.gear.key()}; KV {old.kv_capacity_tokens} -> "
+        f"{new.kv_capacity_tokens} tokens; {old.capacity_tokens_per_s:.0f} -> "
+        f"{new.capacity_tokens_per_s:.0f} tok/s"
+    )
+    assert new.kv_capacity_tokens > 1.5 * old.kv_capacity_tokens
+    assert new.gear.max_num_seqs > old.gear.max_num_seqs
+    assert new.capacity_tokens_per_s > old.capacity_tokens_per_s
+    assert after.goodput_tokens_per_s > before.goodput_tokens_per_s
+
+
+def test_covered_demand_uses_the_fewest_gpus() -> None:
+    cluster = load_cluster(CLUSTER)
+    p = plan(cluster, [demand(request_rate_per_s=0.5)])
+    assert p.models[0].covered
+    assert len(p.instances) == 1 and p.num_gpus == 1
+    assert sum(u.reason.startswith("not needed") for u in p.unused) == 3
+
+
+def test_short_lease_gpu_is_left_out() -> None:
+    cluster = load_cluster(CLUSTER).with_gpu("gpu3", free_until_s=600.0)
+    p = plan(cluster, [demand()], now_s=100.0)
+    assert "gpu3" not in {g for i in p.instances for g in i.gpu_ids}
+    (reason,) = [u.reason for u in p.unused if u.gpu_id == "gpu3"]
+    assert "free only 500 s more" in reason
+
+
+def test_fast_link_threshold_is_configurable() -> None:
+    cluster = load_cluster(CLUSTER)
+    # Raise the threshold above NVLink 3: no TP anywhere.
+    config = PlannerConfig(fast_link_bytes_per_s=400e9)
+    p = plan(cluster, [demand()], config=config)
+    assert all(i.gear.tp == 1 for i in p.instances)
+    assert_sound(cluster, p, config)
+
+
+def test_plan_is_deterministic_and_json_ready() -> None:
+    cluster = generate_cluster(8, 8, seed=3)
+    ds = models(ROOT / "examples" / "models" / "four-models.yaml")
+    a, b = plan(cluster, ds), plan(cluster, ds)
+    assert a.to_dict() == b.to_dict()
+    assert_sound(cluster, a)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_generated_clusters_keep_the_rules(seed: int) -> None:
+    cluster = generate_cluster(16, 8, seed=seed)
+    ds = models(ROOT / "examples" / "models" / "four-models.yaml")
+    p = plan(cluster, ds)
+    assert_sound(cluster, p)
+    assert p.goodput_tokens_per_s > 0
+
+
+def test_pipeline_layers_follow_the_partitioner() -> None:
+    # Two L4s and a small fragment: a 3-stage chain with the small GPU taking fewer layers.
+    cluster = generate_cluster(2, 4, seed=6)
+    p = plan(cluster, [demand()])
+    (inst,) = p.instances
+    assert inst.gear.pp == 3
+    free = {g: cluster.gpu(g).free_bytes for g in inst.gpu_ids}
+    smallest = min(range(3), key=lambda k: free[inst.stages[k][0]])
+    assert inst.layers_per_stage[smallest] < max(inst.layers_per_stage)
+    assert sum(inst.layers_per_stage) == 32
+
+
+class _MeasuredTable:
+    """A gear table that measured tp=1 on L40S twice as fast as the prior says."""
+
+    def __init__(self) -> None:
+        self.prior = PerfModelPerformance()
+
+    def estimate(self, key: GearKey, workload: Workload) -> GearEstimate:
+        est = self.prior.estimate(key, workload)
+        if key.gpu_types == ("L40S",):
+            return replace(
+                est,
+                output_tokens_per_s=est.output_tokens_per_s * 2,
+                requests_per_s=est.requests_per_s * 2,
+                source="measured",
+                detail="test table",
+            )
+        return est
+
+
+def test_measured_rows_override_the_prior() -> None:
+    cluster = load_cluster(CLUSTER)
+    p = plan(cluster, [demand()], performance=_MeasuredTable())
+    (l40s,) = [i for i in p.instances if i.gpu_ids == ("gpu3",)]
+    prior = plan(cluster, [demand()])
+    (l40s_prior,) = [i for i in prior.instances if i.gpu_ids == ("gpu3",)]
+    assert l40s.estimate.source == "measured"
+    assert l40s.capacity_tokens_per_s == pytest.approx(2 * l40s_prior.capacity_tokens_per_s)
+
+
+GAP_DEMANDS = {
+    "7b": [demand()],
+    "8b+14b": list(models(ROOT / "examples" / "models" / "four-models.yaml")[:2]),
+}
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("which", sorted(GAP_DEMANDS))
+def test_gap_to_the_ilp_on_small_clusters(seed: int, which: str) -> None:
+    cluster = generate_cluster(2, 4, seed=seed)
+    ds = GAP_DEMANDS[which]
+    greedy = plan(cluster, ds)
+    exact = solve_exact(all_candidates(cluster, ds), ds)
+    assert greedy.goodput_tokens_per_s <= exact.goodput_tokens_per_s * (1 + 1e-6)
+    gap = 1 - greedy.goodput_tokens_per_s / max(exact.goodput_tokens_per_s, 1e-9)
+    print(
+        f"seed {seed} {which}: greedy {greedy.goodput_tokens_per_s:.0f} exact "
+        f"{exact.goodput_tokens_per_s:.0f} gap {gap:.2%}"
+    )
+    assert gap <= 0.03
+
+
+def test_models_file_errors_are_one_line_each() -> None:
+    doc = {
+        "models": [
+            {"name": "a", "model": "no-such-model", "demand": {}, "slo": {"ttft_p99_ms": 1}},
+            {
+                "name": "b",
+                "model": "llama-2-7b",
+                "demand": {"request_rate_per_s": 1, "input_tokens": 0, "output_tokens": 8},
+                "slo": {"ttft_p99_ms": 100, "tpot_p99_ms": 20},
+                "dtypes": ["fp13"],
+            },
+        ]
+    }
+    with pytest.raises(ModelsFileError) as info:
+        parse_models(doc, "m.yaml")
+    errors = info.value.errors
+    assert any("models[0].model: unknown model 'no-such-model'" in e for e in errors)
+    assert any("models[0].slo: missing tpot_p99_ms" in e for e in errors)
+    assert any("models[1].demand.input_tokens: must be positive" in e for e in errors)
+    assert any("models[1].dtypes" in e for e in errors)
+    assert all("\n" not in e for e in errors)
+
+
+def test_example_models_files_parse() -> None:
+    (d,) = models()
+    assert d.slo.tpot_p99_s == 0.05 and d.dtypes == ("bf16", "fp8")
+    four = models(ROOT / "examples" / "models" / "four-models.yaml")
+    assert len(four) == 4
+    assert GiB > 0 and DEFAULT_FAST_LINK_BYTES_PER_S > 0
