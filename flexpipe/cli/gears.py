@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
 from rich.console import Console
 from rich.progress import Progress, TaskID
 from rich.table import Table
@@ -163,6 +164,7 @@ def register(app: typer.Typer) -> None:
         Console().print(f"imported {num} points from {path}")
 
     register_bench(app)
+    register_discover(app)
 
 
 # -- flexpipe bench -----------------------------------------------------------------------------
@@ -295,3 +297,48 @@ def register_bench(app: typer.Typer) -> None:
             raise typer.Exit(130)
         if report.failures:
             raise typer.Exit(1)
+
+
+# -- flexpipe discover --------------------------------------------------------------------------
+
+
+def register_discover(app: typer.Typer) -> None:
+    @app.command("discover")
+    def discover_cmd(
+        output: Annotated[
+            Path | None, typer.Option("--output", "-o", help="Write the cluster file here.")
+        ] = None,
+        name: Annotated[str | None, typer.Option(help="Cluster name (default: hostname).")] = None,
+        probe: Annotated[
+            bool, typer.Option(help="Measure GPU-to-GPU bandwidth (needs PyTorch with CUDA).")
+        ] = False,
+    ) -> None:
+        """Read this machine's GPUs and their NVLink/PCIe topology (NVML); print a cluster file."""
+        from flexpipe.discover import (
+            DiscoverError,
+            cluster_doc,
+            probe_bandwidth,
+            read_inventory,
+            to_cluster,
+        )
+
+        try:
+            inv = read_inventory()
+        except DiscoverError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            if probe:
+                err_console.print("bandwidth probe skipped: no GPU to measure", highlight=False)
+            raise typer.Exit(1) from None
+        if probe:
+            measured, message = probe_bandwidth(inv)
+            inv.measured_gb_per_s.update(measured)
+            err_console.print(message, highlight=False)
+        doc = cluster_doc(inv, name)
+        with user_errors():
+            to_cluster(doc)  # what we print must load
+        text = yaml.safe_dump(doc, sort_keys=False)
+        if output is not None:
+            output.write_text(text, encoding="utf-8")
+            err_console.print(f"wrote {output} ({len(inv.gpus)} GPU(s))")
+        else:
+            typer.echo(text, nl=False)
