@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -243,3 +244,25 @@ def test_example_models_files_parse() -> None:
     four = models(ROOT / "examples" / "models" / "four-models.yaml")
     assert len(four) == 4
     assert GiB > 0 and DEFAULT_FAST_LINK_BYTES_PER_S > 0
+
+
+def test_cli_plan_json_and_bad_file(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flexpipe.cli import app
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["plan", "--cluster", str(CLUSTER), "--models", str(MODELS), "--json"])
+    assert ok.exit_code == 0, ok.output
+    doc = json.loads(ok.output)
+    assert {tuple(sorted(g for s in i["stages"] for g in s)) for i in doc["instances"]} >= {
+        ("gpu1", "gpu2"),
+        ("gpu0",),
+    }
+    table = runner.invoke(app, ["plan", "--cluster", str(CLUSTER), "--models", str(MODELS)])
+    assert table.exit_code == 0 and "not allowed: TP over eth25" in table.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models:\n  - {model: llama-2-7b, demand: {}, slo: {}}\n")
+    res = runner.invoke(app, ["plan", "--cluster", str(CLUSTER), "--models", str(bad)])
+    assert res.exit_code == 2
+    assert "Traceback" not in res.output and "demand: missing" in res.output
