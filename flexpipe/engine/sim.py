@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -29,6 +30,9 @@ async def serve_engine(cfg: EngineConfig) -> None:
         file=sys.stderr,
         flush=True,
     )
+    # start-up objects live forever: keep them out of every later collection (as vLLM does)
+    gc.collect()
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
