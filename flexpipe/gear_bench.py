@@ -154,13 +154,15 @@ def candidates(
     return out, rejected
 
 
-def make_prompt(rng: random.Random, num_tokens: int, request_index: int) -> str:
+def make_prompt(rng: random.Random, num_tokens: int, request_index: int, point: int = 0) -> str:
     """A prompt of about `num_tokens` tokens (exact for the sim's word tokenizer: one word
-    each, plus BOS). Each request starts differently so prefix caching does not hide prefill."""
+    each, plus BOS). Each request of each sweep point starts with its own word, so prefix
+    caching (within a point or from an earlier point on the same engine) does not hide
+    prefill."""
     from flexpipe.engine.tokenizer import WORDS
 
     words = [w for w in WORDS if w.isalpha()]
-    head = [f"request{request_index}"]
+    head = [f"p{point}r{request_index}"]
     body = [rng.choice(words) for _ in range(max(0, num_tokens - 2))]
     return " ".join(head + body)
 
@@ -172,6 +174,7 @@ async def _one_request(
     timeouts: Timeouts,
     result: LoadResult,
     time_scale: float,
+    first_token: asyncio.Event | None = None,
 ) -> None:
     start = time.perf_counter()
     first: float | None = None
@@ -205,6 +208,8 @@ async def _one_request(
                     if choices and choices[0].get("text") is not None:
                         if first is None:
                             first = time.perf_counter()
+                            if first_token is not None:
+                                first_token.set()
                         num_chunks += 1
         finally:
             resp.release()
@@ -254,11 +259,14 @@ async def run_load(
     on_done: Callable[[int], None] | None = None,
     engine: EngineHandle | None = None,
 ) -> LoadResult:
-    """A closed loop: `concurrency` clients send the workload's requests back to back.
+    """A closed loop: `concurrency` clients send the workload's requests back to back
+    (staggered start, see below).
 
     Raises EngineDied when `engine` exits during the point."""
-    rng = random.Random(seed)
-    prompts = [make_prompt(rng, workload.input_len, i) for i in range(workload.num_requests)]
+    rng = random.Random(seed * 1_000_003 + concurrency)
+    prompts = [
+        make_prompt(rng, workload.input_len, i, concurrency) for i in range(workload.num_requests)
+    ]
     timeout_s = max(5.0, workload.request_timeout_s * (time_scale or 1.0))
     timeouts = Timeouts(connect_s=5.0, ttfb_s=timeout_s, idle_s=timeout_s)
     result = LoadResult(concurrency, 0.0)
@@ -266,7 +274,15 @@ async def run_load(
     queue = list(range(workload.num_requests))
     queue.reverse()
 
-    async def client() -> None:
+    # Clients start one after another, each when the previous one's first request has its
+    # first token: started together, equal-length requests would stay in lock-step waves
+    # (every prompt prefilled in the same step) instead of the steady state a server sees.
+    started = [asyncio.Event() for _ in range(concurrency)]
+
+    async def client(k: int) -> None:
+        if k > 0:
+            await started[k - 1].wait()
+        first_request = True
         while queue:
             i = queue.pop()
             body = orjson.dumps(
@@ -281,7 +297,18 @@ async def run_load(
                     "stream_options": {"include_usage": True},
                 }
             )
-            await _one_request(pool, endpoint, body, timeouts, result, time_scale)
+            await _one_request(
+                pool,
+                endpoint,
+                body,
+                timeouts,
+                result,
+                time_scale,
+                started[k] if first_request else None,
+            )
+            if first_request:
+                started[k].set()  # also when the request failed: never block the others
+                first_request = False
             if on_done is not None:
                 on_done(i)
             if engine is not None and engine.returncode is not None:
@@ -291,7 +318,7 @@ async def run_load(
     scraper = asyncio.create_task(_scrape_kv(pool, endpoint, result, stop))
     start = time.perf_counter()
     try:
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.gather(*(client(k) for k in range(concurrency)))
     finally:
         stop.set()
         await scraper
