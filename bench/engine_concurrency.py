@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                         prompt_words=128,
                     )
                 )  # fmt: skip
-                modelled_s = elapsed * scale if scale > 0 else elapsed
+                modelled_s = elapsed / scale if scale > 0 else elapsed
                 done = [r for r in records if len(r.token_times_s) == args.tokens]
                 ttfts = [r.ttft_s / scale for r in done]
                 tokens = sum(len(r.token_times_s) for r in records)
