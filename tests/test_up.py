@@ -50,7 +50,7 @@ def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout_s: float) ->
     raise AssertionError(f"no {needle!r} in output:\n{''.join(lines)}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_up_serves_the_plan_and_stops_everything(
     marker: str,  # noqa: F811
     tmp_path: Path,
