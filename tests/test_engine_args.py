@@ -1,0 +1,62 @@
+"""`vllm serve` flags -> sim engine config: hardware, cluster GPUs, readable errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexpipe.engine.args import EngineArgsError, parse_engine_args
+from flexpipe.perf import perf_model_for
+
+CLUSTER = str(Path(__file__).resolve().parent.parent / "examples/clusters/fragmented-4gpu.yaml")
+
+
+def test_defaults_are_one_a100_per_tp_rank_on_nvlink() -> None:
+    cfg = parse_engine_args(["llama-2-7b", "-tp", "2", "--max-model-len", "1024", "--foo", "1"])
+    pm = perf_model_for("llama-2-7b", "tp=2", "A100-80G-SXM", "nvlink3", max_model_len=1024)
+    assert cfg.num_kv_blocks == pm.memory.num_kv_blocks
+    assert cfg.host == "127.0.0.1" and cfg.served_model_name == "llama-2-7b"
+    assert cfg.ignored_flags == ("--foo",)
+    assert cfg.load_time_s == pytest.approx(pm.cold_start_s())
+
+
+def test_cluster_gpus_set_the_hardware() -> None:
+    fast = parse_engine_args(
+        ["llama-2-7b", "--cluster", CLUSTER, "--gpu-ids", "gpu1,gpu2", "-tp", "2"]
+    )
+    slow = parse_engine_args(
+        ["llama-2-7b", "--cluster", CLUSTER, "--gpu-ids", "gpu0;gpu3", "-pp", "2"]
+    )
+    assert fast.pm.placement.tp == 2 and slow.pm.placement.pp == 2
+    assert slow.pm.decode_step_s(8, 100) > fast.pm.decode_step_s(8, 100)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["nope-model"], "unknown model"),
+        (["llama-2-70b"], "needs"),
+        (["llama-2-7b", "--cluster", CLUSTER, "--gpu-ids", "gpu9"], "unknown GPU 'gpu9'"),
+        (["llama-2-7b", "--cluster", CLUSTER], "--gpu-ids"),
+        (["llama-2-7b", "--num-gpu-blocks-override", "2"], "lower --max-model-len"),
+    ],
+)
+def test_bad_flags_give_one_readable_line(argv: list[str], needle: str) -> None:
+    with pytest.raises(EngineArgsError) as info:
+        parse_engine_args(argv)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cli_exits_with_one_line_for_an_infeasible_gear() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "flexpipe", "engine", "sim", "llama-2-70b"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: cannot run llama-2-70b") and out.stderr.count("\n") == 1
+    assert "Traceback" not in out.stderr
