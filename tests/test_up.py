@@ -137,3 +137,32 @@ def test_up_with_an_engine_that_cannot_start(marker: str, tmp_path: Path) -> Non
     assert "did not start" in res.output and "No such file" in res.output
     assert "no instance started" in res.output
     assert processes_with(marker) == []
+
+
+def test_engines_die_with_a_killed_up(marker: str, tmp_path: Path) -> None:  # noqa: F811
+    """Even `kill -9` of `flexpipe up` leaves no engine behind (PR_SET_PDEATHSIG)."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "flexpipe", "up", "--port", str(port), "--time-scale", "0.02",
+        "--models", str(write_models(tmp_path, marker)),
+        "--store", f"sqlite:///{tmp_path / 'fp.db'}",
+    ]  # fmt: skip
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        wait_for_line(proc, "serving", 90)
+        assert len(processes_with(marker)) == 3
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert processes_with(marker) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in processes_with(marker):
+            os.kill(pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -222,6 +223,7 @@ class LocalLauncher:
                     stderr=asyncio.subprocess.STDOUT,
                     env=env,
                     start_new_session=True,  # own process group: stopped as a whole
+                    preexec_fn=_die_with_parent,
                 )
             except OSError as exc:
                 raise LaunchError(
@@ -235,6 +237,18 @@ class LocalLauncher:
             raise
         handle._cold_start_s = time.monotonic() - started
         return handle
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the launcher dies, so that even a
+    `kill -9` of `flexpipe up` leaves no engine behind (PR_SET_PDEATHSIG)."""
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 async def wait_ready(handle: LocalEngine, timeout_s: float, poll_s: float = 0.1) -> None:
