@@ -14,7 +14,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _root() -> None:
     """flexpipe: serve LLMs on the GPUs a cluster actually has free."""

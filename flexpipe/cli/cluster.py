@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flexpipe.cli.common import console
 from flexpipe.cluster import Cluster, ClusterError, load_cluster
 from flexpipe.cluster_gen import generate_cluster
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, GB, GiB, LinkSpec
@@ -179,7 +180,7 @@ def show(
     if as_json:
         typer.echo(json.dumps(_report(cluster, fast_gb_per_s * GB), indent=2))
         return
-    _print_tables(cluster, fast_gb_per_s * GB, Console())
+    _print_tables(cluster, fast_gb_per_s * GB, console())
 
 
 @cluster_app.command("validate")

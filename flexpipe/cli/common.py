@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,7 +19,9 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except (ValueError, FileNotFoundError) as exc:
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err_console.print(
+            f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True
+        )
         raise typer.Exit(2) from None
 
 
@@ -30,4 +33,13 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
         if not sep or not key.strip():
             raise ValueError(f"bad --set {item!r}: expected KEY=VALUE")
         out[key.strip()] = value.strip()
+    return out
+
+
+def console() -> Console:
+    """Standard output; wide enough for flexpipe's tables when it is not a terminal (pipes,
+    `make run` logs), where rich would otherwise squeeze them to 80 columns."""
+    out = Console()
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(width=160)
     return out

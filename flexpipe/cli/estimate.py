@@ -11,7 +11,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from flexpipe.cli.common import parse_overrides, user_errors
+from flexpipe.cli.common import console, parse_overrides, user_errors
 from flexpipe.gear import GearError, GpuSlot, Placement, parse_gear, uniform_placement
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import load_model_spec
@@ -207,4 +207,4 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(report, indent=2))
         else:
-            _print_report(report, Console())
+            _print_report(report, console())

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
 from flexpipe.gear import parse_gear
 from flexpipe.gear_bench import (
@@ -103,7 +104,7 @@ def register(app: typer.Typer) -> None:
                 f"{pts[-1].source} {pts[-1].engine} {pts[-1].engine_version} "
                 f"{pts[-1].measured_at:%Y-%m-%d %H:%M}",
             )
-        Console().print(table)
+        make_console().print(table)
 
     @gears.command("show")
     def show(
@@ -132,7 +133,7 @@ def register(app: typer.Typer) -> None:
                 for b in batches
                 if b <= g.max_num_seqs
             ]
-        console = Console()
+        console = make_console()
         console.print(points_table([e.point for e in estimates], f"{model} {g.key()}"))
         for e in estimates:
             console.print(f"  batch {e.point.batch_size}: {e.basis} — {e.note}", highlight=False)
@@ -148,7 +149,7 @@ def register(app: typer.Typer) -> None:
         with user_errors(), Store(store) as st:
             points = st.points(model=model)
             export_points(points, path, fmt)
-        Console().print(f"wrote {len(points)} points to {path}")
+        make_console().print(f"wrote {len(points)} points to {path}")
 
     @gears.command("import")
     def import_(
@@ -161,7 +162,7 @@ def register(app: typer.Typer) -> None:
             points = import_points(path, fmt)
             with Store(store) as st:
                 num = st.put_points(points)
-        Console().print(f"imported {num} points from {path}")
+        make_console().print(f"imported {num} points from {path}")
 
     register_bench(app)
     register_discover(app)
@@ -243,7 +244,7 @@ def register_bench(app: typer.Typer) -> None:
         store: StoreOpt = None,
     ) -> None:
         """gear_bench: launch each gear, sweep concurrency, store the curves in the gear table."""
-        console = Console()
+        console = make_console()
         with user_errors():
             if engine not in ENGINES:
                 raise ValueError(f"unknown engine {engine!r}; use sim or vllm")

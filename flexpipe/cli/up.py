@@ -26,9 +26,9 @@ from typing import Annotated, Any
 
 import typer
 import yaml
-from rich.console import Console
 from rich.table import Table
 
+from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
 from flexpipe.cluster import Cluster, load_cluster
 from flexpipe.launch import ENGINES, EngineHandle, EngineSpec, Launcher, LaunchError, LocalLauncher
@@ -249,7 +249,7 @@ def register(app: typer.Typer) -> None:
         dry_run: Annotated[bool, typer.Option(help="Print the plan and exit.")] = False,
     ) -> None:
         """Plan for the free GPUs, launch the instances, serve the OpenAI API until Ctrl-C."""
-        console = Console()
+        console = make_console()
         with user_errors():
             if engine not in ENGINES:
                 raise UpError(f"unknown engine {engine!r}; use sim or vllm")
