@@ -54,6 +54,7 @@ log = logging.getLogger("flexpipe.gateway")
 
 _RETRY_STATUSES = (429, 503)
 _JSON = "application/json"
+_JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
 
 
 @dataclass(slots=True)
@@ -351,9 +352,9 @@ class Gateway:
         while True:
             inst = await self._pick(call)
             self._acquire(inst, call)
-            headers = {"content-type": _JSON}
+            headers = _JSON_HEADERS
             if inst.api_key:
-                headers["authorization"] = f"Bearer {inst.api_key}"
+                headers = {**_JSON_HEADERS, "authorization": f"Bearer {inst.api_key}"}
             try:
                 resp = await self.client.request(
                     inst.url, "POST", call.path, raw, headers, self.timeouts
@@ -381,27 +382,30 @@ class Gateway:
 
     async def _pick(self, call: _Call) -> Instance:
         deadline: float | None = None
-        loop = asyncio.get_running_loop()
         while True:
             routable = self.pool.routable(call.model)
-            cands = [i for i in routable if i.url not in call.excluded] or routable
+            cands = routable
+            if call.excluded:
+                cands = [i for i in routable if i.url not in call.excluded] or routable
             if not cands:
                 self.metrics.rejected.labels("no_instance").inc()
                 raise HttpError(503, f"no healthy instance serves model `{call.model}` right now")
             now = self.clock()
             hashes = call.routing.block_hashes
             index = self.prefix_index
-            views = tuple(i.view(index.match(i.url, hashes) if hashes else 0) for i in cands)
+            if hashes:
+                views = tuple(i.view(index.match(i.url, hashes)) for i in cands)
+            else:
+                views = tuple(i.view() for i in cands)
             snapshot = RoutingSnapshot(views, call.routing, self.cfg.max_metrics_age_s)
             decision = self.policy.choose(snapshot, now, self.rng)
-            by_url = {i.url: i for i in cands}
             for pos, name in enumerate(decision.ranked):
-                inst = by_url.get(name)
+                inst = next((i for i in cands if i.url == name), None)
                 if inst is None or inst.num_in_flight >= inst.max_concurrency:
                     continue
-                self.metrics.decisions.labels(
+                self.metrics.decision(
                     self.policy.name, decision.reason if pos == 0 else "next_ranked"
-                ).inc()
+                )
                 if hashes:
                     matched = next(v.num_prefix_blocks_matched for v in views if v.name == name)
                     self.metrics.prefix_all.inc(len(hashes))
@@ -418,7 +422,7 @@ class Gateway:
             if left <= 0:
                 self.metrics.rejected.labels("queue_timeout").inc()
                 raise _TooMany("all instances stayed busy", 1.0)
-            fut: asyncio.Future[None] = loop.create_future()
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
                 await asyncio.wait_for(fut, left)
@@ -443,9 +447,9 @@ class Gateway:
     def _finish(self, inst: Instance, call: _Call, status: str) -> None:
         inst.num_in_flight -= 1
         inst.num_tokens_sent_since_scrape -= call.num_tokens
-        self.metrics.requests.labels(call.model, inst.url, status).inc()
+        self.metrics.request_done(call.model, inst.url, status)
         if status == "200":
-            self.metrics.e2e.labels(call.model).observe(self.clock() - call.t0)
+            self.metrics.observe("e2e", call.model, self.clock() - call.t0)
         self._wake_one()
 
     def _success(self, inst: Instance) -> None:
@@ -525,7 +529,7 @@ class Gateway:
                 t_last = self.clock()
                 if not t_first:
                     t_first = t_last
-                    self.metrics.ttft.labels(call.model).observe(t_first - call.t0)
+                    self.metrics.observe("ttft", call.model, t_first - call.t0)
                 if state is None:
                     num_events += out.count(b"\n\n")
                     sent.append(out)
@@ -543,7 +547,7 @@ class Gateway:
             num_tokens = max(0, num_events - 2) + num_tokens_migrated
             if num_tokens >= 2 and t_last > t_first:
                 tpot = (t_last - t_first) / (num_tokens - 1)
-                self.metrics.tpot.labels(call.model).observe(tpot)
+                self.metrics.observe("tpot", call.model, tpot)
                 if state is None:
                     speed = 1.0 / tpot
                     inst.speed_tokens_per_s = (

@@ -89,6 +89,35 @@ class GatewayMetrics:
         )
         self.prefix_all = self.prefix_blocks.labels("all")
         self.prefix_matched = self.prefix_blocks.labels("matched")
+        # Labelled children of the per-request metrics, memoised: `labels()` validates and
+        # locks on every call, a dict lookup does not. Label sets are few (models x
+        # instances x statuses), so the memo stays small.
+        self._requests: dict[tuple[str, str, str], Counter] = {}
+        self._decisions: dict[tuple[str, str], Counter] = {}
+        self._latency: dict[tuple[str, str], Histogram] = {}  # (kind, model) -> child
+
+    def request_done(self, model: str, instance: str, status: str) -> None:
+        key = (model, instance, status)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self.requests.labels(model, instance, status)
+        child.inc()
+
+    def decision(self, policy: str, reason: str) -> None:
+        key = (policy, reason)
+        child = self._decisions.get(key)
+        if child is None:
+            child = self._decisions[key] = self.decisions.labels(policy, reason)
+        child.inc()
+
+    def observe(self, kind: str, model: str, value_s: float) -> None:
+        """`kind`: "ttft", "tpot" or "e2e"."""
+        key = (kind, model)
+        child = self._latency.get(key)
+        if child is None:
+            metric = {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}[kind]
+            child = self._latency[key] = metric.labels(model)
+        child.observe(value_s)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

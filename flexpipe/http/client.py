@@ -15,7 +15,11 @@ Closing a response that is not complete aborts its TCP connection, which is how 
 (vLLM, the sim engine) learns that the client went away and cancels the request.
 
 Built on an `asyncio.Protocol` with httptools' response parser: no per-chunk task or queue,
-one future per wait, timeouts via `call_later` (cheaper than `asyncio.wait_for`).
+one future per wait. Timeouts are one lazily re-armed timer per connection: a wait only moves
+a deadline, and the timer, when it fires early, re-arms itself for the deadline (a
+`call_later` per chunk would push and cancel a heap entry for every token). `next_chunk`
+returns everything that has already arrived as one piece, so a relay that fell behind
+catches up with one write instead of one per event (no data is ever held back).
 """
 
 from __future__ import annotations
@@ -52,19 +56,18 @@ class UpstreamError(Exception):
         self.kind = kind
 
 
-def _time_out(fut: asyncio.Future[bool]) -> None:
-    if not fut.done():
-        fut.set_result(True)
-
-
 class _Conn(asyncio.Protocol):
     """One upstream connection; parses one response at a time."""
 
     def __init__(self) -> None:
+        # kept: `get_running_loop()` costs a getpid() system call on every call
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.num_uses = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline_s = 0.0  # loop time at which the current wait times out
         self._reset()
 
     def _reset(self) -> None:
@@ -131,17 +134,37 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     async def wait(self, timeout_s: float, kind: str) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         fut: asyncio.Future[bool] = loop.create_future()
         self.waiter = fut
-        handle = loop.call_later(timeout_s, _time_out, fut)
+        deadline_s = loop.time() + timeout_s
+        self._deadline_s = deadline_s
+        timer = self._timer
+        if timer is None or timer.when() > deadline_s:
+            if timer is not None:
+                timer.cancel()
+            self._timer = loop.call_at(deadline_s, self._on_timer)
         try:
             timed_out = await fut
         finally:
-            handle.cancel()
             self.waiter = None
         if timed_out:
             raise UpstreamError(kind, f"no data for {timeout_s:g} s")
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        w = self.waiter
+        if w is None or w.done():
+            return  # not waiting now: the next wait arms a new timer
+        if self.loop.time() >= self._deadline_s:
+            w.set_result(True)
+        else:
+            self._timer = self.loop.call_at(self._deadline_s, self._on_timer)
+
+    def stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class UpstreamResponse:
@@ -159,12 +182,18 @@ class UpstreamResponse:
         return self._conn.complete and not self._conn.chunks
 
     async def next_chunk(self) -> bytes | None:
-        """The next body chunk as it arrived, or None at the end of the body."""
+        """The body bytes received since the last call (waiting for some if none), or None
+        at the end of the body."""
         conn = self._conn
         while True:
-            if conn.chunks:
-                chunk = conn.chunks.popleft()
-                if conn.paused and len(conn.chunks) < _MAX_BUFFERED_CHUNKS // 2:
+            chunks = conn.chunks
+            if chunks:
+                if len(chunks) == 1:
+                    chunk = chunks.popleft()
+                else:  # all that already arrived, as one piece
+                    chunk = b"".join(chunks)
+                    chunks.clear()
+                if conn.paused:
                     conn.paused = False
                     if conn.transport is not None:
                         conn.transport.resume_reading()
@@ -196,6 +225,7 @@ class UpstreamResponse:
             return
         self._released = True
         conn = self._conn
+        conn.stop_timer()
         if conn.complete and conn.keep_alive and not conn.closed and conn.error is None:
             self._pool._put(self._key, conn)
         elif conn.transport is not None:
@@ -211,6 +241,7 @@ class ClientPool:
         self.max_idle_per_backend = max_idle_per_backend
         self._idle: dict[str, list[_Conn]] = {}  # backend -> idle connections
         self._addrs: dict[str, tuple[str, int, str]] = {}  # backend -> host, port, host header
+        self._heads: dict[tuple[str, str, str], bytes] = {}  # (backend, method, path) -> line
         self.num_connects = 0
 
     def _addr(self, backend: str) -> tuple[str, int, str]:
@@ -255,15 +286,22 @@ class ClientPool:
         timeouts: Timeouts = Timeouts(),
     ) -> UpstreamResponse:
         """Send a request and wait for the response head (status and headers)."""
-        _, _, host_header = self._addr(backend)
-        lines = [f"{method} {path} HTTP/1.1\r\nhost: {host_header}\r\n"]
+        key = (backend, method, path)
+        prefix = self._heads.get(key)
+        if prefix is None:
+            _, _, host_header = self._addr(backend)
+            prefix = f"{method} {path} HTTP/1.1\r\nhost: {host_header}\r\n".encode("latin-1")
+            if len(self._heads) < 1024:
+                self._heads[key] = prefix
+        parts = [prefix]
         if body or method in ("POST", "PUT", "PATCH"):
-            lines.append(f"content-length: {len(body)}\r\n")
+            parts.append(b"content-length: %d\r\n" % len(body))
         if headers:
             for k, v in headers.items():
-                lines.append(f"{k}: {v}\r\n")
-        lines.append("\r\n")
-        data = "".join(lines).encode("latin-1") + body
+                parts.append(f"{k}: {v}\r\n".encode("latin-1"))
+        parts.append(b"\r\n")
+        parts.append(body)
+        data = b"".join(parts)
         for attempt in range(2):
             conn, reused = self._take(backend)
             if conn is None:
