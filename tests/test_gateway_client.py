@@ -1,0 +1,94 @@
+"""The gateway's upstream HTTP client against a raw asyncio server on 127.0.0.1: the lazily
+re-armed idle timer (a long healthy stream is never cut, a stall is), and chunks that arrive
+together are handed over together, in order, with nothing held back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
+
+_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/plain\r\n\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+async def _serve(handler: object) -> tuple[asyncio.Server, str]:
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            await handler(writer)  # type: ignore[operator]
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+def test_slow_but_steady_stream_outlives_the_idle_timeout_then_a_stall_times_out() -> None:
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        writer.write(_HEAD)
+        for i in range(8):  # 8 x 0.1 s: longer than the 0.3 s idle timeout in total
+            writer.write(_chunk(b"t%d;" % i))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(5)  # then stall
+
+    async def main() -> tuple[bytes, str, float]:
+        server, url = await _serve(handler)
+        pool = ClientPool()
+        try:
+            resp = await pool.request(url, "GET", "/", timeouts=Timeouts(1, 1, idle_s=0.3))
+            got = b""
+            loop = asyncio.get_running_loop()
+            t_last = loop.time()
+            with pytest.raises(UpstreamError) as info:
+                while (chunk := await resp.next_chunk()) is not None:
+                    got += chunk
+                    t_last = loop.time()
+            stalled_s = loop.time() - t_last
+            resp.release()
+            return got, info.value.kind, stalled_s
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    got, kind, stalled_s = asyncio.run(main())
+    assert got == b"".join(b"t%d;" % i for i in range(8))
+    assert kind == "idle"
+    assert 0.25 < stalled_s < 3.0
+
+
+def test_chunks_that_arrived_together_come_out_together_in_order() -> None:
+    release = asyncio.Event()
+
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        writer.write(_HEAD + _chunk(b"a"))
+        await writer.drain()
+        await release.wait()
+        writer.write(_chunk(b"b") + _chunk(b"c") + _chunk(b"d") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async def main() -> list[bytes | None]:
+        server, url = await _serve(handler)
+        pool = ClientPool()
+        try:
+            resp = await pool.request(url, "GET", "/")
+            out = [await resp.next_chunk()]
+            release.set()
+            await asyncio.sleep(0.2)  # b, c, d are all received before we ask again
+            out += [await resp.next_chunk(), await resp.next_chunk()]
+            resp.release()
+            return out
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(main()) == [b"a", b"bcd", None]
