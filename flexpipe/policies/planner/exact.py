@@ -27,7 +27,7 @@ from flexpipe.policies.planner.core import usable_gpus
 from flexpipe.policies.planner.performance import GearPerformance, PerfModelPerformance
 from flexpipe.policies.planner.types import ModelDemand, PlannerConfig
 
-__all__ = ["ExactResult", "all_candidates", "solve_exact"]
+__all__ = ["ExactResult", "all_candidates", "node_pool_candidates", "solve_exact"]
 
 _TP_SIZES = (1, 2, 4, 8)
 # Tie-break weight per GPU, relative to one token/s: "fewest GPUs" without trading goodput.
@@ -135,3 +135,48 @@ def solve_exact(candidates: Sequence[Candidate], demands: Sequence[ModelDemand])
         chosen=chosen,
         num_candidates=num_c,
     )
+
+
+def node_pool_candidates(
+    cluster: Cluster,
+    demands: Sequence[ModelDemand],
+    performance: GearPerformance | None = None,
+    config: PlannerConfig | None = None,
+    now_s: float = 0.0,
+) -> list[Candidate]:
+    """A large-cluster reference pool: per node, every model x precision x tp x pp on aligned
+    blocks of the node's GPUs (sorted by free memory inside each fast domain): TP groups are
+    consecutive `tp` GPUs of a domain, chains consecutive `pp` groups. Disjoint copies let the
+    ILP mix shapes like a buddy allocator (a tp=4 block, a tp=2 pair and two singles)."""
+    config = config or PlannerConfig()
+    demands = tuple(demands)
+    usable, _ = usable_gpus(cluster, now_s, config)
+    allowed = set(usable)
+    specs = tuple(load_model_spec(d.model) for d in demands)
+    evaluator = Evaluator(cluster, demands, specs, performance or PerfModelPerformance(), config)
+    node_domains: dict[str, list[list[str]]] = {}
+    for domain in cluster.fast_domains(config.fast_link_bytes_per_s):
+        per_node: dict[str, list[str]] = {}
+        for gid in domain:
+            if gid in allowed:
+                per_node.setdefault(cluster.gpu(gid).node, []).append(gid)
+        for node, ids in per_node.items():
+            ids.sort(key=lambda g: (-cluster.gpu(g).free_bytes, g))
+            node_domains.setdefault(node, []).append(ids)
+    out: list[Candidate] = []
+    for domains in node_domains.values():
+        for m, demand in enumerate(demands):
+            for tp in _TP_SIZES:
+                if specs[m].num_heads % tp:
+                    continue
+                groups = [
+                    tuple(d[i * tp : (i + 1) * tp]) for d in domains for i in range(len(d) // tp)
+                ]
+                for pp in range(1, config.max_pp + 1):
+                    for start in range(0, len(groups) - pp + 1, pp):
+                        chain = tuple(groups[start : start + pp])
+                        for dtype in demand.dtypes:
+                            result = evaluator.evaluate(m, chain, dtype)
+                            if isinstance(result, Candidate):
+                                out.append(result)
+    return out
