@@ -35,6 +35,15 @@ API (stable; other modules depend on it)::
   iterator's byte strings are written as HTTP chunks as soon as they are produced (empty ones
   are skipped). When the client disconnects, the handler task is cancelled and the iterator is
   closed at once (`aclose()`), so a `finally:` in an async generator frees its resources.
+- `PushResponse(start, status=200, content_type="text/event-stream", headers=None)`: a stream
+  its producer writes to directly, with no task woken per chunk (the sim engine's loop writes
+  every stream's tokens right after each step). The server calls `start(writer)` with a
+  `ChunkWriter` and moves on to the connection's next pipelined request once the producer
+  calls `writer.end()` (or the client goes away). `writer.write(data)` sends one HTTP chunk
+  (the head goes out with the first); `writer.writable` is False while the socket buffer is
+  full: the producer should hold its data back until `writer.on_resume` is called;
+  `writer.on_close` is called once if the client disconnects before `end()`; `writer.fail(status,
+  message)` answers an error body when nothing was sent yet, else breaks the stream.
 - `HttpError(status, message, type=None, param=None)`: raise it in a handler to answer with an
   error body. Any other exception answers 500 (and is logged).
 - Routing is by exact (method, path); unknown path -> 404, known path with another method
@@ -62,9 +71,11 @@ import orjson
 
 __all__ = [
     "App",
+    "ChunkWriter",
     "Handler",
     "HttpError",
     "HttpServer",
+    "PushResponse",
     "Request",
     "Response",
     "StreamResponse",
@@ -185,7 +196,119 @@ class StreamResponse:
         self.headers = headers
 
 
-Handler = Callable[[Request], Awaitable[Response | StreamResponse]]
+class PushResponse:
+    """A streamed response written by its producer through a `ChunkWriter` (see the module
+    docstring); `start(writer)` is called once the connection is ready for it."""
+
+    __slots__ = ("content_type", "headers", "start", "status")
+
+    def __init__(
+        self,
+        start: Callable[[ChunkWriter], None],
+        status: int = 200,
+        content_type: str = "text/event-stream",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.start = start
+        self.status = status
+        self.content_type = content_type
+        self.headers = headers
+
+
+class ChunkWriter:
+    """The producer's handle on one pushed (chunked) response."""
+
+    __slots__ = ("_conn", "_done", "_head", "_keep_alive", "closed", "on_close", "on_resume")
+
+    def __init__(self, conn: _Connection, head: bytes, keep_alive: bool) -> None:
+        self._conn = conn
+        self._head: bytes | None = head
+        self._keep_alive = keep_alive
+        self._done: asyncio.Future[None] = conn.loop.create_future()
+        self.closed = False  # ended by the producer or lost by the client
+        self.on_close: Callable[[], None] | None = None  # the client left before end()
+        self.on_resume: Callable[[], None] | None = None  # writable again after a pause
+
+    @property
+    def writable(self) -> bool:
+        """False while the socket buffer is full (hold data back until `on_resume`)."""
+        return not self.closed and self._conn._can_write.is_set()
+
+    @property
+    def started(self) -> bool:
+        """Whether the response head has gone out."""
+        return self._head is None
+
+    def write(self, data: bytes) -> None:
+        """Send `data` as one HTTP chunk (nothing for empty data or a closed stream)."""
+        if self.closed or not data:
+            return
+        out = b"%x\r\n%b\r\n" % (len(data), data)
+        if self._head is not None:
+            out = self._head + out
+            self._head = None
+        transport = self._conn.transport
+        assert transport is not None
+        transport.write(out)
+
+    def end(self, data: bytes = b"") -> None:
+        """Send the last `data` and the terminal chunk: the response is complete."""
+        if self.closed:
+            return
+        out = b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
+        if self._head is not None:
+            out = self._head + out
+            self._head = None
+        transport = self._conn.transport
+        assert transport is not None
+        transport.write(out)
+        self._finish()
+
+    def fail(self, status: int, message: str, type: str | None = None) -> None:
+        """An error: as an error body when nothing was sent yet, else a broken stream."""
+        if self.closed:
+            return
+        transport = self._conn.transport
+        assert transport is not None
+        if self._head is not None:
+            resp = error_response(status, message, type)
+            keep = self._keep_alive
+            transport.write(
+                _encode_head(status, resp.content_type, None, len(resp.body), keep) + resp.body
+            )
+            self._head = None
+        else:
+            self._conn._closed = True
+            transport.abort()
+        self._finish()
+
+    def _finish(self) -> None:
+        self.closed = True
+        if not self._done.done():
+            self._done.set_result(None)
+
+    def _lost(self) -> None:
+        """The client went away (or the server is dropping the connection)."""
+        if self.closed:
+            return
+        self._finish()
+        cb = self.on_close
+        if cb is not None:
+            try:
+                cb()
+            except Exception:
+                log.exception("push stream on_close failed")
+
+    def _resumed(self) -> None:
+        cb = self.on_resume
+        if cb is not None and not self.closed:
+            try:
+                cb()
+            except Exception:
+                log.exception("push stream on_resume failed")
+
+
+Handler = Callable[[Request], Awaitable[Response | StreamResponse | PushResponse]]
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -292,6 +415,7 @@ class _Connection(asyncio.Protocol):
         self._closed = False
         self._can_write = asyncio.Event()
         self._can_write.set()
+        self._push: ChunkWriter | None = None  # the pushed response in progress
 
     # --- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -309,6 +433,8 @@ class _Connection(asyncio.Protocol):
         self._closed = True
         self.server._connections.discard(self)
         self._can_write.set()
+        if self._push is not None:
+            self._push._lost()
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self._pending.clear()
@@ -318,6 +444,8 @@ class _Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._can_write.set()
+        if self._push is not None:
+            self._push._resumed()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -333,6 +461,7 @@ class _Connection(asyncio.Protocol):
         self._headers = {}
         self._body = []
         self._body_len = 0
+        self._too_large = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -368,7 +497,8 @@ class _Connection(asyncio.Protocol):
         body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
         req = Request(method, path, query, self._headers, body, self.client)
         self._pending.append((req, self.parser.should_keep_alive()))
-        if self._task is None:
+        task = self._task
+        if task is None or task.done():
             self._task = self.loop.create_task(self._serve_pending())
 
     # --- answering ----------------------------------------------------------------------
@@ -389,6 +519,7 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
     async def _serve_pending(self) -> None:
+        """Answer the parsed requests in order (one task per connection at a time)."""
         try:
             while self._pending and not self._closed:
                 req, keep_alive = self._pending.popleft()
@@ -397,8 +528,17 @@ class _Connection(asyncio.Protocol):
                     if self.transport is not None:
                         self.transport.close()
                     return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # never leave the client waiting on requests nobody will answer
+            log.exception("connection failed")
+            self._closed = True
+            if self.transport is not None:
+                self.transport.abort()
         finally:
-            self._task = None
+            if self._task is asyncio.current_task():
+                self._task = None
 
     async def _serve_one(self, req: Request, keep_alive: bool) -> None:
         transport = self.transport
@@ -416,6 +556,11 @@ class _Connection(asyncio.Protocol):
         if self._closed:
             if isinstance(resp, StreamResponse):
                 await _aclose(resp.iterator)
+            elif isinstance(resp, PushResponse):
+                self._drop_push(resp)
+            return
+        if isinstance(resp, PushResponse):
+            await self._push_stream(resp, keep_alive)
             return
         if isinstance(resp, Response):
             head = _encode_head(
@@ -426,6 +571,33 @@ class _Connection(asyncio.Protocol):
                 transport.write(resp.body)
             return
         await self._stream(resp, keep_alive)
+
+    def _drop_push(self, resp: PushResponse) -> None:
+        """The client left before the pushed response started: start it on a closed writer
+        and call its on_close, so the producer frees what it holds."""
+        writer = ChunkWriter(self, b"", False)
+        writer.closed = True
+        try:
+            resp.start(writer)
+            if writer.on_close is not None:
+                writer.on_close()
+        except Exception:
+            log.exception("push stream start failed")
+
+    async def _push_stream(self, resp: PushResponse, keep_alive: bool) -> None:
+        head = _encode_head(resp.status, resp.content_type, resp.headers, None, keep_alive)
+        writer = ChunkWriter(self, head, keep_alive)
+        self._push = writer
+        try:
+            try:
+                resp.start(writer)
+            except Exception as exc:
+                log.exception("push stream start failed")
+                writer.fail(500, f"Internal server error: {type(exc).__name__}: {exc}")
+            await writer._done
+        finally:
+            self._push = None
+            writer._lost()  # cancelled (connection dropped): tell the producer
 
     async def _stream(self, resp: StreamResponse, keep_alive: bool) -> None:
         transport = self.transport
