@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -22,22 +21,22 @@ from flexpipe import __version__ as flexpipe_version
 from flexpipe.engine.args import EngineConfig
 from flexpipe.engine.block_manager import BlockManager
 from flexpipe.engine.metrics import CONTENT_TYPE, EngineMetrics
-from flexpipe.engine.request import EngineRequest, SamplingParams, Status
+from flexpipe.engine.request import EngineRequest, SamplingParams
 from flexpipe.engine.runner import Engine
 from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
+from flexpipe.engine.stream import FinishSink, SseStream
 from flexpipe.engine.tokenizer import Tokenizer
 from flexpipe.http.server import (
     App,
     HttpError,
+    PushResponse,
     Request,
     Response,
-    StreamResponse,
     error_response,
     json_response,
 )
 
 VLLM_COMPAT_VERSION = "0.11.0"
-_DONE = b"data: [DONE]\n\n"
 _BAD_BANDWIDTH = "bandwidth_bytes_per_s must be > 0"
 
 
@@ -84,6 +83,10 @@ class SimServer:
         self.engine = Engine(self.scheduler, pm.step_time_s, self.metrics, cfg.time_scale)
         self.model_name = cfg.served_model_name
         self._model_json = orjson.dumps(self.model_name)
+        # token id -> its text as a JSON string (a streamed token costs no encoding)
+        self._frag_json = {t: orjson.dumps(f) for t, f in self.tokenizer.gen_fragments.items()}
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._num_ids = 0
         self.ready_at = 0.0
         self.started_at = 0.0
         self.app = App(max_body_bytes=cfg.max_request_body_bytes)
@@ -214,7 +217,7 @@ class SimServer:
         return json_response({"prompt": self.tokenizer.decode(tokens)})
 
     # --- generation ----------------------------------------------------------------------
-    async def completions(self, req: Request) -> Response | StreamResponse:
+    async def completions(self, req: Request) -> Response | PushResponse:
         self._check_api_key(req)
         body = self._json_object(req)
         self._check_model(body)
@@ -222,7 +225,7 @@ class SimServer:
         prompt_ids = self._completion_prompt(body.get("prompt"))
         return await self._generate(req, body, prompt_ids, chat=False)
 
-    async def chat_completions(self, req: Request) -> Response | StreamResponse:
+    async def chat_completions(self, req: Request) -> Response | PushResponse:
         self._check_api_key(req)
         body = self._json_object(req)
         self._check_model(body)
@@ -316,7 +319,11 @@ class SimServer:
     ) -> EngineRequest:
         params = self._sampling(body, len(prompt_ids), chat)
         limit = self.cfg.max_model_len - len(prompt_ids)
-        rid = req.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = req.headers.get("x-request-id")
+        if not rid:
+            # unique per process and across processes, without a urandom call per request
+            self._num_ids += 1
+            rid = f"{self._id_prefix}{self._num_ids:016x}"
         if rid in self.engine.requests:
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"
         return EngineRequest(
@@ -337,7 +344,7 @@ class SimServer:
         chat: bool,
         preloaded_tokens: int = 0,
         transfer_s: float = 0.0,
-    ) -> Response | StreamResponse:
+    ) -> Response | PushResponse:
         ereq = self._new_request(req, body, prompt_ids, chat)
         ereq.num_preloaded_tokens = preloaded_tokens
         stream = bool(body.get("stream", False))
@@ -348,12 +355,27 @@ class SimServer:
             headers["x-flexpipe-kv-transfer-s"] = f"{transfer_s:.6f}"
             if self.cfg.time_scale > 0:
                 await asyncio.sleep(transfer_s * self.cfg.time_scale)
-        self.engine.add(ereq)
         if stream:
-            return StreamResponse(self._stream(ereq, chat, include_usage), headers=headers)
+            sse = SseStream(
+                self.engine,
+                ereq,
+                chat,
+                include_usage,
+                _now_s(),
+                self._model_json,
+                self.tokenizer.gen_fragments,
+                self._frag_json,
+                lambda r, upto: self._text(r, False, upto),
+                self._usage,
+            )
+            ereq.sink = sse
+            self.engine.add(ereq)
+            return PushResponse(sse.start, headers=headers)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ereq.sink = FinishSink(done)
+        self.engine.add(ereq)
         try:
-            while not ereq.is_finished:
-                await self.engine.wait(ereq)
+            await done
         except BaseException:
             self.engine.abort(ereq)
             raise
@@ -418,85 +440,6 @@ class SimServer:
                 )
         return text.lstrip(" ") if chat else text
 
-    async def _stream(
-        self, ereq: EngineRequest, chat: bool, include_usage: bool
-    ) -> AsyncIterator[bytes]:
-        engine = self.engine
-        created = _now_s()
-        rid = ("chatcmpl-" if chat else "cmpl-") + ereq.request_id
-        model = self._model_json
-        if chat:
-            head = (
-                b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
-                b'"choices":[{"index":0,"delta":{"content":' % (rid.encode(), created, model)
-            )
-            mid = b'},"logprobs":null,"finish_reason":'
-        else:
-            head = (
-                b'data: {"id":"%s","object":"text_completion","created":%d,"model":%s,'
-                b'"choices":[{"index":0,"text":' % (rid.encode(), created, model)
-            )
-            mid = b',"logprobs":null,"finish_reason":'
-        tail_open = b',"stop_reason":null}]}\n\n'
-        frags = self.tokenizer.gen_fragments
-        dumps = orjson.dumps
-        start = ereq.num_prompt_tokens
-        sent = 0  # output tokens sent
-        sent_chars = 0  # text characters sent (stop-string path)
-        use_text = bool(ereq.params.stop)
-        first = True
-        try:
-            if chat:
-                yield (
-                    b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
-                    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-                    b'"logprobs":null,"finish_reason":null}]}\n\n' % (rid.encode(), created, model)
-                )
-            while True:
-                n_out = len(ereq.token_ids) - start
-                finished = ereq.status is Status.FINISHED
-                if n_out == sent and not finished:
-                    await engine.wait(ereq)
-                    continue
-                if ereq.finish_reason == "error":
-                    raise HttpError(400, ereq.error or "request failed")
-                if use_text:
-                    full = self._text(ereq, False, n_out)
-                    piece = full[sent_chars:]
-                    sent_chars = len(full)
-                else:
-                    piece = "".join(
-                        [frags.get(t, "") for t in ereq.token_ids[start + sent : start + n_out]]
-                    )
-                if chat and first:
-                    piece = piece.lstrip(" ")
-                first = False
-                sent = n_out
-                if finished:
-                    stop = ereq.stop_reason
-                    tail = b',"stop_reason":%s}]}\n\n' % dumps(stop)
-                    out = head + dumps(piece) + mid + dumps(ereq.finish_reason) + tail
-                    if include_usage:
-                        out += (
-                            b'data: {"id":"%s","object":"%s","created":%d,"model":%s,'
-                            b'"choices":[],"usage":%s}\n\n'
-                            % (
-                                rid.encode(),
-                                b"chat.completion.chunk" if chat else b"text_completion",
-                                created,
-                                model,
-                                dumps(self._usage(ereq)),
-                            )
-                        )
-                    yield out + _DONE
-                    return
-                yield head + dumps(piece) + mid + b"null" + tail_open
-        finally:
-            if ereq.status is not Status.FINISHED:
-                engine.abort(ereq)
-            else:
-                engine.release(ereq)
-
     # --- migration hooks (admin) ---------------------------------------------------------
     async def admin_requests(self, req: Request) -> Response:
         self._check_admin(req)
@@ -554,7 +497,7 @@ class SimServer:
             state["aborted"] = True
         return json_response(state)
 
-    async def admin_import(self, req: Request) -> Response | StreamResponse:
+    async def admin_import(self, req: Request) -> Response | PushResponse:
         """Admit a request whose first `num_kv_tokens` tokens arrive as transferred KV.
 
         Body: a /v1/completions body (prompt as token ids: the original prompt followed by the

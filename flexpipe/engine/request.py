@@ -74,7 +74,7 @@ class EngineRequest:
     last_token_s: float = 0.0
     scheduled_s: float = 0.0
     waiter: asyncio.Future[None] | None = None
-    sink: Any = None
+    sink: Any = None  # a runner.ProgressSink: told of progress by the loop (see runner)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

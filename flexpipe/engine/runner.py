@@ -6,21 +6,33 @@ is added to the previous deadline and the loop sleeps until then, so the loop's 
 engine goes idle. At `time_scale == 0` nothing sleeps, but the loop still yields to the event
 loop once per step so the streams are served.
 
-Consumers (the API handlers) wait on `req.waiter`, a future the loop resolves when the request
-has new tokens or has finished; they read the tokens from the request itself.
+Consumers are told of progress (new tokens, or the end) in one of two ways:
+- `req.sink` (the API's streams: `flexpipe.engine.stream`): the loop calls
+  `sink.on_progress(req)` right after the step, and the sink writes the client's chunk there
+  and then: no task wake-up per token. This is the path every API request takes.
+- otherwise `req.waiter`, a future the loop resolves (`await engine.wait(req)`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from flexpipe.engine.metrics import EngineMetrics
 from flexpipe.engine.request import EngineRequest, Status
 from flexpipe.engine.scheduler import Scheduler, StepPlan
 from flexpipe.perf import BatchShape
+
+log = logging.getLogger("flexpipe.engine")
+
+
+class ProgressSink(Protocol):
+    def on_progress(self, req: EngineRequest) -> None:
+        """`req` has new tokens or has finished (called by the engine loop; must not block)."""
 
 
 class Engine:
@@ -58,8 +70,17 @@ class Engine:
         """The consumer is done with a finished request."""
         self.requests.pop(req.request_id, None)
 
-    @staticmethod
-    def _notify(req: EngineRequest) -> None:
+    def _notify(self, req: EngineRequest) -> None:
+        sink = req.sink
+        if sink is not None:
+            try:
+                sink.on_progress(req)
+            except Exception:
+                log.exception("stream of request %s failed", req.request_id)
+                if req.status is not Status.FINISHED:
+                    req.sink = None
+                    self.abort(req)
+            return
         w = req.waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -148,9 +169,7 @@ class Engine:
             if req.status is Status.FINISHED:
                 self._finish(req, now)
             else:
-                w = req.waiter
-                if w is not None and not w.done():
-                    w.set_result(None)
+                self._notify(req)
 
     def _finish(self, req: EngineRequest, now: float) -> None:
         m = self.metrics
