@@ -61,20 +61,26 @@ class LeastLoad(PolicyHooks):
 
     def score(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> list[float]:
         del rng
-        costs = instance_costs(snapshot, now, self.output_weight)
-        finite = [c for c in costs if math.isfinite(c)]
-        if not finite:
-            return [0.0] * len(costs)
-        low = min(finite)
-        return [0.0 if not math.isfinite(c) else (low / c if c > 0 else 1.0) for c in costs]
+        return _scores(instance_costs(snapshot, now, self.output_weight))
 
     def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision:
-        costs = instance_costs(snapshot, now, self.output_weight)
-        if all(math.isinf(c) for c in costs):
-            scores = _fallback_in_flight(snapshot.instances)
-            return Decision(rank_by_score(snapshot.instances, scores, rng), "stale_metrics")
-        scores = self.score(snapshot, now, rng)
-        return Decision(rank_by_score(snapshot.instances, scores, rng), "least_cost")
+        return decide_by_costs(snapshot, instance_costs(snapshot, now, self.output_weight), rng)
+
+
+def _scores(costs: list[float]) -> list[float]:
+    finite = [c for c in costs if math.isfinite(c)]
+    if not finite:
+        return [0.0] * len(costs)
+    low = min(finite)
+    return [0.0 if not math.isfinite(c) else (low / c if c > 0 else 1.0) for c in costs]
+
+
+def decide_by_costs(snapshot: RoutingSnapshot, costs: list[float], rng: random.Random) -> Decision:
+    """least_load's decision from costs already computed by `instance_costs`."""
+    if all(math.isinf(c) for c in costs):
+        scores = _fallback_in_flight(snapshot.instances)
+        return Decision(rank_by_score(snapshot.instances, scores, rng), "stale_metrics")
+    return Decision(rank_by_score(snapshot.instances, _scores(costs), rng), "least_cost")
 
 
 register_policy("least_load", LeastLoad)

@@ -29,7 +29,7 @@ import math
 import random
 
 from flexpipe.policies.routing.base import PolicyHooks
-from flexpipe.policies.routing.least_load import LeastLoad, instance_costs
+from flexpipe.policies.routing.least_load import LeastLoad, decide_by_costs, instance_costs
 from flexpipe.policies.routing.registry import register_policy, register_scorer
 from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
 
@@ -87,11 +87,11 @@ class PrefixAffinity(PolicyHooks):
         views = snapshot.instances
         if not views:
             return Decision((), "empty")
-        by_load = self._least_load.choose(snapshot, now, rng)
+        costs = instance_costs(snapshot, now, self._least_load.output_weight)
+        by_load = decide_by_costs(snapshot, costs, rng)
         hashes = snapshot.request.block_hashes
         if not hashes:
             return Decision(by_load.ranked, "no_prefix")
-        costs = instance_costs(snapshot, now, self._least_load.output_weight)
         best_i = max(
             range(len(views)),
             key=lambda i: (views[i].num_prefix_blocks_matched, -costs[i], views[i].name),
