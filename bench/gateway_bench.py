@@ -1,15 +1,35 @@
 """Gateway benchmarks (issue 4 §8), all against real sim engines on 127.0.0.1.
 
-    python bench/gateway_bench.py overhead   # flexpipe vs direct: added latency, relay rate
-    python bench/gateway_bench.py peers      # flexpipe vs sglang-router vs vllm-router
-    python bench/gateway_bench.py quality    # routing quality: shared prefixes, one slow GPU
+    python bench/gateway_bench.py overhead  # saturated throughput: flexpipe vs direct
+    python bench/gateway_bench.py latency   # added latency when NOT saturated
+    python bench/gateway_bench.py peers     # flexpipe vs sglang-router vs vllm-router
+    python bench/gateway_bench.py quality   # routing quality: policy/weight sweep, seeds
     python bench/gateway_bench.py all
 
-The load generator is flexpipe's own keep-alive asyncio client (one process, closed loop):
-per request it records time to the first body chunk (TTFT), the gaps between chunks and the
-end; streamed chunks are counted at SSE event boundaries. Engines run at --time-scale 0 for
-the overhead and peer runs (so the engine is not the bottleneck) and at 1 for routing
-quality (modelled A100 and L4 timing). Results are printed as JSON lines and a table.
+Every comparison runs its targets side by side in one run, interleaved round by round
+(`--rounds`, default 3, the order rotated each round), and reports medians over the rounds:
+the machine is shared, so one run of one target against a later run of another measures the
+neighbours. Each row also records the 1-minute load average and, for flexpipe, the gateway
+process's CPU time per request and per streamed chunk (from /proc): a cost that contention
+does not inflate the way it inflates throughput and tail latency.
+
+- overhead: one engine at time scale 0 (no modelled GPU time), closed loop (each client
+  sends its next request as soon as the last ends): 1 connection (streaming and not), 64 and
+  256 streams. At 64+ streams the machine is saturated, so these rows are throughput; their
+  latency is mostly queueing for the CPU.
+- latency: the added latency the issue's target means, on an unsaturated system:
+  (a) 64 concurrent streams against an engine at time scale 1 (a modelled A100 decode, tens
+  of ms per token step), (b) an open-loop Poisson rate well below saturation at time scale 0.
+  Added = flexpipe minus direct, per round, then the median over rounds.
+- quality: shared prefixes (4 long system prompts, 48 multi-turn sessions), a heterogeneous
+  pool (2 x A100 + 1 x L4 at time scale 1), Poisson arrivals; each policy / weight variant
+  and peer runs once per seed on fresh engines; medians over seeds of TTFT p99 and the
+  engines' prefix-cache hit rate.
+
+The load generator is flexpipe's own keep-alive asyncio client in this process: per request
+it records time to the first body chunk (TTFT), the gaps between chunks and the end;
+streamed chunks are counted at SSE event boundaries. Results print as JSON lines, then a
+markdown table of medians.
 """
 
 from __future__ import annotations
@@ -17,11 +37,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +59,7 @@ from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 
 MODEL = "llama-2-7b"
 TIMEOUTS = Timeouts(connect_s=5, ttfb_s=60, idle_s=60)
+SHORT_PROMPT = "hello there, how are you today?"
 
 
 def free_port() -> int:
@@ -57,9 +82,21 @@ def wait_up(url: str, path: str = "/health", timeout_s: float = 60) -> None:
     raise TimeoutError(f"{url}{path} did not come up")
 
 
+def load_1m() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Procs:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.pids: dict[str, int] = {}  # gateway url -> pid
 
     def engines(self, n: int, time_scale: float, gpu_types: list[str] | None = None) -> list[str]:
         urls = []
@@ -78,13 +115,22 @@ class Procs:
             wait_up(u)
         return urls
 
-    def gateway(self, kind: str, backends: list[str], policy: str) -> str:
+    def gateway(
+        self, kind: str, backends: list[str], policy: str, config: Path | None = None
+    ) -> str:
         port = free_port()
-        self.procs.append(peers.start(peers.gateway_command(kind, backends, port, policy)))
+        proc = peers.start(peers.gateway_command(kind, backends, port, policy, config))
+        self.procs.append(proc)
         url = f"http://127.0.0.1:{port}"
+        self.pids[url] = proc.pid
         wait_up(url, "/v1/models" if kind == "flexpipe" else "/health", 60)
         time.sleep(1.0)  # let health checks / first scrapes settle
         return url
+
+    def stop_last(self) -> None:
+        p = self.procs.pop()
+        p.kill()
+        p.wait(10)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -165,7 +211,7 @@ async def closed_loop(
 ) -> Stats:
     pool = ClientPool()
     stats = Stats()
-    body = body_for("hello there, how are you today?", max_tokens, stream)
+    body = body_for(SHORT_PROMPT, max_tokens, stream)
     stop_at = time.perf_counter() + duration_s
 
     async def worker() -> None:
@@ -179,49 +225,193 @@ async def closed_loop(
     return stats
 
 
+async def open_loop(url: str, bodies: Sequence[bytes], rate_per_s: float, seed: int) -> Stats:
+    """Send `bodies` (streaming) at Poisson arrivals of `rate_per_s`, not waiting for answers."""
+    pool = ClientPool()
+    stats = Stats()
+    rng = random.Random(seed)
+    tasks = []
+    t0 = time.perf_counter()
+    next_s = t0
+    for body in bodies:
+        tasks.append(
+            asyncio.create_task(one_request(pool, url, body, "/v1/completions", stats, True))
+        )
+        next_s += rng.expovariate(rate_per_s)
+        await asyncio.sleep(max(0.0, next_s - time.perf_counter()))
+    await asyncio.gather(*tasks)
+    stats.wall_s = time.perf_counter() - t0
+    await pool.close()
+    return stats
+
+
+def measured(procs: Procs, url: str, load: Coroutine[Any, Any, Stats]) -> dict[str, Any]:
+    """Run one load against `url`; add the load average and, for a gateway we started, its
+    CPU time per request and per chunk."""
+    pid = procs.pids.get(url)
+    c0 = cpu_s(pid) if pid else 0.0
+    load0 = load_1m()
+    stats = asyncio.run(load)
+    out: dict[str, Any] = {**stats.summary(), "load_1m": [load0, load_1m()]}
+    if pid:
+        used_s = cpu_s(pid) - c0
+        out["gw_cpu_us_per_req"] = round(used_s / max(1, len(stats.latencies_s)) * 1e6, 1)
+        if stats.num_chunks:
+            out["gw_cpu_us_per_chunk"] = round(used_s / stats.num_chunks * 1e6, 2)
+    return out
+
+
+def rotated(items: list[Any], k: int) -> list[Any]:
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def median_rows(rows: list[dict[str, Any]], keys: list[str]) -> list[dict[str, Any]]:
+    """Group rows by `keys` and take the median of every numeric column."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    out = []
+    for key, rs in groups.items():
+        m: dict[str, Any] = dict(zip(keys, key, strict=True))
+        m["runs"] = len(rs)
+        for col, v in rs[0].items():
+            if col in keys or isinstance(v, bool) or not isinstance(v, int | float):
+                continue
+            vals = [r[col] for r in rs if isinstance(r.get(col), int | float)]
+            m[col] = round(statistics.median(vals), 3)
+        loads = [x for r in rs for x in r.get("load_1m", [])]
+        if loads:
+            m["load_1m"] = f"{min(loads):.1f}-{max(loads):.1f}"
+        out.append(m)
+    return out
+
+
+def print_table(title: str, rows: list[dict[str, Any]], cols: list[str]) -> None:
+    print(f"\n### {title} (medians; {os.cpu_count()} CPUs)")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+
+
+def emit(row: dict[str, Any]) -> dict[str, Any]:
+    print(json.dumps(row), flush=True)
+    return row
+
+
+# ----------------------------------------------------------------------- overhead (saturated)
+OVERHEAD_CASES = [(1, False), (1, True), (64, True), (256, True)]  # (connections, stream)
+
+
 def run_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
     procs = Procs()
-    out = []
+    rows = []
     try:
         engines = procs.engines(1, 0.0)
         gw = procs.gateway("flexpipe", engines, "round_robin")
-        for stream in (False, True):
-            for target, url in (("direct", engines[0]), ("flexpipe", gw)):
-                s = asyncio.run(closed_loop(url, 1, args.duration_s, stream)).summary()
-                out.append({"bench": "overhead", "conns": 1, "stream": stream,
-                            "target": target, **s})  # fmt: skip
-        for conns in (64, 256):
-            for target, url in (("direct", engines[0]), ("flexpipe", gw)):
-                s = asyncio.run(closed_loop(url, conns, args.duration_s, True)).summary()
-                out.append({"bench": "overhead", "conns": conns, "stream": True,
-                            "target": target, **s})  # fmt: skip
+        targets = [("direct", engines[0]), ("flexpipe", gw)]
+        for r in range(args.rounds):
+            for conns, stream in OVERHEAD_CASES:
+                for target, url in rotated(targets, r):
+                    s = measured(procs, url, closed_loop(url, conns, args.duration_s, stream))
+                    rows.append(emit({"bench": "overhead", "conns": conns, "stream": stream,
+                                      "target": target, "round": r, **s}))  # fmt: skip
     finally:
         procs.stop()
+    med = median_rows(rows, ["conns", "stream", "target"])
+    print_table("overhead: closed loop, 1 engine at time scale 0", med,
+                ["conns", "stream", "target", "req_per_s", "chunks_per_s", "lat_p50_ms",
+                 "lat_p99_ms", "gw_cpu_us_per_req", "gw_cpu_us_per_chunk", "load_1m"])  # fmt: skip
+    return rows
+
+
+# ----------------------------------------------------------------------- latency (unsaturated)
+def _added(rows: list[dict[str, Any]], case: str) -> dict[str, Any]:
+    """Per round: flexpipe minus direct; median over rounds."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if r["case"] == case:
+            by_round.setdefault(r["round"], {})[r["target"]] = r
+    out: dict[str, Any] = {"case": case}
+    for col in ("lat_p50_ms", "lat_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+        diffs = [
+            pair["flexpipe"][col] - pair["direct"][col]
+            for pair in by_round.values()
+            if "flexpipe" in pair and "direct" in pair
+        ]
+        out[f"added_{col}"] = round(statistics.median(diffs), 3) if diffs else None
     return out
 
 
+def run_latency(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    # (a) 64 streams at time scale 1: the engine's modelled decode paces every stream.
+    procs = Procs()
+    try:
+        engines = procs.engines(1, 1.0, ["A100-80G-SXM"])
+        gw = procs.gateway("flexpipe", engines, "round_robin")
+        targets = [("direct", engines[0]), ("flexpipe", gw)]
+        case = f"64 streams, time scale 1, {args.latency_tokens} tokens"
+        for r in range(args.rounds):
+            for target, url in rotated(targets, r):
+                load = closed_loop(url, 64, args.duration_s, True, args.latency_tokens)
+                s = measured(procs, url, load)
+                rows.append(emit({"bench": "latency", "case": case, "target": target,
+                                  "round": r, **s}))  # fmt: skip
+    finally:
+        procs.stop()
+    # (b) open loop below saturation at time scale 0: the gateway's own cost plus queueing.
+    procs = Procs()
+    try:
+        engines = procs.engines(1, 0.0)
+        gw = procs.gateway("flexpipe", engines, "round_robin")
+        targets = [("direct", engines[0]), ("flexpipe", gw)]
+        case_b = f"open loop {args.open_rate:g} req/s, time scale 0, 16 tokens"
+        bodies = [body_for(SHORT_PROMPT, 16, True)] * int(args.open_rate * args.duration_s)
+        for r in range(args.rounds):
+            for target, url in rotated(targets, r):
+                s = measured(procs, url, open_loop(url, bodies, args.open_rate, r))
+                rows.append(emit({"bench": "latency", "case": case_b, "target": target,
+                                  "round": r, **s}))  # fmt: skip
+    finally:
+        procs.stop()
+    med = median_rows(rows, ["case", "target"])
+    print_table("latency: unsaturated", med,
+                ["case", "target", "req_per_s", "lat_p50_ms", "lat_p99_ms", "ttft_p50_ms",
+                 "ttft_p99_ms", "gw_cpu_us_per_req", "load_1m"])  # fmt: skip
+    added = [_added(rows, c) for c in dict.fromkeys(r["case"] for r in rows)]
+    print_table("latency: added by flexpipe (flexpipe - direct per round)", added,
+                ["case", "added_lat_p50_ms", "added_lat_p99_ms", "added_ttft_p50_ms",
+                 "added_ttft_p99_ms"])  # fmt: skip
+    return rows
+
+
+# ----------------------------------------------------------------------- peers
 def run_peers(args: argparse.Namespace) -> list[dict[str, Any]]:
-    out = []
+    rows = []
     have = peers.available()
-    gateways = [("flexpipe", "round_robin")]
-    for kind in ("sglang-router", "vllm-router"):
-        if have[kind]:
-            gateways.append((kind, "round_robin"))
+    kinds = ["flexpipe"] + [k for k in ("sglang-router", "vllm-router") if have[k]]
     procs = Procs()
     try:
         engines = procs.engines(3, 0.0)
-        for kind, policy in gateways:
-            gw = procs.gateway(kind, engines, policy)
+        gws = [(k, procs.gateway(k, engines, "round_robin")) for k in kinds]
+        for r in range(args.rounds):
             for conns in (1, 64):
-                s = asyncio.run(closed_loop(gw, conns, args.duration_s, True)).summary()
-                out.append({"bench": "peers", "gateway": kind, "policy": policy,
-                            "conns": conns, **s})  # fmt: skip
-            procs.procs[-1].kill()
-            procs.procs[-1].wait(10)
-            procs.procs.pop()
+                for kind, url in rotated(gws, r):
+                    s = measured(procs, url, closed_loop(url, conns, args.duration_s, True))
+                    rows.append(emit({"bench": "peers", "gateway": kind, "policy": "round_robin",
+                                      "conns": conns, "round": r, **s}))  # fmt: skip
     finally:
         procs.stop()
-    return out
+    med = median_rows(rows, ["conns", "gateway"])
+    base = {m["conns"]: m["req_per_s"] for m in med if m["gateway"] == "flexpipe"}
+    for m in med:
+        m["flexpipe_ratio"] = round(base[m["conns"]] / m["req_per_s"], 2) if m["req_per_s"] else ""
+    print_table("peers: 3 engines at time scale 0, round_robin, closed loop", med,
+                ["conns", "gateway", "req_per_s", "chunks_per_s", "lat_p50_ms", "lat_p99_ms",
+                 "flexpipe_ratio", "gw_cpu_us_per_req", "load_1m"])  # fmt: skip
+    return rows
 
 
 # ----------------------------------------------------------------------- routing quality
@@ -254,77 +444,93 @@ def make_workload(seed: int, num_requests: int) -> list[str]:
     return prompts
 
 
-async def open_loop(url: str, prompts: list[str], rate_per_s: float, seed: int) -> Stats:
-    pool = ClientPool()
-    stats = Stats()
-    rng = random.Random(seed)
-    tasks = []
-    t0 = time.perf_counter()
-    for p in prompts:
-        tasks.append(
-            asyncio.create_task(
-                one_request(pool, url, body_for(p, 24, True), "/v1/completions", stats, True)
-            )
-        )
-        await asyncio.sleep(rng.expovariate(rate_per_s))
-    await asyncio.gather(*tasks)
-    stats.wall_s = time.perf_counter() - t0
-    await pool.close()
-    return stats
-
-
-QUALITY_RUNS = [
-    ("flexpipe", "round_robin"),
-    ("flexpipe", "least_load"),
-    ("flexpipe", "prefix_affinity"),
-    ("flexpipe", "composite"),
-    ("sglang-router", "cache_aware"),
-    ("vllm-router", "cache_aware"),
-]
+# name -> (gateway kind, policy, flexpipe routing params or None)
+QUALITY_VARIANTS: dict[str, tuple[str, str, dict[str, Any] | None]] = {
+    "round_robin": ("flexpipe", "round_robin", None),
+    "least_load": ("flexpipe", "least_load", None),
+    "prefix_affinity": ("flexpipe", "prefix_affinity", None),
+    "composite p3 q2 kv2 l2": ("flexpipe", "composite",
+                               {"weights": {"prefix": 3, "queue": 2, "kv": 2, "load": 2}}),
+    "composite p3 q2 kv2 (llm-d)": ("flexpipe", "composite",
+                                    {"weights": {"prefix": 3, "queue": 2, "kv": 2}}),
+    "composite p3 l2": ("flexpipe", "composite", {"weights": {"prefix": 3, "load": 2}}),
+    "composite p3 l1": ("flexpipe", "composite", {"weights": {"prefix": 3, "load": 1}}),
+    "composite p2 l2": ("flexpipe", "composite", {"weights": {"prefix": 2, "load": 2}}),
+    "composite p3 q1 l3": ("flexpipe", "composite",
+                           {"weights": {"prefix": 3, "queue": 1, "load": 3}}),
+    "composite p4 q1 l3": ("flexpipe", "composite",
+                           {"weights": {"prefix": 4, "queue": 1, "load": 3}}),
+    "composite p3 q1 kv1 l3": ("flexpipe", "composite",
+                               {"weights": {"prefix": 3, "queue": 1, "kv": 1, "load": 3}}),
+    "prefix_affinity imb1.5": ("flexpipe", "prefix_affinity", {"imbalance_ratio": 1.5}),
+    "prefix_affinity imb3 abs2": ("flexpipe", "prefix_affinity",
+                                  {"imbalance_ratio": 3.0, "imbalance_abs_s": 2.0}),
+    "prefix_affinity bound2": ("flexpipe", "prefix_affinity", {"load_bound": 2.0}),
+    "sglang cache_aware": ("sglang-router", "cache_aware", None),
+    "vllm-router cache_aware": ("vllm-router", "cache_aware", None),
+}  # fmt: skip
 
 
 def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
-    out = []
-    prompts = make_workload(0, args.num_requests)
+    rows = []
     have = peers.available()
-    for kind, policy in QUALITY_RUNS:
-        if kind != "flexpipe" and not have[kind]:
-            continue
-        if args.only and f"{kind}:{policy}" not in args.only.split(","):
-            continue
-        procs = Procs()
-        try:
-            engines = procs.engines(3, 1.0, ["A100-80G-SXM", "A100-80G-SXM", "L4"])
-            gw = procs.gateway(kind, engines, policy)
-            h0, q0 = engine_prefix_counts(engines)
-            s = asyncio.run(open_loop(gw, prompts, args.rate, 1)).summary()
-            h1, q1 = engine_prefix_counts(engines)
-            hit = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
-            out.append({"bench": "quality", "gateway": kind, "policy": policy,
-                        "prefix_hit_rate": round(hit, 3), **s})  # fmt: skip
-            print(json.dumps(out[-1]), flush=True)
-        finally:
-            procs.stop()
-    return out
+    names = [n.strip() for n in args.only.split(",")] if args.only else list(QUALITY_VARIANTS)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="flexpipe-bench-"))
+    for seed in seeds:
+        prompts = make_workload(seed, args.num_requests)
+        bodies = [body_for(p, 24, True) for p in prompts]
+        for name in names:
+            kind, policy, params = QUALITY_VARIANTS[name]
+            if kind != "flexpipe" and not have[kind]:
+                continue
+            config = None
+            if params is not None:
+                config = tmp / f"{abs(hash(name))}.json"  # JSON is YAML
+                config.write_text(json.dumps({"routing": {"policy": policy, "params": params}}))
+            procs = Procs()
+            try:
+                engines = procs.engines(3, 1.0, ["A100-80G-SXM", "A100-80G-SXM", "L4"])
+                gw = procs.gateway(kind, engines, policy, config)
+                h0, q0 = engine_prefix_counts(engines)
+                s = measured(procs, gw, open_loop(gw, bodies, args.rate, seed))
+                h1, q1 = engine_prefix_counts(engines)
+                hit = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+                row = {"bench": "quality", "variant": name, "seed": seed, "rate": args.rate,
+                       "prefix_hit_rate": round(hit, 3), **s}  # fmt: skip
+                rows.append(emit(row))
+            finally:
+                procs.stop()
+    med = median_rows(rows, ["variant"])
+    med.sort(key=lambda m: m["ttft_p99_ms"])
+    print_table(f"quality: {args.num_requests} requests at {args.rate:g} req/s, seeds {args.seeds}",
+                med, ["variant", "prefix_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "lat_p99_ms",
+                      "errors", "load_1m"])  # fmt: skip
+    return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("what", choices=["overhead", "peers", "quality", "all"])
-    ap.add_argument("--duration-s", type=float, default=8.0)
-    ap.add_argument("--num-requests", type=int, default=400)
-    ap.add_argument("--rate", type=float, default=12.0, help="quality: requests/s (Poisson)")
-    ap.add_argument("--only", default="", help="quality: kind:policy,... to run")
-    args = ap.parse_args()
-    results = []
+    ap.add_argument("what", nargs="?", default="overhead",
+                    choices=["overhead", "latency", "peers", "quality", "all"])  # fmt: skip
+    ap.add_argument("--duration-s", type=float, default=4.0, help="per run")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
+    ap.add_argument("--latency-tokens", type=int, default=32, help="latency (a): max_tokens")
+    ap.add_argument("--open-rate", type=float, default=400.0, help="latency (b): req/s")
+    ap.add_argument("--num-requests", type=int, default=240, help="quality: per run")
+    ap.add_argument("--rate", type=float, default=24.0, help="quality: requests/s (Poisson)")
+    ap.add_argument("--seeds", default="0,1,2", help="quality: workload and arrival seeds")
+    ap.add_argument("--only", default="", help="quality: variant names, comma-separated")
+    args = ap.parse_args(argv)
+    print(json.dumps({"machine": {"cpus": os.cpu_count(), "load_1m": load_1m()}}), flush=True)
     if args.what in ("overhead", "all"):
-        results += run_overhead(args)
+        run_overhead(args)
+    if args.what in ("latency", "all"):
+        run_latency(args)
     if args.what in ("peers", "all"):
-        results += run_peers(args)
+        run_peers(args)
     if args.what in ("quality", "all"):
-        results += run_quality(args)
-    for r in results:
-        print(json.dumps(r))
+        run_quality(args)
 
 
 if __name__ == "__main__":

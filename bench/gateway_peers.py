@@ -21,12 +21,17 @@ def available() -> dict[str, bool]:
     return {"sglang-router": SGLANG_PY.exists(), "vllm-router": VLLM_ROUTER.exists()}
 
 
-def gateway_command(kind: str, backends: list[str], port: int, policy: str) -> list[str]:
-    """`kind`: flexpipe | sglang-router | vllm-router; `policy` in that gateway's names."""
+def gateway_command(
+    kind: str, backends: list[str], port: int, policy: str, config: Path | None = None
+) -> list[str]:
+    """`kind`: flexpipe | sglang-router | vllm-router; `policy` in that gateway's names.
+    flexpipe only: `config` (a gateway.yaml with `routing:` params) instead of `--policy`."""
     if kind == "flexpipe":
         cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(port)]
         for b in backends:
             cmd += ["--backend", b]
+        if config is not None:
+            return [*cmd, "--config", str(config)]
         return [*cmd, "--policy", policy]
     if kind == "sglang-router":
         return [str(SGLANG_PY), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
