@@ -116,10 +116,15 @@ class Procs:
         return urls
 
     def gateway(
-        self, kind: str, backends: list[str], policy: str, config: Path | None = None
+        self,
+        kind: str,
+        backends: list[str],
+        policy: str,
+        config: Path | None = None,
+        tree: Path | None = None,
     ) -> str:
         port = free_port()
-        proc = peers.start(peers.gateway_command(kind, backends, port, policy, config))
+        proc = peers.start(peers.gateway_command(kind, backends, port, policy, config), tree)
         self.procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         self.pids[url] = proc.pid
@@ -311,6 +316,9 @@ def run_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
         engines = procs.engines(1, 0.0)
         gw = procs.gateway("flexpipe", engines, "round_robin")
         targets = [("direct", engines[0]), ("flexpipe", gw)]
+        if args.baseline:
+            base = procs.gateway("flexpipe", engines, "round_robin", tree=args.baseline)
+            targets.append(("flexpipe-baseline", base))
         for r in range(args.rounds):
             for conns, stream in OVERHEAD_CASES:
                 for target, url in rotated(targets, r):
@@ -396,6 +404,9 @@ def run_peers(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         engines = procs.engines(3, 0.0)
         gws = [(k, procs.gateway(k, engines, "round_robin")) for k in kinds]
+        if args.baseline:
+            base = procs.gateway("flexpipe", engines, "round_robin", tree=args.baseline)
+            gws.append(("flexpipe-baseline", base))
         for r in range(args.rounds):
             for conns in (1, 64):
                 for kind, url in rotated(gws, r):
@@ -521,6 +532,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=24.0, help="quality: requests/s (Poisson)")
     ap.add_argument("--seeds", default="0,1,2", help="quality: workload and arrival seeds")
     ap.add_argument("--only", default="", help="quality: variant names, comma-separated")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="overhead, peers: also run the gateway from this checkout\n"
+                         "(e.g. `git worktree add /tmp/base <commit>`), side by side")  # fmt: skip
     args = ap.parse_args(argv)
     print(json.dumps({"machine": {"cpus": os.cpu_count(), "load_1m": load_1m()}}), flush=True)
     if args.what in ("overhead", "all"):

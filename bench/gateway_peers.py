@@ -7,8 +7,10 @@ Rust peers (`sglang-router`, `vllm-router`) from their own virtual environments 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -42,6 +44,12 @@ def gateway_command(
     raise ValueError(kind)
 
 
-def start(cmd: list[str]) -> subprocess.Popen[bytes]:
-    log = open(BENCH / f".{Path(cmd[0]).name}-{cmd[-1][-5:]}.log", "wb")  # noqa: SIM115
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+def start(cmd: list[str], tree: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start a gateway; `tree`: run flexpipe from that checkout instead (a baseline)."""
+    logs = Path(tempfile.gettempdir()) / "flexpipe-bench-logs"
+    logs.mkdir(exist_ok=True)
+    log = open(logs / f"{Path(cmd[0]).name}-{os.getpid()}-{len(cmd)}.log", "wb")  # noqa: SIM115
+    env = None
+    if tree is not None:
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tree or ROOT, env=env)
