@@ -269,25 +269,42 @@ def test_full_pool_queues_then_answers_429_with_retry_after(lt: LoopThread) -> N
     slow = FakeEngine(token_delay_s=0.5)
     r = Running(lt, [slow], max_concurrency_per_instance=1, max_queue=1, max_queue_wait_s=5)
 
+    inst = r.gw.pool.instances[slow.url]
+
+    async def until(cond: Any) -> None:
+        deadline = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.01)
+
     async def burst() -> list[int]:
         client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
 
         async def one() -> int:
-            try:
-                await client.completions.create(model="fake-model", prompt="x", max_tokens=3)
+            try:  # streamed: the fake engine paces streamed tokens only (3 x 0.5 s)
+                stream = await client.completions.create(
+                    model="fake-model", prompt="x", max_tokens=3, stream=True
+                )
+                async for _ in stream:
+                    pass
                 return 200
             except openai.RateLimitError as exc:
                 assert int(exc.response.headers["retry-after"]) >= 1
                 return 429
 
-        try:
-            return await asyncio.gather(*(one() for _ in range(3)))
+        try:  # in order (a loaded machine must not let the first finish before the third)
+            first = asyncio.create_task(one())
+            await until(lambda: inst.num_in_flight == 1)
+            second = asyncio.create_task(one())
+            await until(lambda: len(r.gw._waiters) == 1)
+            third = await one()
+            return [await first, await second, third]
         finally:
             await client.close()
 
     try:
         codes = asyncio.run(burst())
-        assert sorted(codes) == [200, 200, 429]  # one runs, one waits in the queue, one refused
+        assert codes == [200, 200, 429]  # one runs, one waits in the queue, one refused
     finally:
         r.close()
 
