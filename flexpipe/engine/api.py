@@ -97,9 +97,11 @@ class SimServer:
         """Start the engine loop; /health turns 200 after the (scaled) modelled cold start."""
         self.started_at = time.monotonic()
         self.ready_at = self.started_at + self.cfg.load_time_s * self.cfg.time_scale
+        self.metrics.watch_gc()
         self.engine.start()
 
     async def stop(self) -> None:
+        self.metrics.unwatch_gc()
         await self.engine.stop()
 
     @property

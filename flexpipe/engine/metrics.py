@@ -17,11 +17,19 @@ vllm:cache_config_info (value 1; the config in labels).
 flexpipe additions: flexpipe:num_tokens_queued_running (prompt + output tokens of every
 waiting and running request: a load signal for least-load routing), flexpipe:num_kv_blocks_free,
 flexpipe:engine_lag_seconds (how far the engine loop runs behind modelled time),
-flexpipe:engine_steps_total, flexpipe:modelled_busy_seconds_total.
+flexpipe:engine_steps_total, flexpipe:modelled_busy_seconds_total; and what the engine's own
+timing costs, for the faithfulness benchmark: flexpipe:engine_wakeup_late_seconds (how late
+the loop woke up after each step's deadline: timer resolution plus CPU contention),
+flexpipe:engine_emit_seconds (the loop's own work after a step: bookkeeping and writing every
+stream's chunk; flexpipe:engine_emit_cpu_seconds_total is its CPU time: the rest of the wall
+time went waiting for a CPU), flexpipe:gc_pause_seconds (each garbage collection of the
+engine process).
 """
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -31,6 +39,11 @@ from prometheus_client.registry import Collector
 from flexpipe.engine.scheduler import Scheduler
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# the engine's own timing: 50 us to 100 ms
+OVERHEAD_BUCKETS = (
+    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1,
+)  # fmt: skip
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (
@@ -103,6 +116,7 @@ class _StateCollector(Collector):
             ("vllm:num_preemptions", _DOC_PREEMPT, s.num_preemptions),
             ("flexpipe:engine_steps", "Engine iterations run.", m.num_steps),
             ("flexpipe:modelled_busy_seconds", _DOC_BUSY, m.busy_s),
+            ("flexpipe:engine_emit_cpu_seconds", _DOC_EMIT_CPU, m.emit_cpu_s),
         ):
             yield counter(name, doc, value)
 
@@ -117,6 +131,7 @@ _DOC_QUERIES = "Prefix cache queries, in terms of number of queried tokens."
 _DOC_HITS = "Prefix cache hits, in terms of number of cached tokens."
 _DOC_PREEMPT = "Cumulative number of preemption from the engine."
 _DOC_BUSY = "Sum of modelled step times (unscaled)."
+_DOC_EMIT_CPU = "CPU time of the engine loop's emits (less than their wall time: CPU contention)."
 
 
 class EngineMetrics:
@@ -135,6 +150,7 @@ class EngineMetrics:
         self.lag_s = 0.0
         self.num_steps = 0
         self.busy_s = 0.0
+        self.emit_cpu_s = 0.0  # CPU time of the emits (their wall time: emit_time's sum)
         r = self.registry
         names = ["model_name", "engine"]
         lv = (model_name, "0")
@@ -203,6 +219,28 @@ class EngineMetrics:
             buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
             registry=r,
         ).labels(*lv)
+        self.wakeup_late = Histogram(
+            "flexpipe:engine_wakeup_late_seconds",
+            "How late the engine loop woke up after each step's deadline.",
+            names,
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        ).labels(*lv)
+        self.emit_time = Histogram(
+            "flexpipe:engine_emit_seconds",
+            "The engine loop's own work after each step (bookkeeping, writing the chunks).",
+            names,
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        ).labels(*lv)
+        self.gc_pause = Histogram(
+            "flexpipe:gc_pause_seconds",
+            "Each garbage collection's pause in the engine process.",
+            names,
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        ).labels(*lv)
+        self._gc_start_s = 0.0
         info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine for cache_config",
@@ -214,3 +252,19 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    # --- garbage-collection pauses (a process-wide hook: install in the engine process) ---
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start_s = time.perf_counter()
+        elif self._gc_start_s:
+            self.gc_pause.observe(time.perf_counter() - self._gc_start_s)
+            self._gc_start_s = 0.0
+
+    def watch_gc(self) -> None:
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def unwatch_gc(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)

@@ -3,8 +3,10 @@
 Timing is kept against an absolute deadline: each step's modelled time (times `time_scale`)
 is added to the previous deadline and the loop sleeps until then, so the loop's own overhead
 (scheduling, HTTP writes) is absorbed instead of adding up; the deadline restarts when the
-engine goes idle. At `time_scale == 0` nothing sleeps, but the loop still yields to the event
-loop once per step so the streams are served.
+engine goes idle. At `time_scale == 0` nothing sleeps: the loop runs up to `max_steps_per_pass`
+steps (or MAX_PASS_S of work) between two yields to the event loop, and each stream gets its
+tokens of the pass in one write, one SSE event per token (writes, not steps, are the cost
+there); new requests are admitted at the next pass.
 
 Consumers are told of progress (new tokens, or the end) in one of two ways:
 - `req.sink` (the API's streams: `flexpipe.engine.stream`): the loop calls
@@ -29,6 +31,8 @@ from flexpipe.perf import BatchShape
 
 log = logging.getLogger("flexpipe.engine")
 
+MAX_PASS_S = 0.002  # time scale 0: at most this much work between two event-loop passes
+
 
 class ProgressSink(Protocol):
     def on_progress(self, req: EngineRequest) -> None:
@@ -42,8 +46,10 @@ class Engine:
         step_time_s: Callable[[BatchShape], float],
         metrics: EngineMetrics,
         time_scale: float = 1.0,
+        max_steps_per_pass: int = 8,
     ) -> None:
         self.scheduler = scheduler
+        self.max_steps_per_pass = max_steps_per_pass  # time scale 0 only
         self.step_time_s = step_time_s
         self.metrics = metrics
         self.time_scale = time_scale
@@ -51,6 +57,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._deferred: dict[str, EngineRequest] = {}  # request id -> told at the pass end
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -111,10 +118,15 @@ class Engine:
         sched = self.scheduler
         metrics = self.metrics
         clock = time.monotonic
+        cpu_clock = time.thread_time  # emit CPU vs wall: time spent waiting for a CPU
         scale = self.time_scale
         deadline = clock()
+        pass_start = 0.0  # time scale 0: when this event-loop pass began
+        num_pass_steps = 0  # time scale 0: steps run in this pass
+        deferred = self._deferred
         while not self._stopping:
             if not sched.has_work:
+                self._notify_deferred()
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = clock()
@@ -123,6 +135,7 @@ class Engine:
             for req in plan.rejected:
                 self._finish(req, clock())
             if plan.is_empty:
+                self._notify_deferred()
                 if not plan.preempted and not plan.rejected:
                     self._wake.clear()
                     await self._wake.wait()
@@ -143,14 +156,51 @@ class Engine:
                 if delay > 0:
                     await asyncio.sleep(delay)
                     metrics.lag_s = 0.0
+                    woke = clock()
+                    metrics.wakeup_late.observe(woke - deadline)
                 else:
                     metrics.lag_s = -delay
                     await asyncio.sleep(0)
+                    woke = clock()
+                cpu0 = cpu_clock()
+                self._emit(plan, sched.finish_step(plan), woke)
+                metrics.emit_cpu_s += cpu_clock() - cpu0
+                metrics.emit_time.observe(clock() - woke)
             else:
-                await asyncio.sleep(0)
-            self._emit(plan, sched.finish_step(plan), clock())
+                # nothing to wait for: run several steps per event-loop pass, each request's
+                # stream told once per pass (its tokens go out in one write, one SSE event
+                # per token), then let the loop read new requests and flush the sockets
+                now = clock()
+                if num_pass_steps == 0:
+                    pass_start = now
+                num_pass_steps += 1
+                self._emit(plan, sched.finish_step(plan), now, deferred)
+                if (
+                    num_pass_steps >= self.max_steps_per_pass
+                    or now - pass_start >= MAX_PASS_S
+                    or not sched.has_work
+                ):
+                    self._notify_deferred()
+                    num_pass_steps = 0
+                    await asyncio.sleep(0)
 
-    def _emit(self, plan: StepPlan, out: list[EngineRequest], now: float) -> None:
+    def _notify_deferred(self) -> None:
+        deferred = self._deferred
+        if deferred:
+            reqs = list(deferred.values())
+            deferred.clear()
+            for req in reqs:
+                self._notify(req)
+
+    def _emit(
+        self,
+        plan: StepPlan,
+        out: list[EngineRequest],
+        now: float,
+        deferred: dict[str, EngineRequest] | None = None,
+    ) -> None:
+        """Metrics for the step's tokens, then tell each request's consumer (or, with
+        `deferred`, collect the requests to tell at the end of the event-loop pass)."""
         m = self.metrics
         m.iteration_tokens.observe(plan.batch.num_tokens)
         if not out:
@@ -167,11 +217,15 @@ class Engine:
                 itl(now - req.last_token_s)
             req.last_token_s = now
             if req.status is Status.FINISHED:
-                self._finish(req, now)
+                self._finish(req, now, deferred)
+            elif deferred is not None:
+                deferred[req.request_id] = req
             else:
                 self._notify(req)
 
-    def _finish(self, req: EngineRequest, now: float) -> None:
+    def _finish(
+        self, req: EngineRequest, now: float, deferred: dict[str, EngineRequest] | None = None
+    ) -> None:
         m = self.metrics
         reason = req.finish_reason or "abort"
         if reason in m.success:
@@ -179,4 +233,7 @@ class Engine:
         if req.finish_reason != "error":
             m.e2e.observe(now - req.arrival_s)
             m.request_generation_tokens.observe(req.num_output_tokens)
-        self._notify(req)
+        if deferred is not None:
+            deferred[req.request_id] = req
+        else:
+            self._notify(req)

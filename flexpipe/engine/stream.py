@@ -6,8 +6,8 @@ it straight to the client's connection (`flexpipe.http.server.ChunkWriter`): no 
 per token, so 256 streams cost one loop pass and one socket write each per step.
 
 - Back-pressure: while the client's socket buffer is full the tokens are held back (they stay
-  in the request) and go out as one event when the buffer drains, as vLLM merges the outputs
-  a slow consumer has not read yet.
+  in the request) and go out in one write when the buffer drains, still one SSE event per
+  token (one event for the new text when stop strings are set).
 - Disconnect: the writer's `on_close` aborts the request at once (its KV blocks are freed).
 - An error before anything was sent (a request that can never fit) answers a 400 error body.
 
@@ -158,34 +158,42 @@ class SseStream:
             writer.fail(400, ereq.error or "request failed")
             return
         strip = self._chat and self._first  # a chat reply does not start with a space
-        if n_out == sent + 1 and not strip and not ereq.params.stop:
-            piece_json = self._frag_json.get(ereq.token_ids[start + sent], b'""')
-        else:
-            if ereq.params.stop:
-                full = self._text(ereq, n_out)
-                piece = full[self._sent_chars :]
-                self._sent_chars = len(full)
-            else:
-                frags = self._frags
-                piece = "".join([frags.get(t, "") for t in ereq.token_ids[start + sent :]])
-            piece_json = orjson.dumps(piece.lstrip(" ") if strip else piece)
         self._first = False
         self._sent = n_out
+        if ereq.params.stop:
+            # stop strings cut text, not tokens: one event with the new text
+            full = self._text(ereq, n_out)
+            piece = full[self._sent_chars :]
+            self._sent_chars = len(full)
+            pieces = [orjson.dumps(piece.lstrip(" ") if strip else piece)]
+        else:
+            # one event per token, as each step sends it (several when they queued up)
+            frag_json = self._frag_json
+            pieces = [frag_json.get(t, b'""') for t in ereq.token_ids[start + sent :]]
+            if strip and pieces:
+                first = self._frags.get(ereq.token_ids[start + sent], "").lstrip(" ")
+                pieces[0] = orjson.dumps(first)
+        head = self._head
+        open_tail = self._mid + b"null" + _TAIL_OPEN
         if not finished:
-            writer.write(self._head + piece_json + self._mid + b"null" + _TAIL_OPEN)
+            if len(pieces) == 1:
+                writer.write(head + pieces[0] + open_tail)
+            else:
+                writer.write(b"".join([head + p + open_tail for p in pieces]))
             return
+        last = pieces.pop() if pieces else b'""'
         dumps = orjson.dumps
-        out = (
-            self._head
-            + piece_json
+        out = b"".join([head + p + open_tail for p in pieces]) + (
+            head
+            + last
             + self._mid
             + dumps(ereq.finish_reason)
             + b',"stop_reason":%s}]}\n\n' % dumps(ereq.stop_reason)
         )
         if self._include_usage:
             out += (
-                b'data: {"id":"%s","object":"%s","created":%d,"model":%s,"choices":[],"usage":%s}\n\n'
-                % (  # noqa: E501
+                b'data: {"id":"%s","object":"%s","created":%d,"model":%s,"choices":[],"usage":%s}\n\n'  # noqa: E501
+                % (
                     self._rid,
                     b"chat.completion.chunk" if self._chat else b"text_completion",
                     self._created,
