@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Iterator
 
@@ -344,3 +345,85 @@ def test_migration_export_and_import(eng: EngineProc) -> None:
     assert float(r.headers["x-flexpipe-kv-transfer-s"]) > 0
     computed = scrape(metrics(eng), "vllm:iteration_tokens_total_sum") - before
     assert computed == 1 + 4  # only the last prompt token is computed, then 4 decodes
+
+
+@pytest.fixture(scope="module")
+def eng0() -> Iterator[EngineProc]:
+    """Time scale 0: several steps per event-loop pass, one write per stream per pass."""
+    with sim_engine(
+        [MODEL, "--load-time-s", "0", "--max-model-len", "4096", "--time-scale", "0"]
+    ) as e:
+        yield e
+
+
+def test_time_scale_zero_streams_one_event_per_token(eng0: EngineProc) -> None:
+    c = client(eng0)
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "count to forty"}],
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    content = [
+        ch.choices[0].delta.content for ch in chunks if ch.choices and ch.choices[0].delta.content
+    ]
+    assert len(content) == 40 and not content[0].startswith(" ")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 40
+    whole = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "count to forty"}], max_tokens=40
+    )
+    assert "".join(content) == whole.choices[0].message.content
+    # a stop string ends the stream where the text says, as without streaming
+    text = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=MODEL, prompt="stop soon", max_tokens=200, stop=[" the"], stream=True
+        )
+    )
+    whole_c = c.completions.create(model=MODEL, prompt="stop soon", max_tokens=200, stop=[" the"])
+    assert text == whole_c.choices[0].text
+
+
+def test_slow_reader_gets_every_token_and_blocks_no_one() -> None:
+    """A client that does not read: its tokens wait (the socket buffers fill: a 2,000-character
+    served model name makes every event ~2 KB), other requests are served meanwhile, and when
+    it reads it gets every token, one event each."""
+    name = "m" * 2000
+    args = [MODEL, "--load-time-s", "0", "--max-model-len", "4096", "--time-scale", "0"]
+
+    async def run(eng0: EngineProc) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills after a few events
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", eng0.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        try:
+            body = (
+                b'{"model":"%s","prompt":"slow reader","max_tokens":3000,"stream":true}'
+                % name.encode()
+            )
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await asyncio.sleep(0.3)  # the engine ran far ahead of this reader
+            # meanwhile the engine serves others
+            other = await asyncio.to_thread(
+                lambda: client(eng0).completions.create(model=name, prompt="hi", max_tokens=3)
+            )
+            assert other.usage is not None and other.usage.completion_tokens == 3
+            data = b""
+            while not data.endswith(b"\r\n0\r\n\r\n"):
+                more = await asyncio.wait_for(reader.read(1 << 20), 10)
+                assert more, "connection closed early"
+                data += more
+            assert data.count(b'"text":') == 3000
+            assert b'"finish_reason":"length"' in data and b"data: [DONE]" in data
+        finally:
+            writer.close()
+
+    with sim_engine([*args, "--served-model-name", name]) as e:
+        asyncio.run(run(e))
