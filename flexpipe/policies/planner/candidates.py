@@ -88,6 +88,9 @@ class Evaluator:
         self._ladder = tuple(sorted(set(config.batch_ladder)))
         # (model index, dtype, stage hardware, free bytes) -> stage costs for the partitioner
         self._stage_costs: dict[tuple[object, ...], list[StageCost] | str] = {}
+        # (model index, stages, dtype) -> result: the cluster snapshot is fixed, so is this
+        self._results: dict[tuple[int, tuple[tuple[str, ...], ...], str], Candidate | Rejection]
+        self._results = {}
 
     # -- partitioning ------------------------------------------------------------------
 
@@ -157,6 +160,15 @@ class Evaluator:
     # -- evaluation --------------------------------------------------------------------
 
     def evaluate(
+        self, m: int, stages: tuple[tuple[str, ...], ...], dtype: str
+    ) -> Candidate | Rejection:
+        key = (m, stages, dtype)
+        cached = self._results.get(key)
+        if cached is None:
+            cached = self._results[key] = self._evaluate(m, stages, dtype)
+        return cached
+
+    def _evaluate(
         self, m: int, stages: tuple[tuple[str, ...], ...], dtype: str
     ) -> Candidate | Rejection:
         spec = self.specs[m]

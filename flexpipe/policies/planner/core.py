@@ -87,12 +87,21 @@ class _Planner:
         config: PlannerConfig,
         now_s: float,
         efficiency: Efficiency | None,
+        evaluator: Evaluator | None = None,
+        priority: Sequence[int] | None = None,
     ) -> None:
         self.cluster = cluster
         self.demands = demands
         self.config = config
         self.specs: tuple[ModelSpec, ...] = tuple(load_model_spec(d.model) for d in demands)
-        self.evaluator = Evaluator(cluster, demands, self.specs, performance, config, efficiency)
+        self.evaluator = evaluator or Evaluator(
+            cluster, demands, self.specs, performance, config, efficiency
+        )
+        # model index -> rank: a lower rank is served first (None: all equal, value decides)
+        self.rank = [0] * len(demands)
+        if priority is not None:
+            for r, m in enumerate(priority):
+                self.rank[m] = r
         self.usable, self.unused = usable_gpus(cluster, now_s, config)
         usable = set(self.usable)
         self.free_bytes = {g: cluster.gpu(g).free_bytes for g in self.usable}
@@ -176,23 +185,23 @@ class _Planner:
         return min(c.capacity_tokens_per_s, self.remaining[c.model_index]) / c.num_gpus
 
     def run(self) -> list[tuple[Candidate, list[Alternative]]]:
-        heap: list[tuple[float, int, int, str, int, Candidate]] = []
+        heap: list[tuple[int, float, int, int, str, int, Candidate]] = []
         counter = itertools.count()
 
         def push(state: _NodeState) -> None:
             for c in state.candidates:
                 v = self.value(c)
                 if v > 0:
-                    heapq.heappush(
-                        heap, (-v, c.num_gpus, next(counter), state.name, state.version, c)
-                    )
+                    rank = self.rank[c.model_index]
+                    entry = (rank, -v, c.num_gpus, next(counter), state.name, state.version, c)
+                    heapq.heappush(heap, entry)
 
         for state in self.nodes.values():
             self.generate(state)
             push(state)
         chosen: list[tuple[Candidate, list[Alternative]]] = []
         while heap:
-            neg, _, _, node, version, c = heapq.heappop(heap)
+            rank, neg, _, _, node, version, c = heapq.heappop(heap)
             state = self.nodes[node]
             if version != state.version:
                 continue
@@ -200,7 +209,7 @@ class _Planner:
             if v <= 0:
                 continue
             if v < -neg * (1 - 1e-12):
-                heapq.heappush(heap, (-v, c.num_gpus, next(counter), node, version, c))
+                heapq.heappush(heap, (rank, -v, c.num_gpus, next(counter), node, version, c))
                 continue
             alternatives = self.alternatives(c, state)
             chosen.append((c, alternatives))
@@ -401,10 +410,30 @@ def plan(
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique; got {names}")
     performance = performance or PerfModelPerformance(efficiency)
-    planner = _Planner(cluster, demands, performance, config, now_s, efficiency)
-    before = list(planner.remaining)
-    chosen = planner.run()
-    return _assemble(planner, chosen, before)
+    best: Plan | None = None
+    evaluator: Evaluator | None = None
+    # Two starts, the better plan wins: value per GPU alone lets a small model take the big
+    # GPUs a large model cannot do without; the second start serves the models that need the
+    # most memory first (they fit on the fewest GPUs). They share the evaluation cache.
+    by_size = sorted(
+        range(len(demands)),
+        key=lambda m: (-load_model_spec(demands[m].model).num_params, m),
+    )
+    for priority in (None, by_size) if len(demands) > 1 else (None,):
+        planner = _Planner(
+            cluster, demands, performance, config, now_s, efficiency, evaluator, priority
+        )
+        evaluator = planner.evaluator
+        before = list(planner.remaining)
+        chosen = planner.run()
+        result = _assemble(planner, chosen, before)
+        if best is None or (result.goodput_tokens_per_s, -result.num_gpus) > (
+            best.goodput_tokens_per_s * (1 + 1e-9),
+            -best.num_gpus,
+        ):
+            best = result
+    assert best is not None
+    return best
 
 
 def _assemble(
