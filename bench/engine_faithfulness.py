@@ -23,16 +23,16 @@ and the gap/model ratio percentiles the clients saw.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
+import select
 import socket
 import struct
 import sys
+import threading
 import time
 
 from bench.engine_loadgen import StreamRecord, completion_request, cpu_load, percentile
 from flexpipe.engine.testing import request, scrape, sim_engine
-from flexpipe.http.server import install_uvloop
 from flexpipe.perf import perf_model_for
 
 MODEL = "llama-3.1-8b"
@@ -42,102 +42,106 @@ LINK = "nvlink4"
 
 # Linux: SO_TIMESTAMPNS (= SCM_TIMESTAMPNS), not exported by Python's socket module
 _SO_TIMESTAMPNS = 35
-
-
-async def _stream_stamped(
-    host: str, port: int, payload: bytes, rec: StreamRecord, stamps_s: list[float]
-) -> None:
-    """One stream read with the kernel's receive timestamps (SO_TIMESTAMPNS): on loopback a
-    read's stamp is when the engine's bytes arrived, however late this client gets to them,
-    so the gaps between stamps are the engine's timing without the client's scheduling.
-    `rec.token_times_s` gets the client's own clock, `stamps_s` the kernel's (wall clock)."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    tail = b""
-
-    def on_readable() -> None:
-        nonlocal tail
-        try:
-            data, anc, _, _ = sock.recvmsg(262144, 256)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data, anc = b"", []
-        if not data:
-            if not done.done():
-                done.set_result(None)
-            return
-        n = data.count(b'"text":')
-        if n:
-            now = time.monotonic()
-            stamp = float("nan")
-            for level, kind, cdata in anc:
-                if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
-                    sec, nsec = struct.unpack("qq", cdata[:16])
-                    stamp = sec + nsec * 1e-9
-            rec.token_times_s.extend([now] * n)
-            stamps_s.extend([stamp] * n)
-        tail = (tail + data)[-16:]
-        if tail.endswith(b"\r\n0\r\n\r\n"):
-            rec.done_s = time.monotonic()
-            if not done.done():
-                done.set_result(None)
-
-    try:
-        await loop.sock_connect(sock, (host, port))
-        rec.sent_s = time.monotonic()
-        await loop.sock_sendall(sock, payload)
-        loop.add_reader(sock.fileno(), on_readable)
-        try:
-            await done
-        finally:
-            loop.remove_reader(sock.fileno())
-    finally:
-        sock.close()
-
+_END = b"\r\n0\r\n\r\n"
 
 _RunResult = tuple[list[StreamRecord], list[list[float]], float, float, str, str]
 
 
-async def _run(port: int, streams: int, prompt_words: int, max_tokens: int, duration_s: float,
-               settle_s: float) -> _RunResult:  # fmt: skip
+def _kernel_stamp(anc: list[tuple[int, int, bytes]]) -> float:
+    for level, kind, cdata in anc:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+            sec, nsec = struct.unpack("qq", cdata[:16])
+            return float(sec + nsec * 1e-9)
+    return float("nan")
+
+
+def _run(port: int, streams: int, prompt_words: int, max_tokens: int, duration_s: float,
+         settle_s: float, poll_s: float) -> _RunResult:  # fmt: skip
+    """All streams read by one thread with epoll and the kernel's receive timestamps
+    (SO_TIMESTAMPNS): on loopback a read's stamp is when the engine's bytes arrived, however
+    late this client gets to them. `poll_s` > 0: sleep that long between polls, so the client
+    wakes (and competes with the engine for a CPU) once per interval instead of once per
+    arriving chunk. Each StreamRecord gets the client clock, `stamps` the kernel's (wall)."""
     host = "127.0.0.1"
     recs = [StreamRecord(0.0) for _ in range(streams)]
     stamps: list[list[float]] = [[] for _ in range(streams)]
-    tasks = [
-        asyncio.ensure_future(
-            _stream_stamped(
-                host,
-                port,
-                completion_request(
-                    host,
-                    port,
-                    MODEL,
-                    " ".join(f"s{i}w{w}" for w in range(prompt_words)),
-                    max_tokens,
-                ),
-                recs[i],
-                stamps[i],
-            )
-        )
-        for i in range(streams)
-    ]
-    # wait until every stream decodes, then let it settle
-    while any(not r.token_times_s for r in recs):
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(settle_s)
-    url = f"http://{host}:{port}/metrics"
-    t0 = time.monotonic()
-    m0 = (await asyncio.to_thread(request, "GET", url)).text
-    await asyncio.sleep(duration_s)
-    m1 = (await asyncio.to_thread(request, "GET", url)).text
-    t1 = time.monotonic()
-    await asyncio.gather(*tasks)
-    return recs, stamps, t0, t1, m0, m1
+    tails = [b""] * streams
+    socks: list[socket.socket] = []
+    ep = select.epoll()
+    by_fd: dict[int, int] = {}
+    try:
+        for i in range(streams):
+            sock = socket.create_connection((host, port))
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            prompt = " ".join(f"s{i}w{w}" for w in range(prompt_words))
+            recs[i].sent_s = time.monotonic()
+            sock.sendall(completion_request(host, port, MODEL, prompt, max_tokens))
+            sock.setblocking(False)
+            ep.register(sock.fileno(), select.EPOLLIN)
+            by_fd[sock.fileno()] = i
+        url = f"http://{host}:{port}/metrics"
+        scrapes: list[str] = []
+
+        def scrape_metrics() -> None:  # in a thread: the reader keeps reading meanwhile
+            scrapes.append(request("GET", url).text)
+
+        num_open = streams
+        num_decoding = 0
+        t_settled = t0 = t1 = 0.0
+        scraper: threading.Thread | None = None
+        clock = time.monotonic
+        while num_open:
+            if poll_s > 0:
+                time.sleep(poll_s)
+                events = ep.poll(0)
+            else:
+                events = ep.poll(1.0)
+            for fd, _ in events:
+                i = by_fd[fd]
+                try:
+                    data, anc, _, _ = socks[i].recvmsg(262144, 256)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data, anc = b"", []
+                rec = recs[i]
+                n = data.count(b'"text":')
+                if n:
+                    now = clock()
+                    if not rec.token_times_s:
+                        num_decoding += 1
+                    rec.token_times_s.extend([now] * n)
+                    stamps[i].extend([_kernel_stamp(anc)] * n)
+                tails[i] = (tails[i] + data)[-16:]
+                if not data or tails[i].endswith(_END):
+                    rec.done_s = clock()
+                    ep.unregister(fd)
+                    num_open -= 1
+            # the window: from when every stream decodes (plus settling) for duration_s
+            now = clock()
+            if not t_settled and num_decoding == streams:
+                t_settled = now + settle_s
+            if t_settled and not t0 and now >= t_settled:
+                t0 = now
+                scraper = threading.Thread(target=scrape_metrics)
+                scraper.start()
+            if t0 and not t1 and now >= t0 + duration_s and scraper is not None:
+                scraper.join()
+                scraper = threading.Thread(target=scrape_metrics)
+                scraper.start()
+                scraper.join()
+                t1 = clock()
+        if scraper is not None:
+            scraper.join()
+        if len(scrapes) != 2:
+            raise RuntimeError("the streams ended before the window did: raise max_tokens")
+        return recs, stamps, t0, t1, scrapes[0], scrapes[1]
+    finally:
+        ep.close()
+        for sock in socks:
+            sock.close()
 
 
 def _hist_delta(m0: str, m1: str, name: str) -> tuple[list[tuple[float, float]], float, float]:
@@ -165,7 +169,10 @@ def _hist_quantile(buckets: list[tuple[float, float]], count: float, q: float) -
 
 
 def _overhead_line(m0: str, m1: str, name: str, label: str) -> str:
-    buckets, count, total = _hist_delta(m0, m1, name)
+    try:
+        buckets, count, total = _hist_delta(m0, m1, name)
+    except KeyError:
+        return f"{label}: n/a (engine without {name})"
     if not count:
         return f"{label}: none"
     p50 = _hist_quantile(buckets, count, 0.5) * 1e3
@@ -182,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--prompt-words", type=int, default=500)
     p.add_argument("--verbose", action="store_true")
+    p.add_argument(
+        "--poll-ms",
+        type=float,
+        default=0.0,
+        help="client: read every this many ms instead of on every arrival (kernel stamps keep "
+        "the measured gaps exact; the client's clock gets this much resolution)",
+    )
 
     args = p.parse_args(argv or [])
     settle_s = 1.0
@@ -195,10 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         "--max-num-seqs", str(args.streams), "--time-scale", "1", "--load-time-s", "0",
     ]  # fmt: skip
     load_before = cpu_load()
-    install_uvloop()
     with sim_engine(engine_args) as eng:
-        recs, stamps, t0, t1, m0, m1 = asyncio.run(
-            _run(eng.port, args.streams, args.prompt_words, max_tokens, args.duration, settle_s)
+        recs, stamps, t0, t1, m0, m1 = _run(
+            eng.port,
+            args.streams,
+            args.prompt_words,
+            max_tokens,
+            args.duration,
+            settle_s,
+            args.poll_ms / 1e3,
         )
     window = t1 - t0
     # client-side tokens and gaps inside the window
@@ -237,13 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     kernel_err = p99_kernel / p99_pred - 1
     lag = scrape(m1, "flexpipe:engine_lag_seconds")
     qs = (1, 5, 50, 90, 95, 98, 99, 99.9)
-    emit_wall_s = scrape(m1, "flexpipe:engine_emit_seconds_sum") - scrape(
-        m0, "flexpipe:engine_emit_seconds_sum"
-    )
-    emit_cpu_s = scrape(m1, "flexpipe:engine_emit_cpu_seconds_total") - scrape(
-        m0, "flexpipe:engine_emit_cpu_seconds_total"
-    )
-    emit_cpu_share = emit_cpu_s / emit_wall_s if emit_wall_s else float("nan")
+    try:
+        emit_wall_s = scrape(m1, "flexpipe:engine_emit_seconds_sum") - scrape(
+            m0, "flexpipe:engine_emit_seconds_sum"
+        )
+        emit_cpu_s = scrape(m1, "flexpipe:engine_emit_cpu_seconds_total") - scrape(
+            m0, "flexpipe:engine_emit_cpu_seconds_total"
+        )
+        emit_cpu_share = emit_cpu_s / emit_wall_s if emit_wall_s else float("nan")
+    except KeyError:  # an engine from before these metrics
+        emit_cpu_share = float("nan")
 
     def ratio_line(values: list[float]) -> str:
         ratios = [g / q for g, q in zip(values, predicted_gaps, strict=True)]
