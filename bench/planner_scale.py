@@ -44,7 +44,7 @@ TARGET_GAP = 0.03
 
 
 def _gap(greedy: float, reference: float) -> float:
-    return 0.0 if reference <= 0 else (reference - greedy) / reference
+    return 0.0 if reference <= 1e-6 else (reference - greedy) / reference
 
 
 def large(sizes: list[int], seeds: list[int], reference: bool) -> tuple[float, float]:
