@@ -184,10 +184,13 @@ class PerfModel:
         self._check_runnable()
         return [self._stage_time_s(st, batch) for st in self._stages]
 
-    def _handoffs_s(self, batch: BatchShape) -> float:
+    def handoff_s(self, batch: BatchShape, link: LinkSpec) -> float:
+        """Sending one stage's hidden states for `batch` to the next stage over `link`."""
         message = batch.num_tokens * self._handoff_bytes_per_token
-        eff = self.efficiency.p2p_bandwidth_efficiency
-        return sum(p2p_s(message, link, eff) for link in self._pp_links)
+        return p2p_s(message, link, self.efficiency.p2p_bandwidth_efficiency)
+
+    def _handoffs_s(self, batch: BatchShape) -> float:
+        return sum(self.handoff_s(batch, link) for link in self._pp_links)
 
     def _overhead_s(self, batch: BatchShape) -> float:
         eff = self.efficiency
