@@ -14,7 +14,7 @@ from flexpipe.cluster import Cluster, placement_on
 from flexpipe.gear import Gear, GpuSlot, Placement
 from flexpipe.hardware import GiB, LinkSpec
 from flexpipe.model_spec import ModelSpec
-from flexpipe.perf import BatchShape, Efficiency, InfeasibleGear, PerfModel, memory_plan, p2p_s
+from flexpipe.perf import BatchShape, Efficiency, InfeasibleGear, PerfModel, memory_plan
 from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY
 from flexpipe.policies.partition import InfeasiblePartition, StageCost, partition_layers
 from flexpipe.policies.planner.performance import GearEstimate, GearKey, GearPerformance
@@ -133,16 +133,12 @@ class Evaluator:
         except InfeasibleGear as exc:
             self._stage_costs[key] = str(exc)
             return str(exc)
-        handoff_bytes = micro * spec.hidden_size * gear.precision.activation_bytes
-        eff = self.efficiency.p2p_bandwidth_efficiency
         costs: list[StageCost] = []
         tp = gear.tp
         for k in range(placement.pp):
             per_layer = max(t2[k] - t1[k], 1e-12)
             fixed = max(t1[k] - per_layer, 0.0)
-            handoff = (
-                p2p_s(handoff_bytes, placement.pp_links[k], eff) if k < placement.pp - 1 else 0.0
-            )
+            handoff = one.handoff_s(shape, placement.pp_links[k]) if k < placement.pp - 1 else 0.0
             max_layers = spec.num_layers
             for r in range(tp):
                 g1 = one.memory.per_gpu[k * tp + r]
