@@ -246,10 +246,12 @@ def test_example_models_files_parse() -> None:
     assert GiB > 0 and DEFAULT_FAST_LINK_BYTES_PER_S > 0
 
 
-def test_cli_plan_json_and_bad_file(tmp_path: Path) -> None:
+def test_cli_plan_json_and_bad_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
     from flexpipe.cli import app
+
+    monkeypatch.setenv("FLEXPIPE_STORE", f"sqlite:///{tmp_path / 'empty.db'}")
 
     runner = CliRunner()
     ok = runner.invoke(app, ["plan", "--cluster", str(CLUSTER), "--models", str(MODELS), "--json"])
@@ -266,3 +268,61 @@ def test_cli_plan_json_and_bad_file(tmp_path: Path) -> None:
     res = runner.invoke(app, ["plan", "--cluster", str(CLUSTER), "--models", str(bad)])
     assert res.exit_code == 2
     assert "Traceback" not in res.output and "demand: missing" in res.output
+
+
+def test_cli_plan_reads_measured_rows_from_the_store(tmp_path: Path) -> None:
+    """`flexpipe plan --store URL` plans on the gear table's measured rows, like `up`."""
+    from datetime import UTC, datetime
+
+    from typer.testing import CliRunner
+
+    from flexpipe.cli import app
+    from flexpipe.gears.point import MEASURED, NO_LINK, GearPoint
+    from flexpipe.store import Store
+
+    runner = CliRunner()
+    url = f"sqlite:///{tmp_path / 'gears.db'}"
+    args = ["plan", "--cluster", str(CLUSTER), "--models", str(MODELS), "--json", "--store", url]
+    prior = json.loads(runner.invoke(app, args).output)
+    (l40s,) = [i for i in prior["instances"] if i["stages"] == [["gpu3"]]]
+    assert l40s["source"] == "predicted"
+    (d,) = models()
+    est = l40s  # a measured curve twice as fast as the prior, at the same latencies
+    points = [
+        GearPoint(
+            model="llama-2-7b",
+            gear_key=l40s["gear_key"].rsplit("-s", 1)[0] + f"-s{batch}",
+            gear=l40s["gear"],
+            gpu_types="L40S",
+            link=NO_LINK,
+            batch_size=batch,
+            prefill_tokens_per_s=d.input_tokens / est["ttft_s"],
+            decode_tokens_per_s=2 * est["output_tokens_per_s"] * batch / est["batch"],
+            requests_per_s=2 * est["capacity_requests_per_s"] * batch / est["batch"],
+            ttft_p50_s=est["ttft_s"],
+            ttft_p90_s=est["ttft_s"],
+            ttft_p99_s=est["ttft_s"],
+            tpot_p50_s=est["tpot_s"],
+            tpot_p90_s=est["tpot_s"],
+            tpot_p99_s=est["tpot_s"],
+            e2e_p50_s=est["e2e_s"],
+            e2e_p90_s=est["e2e_s"],
+            e2e_p99_s=est["e2e_s"],
+            peak_kv_usage=None,
+            cold_start_s=None,
+            source=MEASURED,
+            engine="sim",
+            engine_version="test",
+            input_len=d.input_tokens,
+            output_len=d.output_tokens,
+            num_requests=100,
+            measured_at=datetime(2026, 11, 1, tzinfo=UTC),
+        )
+        for batch in (1, est["batch"], 512)
+    ]
+    with Store(url) as st:
+        st.put_points(points)
+    measured = json.loads(runner.invoke(app, args).output)
+    (l40s_measured,) = [i for i in measured["instances"] if i["stages"] == [["gpu3"]]]
+    assert l40s_measured["source"] == "measured"
+    assert l40s_measured["capacity_tokens_per_s"] > 1.5 * l40s["capacity_tokens_per_s"]

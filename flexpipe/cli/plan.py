@@ -1,7 +1,10 @@
-"""`flexpipe plan --cluster FILE --models FILE [--json]`: what the planner would run on the
-free GPUs now, with expected throughput and latency per instance and the alternatives it beat.
+"""`flexpipe plan --cluster FILE --models FILE [--json] [--store URL]`: what the planner would
+run on the free GPUs now, with expected throughput and latency per instance and the alternatives
+it beat.
 
-`load_models_file` is shared with `flexpipe up`.
+Speed comes from the gear table in the store, as for `flexpipe up`: measured rows where they
+exist (`TablePerformance` over `Store(url).points()`), the performance model elsewhere; each
+instance's `source` says which. `load_models_file` is shared with `flexpipe up`.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from rich.table import Table
 
 from flexpipe.cli.common import user_errors
 from flexpipe.cluster import load_cluster
+from flexpipe.gears.performance import TablePerformance
 from flexpipe.hardware import GB
 from flexpipe.policies.planner import ModelDemand, Plan, PlannerConfig, parse_models, plan
+from flexpipe.store import Store
 
 DEFAULT_CLUSTER = Path("examples/clusters/fragmented-4gpu.yaml")
 DEFAULT_MODELS = Path("examples/models/llama-7b.yaml")
@@ -151,6 +156,13 @@ def plan_command(
         typer.Option("--fast-link-gbps", help="TP only over links at least this fast (GB/s)."),
     ] = None,
     max_pp: Annotated[int, typer.Option("--max-pp", help="Most pipeline stages.")] = 4,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            help="Gear table: SQLAlchemy URL (default: $FLEXPIPE_STORE or ~/.flexpipe).",
+        ),
+    ] = None,
 ) -> None:
     """Plan instances (model, gear, GPUs) for the free GPUs now, and say why."""
     with user_errors():
@@ -161,7 +173,9 @@ def plan_command(
             if fast_link_gb_per_s <= 0:
                 raise ValueError("--fast-link-gbps must be positive")
             config = PlannerConfig(max_pp=max_pp, fast_link_bytes_per_s=fast_link_gb_per_s * GB)
-        result = plan(cl, demands, config=config, now_s=now_s)
+        with Store(store) as st:
+            performance = TablePerformance(st.points())
+        result = plan(cl, demands, performance, config=config, now_s=now_s)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return
