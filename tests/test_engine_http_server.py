@@ -308,3 +308,32 @@ def test_client_disconnect_closes_the_stream_iterator() -> None:
             await server.close()
 
     asyncio.run(run())
+
+
+def test_failure_while_answering_aborts_instead_of_stalling() -> None:
+    """A response that cannot even be encoded (a header outside latin-1) used to kill the
+    connection's serving task silently and leave the client, and any request pipelined after
+    it, waiting forever: now the connection is aborted at once."""
+
+    async def run() -> None:
+        app = make_app([])
+
+        @app.route("GET", "/badheader")
+        async def bad(req: Request) -> Response:
+            return Response(b"{}", headers={"x-name": "\u20ac"})
+
+        server = await serve(app, "127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /badheader HTTP/1.1\r\n\r\nGET /a HTTP/1.1\r\n\r\n")
+            assert await asyncio.wait_for(reader.read(), READ_TIMEOUT_S) == b""
+            writer.close()
+            # the server still serves
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /a HTTP/1.1\r\n\r\n")
+            assert (await read_response(reader))[0] == 200
+            writer.close()
+        finally:
+            await server.close()
+
+    asyncio.run(run())
