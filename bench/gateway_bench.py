@@ -455,28 +455,29 @@ def make_workload(seed: int, num_requests: int) -> list[str]:
     return prompts
 
 
-# name -> (gateway kind, policy, flexpipe routing params or None)
+# name -> (gateway kind, policy, flexpipe routing params or None = that policy's defaults)
 QUALITY_VARIANTS: dict[str, tuple[str, str, dict[str, Any] | None]] = {
     "round_robin": ("flexpipe", "round_robin", None),
     "least_load": ("flexpipe", "least_load", None),
-    "prefix_affinity": ("flexpipe", "prefix_affinity", None),
+    "prefix_affinity": ("flexpipe", "prefix_affinity", None),  # the default: imbalance 3 / 2 s
+    "prefix_affinity imb2 abs1": ("flexpipe", "prefix_affinity",
+                                  {"imbalance_ratio": 2.0, "imbalance_abs_s": 1.0}),
+    "prefix_affinity imb1.5": ("flexpipe", "prefix_affinity",
+                               {"imbalance_ratio": 1.5, "imbalance_abs_s": 1.0}),
+    "prefix_affinity bound2": ("flexpipe", "prefix_affinity",
+                               {"imbalance_ratio": 2.0, "imbalance_abs_s": 1.0, "load_bound": 2.0}),
+    "composite": ("flexpipe", "composite", None),  # its defaults: p3 q1 kv1 l3
     "composite p3 q2 kv2 l2": ("flexpipe", "composite",
                                {"weights": {"prefix": 3, "queue": 2, "kv": 2, "load": 2}}),
     "composite p3 q2 kv2 (llm-d)": ("flexpipe", "composite",
                                     {"weights": {"prefix": 3, "queue": 2, "kv": 2}}),
-    "composite p3 l2": ("flexpipe", "composite", {"weights": {"prefix": 3, "load": 2}}),
-    "composite p3 l1": ("flexpipe", "composite", {"weights": {"prefix": 3, "load": 1}}),
-    "composite p2 l2": ("flexpipe", "composite", {"weights": {"prefix": 2, "load": 2}}),
     "composite p3 q1 l3": ("flexpipe", "composite",
                            {"weights": {"prefix": 3, "queue": 1, "load": 3}}),
     "composite p4 q1 l3": ("flexpipe", "composite",
                            {"weights": {"prefix": 4, "queue": 1, "load": 3}}),
-    "composite p3 q1 kv1 l3": ("flexpipe", "composite",
-                               {"weights": {"prefix": 3, "queue": 1, "kv": 1, "load": 3}}),
-    "prefix_affinity imb1.5": ("flexpipe", "prefix_affinity", {"imbalance_ratio": 1.5}),
-    "prefix_affinity imb3 abs2": ("flexpipe", "prefix_affinity",
-                                  {"imbalance_ratio": 3.0, "imbalance_abs_s": 2.0}),
-    "prefix_affinity bound2": ("flexpipe", "prefix_affinity", {"load_bound": 2.0}),
+    "composite p2 l2": ("flexpipe", "composite", {"weights": {"prefix": 2, "load": 2}}),
+    "composite p3 l2": ("flexpipe", "composite", {"weights": {"prefix": 3, "load": 2}}),
+    "composite p3 l1": ("flexpipe", "composite", {"weights": {"prefix": 3, "load": 1}}),
     "sglang cache_aware": ("sglang-router", "cache_aware", None),
     "vllm-router cache_aware": ("vllm-router", "cache_aware", None),
 }  # fmt: skip

@@ -35,12 +35,16 @@ def gateway_command(
         if config is not None:
             return [*cmd, "--config", str(config)]
         return [*cmd, "--policy", policy]
+    # Both Rust routers export Prometheus metrics on port 29000 by default: give each its own
+    # (port + 1) so that they can run side by side.
     if kind == "sglang-router":
         return [str(SGLANG_PY), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                "--port", str(port), "--policy", policy, "--worker-urls", *backends]  # fmt: skip
+                "--port", str(port), "--prometheus-port", str(port + 1), "--policy", policy,
+                "--worker-urls", *backends]  # fmt: skip
     if kind == "vllm-router":
         return [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port),
-                "--policy", policy, "--worker-urls", *backends]  # fmt: skip
+                "--prometheus-port", str(port + 1), "--policy", policy,
+                "--worker-urls", *backends]  # fmt: skip
     raise ValueError(kind)
 
 

@@ -104,7 +104,7 @@ def test_health_and_metrics(gw: Running) -> None:
     text = body.decode()
     assert status == 200 and headers["content-type"].startswith("text/plain")
     assert 'flexpipe_requests_total{instance="' in text and 'status="200"' in text
-    assert 'flexpipe_routing_decisions_total{policy="composite"' in text
+    assert 'flexpipe_routing_decisions_total{policy="prefix_affinity"' in text
     assert 'flexpipe_prefix_blocks_total{kind="all"} 4.0' in text
     assert "flexpipe_e2e_request_latency_seconds_bucket" in text
 

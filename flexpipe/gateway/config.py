@@ -7,8 +7,8 @@ backends:
   - url: http://127.0.0.1:8001    # model discovered from /v1/models when omitted
   - {url: http://127.0.0.1:8002, model: llama-2-7b, weight: 0.5, max_concurrency: 64}
 routing:
-  policy: composite               # any registered policy (docs/routing.md)
-  params: {weights: {prefix: 3, queue: 2, kv: 2, load: 2}}
+  policy: prefix_affinity         # the default; any registered policy (docs/routing.md)
+  params: {imbalance_ratio: 3.0, imbalance_abs_s: 2.0}
 tenants:                          # optional; without it no API key is required
   - {key: sk-team-a, name: team-a, requests_per_min: 600, tokens_per_min: 200000,
      max_concurrency: 32}
@@ -55,7 +55,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     backends: list[BackendConfig] = field(default_factory=list)
-    policy: str = "composite"
+    policy: str = "prefix_affinity"  # the routing-quality sweep's winner (docs/routing.md)
     policy_params: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     max_concurrency_per_instance: int = 256

@@ -11,7 +11,7 @@ Parameters: `weights` (default `DEFAULT_WEIGHTS`), `params` (per-scorer paramete
     routing:
       policy: composite
       params:
-        weights: {prefix: 3, queue: 2, kv: 2, load: 2}
+        weights: {prefix: 3, queue: 1, kv: 1, load: 3}
         params: {load: {output_weight: 1.0}}
 """
 
@@ -25,9 +25,10 @@ from flexpipe.policies.routing.base import PolicyHooks, Scorer, clamp01, rank_by
 from flexpipe.policies.routing.registry import create_scorer, register_policy
 from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
 
-# llm-d's weights (prefix 3, queue 2, kv 2) plus flexpipe's least_load cost; see docs/routing.md
-# for the benchmark behind the choice.
-DEFAULT_WEIGHTS: dict[str, float] = {"prefix": 3.0, "queue": 2.0, "kv": 2.0, "load": 2.0}
+# The best composite of the routing-quality sweep (docs/routing.md): prefix 3 and flexpipe's
+# least_load cost 3, with llm-d's queue and KV scorers as light tie-breakers. A load weight
+# below the prefix weight lets prefix hits funnel every session onto one instance.
+DEFAULT_WEIGHTS: dict[str, float] = {"prefix": 3.0, "queue": 1.0, "kv": 1.0, "load": 3.0}
 
 
 class Composite(PolicyHooks):

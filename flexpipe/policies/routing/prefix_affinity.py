@@ -13,10 +13,13 @@
 
 The rest of the ranking (for retries) follows least_load.
 
-Parameters (defaults): `min_match_ratio` 0.1, `imbalance_ratio` 2.0, `imbalance_abs_s` 1.0,
-`load_bound` 1.25, `num_virtual_nodes` 64, `output_weight` 1.0.
+Parameters (defaults): `min_match_ratio` 0.1, `imbalance_ratio` 3.0, `imbalance_abs_s` 2.0,
+`load_bound` 1.25, `num_virtual_nodes` 64, `output_weight` 1.0. The guard's defaults won the
+routing-quality sweep (docs/routing.md): 2.0 / 1.0 gave up prefix hits for no TTFT gain.
 
-    routing: {policy: prefix_affinity, params: {imbalance_ratio: 2.0, load_bound: 1.25}}
+The gateway's default policy.
+
+    routing: {policy: prefix_affinity, params: {imbalance_ratio: 3.0, load_bound: 1.25}}
 
 Also registered as the scorer `prefix`: matched blocks / prompt blocks.
 """
@@ -55,8 +58,8 @@ class PrefixAffinity(PolicyHooks):
     def __init__(
         self,
         min_match_ratio: float = 0.1,
-        imbalance_ratio: float = 2.0,
-        imbalance_abs_s: float = 1.0,
+        imbalance_ratio: float = 3.0,
+        imbalance_abs_s: float = 2.0,
         load_bound: float = 1.25,
         num_virtual_nodes: int = 64,
         output_weight: float = 1.0,
