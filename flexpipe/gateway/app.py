@@ -18,7 +18,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +33,10 @@ from flexpipe.gateway.tenants import Tenant, Tenants
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError, UpstreamResponse
 from flexpipe.http.server import (
     App,
+    ChunkWriter,
     HttpError,
     HttpServer,
+    PushResponse,
     Request,
     Response,
     StreamResponse,
@@ -89,6 +91,7 @@ class Gateway:
         self.timeouts = Timeouts(cfg.connect_timeout_s, cfg.ttfb_timeout_s, cfg.idle_timeout_s)
         self.mean_request_tokens = 512.0  # EWMA of prompt + expected output per request
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
         self.prober = Prober(self)
         self.server: HttpServer | None = None
         for b in cfg.backends:
@@ -230,10 +233,10 @@ class Gateway:
             raise HttpError(400 if "weight" in str(exc) else 404, str(exc)) from None
 
     # ---------------------------------------------------------------- the proxy
-    async def _completions(self, req: Request) -> Response | StreamResponse:
+    async def _completions(self, req: Request) -> Response | StreamResponse | PushResponse:
         return await self._proxy(req, "/v1/completions", chat=False)
 
-    async def _chat(self, req: Request) -> Response | StreamResponse:
+    async def _chat(self, req: Request) -> Response | StreamResponse | PushResponse:
         return await self._proxy(req, "/v1/chat/completions", chat=True)
 
     def _parse(self, req: Request, path: str, chat: bool) -> _Call:
@@ -287,7 +290,9 @@ class Gateway:
             self.clock(), None,
         )  # fmt: skip
 
-    async def _proxy(self, req: Request, path: str, chat: bool) -> Response | StreamResponse:
+    async def _proxy(
+        self, req: Request, path: str, chat: bool
+    ) -> Response | StreamResponse | PushResponse:
         tenant = None
         if self.tenants.enabled:
             tenant = self.tenants.lookup(req.headers.get("authorization"))
@@ -305,7 +310,7 @@ class Gateway:
         handed_off = False
         try:
             result = await self._dispatch(call)
-            handed_off = isinstance(result, StreamResponse)
+            handed_off = isinstance(result, StreamResponse | PushResponse)
             return result
         except _TooMany as exc:
             return _too_many(exc.message, exc.retry_after_s)
@@ -313,11 +318,11 @@ class Gateway:
             if tenant is not None and not handed_off:
                 tenant.num_in_flight -= 1
 
-    async def _dispatch(self, call: _Call) -> Response | StreamResponse:
+    async def _dispatch(self, call: _Call) -> Response | StreamResponse | PushResponse:
         inst, resp = await self._send(call, call.raw)
         if call.stream and resp.status == 200:
-            return StreamResponse(
-                self._relay(call, inst, resp),
+            return PushResponse(
+                _PushRelay(self, call, inst, resp).start,
                 content_type=resp.headers.get("content-type", "text/event-stream"),
                 headers={"x-flexpipe-instance": inst.url},
             )
@@ -474,13 +479,33 @@ class Gateway:
         log.warning("ejected %s for %.1f s", inst.url, inst.backoff_s)
 
     # ---------------------------------------------------------------- streaming relay
+    def _stream_done(self, call: _Call, inst: Instance, t_first: float, t_last: float,
+                     num_tokens: int, measured_speed: bool) -> None:  # fmt: skip
+        """A stream ended well: TPOT and the instance's measured decode speed."""
+        if num_tokens >= 2 and t_last > t_first:
+            tpot = (t_last - t_first) / (num_tokens - 1)
+            self.metrics.observe("tpot", call.model, tpot)
+            if measured_speed:
+                speed = 1.0 / tpot
+                old = inst.speed_tokens_per_s
+                inst.speed_tokens_per_s = speed if not old else old + 0.2 * (speed - old)
+        self._success(inst)
+
     async def _relay(
-        self, call: _Call, inst: Instance, resp: UpstreamResponse
-    ) -> AsyncIterator[bytes]:
-        sent: list[bytes] = []  # complete events relayed from the first upstream
+        self,
+        call: _Call,
+        inst: Instance,
+        resp: UpstreamResponse,
+        sent: list[bytes] | None = None,
+        failed: UpstreamError | None = None,
+        t_first: float = 0.0,
+        num_events: int = 0,
+    ) -> AsyncGenerator[bytes, None]:
+        """The stream as an async iterator: the path after a mid-stream failure of a pushed
+        relay (`failed`, with what it had relayed so far), and the reference for it."""
+        sent = [] if sent is None else sent  # complete events relayed from the first upstream
         tail = b""
-        t_first = t_last = 0.0
-        num_events = 0
+        t_last = 0.0
         num_tokens_migrated = 0
         state: sse.StreamState | None = None  # set once migrated: events are rewritten
         status = "200"
@@ -488,6 +513,9 @@ class Gateway:
         try:
             while True:
                 try:
+                    if failed is not None:
+                        exc, failed = failed, None
+                        raise exc
                     chunk = await resp.next_chunk()
                 except UpstreamError as exc:
                     self._failure(inst)
@@ -545,17 +573,7 @@ class Gateway:
                         yield b"".join(parts)
             resp.release()
             num_tokens = max(0, num_events - 2) + num_tokens_migrated
-            if num_tokens >= 2 and t_last > t_first:
-                tpot = (t_last - t_first) / (num_tokens - 1)
-                self.metrics.observe("tpot", call.model, tpot)
-                if state is None:
-                    speed = 1.0 / tpot
-                    inst.speed_tokens_per_s = (
-                        speed
-                        if not inst.speed_tokens_per_s
-                        else inst.speed_tokens_per_s + 0.2 * (speed - inst.speed_tokens_per_s)
-                    )
-            self._success(inst)
+            self._stream_done(call, inst, t_first, t_last, num_tokens, state is None)
         finally:
             resp.release()  # aborts the upstream request if the client went away
             if live:
@@ -596,6 +614,123 @@ class Gateway:
         self.metrics.migrations.labels("ok").inc()
         log.info("migrated a stream from %s to %s", failed.url, inst.url)
         return inst, resp
+
+
+class _PushRelay:
+    """The streaming hot path: the upstream connection's callback hands each chunk straight to
+    the client's `ChunkWriter` (no task woken, no await per chunk), cut at event boundaries so
+    a failure never leaves half an event at the client; the last events and the terminal chunk
+    go out in one write. A mid-stream failure hands over to `Gateway._relay` (migration) in
+    a task; a client that leaves aborts the upstream request at once."""
+
+    __slots__ = ("call", "done", "gw", "inst", "num_events", "resp", "sent", "t_first",
+                 "t_last", "tail", "task", "writer")  # fmt: skip
+
+    def __init__(self, gw: Gateway, call: _Call, inst: Instance, resp: UpstreamResponse) -> None:
+        self.gw = gw
+        self.call = call
+        self.inst = inst
+        self.resp = resp
+        self.writer: ChunkWriter | None = None
+        self.sent: list[bytes] = []  # complete events relayed (kept for a migration)
+        self.tail = b""
+        self.t_first = self.t_last = 0.0
+        self.num_events = 0
+        self.done = False  # accounting done (ended, failed over or client gone)
+        self.task: asyncio.Task[None] | None = None  # the failover pump, if any
+
+    def start(self, writer: ChunkWriter) -> None:
+        self.writer = writer
+        writer.on_close = self._client_gone
+        writer.on_resume = self.resp.resume_reading
+        if writer.closed:
+            self._client_gone()
+            return
+        self.resp.pipe(self._data, self._end)
+
+    def _data(self, chunk: bytes) -> None:
+        tail = self.tail
+        if not tail and chunk[-2:] == b"\n\n":
+            out = chunk
+        else:
+            data = tail + chunk
+            cut = data.rfind(b"\n\n") + 2
+            if cut < 2:
+                self.tail = data
+                return
+            out, self.tail = data[:cut], data[cut:]
+        t = self.gw.clock()
+        if not self.t_first:
+            self.t_first = t
+            self.gw.metrics.observe("ttft", self.call.model, t - self.call.t0)
+        self.t_last = t
+        self.num_events += out.count(b"\n\n")
+        self.sent.append(out)
+        writer = self.writer
+        assert writer is not None
+        writer.write(out)
+        if not writer.writable:
+            self.resp.pause_reading()
+
+    def _end(self, error: UpstreamError | None) -> None:
+        if self.done:
+            return
+        writer = self.writer
+        assert writer is not None
+        if error is not None:
+            self.done = True  # accounting moves to the failover relay
+            self.task = asyncio.get_running_loop().create_task(self._failover(error))
+            self.gw._tasks.add(self.task)
+            self.task.add_done_callback(self.gw._tasks.discard)
+            return
+        self.done = True
+        writer.end(self.tail)
+        gw, call, inst = self.gw, self.call, self.inst
+        self.resp.release()
+        num_tokens = max(0, self.num_events - 2)
+        gw._stream_done(call, inst, self.t_first, self.t_last, num_tokens, True)
+        self._account("200")
+
+    def _account(self, status: str) -> None:
+        self.gw._finish(self.inst, self.call, status)
+        if self.call.tenant is not None:
+            self.call.tenant.num_in_flight -= 1
+
+    def _client_gone(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        if self.done:
+            return
+        self.done = True
+        self.resp.release()  # aborts the upstream request
+        self._account("200")
+
+    async def _failover(self, error: UpstreamError) -> None:
+        writer = self.writer
+        assert writer is not None
+        relay = self.gw._relay(self.call, self.inst, self.resp, self.sent, error,
+                               self.t_first, self.num_events)  # fmt: skip
+        resumed: asyncio.Future[None] | None = None
+
+        def on_resume() -> None:
+            if resumed is not None and not resumed.done():
+                resumed.set_result(None)
+
+        writer.on_resume = on_resume
+        try:
+            async for out in relay:
+                if writer.closed:
+                    break
+                writer.write(out)
+                if not writer.writable:
+                    resumed = asyncio.get_running_loop().create_future()
+                    await resumed
+            writer.end()
+        except Exception:
+            log.exception("stream failover failed")
+            writer.fail(502, "the gateway failed to continue the stream")
+        finally:
+            await relay.aclose()
 
 
 class _TooMany(HttpError):

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import socket
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -81,6 +81,10 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = False
         self.waiter: asyncio.Future[bool] | None = None
         self.paused = False
+        # pipe mode (`UpstreamResponse.pipe`): body chunks go straight to the sink
+        self.sink_data: Callable[[bytes], None] | None = None
+        self.sink_end: Callable[[UpstreamError | None], None] | None = None
+        self.idle_s = 0.0
 
     def _wake(self) -> None:
         w = self.waiter
@@ -105,12 +109,21 @@ class _Conn(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
             self._wake()
+            self._sink_failed()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self.complete and self.error is None:
             self.error = UpstreamError("closed", "upstream closed the connection")
         self._wake()
+        self._sink_failed()
+
+    def _sink_failed(self) -> None:
+        end = self.sink_end
+        if end is not None and self.error is not None:
+            self.sink_data = self.sink_end = None
+            self.stop_timer()
+            end(self.error)
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -122,6 +135,11 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        sink = self.sink_data
+        if sink is not None:
+            self._deadline_s = self.loop.time() + self.idle_s
+            sink(body)
+            return
         self.chunks.append(body)
         if len(self.chunks) > _MAX_BUFFERED_CHUNKS and self.transport is not None:
             self.transport.pause_reading()
@@ -132,6 +150,11 @@ class _Conn(asyncio.Protocol):
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
         self._wake()
+        end = self.sink_end
+        if end is not None:
+            self.sink_data = self.sink_end = None
+            self.stop_timer()
+            end(None)
 
     async def wait(self, timeout_s: float, kind: str) -> None:
         loop = self.loop
@@ -153,6 +176,16 @@ class _Conn(asyncio.Protocol):
 
     def _on_timer(self) -> None:
         self._timer = None
+        if self.sink_end is not None:  # pipe mode: idle since the last chunk?
+            if self.loop.time() >= self._deadline_s:
+                self.error = UpstreamError("idle", f"no data for {self.idle_s:g} s")
+                self.keep_alive = False
+                self._sink_failed()
+                if self.transport is not None:
+                    self.transport.abort()
+            else:
+                self._timer = self.loop.call_at(self._deadline_s, self._on_timer)
+            return
         w = self.waiter
         if w is None or w.done():
             return  # not waiting now: the next wait arms a new timer
@@ -208,6 +241,47 @@ class UpstreamResponse:
                 self.close()
                 raise
 
+    def pipe(
+        self, on_data: Callable[[bytes], None], on_end: Callable[[UpstreamError | None], None]
+    ) -> None:
+        """From now on, call `on_data(chunk)` for each body chunk as it arrives, from the
+        connection's own callback (no task is woken per chunk), then `on_end(None)` at the end
+        of the body or `on_end(error)` once on a failure or an idle timeout. Chunks already
+        received are delivered first, before this returns. Call `release()` when done (in
+        `on_end`, or earlier to abort); `pause_reading()` / `resume_reading()` for back-pressure.
+        """
+        conn = self._conn
+        if conn.chunks:
+            data = b"".join(conn.chunks)
+            conn.chunks.clear()
+            on_data(data)
+        if conn.paused:
+            self.resume_reading()
+        if conn.complete:
+            on_end(None)
+            return
+        if conn.error is not None:
+            on_end(conn.error)
+            return
+        conn.sink_data, conn.sink_end = on_data, on_end
+        conn.idle_s = self._timeouts.idle_s
+        conn._deadline_s = conn.loop.time() + conn.idle_s
+        conn.stop_timer()
+        conn._timer = conn.loop.call_at(conn._deadline_s, conn._on_timer)
+
+    def pause_reading(self) -> None:
+        conn = self._conn
+        if not conn.paused and conn.transport is not None and not conn.closed:
+            conn.paused = True
+            conn.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        conn = self._conn
+        if conn.paused:
+            conn.paused = False
+            if conn.transport is not None and not conn.closed:
+                conn.transport.resume_reading()
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         while (chunk := await self.next_chunk()) is not None:
             yield chunk
@@ -225,6 +299,7 @@ class UpstreamResponse:
             return
         self._released = True
         conn = self._conn
+        conn.sink_data = conn.sink_end = None
         conn.stop_timer()
         if conn.complete and conn.keep_alive and not conn.closed and conn.error is None:
             self._pool._put(self._key, conn)
