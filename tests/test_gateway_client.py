@@ -92,3 +92,68 @@ def test_chunks_that_arrived_together_come_out_together_in_order() -> None:
             await server.wait_closed()
 
     assert asyncio.run(main()) == [b"a", b"bcd", None]
+
+
+def test_pipe_hands_chunks_over_as_they_arrive_and_times_out_a_stall() -> None:
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        writer.write(_HEAD + _chunk(b"t0;"))
+        await writer.drain()
+        for i in range(1, 6):  # 5 x 0.1 s: longer than the 0.3 s idle timeout in total
+            await asyncio.sleep(0.1)
+            writer.write(_chunk(b"t%d;" % i))
+            await writer.drain()
+        await asyncio.sleep(5)  # then stall
+
+    async def main() -> tuple[list[bytes], str]:
+        server, url = await _serve(handler)
+        pool = ClientPool()
+        try:
+            resp = await pool.request(url, "GET", "/", timeouts=Timeouts(1, 1, idle_s=0.3))
+            got: list[bytes] = []
+            ended: asyncio.Future[UpstreamError | None] = asyncio.get_running_loop().create_future()
+            resp.pipe(got.append, ended.set_result)
+            err = await asyncio.wait_for(ended, 3)
+            resp.release()
+            assert err is not None
+            return got, err.kind
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    got, kind = asyncio.run(main())
+    assert b"".join(got) == b"".join(b"t%d;" % i for i in range(6))
+    assert kind == "idle"
+
+
+def test_pipe_ends_cleanly_and_the_connection_is_reused() -> None:
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        writer.write(_HEAD + _chunk(b"a"))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(_chunk(b"b") + b"0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def main() -> tuple[bytes, UpstreamError | None, int]:
+        server, url = await _serve(handler)
+        pool = ClientPool()
+        try:
+            resp = await pool.request(url, "GET", "/")
+            got: list[bytes] = []
+            ended: asyncio.Future[UpstreamError | None] = asyncio.get_running_loop().create_future()
+
+            def on_end(err: UpstreamError | None) -> None:
+                resp.release()
+                ended.set_result(err)
+
+            resp.pipe(got.append, on_end)
+            err = await asyncio.wait_for(ended, 3)
+            return b"".join(got), err, len(pool._idle.get(url, []))
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    body, err, num_idle = asyncio.run(main())
+    assert (body, err, num_idle) == (b"ab", None, 1)
