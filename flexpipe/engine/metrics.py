@@ -18,8 +18,9 @@ flexpipe additions: flexpipe:num_tokens_queued_running (prompt + output tokens o
 waiting and running request: a load signal for least-load routing), flexpipe:num_kv_blocks_free,
 flexpipe:engine_lag_seconds (how far the engine loop runs behind modelled time),
 flexpipe:engine_steps_total, flexpipe:modelled_busy_seconds_total; and what the engine's own
-timing costs, for the faithfulness benchmark: flexpipe:engine_wakeup_late_seconds (how late
-the loop woke up after each step's deadline: timer resolution plus CPU contention),
+timing costs at time scales > 0, for the faithfulness benchmark:
+flexpipe:engine_wakeup_late_seconds (how late the loop woke up after each step's deadline:
+timer resolution plus CPU contention),
 flexpipe:engine_emit_seconds (the loop's own work after a step: bookkeeping and writing every
 stream's chunk; flexpipe:engine_emit_cpu_seconds_total is its CPU time: the rest of the wall
 time went waiting for a CPU), flexpipe:gc_pause_seconds (each garbage collection of the
