@@ -623,8 +623,8 @@ class _PushRelay:
     go out in one write. A mid-stream failure hands over to `Gateway._relay` (migration) in
     a task; a client that leaves aborts the upstream request at once."""
 
-    __slots__ = ("call", "done", "gw", "inst", "num_events", "resp", "sent", "t_first",
-                 "t_last", "tail", "task", "writer")  # fmt: skip
+    __slots__ = ("call", "done", "gw", "inst", "loop", "num_events", "pending", "resp", "sent",
+                 "t_first", "t_last", "tail", "task", "writer")  # fmt: skip
 
     def __init__(self, gw: Gateway, call: _Call, inst: Instance, resp: UpstreamResponse) -> None:
         self.gw = gw
@@ -638,6 +638,8 @@ class _PushRelay:
         self.num_events = 0
         self.done = False  # accounting done (ended, failed over or client gone)
         self.task: asyncio.Task[None] | None = None  # the failover pump, if any
+        self.pending: list[bytes] = []  # received in this loop pass, written by `_flush`
+        self.loop = asyncio.get_running_loop()
 
     def start(self, writer: ChunkWriter) -> None:
         self.writer = writer
@@ -649,6 +651,31 @@ class _PushRelay:
         self.resp.pipe(self._data, self._end)
 
     def _data(self, chunk: bytes) -> None:
+        """Collect what arrives in this loop pass; one write at the end of the pass (what a
+        task woken by the first chunk would have sent, without the task)."""
+        if not self.pending:
+            self.loop.call_soon(self._flush)
+        self.pending.append(chunk)
+
+    def _flush(self) -> None:
+        if self.done:
+            return
+        out = self._complete_events()
+        if out:
+            writer = self.writer
+            assert writer is not None
+            writer.write(out)
+            if not writer.writable:
+                self.resp.pause_reading()
+
+    def _complete_events(self) -> bytes:
+        """The complete events received so far and not yet written (the rest stays in
+        `tail`), counted and kept for a migration."""
+        pending = self.pending
+        if not pending:
+            return b""
+        chunk = pending[0] if len(pending) == 1 else b"".join(pending)
+        pending.clear()
         tail = self.tail
         if not tail and chunk[-2:] == b"\n\n":
             out = chunk
@@ -657,7 +684,7 @@ class _PushRelay:
             cut = data.rfind(b"\n\n") + 2
             if cut < 2:
                 self.tail = data
-                return
+                return b""
             out, self.tail = data[:cut], data[cut:]
         t = self.gw.clock()
         if not self.t_first:
@@ -666,11 +693,7 @@ class _PushRelay:
         self.t_last = t
         self.num_events += out.count(b"\n\n")
         self.sent.append(out)
-        writer = self.writer
-        assert writer is not None
-        writer.write(out)
-        if not writer.writable:
-            self.resp.pause_reading()
+        return out
 
     def _end(self, error: UpstreamError | None) -> None:
         if self.done:
@@ -678,13 +701,15 @@ class _PushRelay:
         writer = self.writer
         assert writer is not None
         if error is not None:
+            self._flush()
             self.done = True  # accounting moves to the failover relay
             self.task = asyncio.get_running_loop().create_task(self._failover(error))
             self.gw._tasks.add(self.task)
             self.task.add_done_callback(self.gw._tasks.discard)
             return
+        out = self._complete_events()
         self.done = True
-        writer.end(self.tail)
+        writer.end(out + self.tail)  # the last events and the terminal chunk: one write
         gw, call, inst = self.gw, self.call, self.inst
         self.resp.release()
         num_tokens = max(0, self.num_events - 2)
