@@ -8,6 +8,7 @@ walk the batch ladder and keep the largest concurrency whose TTFT and TPOT meet 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from flexpipe.cluster import Cluster, placement_on
@@ -91,6 +92,11 @@ class Evaluator:
         # (model index, stages, dtype) -> result: the cluster snapshot is fixed, so is this
         self._results: dict[tuple[int, tuple[tuple[str, ...], ...], str], Candidate | Rejection]
         self._results = {}
+        # (model index, dtype, hardware signature) -> result for the first GPUs evaluated
+        self._by_hardware: dict[tuple[object, ...], Candidate | Rejection] = {}
+        self._tp_links: dict[tuple[str, ...], LinkSpec] = {}
+        # GPU id -> (type, free bytes)
+        self._free = {g.id: (g.type, g.free_bytes) for g in cluster.gpus}
 
     # -- partitioning ------------------------------------------------------------------
 
@@ -160,9 +166,40 @@ class Evaluator:
     ) -> Candidate | Rejection:
         key = (m, stages, dtype)
         cached = self._results.get(key)
-        if cached is None:
-            cached = self._results[key] = self._evaluate(m, stages, dtype)
-        return cached
+        if cached is not None:
+            return cached
+        flat = [g for s in stages for g in s]
+        if len(set(flat)) != len(flat) or any(g not in self._free for g in flat):
+            result = self._evaluate(m, stages, dtype)  # an error names the GPUs
+        else:
+            # The result depends on the hardware only (types, free memory, links), and a large
+            # cluster repeats the same few shapes: evaluate a shape once, rebind it to GPU ids.
+            sig = (m, dtype, self.hardware(stages))
+            hit = self._by_hardware.get(sig)
+            if hit is None:
+                result = self._by_hardware[sig] = self._evaluate(m, stages, dtype)
+            elif isinstance(hit, Candidate) or not any(g in hit.reason for g in hit.gpu_ids):
+                result = replace(hit, stages=stages)
+            else:  # the reason names the GPUs it was about
+                result = self._evaluate(m, stages, dtype)
+        self._results[key] = result
+        return result
+
+    def hardware(self, stages: tuple[tuple[str, ...], ...]) -> tuple[object, ...]:
+        """What an evaluation depends on besides the model and precision: per stage its GPUs'
+        types and free memory and its TP link; the links between consecutive stages."""
+        shape = tuple(
+            (tuple(self._free[g] for g in s), self.tp_link(s) if len(s) > 1 else None)
+            for s in stages
+        )
+        links = tuple(
+            min(
+                (self.cluster.link_between(a, b) for a, b in zip(prev, nxt, strict=False)),
+                key=lambda link: link.bandwidth_bytes_per_s,
+            )
+            for prev, nxt in itertools.pairwise(stages)
+        )
+        return shape, links
 
     def _evaluate(
         self, m: int, stages: tuple[tuple[str, ...], ...], dtype: str
@@ -241,7 +278,12 @@ class Evaluator:
         )
 
     def tp_link(self, ids: tuple[str, ...]) -> LinkSpec | None:
-        return self.cluster.slowest_link(ids) if len(ids) > 1 else None
+        if len(ids) < 2:
+            return None
+        link = self._tp_links.get(ids)
+        if link is None:
+            link = self._tp_links[ids] = self.cluster.slowest_link(ids)
+        return link
 
 
 def _slo_miss(est: GearEstimate, tpot_slo_s: float, ttft_slo_s: float) -> str:
