@@ -5,7 +5,10 @@ Hot path, per request: one orjson parse of the body (model, prompt, stream), CRC
 hashes of the prompt, one routing decision over plain snapshots, the original body bytes
 forwarded unchanged on a pooled keep-alive connection, and the upstream's SSE bytes relayed
 as they arrive, cut only at event boundaries (so a failure never leaves half an event at the
-client). Events are parsed only when a stream has to be migrated.
+client). Streams are relayed by push (`_PushRelay`): the upstream connection's callback
+collects what arrives in a loop pass and one callback writes it to the client, with no task
+or future per chunk. Events are parsed only when a stream has to be migrated, which a task
+running `Gateway._relay` takes over.
 """
 
 from __future__ import annotations
@@ -639,7 +642,7 @@ class _PushRelay:
         self.done = False  # accounting done (ended, failed over or client gone)
         self.task: asyncio.Task[None] | None = None  # the failover pump, if any
         self.pending: list[bytes] = []  # received in this loop pass, written by `_flush`
-        self.loop = asyncio.get_running_loop()
+        self.loop = resp.loop
 
     def start(self, writer: ChunkWriter) -> None:
         self.writer = writer
@@ -703,7 +706,7 @@ class _PushRelay:
         if error is not None:
             self._flush()
             self.done = True  # accounting moves to the failover relay
-            self.task = asyncio.get_running_loop().create_task(self._failover(error))
+            self.task = self.loop.create_task(self._failover(error))
             self.gw._tasks.add(self.task)
             self.task.add_done_callback(self.gw._tasks.discard)
             return

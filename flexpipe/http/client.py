@@ -208,6 +208,7 @@ class UpstreamResponse:
         self._timeouts = timeouts
         self.status = conn.status
         self.headers = conn.headers
+        self.loop = conn.loop  # the event loop the response lives on
         self._released = False
 
     @property
