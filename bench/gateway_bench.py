@@ -335,18 +335,18 @@ def run_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------- latency (unsaturated)
-def _added(rows: list[dict[str, Any]], case: str) -> dict[str, Any]:
-    """Per round: flexpipe minus direct; median over rounds."""
+def _added(rows: list[dict[str, Any]], case: str, target: str) -> dict[str, Any]:
+    """Per round: `target` minus direct; median over rounds."""
     by_round: dict[int, dict[str, dict[str, Any]]] = {}
     for r in rows:
         if r["case"] == case:
             by_round.setdefault(r["round"], {})[r["target"]] = r
-    out: dict[str, Any] = {"case": case}
+    out: dict[str, Any] = {"case": case, "target": target}
     for col in ("lat_p50_ms", "lat_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
         diffs = [
-            pair["flexpipe"][col] - pair["direct"][col]
+            pair[target][col] - pair["direct"][col]
             for pair in by_round.values()
-            if "flexpipe" in pair and "direct" in pair
+            if target in pair and "direct" in pair
         ]
         out[f"added_{col}"] = round(statistics.median(diffs), 3) if diffs else None
     return out
@@ -360,6 +360,9 @@ def run_latency(args: argparse.Namespace) -> list[dict[str, Any]]:
         engines = procs.engines(1, 1.0, ["A100-80G-SXM"])
         gw = procs.gateway("flexpipe", engines, "round_robin")
         targets = [("direct", engines[0]), ("flexpipe", gw)]
+        if args.baseline:
+            base = procs.gateway("flexpipe", engines, "round_robin", tree=args.baseline)
+            targets.append(("flexpipe-baseline", base))
         case = f"64 streams, time scale 1, {args.latency_tokens} tokens"
         for r in range(args.rounds):
             for target, url in rotated(targets, r):
@@ -375,6 +378,9 @@ def run_latency(args: argparse.Namespace) -> list[dict[str, Any]]:
         engines = procs.engines(1, 0.0)
         gw = procs.gateway("flexpipe", engines, "round_robin")
         targets = [("direct", engines[0]), ("flexpipe", gw)]
+        if args.baseline:
+            base = procs.gateway("flexpipe", engines, "round_robin", tree=args.baseline)
+            targets.append(("flexpipe-baseline", base))
         case_b = f"open loop {args.open_rate:g} req/s, time scale 0, 16 tokens"
         bodies = [body_for(SHORT_PROMPT, 16, True)] * int(args.open_rate * args.duration_s)
         for r in range(args.rounds):
@@ -388,9 +394,10 @@ def run_latency(args: argparse.Namespace) -> list[dict[str, Any]]:
     print_table("latency: unsaturated", med,
                 ["case", "target", "req_per_s", "lat_p50_ms", "lat_p99_ms", "ttft_p50_ms",
                  "ttft_p99_ms", "gw_cpu_us_per_req", "load_1m"])  # fmt: skip
-    added = [_added(rows, c) for c in dict.fromkeys(r["case"] for r in rows)]
-    print_table("latency: added by flexpipe (flexpipe - direct per round)", added,
-                ["case", "added_lat_p50_ms", "added_lat_p99_ms", "added_ttft_p50_ms",
+    gateways = [t for t in dict.fromkeys(r["target"] for r in rows) if t != "direct"]
+    added = [_added(rows, c, t) for c in dict.fromkeys(r["case"] for r in rows) for t in gateways]
+    print_table("latency: added by the gateway (gateway - direct per round)", added,
+                ["case", "target", "added_lat_p50_ms", "added_lat_p99_ms", "added_ttft_p50_ms",
                  "added_ttft_p99_ms"])  # fmt: skip
     return rows
 
@@ -534,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1,2", help="quality: workload and arrival seeds")
     ap.add_argument("--only", default="", help="quality: variant names, comma-separated")
     ap.add_argument("--baseline", type=Path, default=None,
-                    help="overhead, peers: also run the gateway from this checkout\n"
+                    help="overhead, latency, peers: also run the gateway from this checkout\n"
                          "(e.g. `git worktree add /tmp/base <commit>`), side by side")  # fmt: skip
     args = ap.parse_args(argv)
     print(json.dumps({"machine": {"cpus": os.cpu_count(), "load_1m": load_1m()}}), flush=True)
