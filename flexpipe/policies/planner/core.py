@@ -30,6 +30,7 @@ from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import Efficiency
 from flexpipe.policies.planner.candidates import Candidate, Evaluator, Rejection, describe
 from flexpipe.policies.planner.performance import GearPerformance, PerfModelPerformance
+from flexpipe.policies.planner.relaxation import solve_relaxation
 from flexpipe.policies.planner.types import (
     Alternative,
     Baseline,
@@ -44,6 +45,7 @@ from flexpipe.policies.planner.types import (
 __all__ = ["plan", "single_group_baseline", "usable_gpus"]
 
 _TP_SIZES = (1, 2, 4, 8)
+_WHOLE = "*"  # the one node state of a small cluster
 
 
 def usable_gpus(
@@ -88,7 +90,7 @@ class _Planner:
         now_s: float,
         efficiency: Efficiency | None,
         evaluator: Evaluator | None = None,
-        priority: Sequence[int] | None = None,
+        prices: Sequence[float] | None = None,
     ) -> None:
         self.cluster = cluster
         self.demands = demands
@@ -97,14 +99,16 @@ class _Planner:
         self.evaluator = evaluator or Evaluator(
             cluster, demands, self.specs, performance, config, efficiency
         )
-        # model index -> rank: a lower rank is served first (None: all equal, value decides)
-        self.rank = [0] * len(demands)
-        if priority is not None:
-            for r, m in enumerate(priority):
-                self.rank[m] = r
+        # model index -> price of one of its tokens/s in the greedy's order (1: at face value)
+        self.prices = list(prices) if prices is not None else [1.0] * len(demands)
         self.usable, self.unused = usable_gpus(cluster, now_s, config)
         usable = set(self.usable)
         self.free_bytes = {g: cluster.gpu(g).free_bytes for g in self.usable}
+        # Candidates are generated per node state: one per node, so that taking GPUs re-generates
+        # only that node's candidates; on a small cluster one state for all nodes, so that
+        # pipeline chains may cross nodes (a chain over two nodes' fragments can be the best
+        # instance there is).
+        whole = len(self.usable) <= config.max_cross_node_gpus
         self.nodes: dict[str, _NodeState] = {}
         for domain in cluster.fast_domains(config.fast_link_bytes_per_s):
             # A domain spanning nodes is split per node (TP stays inside a node).
@@ -113,8 +117,11 @@ class _Planner:
                 if gid in usable:
                     per_node.setdefault(cluster.gpu(gid).node, []).append(gid)
             for node, ids in per_node.items():
-                self.nodes.setdefault(node, _NodeState(node, [])).domains.append(ids)
+                key = _WHOLE if whole else node
+                self.nodes.setdefault(key, _NodeState(key, [])).domains.append(ids)
+        self.whole = whole
         self.remaining = [d.demand_tokens_per_s for d in demands]
+        self.initial: list[Candidate] = []  # every node's candidates before the greedy ran
 
     # -- candidates ----------------------------------------------------------------------
 
@@ -179,46 +186,92 @@ class _Planner:
                 if not result.memory:
                     break
 
+    def pool(self) -> list[Candidate]:
+        """Candidates for the LP relaxation: per node, every model x precision x tp x pp on
+        aligned blocks of the node's GPUs (sorted by free memory inside each fast domain):
+        TP groups are consecutive `tp` GPUs of a domain, chains consecutive `pp` groups, so
+        that disjoint blocks let the LP mix shapes like a buddy allocator (a tp=4 block, a
+        tp=2 pair and two singles)."""
+        out: list[Candidate] = []
+        for state in self.nodes.values():
+            domains = [self._sorted(d) for d in state.domains if d]
+            for m, demand in enumerate(self.demands):
+                if self.remaining[m] <= 0:
+                    continue
+                for tp in _TP_SIZES:
+                    if self.specs[m].num_heads % tp:
+                        continue
+                    groups = [
+                        tuple(d[i * tp : (i + 1) * tp])
+                        for d in domains
+                        for i in range(len(d) // tp)
+                    ]
+                    for pp in range(1, self.config.max_pp + 1):
+                        for start in range(0, len(groups) - pp + 1, pp):
+                            chain = tuple(groups[start : start + pp])
+                            for dtype in demand.dtypes:
+                                result = self.evaluator.evaluate(m, chain, dtype)
+                                if isinstance(result, Candidate):
+                                    out.append(result)
+        return out
+
     # -- greedy ----------------------------------------------------------------------------
 
     def value(self, c: Candidate) -> float:
         return min(c.capacity_tokens_per_s, self.remaining[c.model_index]) / c.num_gpus
 
-    def run(self) -> list[tuple[Candidate, list[Alternative]]]:
-        heap: list[tuple[int, float, int, int, str, int, Candidate]] = []
+    def priced(self, c: Candidate) -> float:
+        """The greedy's order: marginal value per GPU at the model's price."""
+        return self.prices[c.model_index] * self.value(c)
+
+    def take(self, c: Candidate) -> None:
+        """Serve with `c`: its GPUs leave its node state, its capacity covers demand."""
+        self.remaining[c.model_index] -= min(c.capacity_tokens_per_s, self.remaining[c.model_index])
+        state = self.nodes[self._node_of(c)]
+        taken = set(c.gpu_ids)
+        state.domains = [[g for g in d if g not in taken] for d in state.domains]
+        state.version += 1
+
+    def run(
+        self, fixed: Sequence[tuple[Candidate, str]] = ()
+    ) -> list[tuple[Candidate, list[Alternative]]]:
+        """The greedy, after taking the `fixed` instances (each with why it was fixed), then
+        the local search."""
+        heap: list[tuple[float, int, int, str, int, Candidate]] = []
         counter = itertools.count()
+        chosen: list[tuple[Candidate, list[Alternative]]] = []
+        for c, reason in fixed:
+            state = self.nodes[self._node_of(c)]
+            self.generate(state)
+            alternatives = self.alternatives(c, state, reason)
+            chosen.append((c, alternatives))
+            self.take(c)
 
         def push(state: _NodeState) -> None:
             for c in state.candidates:
-                v = self.value(c)
+                v = self.priced(c)
                 if v > 0:
-                    rank = self.rank[c.model_index]
-                    entry = (rank, -v, c.num_gpus, next(counter), state.name, state.version, c)
+                    entry = (-v, c.num_gpus, next(counter), state.name, state.version, c)
                     heapq.heappush(heap, entry)
 
         for state in self.nodes.values():
             self.generate(state)
+            self.initial.extend(state.candidates)
             push(state)
-        chosen: list[tuple[Candidate, list[Alternative]]] = []
         while heap:
-            rank, neg, _, _, node, version, c = heapq.heappop(heap)
+            neg, _, _, node, version, c = heapq.heappop(heap)
             state = self.nodes[node]
             if version != state.version:
                 continue
-            v = self.value(c)
+            v = self.priced(c)
             if v <= 0:
                 continue
             if v < -neg * (1 - 1e-12):
-                heapq.heappush(heap, (rank, -v, c.num_gpus, next(counter), node, version, c))
+                heapq.heappush(heap, (-v, c.num_gpus, next(counter), node, version, c))
                 continue
             alternatives = self.alternatives(c, state)
             chosen.append((c, alternatives))
-            self.remaining[c.model_index] -= min(
-                c.capacity_tokens_per_s, self.remaining[c.model_index]
-            )
-            taken = set(c.gpu_ids)
-            state.domains = [[g for g in d if g not in taken] for d in state.domains]
-            state.version += 1
+            self.take(c)
             self.generate(state)
             push(state)
         self.absorb_leftovers(chosen)
@@ -280,7 +333,7 @@ class _Planner:
         self.remaining = [max(0.0, d - cap) for d, cap in zip(demand, capacity, strict=True)]
 
     def _node_of(self, c: Candidate) -> str:
-        return self.cluster.gpu(c.gpu_ids[0]).node
+        return _WHOLE if self.whole else self.cluster.gpu(c.gpu_ids[0]).node
 
     def _moves(
         self, node: str, instances: list[Candidate]
@@ -326,7 +379,9 @@ class _Planner:
 
     # -- explanations --------------------------------------------------------------------
 
-    def alternatives(self, chosen: Candidate, state: _NodeState) -> list[Alternative]:
+    def alternatives(
+        self, chosen: Candidate, state: _NodeState, fixed_reason: str | None = None
+    ) -> list[Alternative]:
         value = self.value(chosen)
         out: list[Alternative] = []
         others = sorted(
@@ -340,7 +395,9 @@ class _Planner:
         for c in others:
             v = self.value(c)
             reason = f"{v:.0f} tok/s per GPU < {value:.0f}"
-            if v >= value * (1 - 1e-12):
+            if fixed_reason is not None:
+                reason = f"{v:.0f} tok/s per GPU (this one: {value:.0f}); {fixed_reason}"
+            elif v >= value * (1 - 1e-12):
                 reason = f"{v:.0f} tok/s per GPU, tie: fewer GPUs or earlier wins"
             out.append(
                 Alternative(
@@ -418,12 +475,113 @@ def plan(
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique; got {names}")
     performance = performance or PerfModelPerformance(efficiency)
-    # One greedy start. (A second start serving the largest models first was tried: it did
-    # not close the multi-model gap on generated clusters and doubled the time.)
-    planner = _Planner(cluster, demands, performance, config, now_s, efficiency)
-    before = list(planner.remaining)
-    chosen = planner.run()
-    return _assemble(planner, chosen, before)
+    # Price rounds (docs/planner.md): the greedy ranks candidates by value per GPU, which lets
+    # a model that is easy to cover take GPUs another model cannot do without. After each
+    # round, the models it covered get a lower price (their tokens count less in the greedy's
+    # order, never in the score), so the short models choose first in the next round. The
+    # best round wins: goodput, then fewest GPUs. Rounds share one evaluation cache.
+    prices = [1.0] * len(demands)
+    evaluator: Evaluator | None = None
+    best: tuple[tuple[float, int], _Planner, list[tuple[Candidate, list[Alternative]]]] | None
+    best = None
+    rounds: list[str] = []
+    for r in range(config.price_rounds):
+        planner = _Planner(
+            cluster, demands, performance, config, now_s, efficiency, evaluator, prices
+        )
+        evaluator = planner.evaluator
+        chosen = planner.run()
+        goodput = sum(
+            d.demand_tokens_per_s - rem for d, rem in zip(demands, planner.remaining, strict=True)
+        )
+        score = (round(goodput, 6), -sum(c.num_gpus for c, _ in chosen))
+        label = ", ".join(
+            f"{d.name} {p:g}" for d, p in zip(demands, prices, strict=True) if p != 1.0
+        )
+        rounds.append(
+            f"price round {r}{' (' + label + ')' if label else ''}: goodput {goodput:.0f} tok/s"
+            f" on {-score[1]} GPUs"
+        )
+        if best is None or score > best[0]:
+            best = (score, planner, chosen)
+        short = [m for m, rem in enumerate(planner.remaining) if rem > 1e-9]
+        covered = [m for m in range(len(demands)) if m not in short]
+        if not short or not covered:
+            break
+        for m in covered:
+            prices[m] *= config.price_step
+    assert best is not None
+    if best[0][0] < sum(d.demand_tokens_per_s for d in demands) * (1 - 1e-9):
+        # Demand is short: solve the LP relaxation over a richer pool and round it.
+        lp = _relaxation_round(
+            cluster, demands, performance, config, now_s, efficiency, evaluator, best[2]
+        )
+        if lp is None:
+            rounds.append("LP relaxation skipped: highspy is not installed")
+        else:
+            score, planner, chosen, note = lp
+            rounds.append(note)
+            if score > best[0]:
+                best = (score, planner, chosen)
+    _, planner, chosen = best
+    demand_tokens = [d.demand_tokens_per_s for d in demands]
+    notes = tuple(rounds) if len(rounds) > 1 else ()
+    return replace(_assemble(planner, chosen, demand_tokens), notes=notes)
+
+
+def _relaxation_round(
+    cluster: Cluster,
+    demands: tuple[ModelDemand, ...],
+    performance: GearPerformance,
+    config: PlannerConfig,
+    now_s: float,
+    efficiency: Efficiency | None,
+    evaluator: Evaluator | None,
+    greedy: list[tuple[Candidate, list[Alternative]]],
+) -> tuple[tuple[float, int], _Planner, list[tuple[Candidate, list[Alternative]]], str] | None:
+    """Round the LP relaxation (relaxation.py) over the node pool plus the greedy's candidates:
+    take its whole columns, then fractional ones by LP value while their GPUs are free and
+    their model is short; the greedy and the local search fill the rest."""
+    planner = _Planner(cluster, demands, performance, config, now_s, efficiency, evaluator)
+    pool: dict[tuple[object, ...], Candidate] = {}
+    for c in [*planner.pool(), *(c for c, _ in greedy)]:
+        pool.setdefault((c.model_index, c.stages, c.gear.dtype), c)
+    candidates = list(pool.values())
+    relaxation = solve_relaxation(candidates, demands)
+    if relaxation is None:
+        return None
+    order = sorted(
+        range(len(candidates)),
+        key=lambda j: (-relaxation.x[j], -candidates[j].capacity_tokens_per_s, j),
+    )
+    fixed: list[tuple[Candidate, str]] = []
+    taken: set[str] = set()
+    remaining = [d.demand_tokens_per_s for d in demands]
+    for j in order:
+        x = relaxation.x[j]
+        if x <= 1e-6:
+            break
+        c = candidates[j]
+        m = c.model_index
+        if remaining[m] <= 1e-9 or not taken.isdisjoint(c.gpu_ids):
+            continue
+        fixed.append(
+            (c, f"the LP relaxation over {len(candidates)} candidates chose this (x={x:.2f})")
+        )
+        taken.update(c.gpu_ids)
+        remaining[m] -= min(remaining[m], c.capacity_tokens_per_s)
+    chosen = planner.run(fixed)
+    goodput = sum(
+        d.demand_tokens_per_s - rem for d, rem in zip(demands, planner.remaining, strict=True)
+    )
+    num_gpus = sum(c.num_gpus for c, _ in chosen)
+    bound = relaxation.goodput_tokens_per_s
+    note = (
+        f"LP relaxation over {len(candidates)} candidates: bound {bound:.0f} tok/s; rounded "
+        f"({len(fixed)} instances) and filled by the greedy: goodput {goodput:.0f} tok/s on "
+        f"{num_gpus} GPUs"
+    )
+    return (round(goodput, 6), -num_gpus), planner, chosen, note
 
 
 def _assemble(
