@@ -27,7 +27,7 @@ def gateway(
     host: Annotated[str | None, typer.Option(help="Bind address [127.0.0.1].")] = None,
     port: Annotated[int | None, typer.Option(help="Port [8000].")] = None,
     policy: Annotated[
-        str | None, typer.Option(help="Routing policy by name (docs/routing.md) [composite].")
+        str | None, typer.Option(help="Routing policy by name (docs/routing.md) [prefix_affinity].")
     ] = None,
     model: Annotated[
         str | None, typer.Option(help="Model served by the --backend URLs (else discovered).")
