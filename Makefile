@@ -16,7 +16,7 @@ run: $(STAMP)
 	$(VENV)/bin/flexpipe up
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check flexpipe tests bench
