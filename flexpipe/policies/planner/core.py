@@ -45,7 +45,6 @@ from flexpipe.policies.planner.types import (
 __all__ = ["plan", "single_group_baseline", "usable_gpus"]
 
 _TP_SIZES = (1, 2, 4, 8)
-_WHOLE = "*"  # the one node state of a small cluster
 
 
 def usable_gpus(
@@ -104,11 +103,6 @@ class _Planner:
         self.usable, self.unused = usable_gpus(cluster, now_s, config)
         usable = set(self.usable)
         self.free_bytes = {g: cluster.gpu(g).free_bytes for g in self.usable}
-        # Candidates are generated per node state: one per node, so that taking GPUs re-generates
-        # only that node's candidates; on a small cluster one state for all nodes, so that
-        # pipeline chains may cross nodes (a chain over two nodes' fragments can be the best
-        # instance there is).
-        whole = len(self.usable) <= config.max_cross_node_gpus
         self.nodes: dict[str, _NodeState] = {}
         for domain in cluster.fast_domains(config.fast_link_bytes_per_s):
             # A domain spanning nodes is split per node (TP stays inside a node).
@@ -117,9 +111,7 @@ class _Planner:
                 if gid in usable:
                     per_node.setdefault(cluster.gpu(gid).node, []).append(gid)
             for node, ids in per_node.items():
-                key = _WHOLE if whole else node
-                self.nodes.setdefault(key, _NodeState(key, [])).domains.append(ids)
-        self.whole = whole
+                self.nodes.setdefault(node, _NodeState(node, [])).domains.append(ids)
         self.remaining = [d.demand_tokens_per_s for d in demands]
         self.initial: list[Candidate] = []  # every node's candidates before the greedy ran
 
@@ -192,28 +184,46 @@ class _Planner:
         TP groups are consecutive `tp` GPUs of a domain, chains consecutive `pp` groups, so
         that disjoint blocks let the LP mix shapes like a buddy allocator (a tp=4 block, a
         tp=2 pair and two singles)."""
-        out: list[Candidate] = []
-        for state in self.nodes.values():
-            domains = [self._sorted(d) for d in state.domains if d]
-            for m, demand in enumerate(self.demands):
-                if self.remaining[m] <= 0:
+        out: dict[tuple[object, ...], Candidate] = {}
+
+        def add(m: int, groups: list[tuple[str, ...]], aligned: bool) -> None:
+            for pp in range(1, self.config.max_pp + 1):
+                for start in range(0, len(groups) - pp + 1, pp if aligned else 1):
+                    chain = tuple(groups[start : start + pp])
+                    for dtype in self.demands[m].dtypes:
+                        if (m, chain, dtype) in out:
+                            continue
+                        result = self.evaluator.evaluate(m, chain, dtype)
+                        if isinstance(result, Candidate):
+                            out[(m, chain, dtype)] = result
+
+        def by_free(groups: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+            return sorted(groups, key=lambda grp: (-min(self.free_bytes[g] for g in grp), grp))
+
+        # Up to max_cross_node_gpus, chains of every window of the cluster's groups (by free
+        # memory) too: two nodes' fragments in one pipeline can be the best instance there is.
+        cross = len(self.usable) <= self.config.max_cross_node_gpus
+        for m in range(len(self.demands)):
+            if self.remaining[m] <= 0:
+                continue
+            everywhere: list[tuple[str, ...]] = []
+            for tp in _TP_SIZES:
+                if self.specs[m].num_heads % tp:
                     continue
-                for tp in _TP_SIZES:
-                    if self.specs[m].num_heads % tp:
-                        continue
+                for state in self.nodes.values():
+                    domains = [self._sorted(d) for d in state.domains if d]
                     groups = [
                         tuple(d[i * tp : (i + 1) * tp])
                         for d in domains
                         for i in range(len(d) // tp)
                     ]
-                    for pp in range(1, self.config.max_pp + 1):
-                        for start in range(0, len(groups) - pp + 1, pp):
-                            chain = tuple(groups[start : start + pp])
-                            for dtype in demand.dtypes:
-                                result = self.evaluator.evaluate(m, chain, dtype)
-                                if isinstance(result, Candidate):
-                                    out.append(result)
-        return out
+                    add(m, groups, aligned=True)
+                    add(m, by_free(groups), aligned=True)
+                    everywhere.extend(groups)
+                if cross:
+                    add(m, by_free(everywhere), aligned=False)
+                everywhere = []
+        return list(out.values())
 
     # -- greedy ----------------------------------------------------------------------------
 
@@ -227,10 +237,11 @@ class _Planner:
     def take(self, c: Candidate) -> None:
         """Serve with `c`: its GPUs leave its node state, its capacity covers demand."""
         self.remaining[c.model_index] -= min(c.capacity_tokens_per_s, self.remaining[c.model_index])
-        state = self.nodes[self._node_of(c)]
         taken = set(c.gpu_ids)
-        state.domains = [[g for g in d if g not in taken] for d in state.domains]
-        state.version += 1
+        for node in {self.cluster.gpu(g).node for g in taken}:  # a chain may cross nodes
+            state = self.nodes[node]
+            state.domains = [[g for g in d if g not in taken] for d in state.domains]
+            state.version += 1
 
     def run(
         self, fixed: Sequence[tuple[Candidate, str]] = ()
@@ -333,7 +344,7 @@ class _Planner:
         self.remaining = [max(0.0, d - cap) for d, cap in zip(demand, capacity, strict=True)]
 
     def _node_of(self, c: Candidate) -> str:
-        return _WHOLE if self.whole else self.cluster.gpu(c.gpu_ids[0]).node
+        return self.cluster.gpu(c.gpu_ids[0]).node
 
     def _moves(
         self, node: str, instances: list[Candidate]

@@ -80,9 +80,9 @@ class PlannerConfig:
     max_alternatives: int = 6
     # Baselines (one big group, wait for identical GPUs) are computed up to this many GPUs.
     max_baseline_gpus: int = 4
-    # Up to this many usable GPUs, pipeline chains may cross nodes (one candidate pool for the
-    # whole cluster); above, candidates are generated per node (time grows with pool size).
-    max_cross_node_gpus: int = 0
+    # Up to this many usable GPUs, the LP's pool holds pipeline chains across nodes (every
+    # window of the cluster's groups by free memory); above, chains stay inside a node.
+    max_cross_node_gpus: int = 16
     # Price rounds: greedy passes; after each, the models it covered are priced down by
     # `price_step` while others are short (docs/planner.md).
     price_rounds: int = 4
