@@ -60,3 +60,16 @@ def test_cli_exits_with_one_line_for_an_infeasible_gear() -> None:
     assert out.returncode == 2
     assert out.stderr.startswith("error: cannot run llama-2-70b") and out.stderr.count("\n") == 1
     assert "Traceback" not in out.stderr
+
+
+def test_vllm_pp_layer_partition_sets_uneven_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = ["llama-2-7b", "--cluster", CLUSTER, "--gpu-ids", "gpu2;gpu0", "-pp", "2"]
+    even = parse_engine_args(argv)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "26,6")  # the L4 (gpu0) gets fewer layers
+    uneven = parse_engine_args(argv)
+    assert [s.num_layers for s in even.pm.placement.stages] == [16, 16]
+    assert [s.num_layers for s in uneven.pm.placement.stages] == [26, 6]
+    assert uneven.pm.decode_interval_s(8, 512) < even.pm.decode_interval_s(8, 512)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "20,20")
+    with pytest.raises(EngineArgsError, match="summing to the model's 32 layers"):
+        parse_engine_args(argv)

@@ -140,6 +140,7 @@ def parse_engine_args(argv: Sequence[str]) -> EngineConfig:
                 model.num_layers,
                 link_spec(args.link),
                 link_spec(args.pp_link or args.link),
+                layer_partition(pp, model.num_layers),
             )
             pm = PerfModel(
                 model, gear, placement, None, args.gpu_memory_utilization, args.max_model_len
@@ -207,7 +208,9 @@ def _cluster_perf_model(
                 f"tp={gear.tp} x pp={gear.pp} needs {gear.num_gpus}"
             )
         stages = [flat[i * gear.tp : (i + 1) * gear.tp] for i in range(gear.pp)]
-    placement = placement_on(cluster, stages, model.num_layers)
+    placement = placement_on(
+        cluster, stages, model.num_layers, layer_partition(gear.pp, model.num_layers)
+    )
     if placement.tp != gear.tp or placement.pp != gear.pp:
         raise GearError(
             f"--gpu-ids gives tp={placement.tp}, pp={placement.pp}; "
@@ -215,6 +218,24 @@ def _cluster_perf_model(
         )
     pm = PerfModel(model, gear, placement, None, args.gpu_memory_utilization, args.max_model_len)
     return pm, f"{args.cluster}: {'; '.join(','.join(s) for s in stages)}"
+
+
+def layer_partition(pp: int, num_layers: int) -> tuple[int, ...] | None:
+    """Layers per pipeline stage from VLLM_PP_LAYER_PARTITION ("10,22"), as vLLM reads it:
+    the planner's uneven splits over unequal GPUs reach the engine this way. None: even."""
+    text = os.environ.get("VLLM_PP_LAYER_PARTITION", "").strip()
+    if not text:
+        return None
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise GearError(f"VLLM_PP_LAYER_PARTITION={text!r}: expected integers like 10,22") from None
+    if len(layers) != pp or sum(layers) != num_layers or min(layers) < 1:
+        raise GearError(
+            f"VLLM_PP_LAYER_PARTITION={text!r} must give {pp} positive stage sizes "
+            f"summing to the model's {num_layers} layers"
+        )
+    return layers
 
 
 def warn_ignored(cfg: EngineConfig) -> None:
