@@ -241,29 +241,37 @@ class Evaluator:
             return Rejection(m, stages, gear, mem.reason or "does not fit", memory=True)
         context = demand.input_tokens + demand.output_tokens
         max_concurrency = mem.max_batch(context)
-        best: GearEstimate | None = None
-        first_fail: str | None = None
+        # The largest concurrency on the ladder whose TTFT and TPOT meet the SLOs: both grow
+        # with the batch, so the feasible batches are a prefix of the ladder (binary search).
+        ladder = [b for b in self._ladder if b <= max_concurrency]
+        if not ladder:
+            reason = f"KV for {context}-token sequences fits only {max_concurrency} at once"
+            return Rejection(m, stages, gear, reason)
         slo = demand.slo
-        for batch in self._ladder:
-            if batch > max_concurrency:
-                if best is None and first_fail is None:
-                    first_fail = (
-                        f"KV for {context}-token sequences fits only {max_concurrency} at once"
-                    )
-                break
+
+        def at(batch: int) -> GearEstimate:
             key = GearKey.of(spec, replace(gear, max_num_seqs=batch), placement)
-            try:
-                est = self.performance.estimate(key, demand.workload)
-            except InfeasibleGear as exc:
-                return Rejection(m, stages, gear, str(exc))
-            if est.tpot_s > slo.tpot_p99_s or est.ttft_s > slo.ttft_p99_s:
-                if best is None:
-                    first_fail = _slo_miss(est, slo.tpot_p99_s, slo.ttft_p99_s)
-                break  # both grow with the batch
-            if best is None or est.requests_per_s > best.requests_per_s:
-                best = est
-        if best is None:
-            return Rejection(m, stages, gear, first_fail or "no batch size meets the SLOs")
+            return self.performance.estimate(key, demand.workload)
+
+        def meets(est: GearEstimate) -> bool:
+            return est.tpot_s <= slo.tpot_p99_s and est.ttft_s <= slo.ttft_p99_s
+
+        try:
+            best = at(ladder[0])
+            if not meets(best):
+                return Rejection(m, stages, gear, _slo_miss(best, slo.tpot_p99_s, slo.ttft_p99_s))
+            lo, hi = 0, len(ladder)  # ladder[lo] meets the SLOs; ladder[hi:] do not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                est = at(ladder[mid])
+                if meets(est):
+                    lo = mid
+                    if est.requests_per_s > best.requests_per_s:
+                        best = est
+                else:
+                    hi = mid
+        except InfeasibleGear as exc:
+            return Rejection(m, stages, gear, str(exc))
         util = self.config.target_utilization
         return Candidate(
             model_index=m,

@@ -134,15 +134,22 @@ class PerfModelPerformance:
         self.efficiency = efficiency
         # (key, workload) -> estimate
         self._cache: dict[tuple[GearKey, Workload], GearEstimate] = {}
+        # key at batch 1 -> its performance model (timing does not depend on the batch cap,
+        # so one model serves the whole batch ladder of a placement)
+        self._models: dict[GearKey, PerfModel] = {}
 
     def estimate(self, key: GearKey, workload: Workload) -> GearEstimate:
         cached = self._cache.get((key, workload))
         if cached is not None:
             return cached
-        for types in key.stage_gpu_types:
-            for t in types:
-                gpu_spec(t)  # unknown types fail loudly here
-        pm = PerfModel(key.model, key.gear, _whole_gpu_placement(key), self.efficiency)
+        base = replace(key, gear=with_batch(key.gear, 1))
+        pm = self._models.get(base)
+        if pm is None:
+            for types in key.stage_gpu_types:
+                for t in types:
+                    gpu_spec(t)  # unknown types fail loudly here
+            pm = PerfModel(base.model, base.gear, _whole_gpu_placement(base), self.efficiency)
+            self._models[base] = pm
         # Timing only: memory is the planner's check on the real GPUs. A precision the chip
         # lacks raises InfeasibleGear from the step-time calls.
         estimate = steady_state(pm, key.batch, workload)
