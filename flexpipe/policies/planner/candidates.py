@@ -95,6 +95,7 @@ class Evaluator:
         # (model index, dtype, hardware signature) -> result for the first GPUs evaluated
         self._by_hardware: dict[tuple[object, ...], Candidate | Rejection] = {}
         self._tp_links: dict[tuple[str, ...], LinkSpec] = {}
+        self._pair_links: dict[tuple[str, str], LinkSpec] = {}
         # GPU id -> (type, free bytes)
         self._free = {g.id: (g.type, g.free_bytes) for g in cluster.gpus}
 
@@ -194,12 +195,18 @@ class Evaluator:
         )
         links = tuple(
             min(
-                (self.cluster.link_between(a, b) for a, b in zip(prev, nxt, strict=False)),
+                (self._link(a, b) for a, b in zip(prev, nxt, strict=False)),
                 key=lambda link: link.bandwidth_bytes_per_s,
             )
             for prev, nxt in itertools.pairwise(stages)
         )
         return shape, links
+
+    def _link(self, a: str, b: str) -> LinkSpec:
+        link = self._pair_links.get((a, b))
+        if link is None:
+            link = self._pair_links[(a, b)] = self.cluster.link_between(a, b)
+        return link
 
     def _evaluate(
         self, m: int, stages: tuple[tuple[str, ...], ...], dtype: str

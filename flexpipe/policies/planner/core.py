@@ -186,22 +186,24 @@ class _Planner:
         tp=2 pair and two singles)."""
         out: dict[tuple[object, ...], Candidate] = {}
 
+        def add_chain(m: int, chain: tuple[tuple[str, ...], ...]) -> None:
+            for dtype in self.demands[m].dtypes:
+                if (m, chain, dtype) not in out:
+                    result = self.evaluator.evaluate(m, chain, dtype)
+                    if isinstance(result, Candidate):
+                        out[(m, chain, dtype)] = result
+
         def add(m: int, groups: list[tuple[str, ...]], aligned: bool) -> None:
             for pp in range(1, self.config.max_pp + 1):
                 for start in range(0, len(groups) - pp + 1, pp if aligned else 1):
-                    chain = tuple(groups[start : start + pp])
-                    for dtype in self.demands[m].dtypes:
-                        if (m, chain, dtype) in out:
-                            continue
-                        result = self.evaluator.evaluate(m, chain, dtype)
-                        if isinstance(result, Candidate):
-                            out[(m, chain, dtype)] = result
+                    add_chain(m, tuple(groups[start : start + pp]))
 
         def by_free(groups: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
             return sorted(groups, key=lambda grp: (-min(self.free_bytes[g] for g in grp), grp))
 
         # Up to max_cross_node_gpus, chains of every window of the cluster's groups (by free
-        # memory) too: two nodes' fragments in one pipeline can be the best instance there is.
+        # memory) too: two nodes' fragments in one pipeline can be the best instance there is;
+        # up to max_subset_gpus, every set of groups.
         cross = len(self.usable) <= self.config.max_cross_node_gpus
         for m in range(len(self.demands)):
             if self.remaining[m] <= 0:
@@ -220,7 +222,13 @@ class _Planner:
                     add(m, groups, aligned=True)
                     add(m, by_free(groups), aligned=True)
                     everywhere.extend(groups)
-                if cross:
+                if len(self.usable) <= self.config.max_subset_gpus:
+                    # Tiny clusters: every set of up to max_pp groups, by free memory.
+                    ordered = by_free(everywhere)
+                    for pp in range(1, self.config.max_pp + 1):
+                        for chain in itertools.combinations(ordered, pp):
+                            add_chain(m, chain)
+                elif cross:
                     add(m, by_free(everywhere), aligned=False)
                 everywhere = []
         return list(out.values())

@@ -83,9 +83,12 @@ class PlannerConfig:
     # Up to this many usable GPUs, the LP's pool holds pipeline chains across nodes (every
     # window of the cluster's groups by free memory); above, chains stay inside a node.
     max_cross_node_gpus: int = 16
+    # Up to this many usable GPUs, every set of up to max_pp groups (a chain ordered by free
+    # memory) is in the LP's pool: tiny clusters get a near-exhaustive search.
+    max_subset_gpus: int = 8
     # Price rounds: greedy passes; after each, the models it covered are priced down by
     # `price_step` while others are short (docs/planner.md).
-    price_rounds: int = 4
+    price_rounds: int = 1
     price_step: float = 0.5
 
     def __post_init__(self) -> None:
