@@ -134,6 +134,8 @@ def render(p: Plan, console: Console) -> None:
         for u in p.unused:
             unused.add_row(escape(u.gpu_id), escape(u.reason))
         console.print(unused)
+    for note in p.notes:  # the searches compared (greedy, LP relaxation), with their numbers
+        console.print(f"[dim]{escape(note)}[/]")
     console.print(
         f"[bold]goodput[/] {p.goodput_tokens_per_s:.0f} SLO-meeting output tok/s on "
         f"{p.num_gpus} GPUs in {len(p.instances)} instances"

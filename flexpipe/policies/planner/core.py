@@ -114,6 +114,7 @@ class _Planner:
                 self.nodes.setdefault(node, _NodeState(node, [])).domains.append(ids)
         self.remaining = [d.demand_tokens_per_s for d in demands]
         self.initial: list[Candidate] = []  # every node's candidates before the greedy ran
+        self.fixed: dict[int, str] = {}  # id(candidate) -> why it was fixed before the greedy
 
     # -- candidates ----------------------------------------------------------------------
 
@@ -260,6 +261,7 @@ class _Planner:
         counter = itertools.count()
         chosen: list[tuple[Candidate, list[Alternative]]] = []
         for c, reason in fixed:
+            self.fixed[id(c)] = reason
             state = self.nodes[self._node_of(c)]
             self.generate(state)
             alternatives = self.alternatives(c, state, reason)
@@ -464,14 +466,20 @@ class _Planner:
         ]
 
 
-def _why(c: Candidate, demand: ModelDemand, remaining_before: float) -> str:
+def _why(
+    c: Candidate, demand: ModelDemand, remaining_before: float, fixed: str | None = None
+) -> str:
     est = c.estimate
     slo = demand.slo
-    head = (
-        f"{c.tokens_per_s_per_gpu:.0f} SLO-meeting tok/s per GPU, the best left for {demand.name}"
-        if c.capacity_tokens_per_s <= remaining_before
-        else f"covers the last {remaining_before:.0f} tok/s of {demand.name} with the fewest GPUs"
-    )
+    if fixed is not None:
+        head = f"{c.tokens_per_s_per_gpu:.0f} SLO-meeting tok/s per GPU; {fixed}"
+    elif c.capacity_tokens_per_s <= remaining_before:
+        head = (
+            f"{c.tokens_per_s_per_gpu:.0f} SLO-meeting tok/s per GPU, the best left for "
+            f"{demand.name}"
+        )
+    else:
+        head = f"covers the last {remaining_before:.0f} tok/s of {demand.name} with the fewest GPUs"
     return (
         f"{head}: batch {est.batch}, TPOT p99 {est.tpot_s * 1e3:.1f} ms (SLO "
         f"{slo.tpot_p99_s * 1e3:.0f}), TTFT p99 {est.ttft_s * 1e3:.0f} ms (SLO "
@@ -518,7 +526,7 @@ def plan(
             f"{d.name} {p:g}" for d, p in zip(demands, prices, strict=True) if p != 1.0
         )
         rounds.append(
-            f"price round {r}{' (' + label + ')' if label else ''}: goodput {goodput:.0f} tok/s"
+            f"greedy{f' price round {r} ({label})' if r else ''}: goodput {goodput:.0f} tok/s"
             f" on {-score[1]} GPUs"
         )
         if best is None or score > best[0]:
@@ -536,11 +544,12 @@ def plan(
             cluster, demands, performance, config, now_s, efficiency, evaluator, best[2]
         )
         if lp is None:
-            rounds.append("LP relaxation skipped: highspy is not installed")
+            rounds.append("LP relaxation skipped: highspy is not installed or found no optimum")
         else:
             score, planner, chosen, note = lp
-            rounds.append(note)
-            if score > best[0]:
+            won = score > best[0]
+            rounds.append(note + ("; chosen" if won else "; the greedy's plan kept"))
+            if won:
                 best = (score, planner, chosen)
     _, planner, chosen = best
     demand_tokens = [d.demand_tokens_per_s for d in demands]
@@ -618,7 +627,7 @@ def _assemble(
         m = c.model_index
         d = demands[m]
         share = c.capacity_tokens_per_s / capacity[m] if capacity[m] else 0.0
-        why = _why(c, d, remaining[m])
+        why = _why(c, d, remaining[m], planner.fixed.get(id(c)))
         remaining[m] -= min(remaining[m], c.capacity_tokens_per_s)
         instances.append(
             PlannedInstance(

@@ -13,7 +13,7 @@ GPU rows pack each node, and only the few demand rows couple the nodes, so few c
 fractional. The planner rounds it (`core.py`): whole columns first, then fractional ones by
 value, then the greedy fills what is left.
 
-HiGHS runs deterministically (one thread, no time limit), so the planner stays pure.
+HiGHS's simplex is deterministic (no time limit), so the planner stays pure.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class Relaxation:
 def solve_relaxation(
     candidates: Sequence[Candidate], demands: Sequence[ModelDemand]
 ) -> Relaxation | None:
-    """The LP optimum over `candidates`; None when highspy is not installed."""
+    """The LP optimum over `candidates`; None when highspy is not installed or HiGHS found
+    no optimum (the planner then keeps the greedy's plan and says so)."""
     try:
         import highspy
         import numpy as np
@@ -48,7 +49,8 @@ def solve_relaxation(
         return None
     h = highspy.Highs()  # type: ignore[no-untyped-call]
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("threads", 1)
+    # (Not `threads`: HiGHS's thread pool is process-wide, and asking for another size after
+    # a first solve makes every later run fail. The dual simplex it uses for LPs is serial.)
     inf = highspy.kHighsInf
     num_c, num_m = len(candidates), len(demands)
     upper = np.array([1.0] * num_c + [d.demand_tokens_per_s for d in demands])
@@ -70,6 +72,8 @@ def solve_relaxation(
         h.addRow(-inf, 1.0, len(idx), np.array(idx, np.int32), np.ones(len(idx)))
     h.changeObjectiveSense(highspy.ObjSense.kMaximize)
     h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
     solution = h.getSolution()
     values = list(solution.col_value)
     duals = list(solution.row_dual)
