@@ -551,9 +551,11 @@ def plan(
             rounds.append(note + ("; chosen" if won else "; the greedy's plan kept"))
             if won:
                 best = (score, planner, chosen)
+    else:
+        rounds[-1] += "; every demand covered (no LP round)"
     _, planner, chosen = best
     demand_tokens = [d.demand_tokens_per_s for d in demands]
-    notes = tuple(rounds) if len(rounds) > 1 else ()
+    notes = tuple(rounds)
     return replace(_assemble(planner, chosen, demand_tokens), notes=notes)
 
 
