@@ -188,6 +188,8 @@ class _Planner:
         out: dict[tuple[object, ...], Candidate] = {}
 
         def add_chain(m: int, chain: tuple[tuple[str, ...], ...]) -> None:
+            if len(chain) > 1 and len({g for grp in chain for g in grp}) < sum(map(len, chain)):
+                return  # overlapping groups (small clusters offer both ends of a domain)
             for dtype in self.demands[m].dtypes:
                 if (m, chain, dtype) not in out:
                     result = self.evaluator.evaluate(m, chain, dtype)
@@ -210,6 +212,7 @@ class _Planner:
             if self.remaining[m] <= 0:
                 continue
             everywhere: list[tuple[str, ...]] = []
+            tails: list[tuple[str, ...]] = []
             for tp in _TP_SIZES:
                 if self.specs[m].num_heads % tp:
                     continue
@@ -223,15 +226,31 @@ class _Planner:
                     add(m, groups, aligned=True)
                     add(m, by_free(groups), aligned=True)
                     everywhere.extend(groups)
+                    # Small clusters: also the groups taken from the least free end of each
+                    # domain (three GPUs with 80, 11 and 11 GiB free: 11+11 is a group too).
+                    tails.extend(
+                        tuple(d[len(d) - (i + 1) * tp : len(d) - i * tp])
+                        for d in domains
+                        for i in range(len(d) // tp)
+                    )
                 if len(self.usable) <= self.config.max_subset_gpus:
-                    # Tiny clusters: every set of up to max_pp groups, by free memory.
-                    ordered = by_free(everywhere)
+                    # Small clusters: every set of up to max_pp groups, as chains that cross
+                    # each node boundary once (every order of the nodes; by free memory inside
+                    # a node): hand-offs over the network are the slow ones, and which node
+                    # holds the embedding or the lm_head matters for memory.
+                    ordered = by_free([*everywhere, *(t for t in tails if t not in everywhere)])
                     for pp in range(1, self.config.max_pp + 1):
                         for chain in itertools.combinations(ordered, pp):
-                            add_chain(m, chain)
+                            blocks: dict[str, list[tuple[str, ...]]] = {}
+                            for grp in chain:
+                                blocks.setdefault(self.cluster.gpu(grp[0]).node, []).append(grp)
+                            for nodes in itertools.permutations(blocks):
+                                add_chain(m, tuple(g for n in nodes for g in blocks[n]))
                 elif cross:
                     add(m, by_free(everywhere), aligned=False)
+                    add(m, by_free(tails), aligned=False)
                 everywhere = []
+                tails = []
         return list(out.values())
 
     # -- greedy ----------------------------------------------------------------------------
@@ -577,7 +596,10 @@ def _relaxation_round(
     for c in [*planner.pool(), *(c for c, _ in greedy)]:
         pool.setdefault((c.model_index, c.stages, c.gear.dtype), c)
     candidates = list(pool.values())
-    relaxation = solve_relaxation(candidates, demands)
+    # Small clusters: the pool is small (hundreds of columns), so solve it as the ILP itself.
+    integral = len(planner.usable) <= config.max_cross_node_gpus
+    what = "ILP" if integral else "LP relaxation"
+    relaxation = solve_relaxation(candidates, demands, integral=integral)
     if relaxation is None:
         return None
     order = sorted(
@@ -595,9 +617,7 @@ def _relaxation_round(
         m = c.model_index
         if remaining[m] <= 1e-9 or not taken.isdisjoint(c.gpu_ids):
             continue
-        fixed.append(
-            (c, f"the LP relaxation over {len(candidates)} candidates chose this (x={x:.2f})")
-        )
+        fixed.append((c, f"the {what} over {len(candidates)} candidates chose this (x={x:.2f})"))
         taken.update(c.gpu_ids)
         remaining[m] -= min(remaining[m], c.capacity_tokens_per_s)
     chosen = planner.run(fixed)
@@ -607,7 +627,7 @@ def _relaxation_round(
     num_gpus = sum(c.num_gpus for c, _ in chosen)
     bound = relaxation.goodput_tokens_per_s
     note = (
-        f"LP relaxation over {len(candidates)} candidates: bound {bound:.0f} tok/s; rounded "
+        f"{what} over {len(candidates)} candidates: bound {bound:.0f} tok/s; rounded "
         f"({len(fixed)} instances) and filled by the greedy: goodput {goodput:.0f} tok/s on "
         f"{num_gpus} GPUs"
     )

@@ -38,10 +38,15 @@ class Relaxation:
 
 
 def solve_relaxation(
-    candidates: Sequence[Candidate], demands: Sequence[ModelDemand]
+    candidates: Sequence[Candidate],
+    demands: Sequence[ModelDemand],
+    integral: bool = False,
+    max_nodes: int = 20_000,
 ) -> Relaxation | None:
     """The LP optimum over `candidates`; None when highspy is not installed or HiGHS found
-    no optimum (the planner then keeps the greedy's plan and says so)."""
+    no optimum (the planner then keeps the greedy's plan and says so). `integral`: the ILP
+    instead (small pools: branch and bound, at most `max_nodes` nodes — a deterministic
+    limit, unlike a time limit — keeping the best solution found)."""
     try:
         import highspy
         import numpy as np
@@ -71,12 +76,24 @@ def solve_relaxation(
     for idx in by_gpu.values():
         h.addRow(-inf, 1.0, len(idx), np.array(idx, np.int32), np.ones(len(idx)))
     h.changeObjectiveSense(highspy.ObjSense.kMaximize)
+    if integral and num_c:
+        h.setOptionValue("mip_rel_gap", 1e-6)
+        h.setOptionValue("mip_max_nodes", max_nodes)
+        h.changeColsIntegrality(
+            num_c,
+            np.arange(num_c, dtype=np.int32),
+            np.array([highspy.HighsVarType.kInteger] * num_c),
+        )
     h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return None
+    status = h.getModelStatus()
+    limits = (highspy.HighsModelStatus.kSolutionLimit, highspy.HighsModelStatus.kIterationLimit)
     solution = h.getSolution()
+    if not solution.value_valid or not (
+        status == highspy.HighsModelStatus.kOptimal or (integral and status in limits)
+    ):
+        return None
     values = list(solution.col_value)
-    duals = list(solution.row_dual)
+    duals = list(solution.row_dual) if not integral else [0.0] * num_m
     return Relaxation(
         x=tuple(min(1.0, max(0.0, v)) for v in values[:num_c]),
         goodput_tokens_per_s=float(sum(values[num_c:])),

@@ -85,7 +85,7 @@ class PlannerConfig:
     max_cross_node_gpus: int = 16
     # Up to this many usable GPUs, every set of up to max_pp groups (a chain ordered by free
     # memory) is in the LP's pool: tiny clusters get a near-exhaustive search.
-    max_subset_gpus: int = 8
+    max_subset_gpus: int = 10
     # Price rounds: greedy passes; after each, the models it covered are priced down by
     # `price_step` while others are short (docs/planner.md).
     price_rounds: int = 1
