@@ -272,17 +272,23 @@ class _Planner:
             state.version += 1
 
     def run(
-        self, fixed: Sequence[tuple[Candidate, str]] = ()
+        self,
+        fixed: Sequence[tuple[Candidate, str]] = (),
+        others: dict[str, list[Candidate]] | None = None,
     ) -> list[tuple[Candidate, list[Alternative]]]:
-        """The greedy, after taking the `fixed` instances (each with why it was fixed), then
-        the local search."""
+        """The greedy, after taking the `fixed` instances (each with why it was fixed; `others`:
+        node -> the candidates they were chosen among, for their explanations), then the
+        local search."""
         heap: list[tuple[float, int, int, str, int, Candidate]] = []
         counter = itertools.count()
         chosen: list[tuple[Candidate, list[Alternative]]] = []
         for c, reason in fixed:
             self.fixed[id(c)] = reason
             state = self.nodes[self._node_of(c)]
-            self.generate(state)
+            if others is None:
+                self.generate(state)
+            else:
+                state.candidates, state.rejections = others.get(state.name, []), []
             alternatives = self.alternatives(c, state, reason)
             chosen.append((c, alternatives))
             self.take(c)
@@ -620,7 +626,10 @@ def _relaxation_round(
         fixed.append((c, f"the {what} over {len(candidates)} candidates chose this (x={x:.2f})"))
         taken.update(c.gpu_ids)
         remaining[m] -= min(remaining[m], c.capacity_tokens_per_s)
-    chosen = planner.run(fixed)
+    by_node: dict[str, list[Candidate]] = {}
+    for c in candidates:
+        by_node.setdefault(cluster.gpu(c.gpu_ids[0]).node, []).append(c)
+    chosen = planner.run(fixed, by_node)
     goodput = sum(
         d.demand_tokens_per_s - rem for d, rem in zip(demands, planner.remaining, strict=True)
     )
