@@ -368,3 +368,23 @@ def test_without_the_lp_solver_the_greedy_plan_stands(monkeypatch: pytest.Monkey
     assert_sound(cluster, p)
     assert p.notes[-1].startswith("LP relaxation skipped")
     assert p.goodput_tokens_per_s > 0
+
+
+def test_cli_plan_json_is_clean_json_in_a_real_process(tmp_path: Path) -> None:
+    """stdout carries only the JSON: the LP solver prints no banner (it would break `| jq`)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FLEXPIPE_STORE": f"sqlite:///{tmp_path / 'gears.db'}"}
+    args = ["plan", "--cluster", str(CLUSTER), "--models", str(MODELS), "--json"]
+    out = subprocess.run(
+        [sys.executable, "-m", "flexpipe", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    doc = json.loads(out.stdout)
+    assert any(n.startswith("ILP over") for n in doc["notes"])

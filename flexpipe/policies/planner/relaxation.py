@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from flexpipe.policies.planner.candidates import Candidate
 from flexpipe.policies.planner.types import ModelDemand
@@ -37,6 +38,17 @@ class Relaxation:
     model_prices: tuple[float, ...]  # per model: the dual of its capacity row (tok/s per tok/s)
 
 
+def _silent_highs(highspy: Any) -> Any:
+    """A HiGHS instance that prints nothing. `highspy.Highs()` enables callbacks in its
+    constructor, which prints the "Running HiGHS ..." banner to stdout before `output_flag`
+    can be cleared (it would corrupt `flexpipe plan --json`); its pybind base class does not
+    (HiGHS logs nothing once `output_flag` is false before any other call)."""
+    cls = getattr(getattr(highspy, "_core", None), "_Highs", None) or highspy.Highs
+    h = cls()
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 def solve_relaxation(
     candidates: Sequence[Candidate],
     demands: Sequence[ModelDemand],
@@ -52,8 +64,7 @@ def solve_relaxation(
         import numpy as np
     except ImportError:
         return None
-    h = highspy.Highs()  # type: ignore[no-untyped-call]
-    h.setOptionValue("output_flag", False)
+    h = _silent_highs(highspy)
     # (Not `threads`: HiGHS's thread pool is process-wide, and asking for another size after
     # a first solve makes every later run fail. The dual simplex it uses for LPs is serial.)
     inf = highspy.kHighsInf
