@@ -25,7 +25,7 @@ from flexpipe.perf import Efficiency
 from flexpipe.policies.planner.candidates import Candidate, Evaluator
 from flexpipe.policies.planner.core import usable_gpus
 from flexpipe.policies.planner.performance import GearPerformance, PerfModelPerformance
-from flexpipe.policies.planner.relaxation import _silent_highs
+from flexpipe.policies.planner.relaxation import quiet_highs
 from flexpipe.policies.planner.types import ModelDemand, PlannerConfig
 
 __all__ = ["ExactResult", "all_candidates", "node_pool_candidates", "solve_exact"]
@@ -93,7 +93,7 @@ def solve_exact(candidates: Sequence[Candidate], demands: Sequence[ModelDemand])
     import highspy
     import numpy as np
 
-    h = _silent_highs(highspy)
+    h = quiet_highs(highspy)
     h.setOptionValue("mip_rel_gap", 1e-9)
     inf = highspy.kHighsInf
     num_c = len(candidates)

@@ -25,7 +25,7 @@ from typing import Any
 from flexpipe.policies.planner.candidates import Candidate
 from flexpipe.policies.planner.types import ModelDemand
 
-__all__ = ["GPU_EPS", "Relaxation", "solve_relaxation"]
+__all__ = ["GPU_EPS", "Relaxation", "quiet_highs", "solve_relaxation"]
 
 # Tie-break weight per GPU, relative to one token/s: "fewest GPUs" without trading goodput.
 GPU_EPS = 1e-3
@@ -38,7 +38,7 @@ class Relaxation:
     model_prices: tuple[float, ...]  # per model: the dual of its capacity row (tok/s per tok/s)
 
 
-def _silent_highs(highspy: Any) -> Any:
+def quiet_highs(highspy: Any) -> Any:
     """A HiGHS instance that prints nothing. `highspy.Highs()` enables callbacks in its
     constructor, which prints the "Running HiGHS ..." banner to stdout before `output_flag`
     can be cleared (it would corrupt `flexpipe plan --json`); its pybind base class does not
@@ -64,7 +64,7 @@ def solve_relaxation(
         import numpy as np
     except ImportError:
         return None
-    h = _silent_highs(highspy)
+    h = quiet_highs(highspy)
     # (Not `threads`: HiGHS's thread pool is process-wide, and asking for another size after
     # a first solve makes every later run fail. The dual simplex it uses for LPs is serial.)
     inf = highspy.kHighsInf
