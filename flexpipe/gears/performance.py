@@ -123,16 +123,13 @@ class TablePerformance:
         ratio_ttft = ref.ttft_p99_s / ref_prior.ttft_s if ref_prior.ttft_s else 1.0
         tpot = prior.tpot_s * ratio_tpot
         ttft = prior.ttft_s * ratio_ttft
-        out = max(1, workload.output_tokens)
-        return GearEstimate(
-            batch=batch,
-            output_tokens_per_s=batch / tpot,
-            requests_per_s=batch / (out * tpot),
-            ttft_s=ttft,
-            tpot_s=tpot,
-            e2e_s=ttft + out * tpot,
-            source="predicted",
-            detail=f"performance model calibrated by the gear table at batch {ref_batch}, "
+        return GearEstimate.from_times(
+            batch,
+            ttft,
+            tpot,
+            workload.output_tokens,
+            "predicted",
+            f"performance model calibrated by the gear table at batch {ref_batch}, "
             f"{ref.input_len}/{ref.output_len} tokens (TPOT x{ratio_tpot:.2f}, "
             f"TTFT x{ratio_ttft:.2f})",
         )

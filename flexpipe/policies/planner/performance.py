@@ -102,6 +102,29 @@ class GearEstimate:
     source: Source
     detail: str  # "performance model prior" / "gear table: vllm 0.6.3, 2026-11-02, 200 req"
 
+    @classmethod
+    def from_times(
+        cls,
+        batch: int,
+        ttft_s: float,
+        tpot_s: float,
+        output_tokens: int,
+        source: Source,
+        detail: str,
+    ) -> GearEstimate:
+        """Throughputs and e2e derived from TTFT and TPOT at concurrency `batch`."""
+        out = max(1, output_tokens)
+        return cls(
+            batch=batch,
+            output_tokens_per_s=batch / tpot_s,
+            requests_per_s=batch / (out * tpot_s),
+            ttft_s=ttft_s,
+            tpot_s=tpot_s,
+            e2e_s=ttft_s + out * tpot_s,
+            source=source,
+            detail=detail,
+        )
+
 
 class GearPerformance(Protocol):
     """Speed of a gear at a concurrency. Implementations: the performance-model prior below;
@@ -172,15 +195,8 @@ def steady_state(
         paced_prefill_s = prefill_s
     tpot_s = decode_s + batch * paced_prefill_s / out
     ttft_s = prefill_s + tpot_s
-    return GearEstimate(
-        batch=batch,
-        output_tokens_per_s=batch / tpot_s,
-        requests_per_s=batch / (out * tpot_s),
-        ttft_s=ttft_s,
-        tpot_s=tpot_s,
-        e2e_s=ttft_s + out * tpot_s,
-        source=source,
-        detail="performance model prior",
+    return GearEstimate.from_times(
+        batch, ttft_s, tpot_s, workload.output_tokens, source, "performance model prior"
     )
 
 
