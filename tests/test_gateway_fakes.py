@@ -121,7 +121,11 @@ class FakeEngine:
         if self.mode == "503":
             raise HttpError(503, "overloaded")
         if self.mode == "hang":
-            await asyncio.sleep(3600)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:  # the gateway dropped the request
+                self.num_cancelled += 1
+                raise
         n = int(body.get("max_tokens") or 16)
         rid = f"cmpl-{self.num_requests}-{id(self) % 1000}"
         words = [f"t{i} " for i in range(n)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -36,6 +37,14 @@ def gateway(
         str | None,
         typer.Option(envvar="FLEXPIPE_ADMIN_TOKEN", help="Bearer token for the admin API."),
     ] = None,
+    admin_token_file: Annotated[
+        Path | None,
+        typer.Option(help="Read the admin token from this file (keeps it out of `ps`)."),
+    ] = None,
+    shutdown_grace_s: Annotated[
+        float | None,
+        typer.Option(help="On SIGTERM/SIGINT, seconds in-flight requests get to finish [30]."),
+    ] = None,
     max_concurrency: Annotated[
         int | None, typer.Option(help="Requests in flight per instance [256].")
     ] = None,
@@ -65,6 +74,13 @@ def gateway(
             cfg.policy, cfg.policy_params = policy, {}
         if admin_token is not None:
             cfg.admin_token = admin_token
+        if admin_token_file is not None:
+            try:
+                cfg.admin_token = admin_token_file.read_text().strip() or None
+            except OSError as exc:
+                raise ConfigError(f"cannot read {admin_token_file}: {exc.strerror}") from None
+        if shutdown_grace_s is not None:
+            cfg.shutdown_grace_s = shutdown_grace_s
         if max_concurrency is not None:
             cfg.max_concurrency_per_instance = max_concurrency
         validate(cfg)
@@ -88,10 +104,18 @@ def gateway(
             f"({len(cfg.backends)} backend(s), policy {cfg.policy})",
             err=True,
         )
-        try:
-            await server.serve_forever()
-        finally:
-            await gw.close()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        typer.echo(
+            f"draining: {gw.num_active_calls} request(s) in flight, "
+            f"up to {cfg.shutdown_grace_s:g} s",
+            err=True,
+        )
+        await gw.shutdown(cfg.shutdown_grace_s)
 
     from flexpipe.http.server import install_uvloop
 

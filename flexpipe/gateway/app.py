@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 
 from flexpipe.gateway import sse
+from flexpipe.gateway.backpressure import DrainRate
 from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, InstanceState, Pool, PoolError
@@ -62,7 +63,7 @@ _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Call:
     """One client request on its way through the gateway."""
 
@@ -76,8 +77,14 @@ class _Call:
     num_tokens: float
     t0: float
     tenant: Tenant | None
-    excluded: set[str] = field(default_factory=set)
+    excluded: set[str] = field(default_factory=set)  # busy for this call: avoid if possible
+    failed: set[str] = field(default_factory=set)  # failed this call: never again
     num_retries: int = 0
+    num_migrations: int = 0  # re-runs and continuations after an instance failed
+    num_prompt_tokens: int = 0  # estimated, as routing counts them
+    num_output_tokens: int | None = None  # what a finished non-streamed response reported
+    upstream: UpstreamResponse | None = None  # the response being read (non-streamed)
+    ended: bool = False  # `Gateway._end_call` done
 
 
 class Gateway:
@@ -95,6 +102,12 @@ class Gateway:
         self.mean_request_tokens = 512.0  # EWMA of prompt + expected output per request
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
+        self._calls: set[_Call] = set()  # accepted and not yet ended, whatever their phase
+        self._relays: set[_PushRelay] = set()  # streams being relayed by push
+        self.drain_rate = DrainRate()  # requests finished per second (for Retry-After)
+        self.shutting_down = False  # new requests are refused
+        self._grace_over = False  # and, past the grace period, queued ones too
+        self._idle: asyncio.Event | None = None  # set when the last call ends (shutdown)
         self.prober = Prober(self)
         self.server: HttpServer | None = None
         for b in cfg.backends:
@@ -290,12 +303,15 @@ class Gateway:
         routing = RoutingRequest(num_prompt, num_out, hashes, user if isinstance(user, str) else "")
         return _Call(
             path, chat, model, body, req.body, stream, routing, float(num_prompt + num_out),
-            self.clock(), None,
+            self.clock(), None, num_prompt_tokens=num_prompt,
         )  # fmt: skip
 
     async def _proxy(
         self, req: Request, path: str, chat: bool
     ) -> Response | StreamResponse | PushResponse:
+        if self.shutting_down:
+            self.metrics.rejected.labels("shutting_down").inc()
+            raise HttpError(503, "the gateway is shutting down", type="ServiceUnavailableError")
         tenant = None
         if self.tenants.enabled:
             tenant = self.tenants.lookup(req.headers.get("authorization"))
@@ -304,12 +320,17 @@ class Gateway:
                 raise HttpError(401, "missing or unknown API key", type="AuthenticationError")
         call = self._parse(req, path, chat)
         if tenant is not None:
+            too_large = tenant.too_large(call.num_tokens)
+            if too_large is not None:
+                self.metrics.rejected.labels("tenant_quota").inc()
+                raise HttpError(400, too_large, param="max_tokens")
             ok, wait_s, why = tenant.admit(call.num_tokens, self.clock())
             if not ok:
                 self.metrics.rejected.labels("tenant_quota").inc()
                 return _too_many(f"tenant {tenant.name}: {why}", wait_s)
             tenant.num_in_flight += 1
             call.tenant = tenant
+        self._calls.add(call)
         handed_off = False
         try:
             result = await self._dispatch(call)
@@ -318,36 +339,67 @@ class Gateway:
         except _TooMany as exc:
             return _too_many(exc.message, exc.retry_after_s)
         finally:
-            if tenant is not None and not handed_off:
-                tenant.num_in_flight -= 1
+            if not handed_off:  # a relay ends the call of a stream it was handed
+                self._end_call(call, call.num_output_tokens)
+
+    def _end_call(self, call: _Call, num_output_tokens: int | None = None) -> None:
+        """Every accepted request ends here exactly once, whatever its exit: the tenant's
+        slot and tokens are settled (`num_output_tokens` None: nothing was generated)."""
+        if call.ended:
+            return
+        call.ended = True
+        self._calls.discard(call)
+        tenant = call.tenant
+        if tenant is not None:
+            tenant.num_in_flight -= 1
+            used = 0 if num_output_tokens is None else call.num_prompt_tokens + num_output_tokens
+            tenant.settle(call.num_tokens, used, self.clock())
+        if not self._calls and self._idle is not None:
+            self._idle.set()
+
+    @property
+    def num_active_calls(self) -> int:
+        """Requests accepted and not yet ended (queued, in flight or streaming)."""
+        return len(self._calls)
 
     async def _dispatch(self, call: _Call) -> Response | StreamResponse | PushResponse:
-        inst, resp = await self._send(call, call.raw)
-        if call.stream and resp.status == 200:
-            return PushResponse(
-                _PushRelay(self, call, inst, resp).start,
-                content_type=resp.headers.get("content-type", "text/event-stream"),
-                headers={"x-flexpipe-instance": inst.url},
-            )
-        migrated = False
         while True:
+            inst, resp = await self._send(call, call.raw)
+            if call.stream and resp.status == 200:
+                return PushResponse(
+                    _PushRelay(self, call, inst, resp).start,
+                    content_type=resp.headers.get("content-type", "text/event-stream"),
+                    headers={"x-flexpipe-instance": inst.url},
+                )
+            call.upstream = resp
             try:
                 body = await resp.read()
-                break
             except UpstreamError as exc:
+                # Nothing has reached the client yet: run it again on another instance.
                 self._finish(inst, call, exc.kind)
                 self._failure(inst)
-                if migrated or self.cfg.max_migrations < 1:
+                call.failed.add(inst.url)
+                if self.shutting_down:
+                    raise HttpError(503, "the gateway is shutting down") from None
+                if exc.kind == "idle" or call.num_migrations >= self.cfg.max_migrations:
                     self.metrics.migrations.labels("failed").inc()
                     raise HttpError(502, f"upstream failed mid-response: {exc.kind}") from None
-                migrated = True
-                call.excluded.add(inst.url)
-                inst, resp = await self._send(call, call.raw)
+                call.num_migrations += 1
                 self.metrics.migrations.labels("ok").inc()
-        resp.release()
+                log.info("re-running a request that failed on %s", inst.url)
+                continue
+            except BaseException:  # cancelled: the client left; abort the engine's work
+                self._finish(inst, call, "cancelled")
+                raise
+            finally:
+                call.upstream = None
+                resp.release()
+            break
         self._finish(inst, call, str(resp.status))
         if resp.status < 500:
             self._success(inst)
+        if call.tenant is not None and resp.status == 200:
+            call.num_output_tokens = _completion_tokens(body)
         return Response(
             body,
             resp.status,
@@ -356,7 +408,9 @@ class Gateway:
         )
 
     async def _send(self, call: _Call, raw: bytes) -> tuple[Instance, UpstreamResponse]:
-        """Route and send; retry once (with jitter) on connect errors, 429 and 503."""
+        """Route and send. An instance that cannot be reached, or dies before its response
+        head, is never tried again for this call and the next live one is (nothing has
+        reached the client yet); 429 and 503 are retried once with jitter."""
         while True:
             inst = await self._pick(call)
             self._acquire(inst, call)
@@ -370,11 +424,21 @@ class Gateway:
             except UpstreamError as exc:
                 self._finish(inst, call, exc.kind)
                 self._failure(inst)
-                if exc.kind == "connect" and call.num_retries < self.cfg.max_retries:
-                    await self._before_retry(call, inst, "connect")
+                call.failed.add(inst.url)
+                if exc.kind == "connect" and len(call.failed) <= self.cfg.max_connect_failovers:
+                    self.metrics.retries.labels("connect").inc()
+                    continue
+                if exc.kind in ("closed", "protocol") and (
+                    call.num_migrations < self.cfg.max_migrations
+                ):
+                    call.num_migrations += 1
+                    self.metrics.retries.labels(exc.kind).inc()
                     continue
                 status = 504 if exc.kind == "ttfb" else 502
                 raise HttpError(status, f"upstream {exc}") from None
+            except BaseException:  # cancelled (the client left): release the slot
+                self._finish(inst, call, "cancelled")
+                raise
             if resp.status in _RETRY_STATUSES and call.num_retries < self.cfg.max_retries:
                 resp.release()  # the error body is small: drop the connection rather than read
                 self._finish(inst, call, str(resp.status))
@@ -391,7 +455,11 @@ class Gateway:
     async def _pick(self, call: _Call) -> Instance:
         deadline: float | None = None
         while True:
+            if self._grace_over:
+                raise HttpError(503, "the gateway is shutting down")
             routable = self.pool.routable(call.model)
+            if call.failed:
+                routable = [i for i in routable if i.url not in call.failed]
             cands = routable
             if call.excluded:
                 cands = [i for i in routable if i.url not in call.excluded] or routable
@@ -423,13 +491,15 @@ class Gateway:
             # every instance is at its limit: wait in a bounded queue
             if len(self._waiters) >= self.cfg.max_queue:
                 self.metrics.rejected.labels("queue_full").inc()
-                raise _TooMany("all instances are busy and the wait queue is full", 1.0)
+                wait_s = self.drain_rate.retry_after_s(len(self._waiters), now)
+                raise _TooMany("all instances are busy and the wait queue is full", wait_s)
             if deadline is None:
                 deadline = now + self.cfg.max_queue_wait_s
             left = deadline - now
             if left <= 0:
                 self.metrics.rejected.labels("queue_timeout").inc()
-                raise _TooMany("all instances stayed busy", 1.0)
+                wait_s = self.drain_rate.retry_after_s(len(self._waiters), now)
+                raise _TooMany("all instances stayed busy", wait_s)
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
@@ -453,11 +523,14 @@ class Gateway:
         self.mean_request_tokens += 0.05 * (call.num_tokens - self.mean_request_tokens)
 
     def _finish(self, inst: Instance, call: _Call, status: str) -> None:
+        """`inst` no longer counts `call` (each `_acquire` has exactly one `_finish`)."""
         inst.num_in_flight -= 1
         inst.num_tokens_sent_since_scrape -= call.num_tokens
         self.metrics.request_done(call.model, inst.url, status)
+        now = self.clock()
+        self.drain_rate.record(now)
         if status == "200":
-            self.metrics.observe("e2e", call.model, self.clock() - call.t0)
+            self.metrics.observe("e2e", call.model, now - call.t0)
         self._wake_one()
 
     def _success(self, inst: Instance) -> None:
@@ -505,11 +578,11 @@ class Gateway:
         num_events: int = 0,
     ) -> AsyncGenerator[bytes, None]:
         """The stream as an async iterator: the path after a mid-stream failure of a pushed
-        relay (`failed`, with what it had relayed so far), and the reference for it."""
+        relay (`failed`, with what it had relayed so far), and the reference for it. Each
+        failure continues the stream on another live instance, up to `max_migrations`."""
         sent = [] if sent is None else sent  # complete events relayed from the first upstream
         tail = b""
         t_last = 0.0
-        num_tokens_migrated = 0
         state: sse.StreamState | None = None  # set once migrated: events are rewritten
         status = "200"
         live = True  # `inst` still counts this request
@@ -525,13 +598,9 @@ class Gateway:
                     self._finish(inst, call, exc.kind)
                     live = False
                     resp.release()
-                    if state is not None:
-                        yield sse.error_event(f"upstream failed again mid-stream: {exc.kind}")
-                        yield sse.DONE
-                        self.metrics.migrations.labels("failed").inc()
-                        status = "migration_failed"
-                        return
-                    state = sse.summarize(b"".join(sent), call.chat)
+                    call.failed.add(inst.url)
+                    if state is None:
+                        state = sse.summarize(b"".join(sent), call.chat)
                     if state.finished:
                         yield sse.DONE
                         return
@@ -568,30 +637,32 @@ class Gateway:
                 else:
                     parts = []
                     for payload in sse.events(out):
-                        ev, n = sse.rewrite_event(payload, state, call.chat)
-                        num_tokens_migrated += n
+                        ev, _ = sse.rewrite_event(payload, state, call.chat)
                         if ev is not None:
                             parts.append(ev)
                     if parts:
                         yield b"".join(parts)
             resp.release()
-            num_tokens = max(0, num_events - 2) + num_tokens_migrated
+            num_tokens = max(0, num_events - 2) if state is None else state.num_tokens
             self._stream_done(call, inst, t_first, t_last, num_tokens, state is None)
         finally:
             resp.release()  # aborts the upstream request if the client went away
             if live:
                 self._finish(inst, call, status)
-            if call.tenant is not None:
-                call.tenant.num_in_flight -= 1
+            num_out = max(0, num_events - 2) if state is None else state.num_tokens
+            self._end_call(call, num_out)
 
     async def _migrate(
         self, call: _Call, failed: Instance, state: sse.StreamState
     ) -> tuple[Instance, UpstreamResponse] | bytes:
-        """Continue a broken stream elsewhere; on failure, the error event to send."""
-        end = sse.error_event("the instance serving this stream failed") + sse.DONE
-        if self.cfg.max_migrations < 1:
+        """Continue a broken stream on another live instance (each failed one is out for
+        this call, and a target that cannot be reached is skipped for the next); on
+        failure, the error event and [DONE] to end the client's stream with."""
+        if self.shutting_down:
+            return sse.error_event("the gateway is shutting down", 503) + sse.DONE
+        if call.num_migrations >= self.cfg.max_migrations:
             self.metrics.migrations.labels("failed").inc()
-            return end
+            return sse.error_event("the instance serving this stream failed") + sse.DONE
         body = sse.continuation_body(
             call.body, state, call.chat, self.cfg.default_expected_output_tokens
         )
@@ -600,9 +671,10 @@ class Gateway:
                 self.metrics.migrations.labels("ok").inc()
                 return _final_event(state, call.chat) + sse.DONE
             self.metrics.migrations.labels("failed").inc()
-            return end
-        call.excluded.add(failed.url)
-        call.num_retries = self.cfg.max_retries  # no retries on top of a migration
+            return sse.error_event("the instance serving this stream failed") + sse.DONE
+        call.num_migrations += 1
+        call.num_retries = 0  # the continuation may retry a busy target once, as a request
+        state.num_tokens_at_join = state.num_tokens
         try:
             inst, resp = await self._send(call, orjson.dumps(body))
         except HttpError as exc:
@@ -615,8 +687,39 @@ class Gateway:
             self.metrics.migrations.labels("failed").inc()
             return sse.error_event(f"could not continue the stream: {detail}") + sse.DONE
         self.metrics.migrations.labels("ok").inc()
-        log.info("migrated a stream from %s to %s", failed.url, inst.url)
+        log.info("continued a stream from %s on %s", failed.url, inst.url)
         return inst, resp
+
+    # ---------------------------------------------------------------- shutdown
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop gracefully: refuse new requests (the listening socket closes; requests on
+        open connections get 503), let the calls in flight finish for up to `grace_s`, then
+        end every stream still open with an error event and [DONE], fail the non-streamed
+        requests still waiting with a 503, and close."""
+        self.shutting_down = True
+        if self.server is not None:
+            self.server.stop_accepting()
+        idle = self._idle = asyncio.Event()
+        if not self._calls:
+            idle.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(idle.wait(), grace_s)
+        self._grace_over = True
+        if self._calls:
+            log.warning("shutdown: ending %d request(s) still in flight", len(self._calls))
+            for fut in list(self._waiters):  # still queued: refused by `_pick`
+                if not fut.done():
+                    fut.set_result(None)
+            for relay in list(self._relays):
+                relay.abort("the gateway is shutting down")
+            for task in list(self._tasks):
+                task.cancel()
+            for call in list(self._calls):
+                if call.upstream is not None:
+                    call.upstream.release()  # its reader gets an error and answers 503
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(idle.wait(), 2.0)
+        await self.close()
 
 
 class _PushRelay:
@@ -651,6 +754,7 @@ class _PushRelay:
         if writer.closed:
             self._client_gone()
             return
+        self.gw._relays.add(self)
         self.resp.pipe(self._data, self._end)
 
     def _data(self, chunk: bytes) -> None:
@@ -706,6 +810,7 @@ class _PushRelay:
         if error is not None:
             self._flush()
             self.done = True  # accounting moves to the failover relay
+            self.gw._relays.discard(self)
             self.task = self.loop.create_task(self._failover(error))
             self.gw._tasks.add(self.task)
             self.task.add_done_callback(self.gw._tasks.discard)
@@ -720,9 +825,9 @@ class _PushRelay:
         self._account("200")
 
     def _account(self, status: str) -> None:
+        self.gw._relays.discard(self)
         self.gw._finish(self.inst, self.call, status)
-        if self.call.tenant is not None:
-            self.call.tenant.num_in_flight -= 1
+        self.gw._end_call(self.call, max(0, self.num_events - 2))
 
     def _client_gone(self) -> None:
         if self.task is not None:
@@ -731,7 +836,20 @@ class _PushRelay:
             return
         self.done = True
         self.resp.release()  # aborts the upstream request
-        self._account("200")
+        self._account("client_gone")
+
+    def abort(self, message: str) -> None:
+        """End the stream now (the gateway is stopping): what was received, an error event
+        and [DONE], so the client is told rather than cut off."""
+        if self.done:
+            return
+        out = self._complete_events()
+        self.done = True
+        writer = self.writer
+        assert writer is not None
+        writer.end(out + sse.error_event(message, 503, "ServiceUnavailableError") + sse.DONE)
+        self.resp.release()
+        self._account("shutdown")
 
     async def _failover(self, error: UpstreamError) -> None:
         writer = self.writer
@@ -754,6 +872,9 @@ class _PushRelay:
                     resumed = asyncio.get_running_loop().create_future()
                     await resumed
             writer.end()
+        except asyncio.CancelledError:  # the client left, or the gateway is stopping
+            writer.end(sse.error_event("the gateway is shutting down", 503) + sse.DONE)
+            raise
         except Exception:
             log.exception("stream failover failed")
             writer.fail(502, "the gateway failed to continue the stream")
@@ -771,6 +892,16 @@ def _too_many(message: str, retry_after_s: float) -> Response:
     resp = error_response(429, message)
     resp.headers = {"retry-after": str(max(1, math.ceil(retry_after_s)))}
     return resp
+
+
+def _completion_tokens(body: bytes) -> int | None:
+    """`usage.completion_tokens` of a non-streamed response, if it says."""
+    try:
+        usage = orjson.loads(body).get("usage") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) else None
 
 
 async def _safe_read(resp: UpstreamResponse) -> bytes:

@@ -65,8 +65,10 @@ class GatewayConfig:
     ttfb_timeout_s: float = 300.0
     idle_timeout_s: float = 60.0
     retry_jitter_s: float = 0.05
-    max_retries: int = 1
-    max_migrations: int = 1
+    max_retries: int = 1  # 429 / 503 answers, before the first byte
+    max_connect_failovers: int = 3  # instances that cannot be reached, tried in turn
+    max_migrations: int = 1  # re-runs / continuations after an instance dies mid-request
+    shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     scrape_interval_s: float = 1.0
     max_metrics_age_s: float = 5.0
     health_interval_s: float = 2.0

@@ -13,7 +13,8 @@ DONE = b"data: [DONE]\n\n"
 
 @dataclass(slots=True)
 class StreamState:
-    """What the events relayed so far say."""
+    """What the events relayed to the client so far say (kept up to date through every
+    continuation, so a stream can be continued more than once)."""
 
     id: str | None = None
     created: int | None = None
@@ -22,6 +23,8 @@ class StreamState:
     num_tokens: int = 0
     finished: bool = False  # a finish_reason or [DONE] was seen
     usage: dict[str, Any] | None = None
+    prompt_tokens: int | None = None  # the client's prompt, once an event's usage told it
+    num_tokens_at_join: int = 0  # tokens the client had when the current continuation began
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -45,27 +48,46 @@ def summarize(data: bytes, chat: bool) -> StreamState:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
             continue
-        if not isinstance(obj, dict):
-            continue
-        state.id = state.id or obj.get("id")
-        state.created = state.created or obj.get("created")
-        state.model = state.model or obj.get("model")
-        if obj.get("usage"):
-            state.usage = obj["usage"]
-        for choice in obj.get("choices") or ():
-            piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-            if piece:
-                state.text += piece
-                state.num_tokens += 1
-            if choice.get("finish_reason"):
-                state.finished = True
+        if isinstance(obj, dict):
+            state.id = state.id or obj.get("id")
+            state.created = state.created or obj.get("created")
+            state.model = state.model or obj.get("model")
+            absorb(state, obj, chat)
     return state
+
+
+def absorb(state: StreamState, obj: dict[str, Any], chat: bool) -> int:
+    """Add one event (as the client got it) to `state`; returns the tokens it carried."""
+    usage = obj.get("usage")
+    if usage and isinstance(usage, dict):
+        state.usage = usage
+        if state.prompt_tokens is None and isinstance(usage.get("prompt_tokens"), int):
+            state.prompt_tokens = usage["prompt_tokens"]
+    num_tokens = 0
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        if piece and isinstance(piece, str):
+            state.text += piece
+            num_tokens += 1
+        if choice.get("finish_reason"):
+            state.finished = True
+    state.num_tokens += num_tokens
+    return num_tokens
 
 
 def continuation_body(
     original: dict[str, Any], state: StreamState, chat: bool, default_max_tokens: int
 ) -> dict[str, Any] | None:
-    """The request that continues `original` after `state.text`; None when nothing is left."""
+    """The request that continues `original` after `state.text` (the original itself when
+    nothing was generated yet); None when nothing is left or it cannot be continued.
+
+    Chat continues the assistant's message (`continue_final_message`, as vLLM does), so the
+    engine detokenizes the next token after the text already sent: no words glued at the join.
+    """
+    if not state.text:
+        return dict(original)
     body = dict(original)
     key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     max_tokens = body.get(key) or default_max_tokens
@@ -79,6 +101,8 @@ def continuation_body(
         body["add_generation_prompt"] = False
     else:
         prompt = original.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
         if not isinstance(prompt, str):
             return None  # token-id or batched prompts: not continued
         body["prompt"] = prompt + state.text
@@ -88,9 +112,11 @@ def continuation_body(
 
 
 def rewrite_event(payload: bytes, state: StreamState, chat: bool) -> tuple[bytes | None, int]:
-    """A continuation's event as the client's stream: same id/created/model, usage summed,
-    the repeated assistant-role chunk dropped. Returns (event bytes or None to skip, tokens)."""
+    """A continuation's event as the client's stream: same id/created/model, usage counted
+    from the client's prompt, the repeated assistant-role chunk dropped; `state` absorbs it.
+    Returns (event bytes or None to skip, tokens)."""
     if payload == b"[DONE]":
+        state.finished = True
         return DONE, 0
     try:
         obj = orjson.loads(payload)
@@ -104,27 +130,25 @@ def rewrite_event(payload: bytes, state: StreamState, chat: bool) -> tuple[bytes
         obj["created"] = state.created
     if state.model is not None:
         obj["model"] = state.model
-    num_tokens = 0
-    for choice in obj.get("choices") or ():
-        if chat:
-            delta = choice.get("delta") or {}
+    if chat:
+        for choice in obj.get("choices") or ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if not isinstance(delta, dict):
+                continue
             role_only = delta.pop("role", None) is not None and not delta.get("content")
             if role_only and not choice.get("finish_reason") and not obj.get("usage"):
                 return None, 0
-            if delta.get("content"):
-                num_tokens += 1
-        elif choice.get("text"):
-            num_tokens += 1
     usage = obj.get("usage")
     if usage and isinstance(usage, dict):
-        prev = state.usage or {}
-        done = state.num_tokens
-        # the continuation's prompt held the text generated before the break
-        usage["prompt_tokens"] = prev.get(
-            "prompt_tokens", max(0, usage.get("prompt_tokens", 0) - done)
-        )
-        usage["completion_tokens"] = usage.get("completion_tokens", 0) + done
+        done = state.num_tokens_at_join
+        # the continuation's prompt held the text generated before the join
+        prompt = state.prompt_tokens
+        if prompt is None:
+            prompt = max(0, int(usage.get("prompt_tokens", 0)) - done)
+        usage["prompt_tokens"] = prompt
+        usage["completion_tokens"] = int(usage.get("completion_tokens", 0)) + done
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    num_tokens = absorb(state, obj, chat)
     return b"data: " + orjson.dumps(obj) + b"\n\n", num_tokens
 
 

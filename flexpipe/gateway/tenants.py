@@ -1,11 +1,17 @@
 """API keys with per-key requests/min, tokens/min (token buckets) and a concurrency cap.
 
+Tokens are charged twice: an estimate on admission (prompt + max_tokens, so a burst cannot
+overrun the budget), then settled against what the request really used when it ends (the
+difference is given back, or taken as debt that later requests wait out). A request whose
+estimate exceeds the whole budget can never be admitted and is refused outright.
+
 Keys are kept only as dictionary keys and never logged or shown: a tenant is named by
 its `name` in metrics and errors.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from flexpipe.gateway.config import TenantConfig
@@ -26,15 +32,27 @@ class TokenBucket:
             self.updated_s = now
 
     def try_take(self, amount: float, now: float) -> float:
-        """Take `amount`; returns 0.0 on success, else the seconds until it would succeed."""
+        """Take `amount`; returns 0.0 on success, else the seconds until it would succeed
+        (`math.inf` for an amount above the capacity: it never will)."""
+        if amount > self.capacity:
+            return math.inf
         self._refill(now)
         if amount <= self.level:
             self.level -= amount
             return 0.0
-        return (min(amount, self.capacity) - self.level) / self.rate_per_s
+        return (amount - self.level) / self.rate_per_s
 
     def give_back(self, amount: float) -> None:
         self.level = min(self.capacity, self.level + amount)
+
+    def settle(self, charged: float, used: float, now: float) -> None:
+        """A request charged `charged` on admission really used `used`: return the rest, or
+        take the excess as debt (the level may go below zero; refills pay it off)."""
+        self._refill(now)
+        if used < charged:
+            self.give_back(charged - used)
+        else:
+            self.level -= used - charged
 
 
 class Tenant:
@@ -53,8 +71,23 @@ class Tenant:
             else None
         )
 
+    def too_large(self, num_tokens: float) -> str | None:
+        """Why a request estimated at `num_tokens` can never be admitted, or None."""
+        if self.tokens is not None and num_tokens > self.tokens.capacity:
+            return (
+                f"request too large for tenant {self.name}: about {math.ceil(num_tokens)} "
+                f"tokens (prompt + max_tokens) against a limit of "
+                f"{self.tokens.capacity:g} tokens per minute; lower max_tokens"
+            )
+        return None
+
+    def settle(self, charged_tokens: float, used_tokens: float, now: float) -> None:
+        """The request admitted with `charged_tokens` ended having used `used_tokens`."""
+        if self.tokens is not None:
+            self.tokens.settle(charged_tokens, used_tokens, now)
+
     def admit(self, num_tokens: float, now: float) -> tuple[bool, float, str]:
-        """(admitted, retry_after_s, why-not)."""
+        """(admitted, retry_after_s, why-not). Check `too_large` first."""
         if self.max_concurrency and self.num_in_flight >= self.max_concurrency:
             return False, 1.0, "concurrency limit reached"
         if self.requests is not None:

@@ -397,6 +397,10 @@ class ClientPool:
                 if exc.kind == "closed" and reused and not conn.got_bytes and attempt == 0:
                     continue
                 raise
+            except BaseException:  # cancelled: the caller left; so does the upstream request
+                if conn.transport is not None:
+                    conn.transport.abort()
+                raise
             return UpstreamResponse(self, backend, conn, timeouts)
         raise AssertionError("unreachable")
 

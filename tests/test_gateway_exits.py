@@ -1,0 +1,194 @@
+"""Every exit path of a request releases what it held: client timeouts and disconnects at
+each phase, tenants' token budgets, and the gateway's own shutdown. Upstreams are fake
+engines on real sockets; the clients are the official `openai` client and raw sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from test_gateway_api import Running
+from test_gateway_fakes import FakeEngine, LoopThread
+
+from flexpipe.gateway.tenants import TokenBucket
+
+
+@pytest.fixture
+def lt() -> Iterator[LoopThread]:
+    loop = LoopThread()
+    try:
+        yield loop
+    finally:
+        loop.stop()
+
+
+def wait_for(cond: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+def idle(r: Running) -> bool:
+    gw = r.gw
+    return (
+        gw.num_active_calls == 0
+        and not gw._waiters
+        and all(i.num_in_flight == 0 for i in gw.pool.instances.values())
+    )
+
+
+def test_client_timeouts_before_the_head_release_their_slots(lt: LoopThread) -> None:
+    """The issue's repro: four non-streamed requests that time out on the client left
+    num_in_flight at 4 for good and every later request got 429."""
+    engine = FakeEngine(mode="hang")
+    r = Running(lt, [engine], max_concurrency_per_instance=4, max_queue=0)
+    try:
+        client = r.client(timeout=0.3)
+        for _ in range(4):
+            with pytest.raises(openai.APITimeoutError):
+                client.completions.create(model="fake-model", prompt="x", max_tokens=200)
+        wait_for(lambda: idle(r), 5)
+        wait_for(lambda: engine.num_cancelled == 4, 5)  # the engine's work was aborted
+        engine.mode = "ok"
+        out = r.client().completions.create(model="fake-model", prompt="x", max_tokens=2)
+        assert out.choices[0].text
+    finally:
+        r.close()
+
+
+def test_a_stream_queued_at_the_gateway_leaves_no_trace_when_its_client_goes(
+    lt: LoopThread,
+) -> None:
+    engine = FakeEngine(token_delay_s=0.05)
+    r = Running(lt, [engine], max_concurrency_per_instance=1, max_queue=4)
+    try:
+        first = r.client().completions.create(
+            model="fake-model", prompt="x", max_tokens=40, stream=True
+        )
+        it = iter(first)
+        next(it)  # holds the only slot
+        with pytest.raises(openai.APITimeoutError):  # waits in the queue, then gives up
+            r.client(timeout=0.3).completions.create(
+                model="fake-model", prompt="y", max_tokens=5, stream=True
+            )
+        wait_for(lambda: not r.gw._waiters, 5)
+        rest = [c.choices[0].text for c in it if c.choices]
+        assert len(rest) == 39
+        wait_for(lambda: idle(r), 5)
+    finally:
+        r.close()
+
+
+def test_disconnect_while_the_request_body_is_still_arriving(lt: LoopThread) -> None:
+    r = Running(lt, [FakeEngine()])
+    try:
+        host, port = r.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                    b'application/json\r\ncontent-length: 1000\r\n\r\n{"model": '
+                )
+        wait_for(lambda: idle(r), 5)
+        assert r.client().completions.create(model="fake-model", prompt="x", max_tokens=2)
+    finally:
+        r.close()
+
+
+def test_token_bucket_refuses_what_can_never_fit_and_settles_what_was_used() -> None:
+    b = TokenBucket(rate_per_s=2000 / 60, capacity=2000, level=2000, updated_s=0.0)
+    assert b.try_take(3000, 0.0) == float("inf")  # more than the whole budget
+    assert b.level == 2000
+    assert b.try_take(1500, 0.0) == 0.0
+    b.settle(charged=1500, used=100, now=0.0)  # only 100 were generated
+    assert b.level == pytest.approx(1900)
+    assert b.try_take(1000, 0.0) == 0.0
+    b.settle(charged=1000, used=2200, now=0.0)  # used more than estimated: debt
+    assert b.level == pytest.approx(-300)
+    assert b.try_take(100, 0.0) == pytest.approx(400 / (2000 / 60))
+
+
+def test_tenant_token_budget_cannot_be_bypassed(lt: LoopThread) -> None:
+    tenants = [{"key": "sk-t", "name": "t", "tokens_per_min": 2000}]
+    r = Running(lt, [FakeEngine()], tenants=tenants)
+    try:
+        client = r.client("sk-t")
+        with pytest.raises(openai.BadRequestError, match="too large") as info:
+            client.completions.create(model="fake-model", prompt="x", max_tokens=3000)
+        assert info.value.body["param"] == "max_tokens"  # type: ignore[index]
+        # actual tokens are charged: 3 x 600 fit, the fourth does not
+        for _ in range(3):
+            client.completions.create(model="fake-model", prompt="x", max_tokens=600)
+        with pytest.raises(openai.RateLimitError, match="tokens per minute"):
+            client.completions.create(model="fake-model", prompt="x", max_tokens=600)
+        # a stream that stops early is charged what it relayed, not its max_tokens
+        bucket = r.gw.tenants.lookup("Bearer sk-t").tokens  # type: ignore[union-attr]
+        assert bucket is not None
+        bucket.level = 2000.0
+        stream = client.completions.create(
+            model="fake-model", prompt="x", max_tokens=1000, stream=True
+        )
+        assert len([c for c in stream if c.choices]) == 1000
+        wait_for(lambda: idle(r), 5)
+        assert 2000 - bucket.level == pytest.approx(1001, abs=40)  # refilled a little since
+    finally:
+        r.close()
+
+
+def test_shutdown_finishes_what_it_can_and_ends_the_rest_with_an_error_event(
+    lt: LoopThread,
+) -> None:
+    slow, quick = FakeEngine(token_delay_s=0.05), FakeEngine(token_delay_s=0.01)
+    r = Running(lt, [slow, quick], routing={"policy": "round_robin"})
+    try:
+        host, port = r.url.removeprefix("http://").split(":")
+
+        async def stream(max_tokens: int) -> list[str]:
+            """The `data:` lines of a streamed completion, read raw until the end."""
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = b'{"model": "fake-model", "prompt": "x", "max_tokens": %d, "stream": true}'
+            body %= max_tokens
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                % (len(body), body)
+            )
+            raw = await reader.read()
+            writer.close()
+            return re.findall(r"data: [^\r\n]*", raw.decode())
+
+        async def scenario() -> tuple[list[str], list[str], Exception | None]:
+            long = asyncio.create_task(stream(400))  # 20 s: cut at the deadline
+            short = asyncio.create_task(stream(10))  # 0.1 s: finishes in the grace
+            while r.gw.num_active_calls < 2:
+                await asyncio.sleep(0.01)
+            shutdown = asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(r.gw.shutdown(1.0), lt.loop)
+            )
+            await asyncio.sleep(0.2)
+            refused: Exception | None = None
+            try:  # new connections are refused once shutdown began
+                await stream(1)
+            except OSError as exc:
+                refused = exc
+            out = await long, await short
+            await shutdown
+            return out[0], out[1], refused
+
+        long_lines, short_lines, refused = asyncio.run(scenario())
+        assert short_lines[-1] == "data: [DONE]" and len(short_lines) == 11
+        assert long_lines[-1] == "data: [DONE]"
+        assert "shutting down" in long_lines[-2] and '"error"' in long_lines[-2]
+        assert 5 < len(long_lines) < 400
+        assert refused is not None
+        assert idle(r)
+    finally:
+        r.close()
