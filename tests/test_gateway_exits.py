@@ -40,7 +40,7 @@ def idle(r: Running) -> bool:
     gw = r.gw
     return (
         gw.num_active_calls == 0
-        and not gw._waiters
+        and not gw.num_waiting
         and all(i.num_in_flight == 0 for i in gw.pool.instances.values())
     )
 
@@ -79,7 +79,7 @@ def test_a_stream_queued_at_the_gateway_leaves_no_trace_when_its_client_goes(
             r.client(timeout=0.3).completions.create(
                 model="fake-model", prompt="y", max_tokens=5, stream=True
             )
-        wait_for(lambda: not r.gw._waiters, 5)
+        wait_for(lambda: not r.gw.num_waiting, 5)
         rest = [c.choices[0].text for c in it if c.choices]
         assert len(rest) == 39
         wait_for(lambda: idle(r), 5)

@@ -76,7 +76,7 @@ def test_kill_9_mid_stream_under_50_streams_loses_nothing(
     try:
         for url in (victim_url, other_url):
             r.gw.pool.add(url, MODEL)
-        num_tokens = 48
+        num_tokens = 160  # long enough to be cut on a loaded machine
         first_token = asyncio.Event()
 
         async def one(i: int, client: openai.AsyncOpenAI) -> tuple[str, set[str], str | None]:
@@ -118,7 +118,7 @@ def test_kill_9_mid_stream_under_50_streams_loses_nothing(
         for text, ids, finish in results:
             assert len(ids) == 1  # one id for the whole stream, migrated or not
             assert finish == "length"
-            assert 40 <= len(text.split()) <= 56  # about max_tokens words, no error text
+            assert 130 <= len(text.split()) <= 170  # about max_tokens words, no error text
         assert metric(r, 'flexpipe_migrations_total{outcome="ok"}') >= 1
         assert metric(r, 'flexpipe_migrations_total{outcome="failed"}') == 0
     finally:
@@ -296,7 +296,7 @@ def test_full_pool_queues_then_answers_429_with_retry_after(lt: LoopThread) -> N
             first = asyncio.create_task(one())
             await until(lambda: inst.num_in_flight == 1)
             second = asyncio.create_task(one())
-            await until(lambda: len(r.gw._waiters) == 1)
+            await until(lambda: r.gw.num_waiting == 1)
             third = await one()
             return [await first, await second, third]
         finally:

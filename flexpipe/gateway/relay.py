@@ -1,0 +1,335 @@
+"""Streams through the gateway: the push relay (the hot path) and, when the instance serving a
+stream fails, its continuation on another live instance.
+
+The push relay: the upstream connection's callback hands each chunk straight to the client's
+`ChunkWriter` (no task woken, no await per chunk), cut at event boundaries so a failure never
+leaves half an event at the client. A mid-stream failure hands the stream to a task running
+`relay_after_failure`, which parses what was sent, asks `migrate` for a continuation and
+rewrites its events into the client's stream (sse.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from flexpipe.gateway import sse
+from flexpipe.gateway.call import Call
+from flexpipe.gateway.pool import Instance
+from flexpipe.http.client import UpstreamError, UpstreamResponse
+from flexpipe.http.server import ChunkWriter, HttpError
+
+if TYPE_CHECKING:
+    from flexpipe.gateway.app import Gateway
+
+log = logging.getLogger("flexpipe.gateway")
+
+
+class PushRelay:
+    """The streaming hot path: the upstream connection's callback hands each chunk straight to
+    the client's `ChunkWriter` (no task woken, no await per chunk), cut at event boundaries so
+    a failure never leaves half an event at the client; the last events and the terminal chunk
+    go out in one write. A mid-stream failure hands over to `relay_after_failure` (migration) in
+    a task; a client that leaves aborts the upstream request at once."""
+
+    __slots__ = ("call", "done", "gw", "inst", "loop", "num_events", "pending", "resp", "sent",
+                 "t_first", "t_last", "tail", "task", "writer")  # fmt: skip
+
+    def __init__(self, gw: Gateway, call: Call, inst: Instance, resp: UpstreamResponse) -> None:
+        self.gw = gw
+        self.call = call
+        self.inst = inst
+        self.resp = resp
+        self.writer: ChunkWriter | None = None
+        self.sent: list[bytes] = []  # complete events relayed (kept for a migration)
+        self.tail = b""
+        self.t_first = self.t_last = 0.0
+        self.num_events = 0
+        self.done = False  # accounting done (ended, failed over or client gone)
+        self.task: asyncio.Task[None] | None = None  # the failover pump, if any
+        self.pending: list[bytes] = []  # received in this loop pass, written by `_flush`
+        self.loop = resp.loop
+
+    def start(self, writer: ChunkWriter) -> None:
+        self.writer = writer
+        writer.on_close = self._client_gone
+        writer.on_resume = self.resp.resume_reading
+        if writer.closed:
+            self._client_gone()
+            return
+        self.gw.relays.add(self)
+        self.resp.pipe(self._data, self._end)
+
+    def _data(self, chunk: bytes) -> None:
+        """Collect what arrives in this loop pass; one write at the end of the pass (what a
+        task woken by the first chunk would have sent, without the task)."""
+        if not self.pending:
+            self.loop.call_soon(self._flush)
+        self.pending.append(chunk)
+
+    def _flush(self) -> None:
+        if self.done:
+            return
+        out = self._complete_events()
+        if out:
+            writer = self.writer
+            assert writer is not None
+            writer.write(out)
+            if not writer.writable:
+                self.resp.pause_reading()
+
+    def _complete_events(self) -> bytes:
+        """The complete events received so far and not yet written (the rest stays in
+        `tail`), counted and kept for a migration."""
+        pending = self.pending
+        if not pending:
+            return b""
+        chunk = pending[0] if len(pending) == 1 else b"".join(pending)
+        pending.clear()
+        tail = self.tail
+        if not tail and chunk[-2:] == b"\n\n":
+            out = chunk
+        else:
+            data = tail + chunk
+            cut = data.rfind(b"\n\n") + 2
+            if cut < 2:
+                self.tail = data
+                return b""
+            out, self.tail = data[:cut], data[cut:]
+        t = self.gw.clock()
+        if not self.t_first:
+            self.t_first = t
+            self.gw.metrics.observe("ttft", self.call.model, t - self.call.t0)
+        self.t_last = t
+        self.num_events += out.count(b"\n\n")
+        self.sent.append(out)
+        return out
+
+    def _end(self, error: UpstreamError | None) -> None:
+        if self.done:
+            return
+        writer = self.writer
+        assert writer is not None
+        if error is not None:
+            self._flush()
+            self.done = True  # accounting moves to the failover relay
+            self.gw.relays.discard(self)
+            self.task = self.loop.create_task(self._failover(error))
+            self.gw.tasks.add(self.task)
+            self.task.add_done_callback(self.gw.tasks.discard)
+            return
+        out = self._complete_events()
+        self.done = True
+        writer.end(out + self.tail)  # the last events and the terminal chunk: one write
+        gw, call, inst = self.gw, self.call, self.inst
+        self.resp.release()
+        num_tokens = max(0, self.num_events - 2)
+        gw.stream_done(call, inst, self.t_first, self.t_last, num_tokens, True)
+        self._account("200")
+
+    def _account(self, status: str) -> None:
+        self.gw.relays.discard(self)
+        self.gw.finish(self.inst, self.call, status)
+        self.gw.end_call(self.call, max(0, self.num_events - 2))
+
+    def _client_gone(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        if self.done:
+            return
+        self.done = True
+        self.resp.release()  # aborts the upstream request
+        self._account("client_gone")
+
+    def abort(self, message: str) -> None:
+        """End the stream now (the gateway is stopping): what was received, an error event
+        and [DONE], so the client is told rather than cut off."""
+        if self.done:
+            return
+        out = self._complete_events()
+        self.done = True
+        writer = self.writer
+        assert writer is not None
+        writer.end(out + sse.error_event(message, 503, "ServiceUnavailableError") + sse.DONE)
+        self.resp.release()
+        self._account("shutdown")
+
+    async def _failover(self, error: UpstreamError) -> None:
+        writer = self.writer
+        assert writer is not None
+        relay = relay_after_failure(self.gw, self.call, self.inst, self.resp, self.sent, error,
+                               self.t_first, self.num_events)  # fmt: skip
+        resumed: asyncio.Future[None] | None = None
+
+        def on_resume() -> None:
+            if resumed is not None and not resumed.done():
+                resumed.set_result(None)
+
+        writer.on_resume = on_resume
+        try:
+            async for out in relay:
+                if writer.closed:
+                    break
+                writer.write(out)
+                if not writer.writable:
+                    resumed = asyncio.get_running_loop().create_future()
+                    await resumed
+            writer.end()
+        except asyncio.CancelledError:  # the client left, or the gateway is stopping
+            writer.end(sse.error_event("the gateway is shutting down", 503) + sse.DONE)
+            raise
+        except Exception:
+            log.exception("stream failover failed")
+            writer.fail(502, "the gateway failed to continue the stream")
+        finally:
+            await relay.aclose()
+
+
+async def relay_after_failure(
+    gw: Gateway,
+    call: Call,
+    inst: Instance,
+    resp: UpstreamResponse,
+    sent: list[bytes] | None = None,
+    failed: UpstreamError | None = None,
+    t_first: float = 0.0,
+    num_events: int = 0,
+) -> AsyncGenerator[bytes, None]:
+    """The stream as an async iterator: the path after a mid-stream failure of a pushed
+    relay (`failed`, with what it had relayed so far), and the reference for it. Each
+    failure continues the stream on another live instance, up to `max_migrations`."""
+    sent = [] if sent is None else sent  # complete events relayed from the first upstream
+    tail = b""
+    t_last = 0.0
+    state: sse.StreamState | None = None  # set once migrated: events are rewritten
+    status = "200"
+    live = True  # `inst` still counts this request
+    try:
+        while True:
+            try:
+                if failed is not None:
+                    exc, failed = failed, None
+                    raise exc
+                chunk = await resp.next_chunk()
+            except UpstreamError as exc:
+                gw.failure(inst)
+                gw.finish(inst, call, exc.kind)
+                live = False
+                resp.release()
+                call.failed.add(inst.url)
+                if state is None:
+                    state = sse.summarize(b"".join(sent), call.chat)
+                if state.finished:
+                    yield sse.DONE
+                    return
+                moved = await migrate(gw, call, inst, state)
+                if isinstance(moved, bytes):
+                    yield moved
+                    status = "migration_failed"
+                    return
+                inst, resp = moved
+                live = True
+                tail = b""
+                continue
+            if chunk is None:
+                if tail:
+                    yield tail
+                break
+            if not tail and chunk.endswith(b"\n\n"):
+                out = chunk
+            else:
+                data = tail + chunk
+                cut = data.rfind(b"\n\n") + 2
+                if cut < 2:
+                    tail = data
+                    continue
+                out, tail = data[:cut], data[cut:]
+            t_last = gw.clock()
+            if not t_first:
+                t_first = t_last
+                gw.metrics.observe("ttft", call.model, t_first - call.t0)
+            if state is None:
+                num_events += out.count(b"\n\n")
+                sent.append(out)
+                yield out
+            else:
+                parts = []
+                for payload in sse.events(out):
+                    ev, _ = sse.rewrite_event(payload, state, call.chat)
+                    if ev is not None:
+                        parts.append(ev)
+                if parts:
+                    yield b"".join(parts)
+        resp.release()
+        num_tokens = max(0, num_events - 2) if state is None else state.num_tokens
+        gw.stream_done(call, inst, t_first, t_last, num_tokens, state is None)
+    finally:
+        resp.release()  # aborts the upstream request if the client went away
+        if live:
+            gw.finish(inst, call, status)
+        num_out = max(0, num_events - 2) if state is None else state.num_tokens
+        gw.end_call(call, num_out)
+
+
+async def migrate(
+    gw: Gateway, call: Call, failed: Instance, state: sse.StreamState
+) -> tuple[Instance, UpstreamResponse] | bytes:
+    """Continue a broken stream on another live instance (each failed one is out for
+    this call, and a target that cannot be reached is skipped for the next); on
+    failure, the error event and [DONE] to end the client's stream with."""
+    if gw.shutting_down:
+        return sse.error_event("the gateway is shutting down", 503) + sse.DONE
+    if call.num_migrations >= gw.cfg.max_migrations:
+        gw.metrics.migrations.labels("failed").inc()
+        return sse.error_event("the instance serving this stream failed") + sse.DONE
+    body = sse.continuation_body(call.body, state, call.chat, gw.cfg.default_expected_output_tokens)
+    if body is None:  # nothing left to generate, or a prompt that cannot be continued
+        if state.num_tokens and state.id:
+            gw.metrics.migrations.labels("ok").inc()
+            return _final_event(state, call.chat) + sse.DONE
+        gw.metrics.migrations.labels("failed").inc()
+        return sse.error_event("the instance serving this stream failed") + sse.DONE
+    call.num_migrations += 1
+    call.num_retries = 0  # the continuation may retry a busy target once, as a request
+    state.num_tokens_at_join = state.num_tokens
+    try:
+        inst, resp = await gw.send(call, orjson.dumps(body))
+    except HttpError as exc:
+        gw.metrics.migrations.labels("failed").inc()
+        return sse.error_event(f"could not continue the stream: {exc.message}") + sse.DONE
+    if resp.status != 200:
+        detail = (await _safe_read(resp))[:200].decode("utf-8", "replace")
+        resp.release()
+        gw.finish(inst, call, str(resp.status))
+        gw.metrics.migrations.labels("failed").inc()
+        return sse.error_event(f"could not continue the stream: {detail}") + sse.DONE
+    gw.metrics.migrations.labels("ok").inc()
+    log.info("continued a stream from %s on %s", failed.url, inst.url)
+    return inst, resp
+
+
+async def _safe_read(resp: UpstreamResponse) -> bytes:
+    try:
+        return await resp.read()
+    except UpstreamError:
+        return b""
+
+
+def _final_event(state: sse.StreamState, chat: bool) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+    if chat:
+        choice["delta"] = {}
+    else:
+        choice["text"] = ""
+    obj = {
+        "id": state.id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": state.created,
+        "model": state.model,
+        "choices": [choice],
+    }
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

@@ -1,0 +1,87 @@
+"""The gateway's router core, stepped by hand: exact picks, holds and ejections at `now`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flexpipe.gateway.config import GatewayConfig
+from flexpipe.gateway.pool import InstanceState, Pool
+from flexpipe.gateway.router import NoInstance, Router
+from flexpipe.policies.routing import RoutingRequest
+
+A, B, C = "http://a", "http://b", "http://c"
+
+
+def make(policy: str = "round_robin", **cfg: object) -> Router:
+    config = GatewayConfig(policy=policy, **cfg)  # type: ignore[arg-type]
+    pool = Pool(default_max_concurrency=2)
+    for url in (A, B, C):
+        pool.add(url, "m")
+    return Router(config, pool, random.Random(0))
+
+
+REQ = RoutingRequest(num_prompt_tokens=10, num_expected_output_tokens=20)
+
+
+def test_failed_instances_are_never_picked_again_busy_ones_only_as_a_last_resort() -> None:
+    r = make()
+    for _ in range(6):
+        pick = r.pick("m", REQ, 0.0, failed={A, B})
+        assert pick is not None and pick.instance.url == C
+    pick = r.pick("m", REQ, 0.0, excluded={A, B, C}, failed={A, B})
+    assert pick is not None and pick.instance.url == C  # busy: still better than nothing
+    with pytest.raises(NoInstance):
+        r.pick("m", REQ, 0.0, failed={A, B, C})
+    with pytest.raises(NoInstance):
+        r.pick("other-model", REQ, 0.0)
+
+
+def test_full_instances_are_skipped_and_none_means_queue() -> None:
+    r = make()
+    held = []
+    for _ in range(6):  # 3 instances x 2 slots
+        pick = r.pick("m", REQ, 0.0)
+        assert pick is not None
+        r.acquire(pick.instance, 30)
+        held.append(pick.instance)
+    assert sorted(i.url for i in held) == [A, A, B, B, C, C]
+    assert r.pick("m", REQ, 0.0) is None
+    r.finish(held[0], 30, 1.0)
+    pick = r.pick("m", REQ, 1.0)
+    assert pick is not None and pick.instance is held[0]
+
+
+def test_acquire_and_finish_balance_the_load_counters() -> None:
+    r = make()
+    inst = r.pool.get(A)
+    for _ in range(5):
+        r.acquire(inst, 100)
+    for t in range(5):
+        r.finish(inst, 100, float(t))
+    assert inst.num_in_flight == 0
+    assert inst.num_tokens_sent_since_scrape == 0
+    assert r.drain_rate.rate(4.0) > 0
+
+
+def test_passive_failures_eject_after_the_threshold_and_success_resets() -> None:
+    r = make(eject_after_failures=2, eject_base_backoff_s=1.0)
+    inst = r.pool.get(B)
+    assert r.failed(inst, 10.0) is False
+    r.succeeded(inst)
+    assert r.failed(inst, 10.0) is False
+    assert r.failed(inst, 10.5) is True
+    assert inst.state is InstanceState.EJECTED and inst.ejected_until_s == 11.5
+    pick = r.pick("m", REQ, 10.5)
+    assert pick is not None and pick.instance.url != B
+
+
+def test_retry_after_follows_the_measured_drain_rate() -> None:
+    r = make()
+    assert r.retry_after_s(5, 0.0) == 60.0  # nothing finished yet: the cap
+    inst = r.pool.get(A)
+    for i in range(1, 2001):  # 10 per second for 200 s
+        r.acquire(inst, 1)
+        r.finish(inst, 1, i / 10)
+    assert r.retry_after_s(49, 200.0) == pytest.approx(5.0, rel=0.01)
