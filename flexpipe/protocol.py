@@ -40,6 +40,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     Tag,
+    TypeAdapter,
     ValidationError,
 )
 
@@ -383,6 +384,21 @@ def _parse(
     return ValidRequest(request, body)
 
 
+_MESSAGE_LIST: TypeAdapter[list[Message]] = TypeAdapter(
+    Annotated[list[Message], Field(min_length=1)]
+)
+
+
+def validate_messages(messages: Any) -> list[Message]:
+    """Chat messages alone (vLLM's /tokenize takes them): RequestError on a violation, its
+    param under `messages`."""
+    try:
+        return _MESSAGE_LIST.validate_python(messages)
+    except ValidationError as exc:
+        err = _request_error(exc, {"messages": messages}, prefix=("messages",))
+        raise err from None
+
+
 def _check_rules(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Rules between fields (cheaper here than as pydantic validators, and with a param)."""
     if req.n is not None and req.n != 1:
@@ -430,11 +446,13 @@ def _json_kind(value: Any) -> str:
     return "an object"
 
 
-def _request_error(exc: ValidationError, body: dict[str, Any]) -> RequestError:
+def _request_error(
+    exc: ValidationError, body: dict[str, Any], prefix: tuple[str, ...] = ()
+) -> RequestError:
     """The first violation as one RequestError (the count of the others in the message)."""
     errors = exc.errors(include_url=False, include_context=True)
     err = errors[0]
-    param = _param(err["loc"], body)
+    param = _param((*prefix, *err["loc"]), body)
     describe = _MESSAGES.get(err["type"])
     if describe is not None:
         what = describe(dict(err))
@@ -483,4 +501,5 @@ __all__ = [
     "load_json_object",
     "parse_chat_request",
     "parse_completion_request",
+    "validate_messages",
 ]

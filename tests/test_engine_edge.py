@@ -131,6 +131,18 @@ def test_missing_content_type_is_400_as_in_vllm(eng0: EngineProc) -> None:
         conn.close()
 
 
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (["x"], "messages.0"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages.0.content.0.text"),
+    ],
+)
+def test_tokenize_validates_messages(eng0: EngineProc, messages: Any, param: str) -> None:
+    status, err = post(eng0, "/tokenize", {"model": MODEL, "messages": messages})
+    assert (status, err["error"]["param"]) == (400, param)
+
+
 HOSTILE: list[Any] = [
     None, True, False, 0, -1, 1.5, 10**12, "yes", "", [], {}, [5], [None],
     {"type": "text", "text": 5}, [{"type": "text", "text": None}], "x" * 40,

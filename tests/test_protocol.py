@@ -210,6 +210,16 @@ def test_completion_max_tokens_and_defaults() -> None:
     )
 
 
+def test_messages_alone() -> None:
+    assert protocol.validate_messages([{"role": "user", "content": "x"}])[0].role == "user"
+    part = [{"role": "u", "content": [{"type": "text"}]}]
+    cases = [("x", "messages"), ([], "messages"), (["x"], "messages.0")]
+    for bad, param in [*cases, (part, "messages.0.content.0.text")]:
+        with pytest.raises(RequestError) as info:
+            protocol.validate_messages(bad)
+        assert info.value.param == param
+
+
 def test_public_api() -> None:
     assert set(protocol.__all__) == {
         "JSON_MEDIA_TYPE",
@@ -226,5 +236,6 @@ def test_public_api() -> None:
         "load_json_object",
         "parse_chat_request",
         "parse_completion_request",
+        "validate_messages",
     }
     assert all(hasattr(protocol, name) for name in protocol.__all__)

@@ -43,6 +43,7 @@ from flexpipe.protocol import (
     ValidRequest,
     parse_chat_request,
     parse_completion_request,
+    validate_messages,
 )
 
 VLLM_COMPAT_VERSION = "0.11.0"
@@ -216,8 +217,10 @@ class SimServer:
         add_special = bool(body.get("add_special_tokens", True))
         if "messages" in body:
             messages = body["messages"]
-            if not isinstance(messages, list):
-                raise HttpError(400, "messages must be a list", param="messages")
+            try:
+                validate_messages(messages)
+            except RequestError as exc:
+                raise HttpError(400, exc.message, exc.type, exc.param) from None
             text = self.tokenizer.apply_chat_template(
                 messages, bool(body.get("add_generation_prompt", True))
             )
@@ -488,11 +491,15 @@ class SimServer:
         }
         bandwidth = body.get("bandwidth_bytes_per_s")
         if bandwidth is not None:
-            if not isinstance(bandwidth, int | float) or bandwidth <= 0:
+            if (
+                isinstance(bandwidth, bool)
+                or not isinstance(bandwidth, int | float)
+                or bandwidth <= 0
+            ):
                 raise HttpError(
                     400, "bandwidth_bytes_per_s must be > 0", param="bandwidth_bytes_per_s"
                 )
-            latency = float(body.get("latency_s") or 0.0)
+            latency = _seconds(body, "latency_s")
             state["transfer_s"] = pm.kv_transfer_s(num_kv, float(bandwidth), latency)
         if body.get("abort"):
             self.engine.abort(ereq)
@@ -514,20 +521,34 @@ class SimServer:
         assert isinstance(valid.request, CompletionRequest)
         prompt_ids = self._completion_prompt(valid.request.prompt)
         num_kv = body.get("num_kv_tokens", 0)
-        if not isinstance(num_kv, int) or not 0 <= num_kv <= len(prompt_ids):
+        if type(num_kv) is not int or not 0 <= num_kv <= len(prompt_ids):
             raise HttpError(400, "num_kv_tokens must be in [0, len(prompt)]", param="num_kv_tokens")
         bandwidth = body.get("bandwidth_bytes_per_s")
         transfer_s = 0.0
         if num_kv:
-            if not isinstance(bandwidth, int | float) or bandwidth <= 0:
+            if (
+                isinstance(bandwidth, bool)
+                or not isinstance(bandwidth, int | float)
+                or bandwidth <= 0
+            ):
                 raise HttpError(
                     400, "bandwidth_bytes_per_s must be > 0", param="bandwidth_bytes_per_s"
                 )
-            latency = float(body.get("latency_s") or 0.0)
+            latency = _seconds(body, "latency_s")
             transfer_s = self.cfg.pm.kv_transfer_s(num_kv, float(bandwidth), latency)
         # the last token is always computed (its logits are needed)
         num_kv = min(num_kv, len(prompt_ids) - 1)
         return await self._generate(req, valid, prompt_ids, num_kv, transfer_s)
+
+
+def _seconds(body: dict[str, Any], name: str) -> float:
+    """An optional non-negative number of seconds from a JSON body (0 when absent)."""
+    value = body.get(name)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+        raise HttpError(400, f"{name}: must be a number of seconds >= 0", param=name)
+    return float(value)
 
 
 def _secret_matches(given: str | None, secret: bytes) -> bool:
