@@ -73,3 +73,46 @@ def test_vllm_pp_layer_partition_sets_uneven_stages(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "20,20")
     with pytest.raises(EngineArgsError, match="summing to the model's 32 layers"):
         parse_engine_args(argv)
+
+
+def test_secrets_come_from_flags_files_or_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = ["llama-2-7b", "--max-model-len", "1024"]
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv("FLEXPIPE_ADMIN_TOKEN", raising=False)
+    cfg = parse_engine_args(base)
+    assert (cfg.api_key, cfg.admin_token) == (None, None)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    monkeypatch.setenv("FLEXPIPE_ADMIN_TOKEN", "admin-env")
+    cfg = parse_engine_args(base)
+    assert (cfg.api_key, cfg.admin_token) == ("from-env", "admin-env")
+    key_file, token_file = tmp_path / "key", tmp_path / "token"
+    key_file.write_text("  from-file \nsecond line ignored\n")
+    token_file.write_text("admin-file")
+    cfg = parse_engine_args(
+        [*base, "--api-key-file", str(key_file), "--admin-token-file", str(token_file)]
+    )
+    assert (cfg.api_key, cfg.admin_token) == ("from-file", "admin-file")  # files beat env
+    cfg = parse_engine_args([*base, "--api-key", "flag", "--admin-token", "admin-flag"])
+    assert (cfg.api_key, cfg.admin_token) == ("flag", "admin-flag")
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--api-key", "k", "--api-key-file", "{key}"], "not both"),
+        (["--admin-token-file", "{missing}"], "No such file"),
+        (["--api-key-file", "{empty}"], "is empty"),
+    ],
+)
+def test_bad_secret_files_give_one_readable_line(
+    tmp_path: Path, extra: list[str], needle: str
+) -> None:
+    (tmp_path / "key").write_text("k")
+    (tmp_path / "empty").write_text("\n")
+    paths = {n: str(tmp_path / n) for n in ("key", "missing", "empty")}
+    argv = ["llama-2-7b", "--max-model-len", "1024", *(a.format(**paths) for a in extra)]
+    with pytest.raises(EngineArgsError) as info:
+        parse_engine_args(argv)
+    assert needle in str(info.value) and "\n" not in str(info.value)

@@ -19,7 +19,9 @@ def sim(ctx: typer.Context) -> None:
 
     Takes `vllm serve` flags (`--model`, `--tensor-parallel-size`, `--max-num-seqs`, ...) plus
     --gpu-type/--link or --cluster/--gpu-ids, --time-scale, --seed, --load-time-s,
-    --admin-token. `flexpipe engine sim --help` lists them all.
+    --admin-token. Secrets stay out of `ps` with --api-key-file / --admin-token-file or the
+    environment (VLLM_API_KEY, FLEXPIPE_ADMIN_TOKEN). `flexpipe engine sim --help` lists them
+    all.
     """
     from flexpipe.engine.sim import main
 

@@ -11,6 +11,7 @@ Errors use vLLM's body and status codes (400 bad request, 401 wrong API key, 404
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 import uuid
 from typing import Any
@@ -34,6 +35,15 @@ from flexpipe.http.server import (
     Response,
     error_response,
     json_response,
+)
+from flexpipe.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    ValidRequest,
+    parse_chat_request,
+    parse_completion_request,
+    validate_messages,
 )
 
 VLLM_COMPAT_VERSION = "0.11.0"
@@ -83,6 +93,9 @@ class SimServer:
         self.engine = Engine(self.scheduler, pm.step_time_s, self.metrics, cfg.time_scale)
         self.model_name = cfg.served_model_name
         self._model_json = orjson.dumps(self.model_name)
+        # secrets as bytes, compared in constant time (hmac.compare_digest)
+        self._api_key = cfg.api_key.encode() if cfg.api_key is not None else None
+        self._admin_token = cfg.admin_token.encode() if cfg.admin_token is not None else None
         # token id -> its text as a JSON string (a streamed token costs no encoding)
         self._frag_json = {t: orjson.dumps(f) for t, f in self.tokenizer.gen_fragments.items()}
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -125,26 +138,41 @@ class SimServer:
 
     # --- checks --------------------------------------------------------------------------
     def _check_api_key(self, req: Request) -> None:
-        key = self.cfg.api_key
-        if key is not None and req.headers.get("authorization") != f"Bearer {key}":
+        key = self._api_key
+        if key is not None and not _bearer_matches(req.headers.get("authorization"), key):
             raise HttpError(401, "Unauthorized", "AuthenticationError")
 
     def _check_ready(self) -> None:
         if not self.ready:
             raise HttpError(503, "The model is still loading", "ServiceUnavailableError")
 
-    def _check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
+    def _check_model(self, model: Any) -> None:
         if model is not None and model not in self.cfg.served_model_names:
             raise HttpError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
     def _check_admin(self, req: Request) -> None:
-        token = self.cfg.admin_token
+        token = self._admin_token
         if token is None:
             raise HttpError(403, "the admin API is disabled: start with --admin-token")
-        given = req.headers.get("x-admin-token") or req.headers.get("authorization", "")
-        if given not in (token, f"Bearer {token}"):
+        given = req.headers.get("x-admin-token")
+        if given is None:
+            auth = req.headers.get("authorization") or ""
+            given = auth.removeprefix("Bearer ")
+        if not _secret_matches(given, token):
             raise HttpError(401, "wrong or missing admin token", "AuthenticationError")
+
+    def _valid(
+        self, req: Request, chat: bool, strict_content_type: bool = True
+    ) -> ValidRequest[ChatCompletionRequest] | ValidRequest[CompletionRequest]:
+        """The body validated against the OpenAI schema (flexpipe.protocol); a 400 otherwise.
+        As vLLM: a body not declared application/json is a 400 (`strict_content_type`)."""
+        content_type = req.headers.get("content-type")
+        try:
+            if chat:
+                return parse_chat_request(req.body, content_type, not strict_content_type)
+            return parse_completion_request(req.body, content_type, not strict_content_type)
+        except RequestError as exc:
+            raise HttpError(exc.status, exc.message, exc.type, exc.param) from None
 
     def _json_object(self, req: Request) -> dict[str, Any]:
         body = req.json()
@@ -185,12 +213,14 @@ class SimServer:
     async def tokenize(self, req: Request) -> Response:
         self._check_api_key(req)
         body = self._json_object(req)
-        self._check_model(body)
+        self._check_model(body.get("model"))
         add_special = bool(body.get("add_special_tokens", True))
         if "messages" in body:
             messages = body["messages"]
-            if not isinstance(messages, list):
-                raise HttpError(400, "messages must be a list", param="messages")
+            try:
+                validate_messages(messages)
+            except RequestError as exc:
+                raise HttpError(400, exc.message, exc.type, exc.param) from None
             text = self.tokenizer.apply_chat_template(
                 messages, bool(body.get("add_generation_prompt", True))
             )
@@ -212,7 +242,7 @@ class SimServer:
     async def detokenize(self, req: Request) -> Response:
         self._check_api_key(req)
         body = self._json_object(req)
-        self._check_model(body)
+        self._check_model(body.get("model"))
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise HttpError(400, "tokens must be a list of token ids", param="tokens")
@@ -221,56 +251,49 @@ class SimServer:
     # --- generation ----------------------------------------------------------------------
     async def completions(self, req: Request) -> Response | PushResponse:
         self._check_api_key(req)
-        body = self._json_object(req)
-        self._check_model(body)
+        valid = self._valid(req, chat=False)
+        self._check_model(valid.model)
         self._check_ready()
-        prompt_ids = self._completion_prompt(body.get("prompt"))
-        return await self._generate(req, body, prompt_ids, chat=False)
+        assert isinstance(valid.request, CompletionRequest)
+        prompt_ids = self._completion_prompt(valid.request.prompt)
+        return await self._generate(req, valid, prompt_ids)
 
     async def chat_completions(self, req: Request) -> Response | PushResponse:
         self._check_api_key(req)
-        body = self._json_object(req)
-        self._check_model(body)
+        valid = self._valid(req, chat=True)
+        self._check_model(valid.model)
         self._check_ready()
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise HttpError(400, "messages must be a non-empty list", param="messages")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise HttpError(400, "each message needs a role", param="messages")
+        assert isinstance(valid.request, ChatCompletionRequest)
+        # the template reads the validated body's plain dicts (content: str or parts)
         text = self.tokenizer.apply_chat_template(
-            messages, bool(body.get("add_generation_prompt", True))
+            valid.body["messages"], valid.request.add_generation_prompt
         )
         prompt_ids = self.tokenizer.encode(text)
-        return await self._generate(req, body, prompt_ids, chat=True)
+        return await self._generate(req, valid, prompt_ids)
 
-    def _completion_prompt(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            vocab = self.tokenizer.vocab_size
-            if any(t < 0 or t >= vocab for t in prompt):
-                raise HttpError(400, f"token ids must be in [0, {vocab})", param="prompt")
-            return list(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1:
+    def _completion_prompt(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[int]:
+        """Token ids of a validated prompt (one prompt: the sim engine serves no batches)."""
+        if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
             raise HttpError(
                 400, "batched prompts are not supported by the sim engine", param="prompt"
             )
-        raise HttpError(400, "prompt must be a non-empty string or token id list", param="prompt")
+        one = prompt[0] if isinstance(prompt, list) and not isinstance(prompt[0], int) else prompt
+        if isinstance(one, str):
+            return self.tokenizer.encode(one)
+        ids = [t for t in one if isinstance(t, int)]  # all of them (validated)
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t in ids):
+            raise HttpError(400, f"token ids must be in [0, {vocab})", param="prompt")
+        return ids
 
-    def _sampling(self, body: dict[str, Any], num_prompt: int, chat: bool) -> SamplingParams:
-        n = body.get("n", 1)
-        if n != 1 and n is not None:
-            raise HttpError(400, "n > 1 is not supported by the sim engine", param="n")
-        max_tokens = body.get("max_completion_tokens") if chat else None
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise HttpError(
-                400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens"
-            )
+    def _sampling(
+        self, r: ChatCompletionRequest | CompletionRequest, num_prompt: int
+    ) -> SamplingParams:
+        """Sampling params of a validated request (types and ranges were checked by the
+        schema; what is left depends on this engine: the context length)."""
+        max_tokens = r.output_limit
         limit = self.cfg.max_model_len
         if num_prompt >= limit or (max_tokens is not None and num_prompt + max_tokens > limit):
             requested = num_prompt + (max_tokens or 0)
@@ -282,44 +305,21 @@ class SimServer:
                 "messages or completion.",
                 param="max_tokens" if max_tokens else "messages",
             )
-        for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 1e-9, 1.0)):
-            value = body.get(name)
-            if value is not None and (
-                not isinstance(value, int | float) or not lo <= float(value) <= hi
-            ):
-                raise HttpError(400, f"{name} must be in [{lo:g}, {hi:g}], got {value}", param=name)
-        stop = body.get("stop")
-        if isinstance(stop, str):
-            stop = [stop]
-        if stop is not None and (
-            not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)
-        ):
-            raise HttpError(400, "stop must be a string or a list of strings", param="stop")
-        stop_ids = body.get("stop_token_ids") or []
-        if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
-            raise HttpError(400, "stop_token_ids must be a list of ints", param="stop_token_ids")
-        min_tokens = body.get("min_tokens") or 0
-        if not isinstance(min_tokens, int) or min_tokens < 0:
-            raise HttpError(400, "min_tokens must be >= 0", param="min_tokens")
-        if max_tokens is not None and min_tokens > max_tokens:
-            raise HttpError(400, "min_tokens must be <= max_tokens", param="min_tokens")
-        seed = body.get("seed")
-        if seed is not None and not isinstance(seed, int):
-            raise HttpError(400, "seed must be an integer", param="seed")
+        stop = r.stop
         return SamplingParams(
             max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            ignore_eos=bool(body.get("ignore_eos", False)),
-            stop=tuple(stop or ()),
-            stop_token_ids=tuple(stop_ids),
-            include_stop_str_in_output=bool(body.get("include_stop_str_in_output", False)),
-            seed=seed,
+            min_tokens=r.min_tokens,
+            ignore_eos=r.ignore_eos,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            stop_token_ids=tuple(r.stop_token_ids or ()),
+            include_stop_str_in_output=r.include_stop_str_in_output,
+            seed=r.seed,
         )
 
     def _new_request(
-        self, req: Request, body: dict[str, Any], prompt_ids: list[int], chat: bool
+        self, req: Request, r: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int]
     ) -> EngineRequest:
-        params = self._sampling(body, len(prompt_ids), chat)
+        params = self._sampling(r, len(prompt_ids))
         limit = self.cfg.max_model_len - len(prompt_ids)
         rid = req.headers.get("x-request-id")
         if not rid:
@@ -341,17 +341,17 @@ class SimServer:
     async def _generate(
         self,
         req: Request,
-        body: dict[str, Any],
+        valid: ValidRequest[ChatCompletionRequest] | ValidRequest[CompletionRequest],
         prompt_ids: list[int],
-        chat: bool,
         preloaded_tokens: int = 0,
         transfer_s: float = 0.0,
     ) -> Response | PushResponse:
-        ereq = self._new_request(req, body, prompt_ids, chat)
+        """Run one request; whatever way the handler ends (cancelled by a client that left
+        before the response head included), the request leaves the engine."""
+        chat = valid.chat
+        ereq = self._new_request(req, valid.request, prompt_ids)
         ereq.num_preloaded_tokens = preloaded_tokens
-        stream = bool(body.get("stream", False))
-        opts = body.get("stream_options") or {}
-        include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+        stream = valid.stream
         headers = {"x-request-id": ereq.request_id}
         if transfer_s > 0:
             headers["x-flexpipe-kv-transfer-s"] = f"{transfer_s:.6f}"
@@ -362,7 +362,8 @@ class SimServer:
                 self.engine,
                 ereq,
                 chat,
-                include_usage,
+                valid.include_usage,
+                valid.continuous_usage_stats,
                 _now_s(),
                 self._model_json,
                 self.tokenizer.gen_fragments,
@@ -378,10 +379,12 @@ class SimServer:
         self.engine.add(ereq)
         try:
             await done
-        except BaseException:
-            self.engine.abort(ereq)
-            raise
-        self.engine.release(ereq)
+        finally:
+            # cancelled (the client left) or failed: abort frees its KV blocks and slot
+            if ereq.is_finished:
+                self.engine.release(ereq)
+            else:
+                self.engine.abort(ereq)
         if ereq.finish_reason == "error":
             raise HttpError(400, ereq.error or "request failed")
         text = self._text(ereq, chat, len(ereq.output_token_ids))
@@ -488,11 +491,15 @@ class SimServer:
         }
         bandwidth = body.get("bandwidth_bytes_per_s")
         if bandwidth is not None:
-            if not isinstance(bandwidth, int | float) or bandwidth <= 0:
+            if (
+                isinstance(bandwidth, bool)
+                or not isinstance(bandwidth, int | float)
+                or bandwidth <= 0
+            ):
                 raise HttpError(
                     400, "bandwidth_bytes_per_s must be > 0", param="bandwidth_bytes_per_s"
                 )
-            latency = float(body.get("latency_s") or 0.0)
+            latency = _seconds(body, "latency_s")
             state["transfer_s"] = pm.kv_transfer_s(num_kv, float(bandwidth), latency)
         if body.get("abort"):
             self.engine.abort(ereq)
@@ -507,25 +514,55 @@ class SimServer:
         "latency_s". The transfer time (the performance model's kv_transfer_s) is waited
         before admission; those tokens are then never computed."""
         self._check_admin(req)
-        body = self._json_object(req)
-        self._check_model(body)
+        valid = self._valid(req, chat=False, strict_content_type=False)
+        body = valid.body
+        self._check_model(valid.model)
         self._check_ready()
-        prompt_ids = self._completion_prompt(body.get("prompt"))
+        assert isinstance(valid.request, CompletionRequest)
+        prompt_ids = self._completion_prompt(valid.request.prompt)
         num_kv = body.get("num_kv_tokens", 0)
-        if not isinstance(num_kv, int) or not 0 <= num_kv <= len(prompt_ids):
+        if type(num_kv) is not int or not 0 <= num_kv <= len(prompt_ids):
             raise HttpError(400, "num_kv_tokens must be in [0, len(prompt)]", param="num_kv_tokens")
         bandwidth = body.get("bandwidth_bytes_per_s")
         transfer_s = 0.0
         if num_kv:
-            if not isinstance(bandwidth, int | float) or bandwidth <= 0:
+            if (
+                isinstance(bandwidth, bool)
+                or not isinstance(bandwidth, int | float)
+                or bandwidth <= 0
+            ):
                 raise HttpError(
                     400, "bandwidth_bytes_per_s must be > 0", param="bandwidth_bytes_per_s"
                 )
-            latency = float(body.get("latency_s") or 0.0)
+            latency = _seconds(body, "latency_s")
             transfer_s = self.cfg.pm.kv_transfer_s(num_kv, float(bandwidth), latency)
         # the last token is always computed (its logits are needed)
         num_kv = min(num_kv, len(prompt_ids) - 1)
-        return await self._generate(req, body, prompt_ids, False, num_kv, transfer_s)
+        return await self._generate(req, valid, prompt_ids, num_kv, transfer_s)
+
+
+def _seconds(body: dict[str, Any], name: str) -> float:
+    """An optional non-negative number of seconds from a JSON body (0 when absent)."""
+    value = body.get(name)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+        raise HttpError(400, f"{name}: must be a number of seconds >= 0", param=name)
+    return float(value)
+
+
+def _secret_matches(given: str | None, secret: bytes) -> bool:
+    """Constant-time comparison (no timing side channel on how much of a guess was right).
+    Header values are latin-1 text of the bytes received: compare those bytes."""
+    if given is None:
+        return False
+    return hmac.compare_digest(given.encode("latin-1", "replace"), secret)
+
+
+def _bearer_matches(authorization: str | None, secret: bytes) -> bool:
+    if authorization is None or not authorization.startswith("Bearer "):
+        return False
+    return _secret_matches(authorization[7:], secret)
 
 
 __all__ = ["VLLM_COMPAT_VERSION", "SimServer"]

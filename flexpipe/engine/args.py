@@ -5,6 +5,10 @@ warning, so a launcher needs no special case for the sim. Sim-only flags say whi
 the sim stands for: `--gpu-type` and `--link` (default: one A100-80G-SXM per tensor-parallel
 rank, joined by NVLink 3), or `--cluster FILE --gpu-ids g1,g2,...` (in pipeline order, tp per
 stage; `;` may separate stages explicitly).
+
+Secrets stay out of `ps`: the API key comes from `--api-key-file FILE` or the environment
+(`VLLM_API_KEY`, as vLLM reads it), the admin token from `--admin-token-file FILE` or
+`FLEXPIPE_ADMIN_TOKEN`; `--api-key` / `--admin-token` on the command line still work.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def build_parser(prog: str = "flexpipe engine sim") -> argparse.ArgumentParser:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     _bool_flag(p, "--enable-prefix-caching", True, "prefix caching (default on)")
     _bool_flag(p, "--enable-chunked-prefill", True, "chunked prefill (default on)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="or env VLLM_API_KEY, or --api-key-file")
+    p.add_argument("--api-key-file", default=None, help="read the API key from this file")
     p.add_argument("--seed", type=int, default=0)
     sim = p.add_argument_group("sim engine (flexpipe only)")
     sim.add_argument("--gpu-type", default="A100-80G-SXM", help="GPU type each rank stands for")
@@ -64,6 +69,7 @@ def build_parser(prog: str = "flexpipe engine sim") -> argparse.ArgumentParser:
     sim.add_argument("--time-scale", type=float, default=1.0, help="0: no sleeping at all")
     sim.add_argument("--load-time-s", type=float, default=None, help="override the cold start")
     sim.add_argument("--admin-token", default=None, help="or env FLEXPIPE_ADMIN_TOKEN")
+    sim.add_argument("--admin-token-file", default=None, help="read the admin token from a file")
     sim.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
     sim.add_argument("--log-level", default="warning")
     return p
@@ -161,8 +167,8 @@ def parse_engine_args(argv: Sequence[str]) -> EngineConfig:
         gear = replace(gear, max_num_batched_tokens=max(8192, max_model_len))
     load_time_s = args.load_time_s if args.load_time_s is not None else pm.cold_start_s()
     names = tuple(args.served_model_name or [model_path])
-    admin = args.admin_token or os.environ.get("FLEXPIPE_ADMIN_TOKEN") or None
-    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    admin = _secret(args.admin_token, args.admin_token_file, "FLEXPIPE_ADMIN_TOKEN", "admin-token")
+    api_key = _secret(args.api_key, args.api_key_file, "VLLM_API_KEY", "api-key")
     if args.time_scale < 0:
         raise EngineArgsError("--time-scale must be >= 0")
     return EngineConfig(
@@ -187,6 +193,24 @@ def parse_engine_args(argv: Sequence[str]) -> EngineConfig:
         ignored_flags=ignored,
         hardware=hardware,
     )
+
+
+def _secret(value: str | None, path: str | None, env: str, flag: str) -> str | None:
+    """A secret from --FLAG, --FLAG-file (first line, surrounding whitespace stripped) or the
+    environment, in that order; giving both the flag and the file is an error."""
+    if value is not None and path is not None:
+        raise EngineArgsError(f"give --{flag} or --{flag}-file, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise EngineArgsError(f"--{flag}-file {path}: {reason}") from None
+        if not text:
+            raise EngineArgsError(f"--{flag}-file {path} is empty")
+        return text
+    return value or os.environ.get(env) or None
 
 
 def _cluster_perf_model(

@@ -10,6 +10,9 @@ per token, so 256 streams cost one loop pass and one socket write each per step.
   token (one event for the new text when stop strings are set).
 - Disconnect: the writer's `on_close` aborts the request at once (its KV blocks are freed).
 - An error before anything was sent (a request that can never fit) answers a 400 error body.
+- `stream_options.include_usage`: a last chunk with the usage and no choices; with
+  `continuous_usage_stats` as well, every chunk also carries the usage so far (vLLM's rule:
+  continuous usage needs include_usage).
 
 `FinishSink` is the non-streaming counterpart: it resolves a future once, at the end.
 """
@@ -50,6 +53,7 @@ class SseStream:
 
     __slots__ = (
         "_chat",
+        "_continuous_usage",
         "_created",
         "_engine",
         "_first",
@@ -74,6 +78,7 @@ class SseStream:
         ereq: EngineRequest,
         chat: bool,
         include_usage: bool,
+        continuous_usage: bool,
         created: int,
         model_json: bytes,
         frags: dict[int, str],
@@ -88,6 +93,7 @@ class SseStream:
         self.ereq = ereq
         self._chat = chat
         self._include_usage = include_usage
+        self._continuous_usage = include_usage and continuous_usage
         self._created = created
         self._model = model_json
         self._frags = frags
@@ -122,10 +128,21 @@ class SseStream:
             writer.write(
                 b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
                 b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-                b'"logprobs":null,"finish_reason":null}]}\n\n'
-                % (self._rid, self._created, self._model)
+                b'"logprobs":null,"finish_reason":null}]%s}\n\n'
+                % (self._rid, self._created, self._model, self._usage_so_far(0))
             )
         self._flush()  # tokens made before the connection got to this response
+
+    def _usage_so_far(self, num_out: int) -> bytes:
+        """The `,"usage":{...}` of a chunk after `num_out` tokens (continuous usage only)."""
+        if not self._continuous_usage:
+            return b""
+        num_prompt = self.ereq.num_prompt_tokens
+        return b',"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d}' % (
+            num_prompt,
+            num_prompt + num_out,
+            num_out,
+        )
 
     def _on_close(self) -> None:
         ereq = self.ereq
@@ -174,6 +191,8 @@ class SseStream:
                 first = self._frags.get(ereq.token_ids[start + sent], "").lstrip(" ")
                 pieces[0] = orjson.dumps(first)
         head = self._head
+        if self._continuous_usage:
+            return self._flush_with_usage(writer, pieces, n_out, finished)
         open_tail = self._mid + b"null" + _TAIL_OPEN
         if not finished:
             if len(pieces) == 1:
@@ -190,6 +209,46 @@ class SseStream:
             + dumps(ereq.finish_reason)
             + b',"stop_reason":%s}]}\n\n' % dumps(ereq.stop_reason)
         )
+        self._end(writer, out)
+
+    def _flush_with_usage(
+        self, writer: ChunkWriter, pieces: list[bytes], n_out: int, finished: bool
+    ) -> None:
+        """`_flush` with continuous usage stats: each event carries the usage after it (one
+        event per token: one more token each; one event of new text: all of them)."""
+        ereq = self.ereq
+        head = self._head
+        open_tail = self._mid + b'null,"stop_reason":null}]'
+        if ereq.params.stop:
+            counts = [n_out] * len(pieces)
+        else:
+            counts = list(range(n_out - len(pieces) + 1, n_out + 1))
+        usage = self._usage_so_far
+        events = [
+            head + p + open_tail + usage(n) + b"}\n\n" for p, n in zip(pieces, counts, strict=True)
+        ]
+        if not finished:
+            writer.write(b"".join(events))
+            return
+        last = pieces[-1] if pieces else b'""'
+        if events:
+            events.pop()
+        dumps = orjson.dumps
+        events.append(
+            head
+            + last
+            + self._mid
+            + dumps(ereq.finish_reason)
+            + b',"stop_reason":%s}]' % dumps(ereq.stop_reason)
+            + usage(n_out)
+            + b"}\n\n"
+        )
+        self._end(writer, b"".join(events))
+
+    def _end(self, writer: ChunkWriter, out: bytes) -> None:
+        """The request's last events, the usage chunk when asked for, [DONE]."""
+        ereq = self.ereq
+        dumps = orjson.dumps
         if self._include_usage:
             out += (
                 b'data: {"id":"%s","object":"%s","created":%d,"model":%s,"choices":[],"usage":%s}\n\n'  # noqa: E501
