@@ -428,3 +428,34 @@ def test_slow_reader_gets_every_token_and_blocks_no_one() -> None:
 
     with sim_engine([*args, "--served-model-name", name]) as e:
         asyncio.run(run(e))
+
+
+def test_a_continued_assistant_message_joins_with_a_space(eng: EngineProc) -> None:
+    """continue_final_message (the gateway's stream continuation): the first new token
+    follows the text already there, so "light" + "most" is "light most", never "lightmost";
+    a fresh reply starts without a space."""
+    c = client(eng)
+    msgs: list[dict[str, str]] = [{"role": "user", "content": "tell me a story"}]
+    fresh = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3)  # type: ignore[arg-type]
+    assert fresh.choices[0].message.content and not fresh.choices[0].message.content[0].isspace()
+    partial = [*msgs, {"role": "assistant", "content": "Once upon a time the light"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    cont = c.chat.completions.create(
+        model=MODEL,
+        messages=partial,
+        max_tokens=3,
+        extra_body=extra,  # type: ignore[arg-type]
+    )
+    text = cont.choices[0].message.content or ""
+    assert text.startswith(" ") or text[:1] in ",.;:"
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=partial,
+        max_tokens=3,
+        stream=True,
+        extra_body=extra,  # type: ignore[arg-type]
+    )
+    pieces = [ch.choices[0].delta.content for ch in stream if ch.choices]
+    first = next(p for p in pieces if p)
+    assert first.startswith(" ") or first[:1] in ",.;:"
+    assert "".join(p or "" for p in pieces) == text  # same tokens, same join

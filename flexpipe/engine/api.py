@@ -26,7 +26,7 @@ from flexpipe.engine.request import EngineRequest, SamplingParams
 from flexpipe.engine.runner import Engine
 from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
 from flexpipe.engine.stream import FinishSink, SseStream
-from flexpipe.engine.tokenizer import Tokenizer
+from flexpipe.engine.tokenizer import Tokenizer, message_text
 from flexpipe.http.server import (
     App,
     HttpError,
@@ -349,6 +349,12 @@ class SimServer:
         """Run one request; whatever way the handler ends (cancelled by a client that left
         before the response head included), the request leaves the engine."""
         chat = valid.chat
+        # A chat reply starts without a space, unless it continues the assistant's message
+        # (continue_final_message): then the first token follows the text already there, as
+        # vLLM detokenizes it after the prompt, and a continued stream joins seamlessly.
+        r = valid.request
+        continues = isinstance(r, ChatCompletionRequest) and _continues_message(r)
+        strip_first = chat and not continues
         ereq = self._new_request(req, valid.request, prompt_ids)
         ereq.num_preloaded_tokens = preloaded_tokens
         stream = valid.stream
@@ -362,6 +368,7 @@ class SimServer:
                 self.engine,
                 ereq,
                 chat,
+                strip_first,
                 valid.include_usage,
                 valid.continuous_usage_stats,
                 _now_s(),
@@ -387,7 +394,7 @@ class SimServer:
                 self.engine.abort(ereq)
         if ereq.finish_reason == "error":
             raise HttpError(400, ereq.error or "request failed")
-        text = self._text(ereq, chat, len(ereq.output_token_ids))
+        text = self._text(ereq, strip_first, len(ereq.output_token_ids))
         rid = ("chatcmpl-" if chat else "cmpl-") + ereq.request_id
         choice: dict[str, Any]
         if chat:
@@ -429,8 +436,9 @@ class SimServer:
             "prompt_tokens_details": {"cached_tokens": ereq.num_cached_tokens},
         }
 
-    def _text(self, ereq: EngineRequest, chat: bool, upto: int) -> str:
-        """The output text of the first `upto` output tokens (stop strings applied)."""
+    def _text(self, ereq: EngineRequest, strip: bool, upto: int) -> str:
+        """The output text of the first `upto` output tokens (stop strings applied; `strip`:
+        without the first token's leading space)."""
         frags = self.tokenizer.gen_fragments
         start = ereq.num_prompt_tokens
         text = "".join([frags.get(t, "") for t in ereq.token_ids[start : start + upto]])
@@ -443,7 +451,7 @@ class SimServer:
                     if ereq.params.include_stop_str_in_output
                     else text[:idx]
                 )
-        return text.lstrip(" ") if chat else text
+        return text.lstrip(" ") if strip else text
 
     # --- migration hooks (admin) ---------------------------------------------------------
     async def admin_requests(self, req: Request) -> Response:
@@ -566,3 +574,10 @@ def _bearer_matches(authorization: str | None, secret: bytes) -> bool:
 
 
 __all__ = ["VLLM_COMPAT_VERSION", "SimServer"]
+
+
+def _continues_message(req: ChatCompletionRequest) -> bool:
+    """Whether the reply continues a non-empty final assistant message."""
+    if not req.continue_final_message or req.messages[-1].role != "assistant":
+        return False
+    return bool(message_text(req.messages[-1].model_dump()["content"]))

@@ -77,6 +77,7 @@ class SseStream:
         engine: Engine,
         ereq: EngineRequest,
         chat: bool,
+        strip_first: bool,
         include_usage: bool,
         continuous_usage: bool,
         created: int,
@@ -115,7 +116,7 @@ class SseStream:
             self._mid = b',"logprobs":null,"finish_reason":'
         self._sent = 0  # output tokens sent
         self._sent_chars = 0  # text characters sent (stop-string path)
-        self._first = True
+        self._first = strip_first  # the first token's leading space is still to strip
         self.writer: ChunkWriter | None = None
 
     # --- the HTTP side -------------------------------------------------------------------
@@ -174,7 +175,7 @@ class SseStream:
             self._engine.release(ereq)
             writer.fail(400, ereq.error or "request failed")
             return
-        strip = self._chat and self._first  # a chat reply does not start with a space
+        strip = self._first  # a chat reply does not start with a space
         self._first = False
         self._sent = n_out
         if ereq.params.stop:

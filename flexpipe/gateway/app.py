@@ -46,6 +46,7 @@ from flexpipe.http.server import (
     serve,
 )
 from flexpipe.policies.routing import RoutingRequest, prompt_block_hashes
+from flexpipe.protocol import RequestError, parse_chat_request, parse_completion_request
 
 log = logging.getLogger("flexpipe.gateway")
 
@@ -139,54 +140,24 @@ class Gateway:
         return await self._proxy(req, "/v1/chat/completions", chat=True)
 
     def _parse(self, req: Request, path: str, chat: bool) -> Call:
-        body = req.json()
-        if not isinstance(body, dict):
-            raise HttpError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise HttpError(400, "`model` must be a non-empty string", param="model")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise HttpError(400, "`stream` must be a boolean", param="stream")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is not None and (
-            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
-        ):
-            raise HttpError(400, "`max_tokens` must be a positive integer", param="max_tokens")
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise HttpError(400, "`messages` must be a non-empty list", param="messages")
-            parts = []
-            for m in messages:
-                if not isinstance(m, dict):
-                    raise HttpError(400, "each message must be an object", param="messages")
-                content = m.get("content")
-                parts.append(f"<{m.get('role')}>")
-                if isinstance(content, str):
-                    parts.append(content)
-                elif isinstance(content, list):  # content parts: keep the text ones
-                    parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
-            prompt = "".join(parts).encode()
-        else:
-            raw_prompt = body.get("prompt")
-            if isinstance(raw_prompt, str):
-                prompt = raw_prompt.encode()
-            elif isinstance(raw_prompt, list) and raw_prompt:
-                first = raw_prompt[0]
-                prompt = first.encode() if isinstance(first, str) else orjson.dumps(first)
-            else:
-                raise HttpError(400, "`prompt` must be a string or a list", param="prompt")
+        """Validate the body against the OpenAI schema (flexpipe.protocol: a 400 naming the
+        offending field for any violation) and reduce it to what routing needs."""
+        parse = parse_chat_request if chat else parse_completion_request
+        try:
+            valid = parse(req.body, req.headers.get("content-type"))
+        except RequestError as exc:
+            raise HttpError(exc.status, exc.message, param=exc.param) from None
+        model = valid.model
         if not self.pool.has_model(model):
             raise HttpError(404, f"The model `{model}` does not exist.", param="model")
+        prompt = valid.prompt_bytes
         num_prompt = len(prompt) // 4 + 1
-        num_out = max_tokens or self.cfg.default_expected_output_tokens
+        num_out = valid.max_tokens or self.cfg.default_expected_output_tokens
         hashes = prompt_block_hashes(prompt, self.cfg.block_chars)
-        user = body.get("user")
-        routing = RoutingRequest(num_prompt, num_out, hashes, user if isinstance(user, str) else "")
+        routing = RoutingRequest(num_prompt, num_out, hashes, valid.user)
         return Call(
-            path, chat, model, body, req.body, stream, routing, float(num_prompt + num_out),
-            self.clock(), None, num_prompt_tokens=num_prompt,
+            path, chat, model, valid.body, req.body, valid.stream, routing,
+            float(num_prompt + num_out), self.clock(), None, num_prompt_tokens=num_prompt,
         )  # fmt: skip
 
     async def _proxy(
