@@ -2,8 +2,9 @@
 
 Every series carries `model_name` (the served model name) and `engine` ("0"), as vLLM V1
 does. State (running/waiting counts, KV usage, prefix-cache and preemption counters) is read
-from the scheduler at scrape time; request latencies are observed as tokens are emitted, on
-the wall clock (what a client sees, whatever the time scale).
+from the scheduler at scrape time; request latencies are observed from the engine core's plans
+and events (`observe_plan`, `observe_step`), whose timestamps are the clock the core is driven
+on: the wall clock in a live engine (what a client sees, whatever the time scale).
 
 vLLM names: vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc,
 vllm:gpu_cache_usage_perc (the pre-V1 name, still read by many routers),
@@ -37,7 +38,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from flexpipe.engine.scheduler import Scheduler
+from flexpipe.engine.core import StepEvents
+from flexpipe.engine.request import EngineRequest
+from flexpipe.engine.scheduler import Scheduler, StepPlan
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -253,6 +256,47 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    # --- observations: fed from the engine core's plans and events (their timestamps are
+    # the core's `now`, so a virtual clock gives the same observations as a real one) ---
+    def observe_plan(self, plan: StepPlan) -> None:
+        """A planned step: its modelled time, the queue time of its first admissions."""
+        for req in plan.rejected:
+            self.observe_finished(req)
+        if not plan.scheduled:
+            return
+        self.num_steps += 1
+        self.busy_s += plan.duration_s
+        for req in plan.admitted:
+            self.queue_time.observe(req.queue_s)
+
+    def observe_step(self, events: StepEvents) -> None:
+        """A completed step: its tokens, TTFTs, inter-token gaps and finishes."""
+        self.iteration_tokens.observe(events.plan.batch.num_tokens)
+        if not events.progressed:
+            return
+        self.generation_tokens.inc(len(events.progressed))
+        for req in events.first_token:
+            self.ttft.observe(req.ttft_s)
+            self.prompt_tokens.inc(req.num_prompt_tokens)
+            self.request_prompt_tokens.observe(req.num_prompt_tokens)
+        itl = self.itl.observe
+        for gap_s in events.itl_s:
+            itl(gap_s)
+        for req in events.finished:
+            self.observe_finished(req)
+
+    def observe_finished(self, req: EngineRequest) -> None:
+        """A request that ended by itself ("stop", "length") or could never run ("error")."""
+        reason = req.finish_reason or "abort"
+        if reason in self.success:
+            self.success[reason].inc()
+        if reason != "error":
+            self.e2e.observe(req.e2e_s)
+            self.request_generation_tokens.observe(req.num_output_tokens)
+
+    def observe_abort(self, req: EngineRequest) -> None:
+        self.success["abort"].inc()
 
     # --- garbage-collection pauses (a process-wide hook: install in the engine process) ---
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:

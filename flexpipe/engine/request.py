@@ -52,7 +52,7 @@ class EngineRequest:
     gen_ids: Sequence[int]  # the vocabulary generated tokens are drawn from
     engine_seed: int = 0
     fragments: dict[int, str] | None = None  # token id -> text, needed for stop strings
-    arrival_s: float = 0.0
+    arrival_s: float = 0.0  # set by EngineCore.add
     num_preloaded_tokens: int = 0  # KV that arrived by transfer (migration): never computed
     # progress
     token_ids: list[int] = field(default_factory=list)  # prompt + output
@@ -69,10 +69,12 @@ class EngineRequest:
     _rng: random.Random | None = None
     _natural_len: int = 0
     _text_tail: str = ""
-    # runtime (the async runner's, not the scheduler's)
+    # timing: set by EngineCore from the `now` it is given (a wall clock or a virtual one)
+    scheduled_s: float = 0.0  # first admitted (queue time ends)
     first_token_s: float = 0.0
     last_token_s: float = 0.0
-    scheduled_s: float = 0.0
+    finished_s: float = 0.0
+    # the async runner's: how its consumer is told of progress
     waiter: asyncio.Future[None] | None = None
     sink: Any = None  # a runner.ProgressSink: told of progress by the loop (see runner)
 
@@ -106,6 +108,25 @@ class EngineRequest:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    # --- latencies (valid once the event they end has happened) --------------------------
+    @property
+    def queue_s(self) -> float:
+        return self.scheduled_s - self.arrival_s
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finished_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (0 with fewer than two tokens)."""
+        n = self.num_output_tokens
+        return (self.last_token_s - self.first_token_s) / (n - 1) if n > 1 else 0.0
 
     def sample(self) -> int:
         """Append the next generated token; set finish_reason when it ends the request."""

@@ -1,4 +1,9 @@
-"""The async engine loop: plan a step, sleep what the performance model says it takes, emit.
+"""The async engine loop: the engine core on the wall clock, with sleeps around its steps.
+
+`EngineCore` (flexpipe.engine.core) decides everything: `plan = core.step(now)`, then this loop
+sleeps `plan.duration_s * time_scale`, then `events = core.complete(plan, now)` and hands the
+events to the metrics and to each request's consumer. A simulator drives the same core on a
+virtual clock.
 
 Timing is kept against an absolute deadline: each step's modelled time (times `time_scale`)
 is added to the previous deadline and the loop sleeps until then, so the loop's own overhead
@@ -24,9 +29,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from flexpipe.engine.core import EngineCore, StepEvents
 from flexpipe.engine.metrics import EngineMetrics
 from flexpipe.engine.request import EngineRequest, Status
-from flexpipe.engine.scheduler import Scheduler, StepPlan
+from flexpipe.engine.scheduler import Scheduler
 from flexpipe.perf import BatchShape
 
 log = logging.getLogger("flexpipe.engine")
@@ -48,9 +54,9 @@ class Engine:
         time_scale: float = 1.0,
         max_steps_per_pass: int = 8,
     ) -> None:
+        self.core = EngineCore(scheduler, step_time_s)
         self.scheduler = scheduler
         self.max_steps_per_pass = max_steps_per_pass  # time scale 0 only
-        self.step_time_s = step_time_s
         self.metrics = metrics
         self.time_scale = time_scale
         self.requests: dict[str, EngineRequest] = {}  # request id -> in-flight request
@@ -61,15 +67,13 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
-        req.arrival_s = time.monotonic()
         self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        self.core.add(req, time.monotonic())
         self._wake.set()
 
     def abort(self, req: EngineRequest, reason: str = "abort") -> None:
-        if req.status is not Status.FINISHED:
-            self.scheduler.abort(req, reason)
-            self.metrics.success["abort"].inc()
+        if self.core.abort(req, time.monotonic(), reason):
+            self.metrics.observe_abort(req)
             self._notify(req)
         self.requests.pop(req.request_id, None)
 
@@ -115,7 +119,7 @@ class Engine:
             self._task = None
 
     async def _run(self) -> None:
-        sched = self.scheduler
+        core = self.core
         metrics = self.metrics
         clock = time.monotonic
         cpu_clock = time.thread_time  # emit CPU vs wall: time spent waiting for a CPU
@@ -125,15 +129,16 @@ class Engine:
         num_pass_steps = 0  # time scale 0: steps run in this pass
         deferred = self._deferred
         while not self._stopping:
-            if not sched.has_work:
+            if not core.has_work:
                 self._notify_deferred()
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = clock()
                 continue
-            plan = sched.schedule()
+            plan = core.step(clock())
+            metrics.observe_plan(plan)
             for req in plan.rejected:
-                self._finish(req, clock())
+                self._notify(req)
             if plan.is_empty:
                 self._notify_deferred()
                 if not plan.preempted and not plan.rejected:
@@ -141,17 +146,8 @@ class Engine:
                     await self._wake.wait()
                     deadline = clock()
                 continue
-            if plan.batch.num_prefill_seqs:
-                now = clock()
-                for req, _, _ in plan.scheduled:
-                    if req.scheduled_s == 0.0:
-                        req.scheduled_s = now
-                        metrics.queue_time.observe(now - req.arrival_s)
-            step_s = self.step_time_s(plan.batch)
-            metrics.num_steps += 1
-            metrics.busy_s += step_s
             if scale > 0:
-                deadline += step_s * scale
+                deadline += plan.duration_s * scale
                 delay = deadline - clock()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -163,7 +159,7 @@ class Engine:
                     await asyncio.sleep(0)
                     woke = clock()
                 cpu0 = cpu_clock()
-                self._emit(plan, sched.finish_step(plan), woke)
+                self._emit(core.complete(plan, woke))
                 metrics.emit_cpu_s += cpu_clock() - cpu0
                 metrics.emit_time.observe(clock() - woke)
             else:
@@ -174,11 +170,11 @@ class Engine:
                 if num_pass_steps == 0:
                     pass_start = now
                 num_pass_steps += 1
-                self._emit(plan, sched.finish_step(plan), now, deferred)
+                self._emit(core.complete(plan, now), deferred)
                 if (
                     num_pass_steps >= self.max_steps_per_pass
                     or now - pass_start >= MAX_PASS_S
-                    or not sched.has_work
+                    or not core.has_work
                 ):
                     self._notify_deferred()
                     num_pass_steps = 0
@@ -192,48 +188,14 @@ class Engine:
             for req in reqs:
                 self._notify(req)
 
-    def _emit(
-        self,
-        plan: StepPlan,
-        out: list[EngineRequest],
-        now: float,
-        deferred: dict[str, EngineRequest] | None = None,
-    ) -> None:
-        """Metrics for the step's tokens, then tell each request's consumer (or, with
+    def _emit(self, events: StepEvents, deferred: dict[str, EngineRequest] | None = None) -> None:
+        """Metrics for the step's events, then tell each request's consumer (or, with
         `deferred`, collect the requests to tell at the end of the event-loop pass)."""
-        m = self.metrics
-        m.iteration_tokens.observe(plan.batch.num_tokens)
-        if not out:
-            return
-        m.generation_tokens.inc(len(out))
-        itl = m.itl.observe
-        for req in out:
-            if req.first_token_s == 0.0:
-                req.first_token_s = now
-                m.ttft.observe(now - req.arrival_s)
-                m.prompt_tokens.inc(req.num_prompt_tokens)
-                m.request_prompt_tokens.observe(req.num_prompt_tokens)
-            else:
-                itl(now - req.last_token_s)
-            req.last_token_s = now
-            if req.status is Status.FINISHED:
-                self._finish(req, now, deferred)
-            elif deferred is not None:
-                deferred[req.request_id] = req
-            else:
-                self._notify(req)
-
-    def _finish(
-        self, req: EngineRequest, now: float, deferred: dict[str, EngineRequest] | None = None
-    ) -> None:
-        m = self.metrics
-        reason = req.finish_reason or "abort"
-        if reason in m.success:
-            m.success[reason].inc()
-        if req.finish_reason != "error":
-            m.e2e.observe(now - req.arrival_s)
-            m.request_generation_tokens.observe(req.num_output_tokens)
+        self.metrics.observe_step(events)
         if deferred is not None:
-            deferred[req.request_id] = req
+            for req in events.progressed:
+                deferred[req.request_id] = req
         else:
-            self._notify(req)
+            notify = self._notify
+            for req in events.progressed:
+                notify(req)

@@ -3,7 +3,8 @@
 `schedule()` turns the waiting and running requests into a `StepPlan` (which requests get how
 many tokens this step, and the `BatchShape` the performance model prices); `finish_step(plan)`
 applies it as if the GPU had run it: computed tokens advance, requests that caught up sample
-a token, finished ones free their blocks. No clock, no I/O: the async runner does the waiting.
+a token, finished ones free their blocks. No clock, no I/O: `EngineCore` (flexpipe.engine.core)
+adds the timing on the clock it is given.
 
 Policy (vLLM V1's, with V0's admission watermark):
 - Running requests first, in admission order, each getting `num_tokens - num_computed_tokens`
@@ -43,6 +44,8 @@ class StepPlan:
     batch: BatchShape = field(default_factory=BatchShape)
     preempted: list[EngineRequest] = field(default_factory=list)
     rejected: list[EngineRequest] = field(default_factory=list)  # can never fit: errored
+    admitted: list[EngineRequest] = field(default_factory=list)  # first admissions this step
+    duration_s: float = 0.0  # the performance model's time for `batch` (set by EngineCore)
 
     @property
     def is_empty(self) -> bool:
@@ -177,6 +180,7 @@ class Scheduler:
             if not req.admitted:
                 req.admitted = True
                 req.num_cached_tokens = len(computed) * bm.block_size
+                plan.admitted.append(req)
             req.num_computed_tokens = num_computed
             plan.scheduled.append((req, num_new, num_computed))
             budget -= num_new
