@@ -15,8 +15,8 @@ from test_launcher import marker, processes_with  # noqa: F401  (fixture)
 from typer.testing import CliRunner
 
 from flexpipe.cli import app
-from flexpipe.gear import parse_gear
-from flexpipe.gear_bench import (
+from flexpipe.gears import GearPoint
+from flexpipe.gears.bench import (
     BenchObserver,
     Candidate,
     Workload,
@@ -24,7 +24,7 @@ from flexpipe.gear_bench import (
     candidates,
     default_sweep,
 )
-from flexpipe.gears import GearPoint
+from flexpipe.gears.gear import parse_gear
 from flexpipe.launch import EngineHandle, LocalEngine, LocalLauncher
 from flexpipe.model_spec import load_model_spec
 from flexpipe.store import Store

@@ -12,15 +12,9 @@ from test_store import make_point
 from typer.testing import CliRunner
 
 from flexpipe.cli import app
-from flexpipe.gear import parse_gear
-from flexpipe.gears import (
-    GearTable,
-    GearTableFormatError,
-    export_points,
-    import_points,
-    max_batch_that_fits,
-    predict_point,
-)
+from flexpipe.gears.gear import parse_gear
+from flexpipe.gears.io import GearTableFormatError, export_points, import_points
+from flexpipe.gears.table import GearTable, max_batch_that_fits, predict_point
 from flexpipe.perf import InfeasibleGear, perf_model_for
 from flexpipe.store import Store
 

@@ -16,8 +16,7 @@ from rich.table import Table
 
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
-from flexpipe.gear import parse_gear
-from flexpipe.gear_bench import (
+from flexpipe.gears.bench import (
     BenchObserver,
     BenchReport,
     Candidate,
@@ -27,7 +26,10 @@ from flexpipe.gear_bench import (
     parse_gears,
     resolve_model,
 )
-from flexpipe.gears import GearEstimate, GearPoint, GearTable, export_points, import_points
+from flexpipe.gears.gear import parse_gear
+from flexpipe.gears.io import export_points, import_points
+from flexpipe.gears.point import GearPoint
+from flexpipe.gears.table import GearEstimate, GearTable
 from flexpipe.launch import ENGINES, EngineHandle, LocalLauncher
 from flexpipe.store import Store
 

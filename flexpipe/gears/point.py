@@ -32,7 +32,7 @@ class GearKey:
 class GearPoint:
     model: str
     gear_key: str
-    gear: str  # str(Gear), parseable by flexpipe.gear.parse_gear
+    gear: str  # str(Gear), parseable by flexpipe.gears.gear.parse_gear
     gpu_types: str
     link: str
     batch_size: int

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 
-from flexpipe.gear import Gear, GpuSlot, Placement, uniform_placement
+from flexpipe.gears.gear import Gear, GpuSlot, Placement, uniform_placement
 from flexpipe.gears.point import NO_LINK, PREDICTED, GearKey, GearPoint
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import ModelSpec, load_model_spec

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass, replace
 
 from flexpipe.cluster import Cluster, placement_on
-from flexpipe.gear import Gear, GpuSlot, Placement
+from flexpipe.gears.gear import Gear, GpuSlot, Placement
 from flexpipe.hardware import GiB, LinkSpec
 from flexpipe.model_spec import ModelSpec
 from flexpipe.perf import BatchShape, Efficiency, InfeasibleGear, PerfModel, memory_plan

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
-from flexpipe.gear import Gear, GpuSlot, Placement, Stage
+from flexpipe.gears.gear import Gear, GpuSlot, Placement, Stage
 from flexpipe.hardware import LinkSpec, gpu_spec
 from flexpipe.model_spec import ModelSpec
 from flexpipe.perf import BatchShape, Efficiency, PerfModel

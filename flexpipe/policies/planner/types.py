@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexpipe.gear import Gear
+from flexpipe.gears.gear import Gear
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S
 from flexpipe.policies.planner.performance import GearEstimate, Workload
 

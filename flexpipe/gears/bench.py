@@ -29,9 +29,9 @@ from datetime import UTC, datetime
 import orjson
 
 from flexpipe import __version__
-from flexpipe.gear import Gear, GearError, parse_gear
-from flexpipe.gears import MEASURED, GearPoint, placement_key, uniform_gear_placement
-from flexpipe.gears.table import max_batch_that_fits
+from flexpipe.gears.gear import Gear, GearError, parse_gear
+from flexpipe.gears.point import MEASURED, GearPoint
+from flexpipe.gears.table import max_batch_that_fits, placement_key, uniform_gear_placement
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher, LaunchError
 from flexpipe.model_spec import ModelSpec, load_model_spec
