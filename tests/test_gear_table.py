@@ -237,3 +237,24 @@ def test_gears_show_prints_the_figures_the_planner_uses(tmp_path: Path) -> None:
         assert est["detail"] == inst["detail"]
         bases.add(est["basis"])
     assert bases == {"calibrated", "interpolated", "predicted"}
+
+
+def test_the_gears_package_sits_below_the_performance_model() -> None:
+    """flexpipe.perf imports the gear from flexpipe.gears: the package itself must not import
+    the performance model (the lookup and the bench are imported from their modules)."""
+    import subprocess
+    import sys
+
+    code = "import sys, flexpipe.gears; print(sorted(m for m in sys.modules if 'flexpipe' in m))"
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's package, not another
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stderr
+    loaded = out.stdout
+    assert "flexpipe.gears.gear" in loaded and "flexpipe.gears.table" in loaded
+    for later in (
+        "flexpipe.perf",
+        "flexpipe.gears.lookup",
+        "flexpipe.gears.bench",
+        "flexpipe.policies",
+    ):
+        assert f"'{later}" not in loaded, later
