@@ -31,9 +31,9 @@ from pathlib import Path
 import yaml
 
 from flexpipe.cluster_gen import generate_cluster
+from flexpipe.gears.lookup import GearLookup
 from flexpipe.policies.planner import (
     ModelDemand,
-    PerfModelPerformance,
     Slo,
     parse_models,
     plan,
@@ -77,7 +77,7 @@ def large(
             cluster = generate_cluster(size // 8, 8, seed)
             usable_counts.append(len(usable_gpus(cluster, 0.0, PlannerConfig())[0]))
             start, cpu = time.perf_counter(), time.process_time()
-            p = plan(cluster, demands, performance=PerfModelPerformance())
+            p = plan(cluster, demands, performance=GearLookup())
             times.append(time.process_time() - cpu)
             walls.append(time.perf_counter() - start)
             goodputs.append(p.goodput_tokens_per_s)

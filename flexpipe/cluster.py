@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from flexpipe.gear import GearError, GpuSlot, Placement, Stage, even_layer_split
+from flexpipe.gears.gear import GearError, GpuSlot, Placement, Stage, even_layer_split
 from flexpipe.hardware import (
     DEFAULT_FAST_LINK_BYTES_PER_S,
     GB,

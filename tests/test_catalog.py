@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flexpipe.gear import Gear, GearError, parse_gear
+from flexpipe.gears.gear import Gear, GearError, parse_gear
 from flexpipe.hardware import (
     GB,
     GPUS,

@@ -23,7 +23,7 @@ from flexpipe.cluster import (
     placement_on,
 )
 from flexpipe.cluster_gen import NODE_KINDS, generate_cluster
-from flexpipe.gear import GearError
+from flexpipe.gears.gear import GearError
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, GB, GiB, link_spec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,25 +15,25 @@ from test_launcher import marker, processes_with  # noqa: F401  (fixture)
 from typer.testing import CliRunner
 
 from flexpipe.cli import app
-from flexpipe.gear import parse_gear
-from flexpipe.gear_bench import (
+from flexpipe.gears import GearPoint
+from flexpipe.gears.bench import (
+    BenchLoad,
     BenchObserver,
-    Candidate,
-    Workload,
+    BenchTarget,
     bench,
     candidates,
     default_sweep,
 )
-from flexpipe.gears import GearPoint
+from flexpipe.gears.gear import parse_gear
 from flexpipe.launch import EngineHandle, LocalEngine, LocalLauncher
 from flexpipe.model_spec import load_model_spec
 from flexpipe.store import Store
 
-TINY = Workload(input_len=64, output_len=8, num_requests=6)
+TINY = BenchLoad(input_len=64, output_len=8, num_requests=6)
 FAST = 0.02  # sim time scale: 50x faster than modelled time
 
 
-def tiny_candidate(mark: str, gear: str = "tp=1,max_num_seqs=8") -> Candidate:
+def tiny_candidate(mark: str, gear: str = "tp=1,max_num_seqs=8") -> BenchTarget:
     (cand,), _ = candidates(load_model_spec("llama-2-7b"), [parse_gear(gear)], TINY)
     return replace(cand, spec=replace(cand.spec, served_model_name=mark))
 
@@ -105,11 +105,11 @@ class KillAtSecondPoint(BenchObserver):
         self.handle: LocalEngine | None = None
         self.num_points = 0
 
-    def engine_ready(self, cand: Candidate, handle: EngineHandle) -> None:
+    def engine_ready(self, cand: BenchTarget, handle: EngineHandle) -> None:
         assert isinstance(handle, LocalEngine)
         self.handle = handle
 
-    def point_started(self, cand: Candidate, concurrency: int, num_requests: int) -> None:
+    def point_started(self, cand: BenchTarget, concurrency: int, num_requests: int) -> None:
         self.num_points += 1
         if self.num_points == 2 and self.handle is not None:
             os.killpg(self.handle.pid, signal.SIGKILL)

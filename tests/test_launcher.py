@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from flexpipe.gear import parse_gear
+from flexpipe.gears.gear import parse_gear
 from flexpipe.launch import (
     EngineExited,
     EngineNotReady,

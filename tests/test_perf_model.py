@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexpipe.gear import GpuSlot, parse_gear, uniform_placement
+from flexpipe.gears.gear import GpuSlot, parse_gear, uniform_placement
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import (

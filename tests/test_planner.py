@@ -11,19 +11,17 @@ import yaml
 
 from flexpipe.cluster import Cluster, load_cluster, placement_on
 from flexpipe.cluster_gen import generate_cluster
+from flexpipe.gears.lookup import GearEstimate, GearLookup, GearQuery
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, GiB
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import PerfModel
+from flexpipe.perf.steady_state import Workload
 from flexpipe.policies.planner import (
-    GearEstimate,
-    GearKey,
     ModelDemand,
     ModelsFileError,
-    PerfModelPerformance,
     Plan,
     PlannerConfig,
     Slo,
-    Workload,
     parse_models,
     plan,
     single_group_baseline,
@@ -168,16 +166,16 @@ class _MeasuredTable:
     """A gear table that measured tp=1 on L40S twice as fast as the prior says."""
 
     def __init__(self) -> None:
-        self.prior = PerfModelPerformance()
+        self.prior = GearLookup()
 
-    def estimate(self, key: GearKey, workload: Workload) -> GearEstimate:
-        est = self.prior.estimate(key, workload)
-        if key.gpu_types == ("L40S",):
+    def estimate(self, query: GearQuery, workload: Workload) -> GearEstimate:
+        est = self.prior.estimate(query, workload)
+        if query.gpu_types == ("L40S",):
             return replace(
                 est,
                 output_tokens_per_s=est.output_tokens_per_s * 2,
                 requests_per_s=est.requests_per_s * 2,
-                source="measured",
+                basis="measured",
                 detail="test table",
             )
         return est
@@ -189,7 +187,7 @@ def test_measured_rows_override_the_prior() -> None:
     (l40s,) = [i for i in p.instances if i.gpu_ids == ("gpu3",)]
     prior = plan(cluster, [demand()])
     (l40s_prior,) = [i for i in prior.instances if i.gpu_ids == ("gpu3",)]
-    assert l40s.estimate.source == "measured"
+    assert l40s.estimate.basis == "measured" and l40s.estimate.detail == "test table"
     assert l40s.capacity_tokens_per_s == pytest.approx(2 * l40s_prior.capacity_tokens_per_s)
 
 
@@ -290,7 +288,7 @@ def test_cli_plan_reads_measured_rows_from_the_store(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from flexpipe.cli import app
-    from flexpipe.gears.point import MEASURED, NO_LINK, GearPoint
+    from flexpipe.gears import MEASURED, NO_LINK, GearPoint
     from flexpipe.store import Store
 
     runner = CliRunner()
@@ -298,7 +296,7 @@ def test_cli_plan_reads_measured_rows_from_the_store(tmp_path: Path) -> None:
     args = ["plan", "--cluster", str(CLUSTER), "--models", str(MODELS), "--json", "--store", url]
     prior = json.loads(runner.invoke(app, args).output)
     (l40s,) = [i for i in prior["instances"] if i["stages"] == [["gpu3"]]]
-    assert l40s["source"] == "predicted"
+    assert l40s["basis"] == "predicted"
     (d,) = models()
     est = l40s  # a measured curve twice as fast as the prior, at the same latencies
     points = [
@@ -337,7 +335,7 @@ def test_cli_plan_reads_measured_rows_from_the_store(tmp_path: Path) -> None:
         st.put_points(points)
     measured = json.loads(runner.invoke(app, args).output)
     (l40s_measured,) = [i for i in measured["instances"] if i["stages"] == [["gpu3"]]]
-    assert l40s_measured["source"] == "measured"
+    assert l40s_measured["basis"] in ("measured", "interpolated")
     assert l40s_measured["capacity_tokens_per_s"] > 1.5 * l40s["capacity_tokens_per_s"]
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flexpipe.cli.common import console, parse_overrides, user_errors
-from flexpipe.gear import GearError, GpuSlot, Placement, parse_gear, uniform_placement
+from flexpipe.gears.gear import GearError, GpuSlot, Placement, parse_gear, uniform_placement
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import Efficiency, PerfModel

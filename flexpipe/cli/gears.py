@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -16,19 +18,24 @@ from rich.table import Table
 
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
-from flexpipe.gear import parse_gear
-from flexpipe.gear_bench import (
+from flexpipe.gears.bench import (
+    BenchLoad,
     BenchObserver,
     BenchReport,
-    Candidate,
-    Workload,
+    BenchTarget,
     bench,
     candidates,
     parse_gears,
     resolve_model,
 )
-from flexpipe.gears import GearEstimate, GearPoint, GearTable, export_points, import_points
+from flexpipe.gears.gear import parse_gear
+from flexpipe.gears.io import export_points, import_points
+from flexpipe.gears.lookup import GearEstimate, GearLookup, GearQuery
+from flexpipe.gears.point import GearPoint
 from flexpipe.launch import ENGINES, EngineHandle, LocalLauncher
+from flexpipe.model_spec import load_model_spec
+from flexpipe.perf import PerfModel
+from flexpipe.perf.steady_state import Workload
 from flexpipe.store import Store
 
 StoreOpt = Annotated[
@@ -76,6 +83,25 @@ def points_table(points: list[GearPoint], title: str) -> Table:
     return table
 
 
+def estimates_table(estimates: list[GearEstimate], title: str) -> Table:
+    """The lookup's answers: the figures the planner compares with SLOs, and their basis."""
+    table = Table(title=title, title_justify="left")
+    for col in ("batch", "decode tok/s", "req/s", "TTFT p99 ms", "TPOT p99 ms", "e2e p99 s"):
+        table.add_column(col, justify="right")
+    table.add_column("basis")
+    for e in estimates:
+        table.add_row(
+            str(e.batch),
+            f"{e.output_tokens_per_s:,.0f}",
+            f"{e.requests_per_s:.2f}",
+            _ms(e.ttft_s),
+            _ms(e.tpot_s),
+            f"{e.e2e_s:.2f}",
+            e.basis,
+        )
+    return table
+
+
 def register(app: typer.Typer) -> None:
     """Add `gears`, `bench` and `discover` to the `flexpipe` app."""
     gears = typer.Typer(no_args_is_help=True, help="The gear table: measured gear curves.")
@@ -113,30 +139,49 @@ def register(app: typer.Typer) -> None:
         gpu_type: Annotated[
             str, typer.Option(help="GPU type(s), '+'-joined in placement order.")
         ] = "A100-80G-SXM",
-        link: Annotated[str, typer.Option(help="Link class inside the group.")] = "nvlink3",
+        link: Annotated[
+            str, typer.Option(help="Link class inside the group ('none' for one GPU).")
+        ] = "nvlink3",
         batch: Annotated[
             list[int] | None, typer.Option(help="Batch sizes to look up (repeatable).")
         ] = None,
-        input_len: Annotated[int, typer.Option()] = 512,
-        output_len: Annotated[int, typer.Option()] = 128,
+        input_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 512,
+        output_len: Annotated[int, typer.Option(help="Output tokens per request.")] = 128,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the lookups as JSON.")] = False,
         store: StoreOpt = None,
     ) -> None:
-        """A gear's curve: measured points, and lookups (interpolated or predicted)."""
+        """A gear's measured points, and at each batch size the figures the planner uses
+        (measured, interpolated, calibrated or predicted: the one lookup)."""
         with user_errors():
             g = parse_gear(gear)
+            spec = load_model_spec(model)
             with Store(store) as st:
-                table = GearTable(st.points(model=model))
-            types = gpu_type.split("+")
+                lookup = GearLookup(st.points(model=spec.name))
+            query = GearQuery.on_whole_gpus(spec, g, gpu_type.split("+"), link)
+            measured = lookup.table.points(query.key)
+            if not measured:
+                PerfModel(spec, g, query.placement()).require_feasible()  # does it fit at all
+            workload = Workload(input_len, output_len)
             batches = batch or [1, 2, 4, 8, 16, 32, 64, 128, 256]
-            estimates: list[GearEstimate] = [
-                table.lookup(model, g, b, types, link, input_len=input_len, output_len=output_len)
-                for b in batches
-                if b <= g.max_num_seqs
+            estimates = [
+                lookup.estimate(query.at_batch(b), workload) for b in batches if b <= g.max_num_seqs
             ]
+        if as_json:
+            doc = {
+                "key": asdict(query.key),
+                "input_len": input_len,
+                "output_len": output_len,
+                "estimates": [asdict(e) for e in estimates],
+            }
+            typer.echo(json.dumps(doc, indent=2))
+            return
         console = make_console()
-        console.print(points_table([e.point for e in estimates], f"{model} {g.key()}"))
+        if measured:
+            console.print(points_table(measured, f"measured {g.family_key()}"))
+        where = f"{query.key.gpu_types} ({query.key.link}), {input_len}/{output_len} tokens"
+        console.print(estimates_table(estimates, f"{spec.name} {g.family_key()} on {where}"))
         for e in estimates:
-            console.print(f"  batch {e.point.batch_size}: {e.basis} — {e.note}", highlight=False)
+            console.print(f"  batch {e.batch}: {e.basis} — {e.detail}", highlight=False)
 
     @gears.command("export")
     def export(
@@ -180,19 +225,19 @@ class _RichObserver(BenchObserver):
         self.gear_task: TaskID | None = None
         self.point_task: TaskID | None = None
 
-    def gear_started(self, cand: Candidate, sweep: Sequence[int]) -> None:
+    def gear_started(self, cand: BenchTarget, sweep: Sequence[int]) -> None:
         self.gear_task = self.progress.add_task(
             f"{cand.gear.key()} starting engine", total=len(sweep)
         )
 
-    def engine_ready(self, cand: Candidate, handle: EngineHandle) -> None:
+    def engine_ready(self, cand: BenchTarget, handle: EngineHandle) -> None:
         if self.gear_task is not None:
             self.progress.update(
                 self.gear_task,
                 description=f"{cand.gear.key()} ready in {handle.cold_start_s:.1f} s",
             )
 
-    def point_started(self, cand: Candidate, concurrency: int, num_requests: int) -> None:
+    def point_started(self, cand: BenchTarget, concurrency: int, num_requests: int) -> None:
         if self.point_task is not None:
             self.progress.remove_task(self.point_task)
         self.point_task = self.progress.add_task(f"  concurrency {concurrency}", total=num_requests)
@@ -201,7 +246,7 @@ class _RichObserver(BenchObserver):
         if self.point_task is not None:
             self.progress.advance(self.point_task)
 
-    def point_done(self, cand: Candidate, point: GearPoint) -> None:
+    def point_done(self, cand: BenchTarget, point: GearPoint) -> None:
         if self.gear_task is not None:
             self.progress.advance(self.gear_task)
         self.console.print(
@@ -211,7 +256,7 @@ class _RichObserver(BenchObserver):
             highlight=False,
         )
 
-    def gear_failed(self, cand: Candidate, message: str) -> None:
+    def gear_failed(self, cand: BenchTarget, message: str) -> None:
         err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
 
 
@@ -251,7 +296,7 @@ def register_bench(app: typer.Typer) -> None:
             if engine == "sim" and time_scale <= 0:
                 raise ValueError("--time-scale must be > 0 to measure (0 means no timing)")
             spec = resolve_model(model)
-            workload = Workload(input_len, output_len, num_requests)
+            workload = BenchLoad(input_len, output_len, num_requests)
             gear_list = parse_gears(gears, spec, num_gpus)
             sweep = [int(c) for c in concurrency.split(",")] if concurrency else None
             cands, rejected = candidates(spec, gear_list, workload, [gpu_type] * num_gpus, link)

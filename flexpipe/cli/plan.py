@@ -2,9 +2,10 @@
 run on the free GPUs now, with expected throughput and latency per instance and the alternatives
 it beat.
 
-Speed comes from the gear table in the store, as for `flexpipe up`: measured rows where they
-exist (`TablePerformance` over `Store(url).points()`), the performance model elsewhere; each
-instance's `source` says which. `load_models_file` is shared with `flexpipe up`.
+Speed comes from the gear table in the store through the one lookup, as for `flexpipe up` and
+`flexpipe gears show` (`GearLookup` over `Store(url).points()`): measured, interpolated,
+calibrated or predicted, each instance's `basis` says which. `load_models_file` is shared with
+`flexpipe up`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rich.table import Table
 
 from flexpipe.cli.common import user_errors
 from flexpipe.cluster import load_cluster
-from flexpipe.gears.performance import TablePerformance
+from flexpipe.gears.lookup import GearLookup
 from flexpipe.hardware import GB
 from flexpipe.policies.planner import ModelDemand, Plan, PlannerConfig, parse_models, plan
 from flexpipe.store import Store
@@ -76,7 +77,7 @@ def render(p: Plan, console: Console) -> None:
         "TTFT p99 ms",
         "TPOT p99 ms",
         "KV tokens",
-        "source",
+        "basis",
     ):
         table.add_column(col, justify="right" if col[0].islower() and col[:3] != "ins" else "left")
     for i in p.instances:
@@ -91,7 +92,7 @@ def render(p: Plan, console: Console) -> None:
             _ms(i.estimate.ttft_s),
             _ms(i.estimate.tpot_s),
             f"{i.kv_capacity_tokens:,}",
-            i.estimate.source,
+            i.estimate.basis,
         )
     console.print(table)
 
@@ -176,7 +177,7 @@ def plan_command(
                 raise ValueError("--fast-link-gbps must be positive")
             config = PlannerConfig(max_pp=max_pp, fast_link_bytes_per_s=fast_link_gb_per_s * GB)
         with Store(store) as st:
-            performance = TablePerformance(st.points())
+            performance = GearLookup(st.points())
         result = plan(cl, demands, performance, config=config, now_s=now_s)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))

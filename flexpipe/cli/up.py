@@ -31,6 +31,7 @@ from rich.table import Table
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
 from flexpipe.cluster import Cluster, load_cluster
+from flexpipe.gears.lookup import GearLookup
 from flexpipe.launch import ENGINES, EngineHandle, EngineSpec, Launcher, LaunchError, LocalLauncher
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, parse_models, plan
 from flexpipe.store import Store
@@ -214,7 +215,7 @@ def plan_table(the_plan: Plan) -> Table:
             f"{i.capacity_tokens_per_s:,.0f}",
             f"{i.estimate.ttft_s * 1e3:.0f}",
             f"{i.estimate.tpot_s * 1e3:.1f}",
-            i.estimate.source,
+            i.estimate.basis,
         )
     return table
 
@@ -258,9 +259,7 @@ def register(app: typer.Typer) -> None:
             the_cluster = load_cluster(cluster_path)
             demands = load_models(models_path)
             st = Store(store)
-            from flexpipe.gears.performance import TablePerformance
-
-            performance = TablePerformance(st.points())
+            performance = GearLookup(st.points())
             the_plan = plan(the_cluster, demands, performance)
             if not the_plan.instances:
                 raise UpError(

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from flexpipe.gear import Gear, GearError, GpuSlot, uniform_placement
+from flexpipe.gears.gear import Gear, GearError, GpuSlot, uniform_placement
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import PerfModel

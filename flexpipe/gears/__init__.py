@@ -1,34 +1,45 @@
-"""The gear table: measured (or predicted) curves of each gear, lookup with interpolation and
-a performance-model fallback, CSV/JSON exchange."""
+"""Gears: one way to run a model (`gear`), its measured or predicted curves (`point`,
+`table`), CSV/JSON exchange (`io`), the one lookup from the table to a prediction (`lookup`)
+and gear_bench, which measures the curves (`bench`).
 
-from flexpipe.gears.io import GearTableFormatError, export_points, import_points
-from flexpipe.gears.point import MEASURED, NO_LINK, PREDICTED, GearKey, GearPoint
-from flexpipe.gears.table import (
-    DEFAULT_INPUT_LEN,
-    DEFAULT_OUTPUT_LEN,
-    GearEstimate,
-    GearTable,
-    max_batch_that_fits,
-    placement_key,
-    predict_point,
-    uniform_gear_placement,
+This package exports only what sits below the performance model (the gear, its points and
+table, their exchange): flexpipe.perf imports the gear from here. Import the lookup and the bench
+from their modules.
+"""
+
+from flexpipe.gears.gear import (
+    NO_LINK,
+    Gear,
+    GearError,
+    GpuSlot,
+    Placement,
+    Stage,
+    even_layer_split,
+    parse_gear,
+    uniform_placement,
+    whole_gpu_placement,
 )
+from flexpipe.gears.io import GearTableFormatError, export_points, import_points
+from flexpipe.gears.point import MEASURED, PREDICTED, GearKey, GearPoint
+from flexpipe.gears.table import GearTable
 
 __all__ = [
-    "DEFAULT_INPUT_LEN",
-    "DEFAULT_OUTPUT_LEN",
     "MEASURED",
     "NO_LINK",
     "PREDICTED",
-    "GearEstimate",
+    "Gear",
+    "GearError",
     "GearKey",
     "GearPoint",
     "GearTable",
     "GearTableFormatError",
+    "GpuSlot",
+    "Placement",
+    "Stage",
+    "even_layer_split",
     "export_points",
     "import_points",
-    "max_batch_that_fits",
-    "placement_key",
-    "predict_point",
-    "uniform_gear_placement",
+    "parse_gear",
+    "uniform_placement",
+    "whole_gpu_placement",
 ]

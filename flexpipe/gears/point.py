@@ -1,6 +1,6 @@
 """`GearPoint`: one point of a gear's curve (one batch size), measured or predicted.
 
-Plain data, shared by the store, the lookup, export/import and gear_bench. Times are
+Plain data, shared by the store, the table and its lookup, export/import and gear_bench. Times are
 modelled GPU seconds (gear_bench converts a sim engine's scaled wall time back).
 """
 
@@ -12,7 +12,6 @@ from typing import Any
 
 MEASURED = "measured"
 PREDICTED = "predicted"
-NO_LINK = "none"  # the link class of a single-GPU gear
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,15 +23,27 @@ class GearKey:
     gpu_types: str  # "+"-joined: "A100-80G-SXM" or "A100-80G-SXM+L40S"
     link: str  # catalog link name of the group's slowest link, NO_LINK for one GPU
 
+    @property
+    def family(self) -> tuple[str, str, str, str]:
+        """The key without the gear's batch cap (Gear.family_key): points of one family are
+        one curve over concurrency, whatever max_num_seqs the engine ran with."""
+        return (self.model, family_key(self.gear_key), self.gpu_types, self.link)
+
     def __str__(self) -> str:
         return f"{self.model} {self.gear_key} on {self.gpu_types} ({self.link})"
+
+
+def family_key(gear_key: str) -> str:
+    """`tp2-pp1-bf16-kvauto-s256` -> `tp2-pp1-bf16-kvauto` (Gear.family_key of a stored key)."""
+    head, sep, tail = gear_key.rpartition("-s")
+    return head if sep and tail.isdigit() else gear_key
 
 
 @dataclass(frozen=True, slots=True)
 class GearPoint:
     model: str
     gear_key: str
-    gear: str  # str(Gear), parseable by flexpipe.gear.parse_gear
+    gear: str  # str(Gear), parseable by flexpipe.gears.gear.parse_gear
     gpu_types: str
     link: str
     batch_size: int

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from flexpipe.gear import Gear
+from flexpipe.gears.gear import Gear
 
 
 class LaunchError(RuntimeError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flexpipe.gear import Gear, GpuSlot, Placement
+from flexpipe.gears.gear import Gear, GpuSlot, Placement
 from flexpipe.model_spec import ModelSpec
 from flexpipe.perf.efficiency import Efficiency
 from flexpipe.precision import kv_bytes_per_element

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flexpipe.gear import Gear, GpuSlot, Placement, parse_gear, uniform_placement
+from flexpipe.gears.gear import Gear, GpuSlot, Placement, parse_gear, uniform_placement
 from flexpipe.hardware import GpuSpec, LinkSpec, link_spec
 from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY, Efficiency

@@ -12,13 +12,14 @@ import itertools
 from dataclasses import dataclass, replace
 
 from flexpipe.cluster import Cluster, placement_on
-from flexpipe.gear import Gear, GpuSlot, Placement
+from flexpipe.gears.gear import Gear, GpuSlot, Placement
+from flexpipe.gears.lookup import GearEstimate, GearQuery
 from flexpipe.hardware import GiB, LinkSpec
 from flexpipe.model_spec import ModelSpec
 from flexpipe.perf import BatchShape, Efficiency, InfeasibleGear, PerfModel, memory_plan
 from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY
 from flexpipe.policies.partition import InfeasiblePartition, StageCost, partition_layers
-from flexpipe.policies.planner.performance import GearEstimate, GearKey, GearPerformance
+from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.types import ModelDemand, PlannerConfig
 
 
@@ -257,8 +258,8 @@ class Evaluator:
         slo = demand.slo
 
         def at(batch: int) -> GearEstimate:
-            key = GearKey.of(spec, replace(gear, max_num_seqs=batch), placement)
-            return self.performance.estimate(key, demand.workload)
+            query = GearQuery.of(spec, replace(gear, max_num_seqs=batch), placement)
+            return self.performance.estimate(query, demand.workload)
 
         def meets(est: GearEstimate) -> bool:
             return est.tpot_s <= slo.tpot_p99_s and est.ttft_s <= slo.ttft_p99_s

@@ -25,11 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from flexpipe.cluster import Cluster
+from flexpipe.gears.lookup import GearLookup
 from flexpipe.hardware import GB
 from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import Efficiency
 from flexpipe.policies.planner.candidates import Candidate, Evaluator, Rejection, describe
-from flexpipe.policies.planner.performance import GearPerformance, PerfModelPerformance
+from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.relaxation import solve_relaxation
 from flexpipe.policies.planner.types import (
     Alternative,
@@ -508,7 +509,7 @@ def _why(
     return (
         f"{head}: batch {est.batch}, TPOT p99 {est.tpot_s * 1e3:.1f} ms (SLO "
         f"{slo.tpot_p99_s * 1e3:.0f}), TTFT p99 {est.ttft_s * 1e3:.0f} ms (SLO "
-        f"{slo.ttft_p99_s * 1e3:.0f}), {est.source}"
+        f"{slo.ttft_p99_s * 1e3:.0f}), {est.basis}"
     )
 
 
@@ -526,7 +527,7 @@ def plan(
     names = [d.name for d in demands]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique; got {names}")
-    performance = performance or PerfModelPerformance(efficiency)
+    performance = performance or GearLookup(efficiency=efficiency)
     # Price rounds (docs/planner.md): the greedy ranks candidates by value per GPU, which lets
     # a model that is easy to cover take GPUs another model cannot do without. After each
     # round, the models it covered get a lower price (their tokens count less in the greedy's
@@ -732,9 +733,7 @@ def single_group_baseline(
         cfg = config or PlannerConfig()
         demands = tuple(demands)
         specs = tuple(load_model_spec(d.model) for d in demands)
-        evaluator = Evaluator(
-            planner_or_cluster, demands, specs, performance or PerfModelPerformance(), cfg
-        )
+        evaluator = Evaluator(planner_or_cluster, demands, specs, performance or GearLookup(), cfg)
         demand = demands[model_index]
     ids = list(gpu_ids)
     best: Candidate | Rejection | None = None

@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flexpipe.cluster import Cluster
+from flexpipe.gears.lookup import GearLookup
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import Efficiency
 from flexpipe.policies.planner.candidates import Candidate, Evaluator
 from flexpipe.policies.planner.core import usable_gpus
-from flexpipe.policies.planner.performance import GearPerformance, PerfModelPerformance
+from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.relaxation import quiet_highs
 from flexpipe.policies.planner.types import ModelDemand, PlannerConfig
 
@@ -60,7 +61,12 @@ def all_candidates(
         raise ValueError(f"{len(usable)} usable GPUs; the exact reference handles <= {max_gpus}")
     specs = tuple(load_model_spec(d.model) for d in demands)
     evaluator = Evaluator(
-        cluster, demands, specs, performance or PerfModelPerformance(efficiency), config, efficiency
+        cluster,
+        demands,
+        specs,
+        performance or GearLookup(efficiency=efficiency),
+        config,
+        efficiency,
     )
     allowed = set(usable)
     domains: list[list[str]] = []
@@ -153,7 +159,7 @@ def node_pool_candidates(
     usable, _ = usable_gpus(cluster, now_s, config)
     allowed = set(usable)
     specs = tuple(load_model_spec(d.model) for d in demands)
-    evaluator = Evaluator(cluster, demands, specs, performance or PerfModelPerformance(), config)
+    evaluator = Evaluator(cluster, demands, specs, performance or GearLookup(), config)
     node_domains: dict[str, list[list[str]]] = {}
     for domain in cluster.fast_domains(config.fast_link_bytes_per_s):
         per_node: dict[str, list[str]] = {}

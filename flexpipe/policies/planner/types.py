@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexpipe.gear import Gear
+from flexpipe.gears.gear import Gear
+from flexpipe.gears.lookup import GearEstimate
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S
-from flexpipe.policies.planner.performance import GearEstimate, Workload
+from flexpipe.perf.steady_state import Workload
 
 __all__ = [
     "Alternative",
@@ -223,7 +224,8 @@ class Plan:
                     "ttft_s": i.estimate.ttft_s,
                     "tpot_s": i.estimate.tpot_s,
                     "e2e_s": i.estimate.e2e_s,
-                    "source": i.estimate.source,
+                    "basis": i.estimate.basis,
+                    "detail": i.estimate.detail,
                     "kv_capacity_tokens": i.kv_capacity_tokens,
                     "max_concurrency": i.max_concurrency,
                     "why": i.why,

@@ -29,9 +29,9 @@ from datetime import UTC, datetime
 import orjson
 
 from flexpipe import __version__
-from flexpipe.gear import Gear, GearError, parse_gear
-from flexpipe.gears import MEASURED, GearPoint, placement_key, uniform_gear_placement
-from flexpipe.gears.table import max_batch_that_fits
+from flexpipe.gears.gear import Gear, GearError, parse_gear, whole_gpu_placement
+from flexpipe.gears.lookup import GearQuery
+from flexpipe.gears.point import MEASURED, GearPoint
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher, LaunchError
 from flexpipe.model_spec import ModelSpec, load_model_spec
@@ -49,7 +49,9 @@ class EngineDied(BenchError):
 
 
 @dataclass(frozen=True, slots=True)
-class Workload:
+class BenchLoad:
+    """The fixed-shape closed-loop load driven at each sweep point."""
+
     input_len: int = 512
     output_len: int = 128
     num_requests: int = DEFAULT_NUM_REQUESTS
@@ -61,7 +63,7 @@ class Workload:
 
 
 @dataclass(frozen=True, slots=True)
-class Candidate:
+class BenchTarget:
     """A gear and the hardware it runs on, checked against the performance model."""
 
     gear: Gear
@@ -106,16 +108,22 @@ def auto_gears(model: ModelSpec, num_gpus: int, base: Gear | None = None) -> lis
     return out
 
 
+def max_batch_that_fits(pm: PerfModel, input_len: int, output_len: int) -> int:
+    """Largest concurrency whose KV fits with every sequence at full length, capped by the
+    gear's max_num_seqs (the top of the default sweep)."""
+    return min(pm.gear.max_num_seqs, pm.memory.max_batch(input_len + output_len))
+
+
 def candidates(
     model: ModelSpec,
     gears: Sequence[Gear],
-    workload: Workload,
+    workload: BenchLoad,
     gpu_types: Sequence[str] = ("A100-80G-SXM",),
     link: str = "nvlink3",
-) -> tuple[list[Candidate], list[str]]:
+) -> tuple[list[BenchTarget], list[str]]:
     """Gears with their hardware; the second list says, one line each, which gears cannot
     run and why (not enough GPUs, memory)."""
-    out: list[Candidate] = []
+    out: list[BenchTarget] = []
     rejected: list[str] = []
     for g in gears:
         types = list(gpu_types)
@@ -126,7 +134,7 @@ def candidates(
             continue
         types = types[: g.num_gpus]
         try:
-            placement = uniform_gear_placement(model, g, types, link)
+            placement = whole_gpu_placement(g, types, link, model.num_layers)
             pm = PerfModel(model, g, placement)
             pm.require_feasible()
             fits = max_batch_that_fits(pm, workload.input_len, workload.output_len)
@@ -150,7 +158,7 @@ def candidates(
         if not uniform:
             rejected.append(f"{g.key()}: mixed GPU types need a cluster file (flexpipe up)")
             continue
-        out.append(Candidate(g, spec, pm, fits))
+        out.append(BenchTarget(g, spec, pm, fits))
     return out, rejected
 
 
@@ -252,7 +260,7 @@ async def _scrape_kv(
 async def run_load(
     endpoint: str,
     model: str,
-    workload: Workload,
+    workload: BenchLoad,
     concurrency: int,
     time_scale: float = 1.0,
     seed: int = 0,
@@ -344,14 +352,14 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 
 def to_point(
-    cand: Candidate,
+    cand: BenchTarget,
     res: LoadResult,
-    workload: Workload,
+    workload: BenchLoad,
     engine: str,
     cold_start_s: float | None,
     engine_version: str,
 ) -> GearPoint:
-    key = placement_key(cand.pm.model.name, cand.gear, cand.pm.placement)
+    key = GearQuery.of(cand.pm.model, cand.gear, cand.pm.placement).key
     prefill = [p / t for p, t in zip(res.prompt_tokens, res.ttft_s, strict=True) if t > 0 and p > 0]
     return GearPoint(
         model=key.model,
@@ -389,12 +397,12 @@ def to_point(
 class BenchObserver:
     """Progress hooks (no-op defaults); the CLI draws rich progress bars with them."""
 
-    def gear_started(self, cand: Candidate, sweep: Sequence[int]) -> None: ...
-    def engine_ready(self, cand: Candidate, handle: EngineHandle) -> None: ...
-    def point_started(self, cand: Candidate, concurrency: int, num_requests: int) -> None: ...
+    def gear_started(self, cand: BenchTarget, sweep: Sequence[int]) -> None: ...
+    def engine_ready(self, cand: BenchTarget, handle: EngineHandle) -> None: ...
+    def point_started(self, cand: BenchTarget, concurrency: int, num_requests: int) -> None: ...
     def request_done(self) -> None: ...
-    def point_done(self, cand: Candidate, point: GearPoint) -> None: ...
-    def gear_failed(self, cand: Candidate, message: str) -> None: ...
+    def point_done(self, cand: BenchTarget, point: GearPoint) -> None: ...
+    def gear_failed(self, cand: BenchTarget, message: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -405,9 +413,9 @@ class BenchReport:
 
 
 async def bench(
-    cands: Sequence[Candidate],
+    cands: Sequence[BenchTarget],
     launcher: Launcher,
-    workload: Workload,
+    workload: BenchLoad,
     *,
     engine: str = "sim",
     time_scale: float = 1.0,

@@ -7,10 +7,13 @@ links, and how many layers each stage holds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from flexpipe.hardware import GpuSpec, LinkSpec, gpu_spec, link_spec
 from flexpipe.precision import Precision, precision
+
+NO_LINK = "none"  # the link class of a single-GPU gear
 
 
 class GearError(ValueError):
@@ -45,7 +48,12 @@ class Gear:
 
     def key(self) -> str:
         """A stable short id: `tp2-pp1-bf16-kvauto-s256`."""
-        return f"tp{self.tp}-pp{self.pp}-{self.dtype}-kv{self.kv_cache_dtype}-s{self.max_num_seqs}"
+        return f"{self.family_key()}-s{self.max_num_seqs}"
+
+    def family_key(self) -> str:
+        """The key without the batch cap, `tp2-pp1-bf16-kvauto`: what a gear table curve is
+        matched on (its points are concurrencies of one family)."""
+        return f"tp{self.tp}-pp{self.pp}-{self.dtype}-kv{self.kv_cache_dtype}"
 
     def __str__(self) -> str:
         return (
@@ -183,3 +191,21 @@ def uniform_placement(
         for i in range(pp)
     )
     return Placement(stages, tuple(pp_spec for _ in range(pp - 1)))
+
+
+def whole_gpu_placement(
+    gear: Gear, gpu_types: Sequence[str], link: str, num_layers: int
+) -> Placement:
+    """Whole GPUs of the given types (one per rank, or one type for all) joined by the catalog
+    link `link` ("none" for one GPU), layers split evenly: the hardware `gears show` and
+    gear_bench name on the command line."""
+    types = list(gpu_types)
+    if len(types) == 1:
+        types = types * gear.num_gpus
+    if len(types) != gear.num_gpus:
+        raise GearError(
+            f"gear {gear.key()} needs {gear.num_gpus} GPUs; {len(types)} GPU types given"
+        )
+    slots = [GpuSlot.whole(t, f"gpu{i}") for i, t in enumerate(types)]
+    lk = link_spec(link if link != NO_LINK else "nvlink3")
+    return uniform_placement(slots, gear.tp, gear.pp, num_layers, lk, lk)
