@@ -1,9 +1,10 @@
 """Target plans a shift may move to. The planner proposes; this module only assembles.
 
 - `replan`: the planner's plan for every model on the GPUs free now.
-- `priority_first`: the planner run tier by tier, highest priority first, each tier on the
-  GPUs the tiers above left (seed 004: when GPUs are short the customer-facing model gets
-  them first); only offered when the models have more than one priority.
+- `priority_first`: every model's minimum kept from the running plan, then the planner run
+  tier by tier, highest priority first, each tier on the GPUs the tiers above left (seed
+  004: when GPUs are short the customer-facing model gets them first); only offered when
+  the models have more than one priority.
 - `shrink`: the running plan minus instances of an idle model, down to its minimum, while
   the rest still carries its load: gives GPUs back without touching anything else.
 - `keep_minimums`: repairs a candidate that would leave a model below `min_instances` by
@@ -13,7 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flexpipe.cluster import Cluster
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
@@ -58,22 +59,47 @@ def priority_first(
     demands: Sequence[ModelDemand],
     now_s: float,
     planner: Planner,
+    running: Sequence[PlannedInstance],
+    capacity: Capacity,
 ) -> Candidate | None:
+    """Minimums first (each model keeps its smallest running instances up to its minimum),
+    then the planner tier by tier on the GPUs left, each model asking for what its kept
+    instances do not already serve."""
     priorities = sorted({m.priority for m in models}, reverse=True)
     if len(priorities) < 2:
         return None
-    by_name = {d.name: d for d in demands}
+    kept: list[PlannedInstance] = []
+    for m in models:
+        mine = sorted(
+            (i for i in running if i.model == m.name),
+            key=lambda i: (i.num_gpus, -capacity(i), i.name),
+        )
+        kept.extend(mine[: m.min_instances])
     left = cluster
-    chosen: list[PlannedInstance] = []
+    for g in {g for i in kept for g in i.gpu_ids}:
+        left = left.with_used(g, left.gpu(g).capacity_bytes, owner="flexpipe")
+    served: dict[str, float] = {}
+    for i in kept:
+        served[i.model] = served.get(i.model, 0.0) + capacity(i)
+    by_name = {d.name: d for d in demands}
+    chosen: list[PlannedInstance] = list(kept)
     for p in priorities:
-        tier = tuple(by_name[m.name] for m in models if m.priority == p)
+        tier = tuple(
+            replace(
+                by_name[m.name],
+                request_rate_per_s=max(
+                    0.0, by_name[m.name].request_rate_per_s - served.get(m.name, 0.0)
+                ),
+            )
+            for m in models
+            if m.priority == p
+        )
         instances = planner(left, tier, now_s).instances
         chosen.extend(instances)
         for g in {g for i in instances for g in i.gpu_ids}:
             left = left.with_used(g, left.gpu(g).capacity_bytes, owner="flexpipe")
-    return Candidate(
-        "priority-first", tuple(chosen), "the planner tier by tier, highest priority first"
-    )
+    note = "minimums kept, then the planner tier by tier, highest priority first"
+    return Candidate("priority-first", tuple(chosen), note)
 
 
 def shrink(

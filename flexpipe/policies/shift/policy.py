@@ -211,12 +211,13 @@ class ShiftPolicy:
         pp = self.params.pricing
         loads: dict[str, tuple[float, float]] = {}
         for m in snapshot.models:
-            now = m.request_rate_per_s
+            now, expected = m.request_rate_per_s, m.expected_rate_per_s
             if m.name in up:
                 now *= 1 + pp.up_step
             if m.name in waking:
                 now = max(now, self.params.wake_request_rate_per_s)
-            loads[m.name] = (now, m.expected_rate_per_s)
+                expected = max(expected, now)
+            loads[m.name] = (now, expected)
         return loads
 
     def _demands(
@@ -245,7 +246,15 @@ class ShiftPolicy:
                 if c is not None:
                     out.append(c)
         out.append(replan(snapshot.cluster, demands, now_s, self.planner))
-        pf = priority_first(snapshot.cluster, snapshot.models, demands, now_s, self.planner)
+        pf = priority_first(
+            snapshot.cluster,
+            snapshot.models,
+            demands,
+            now_s,
+            self.planner,
+            running,
+            self.capacity,
+        )
         if pf is not None:
             out.append(pf)
         return out
