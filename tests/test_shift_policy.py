@@ -338,6 +338,32 @@ def test_reclaimed_gpu_shifts_at_once_even_in_cooldown() -> None:
     assert d.target is not None and all("gpu3" not in i.gpu_ids for i in d.target)
 
 
+def test_tenant_squeezing_an_instance_out_is_a_reclaim() -> None:
+    running = running_for(FREED, demand(8.0))
+    tp2 = next(i for i in running if set(i.gpu_ids) == {"gpu1", "gpu2"})
+    squeezed = FREED.with_used("gpu1", 70 * 2**30, owner="tenant-b")  # back, and bigger
+    d = decide(policy(), snap(running, [steady(55)], cluster=squeezed), 60)
+    assert d.action == "shift" and d.trigger == "reclaim"
+    assert d.reason.startswith(
+        f"{tp2.name}: no longer fits beside the other tenants: room for 8912 KV tokens, "
+        f"it holds {tp2.kv_capacity_tokens};"
+    )
+    assert d.target is not None and tp2 not in d.target
+
+
+def test_reclaim_that_cannot_keep_a_minimum_still_drops_the_lost_instance() -> None:
+    running = running_for(CLUSTER, demand(1.5))
+    assert [i.gpu_ids for i in running] == [("gpu2",)]
+    gone = CLUSTER
+    for g in CLUSTER.gpu_ids:
+        gone = gone.with_used(g, gone.gpu(g).capacity_bytes, owner="batch job")
+    d = decide(policy(), snap(running, [steady(55)], cluster=gone, min_instances=1), 60)
+    assert d.action == "shift" and d.trigger == "reclaim" and d.target == ()
+    assert d.reason.endswith(
+        "drop lost: no candidate keeps every minimum; the lost instances go regardless"
+    )
+
+
 def test_requests_waiting_for_a_scaled_to_zero_model_wake_it() -> None:
     p = policy()
     waiting = [Sample(40, 3, 100, None, None, 0.0)]

@@ -170,7 +170,7 @@ class ShiftPolicy:
 
         if any(r.in_progress for r in snapshot.history):
             return hold("a shift is in progress")
-        lost = lost_instances(snapshot.cluster, snapshot.running, now_s, tp)
+        lost = lost_instances(snapshot.cluster, snapshot.running, now_s, tp, self.efficiency)
         if lost:
             return self._reclaim(snapshot, now_s, rng, signals, lost)
         counts = {m.name: 0 for m in snapshot.models}
@@ -409,4 +409,25 @@ class ShiftPolicy:
         ]
         scored = self._score(snapshot, degraded, candidates, loads, now_s, "reclaim")
         why = "; ".join(f"{i.name}: {reason}" for i, reason in lost)
+        if not any(c.accepted for c in scored):
+            # The GPUs go whatever we decide: without a plan that keeps every minimum (or
+            # one not blacklisted), drop the lost instances and say so.
+            forced = ScoredCandidate(
+                "drop lost",
+                True,
+                "no candidate keeps every minimum; the lost instances go regardless",
+                price(
+                    snapshot.cluster,
+                    degraded,
+                    degraded,
+                    snapshot.models,
+                    loads,
+                    now_s,
+                    self.params.pricing,
+                    self.capacity,
+                    self.efficiency,
+                ),
+                degraded,
+            )
+            scored = [forced, *(c for c in scored if c.name != "drop lost")]
         return self._choose(now_s, rng, signals, "reclaim", why, scored, degraded)

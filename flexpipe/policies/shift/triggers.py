@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flexpipe.cluster import Cluster, ClusterError
+from flexpipe.perf import Efficiency
 from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.signals import (
     Pressure,
     Thresholds,
@@ -54,6 +56,9 @@ class TriggerParams:
     resource_settle_s: float = 30.0
     # A GPU whose lease (free_until_s) ends within this much is vacated now (planned reclaim).
     reclaim_lead_s: float = 120.0
+    # An instance whose GPUs now leave room for less than this share of the KV cache it
+    # holds overlaps a tenant that came back: vacated like a reclaim.
+    squeeze_kv_fraction: float = 0.95
 
     def __post_init__(self) -> None:
         if self.num_samples < 1 or self.max_failures < 1:
@@ -145,27 +150,46 @@ def blacklist(
     return out
 
 
+def _why_lost(
+    cluster: Cluster,
+    inst: PlannedInstance,
+    now_s: float,
+    params: TriggerParams,
+    efficiency: Efficiency | None,
+) -> str | None:
+    for gid in inst.gpu_ids:
+        try:
+            gpu = cluster.gpu(gid)
+        except ClusterError:
+            return f"{gid} is no longer in the cluster"
+        if gpu.free_bytes <= 0:
+            return f"{gid} is held by {gpu.owner or 'another tenant'}"
+        if gpu.free_until_s is not None and gpu.free_until_s - now_s <= params.reclaim_lead_s:
+            return f"{gid} is reclaimed in {max(0.0, gpu.free_until_s - now_s):.0f} s"
+    memory = perf_model_of(cluster, inst, efficiency).memory
+    if not memory.feasible:
+        return f"no longer fits beside the other tenants: {memory.reason}"
+    if memory.kv_capacity_tokens < params.squeeze_kv_fraction * inst.kv_capacity_tokens:
+        return (
+            f"no longer fits beside the other tenants: room for {memory.kv_capacity_tokens}"
+            f" KV tokens, it holds {inst.kv_capacity_tokens}"
+        )
+    return None
+
+
 def lost_instances(
     cluster: Cluster,
     running: Sequence[PlannedInstance],
     now_s: float,
     params: TriggerParams,
+    efficiency: Efficiency | None = None,
 ) -> list[tuple[PlannedInstance, str]]:
     """Running instances on a GPU that is gone (not in the cluster, or fully held by another
-    tenant) or whose lease ends within `reclaim_lead_s`, with the reason."""
+    tenant), whose lease ends within `reclaim_lead_s`, or that no longer fit the memory the
+    other tenants leave (the performance model's memory plan), with the reason."""
     out: list[tuple[PlannedInstance, str]] = []
     for inst in running:
-        for gid in inst.gpu_ids:
-            try:
-                gpu = cluster.gpu(gid)
-            except ClusterError:
-                out.append((inst, f"{gid} is no longer in the cluster"))
-                break
-            if gpu.free_bytes <= 0:
-                out.append((inst, f"{gid} is held by {gpu.owner or 'another tenant'}"))
-                break
-            if gpu.free_until_s is not None and gpu.free_until_s - now_s <= params.reclaim_lead_s:
-                left = max(0.0, gpu.free_until_s - now_s)
-                out.append((inst, f"{gid} is reclaimed in {left:.0f} s"))
-                break
+        why = _why_lost(cluster, inst, now_s, params, efficiency)
+        if why is not None:
+            out.append((inst, why))
     return out
