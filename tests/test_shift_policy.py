@@ -281,6 +281,7 @@ def test_tenant_leaves_gpu1_tp2_replanned_with_bigger_kv_when_it_pays() -> None:
     s = snap(running, [steady(50)], cluster=FREED, resources_changed_s=0.0)
     d = decide(p, s, 60)
     assert d.action == "shift" and d.trigger == "resource"
+    assert d.reason.startswith("the GPUs free to us changed; replan: score 112.5 = gain 279.9")
     assert d.target is not None and d.price is not None
     new = next(i for i in d.target if set(i.gpu_ids) == {"gpu1", "gpu2"})
     assert new.gear.tp == old.gear.tp == 2
@@ -450,6 +451,12 @@ def test_params_from_yaml_and_unknown_keys() -> None:
         ShiftParams.from_mapping({"pricing": {"horizon": 900}})
     with pytest.raises(ValueError, match="num_samples"):
         ShiftParams.from_mapping({"triggers": {"num_samples": 0}})
+
+
+def test_docs_yaml_is_the_defaults() -> None:
+    text = (ROOT / "docs" / "shift-policy.md").read_text()
+    block = text.split("## Parameters", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert ShiftParams.from_mapping(yaml.safe_load(block)["shift"]) == ShiftParams()
 
 
 def test_public_api() -> None:
