@@ -150,6 +150,11 @@ def test_flapping_signal_never_shifts() -> None:
     # Four in the up zone, one blip, four again: still no shift.
     blip = [up(10), up(20), up(30), up(40), steady(50), up(60), up(70), up(80), up(90)]
     assert decide(p, snap(running, blip), 90).action == "hold"
+    # Swinging between the up and the down zone: neither fires.
+    swing = [up(t) if k % 2 else idle(t) for k, t in enumerate(range(10, 610, 10))]
+    assert {
+        decide(p, snap(running, swing[: k + 1]), s.at_s).action for k, s in enumerate(swing)
+    } == {"hold"}
 
 
 def test_stale_samples_do_not_count() -> None:
@@ -185,7 +190,9 @@ def test_no_oscillation_between_up_and_down() -> None:
     p = policy()
     first = decide(p, snap(running, [up(t) for t in (10, 20, 30, 40, 50)]), 50)
     assert first.action == "shift" and first.target is not None
-    history = (ShiftRecord(50.0, 120.0, True, tuple(map(instance_key, first.target))),)
+    record = first.started(50.0)
+    assert record.target_keys == first.price.added  # type: ignore[union-attr]
+    history = (replace(record, finished_s=120.0, succeeded=True),)
     decisions = []
     samples: list[Sample] = []
     for t in range(130, 310, 10):
@@ -232,9 +239,11 @@ def test_idle_model_shrinks_to_zero_and_gives_every_gpu_back() -> None:
     assert sum(i.num_gpus for i in running) == 4
     p = policy()
     quiet = [idle(t) for t in (10, 20, 30, 40, 50)]
+    assert decide(p, snap(running, quiet[:4], rate=0.0), 40).action == "hold"
     d = decide(p, snap(running, quiet, rate=0.0), 50)
     assert d.action == "shift" and d.trigger == "down"
     assert d.target == ()
+    assert d.reason.startswith("llama-7b in the down zone 5 samples in a row; shrink llama-7b:")
     assert d.price is not None and d.price.num_gpus_target == 0
     assert d.price.goodput_target_per_s == d.price.goodput_running_per_s == 0.0
     # The whole gain is the GPUs given back: 4 GPUs x 0.05 req/s x 1800 s.

@@ -43,7 +43,7 @@ from flexpipe.policies.shift.candidates import (
 )
 from flexpipe.policies.shift.pricing import Capacity, Price, PricingParams, planned_capacity, price
 from flexpipe.policies.shift.signals import Thresholds, Zone
-from flexpipe.policies.shift.snapshot import ShiftSnapshot, instance_key
+from flexpipe.policies.shift.snapshot import ShiftRecord, ShiftSnapshot, instance_key
 from flexpipe.policies.shift.triggers import (
     ModelSignal,
     TriggerParams,
@@ -129,6 +129,13 @@ class ShiftDecision:
     @property
     def score(self) -> float | None:
         return None if self.price is None else self.price.score
+
+    def started(self, started_s: float) -> ShiftRecord:
+        """The history record of carrying out this decision (the controller completes it with
+        `finished_s` and `succeeded` via dataclasses.replace)."""
+        if self.action != "shift" or self.price is None:
+            raise ValueError("only a shift decision starts a shift")
+        return ShiftRecord(started_s, target_keys=self.price.added)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready, for the shift log."""
@@ -271,6 +278,7 @@ class ShiftPolicy:
         banned = blacklist(snapshot.history, now_s, self.params.triggers)
         running_keys = {instance_key(i) for i in running}
         out: list[ScoredCandidate] = []
+        seen: dict[frozenset[str], str] = {}  # instance keys -> the first candidate with them
         for cand in candidates:
             fixed = keep_minimums(cand, running, snapshot.models)
             if isinstance(fixed, str):
@@ -287,6 +295,12 @@ class ShiftPolicy:
                 reason = "the same plan as the running one"
                 out.append(ScoredCandidate(fixed.name, False, reason, None, fixed.instances))
                 continue
+            twin = seen.get(frozenset(keys))
+            if twin is not None:
+                reason = f"the same plan as {twin}"
+                out.append(ScoredCandidate(fixed.name, False, reason, None, fixed.instances))
+                continue
+            seen[frozenset(keys)] = fixed.name
             p = price(
                 snapshot.cluster,
                 running,
