@@ -290,7 +290,7 @@ def test_tenant_leaves_gpu1_tp2_replanned_with_bigger_kv_when_it_pays() -> None:
     s = snap(running, [steady(50)], cluster=FREED, resources_changed_s=0.0)
     d = decide(p, s, 60)
     assert d.action == "shift" and d.trigger == "resource"
-    assert d.reason.startswith("the GPUs free to us changed; replan: score 112.5 = gain 279.9")
+    assert d.reason.startswith("the GPUs free to us changed; replan: score 107.1 = gain 274.2")
     assert d.target is not None and d.price is not None
     new = next(i for i in d.target if set(i.gpu_ids) == {"gpu1", "gpu2"})
     assert new.gear.tp == old.gear.tp == 2

@@ -4,7 +4,7 @@ Every term is in one unit, *priority-weighted SLO-meeting requests* over the pri
 
     goodput(plan)  = sum over models of priority x [w x min(L_now, cap) + (1-w) x min(L_exp, cap)]
     gain           = (goodput(target) - goodput(running)
-                      - gpu_value_per_s x (gpus(target) - gpus(running))) x horizon_s
+                      - gpu_value_per_s x (gpus(target) - gpus(running))) x (horizon_s - ready_s)
     gap_cost       = (goodput_now(running) - goodput_now(interim)) x max gap_s
     migration_cost = sum over removed instances of priority x rate x share_past_deadline x pause_s
     risk           = (1 - prod(1 - r_i)) x max(gain, 0)
@@ -12,14 +12,15 @@ Every term is in one unit, *priority-weighted SLO-meeting requests* over the pri
 
 `cap` is the SLO-meeting capacity of a model's instances (requests/s) from an injected
 `Capacity` (default: the planner's own estimate); `horizon_s` is cut to the earliest lease end
-of the target's GPUs. An instance whose GPUs the target reuses (in place) must be drained and
-stopped before its successor starts: the *interim* plan lacks it for `gap_s` = drain + cold
-start. A removed instance's requests still running at the drain deadline (the share
-`max(0, 1 - deadline / e2e)` of them) pause for the cheaper of a KV move and a recompute
-(migration.py); a paused slot loses `pause_s / e2e` of a request per request, which is why
-the cost is `rate x share x pause_s`. Each started instance carries a risk coefficient by how
-much its topology changes (seed: 0.2 for a new TP pair, 0.5 across nodes): the chance its
-predicted gain does not materialise.
+of the target's GPUs, and the gain accrues only once the target is ready (`ready_s`: the
+slowest cold start of a started instance, or the in-place gap). An instance whose GPUs the
+target reuses (in place) must be drained and stopped before its successor starts: the
+*interim* plan lacks it for `gap_s` = drain + cold start. A removed instance's requests still
+running at the drain deadline (the share `max(0, 1 - deadline / e2e)` of them) pause for the
+cheaper of a KV move and a recompute (migration.py); a paused slot loses `pause_s / e2e` of a
+request per request, which is why the cost is `rate x share x pause_s`. Each started instance
+carries a risk coefficient by how much its topology changes (seed: 0.2 for a new TP pair, 0.5
+across nodes): the chance its predicted gain does not materialise.
 """
 
 from __future__ import annotations
@@ -224,7 +225,6 @@ def price(
     g_tgt = goodput_per_s(target, models, loads, capacity, w)
     gpus_run = sum(i.num_gpus for i in running)
     gpus_tgt = sum(i.num_gpus for i in target)
-    gain = (g_tgt - g_run - params.gpu_value_per_s * (gpus_tgt - gpus_run)) * horizon_s
 
     # Gap: removed instances whose GPUs an added one reuses stop before it starts.
     cold: dict[str, float] = {}  # added key -> cold start, s
@@ -248,6 +248,13 @@ def price(
         interim, models, now_loads, capacity, 1.0
     )
     gap_cost = max(0.0, lost_per_s) * gap_s
+
+    # The gain accrues once the target is ready: its slowest cold start, or the in-place gap.
+    ready_s = max([gap_s, *cold.values()])
+    gain_s = max(0.0, horizon_s - ready_s)
+    if added:
+        notes.append(f"gain accrues for {gain_s:.0f} s: the target is ready after {ready_s:.1f} s")
+    gain = (g_tgt - g_run - params.gpu_value_per_s * (gpus_tgt - gpus_run)) * gain_s
 
     # Requests still running at the drain deadline pause while they move.
     caps_run = _model_capacity(running, capacity)
