@@ -20,6 +20,7 @@ from flexpipe.cluster import Cluster, load_cluster
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, Slo
 from flexpipe.policies.shift import (
     ModelState,
+    PricingParams,
     Sample,
     ShiftDecision,
     ShiftParams,
@@ -34,6 +35,7 @@ from flexpipe.policies.shift import (
     instance_key,
     link_between,
     perf_model_of,
+    price,
 )
 from flexpipe.policies.shift.signals import pressure_of, zone_of
 
@@ -334,6 +336,23 @@ def test_resource_change_must_settle_and_beat_the_margin() -> None:
     assert decide(p, snap(running, [steady(50)]), 60).reason.startswith("no trigger")
 
 
+def test_capacity_estimate_is_injected() -> None:
+    """The simulator or the controller may price with measured capacities: here the running
+    TP2 was measured at 1.5x the planner's estimate, so its relaunch gains nothing."""
+    running = running_for(CLUSTER, demand(8.0))
+    old = next(i for i in running if i.num_gpus == 2)
+
+    def measured(inst: PlannedInstance) -> float:
+        scale = 1.5 if instance_key(inst) == instance_key(old) else 1.0
+        return scale * inst.capacity_requests_per_s
+
+    p = ShiftPolicy(planner=cached_planner, capacity=measured)
+    d = decide(p, snap(running, [steady(50)], cluster=FREED, resources_changed_s=0.0), 60)
+    assert d.action == "hold"
+    replan = next(a for a in d.alternatives if a.name == "replan")
+    assert replan.price is not None and replan.price.goodput_gain_per_s < 0
+
+
 # -- GPUs going away, waking up, several models --------------------------------------------------
 
 
@@ -433,6 +452,33 @@ def test_migration_takes_the_cheaper_of_kv_move_and_recompute() -> None:
         assert choice.method == ("kv" if kv < pm.prefill_s(context) else "recompute")
     assert link_between(FREED, a, a) is None  # shared GPUs: the source stops first
     assert choose_migration(pm, 2176, None).method == "recompute"
+
+
+def test_price_of_dropping_an_instance_with_long_requests() -> None:
+    """Exact terms: no instance started (no gap, no risk); a third of gpu3's requests outlive
+    the 30 s drain and pause for a KV move or recompute on the TP2."""
+    long = replace(demand(4.0), output_tokens=1024)
+    running = running_for(FREED, long)
+    victim = next(i for i in running if i.gpu_ids == ("gpu3",))
+    target = tuple(i for i in running if i is not victim)
+    tp2 = next(i for i in target if i.num_gpus == 2)
+    model = ModelState(long)
+    p = price(FREED, running, target, [model], {"llama-7b": (4.0, 4.0)}, 0.0, PricingParams())
+    assert p.removed == (instance_key(victim),) and p.added == ()
+    assert p.gap_cost == 0.0 and p.risk == 0.0 and p.risk_fraction == 0.0
+    caps = [i.capacity_requests_per_s for i in running]
+    assert sum(caps) < 4.0  # short of demand: every instance's capacity is goodput
+    assert p.goodput_running_per_s == pytest.approx(sum(caps))
+    assert p.goodput_target_per_s == pytest.approx(sum(caps) - victim.capacity_requests_per_s)
+    assert p.gain == pytest.approx((-victim.capacity_requests_per_s + 0.05) * 1800)
+    share = 1 - 30.0 / victim.estimate.e2e_s
+    assert 0.25 < share < 0.35
+    rate = 4.0 * victim.capacity_requests_per_s / sum(caps)
+    link = link_between(FREED, victim, tp2)
+    assert link is not None and link.name == "eth25"
+    pause = choose_migration(perf_model_of(FREED, tp2), 2048 + 512, link).pause_s
+    assert p.migration_cost == pytest.approx(rate * share * pause)
+    assert p.score == pytest.approx(p.gain - p.migration_cost)
 
 
 def test_same_inputs_same_decision_and_it_is_json() -> None:
