@@ -515,6 +515,15 @@ def test_docs_yaml_is_the_defaults() -> None:
 
 
 def test_public_api() -> None:
+    """What the controller and the simulator import; a change here is deliberate."""
+    assert set(shift_pkg.__all__) == {
+        *("Action", "Candidate", "Capacity", "MigrationChoice", "ModelSignal", "ModelState"),
+        *("Planner", "Pressure", "Price", "PricingParams", "Sample", "ScoredCandidate"),
+        *("ShiftDecision", "ShiftParams", "ShiftPolicy", "ShiftRecord", "ShiftSnapshot"),
+        *("Thresholds", "Trigger", "TriggerParams", "Zone", "choose_migration"),
+        *("default_planner", "goodput_per_s", "instance_key", "link_between"),
+        *("perf_model_of", "planned_capacity", "price"),
+    }
     assert sorted(shift_pkg.__all__) == shift_pkg.__all__
     for name in shift_pkg.__all__:
         assert hasattr(shift_pkg, name), name
