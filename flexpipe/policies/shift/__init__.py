@@ -5,20 +5,15 @@ controller and the simulator both call it. See docs/shift-policy.md.
 """
 
 from flexpipe.policies.shift.candidates import Candidate, Planner, default_planner
+from flexpipe.policies.shift.decision import Action, ScoredCandidate, ShiftDecision, Trigger
 from flexpipe.policies.shift.migration import (
     MigrationChoice,
     choose_migration,
     link_between,
     perf_model_of,
 )
-from flexpipe.policies.shift.policy import (
-    Action,
-    ScoredCandidate,
-    ShiftDecision,
-    ShiftParams,
-    ShiftPolicy,
-    Trigger,
-)
+from flexpipe.policies.shift.params import ShiftParams
+from flexpipe.policies.shift.policy import ShiftPolicy
 from flexpipe.policies.shift.pricing import (
     Capacity,
     Price,

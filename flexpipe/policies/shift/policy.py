@@ -27,8 +27,6 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
 from flexpipe.perf import Efficiency
 from flexpipe.policies.planner import ModelDemand, PlannedInstance
@@ -41,12 +39,13 @@ from flexpipe.policies.shift.candidates import (
     replan,
     shrink,
 )
-from flexpipe.policies.shift.pricing import Capacity, Price, PricingParams, planned_capacity, price
-from flexpipe.policies.shift.signals import Thresholds, Zone
-from flexpipe.policies.shift.snapshot import ShiftRecord, ShiftSnapshot, instance_key
+from flexpipe.policies.shift.decision import ScoredCandidate, ShiftDecision, Trigger
+from flexpipe.policies.shift.params import ShiftParams
+from flexpipe.policies.shift.pricing import Capacity, Price, planned_capacity, price
+from flexpipe.policies.shift.signals import Zone
+from flexpipe.policies.shift.snapshot import ShiftSnapshot, instance_key
 from flexpipe.policies.shift.triggers import (
     ModelSignal,
-    TriggerParams,
     blacklist,
     cooldown_until,
     last_shift_end_s,
@@ -54,101 +53,7 @@ from flexpipe.policies.shift.triggers import (
     model_signal,
 )
 
-__all__ = ["Action", "ScoredCandidate", "ShiftDecision", "ShiftParams", "ShiftPolicy", "Trigger"]
-
-Action = Literal["hold", "shift"]
-Trigger = Literal["none", "reclaim", "wake", "up", "down", "resource"]
-
-
-@dataclass(frozen=True, slots=True)
-class ShiftParams:
-    """Every number of the shift policy (docs/shift-policy.md has them as YAML)."""
-
-    triggers: TriggerParams = field(default_factory=TriggerParams)
-    pricing: PricingParams = field(default_factory=PricingParams)
-    # A model woken from zero instances is planned for at least this rate.
-    wake_request_rate_per_s: float = 0.1
-
-    @classmethod
-    def from_mapping(cls, doc: Mapping[str, Any]) -> ShiftParams:
-        """From a parsed `shift:` section; an unknown key is an error naming it."""
-
-        def build(kind: type[Any], values: Mapping[str, Any], place: str) -> Any:
-            if not isinstance(values, Mapping):
-                raise ValueError(f"{place}: expected a mapping")
-            fields = {f.name: f for f in dataclasses.fields(kind)}
-            unknown = sorted(set(values) - set(fields))
-            if unknown:
-                raise ValueError(
-                    f"{place}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}"
-                )
-            nested = {"triggers": TriggerParams, "pricing": PricingParams, "thresholds": Thresholds}
-            kwargs = {
-                k: build(nested[k], v, f"{place}.{k}") if k in nested else v
-                for k, v in values.items()
-            }
-            return kind(**kwargs)
-
-        params: ShiftParams = build(cls, doc, "shift")
-        return params
-
-
-@dataclass(frozen=True, slots=True)
-class ScoredCandidate:
-    name: str
-    accepted: bool
-    reason: str  # why accepted or refused, in words
-    price: Price | None  # None: refused before pricing
-    instances: tuple[PlannedInstance, ...]
-
-    @property
-    def score(self) -> float | None:
-        return None if self.price is None else self.price.score
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "name": self.name,
-            "accepted": self.accepted,
-            "reason": self.reason,
-            "score": None if self.score is None else round(self.score, 3),
-            "instances": [instance_key(i) for i in self.instances],
-        }
-
-
-@dataclass(frozen=True)
-class ShiftDecision:
-    at_s: float
-    action: Action
-    trigger: Trigger
-    reason: str
-    signals: tuple[ModelSignal, ...]
-    target: tuple[PlannedInstance, ...] | None = None  # the plan to shift to
-    price: Price | None = None
-    alternatives: tuple[ScoredCandidate, ...] = ()  # what it beat, or why nothing was taken
-
-    @property
-    def score(self) -> float | None:
-        return None if self.price is None else self.price.score
-
-    def started(self, started_s: float) -> ShiftRecord:
-        """The history record of carrying out this decision (the controller completes it with
-        `finished_s` and `succeeded` via dataclasses.replace)."""
-        if self.action != "shift" or self.price is None:
-            raise ValueError("only a shift decision starts a shift")
-        return ShiftRecord(started_s, target_keys=self.price.added)
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready, for the shift log."""
-        return {
-            "at_s": self.at_s,
-            "action": self.action,
-            "trigger": self.trigger,
-            "reason": self.reason,
-            "signals": [s.to_dict() for s in self.signals],
-            "target": None if self.target is None else [instance_key(i) for i in self.target],
-            "price": None if self.price is None else self.price.to_dict(),
-            "alternatives": [a.to_dict() for a in self.alternatives],
-        }
+__all__ = ["ShiftPolicy"]
 
 
 class ShiftPolicy:
