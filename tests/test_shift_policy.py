@@ -504,8 +504,12 @@ def test_params_from_yaml_and_unknown_keys() -> None:
     assert params.pricing.horizon_s == 900 and params.pricing.risk_cross_node == 0.4
     with pytest.raises(ValueError, match=r"shift\.pricing: unknown key\(s\) horizon\b"):
         ShiftParams.from_mapping({"pricing": {"horizon": 900}})
-    with pytest.raises(ValueError, match="num_samples"):
+    with pytest.raises(ValueError, match=r"^shift\.triggers: num_samples and max_failures"):
         ShiftParams.from_mapping({"triggers": {"num_samples": 0}})
+    with pytest.raises(
+        ValueError, match=r"^shift\.pricing\.horizon_s: expected a number, got '1h'"
+    ):
+        ShiftParams.from_mapping({"pricing": {"horizon_s": "1h"}})
 
 
 def test_docs_yaml_is_the_defaults() -> None:

@@ -44,7 +44,13 @@ class ShiftParams:
                 k: build(nested[k], v, f"{place}.{k}") if k in nested else v
                 for k, v in values.items()
             }
-            return kind(**kwargs)
+            for k, v in kwargs.items():
+                if k not in nested and (isinstance(v, bool) or not isinstance(v, int | float)):
+                    raise ValueError(f"{place}.{k}: expected a number, got {v!r}")
+            try:
+                return kind(**kwargs)
+            except ValueError as exc:
+                raise ValueError(f"{place}: {exc}") from None
 
         params: ShiftParams = build(cls, doc, "shift")
         return params
