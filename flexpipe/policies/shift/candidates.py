@@ -1,0 +1,165 @@
+"""Target plans a shift may move to. The planner proposes; this module only assembles.
+
+- `replan`: the planner's plan for every model on the GPUs free now.
+- `priority_first`: every model's minimum kept from the running plan, then the planner run
+  tier by tier, highest priority first, each tier on the GPUs the tiers above left (seed
+  004: when GPUs are short the customer-facing model gets them first); only offered when
+  the models have more than one priority.
+- `shrink`: the running plan minus instances of an idle model, down to its minimum, while
+  the rest still carries its load: gives GPUs back without touching anything else.
+- `keep_minimums`: repairs a candidate that would leave a model below `min_instances` by
+  keeping running instances of it on GPUs the candidate does not use, or says why not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from flexpipe.cluster import Cluster
+from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
+from flexpipe.policies.shift.pricing import Capacity
+from flexpipe.policies.shift.snapshot import ModelState, instance_key
+
+__all__ = [
+    "Candidate",
+    "Planner",
+    "default_planner",
+    "keep_minimums",
+    "priority_first",
+    "replan",
+    "shrink",
+]
+
+# (cluster with the GPUs free now, demands, now) -> plan; the planner by default
+Planner = Callable[[Cluster, tuple[ModelDemand, ...], float], Plan]
+
+
+def default_planner(cluster: Cluster, demands: tuple[ModelDemand, ...], now_s: float) -> Plan:
+    return plan(cluster, demands, now_s=now_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    name: str  # "replan", "priority-first", "shrink llama-7b", "keep", ...
+    instances: tuple[PlannedInstance, ...]
+    note: str = ""
+
+
+def replan(
+    cluster: Cluster, demands: Sequence[ModelDemand], now_s: float, planner: Planner
+) -> Candidate:
+    p = planner(cluster, tuple(demands), now_s)
+    return Candidate("replan", p.instances, "the planner's plan for the GPUs free now")
+
+
+def priority_first(
+    cluster: Cluster,
+    models: Sequence[ModelState],
+    demands: Sequence[ModelDemand],
+    now_s: float,
+    planner: Planner,
+    running: Sequence[PlannedInstance],
+    capacity: Capacity,
+) -> Candidate | None:
+    """Minimums first (each model keeps its smallest running instances up to its minimum),
+    then the planner tier by tier on the GPUs left, each model asking for what its kept
+    instances do not already serve."""
+    priorities = sorted({m.priority for m in models}, reverse=True)
+    if len(priorities) < 2:
+        return None
+    kept: list[PlannedInstance] = []
+    for m in models:
+        mine = sorted(
+            (i for i in running if i.model == m.name),
+            key=lambda i: (i.num_gpus, -capacity(i), i.name),
+        )
+        kept.extend(mine[: m.min_instances])
+    left = cluster
+    for g in {g for i in kept for g in i.gpu_ids}:
+        left = left.with_used(g, left.gpu(g).capacity_bytes, owner="flexpipe")
+    served: dict[str, float] = {}
+    for i in kept:
+        served[i.model] = served.get(i.model, 0.0) + capacity(i)
+    by_name = {d.name: d for d in demands}
+    chosen: list[PlannedInstance] = list(kept)
+    for p in priorities:
+        tier = tuple(
+            replace(
+                by_name[m.name],
+                request_rate_per_s=max(
+                    0.0, by_name[m.name].request_rate_per_s - served.get(m.name, 0.0)
+                ),
+            )
+            for m in models
+            if m.priority == p
+        )
+        instances = planner(left, tier, now_s).instances
+        chosen.extend(instances)
+        for g in {g for i in instances for g in i.gpu_ids}:
+            left = left.with_used(g, left.gpu(g).capacity_bytes, owner="flexpipe")
+    note = "minimums kept, then the planner tier by tier, highest priority first"
+    return Candidate("priority-first", tuple(chosen), note)
+
+
+def shrink(
+    running: Sequence[PlannedInstance],
+    model: ModelState,
+    need_per_s: float,
+    capacity: Capacity,
+) -> Candidate | None:
+    """Drop instances of `model` (most GPUs first) while at least `min_instances` remain and
+    the rest still serve `need_per_s` requests/s. None when nothing can be dropped."""
+    mine = [i for i in running if i.model == model.name]
+    kept = list(mine)
+    for inst in sorted(mine, key=lambda i: (-i.num_gpus, capacity(i), i.name)):
+        rest = [i for i in kept if i is not inst]
+        if len(rest) < model.min_instances:
+            continue
+        if sum(capacity(i) for i in rest) >= need_per_s:
+            kept = rest
+    if len(kept) == len(mine):
+        return None
+    others = [i for i in running if i.model != model.name]
+    freed = sum(i.num_gpus for i in mine) - sum(i.num_gpus for i in kept)
+    return Candidate(
+        f"shrink {model.name}",
+        (*others, *kept),
+        f"{len(mine)} -> {len(kept)} instances of {model.name} (min {model.min_instances}), "
+        f"{freed} GPU(s) given back, capacity kept for {need_per_s:.2f} req/s",
+    )
+
+
+def keep_minimums(
+    candidate: Candidate,
+    running: Sequence[PlannedInstance],
+    models: Sequence[ModelState],
+) -> Candidate | str:
+    """The candidate with every model at or above its minimum, or why that is impossible."""
+    instances = list(candidate.instances)
+    keys = {instance_key(i) for i in instances}
+    used = {g for i in instances for g in i.gpu_ids}
+    added: list[str] = []
+    for m in models:
+        have = sum(1 for i in instances if i.model == m.name)
+        spare = sorted(
+            (i for i in running if i.model == m.name and instance_key(i) not in keys),
+            key=lambda i: (i.num_gpus, -i.capacity_requests_per_s, i.name),
+        )
+        for inst in spare:
+            if have >= m.min_instances:
+                break
+            if used.isdisjoint(inst.gpu_ids):
+                instances.append(inst)
+                used.update(inst.gpu_ids)
+                added.append(inst.name)
+                have += 1
+        if have < m.min_instances:
+            return (
+                f"{candidate.name}: {m.name} would have {have} instance(s), "
+                f"below its minimum of {m.min_instances}"
+            )
+    if not added:
+        return candidate
+    note = f"{candidate.note}; kept running {', '.join(added)} for minimums".lstrip("; ")
+    return Candidate(candidate.name, tuple(instances), note)

@@ -1,0 +1,56 @@
+"""Every number of the shift policy in one frozen dataclass, readable from YAML.
+
+docs/shift-policy.md lists them with their defaults (a test checks that its YAML is them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from flexpipe.policies.shift.pricing import PricingParams
+from flexpipe.policies.shift.signals import Thresholds
+from flexpipe.policies.shift.triggers import TriggerParams
+
+__all__ = ["ShiftParams"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShiftParams:
+    """Every number of the shift policy (docs/shift-policy.md has them as YAML)."""
+
+    triggers: TriggerParams = field(default_factory=TriggerParams)
+    pricing: PricingParams = field(default_factory=PricingParams)
+    # A model woken from zero instances is planned for at least this rate.
+    wake_request_rate_per_s: float = 0.1
+
+    @classmethod
+    def from_mapping(cls, doc: Mapping[str, Any]) -> ShiftParams:
+        """From a parsed `shift:` section; an unknown key is an error naming it."""
+
+        def build(kind: type[Any], values: Mapping[str, Any], place: str) -> Any:
+            if not isinstance(values, Mapping):
+                raise ValueError(f"{place}: expected a mapping")
+            fields = {f.name: f for f in dataclasses.fields(kind)}
+            unknown = sorted(set(values) - set(fields))
+            if unknown:
+                raise ValueError(
+                    f"{place}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}"
+                )
+            nested = {"triggers": TriggerParams, "pricing": PricingParams, "thresholds": Thresholds}
+            kwargs = {
+                k: build(nested[k], v, f"{place}.{k}") if k in nested else v
+                for k, v in values.items()
+            }
+            for k, v in kwargs.items():
+                if k not in nested and (isinstance(v, bool) or not isinstance(v, int | float)):
+                    raise ValueError(f"{place}.{k}: expected a number, got {v!r}")
+            try:
+                return kind(**kwargs)
+            except ValueError as exc:
+                raise ValueError(f"{place}: {exc}") from None
+
+        params: ShiftParams = build(cls, doc, "shift")
+        return params

@@ -1,0 +1,352 @@
+"""`ShiftPolicy.decide(snapshot, now, rng) -> ShiftDecision`: whether to shift gears now, and to
+which plan (seed 000 §3, issue 9 §3; docs/shift-policy.md).
+
+Order of the checks, first match wins:
+
+1. a shift in progress: hold;
+2. *reclaim*: a running instance sits on a GPU that is gone or reclaimed within
+   `reclaim_lead_s` — shift now (no sample count, no cooldown) to the best plan without it;
+3. *wake*: a model with no instance has requests waiting — start it (no cooldown);
+4. cooldown after the last shift: hold;
+5. *up*: a model's samples were in the up zone `num_samples` times in a row;
+   *down*: likewise in the down zone; *resource*: the GPUs free to us changed at least
+   `resource_settle_s` ago;
+6. otherwise hold.
+
+A trigger only proposes candidates (candidates.py); each is priced (pricing.py) and must
+clear its trigger's bar — up: more goodput, down: fewer GPUs, resource: goodput up by
+`resource_min_gain_fraction` — with a positive score. The decision carries the signals, the
+chosen price and every alternative with its score or why it was refused, so that a decision
+taken or not can be logged as it is.
+
+Pure: `now_s` and `rng` are arguments; `rng` only breaks exact ties between scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping, Sequence
+
+from flexpipe.perf import Efficiency
+from flexpipe.policies.planner import ModelDemand, PlannedInstance
+from flexpipe.policies.shift.candidates import (
+    Candidate,
+    Planner,
+    default_planner,
+    keep_minimums,
+    priority_first,
+    replan,
+    shrink,
+)
+from flexpipe.policies.shift.decision import ScoredCandidate, ShiftDecision, Trigger
+from flexpipe.policies.shift.params import ShiftParams
+from flexpipe.policies.shift.pricing import Capacity, Price, planned_capacity, price
+from flexpipe.policies.shift.signals import Zone
+from flexpipe.policies.shift.snapshot import ShiftSnapshot, instance_key
+from flexpipe.policies.shift.triggers import (
+    ModelSignal,
+    blacklist,
+    cooldown_until,
+    last_shift_end_s,
+    lost_instances,
+    model_signal,
+)
+
+__all__ = ["ShiftPolicy"]
+
+
+class ShiftPolicy:
+    """When to shift (see the module docstring). The planner and the capacity estimate are
+    injected, so the simulator and the live controller can feed their own."""
+
+    def __init__(
+        self,
+        params: ShiftParams | None = None,
+        planner: Planner = default_planner,
+        capacity: Capacity = planned_capacity,
+        efficiency: Efficiency | None = None,
+    ) -> None:
+        self.params = params or ShiftParams()
+        self.planner = planner
+        self.capacity = capacity
+        self.efficiency = efficiency
+
+    def decide(self, snapshot: ShiftSnapshot, now_s: float, rng: random.Random) -> ShiftDecision:
+        tp = self.params.triggers
+        since = last_shift_end_s(snapshot.history)
+        signals = tuple(model_signal(m, now_s, since, tp) for m in snapshot.models)
+
+        def hold(reason: str) -> ShiftDecision:
+            return ShiftDecision(now_s, "hold", "none", reason, signals)
+
+        if any(r.in_progress for r in snapshot.history):
+            return hold("a shift is in progress")
+        lost = lost_instances(snapshot.cluster, snapshot.running, now_s, tp, self.efficiency)
+        if lost:
+            return self._reclaim(snapshot, now_s, rng, signals, lost)
+        counts = {m.name: 0 for m in snapshot.models}
+        for inst in snapshot.running:
+            counts[inst.model] += 1
+        waking = [
+            m.name
+            for m, s in zip(snapshot.models, signals, strict=True)
+            if counts[m.name] == 0 and s.pressure is not None and s.pressure.queue > 0
+        ]
+        if waking:
+            return self._evaluate(snapshot, now_s, rng, signals, "wake", set(), set(), waking)
+        until = cooldown_until(snapshot.history, tp)
+        if until is not None and now_s < until:
+            return hold(f"cooldown after the last shift: {until - now_s:.0f} s left")
+        up = {s.model for s in signals if s.fired is Zone.UP}
+        down = {s.model for s in signals if s.fired is Zone.DOWN}
+        if up:
+            return self._evaluate(snapshot, now_s, rng, signals, "up", up, down, [])
+        if down:
+            return self._evaluate(snapshot, now_s, rng, signals, "down", up, down, [])
+        changed = snapshot.resources_changed_s
+        if changed is not None:
+            if now_s - changed >= tp.resource_settle_s:
+                return self._evaluate(snapshot, now_s, rng, signals, "resource", up, down, [])
+            return hold(
+                f"GPUs changed {now_s - changed:.0f} s ago; waiting "
+                f"{tp.resource_settle_s:.0f} s for them to settle"
+            )
+        runs = ", ".join(f"{s.model} {s.zone.value} x{s.run}" for s in signals)
+        return hold(f"no trigger ({runs}; {tp.num_samples} in a row needed)")
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def _loads(
+        self, snapshot: ShiftSnapshot, up: set[str], waking: Sequence[str]
+    ) -> dict[str, tuple[float, float]]:
+        pp = self.params.pricing
+        loads: dict[str, tuple[float, float]] = {}
+        for m in snapshot.models:
+            now, expected = m.request_rate_per_s, m.expected_rate_per_s
+            if m.name in up:
+                now *= 1 + pp.up_step
+            if m.name in waking:
+                now = max(now, self.params.wake_request_rate_per_s)
+                expected = max(expected, now)
+            loads[m.name] = (now, expected)
+        return loads
+
+    def _demands(
+        self, snapshot: ShiftSnapshot, loads: Mapping[str, tuple[float, float]], down: set[str]
+    ) -> list[ModelDemand]:
+        out = []
+        for m in snapshot.models:
+            rate = max(loads[m.name])
+            if m.name in down:
+                rate *= 1 + self.params.pricing.down_headroom
+            out.append(dataclasses.replace(m.demand, request_rate_per_s=rate))
+        return out
+
+    def _candidates(
+        self,
+        snapshot: ShiftSnapshot,
+        running: Sequence[PlannedInstance],
+        demands: Sequence[ModelDemand],
+        now_s: float,
+        down: set[str],
+    ) -> list[Candidate]:
+        out: list[Candidate] = []
+        for m, d in zip(snapshot.models, demands, strict=True):
+            if m.name in down:
+                c = shrink(running, m, d.request_rate_per_s, self.capacity)
+                if c is not None:
+                    out.append(c)
+        out.append(replan(snapshot.cluster, demands, now_s, self.planner))
+        pf = priority_first(
+            snapshot.cluster,
+            snapshot.models,
+            demands,
+            now_s,
+            self.planner,
+            running,
+            self.capacity,
+        )
+        if pf is not None:
+            out.append(pf)
+        return out
+
+    def _score(
+        self,
+        snapshot: ShiftSnapshot,
+        running: Sequence[PlannedInstance],
+        candidates: Sequence[Candidate],
+        loads: Mapping[str, tuple[float, float]],
+        now_s: float,
+        trigger: Trigger,
+    ) -> list[ScoredCandidate]:
+        banned = blacklist(snapshot.history, now_s, self.params.triggers)
+        running_keys = {instance_key(i) for i in running}
+        out: list[ScoredCandidate] = []
+        seen: dict[frozenset[str], str] = {}  # instance keys -> the first candidate with them
+        for cand in candidates:
+            fixed = keep_minimums(cand, running, snapshot.models)
+            if isinstance(fixed, str):
+                out.append(ScoredCandidate(cand.name, False, fixed, None, cand.instances))
+                continue
+            keys = {instance_key(i) for i in fixed.instances}
+            hit = sorted(k for k in keys - running_keys if k in banned)
+            if hit:
+                until = max(banned[k] for k in hit)
+                reason = f"blacklisted until {until:.0f} s: {', '.join(hit)}"
+                out.append(ScoredCandidate(fixed.name, False, reason, None, fixed.instances))
+                continue
+            if keys == running_keys and trigger != "reclaim":
+                reason = "the same plan as the running one"
+                out.append(ScoredCandidate(fixed.name, False, reason, None, fixed.instances))
+                continue
+            twin = seen.get(frozenset(keys))
+            if twin is not None:
+                reason = f"the same plan as {twin}"
+                out.append(ScoredCandidate(fixed.name, False, reason, None, fixed.instances))
+                continue
+            seen[frozenset(keys)] = fixed.name
+            p = price(
+                snapshot.cluster,
+                running,
+                fixed.instances,
+                snapshot.models,
+                loads,
+                now_s,
+                self.params.pricing,
+                self.capacity,
+                self.efficiency,
+            )
+            ok, reason = self._clears_bar(trigger, p)
+            if fixed.note:
+                reason = f"{reason} ({fixed.note})"
+            out.append(ScoredCandidate(fixed.name, ok, reason, p, fixed.instances))
+        return out
+
+    def _clears_bar(self, trigger: Trigger, p: Price) -> tuple[bool, str]:
+        s = (
+            f"score {p.score:.1f} = gain {p.gain:.1f} - gap {p.gap_cost:.1f}"
+            f" - migration {p.migration_cost:.1f} - risk {p.risk:.1f}"
+        )
+        if trigger == "reclaim":
+            return True, s
+        if p.score <= 0:
+            return False, f"{s}: does not pay for itself"
+        if trigger in ("up", "wake") and p.goodput_gain_per_s <= 0:
+            return False, f"{s}: no goodput gained"
+        if trigger == "down" and p.num_gpus_target >= p.num_gpus_running:
+            return False, f"{s}: gives no GPU back"
+        if trigger == "resource":
+            need = self.params.triggers.resource_min_gain_fraction * p.goodput_running_per_s
+            if p.goodput_gain_per_s <= 0 or p.goodput_gain_per_s < need:
+                return False, (
+                    f"{s}: goodput +{p.goodput_gain_per_s:.3f}/s is below the margin {need:.3f}/s"
+                )
+        return True, s
+
+    def _choose(
+        self,
+        now_s: float,
+        rng: random.Random,
+        signals: tuple[ModelSignal, ...],
+        trigger: Trigger,
+        why: str,
+        scored: list[ScoredCandidate],
+        running: tuple[PlannedInstance, ...],
+    ) -> ShiftDecision:
+        scored = [
+            *scored,
+            ScoredCandidate(
+                "keep", False, "the running plan: score 0, the bar to beat", None, running
+            ),
+        ]
+        accepted = [c for c in scored if c.accepted and c.price is not None]
+        if not accepted:
+            return ShiftDecision(
+                now_s,
+                "hold",
+                trigger,
+                f"{why}; no candidate clears the bar",
+                signals,
+                alternatives=tuple(scored),
+            )
+        best_score = max(c.price.score for c in accepted if c.price is not None)
+        ties = [c for c in accepted if c.price is not None and c.price.score == best_score]
+        best = ties[0] if len(ties) == 1 else rng.choice(ties)
+        return ShiftDecision(
+            now_s,
+            "shift",
+            trigger,
+            f"{why}; {best.name}: {best.reason}",
+            signals,
+            target=best.instances,
+            price=best.price,
+            alternatives=tuple(c for c in scored if c is not best),
+        )
+
+    def _evaluate(
+        self,
+        snapshot: ShiftSnapshot,
+        now_s: float,
+        rng: random.Random,
+        signals: tuple[ModelSignal, ...],
+        trigger: Trigger,
+        up: set[str],
+        down: set[str],
+        waking: Sequence[str],
+    ) -> ShiftDecision:
+        loads = self._loads(snapshot, up, waking)
+        demands = self._demands(snapshot, loads, down)
+        candidates = self._candidates(snapshot, snapshot.running, demands, now_s, down)
+        scored = self._score(snapshot, snapshot.running, candidates, loads, now_s, trigger)
+        n = self.params.triggers.num_samples
+        why = {
+            "up": f"{', '.join(sorted(up))} in the up zone {n} samples in a row",
+            "down": f"{', '.join(sorted(down))} in the down zone {n} samples in a row",
+            "resource": "the GPUs free to us changed",
+            "wake": f"requests wait for {', '.join(waking)}, which has no instance",
+        }.get(trigger, trigger)
+        return self._choose(now_s, rng, signals, trigger, why, scored, snapshot.running)
+
+    def _reclaim(
+        self,
+        snapshot: ShiftSnapshot,
+        now_s: float,
+        rng: random.Random,
+        signals: tuple[ModelSignal, ...],
+        lost: list[tuple[PlannedInstance, str]],
+    ) -> ShiftDecision:
+        """GPUs going away: the running plan without the lost instances is the floor; a
+        re-plan replaces it when it scores better."""
+        lost_keys = {instance_key(i) for i, _ in lost}
+        degraded = tuple(i for i in snapshot.running if instance_key(i) not in lost_keys)
+        loads = self._loads(snapshot, set(), [])
+        demands = self._demands(snapshot, loads, set())
+        candidates = [
+            Candidate("drop lost", degraded, "the running plan without the lost instances"),
+            *self._candidates(snapshot, degraded, demands, now_s, set()),
+        ]
+        scored = self._score(snapshot, degraded, candidates, loads, now_s, "reclaim")
+        why = "; ".join(f"{i.name}: {reason}" for i, reason in lost)
+        if not any(c.accepted for c in scored):
+            # The GPUs go whatever we decide: without a plan that keeps every minimum (or
+            # one not blacklisted), drop the lost instances and say so.
+            forced = ScoredCandidate(
+                "drop lost",
+                True,
+                "no candidate keeps every minimum; the lost instances go regardless",
+                price(
+                    snapshot.cluster,
+                    degraded,
+                    degraded,
+                    snapshot.models,
+                    loads,
+                    now_s,
+                    self.params.pricing,
+                    self.capacity,
+                    self.efficiency,
+                ),
+                degraded,
+            )
+            scored = [forced, *(c for c in scored if c.name != "drop lost")]
+        return self._choose(now_s, rng, signals, "reclaim", why, scored, degraded)

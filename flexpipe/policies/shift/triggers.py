@@ -1,0 +1,195 @@
+"""When a shift may be considered (seed 000 §3.2): zones held for N samples, cooldown after
+every shift, a blacklist of targets that failed, and GPUs that are gone or about to be.
+
+Each function reads the snapshot at `now` and returns plain values; `policy.py` combines them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from flexpipe.cluster import Cluster, ClusterError
+from flexpipe.perf import Efficiency
+from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.migration import perf_model_of
+from flexpipe.policies.shift.signals import (
+    Pressure,
+    Thresholds,
+    Zone,
+    pressure_of,
+    recent,
+    trailing_run,
+    zone_of,
+)
+from flexpipe.policies.shift.snapshot import ModelState, ShiftRecord
+
+__all__ = [
+    "ModelSignal",
+    "TriggerParams",
+    "blacklist",
+    "cooldown_until",
+    "last_shift_end_s",
+    "lost_instances",
+    "model_signal",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerParams:
+    """Defaults from seed 000 §3.2 and §4.3 (docs/shift-policy.md)."""
+
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    window_s: float = 60.0  # samples older than this never count
+    num_samples: int = 5  # consecutive samples in a zone before it fires
+    # After every shift (counted from its end, so always longer than the shift itself). The
+    # seed's 60 s oscillated; 180 s did not.
+    cooldown_s: float = 180.0
+    # A target instance that failed `max_failures` times within `failure_window_s` is skipped
+    # for `blacklist_s` after its last failure.
+    max_failures: int = 2
+    failure_window_s: float = 600.0
+    blacklist_s: float = 900.0
+    # Resource-driven: the plan for the GPUs free now must raise goodput by this share, and
+    # the change of GPUs must have lasted this long (tenants come and go within seconds).
+    resource_min_gain_fraction: float = 0.02
+    resource_settle_s: float = 30.0
+    # A GPU whose lease (free_until_s) ends within this much is vacated now (planned reclaim).
+    reclaim_lead_s: float = 120.0
+    # An instance whose GPUs now leave room for less than this share of the KV cache it
+    # holds overlaps a tenant that came back: vacated like a reclaim.
+    squeeze_kv_fraction: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1 or self.max_failures < 1:
+            raise ValueError("num_samples and max_failures must be >= 1")
+        if min(self.window_s, self.failure_window_s) <= 0:
+            raise ValueError("window_s and failure_window_s must be positive")
+        if min(self.cooldown_s, self.blacklist_s, self.resource_settle_s) < 0:
+            raise ValueError("cooldown_s, blacklist_s and resource_settle_s must be >= 0")
+        if self.resource_min_gain_fraction < 0 or self.reclaim_lead_s < 0:
+            raise ValueError("resource_min_gain_fraction and reclaim_lead_s must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSignal:
+    """A model's signals at `now`: the newest pressures and the zone run they end."""
+
+    model: str
+    pressure: Pressure | None  # of the newest sample; None: no sample in the window
+    zone: Zone  # of the newest sample
+    run: int  # consecutive samples ending in `zone`
+    fired: Zone  # `zone` once `run` reaches num_samples (UP or DOWN), else HOLD
+    num_samples: int  # samples in the window (after the last shift)
+
+    def to_dict(self) -> dict[str, object]:
+        p = self.pressure
+        return {
+            "model": self.model,
+            "queue": None if p is None else round(p.queue, 4),
+            "latency": None if p is None else round(p.latency, 4),
+            "utilization": None if p is None else round(p.utilization, 4),
+            "zone": self.zone.value,
+            "run": self.run,
+            "fired": self.fired.value,
+            "num_samples": self.num_samples,
+        }
+
+
+def model_signal(
+    model: ModelState, now_s: float, since_s: float | None, params: TriggerParams
+) -> ModelSignal:
+    """Zone run of `model`'s samples in the window. Samples from before `since_s` (the end of
+    the last shift) describe the old plan and are ignored."""
+    samples = [
+        s
+        for s in recent(model.samples, now_s, params.window_s)
+        if since_s is None or s.at_s >= since_s
+    ]
+    slo = model.demand.slo
+    pressures = [pressure_of(s, slo.ttft_p99_s, slo.tpot_p99_s) for s in samples]
+    zone, run = trailing_run([zone_of(p, params.thresholds) for p in pressures])
+    fired = zone if run >= params.num_samples else Zone.HOLD
+    return ModelSignal(
+        model.name, pressures[-1] if pressures else None, zone, run, fired, len(samples)
+    )
+
+
+def last_shift_end_s(history: Sequence[ShiftRecord]) -> float | None:
+    """When the last finished shift ended (None: no shift has finished)."""
+    ends = [r.finished_s for r in history if r.finished_s is not None]
+    return max(ends) if ends else None
+
+
+def cooldown_until(history: Sequence[ShiftRecord], params: TriggerParams) -> float | None:
+    """End of the cooldown after the last shift; +inf while a shift is in progress."""
+    if any(r.in_progress for r in history):
+        return float("inf")
+    end = last_shift_end_s(history)
+    return None if end is None else end + params.cooldown_s
+
+
+def blacklist(
+    history: Sequence[ShiftRecord], now_s: float, params: TriggerParams
+) -> dict[str, float]:
+    """instance key -> until when it is skipped: it failed `max_failures` times within
+    `failure_window_s`, the last of them less than `blacklist_s` ago."""
+    failures: dict[str, list[float]] = {}  # key -> times it failed
+    for r in history:
+        if r.succeeded is False:
+            at = r.finished_s if r.finished_s is not None else r.started_s
+            for key in r.target_keys:
+                failures.setdefault(key, []).append(at)
+    out: dict[str, float] = {}
+    for key, times in failures.items():
+        times.sort()
+        for i in range(params.max_failures - 1, len(times)):
+            first, last = times[i - params.max_failures + 1], times[i]
+            if last - first <= params.failure_window_s and now_s < last + params.blacklist_s:
+                out[key] = max(out.get(key, 0.0), last + params.blacklist_s)
+    return out
+
+
+def _why_lost(
+    cluster: Cluster,
+    inst: PlannedInstance,
+    now_s: float,
+    params: TriggerParams,
+    efficiency: Efficiency | None,
+) -> str | None:
+    for gid in inst.gpu_ids:
+        try:
+            gpu = cluster.gpu(gid)
+        except ClusterError:
+            return f"{gid} is no longer in the cluster"
+        if gpu.free_bytes <= 0:
+            return f"{gid} is held by {gpu.owner or 'another tenant'}"
+        if gpu.free_until_s is not None and gpu.free_until_s - now_s <= params.reclaim_lead_s:
+            return f"{gid} is reclaimed in {max(0.0, gpu.free_until_s - now_s):.0f} s"
+    memory = perf_model_of(cluster, inst, efficiency).memory
+    if not memory.feasible:
+        return f"no longer fits beside the other tenants: {memory.reason}"
+    if memory.kv_capacity_tokens < params.squeeze_kv_fraction * inst.kv_capacity_tokens:
+        return (
+            f"no longer fits beside the other tenants: room for {memory.kv_capacity_tokens}"
+            f" KV tokens, it holds {inst.kv_capacity_tokens}"
+        )
+    return None
+
+
+def lost_instances(
+    cluster: Cluster,
+    running: Sequence[PlannedInstance],
+    now_s: float,
+    params: TriggerParams,
+    efficiency: Efficiency | None = None,
+) -> list[tuple[PlannedInstance, str]]:
+    """Running instances on a GPU that is gone (not in the cluster, or fully held by another
+    tenant), whose lease ends within `reclaim_lead_s`, or that no longer fit the memory the
+    other tenants leave (the performance model's memory plan), with the reason."""
+    out: list[tuple[PlannedInstance, str]] = []
+    for inst in running:
+        why = _why_lost(cluster, inst, now_s, params, efficiency)
+        if why is not None:
+            out.append((inst, why))
+    return out
