@@ -1,9 +1,15 @@
 """The gateway's admin API (bearer token): the pool as the controller drives it.
 
 GET  /admin/instances                 list with state and load
-POST /admin/instances                 {"url", "model"?, "weight"?, "max_concurrency"?, "api_key"?}
-POST /admin/instances/remove|drain|activate   {"url"}
+POST /admin/instances                 {"url", "model"?, "weight"?, "max_concurrency"?, "api_key"?,
+                                       "admin_token"? (the engine's, for KV moves)}
+POST /admin/instances/remove|activate {"url"}
+POST /admin/instances/drain           {"url", "wait_s"?}: with wait_s, answers once the
+                                      instance serves nothing or wait_s passed ("drained")
 POST /admin/instances/weight          {"url", "weight"}
+GET  /admin/instances/requests?url=U  the requests U serves now (what a move is priced on)
+POST /admin/requests/move             {"moves": [{"id", "method": "kv"|"recompute",
+                                       "target"?, "bandwidth_bytes_per_s"?, "latency_s"?}]}
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import hmac
 from typing import TYPE_CHECKING, Any
 
+from flexpipe.gateway.call import Move
 from flexpipe.gateway.pool import PoolError
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
 
@@ -29,6 +36,8 @@ class AdminApi:
         app.add_route("POST", "/admin/instances/drain", self.drain)
         app.add_route("POST", "/admin/instances/activate", self.activate)
         app.add_route("POST", "/admin/instances/weight", self.weight)
+        app.add_route("GET", "/admin/instances/requests", self.requests)
+        app.add_route("POST", "/admin/requests/move", self.move)
 
     def _check(self, req: Request) -> None:
         token = self.gw.cfg.admin_token
@@ -57,6 +66,9 @@ class AdminApi:
             api_key = body.get("api_key")
             if api_key is not None and not isinstance(api_key, str):
                 raise TypeError("`api_key` must be a string")
+            admin_token = body.get("admin_token")
+            if admin_token is not None and not isinstance(admin_token, str):
+                raise TypeError("`admin_token` must be a string")
             inst = self.gw.pool.add(
                 body["url"],
                 body.get("model"),
@@ -66,6 +78,8 @@ class AdminApi:
             )
         except (PoolError, TypeError, ValueError) as exc:
             raise HttpError(400, str(exc)) from None
+        if admin_token:
+            self.gw.engine_admin_tokens[inst.url] = admin_token
         if inst.model is None:
             await self.gw.prober.discover(inst)
         return json_response(inst.as_dict())
@@ -77,14 +91,41 @@ class AdminApi:
         except PoolError as exc:
             raise HttpError(404, str(exc)) from None
         self.gw.router.remove_instance(inst.url)
+        self.gw.engine_admin_tokens.pop(inst.url, None)
         return json_response(inst.as_dict())
 
     async def drain(self, req: Request) -> Response:
         body = self._body(req)
+        wait_s = body.get("wait_s", 0)
+        if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or wait_s < 0:
+            raise HttpError(400, "`wait_s` must be a number of seconds >= 0", param="wait_s")
         try:
-            return json_response(self.gw.pool.drain(body["url"]).as_dict())
+            inst = self.gw.pool.drain(body["url"])
         except PoolError as exc:
             raise HttpError(404, str(exc)) from None
+        drained = await self.gw.drained(inst.url, float(wait_s))
+        return json_response({**inst.as_dict(), "drained": drained})
+
+    async def requests(self, req: Request) -> Response:
+        self._check(req)
+        urls = req.query_params().get("url") or []
+        if len(urls) != 1:
+            raise HttpError(400, "give one instance as ?url=", param="url")
+        calls = self.gw.calls_on(urls[0].rstrip("/"))
+        return json_response({"requests": [c.describe() for c in calls]})
+
+    async def move(self, req: Request) -> Response:
+        self._check(req)
+        body = req.json()
+        moves = body.get("moves") if isinstance(body, dict) else None
+        if not isinstance(moves, list):
+            raise HttpError(400, 'expected {"moves": [...]}', param="moves")
+        parsed = [_parse_move(m, i) for i, m in enumerate(moves)]
+        results = []
+        for call_id, move in parsed:
+            outcome = await self.gw.move_request(call_id, move)
+            results.append({"id": call_id, "outcome": outcome})
+        return json_response({"results": results})
 
     async def activate(self, req: Request) -> Response:
         body = self._body(req)
@@ -102,3 +143,28 @@ class AdminApi:
             return json_response(self.gw.pool.set_weight(body["url"], float(weight)).as_dict())
         except PoolError as exc:
             raise HttpError(400 if "weight" in str(exc) else 404, str(exc)) from None
+
+
+def _parse_move(m: Any, i: int) -> tuple[int, Move]:
+    where = f"moves.{i}"
+    if not isinstance(m, dict):
+        raise HttpError(400, f"{where}: must be an object", param=where)
+    call_id, method, target = m.get("id"), m.get("method", "recompute"), m.get("target")
+    if isinstance(call_id, bool) or not isinstance(call_id, int):
+        raise HttpError(400, f"{where}.id: must be an integer", param=f"{where}.id")
+    if method not in ("kv", "recompute"):
+        raise HttpError(400, f"{where}.method: kv or recompute", param=f"{where}.method")
+    if target is not None and not isinstance(target, str):
+        raise HttpError(400, f"{where}.target: must be a URL", param=f"{where}.target")
+    numbers = {}
+    for name in ("bandwidth_bytes_per_s", "latency_s"):
+        v = m.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
+            raise HttpError(400, f"{where}.{name}: must be a number >= 0", param=f"{where}.{name}")
+        numbers[name] = None if v is None else float(v)
+    return call_id, Move(
+        method,
+        target.rstrip("/") if target else None,
+        numbers["bandwidth_bytes_per_s"],
+        numbers["latency_s"] or 0.0,
+    )

@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import random
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import orjson
 
 from flexpipe.gateway.admin import AdminApi
-from flexpipe.gateway.call import Call
+from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, InstanceState, Pool
@@ -67,7 +69,10 @@ class Gateway:
         self.timeouts = Timeouts(cfg.connect_timeout_s, cfg.ttfb_timeout_s, cfg.idle_timeout_s)
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
-        self._calls: set[Call] = set()  # accepted and not yet ended, whatever their phase
+        self._calls: dict[int, Call] = {}  # accepted, not yet ended, whatever their phase
+        self._call_ids = itertools.count(1)
+        self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
+        self._drain_waiters: list[asyncio.Future[None]] = []
         self.relays: set[PushRelay] = set()  # streams being relayed by push
         self.shutting_down = False  # new requests are refused
         self._grace_over = False  # and, past the grace period, queued ones too
@@ -184,7 +189,8 @@ class Gateway:
                 return _too_many(f"tenant {tenant.name}: {why}", wait_s)
             tenant.num_in_flight += 1
             call.tenant = tenant
-        self._calls.add(call)
+        call.id = next(self._call_ids)
+        self._calls[call.id] = call
         handed_off = False
         try:
             result = await self._dispatch(call)
@@ -202,7 +208,7 @@ class Gateway:
         if call.ended:
             return
         call.ended = True
-        self._calls.discard(call)
+        self._calls.pop(call.id, None)
         tenant = call.tenant
         if tenant is not None:
             tenant.num_in_flight -= 1
@@ -216,9 +222,29 @@ class Gateway:
         """Requests accepted and not yet ended (queued, in flight or streaming)."""
         return len(self._calls)
 
+    async def _send_movable(self, call: Call) -> tuple[Instance, UpstreamResponse]:
+        """`send`, in a task the controller can cancel to move the request while the engine
+        has not answered yet (a non-streamed request, a stream still queued): it is then
+        sent again, to the move's target."""
+        while True:
+            task = asyncio.ensure_future(self.send(call, call.raw))
+            call.sending = task
+            try:
+                return await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if call.move is None or (current is not None and current.cancelling()):
+                    raise  # the client left (or the gateway is stopping)
+                call.moved_by.append("rerun")
+                self.metrics.migrations.labels("moved").inc()
+            finally:
+                call.sending = None
+
     async def _dispatch(self, call: Call) -> Response | StreamResponse | PushResponse:
         while True:
-            inst, resp = await self.send(call, call.raw)
+            inst, resp = await self._send_movable(call)
+            call.move = None  # carried out: later breaks are failures again
+            call.upstream_request_id = resp.headers.get("x-request-id")
             if call.stream and resp.status == 200:
                 return PushResponse(
                     PushRelay(self, call, inst, resp).start,
@@ -231,10 +257,14 @@ class Gateway:
             except UpstreamError as exc:
                 # Nothing has reached the client yet: run it again on another instance.
                 self.finish(inst, call, exc.kind)
-                self.failure(inst)
                 call.failed.add(inst.url)
                 if self.shutting_down:
                     raise HttpError(503, "the gateway is shutting down") from None
+                if call.move is not None:  # the controller moved it: re-run on the target
+                    call.moved_by.append("rerun")
+                    self.metrics.migrations.labels("moved").inc()
+                    continue
+                self.failure(inst)
                 if exc.kind == "idle" or call.num_migrations >= self.cfg.max_migrations:
                     self.metrics.migrations.labels("failed").inc()
                     raise HttpError(502, f"upstream failed mid-response: {exc.kind}") from None
@@ -261,7 +291,9 @@ class Gateway:
             {"x-flexpipe-instance": inst.url},
         )
 
-    async def send(self, call: Call, raw: bytes) -> tuple[Instance, UpstreamResponse]:
+    async def send(
+        self, call: Call, raw: bytes, path: str | None = None, admin: bool = False
+    ) -> tuple[Instance, UpstreamResponse]:
         """Route and send. An instance that cannot be reached, or dies before its response
         head, is never tried again for this call and the next live one is (nothing has
         reached the client yet); 429 and 503 are retried once with jitter."""
@@ -269,11 +301,12 @@ class Gateway:
             inst = await self._pick(call)
             self._acquire(inst, call)
             headers = _JSON_HEADERS
-            if inst.api_key:
-                headers = {**_JSON_HEADERS, "authorization": f"Bearer {inst.api_key}"}
+            token = self.engine_admin_tokens.get(inst.url) if admin else inst.api_key
+            if token:
+                headers = {**_JSON_HEADERS, "authorization": f"Bearer {token}"}
             try:
                 resp = await self.client.request(
-                    inst.url, "POST", call.path, raw, headers, self.timeouts
+                    inst.url, "POST", path or call.path, raw, headers, self.timeouts
                 )
             except UpstreamError as exc:
                 self.finish(inst, call, exc.kind)
@@ -314,8 +347,11 @@ class Gateway:
             if self._grace_over:
                 raise HttpError(503, "the gateway is shutting down")
             now = self.clock()
+            prefer = call.move.target if call.move is not None else None
             try:
-                pick = self.router.pick(call.model, call.routing, now, call.excluded, call.failed)
+                pick = self.router.pick(
+                    call.model, call.routing, now, call.excluded, call.failed, prefer
+                )
             except NoInstance as exc:
                 self.metrics.rejected.labels("no_instance").inc()
                 raise HttpError(503, str(exc)) from None
@@ -364,15 +400,23 @@ class Gateway:
 
     def _acquire(self, inst: Instance, call: Call) -> None:
         self.router.acquire(inst, call.num_tokens)
+        call.instance = inst.url
 
     def finish(self, inst: Instance, call: Call, status: str) -> None:
         """`inst` no longer counts `call` (each `_acquire` has exactly one `finish`)."""
         now = self.clock()
         self.router.finish(inst, call.num_tokens, now)
+        if call.instance == inst.url:
+            call.instance = None
         self.metrics.request_done(call.model, inst.url, status)
         if status == "200":
             self.metrics.observe("e2e", call.model, now - call.t0)
         self._wake_one()
+        if self._drain_waiters:  # someone waits for an instance to drain: look again
+            waiters, self._drain_waiters = self._drain_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
 
     def success(self, inst: Instance) -> None:
         self.router.succeeded(inst)
@@ -403,6 +447,72 @@ class Gateway:
                 inst.speed_tokens_per_s = speed if not old else old + 0.2 * (speed - old)
         self.success(inst)
 
+    # ---------------------------------------------------------------- moves (controller)
+    def calls_on(self, url: str) -> list[Call]:
+        """The requests an instance is serving now."""
+        return [c for c in self._calls.values() if c.instance == url]
+
+    async def move_request(self, call_id: int, move: Move) -> str:
+        """Move an in-flight request off its instance (a shift's drain deadline): a stream
+        continues on `move.target` with its KV cache ("kv", the engines' export/import
+        hooks) or by recompute; a non-streamed request, of which nothing was sent yet, is
+        re-run there. Returns what was done ("kv", "recompute", "rerun") or why not."""
+        call = self._calls.get(call_id)
+        if call is None or call.instance is None:
+            return "not_running"
+        if call.sending is not None:  # the engine has not answered: nothing was sent yet
+            call.move = Move("recompute", move.target)
+            call.sending.cancel()  # aborts the upstream request; sent again to the target
+            return "rerun"
+        if not call.stream:
+            if call.upstream is None:
+                return "not_running"
+            call.move = Move("recompute", move.target)
+            call.upstream.release()  # its reader sees the break and re-runs it on the target
+            return "rerun"
+        relay = call.relay
+        if relay is None:
+            return "not_running"  # already being continued elsewhere
+        if move.method == "kv":
+            call.export = await self._export(call.instance, call.upstream_request_id)
+            if call.export is None:
+                move = Move("recompute", move.target)
+            if call.relay is not relay:
+                return "not_running"
+        return relay.move(move)
+
+    async def _export(self, url: str, request_id: str | None) -> dict[str, Any] | None:
+        """The engine's state of a request (its KV export), or None when it cannot tell."""
+        token = self.engine_admin_tokens.get(url)
+        if request_id is None or token is None:
+            return None
+        headers = {**_JSON_HEADERS, "authorization": f"Bearer {token}"}
+        body = orjson.dumps({"request_id": request_id})
+        try:
+            resp = await self.client.request(url, "POST", "/admin/export", body, headers)
+            data = await resp.read()
+            resp.release()
+        except UpstreamError:
+            return None
+        if resp.status != 200:
+            return None
+        obj = orjson.loads(data)
+        return obj if isinstance(obj, dict) else None
+
+    async def drained(self, url: str, timeout_s: float) -> bool:
+        """Wait until `url` serves no request (True) or `timeout_s` passed (False): woken by
+        every request that ends, not a poll."""
+        deadline = self.clock() + timeout_s
+        while self.calls_on(url):
+            left = deadline - self.clock()
+            if left <= 0:
+                return False
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._drain_waiters.append(fut)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, left)
+        return True
+
     # ---------------------------------------------------------------- shutdown
     async def shutdown(self, grace_s: float) -> None:
         """Stop gracefully: refuse new requests (the listening socket closes; requests on
@@ -427,7 +537,7 @@ class Gateway:
                 relay.abort("the gateway is shutting down")
             for task in list(self.tasks):
                 task.cancel()
-            for call in list(self._calls):
+            for call in list(self._calls.values()):
                 if call.upstream is not None:
                     call.upstream.release()  # its reader gets an error and answers 503
             with contextlib.suppress(TimeoutError):

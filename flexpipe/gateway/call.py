@@ -3,12 +3,28 @@ instances failed it. Plain data shared by the proxy (`app`) and the stream relay
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexpipe.gateway.tenants import Tenant
 from flexpipe.http.client import UpstreamResponse
 from flexpipe.policies.routing import RoutingRequest
+
+if TYPE_CHECKING:
+    from flexpipe.gateway.relay import PushRelay
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A move of an in-flight request the controller asked for (drain deadline of a shift):
+    "kv" carries the request's KV cache to `target` (the engine's export/import hooks),
+    "recompute" continues it there from its text; `target` None lets routing choose."""
+
+    method: str  # "kv" | "recompute"
+    target: str | None = None
+    bandwidth_bytes_per_s: float | None = None  # the link between the two instances (kv)
+    latency_s: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
@@ -33,3 +49,25 @@ class Call:
     num_output_tokens: int | None = None  # what a finished non-streamed response reported
     upstream: UpstreamResponse | None = None  # the response being read (non-streamed)
     ended: bool = False  # `Gateway.end_call` done
+    id: int = 0  # the gateway's own, for the admin API
+    instance: str | None = None  # the instance serving it now (None while queued)
+    upstream_request_id: str | None = None  # the engine's id of it (x-request-id)
+    relay: PushRelay | None = None  # its push relay while one streams it
+    move: Move | None = None  # asked for and not yet carried out
+    sending: asyncio.Task[Any] | None = None  # waiting for the engine's response head
+    export: dict[str, Any] | None = None  # the engine's exported state for a "kv" move
+    moved_by: list[str] = field(default_factory=list)  # methods of the moves done
+
+    def describe(self) -> dict[str, Any]:
+        """What the controller needs to price a move of this request."""
+        sent = self.relay.num_tokens_sent if self.relay is not None else 0
+        return {
+            "id": self.id,
+            "model": self.model,
+            "instance": self.instance,
+            "stream": self.stream,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_output_tokens": sent,
+            "max_tokens": self.routing.num_expected_output_tokens,
+            "moved_by": list(self.moved_by),
+        }

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from flexpipe.gateway import sse
-from flexpipe.gateway.call import Call
+from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.pool import Instance
 from flexpipe.http.client import UpstreamError, UpstreamResponse
 from flexpipe.http.server import ChunkWriter, HttpError
@@ -62,7 +62,24 @@ class PushRelay:
             self._client_gone()
             return
         self.gw.relays.add(self)
+        self.call.relay = self
         self.resp.pipe(self._data, self._end)
+
+    @property
+    def num_tokens_sent(self) -> int:
+        """Tokens relayed so far (one event each; chat's first event only names the role)."""
+        return max(0, self.num_events - (1 if self.call.chat else 0))
+
+    def move(self, move: Move) -> str:
+        """Stop relaying from this instance now and continue the stream as `move` says (the
+        controller's move at a drain deadline); returns the method, or "not_running"."""
+        if self.done:
+            return "not_running"
+        self.call.move = move
+        self._flush()
+        self._hand_over(UpstreamError("moved", "moved by the controller"))
+        self.resp.release()  # aborts the upstream request (its KV was exported before)
+        return move.method
 
     def _data(self, chunk: bytes) -> None:
         """Collect what arrives in this loop pass; one write at the end of the pass (what a
@@ -116,11 +133,7 @@ class PushRelay:
         assert writer is not None
         if error is not None:
             self._flush()
-            self.done = True  # accounting moves to the failover relay
-            self.gw.relays.discard(self)
-            self.task = self.loop.create_task(self._failover(error))
-            self.gw.tasks.add(self.task)
-            self.task.add_done_callback(self.gw.tasks.discard)
+            self._hand_over(error)
             return
         out = self._complete_events()
         self.done = True
@@ -131,8 +144,18 @@ class PushRelay:
         gw.stream_done(call, inst, self.t_first, self.t_last, num_tokens, True)
         self._account("200")
 
+    def _hand_over(self, error: UpstreamError) -> None:
+        """The rest of the stream is the failover task's (accounting included)."""
+        self.done = True
+        self.gw.relays.discard(self)
+        self.call.relay = None
+        self.task = self.loop.create_task(self._failover(error))
+        self.gw.tasks.add(self.task)
+        self.task.add_done_callback(self.gw.tasks.discard)
+
     def _account(self, status: str) -> None:
         self.gw.relays.discard(self)
+        self.call.relay = None
         self.gw.finish(self.inst, self.call, status)
         self.gw.end_call(self.call, max(0, self.num_events - 2))
 
@@ -216,7 +239,8 @@ async def relay_after_failure(
                     raise exc
                 chunk = await resp.next_chunk()
             except UpstreamError as exc:
-                gw.failure(inst)
+                if call.move is None:  # a move the controller asked for is no failure
+                    gw.failure(inst)
                 gw.finish(inst, call, exc.kind)
                 live = False
                 resp.release()
@@ -283,6 +307,9 @@ async def migrate(
     failure, the error event and [DONE] to end the client's stream with."""
     if gw.shutting_down:
         return sse.error_event("the gateway is shutting down", 503) + sse.DONE
+    move, call.move = call.move, None
+    if move is not None:
+        return await _moved(gw, call, failed, state, move)
     if call.num_migrations >= gw.cfg.max_migrations:
         gw.metrics.migrations.labels("failed").inc()
         return sse.error_event("the instance serving this stream failed") + sse.DONE
@@ -310,6 +337,54 @@ async def migrate(
     gw.metrics.migrations.labels("ok").inc()
     log.info("continued a stream from %s on %s", failed.url, inst.url)
     return inst, resp
+
+
+async def _moved(
+    gw: Gateway, call: Call, source: Instance, state: sse.StreamState, move: Move
+) -> tuple[Instance, UpstreamResponse] | bytes:
+    """Carry out a controller's move: with the KV cache when the engine exported it and it
+    covers every token the client has (else by recompute), on `move.target` if it can."""
+    export, call.export = call.export, None
+    method = move.method
+    body: dict[str, Any] | None
+    if method == "kv" and export is not None and _covers(export, state.num_tokens):
+        body = sse.import_body(call.body, export, state, move.bandwidth_bytes_per_s, move.latency_s)
+    else:
+        method = "recompute"
+        body = sse.continuation_body(
+            call.body, state, call.chat, gw.cfg.default_expected_output_tokens
+        )
+    if body is None:  # nothing left to generate
+        return _final_event(state, call.chat) + sse.DONE
+    state.num_tokens_at_join = state.num_tokens
+    state.completion_events = method == "kv" and call.chat  # import answers as completions
+    call.num_retries = 0
+    call.move = Move(method, move.target)  # the target is preferred while routing
+    try:
+        if method == "kv":
+            inst, resp = await gw.send(call, orjson.dumps(body), "/admin/import", admin=True)
+        else:
+            inst, resp = await gw.send(call, orjson.dumps(body))
+    except HttpError as exc:
+        gw.metrics.migrations.labels("failed").inc()
+        return sse.error_event(f"could not move the stream: {exc.message}") + sse.DONE
+    finally:
+        call.move = None
+    if resp.status != 200:
+        detail = (await _safe_read(resp))[:200].decode("utf-8", "replace")
+        resp.release()
+        gw.finish(inst, call, str(resp.status))
+        gw.metrics.migrations.labels("failed").inc()
+        return sse.error_event(f"could not move the stream: {detail}") + sse.DONE
+    call.moved_by.append(method)
+    gw.metrics.migrations.labels("moved").inc()
+    log.info("moved a stream from %s to %s (%s)", source.url, inst.url, method)
+    return inst, resp
+
+
+def _covers(export: dict[str, Any], num_tokens: int) -> bool:
+    out = export.get("output_token_ids")
+    return isinstance(out, list) and len(out) >= num_tokens
 
 
 async def _safe_read(resp: UpstreamResponse) -> bytes:

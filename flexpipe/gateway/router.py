@@ -59,9 +59,11 @@ class Router:
         now: float,
         excluded: Collection[str] = (),
         failed: Collection[str] = (),
+        prefer: str | None = None,
     ) -> Pick | None:
         """The instance for `request`, or None when every candidate is at its limit.
-        Raises `NoInstance` when no live instance is left for it."""
+        Raises `NoInstance` when no live instance is left for it. `prefer`: an instance the
+        controller chose (a move's target), taken when it is a candidate with room."""
         routable = self.pool.routable(model)
         if failed:
             routable = [i for i in routable if i.url not in failed]
@@ -72,6 +74,13 @@ class Router:
             raise NoInstance(f"no healthy instance serves model `{model}` right now")
         hashes = request.block_hashes
         index = self.prefix_index
+        if prefer is not None:
+            inst = next((i for i in cands if i.url == prefer), None)
+            if inst is not None and inst.num_in_flight < inst.max_concurrency:
+                matched = index.match(inst.url, hashes) if hashes else 0
+                if hashes:
+                    index.insert(inst.url, hashes)
+                return Pick(inst, "moved", len(hashes), matched)
         if hashes:
             views = tuple(i.view(index.match(i.url, hashes)) for i in cands)
         else:

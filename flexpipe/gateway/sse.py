@@ -25,6 +25,7 @@ class StreamState:
     usage: dict[str, Any] | None = None
     prompt_tokens: int | None = None  # the client's prompt, once an event's usage told it
     num_tokens_at_join: int = 0  # tokens the client had when the current continuation began
+    completion_events: bool = False  # the continuation answers in completions' format
     extras: dict[str, Any] = field(default_factory=dict)
 
 
@@ -111,6 +112,57 @@ def continuation_body(
     return body
 
 
+def import_body(
+    original: dict[str, Any],
+    export: dict[str, Any],
+    state: StreamState,
+    bandwidth_bytes_per_s: float | None,
+    latency_s: float = 0.0,
+) -> dict[str, Any] | None:
+    """The engine's /admin/import body that resumes a request from its exported KV cache:
+    the prompt's token ids and the `state.num_tokens` the client got, as completions (the
+    import hook's format); None when nothing is left to generate."""
+    prompt_ids = list(export.get("prompt_token_ids") or [])
+    output_ids = list(export.get("output_token_ids") or [])[: state.num_tokens]
+    left = export.get("max_tokens_left")
+    if not isinstance(left, int):
+        return None
+    remaining = left + (len(export.get("output_token_ids") or []) - len(output_ids))
+    if remaining <= 0:
+        return None
+    ids = prompt_ids + output_ids
+    body: dict[str, Any] = {
+        k: v
+        for k, v in original.items()
+        if k not in ("messages", "prompt", "max_tokens", "max_completion_tokens", "n")
+        and k not in ("continue_final_message", "add_generation_prompt", "tools")
+    }
+    body.update(
+        prompt=ids,
+        max_tokens=remaining,
+        num_kv_tokens=len(ids),
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s or 25e9,
+        latency_s=latency_s,
+        stream=True,
+    )
+    if "min_tokens" in body:
+        body["min_tokens"] = max(0, int(body["min_tokens"]) - state.num_tokens)
+    return body
+
+
+def _as_chat_chunk(obj: dict[str, Any]) -> None:
+    """A completions stream event as a chat one, in place (a KV-moved chat stream)."""
+    obj["object"] = "chat.completion.chunk"
+    for choice in obj.get("choices") or ():
+        if isinstance(choice, dict) and "text" in choice:
+            text = choice.pop("text")
+            choice["delta"] = {"content": text} if text else {}
+            keep = {k: choice[k] for k in ("index", "delta")}
+            keep.update((k, v) for k, v in choice.items() if k not in keep)
+            choice.clear()
+            choice.update(keep)
+
+
 def rewrite_event(payload: bytes, state: StreamState, chat: bool) -> tuple[bytes | None, int]:
     """A continuation's event as the client's stream: same id/created/model, usage counted
     from the client's prompt, the repeated assistant-role chunk dropped; `state` absorbs it.
@@ -130,6 +182,8 @@ def rewrite_event(payload: bytes, state: StreamState, chat: bool) -> tuple[bytes
         obj["created"] = state.created
     if state.model is not None:
         obj["model"] = state.model
+    if chat and state.completion_events:
+        _as_chat_chunk(obj)
     if chat:
         for choice in obj.get("choices") or ():
             delta = choice.get("delta") if isinstance(choice, dict) else None

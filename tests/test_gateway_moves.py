@@ -1,0 +1,157 @@
+"""The controller's moves at a drain deadline, through the gateway's admin API: a stream
+moved with its KV cache (the engines' export/import hooks) or by recompute, a non-streamed
+request re-run, each seamless for the client. Real sim engines, the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from test_gateway_api import Running
+from test_gateway_fakes import LoopThread
+
+from flexpipe.engine.testing import EngineProc, sim_engine
+from flexpipe.engine.tokenizer import WORDS
+
+MODEL = "llama-2-7b"
+ADMIN = "engine-admin"
+AUTH = {"authorization": "Bearer gw-admin", "content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[EngineProc]]:
+    args = [MODEL, "--load-time-s", "0", "--time-scale", "1", "--admin-token", ADMIN]
+    with ExitStack() as stack:
+        yield [stack.enter_context(sim_engine(args)) for _ in range(2)]
+
+
+@pytest.fixture
+def lt() -> Iterator[LoopThread]:
+    loop = LoopThread()
+    try:
+        yield loop
+    finally:
+        loop.stop()
+
+
+def gateway(lt: LoopThread, engines: list[EngineProc]) -> Running:
+    r = Running(lt, [], admin_token="gw-admin", routing={"policy": "round_robin"})
+    for e in engines:
+        body = orjson.dumps({"url": e.url, "model": MODEL, "admin_token": ADMIN})
+        assert r.http("POST", "/admin/instances", body, AUTH)[0] == 200
+    return r
+
+
+def requests_on(r: Running, url: str) -> list[dict[str, Any]]:
+    status, _, raw = r.http("GET", f"/admin/instances/requests?url={url}", None, AUTH)
+    assert status == 200
+    return list(orjson.loads(raw)["requests"])
+
+
+def move_all(r: Running, source: str, target: str, method: str) -> list[str]:
+    """Wait until `source` serves something, then move all of it to `target`."""
+    deadline = time.monotonic() + 10
+    while not (reqs := requests_on(r, source)) or any(q["num_output_tokens"] < 5 for q in reqs):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    moves = [{"id": q["id"], "method": method, "target": target,
+              "bandwidth_bytes_per_s": 50e9} for q in reqs]  # fmt: skip
+    status, _, raw = r.http("POST", "/admin/requests/move", orjson.dumps({"moves": moves}), AUTH)
+    assert status == 200
+    return [x["outcome"] for x in orjson.loads(raw)["results"]]
+
+
+@pytest.mark.parametrize("method", ["kv", "recompute"])
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_moved_stream_is_seamless(
+    lt: LoopThread, engines: list[EngineProc], method: str, chat: bool
+) -> None:
+    source, target = engines[0].url, engines[1].url
+    r = gateway(lt, [engines[0]])
+    try:
+        client = r.client()
+        kw: dict[str, Any] = {"model": MODEL, "max_tokens": 120, "stream": True,
+                              "stream_options": {"include_usage": True},
+                              "extra_body": {"ignore_eos": True}}  # fmt: skip
+        if chat:
+            stream: Any = client.chat.completions.create(
+                messages=[{"role": "user", "content": "tell me a long story"}], **kw
+            )
+        else:
+            stream = client.completions.create(prompt="Once upon a time", **kw)
+        body = orjson.dumps({"url": target, "model": MODEL, "admin_token": ADMIN})
+        assert r.http("POST", "/admin/instances", body, AUTH)[0] == 200
+        outcomes: list[str] = []
+        pieces, ids, finish, usage = [], set(), None, None
+        for ch in stream:
+            ids.add(ch.id)
+            if ch.usage is not None:
+                usage = ch.usage
+            if ch.choices:
+                c = ch.choices[0]
+                piece = c.delta.content if chat else c.text
+                if piece:
+                    pieces.append(piece)
+                finish = c.finish_reason or finish
+                if len(pieces) == 10 and not outcomes:
+                    outcomes = move_all(r, source, target, method)
+        assert outcomes == [method]
+        assert len(ids) == 1 and finish == "length"
+        assert len(pieces) == 120  # every token once: none lost, none repeated
+        text = "".join(pieces)
+        assert not chat or not text[0].isspace()
+        assert all(w.strip(",.;:") in WORDS or w in WORDS for w in text.split())  # no glue
+        assert usage is not None and usage.completion_tokens == 120
+        assert requests_on(r, source) == [] and requests_on(r, target) == []
+        assert r.gw.num_active_calls == 0
+    finally:
+        r.close()
+
+
+def test_a_moved_non_streamed_request_is_re_run_and_drain_waits_for_the_event(
+    lt: LoopThread, engines: list[EngineProc]
+) -> None:
+    source, target = engines[0].url, engines[1].url
+    r = gateway(lt, [engines[0]])
+    try:
+
+        async def scenario() -> tuple[Any, list[str], dict[str, Any]]:
+            client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+            task = asyncio.create_task(
+                client.completions.create(model=MODEL, prompt="hi", max_tokens=300)
+            )
+            while not requests_on(r, source):
+                await asyncio.sleep(0.02)
+            body = orjson.dumps({"url": target, "model": MODEL, "admin_token": ADMIN})
+            assert r.http("POST", "/admin/instances", body, AUTH)[0] == 200
+            drain = asyncio.to_thread(
+                r.http, "POST", "/admin/instances/drain",
+                orjson.dumps({"url": source, "wait_s": 20}), AUTH,
+            )  # fmt: skip
+            drain_task = asyncio.ensure_future(drain)
+            await asyncio.sleep(0.2)
+            outcomes = await asyncio.to_thread(move_all_now, r, source, target)
+            out = await task
+            _, _, raw = await drain_task
+            await client.close()
+            return out, outcomes, orjson.loads(raw)
+
+        out, outcomes, drained = asyncio.run(scenario())
+        assert outcomes == ["rerun"]
+        assert out.usage.completion_tokens == 300 and out.choices[0].finish_reason == "length"
+        assert drained["drained"] is True and drained["state"] == "draining"
+    finally:
+        r.close()
+
+
+def move_all_now(r: Running, source: str, target: str) -> list[str]:
+    moves = [{"id": q["id"], "method": "kv", "target": target} for q in requests_on(r, source)]
+    status, _, raw = r.http("POST", "/admin/requests/move", orjson.dumps({"moves": moves}), AUTH)
+    assert status == 200
+    return [x["outcome"] for x in orjson.loads(raw)["results"]]
