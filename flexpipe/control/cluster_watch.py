@@ -1,6 +1,7 @@
 """Watch the cluster file: every `interval_s`, look at its stamp (mtime, size, inode) and, when
 that moved, at its content hash; a new content is parsed and compared with the last good
-cluster (`resources.diff`).
+cluster (`resources.diff`). A file read within a second of its mtime is read again at the next
+poll even if its stamp did not move (a same-size rewrite in one mtime tick keeps the stamp).
 
 A file with mistakes (or gone, or unreadable) keeps the last good cluster: its error is
 reported once through `report` (not at every poll) and again only when it changes; the next
@@ -33,6 +34,7 @@ __all__ = ["ClusterWatch"]
 log = logging.getLogger("flexpipe.control.cluster_watch")
 
 _Stamp = tuple[int, int, int]  # (st_mtime_ns, st_size, st_ino)
+_RACY_S = 1.0  # a file read this soon after its mtime is read again at the next poll
 
 
 def _log_warning(line: str) -> None:
@@ -61,6 +63,7 @@ class ClusterWatch:
         self.num_polls = 0
         self.num_reads = 0  # times the content was read (the stamp had moved)
         self.error: str | None = None  # the current file's problem, None when it is good
+        self._racy = False
         stamp, data = self._read()  # the first read must succeed: there is nothing to keep
         self._stamp: _Stamp | None = stamp
         self._digest = hashlib.sha256(data).digest()
@@ -76,6 +79,9 @@ class ClusterWatch:
                 [f"{self.path}: cannot read the file: {exc.strerror or exc}"]
             ) from None
         self.num_reads += 1
+        # Read within a second of its last change: a rewrite of the same size in the same
+        # mtime tick would keep the stamp, so the next poll reads it again ("racy git").
+        self._racy = time.time() - st.st_mtime_ns / 1e9 < _RACY_S
         return (st.st_mtime_ns, st.st_size, st.st_ino), data
 
     def _parse(self, data: bytes) -> Cluster:
@@ -107,7 +113,7 @@ class ClusterWatch:
             self._stamp = None  # read again as soon as it is back
             self._fail(ClusterError([f"{self.path}: cannot read the file: {exc.strerror or exc}"]))
             return None
-        if (st.st_mtime_ns, st.st_size, st.st_ino) == self._stamp:
+        if (st.st_mtime_ns, st.st_size, st.st_ino) == self._stamp and not self._racy:
             return None
         try:
             stamp, data = self._read()
