@@ -101,7 +101,7 @@ def test_more_memory_used_by_others_is_occupied_now(base: Cluster) -> None:
         NOW,
         "gpu2: job-7 took 60.0 GiB (holds 60.0 GiB, 20.0 GiB left free)",
     )
-    assert event.must_vacate and event.grace_s == 0.0
+    assert event.has_deadline and event.grace_s == 0.0
     more = diff(after, after.with_used("gpu2", 70 * GiB), NOW)
     assert [(e.kind, e.num_bytes) for e in more] == [(EventKind.OCCUPIED, 10 * GiB)]
     assert more[0].why == "gpu2: another tenant took 10.0 GiB (holds 70.0 GiB, 10.0 GiB left free)"
@@ -129,6 +129,14 @@ def test_lease_set_earlier_later_and_lifted(base: Cluster) -> None:
     ]
     lifted = diff(leased, leased.with_gpu("gpu3", free_until_s=None), NOW)
     assert [e.why for e in lifted] == ["gpu3: lease extended: free indefinitely (was until 1600)"]
+
+
+def test_unix_time_leases_read_as_utc(base: Cluster) -> None:
+    now = 1_764_600_000.0  # 2025-12-01T14:40:00Z
+    (notice,) = diff(base, base.with_gpu("gpu3", free_until_s=now + 90), now)
+    assert notice.why == (
+        "gpu3: reclaimed: free only until 1764600090 (2025-12-01T14:41:30Z); vacate within 90 s"
+    )
 
 
 def test_node_gone_and_node_joined(base: Cluster) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -72,8 +73,8 @@ class ResourceEvent:
 
     `num_bytes`: lost -> the free bytes we had on it; occupied -> bytes others took;
     freed -> bytes others released; joined, reclaim, extended -> the GPU's free bytes now.
-    `deadline_s`: when the GPU must be empty of our work (lost, occupied: `at_s`; reclaim: the
-    new `free_until_s`); None when nothing must move.
+    `deadline_s`: by when our work must fit what is left of the GPU (lost, occupied: `at_s`,
+    an emergency; reclaim: the new `free_until_s`, a planned vacate); None: nothing must move.
     """
 
     gpu: str
@@ -90,7 +91,9 @@ class ResourceEvent:
         return None if self.deadline_s is None else max(0.0, self.deadline_s - self.at_s)
 
     @property
-    def must_vacate(self) -> bool:
+    def has_deadline(self) -> bool:
+        """Our work on the GPU must fit what is left of it by `deadline_s` (nothing, for lost
+        and reclaim; its new free memory, for occupied)."""
         return self.deadline_s is not None
 
     def to_json(self) -> dict[str, Any]:
@@ -141,17 +144,25 @@ def _event(
     return ResourceEvent(gpu.id, gpu.node, kind, now_s, num_bytes, deadline_s, f"{gpu.id}: {why}")
 
 
+def _time(t_s: float) -> str:
+    """A `free_until_s` as written, plus the UTC time when it looks like unix seconds."""
+    if t_s >= 1e9:
+        utc = datetime.fromtimestamp(t_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return f"{t_s:.0f} ({utc})"
+    return f"{t_s:g}"
+
+
 def _lease_events(old: Gpu, new: Gpu, now_s: float) -> list[ResourceEvent]:
     before, after = old.free_until_s, new.free_until_s
     if after is not None and (before is None or after < before):
         left_s = after - now_s
         when = f"within {left_s:.0f} s" if left_s > 0 else f"now (overdue by {-left_s:.0f} s)"
-        was = "" if before is None else f", was {before:g}"
-        why = f"reclaimed: free only until {after:g}{was}; vacate {when}"
+        was = "" if before is None else f", was {_time(before)}"
+        why = f"reclaimed: free only until {_time(after)}{was}; vacate {when}"
         return [_event(new, EventKind.RECLAIM, now_s, new.free_bytes, after, why)]
     if before is not None and (after is None or after > before):
-        until = "indefinitely" if after is None else f"until {after:g}"
-        why = f"lease extended: free {until} (was until {before:g})"
+        until = "indefinitely" if after is None else f"until {_time(after)}"
+        why = f"lease extended: free {until} (was until {_time(before)})"
         return [_event(new, EventKind.EXTENDED, now_s, new.free_bytes, None, why)]
     return []
 
