@@ -225,6 +225,9 @@ def test_apply_occupies_until_the_time_then_frees(base: Cluster) -> None:
     forever = Overrides().occupy(["gpu1"], "bob", None, NOW)
     assert apply(base, forever, 1e12).gpu("gpu1").used_bytes == 80 * GiB
     assert forever.release(["gpu1"]) == Overrides()
+    both = overrides.occupy(["gpu1"], "bob", None, NOW + 5)
+    assert Overrides.from_json(both.to_json()) == both
+    assert both.to_json()["gpu1"] == {"owner": "bob", "since_s": NOW + 5, "until_s": None}
 
 
 @pytest.mark.parametrize(

@@ -270,7 +270,9 @@ def _default_owner() -> str:
 
 @cluster_app.command("occupy")
 def occupy(
-    gpus: Annotated[list[str], typer.Argument(help="GPU ids, as in the cluster file.")],
+    gpus: Annotated[
+        list[str], typer.Argument(metavar="GPU", help="GPU ids, as in the cluster file.")
+    ],
     until: Annotated[
         str | None,
         typer.Option(
@@ -307,7 +309,9 @@ def occupy(
 
 @cluster_app.command("release")
 def release(
-    gpus: Annotated[list[str], typer.Argument(help="GPU ids occupied with `occupy`.")],
+    gpus: Annotated[
+        list[str], typer.Argument(metavar="GPU", help="GPU ids occupied with `occupy`.")
+    ],
     controller: ControllerUrl = DEFAULT_CONTROLLER_URL,
     token: Token = None,
     token_file: TokenFile = None,

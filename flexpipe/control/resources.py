@@ -282,6 +282,23 @@ class Overrides:
         """A copy without the occupations that ran out by `now_s`."""
         return Overrides(self.active(now_s))
 
+    def to_json(self) -> dict[str, Any]:
+        """For the store: a restarted controller keeps the admin's occupations."""
+        return {gpu: o.to_json() for gpu, o in self.occupied.items()}
+
+    @staticmethod
+    def from_json(doc: Mapping[str, Mapping[str, Any]]) -> Overrides:
+        return Overrides(
+            {
+                str(gpu): Occupation(
+                    str(o["owner"]),
+                    float(o["since_s"]),
+                    None if o.get("until_s") is None else float(o["until_s"]),
+                )
+                for gpu, o in doc.items()
+            }
+        )
+
     def next_expiry_s(self, now_s: float) -> float | None:
         """The earliest `until_s` after `now_s`: when `apply` changes next by itself."""
         ends = [o.until_s for o in self.occupied.values() if o.until_s is not None]
@@ -310,7 +327,8 @@ def _check_known(cluster: Cluster, gpus: Iterable[str]) -> list[str]:
     ids = list(dict.fromkeys(gpus))
     if not ids:
         raise ResourceError("no GPUs given")
-    unknown = [g for g in ids if g not in set(cluster.gpu_ids)]
+    known_ids = set(cluster.gpu_ids)
+    unknown = [g for g in ids if g not in known_ids]
     if unknown:
         known = list(cluster.gpu_ids)
         shown = ", ".join(known[:16]) + (f", ... ({len(known)} in all)" if len(known) > 16 else "")
