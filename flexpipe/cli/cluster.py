@@ -1,10 +1,14 @@
-"""`flexpipe cluster show | validate | generate`: look at, check and make cluster files."""
+"""`flexpipe cluster show | validate | generate`: look at, check and make cluster files.
+`flexpipe cluster occupy | release`: take GPUs from flexpipe by hand, through the controller."""
 
 from __future__ import annotations
 
+import getpass
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,12 +20,22 @@ from rich.table import Table
 from flexpipe.cli.common import console
 from flexpipe.cluster import Cluster, ClusterError, load_cluster
 from flexpipe.cluster_gen import generate_cluster
+from flexpipe.control.client import (
+    DEFAULT_CONTROLLER_URL,
+    ControllerClient,
+    ControllerError,
+    parse_until,
+    resolve_token,
+)
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, GB, GiB, LinkSpec
 
 cluster_app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
-    help="Cluster files: show a cluster, validate a file, generate a large fragmented one.",
+    help=(
+        "Cluster files: show a cluster, validate a file, generate a large fragmented one; "
+        "occupy and release GPUs through a running controller."
+    ),
 )
 
 
@@ -218,6 +232,103 @@ def generate(
         typer.echo(f"{output}: cannot write: {exc.strerror or exc}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"wrote {output}: {_summary(cluster)}")
+
+
+ControllerUrl = Annotated[
+    str,
+    typer.Option(
+        "--controller", envvar="FLEXPIPE_CONTROLLER", help="The controller's admin API URL."
+    ),
+]
+Token = Annotated[
+    str | None,
+    typer.Option(help="Admin token (default: --token-file, else $FLEXPIPE_CONTROLLER_TOKEN)."),
+]
+TokenFile = Annotated[
+    Path | None, typer.Option(help="A file holding the admin token.", show_default=False)
+]
+TimeoutS = Annotated[float, typer.Option("--timeout-s", min=0.1, help="Seconds to wait.")]
+
+
+def _client(
+    controller: str, token: str | None, token_file: Path | None, timeout_s: float
+) -> ControllerClient:
+    """Bad local input (URL, token file): one `error:` line, exit 2."""
+    try:
+        return ControllerClient(controller, resolve_token(token, token_file), timeout_s)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _default_owner() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "admin"
+
+
+@cluster_app.command("occupy")
+def occupy(
+    gpus: Annotated[
+        list[str], typer.Argument(metavar="GPU", help="GPU ids, as in the cluster file.")
+    ],
+    until: Annotated[
+        str | None,
+        typer.Option(
+            help="Until when: 90s, 10m, 2h, 1h30m, 1d or an ISO time. Default: until released."
+        ),
+    ] = None,
+    owner: Annotated[
+        str | None, typer.Option(help="Who takes them (default: your user name).")
+    ] = None,
+    controller: ControllerUrl = DEFAULT_CONTROLLER_URL,
+    token: Token = None,
+    token_file: TokenFile = None,
+    timeout_s: TimeoutS = 10.0,
+) -> None:
+    """Take GPUs from flexpipe (another job needs them): the controller moves its work off them
+    and plans without them until --until or `flexpipe cluster release`."""
+    until_s = None
+    if until is not None:
+        try:
+            until_s = parse_until(until, time.time())
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+    client = _client(controller, token, token_file, timeout_s)
+    who = owner or _default_owner()
+    try:
+        result = client.occupy(gpus, until_s, who)
+    except ControllerError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    when = "until released" if until_s is None else f"until {_local_time(until_s)}"
+    typer.echo(f"occupied {', '.join(result.gpus)} for {who} {when}: {result.summary()}")
+
+
+@cluster_app.command("release")
+def release(
+    gpus: Annotated[
+        list[str], typer.Argument(metavar="GPU", help="GPU ids occupied with `occupy`.")
+    ],
+    controller: ControllerUrl = DEFAULT_CONTROLLER_URL,
+    token: Token = None,
+    token_file: TokenFile = None,
+    timeout_s: TimeoutS = 10.0,
+) -> None:
+    """Give GPUs taken with `flexpipe cluster occupy` back to flexpipe."""
+    client = _client(controller, token, token_file, timeout_s)
+    try:
+        result = client.release(gpus)
+    except ControllerError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"released {', '.join(result.gpus)}: {result.summary()}")
+
+
+def _local_time(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s).astimezone().isoformat(timespec="seconds")
 
 
 def register(app: typer.Typer) -> None:
