@@ -84,8 +84,11 @@ def gateway(
         if max_concurrency is not None:
             cfg.max_concurrency_per_instance = max_concurrency
         validate(cfg)
-        if not cfg.backends:
-            raise ConfigError("no backends: pass --backend URL or list them in --config")
+        if not cfg.backends and not cfg.admin_token:
+            raise ConfigError(
+                "no backends: pass --backend URL, list them in --config, or give an admin "
+                "token so that a controller can add them"
+            )
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -1,39 +1,41 @@
-"""`flexpipe up`: plan for the free GPUs, launch every instance, serve the OpenAI API.
-
-Static plan (the controller will make it change while serving):
+"""`flexpipe up`: a gateway and a controller, supervised; the plan lives.
 
 1. load the cluster and the models (default: the seed's fragmented 4-GPU cluster and one 7B
-   model, examples/), read the gear table from the store, plan (measured curves where there
-   are any, the performance model elsewhere);
-2. start the gateway on 127.0.0.1:8000 and print the base URL;
-3. launch every instance through the launcher, all at once; each is added to the gateway's
-   pool as soon as /health answers 200;
-4. serve until SIGINT/SIGTERM; an engine that dies is taken out of the pool (no restart);
-5. drain: no new requests, wait for in-flight ones (bounded), then stop the gateway and every
-   engine (SIGTERM, then SIGKILL to its process group).
+   model, examples/), plan once to show the plan and to stop early on what cannot work;
+2. start `flexpipe gateway` (the OpenAI API on 127.0.0.1:8000; its admin token in a private
+   file) and `flexpipe controller` (launches the plan's engines, registers each in the
+   gateway once healthy, shifts gears as load and free GPUs change; its admin API on the
+   gateway's port + 100 for `flexpipe cluster occupy|release`), relaying both logs;
+3. serve until SIGINT/SIGTERM, then stop the controller first (it drains and stops its
+   engines) and the gateway last (it drains what is still in flight). The children get
+   SIGTERM if `up` dies (PR_SET_PDEATHSIG), and the engines if the controller dies, so even
+   `kill -9` of `up` leaves no process behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import secrets
 import signal
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-import yaml
 from rich.table import Table
 
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
-from flexpipe.cluster import Cluster, load_cluster
+from flexpipe.cluster import load_cluster
+from flexpipe.control.launching import engine_spec, load_models
 from flexpipe.gears.lookup import GearLookup
-from flexpipe.launch import ENGINES, EngineHandle, EngineSpec, Launcher, LaunchError, LocalLauncher
-from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, parse_models, plan
+from flexpipe.launch import ENGINES
+from flexpipe.launch.local import die_with_parent
+from flexpipe.policies.planner import Plan, plan
 from flexpipe.store import Store
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -45,161 +47,90 @@ class UpError(ValueError):
     """`flexpipe up` cannot go on; one line for the user."""
 
 
-def load_models(path: Path) -> tuple[ModelDemand, ...]:
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise UpError(f"{path}: cannot read the file: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise UpError(f"{path}: YAML syntax error: {exc}") from None
-    return parse_models(doc, str(path))
+async def _relay_lines(stream: asyncio.StreamReader, say: Callable[[str], None]) -> None:
+    while line := await stream.readline():
+        say(line.decode("utf-8", "replace").rstrip("\n"))
 
 
-def engine_spec(
-    inst: PlannedInstance, cluster: Cluster, cluster_file: str, demands: Sequence[ModelDemand]
-) -> EngineSpec:
-    """The launcher's view of a planned instance."""
-    gpu_ids = tuple(g for stage in inst.stages for g in stage)
-    max_len = next((d.max_model_len for d in demands if d.name == inst.model), None)
-    env: tuple[tuple[str, str], ...] = ()
-    if len(set(inst.layers_per_stage)) > 1:
-        # vLLM reads an uneven pipeline split from this variable (the sim splits evenly).
-        env = (("VLLM_PP_LAYER_PARTITION", ",".join(map(str, inst.layers_per_stage))),)
-    return EngineSpec(
-        model=inst.model_id,
-        gear=inst.gear,
-        name=inst.name,
-        gpu_ids=gpu_ids,
-        gpu_indices=tuple(cluster.gpu(g).index for g in gpu_ids),
-        cluster_file=cluster_file,
-        served_model_name=inst.model,
-        max_model_len=max_len,
-        env=env,
+async def _start(argv: list[str], say: Callable[[str], None]) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        preexec_fn=die_with_parent,
+        start_new_session=True,  # Ctrl-C reaches `up` alone: it stops them in order
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    assert proc.stdout is not None
+    asyncio.get_running_loop().create_task(_relay_lines(proc.stdout, say))
+    return proc
 
 
-@dataclass
-class Running:
-    """What `up` started, so that everything is stopped on the way out."""
+async def _stop(proc: asyncio.subprocess.Process, timeout_s: float) -> int:
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+    return proc.returncode if proc.returncode is not None else -1
 
-    handles: dict[str, EngineHandle] = field(default_factory=dict)  # instance name -> engine
-    failures: list[str] = field(default_factory=list)
-    instance_ids: dict[str, int] = field(default_factory=dict)  # instance name -> store row
+
+async def _wait_listening(host: str, port: int, proc: asyncio.subprocess.Process) -> None:
+    """Until the gateway accepts connections (it is not /health-y before an engine is)."""
+    while proc.returncode is None:
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        return
+    raise UpError(f"the gateway exited ({proc.returncode}); see its error above")
 
 
-async def serve_plan(
-    the_plan: Plan,
-    specs: dict[str, EngineSpec],
-    launcher: Launcher,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    stop: asyncio.Event | None = None,
-    drain_timeout_s: float = 30.0,
-    store: Store | None = None,
-    engine: str = "sim",
-    say: Any = print,
-) -> Running:
-    """Run the plan behind a gateway until `stop` is set (or SIGINT/SIGTERM), then drain and
-    stop everything. Returns what ran (handles are stopped by then)."""
-    from flexpipe.gateway import Gateway, GatewayConfig
-
-    stop = stop or asyncio.Event()
+async def supervise(
+    gateway_argv: list[str],
+    controller_argv: list[str],
+    host: str,
+    port: int,
+    say: Callable[[str], None],
+    drain_timeout_s: float,
+) -> int:
+    """Run the gateway, then the controller; stop both on SIGINT/SIGTERM or when either one
+    exits. Returns the controller's exit status."""
+    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
-    gw = Gateway(GatewayConfig(host=host, port=port))
-    running = Running()
+    gateway = await _start(gateway_argv, say)
+    controller: asyncio.subprocess.Process | None = None
     try:
-        try:
-            server = await gw.start()
-        except OSError as exc:
-            raise UpError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-        say(f"flexpipe up: OpenAI API at http://{server.host}:{server.port}/v1 (starting engines)")
-
-        async def launch(inst: PlannedInstance) -> None:
-            spec = specs[inst.name]
-            try:
-                handle = await launcher.start(spec)
-            except LaunchError as exc:
-                running.failures.append(f"{inst.name}: {exc}")
-                say(f"error: instance {inst.name} did not start: {exc}")
-                return
-            running.handles[inst.name] = handle
-            gw.pool.add(handle.endpoint, model=inst.model)
-            if store is not None:
-                running.instance_ids[inst.name] = store.add_instance(
-                    inst.name,
-                    inst.model_id,
-                    str(inst.gear),
-                    spec.gpu_ids,
-                    handle.endpoint,
-                    engine,
-                    "active",
-                    handle.cold_start_s,
-                )
-            say(
-                f"  {inst.name} ready at {handle.endpoint} on {'+'.join(spec.gpu_ids)} "
-                f"({inst.gear.key()}, {handle.cold_start_s:.1f} s)"
-            )
-
-        launches = [asyncio.create_task(launch(i)) for i in the_plan.instances]
-        stop_wait: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
-        all_launched: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*launches))
-        await asyncio.wait([stop_wait, all_launched], return_when=asyncio.FIRST_COMPLETED)
-        if not stop.is_set():
-            if not running.handles:
-                raise UpError("no instance started; see the errors above")
-            say(
-                f"serving {len(running.handles)} instance(s) at "
-                f"http://{server.host}:{server.port}/v1 — Ctrl-C to stop"
-            )
-            watch = asyncio.create_task(_watch_engines(running, gw, stop, say))
-            await stop.wait()
-            watch.cancel()
-        else:
-            for t in launches:
-                t.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await all_launched
-        stop_wait.cancel()
-        say("draining ...")
-        await _drain(gw, drain_timeout_s)
+        await _wait_listening(host, port, gateway)
+        say(f"flexpipe up: OpenAI API at http://{host}:{port}/v1 (starting engines)")
+        controller = await _start(controller_argv, say)
+        waits = {
+            asyncio.ensure_future(stop.wait()),
+            asyncio.ensure_future(gateway.wait()),
+            asyncio.ensure_future(controller.wait()),
+        }
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if gateway.returncode is not None and not stop.is_set():
+            say(f"error: the gateway exited ({gateway.returncode}); stopping")
+        return await _stop(controller, drain_timeout_s + 30)
     finally:
+        if controller is not None:
+            await _stop(controller, drain_timeout_s + 30)
+        await _stop(gateway, drain_timeout_s + 5)
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.remove_signal_handler(sig)
-        await asyncio.shield(_stop_all(gw, running, store))
-    return running
-
-
-async def _watch_engines(running: Running, gw: Any, stop: asyncio.Event, say: Any) -> None:
-    """Take a dead engine out of the pool (the static plan does not restart it)."""
-    while not stop.is_set():
-        for name, handle in list(running.handles.items()):
-            if handle.returncode is not None and handle.endpoint in gw.pool.instances:
-                gw.pool.remove(handle.endpoint)
-                say(f"error: instance {name} exited ({handle.returncode}); removed from the pool")
-        await asyncio.sleep(0.5)
-
-
-async def _drain(gw: Any, timeout_s: float) -> None:
-    for url in list(gw.pool.instances):
-        gw.pool.drain(url)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(i.num_in_flight == 0 for i in gw.pool.instances.values()):
-            return
-        await asyncio.sleep(0.05)
-
-
-async def _stop_all(gw: Any, running: Running, store: Store | None) -> None:
-    await gw.close()
-    await asyncio.gather(*(h.stop() for h in running.handles.values()), return_exceptions=True)
-    if store is not None:
-        for iid in running.instance_ids.values():
-            store.set_instance_state(iid, "gone")
 
 
 def plan_table(the_plan: Plan) -> Table:
@@ -234,6 +165,9 @@ def register(app: typer.Typer) -> None:
         engine: Annotated[str, typer.Option(help="sim or vllm.")] = "sim",
         host: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
+        controller_port: Annotated[
+            int | None, typer.Option(help="Controller admin API port [gateway port + 100].")
+        ] = None,
         time_scale: Annotated[
             float, typer.Option(help="sim: wall seconds per modelled second.")
         ] = 1.0,
@@ -243,13 +177,15 @@ def register(app: typer.Typer) -> None:
         ] = None,
         ready_timeout_s: Annotated[float, typer.Option(help="Wait for each engine.")] = 900.0,
         drain_timeout_s: Annotated[float, typer.Option(help="Wait for in-flight requests.")] = 30,
+        tick_s: Annotated[float, typer.Option(help="Seconds between shift decisions.")] = 10.0,
         vllm_command: Annotated[str, typer.Option(help="What runs for --engine vllm.")] = (
             "vllm serve"
         ),
         store: Annotated[str | None, typer.Option(help="Store URL (gear table).")] = None,
         dry_run: Annotated[bool, typer.Option(help="Print the plan and exit.")] = False,
     ) -> None:
-        """Plan for the free GPUs, launch the instances, serve the OpenAI API until Ctrl-C."""
+        """Plan for the free GPUs, launch the instances, serve the OpenAI API until Ctrl-C,
+        shifting gears as load and free GPUs change."""
         console = make_console()
         with user_errors():
             if engine not in ENGINES:
@@ -258,23 +194,18 @@ def register(app: typer.Typer) -> None:
             models_path = models or DEFAULT_MODELS
             the_cluster = load_cluster(cluster_path)
             demands = load_models(models_path)
-            st = Store(store)
-            performance = GearLookup(st.points())
-            the_plan = plan(the_cluster, demands, performance)
+            with Store(store) as st:
+                the_plan = plan(the_cluster, demands, GearLookup(st.points()))
             if not the_plan.instances:
                 raise UpError(
                     "the planner found nothing to run on the free GPUs: "
                     + "; ".join(f"{u.gpu_id}: {u.reason}" for u in the_plan.unused)
                 )
-            specs = {
-                i.name: engine_spec(i, the_cluster, str(cluster_path), demands)
-                for i in the_plan.instances
-            }
             if engine == "vllm":
                 nodes = {
                     the_cluster.gpu(g).node
                     for i in the_plan.instances
-                    for g in specs[i.name].gpu_ids
+                    for g in engine_spec(i, the_cluster, str(cluster_path), demands).gpu_ids
                 }
                 if len(nodes) > 1:
                     raise UpError(
@@ -285,40 +216,39 @@ def register(app: typer.Typer) -> None:
         console.print(f"cluster {the_cluster.name} ({cluster_path}); models from {models_path}")
         console.print(plan_table(the_plan))
         if dry_run:
-            st.close()
             return
-        launcher = LocalLauncher(
-            engine,
-            time_scale=time_scale,
-            sim_load_time_s=sim_load_time_s,
-            ready_timeout_s=ready_timeout_s,
-            vllm_command=vllm_command.split(),
-        )
 
         def say(line: str) -> None:
             if line.startswith("error:"):
                 err_console.print(f"[bold red]error:[/]{line[6:]}", highlight=False)
             else:
-                console.print(line, highlight=False)
+                console.print(line, highlight=False, soft_wrap=True)
 
-        async def main() -> Running:
-            return await serve_plan(
-                the_plan,
-                specs,
-                launcher,
-                host=host,
-                port=port,
-                drain_timeout_s=drain_timeout_s,
-                store=st,
-                engine=engine,
-                say=say,
-            )
-
-        try:
+        with tempfile.TemporaryDirectory(prefix="flexpipe-up-") as tmp:
+            token_file = Path(tmp) / "gateway-token"
+            token_file.write_text(secrets.token_urlsafe(24))
+            token_file.chmod(0o600)
+            me = [sys.executable, "-m", "flexpipe"]
+            gateway_argv = [*me, "gateway", "--host", host, "--port", str(port),
+                            "--admin-token-file", str(token_file),
+                            "--shutdown-grace-s", str(drain_timeout_s)]  # fmt: skip
+            controller_argv = [
+                *me, "controller", "--gateway", f"http://{host}:{port}",
+                "--gateway-token-file", str(token_file),
+                "--cluster", str(cluster_path), "--models", str(models_path),
+                "--port", str(controller_port or port + 100),
+                "--engine", engine, "--time-scale", str(time_scale),
+                "--ready-timeout-s", str(ready_timeout_s), "--tick-s", str(tick_s),
+                "--drain-deadline-s", str(drain_timeout_s), "--vllm-command", vllm_command,
+            ]  # fmt: skip
+            if sim_load_time_s is not None:
+                controller_argv += ["--sim-load-time-s", str(sim_load_time_s)]
+            if store is not None:
+                controller_argv += ["--store", store]
             with user_errors():
-                running = asyncio.run(main())
-        finally:
-            st.close()
-        console.print(f"stopped {len(running.handles)} engine(s) and the gateway")
-        if running.failures and not running.handles:
-            raise typer.Exit(1)
+                rc = asyncio.run(
+                    supervise(gateway_argv, controller_argv, host, port, say, drain_timeout_s)
+                )
+        console.print("stopped the controller and the gateway")
+        if rc != 0:
+            raise typer.Exit(rc)

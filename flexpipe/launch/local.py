@@ -223,7 +223,7 @@ class LocalLauncher:
                     stderr=asyncio.subprocess.STDOUT,
                     env=env,
                     start_new_session=True,  # own process group: stopped as a whole
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,
                 )
             except OSError as exc:
                 raise LaunchError(
@@ -239,7 +239,7 @@ class LocalLauncher:
         return handle
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: on Linux, get SIGTERM when the launcher dies, so that even a
     `kill -9` of `flexpipe up` leaves no engine behind (PR_SET_PDEATHSIG)."""
     if sys.platform != "linux":

@@ -1,0 +1,161 @@
+"""`flexpipe controller`: the process that keeps the plan alive — launches the engines of the
+plan, registers them in the gateway, and shifts gears as load and free GPUs change
+(flexpipe/control/controller.py). `flexpipe up` runs it next to a gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+
+from flexpipe.cli.common import err_console, user_errors
+
+
+def _secret(value: str | None, path: Path | None, env: str) -> str | None:
+    """A token from the flag, else its file, else the environment."""
+    if value:
+        return value
+    if path is not None:
+        try:
+            return path.read_text().strip() or None
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    return os.environ.get(env) or None
+
+
+def register(app: typer.Typer) -> None:
+    app.command("controller")(controller)
+
+
+def controller(
+    gateway: Annotated[str, typer.Option(help="The gateway's base URL (its admin API).")] = (
+        "http://127.0.0.1:8000"
+    ),
+    gateway_token_file: Annotated[
+        Path | None,
+        typer.Option(help="The gateway's admin token (else env FLEXPIPE_GATEWAY_TOKEN)."),
+    ] = None,
+    cluster: Annotated[Path | None, typer.Option(help="Cluster file (watched).")] = None,
+    models: Annotated[Path | None, typer.Option(help="Models file.")] = None,
+    store: Annotated[str | None, typer.Option(help="Store URL (gear table, shift log).")] = None,
+    host: Annotated[str, typer.Option(help="Admin API address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Admin API port.")] = 8100,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="Admin API token file (else env FLEXPIPE_CONTROLLER_TOKEN)."),
+    ] = None,
+    engine: Annotated[str, typer.Option(help="sim or vllm.")] = "sim",
+    time_scale: Annotated[float, typer.Option(help="sim: wall s per modelled s.")] = 1.0,
+    sim_load_time_s: Annotated[float | None, typer.Option(help="sim: weight-load time.")] = None,
+    ready_timeout_s: Annotated[float, typer.Option(help="Wait for each engine.")] = 900.0,
+    vllm_command: Annotated[str, typer.Option(help="What runs for --engine vllm.")] = (
+        "vllm serve"
+    ),
+    tick_s: Annotated[float, typer.Option(help="Seconds between decisions.")] = 10.0,
+    drain_deadline_s: Annotated[float, typer.Option(help="Drain before moving.")] = 30.0,
+    shift_config: Annotated[
+        Path | None, typer.Option(help="YAML with a `shift:` section (docs/shift-policy.md).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
+) -> None:
+    """Launch the plan's engines, register them in the gateway, shift gears while serving."""
+    from flexpipe.cli.up import DEFAULT_CLUSTER, DEFAULT_MODELS
+    from flexpipe.control.controller import Controller, ControllerConfig
+    from flexpipe.control.gateway_client import GatewayClient
+    from flexpipe.control.launching import engine_spec, load_models
+    from flexpipe.launch import ENGINES, LocalLauncher
+    from flexpipe.policies.shift import ShiftParams
+    from flexpipe.store import Store
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    with user_errors():
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; use sim or vllm")
+        cluster_path = cluster or DEFAULT_CLUSTER
+        demands = load_models(models or DEFAULT_MODELS)
+        params = ShiftParams()
+        if shift_config is not None:
+            doc = yaml.safe_load(shift_config.read_text()) or {}
+            if not isinstance(doc, dict):
+                raise ValueError(f"{shift_config}: expected a mapping with a `shift:` section")
+            section = doc.get("shift", doc)
+            if not isinstance(section, dict):
+                raise ValueError(f"{shift_config}: `shift:` must be a mapping")
+            params = ShiftParams.from_mapping(section)
+        gw_token = _secret(None, gateway_token_file, "FLEXPIPE_GATEWAY_TOKEN")
+        admin_token = _secret(None, token_file, "FLEXPIPE_CONTROLLER_TOKEN")
+        cfg = ControllerConfig(
+            cluster_path=cluster_path,
+            demands=demands,
+            host=host,
+            port=port,
+            token=admin_token,
+            tick_s=tick_s,
+            drain_deadline_s=drain_deadline_s,
+            time_scale=time_scale,
+            engine_admin_token=secrets.token_urlsafe(16),
+            priorities={d.name: float(getattr(d, "priority", 1.0)) for d in demands},
+            shift=params,
+        )
+        st = Store(store)
+    launcher = LocalLauncher(
+        engine,
+        time_scale=time_scale,
+        sim_load_time_s=sim_load_time_s,
+        ready_timeout_s=ready_timeout_s,
+        vllm_command=vllm_command.split(),
+    )
+
+    def say(line: str) -> None:
+        typer.echo(line)
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        ctl = Controller(
+            cfg,
+            launcher,
+            GatewayClient(gateway, gw_token),
+            lambda p, c: engine_spec(p, c, str(cluster_path), demands, cfg.engine_admin_token),
+            store=st,
+            say=say,
+        )
+        try:
+            start = asyncio.ensure_future(ctl.start())
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([start, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                start.cancel()
+                with contextlib.suppress(BaseException):
+                    await start
+            else:
+                stopped.cancel()
+                await start  # raises what went wrong
+                say(f"controller: admin API on http://{cfg.host}:{cfg.port}")
+                await ctl.run(stop)
+        except (OSError, RuntimeError, ValueError) as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            return 2
+        finally:
+            num = len(ctl.running)
+            say("draining ...")
+            await ctl.close()
+            say(f"stopped {num} engine(s)")
+        return 0
+
+    try:
+        rc = asyncio.run(run())
+    finally:
+        st.close()
+    raise typer.Exit(rc)

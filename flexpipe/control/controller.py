@@ -1,0 +1,406 @@
+"""The controller: an I/O shell around the pure shift policy (issue 9). It owns the engines
+of the running plan, keeps the gateway's pool in step with it, and every `tick_s`:
+
+1. notices what changed: an engine that died (an emergency: the gateway already continues
+   its streams elsewhere), GPUs that other tenants took or gave back (the cluster file, the
+   admin API's occupy/release, occupations running out);
+2. reads each model's signals from the gateway (`samples.Sampler`) and its arrival rate;
+3. asks `ShiftPolicy.decide(snapshot, now, rng)` — the same call the simulator makes;
+4. logs the decision, taken or not, in the store's shift log, and carries out a shift
+   make-before-break (`executor.Executor`), recording its phases, its rehearsal and the
+   requests it moved; a shift that fails counts towards the target's blacklist.
+
+Its admin API (`client.py` has the contract): POST /admin/gpus/occupy, /admin/gpus/release,
+GET /admin/status, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from flexpipe.cluster import Cluster, load_cluster
+from flexpipe.control.client import (
+    OCCUPY_PATH,
+    RELEASE_PATH,
+    STATUS_PATH,
+    OccupyRequest,
+    ReleaseRequest,
+    admin_answer,
+    bearer_ok,
+)
+from flexpipe.control.cluster_watch import ClusterWatch
+from flexpipe.control.executor import Executor, LiveInstance, ShiftOutcome
+from flexpipe.control.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
+from flexpipe.control.samples import Sampler
+from flexpipe.gears.lookup import GearLookup
+from flexpipe.http.server import (
+    App,
+    HttpError,
+    HttpServer,
+    Request,
+    Response,
+    json_response,
+    serve,
+)
+from flexpipe.launch import EngineSpec, Launcher
+from flexpipe.policies.planner import ModelDemand, PlannedInstance, plan
+from flexpipe.policies.shift import ShiftParams, ShiftPolicy
+from flexpipe.policies.shift.decision import ShiftDecision
+from flexpipe.policies.shift.signals import Sample
+from flexpipe.policies.shift.snapshot import ModelState, ShiftRecord, ShiftSnapshot
+from flexpipe.store import Store
+
+__all__ = ["Controller", "ControllerConfig"]
+
+log = logging.getLogger("flexpipe.control")
+
+
+@dataclass
+class ControllerConfig:
+    cluster_path: Path
+    demands: tuple[ModelDemand, ...]
+    host: str = "127.0.0.1"
+    port: int = 8100
+    token: str | None = None  # bearer token of the controller's admin API
+    tick_s: float = 10.0  # one sample and one decision per tick (seed 000: ~10 s)
+    watch_interval_s: float = 2.0
+    drain_deadline_s: float = 30.0
+    rehearsal_tolerance: float = 2.0
+    time_scale: float = 1.0  # sim engines: wall seconds per modelled second
+    engine_admin_token: str | None = None  # given to engines it starts (KV moves)
+    priorities: dict[str, float] = field(default_factory=dict)
+    min_instances: dict[str, int] = field(default_factory=dict)
+    shift: ShiftParams = field(default_factory=ShiftParams)
+    seed: int = 0
+
+
+class Controller:
+    def __init__(
+        self,
+        cfg: ControllerConfig,
+        launcher: Launcher,
+        gateway: GatewayClient,
+        spec_of: Callable[[PlannedInstance, Cluster], EngineSpec],
+        store: Store | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        say: Callable[[str], None] = print,
+    ) -> None:
+        self.cfg = cfg
+        self.gateway = gateway
+        self.store = store
+        self.clock = clock
+        self.wall = wall
+        self.say = say
+        self.rng = random.Random(cfg.seed)
+        self.resources = Resources.of(load_cluster(cfg.cluster_path), wall())
+        self.performance = GearLookup(store.points() if store is not None else [])
+        self.policy = ShiftPolicy(cfg.shift, planner=self._planner)
+        self.running: dict[str, LiveInstance] = {}
+        self.history: list[ShiftRecord] = []
+        self.samples: dict[str, list[Sample]] = {d.name: [] for d in cfg.demands}
+        self.resources_changed_s: float | None = None
+        self.last_decision: ShiftDecision | None = None
+        self.last_outcome: ShiftOutcome | None = None
+        self._sampler = Sampler()
+        self._requests_seen: dict[str, float] = {}
+        self._rate_per_s: dict[str, float] = {d.name: d.request_rate_per_s for d in cfg.demands}
+        self._last_sample_s: float | None = None
+        self._dead_seen: set[str] = set()
+        self._changed = asyncio.Event()
+        self._lock = asyncio.Lock()  # one shift at a time
+        self.server: HttpServer | None = None
+        self.executor = Executor(
+            launcher,
+            gateway,
+            lambda p: spec_of(p, self.cluster),
+            engine_admin_token=cfg.engine_admin_token,
+            time_scale=cfg.time_scale,
+            drain_deadline_s=cfg.drain_deadline_s,
+            rehearsal_tolerance=cfg.rehearsal_tolerance,
+            on_state=self._on_state,
+            clock=clock,
+        )
+
+    # ------------------------------------------------------------------ views
+    @property
+    def cluster(self) -> Cluster:
+        """The GPUs as free for us now (other tenants' memory used, ours not)."""
+        return self.resources.effective
+
+    def _planner(self, cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0) -> Any:
+        return plan(cluster, demands, self.performance, now_s=now_s)
+
+    def _on_state(self, inst: LiveInstance, state: str) -> None:
+        if state == "active":
+            p = inst.planned
+            self.say(
+                f"  {p.name} ready at {inst.url} on {'+'.join(p.gpu_ids)} "
+                f"({p.gear.key()}, {inst.handle.cold_start_s:.1f} s)"
+            )
+        if self.store is None:
+            return
+        if inst.store_id is None:
+            inst.store_id = self.store.add_instance(
+                inst.planned.name,
+                inst.planned.model_id,
+                str(inst.planned.gear),
+                inst.planned.gpu_ids,
+                inst.url,
+                "sim",
+                state,
+                inst.handle.cold_start_s,
+            )
+        else:
+            self.store.set_instance_state(inst.store_id, state)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "instances": [
+                {
+                    "key": i.key,
+                    "name": i.planned.name,
+                    "model": i.planned.model,
+                    "gear": i.planned.gear.key(),
+                    "gpus": list(i.planned.gpu_ids),
+                    "url": i.url,
+                    "state": i.state,
+                }
+                for i in self.running.values()
+            ],
+            "resources": self.resources.to_json(),
+            "last_decision": None if self.last_decision is None else self.last_decision.to_dict(),
+            "last_outcome": None if self.last_outcome is None else self.last_outcome.to_dict(),
+            "num_shifts": len(self.history),
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Serve the admin API, plan for the free GPUs and bring the plan up."""
+        self.server = await serve(self._app(), self.cfg.host, self.cfg.port)
+        first = self._planner(self.cluster, self.cfg.demands)
+        if not first.instances:
+            raise RuntimeError("the planner found nothing to run on the free GPUs")
+        outcome = await self.executor.shift(
+            self.cluster, self.running, first.instances, rehearse=False, all_or_nothing=False
+        )
+        self._log("plan", "initial plan", {"outcome": outcome.to_dict()})
+        if outcome.reason:
+            self.say(f"error: {outcome.reason}")
+        if not self.running:
+            raise RuntimeError("no instance started; see the errors above")
+        self.say(f"controller: {len(self.running)} instance(s) serving")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick until `stop` is set."""
+        watch = asyncio.create_task(self._watch_file())
+        try:
+            while not stop.is_set():
+                await self.tick()
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wait_any(stop), self.cfg.tick_s)
+        finally:
+            watch.cancel()
+
+    async def _wait_any(self, stop: asyncio.Event) -> None:
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._changed.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def close(self, stop_engines: bool = True) -> None:
+        if stop_engines:
+            for inst in list(self.running.values()):
+                with contextlib.suppress(GatewayError):
+                    await self.gateway.drain(inst.url, min(5.0, self.cfg.drain_deadline_s))
+            await asyncio.gather(
+                *(i.handle.stop() for i in self.running.values()), return_exceptions=True
+            )
+            for inst in self.running.values():
+                self._on_state(inst, "gone")
+        await self.executor.close()
+        await self.gateway.close()
+        if self.server is not None:
+            await self.server.close()
+
+    # ------------------------------------------------------------------ one tick
+    async def tick(self) -> ShiftDecision | None:
+        now_s = self.clock()
+        await self._reap_dead(now_s)
+        self._resource_events(*self.resources.tick(self.wall()), now_s)
+        try:
+            await self._sample(now_s)
+        except GatewayError as exc:
+            log.warning("no sample this tick: %s", exc)
+            return None
+        snapshot = ShiftSnapshot.of(
+            self.cluster,
+            [i.planned for i in self.running.values()],
+            [self._model_state(d) for d in self.cfg.demands],
+            self.history,
+            self.resources_changed_s,
+        )
+        decision = self.policy.decide(snapshot, now_s, self.rng)
+        self.last_decision = decision
+        if decision.action != "shift" or decision.target is None:
+            self._log("hold", decision.reason, decision.to_dict())
+            return decision
+        await self._carry_out(decision, now_s)
+        return decision
+
+    async def _carry_out(self, decision: ShiftDecision, now_s: float) -> None:
+        async with self._lock:
+            record = decision.started(now_s)
+            self.history.append(record)
+            self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
+            assert decision.target is not None
+            outcome = await self.executor.shift(self.cluster, self.running, decision.target)
+            self.history[-1] = dataclasses.replace(
+                record, finished_s=self.clock(), succeeded=outcome.succeeded
+            )
+            self.last_outcome = outcome
+            if outcome.succeeded:
+                self.resources_changed_s = None
+            kind = "shift" if outcome.succeeded else "rollback"
+            self._log(kind, decision.reason, {**decision.to_dict(), "outcome": outcome.to_dict()})
+            self.say(
+                f"controller: shift {'done' if outcome.succeeded else 'rolled back'} "
+                f"{outcome.reason} phases "
+                + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
+            )
+
+    def _model_state(self, demand: ModelDemand) -> ModelState:
+        rate = self._rate_per_s.get(demand.name, demand.request_rate_per_s)
+        return ModelState(
+            dataclasses.replace(demand, request_rate_per_s=max(rate, 1e-3)),
+            tuple(self.samples[demand.name][-20:]),
+            priority=self.cfg.priorities.get(demand.name, 1.0),
+            min_instances=self.cfg.min_instances.get(demand.name, 1),
+            expected_request_rate_per_s=None,
+        )
+
+    async def _sample(self, now_s: float) -> None:
+        instances = await self.gateway.instances()
+        text = await self.gateway.metrics()
+        queued = 0
+        done: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name == "flexpipe_queued_requests":
+                queued = int(sum(s.value for s in family.samples))
+            elif family.name == "flexpipe_requests":
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        m = s.labels.get("model", "")
+                        done[m] = done.get(m, 0.0) + s.value
+        names = [d.name for d in self.cfg.demands]
+        for name, sample in self._sampler.sample(now_s, names, instances, text, queued).items():
+            self.samples[name].append(sample)
+            del self.samples[name][:-100]
+        if self._last_sample_s is not None and now_s > self._last_sample_s:
+            dt = now_s - self._last_sample_s
+            for name in names:
+                before = self._requests_seen.get(name, 0.0)
+                self._rate_per_s[name] = max(0.0, done.get(name, 0.0) - before) / dt
+        self._requests_seen = done
+        self._last_sample_s = now_s
+
+    async def _reap_dead(self, now_s: float) -> None:
+        """An engine that exited: out of the gateway (its streams continue elsewhere), out of
+        the running plan; the policy sees the GPUs again and re-plans (an emergency)."""
+        for key, inst in list(self.running.items()):
+            if inst.handle.returncode is None:
+                continue
+            self.running.pop(key)
+            with contextlib.suppress(GatewayError):
+                await self.gateway.remove(inst.url)
+            self._on_state(inst, "gone")
+            self.resources_changed_s = now_s
+            self._log("emergency", f"{key} exited ({inst.handle.returncode})", {"instance": key})
+            self.say(f"controller: instance {inst.planned.name} exited; re-planning")
+
+    def _resource_events(
+        self, resources: Resources, events: list[ResourceEvent], now_s: float
+    ) -> list[ResourceEvent]:
+        self.resources = resources
+        if events:
+            self.resources_changed_s = now_s
+            self._log("resources", "; ".join(e.why for e in events),
+                      {"events": [e.to_json() for e in events]})  # fmt: skip
+            self._changed.set()
+        return events
+
+    async def _watch_file(self) -> None:
+        watch = ClusterWatch(self.cfg.cluster_path, self.cfg.watch_interval_s)
+        async for cluster, _ in watch.changes():
+            self._resource_events(*self.resources.file_changed(cluster, self.wall()), self.clock())
+
+    def _log(self, kind: str, summary: str, detail: dict[str, Any]) -> None:
+        if self.store is not None:
+            self.store.log_shift(kind, summary, detail)
+
+    # ------------------------------------------------------------------ admin API
+    def _app(self) -> App:
+        app = App()
+        app.add_route("POST", OCCUPY_PATH, self._occupy)
+        app.add_route("POST", RELEASE_PATH, self._release)
+        app.add_route("GET", STATUS_PATH, self._status)
+        app.add_route("GET", "/health", self._health)
+        return app
+
+    def _auth(self, req: Request) -> None:
+        if not bearer_ok(req.headers.get("authorization"), self.cfg.token):
+            raise HttpError(401, "admin API: missing or wrong bearer token")
+
+    def _change(self, call: Callable[[], tuple[Resources, list[ResourceEvent]]],
+                gpus: Sequence[str]) -> Response:  # fmt: skip
+        try:
+            resources, events = call()
+        except UnknownGpuError as exc:
+            raise HttpError(404, str(exc)) from None
+        except ResourceError as exc:
+            raise HttpError(400, str(exc)) from None
+        self._resource_events(resources, events, self.clock())
+        return json_response(admin_answer(gpus, events))
+
+    async def _occupy(self, req: Request) -> Response:
+        self._auth(req)
+        try:
+            body = OccupyRequest.from_json(req.json())
+        except ResourceError as exc:
+            raise HttpError(400, str(exc)) from None
+        now = self.wall()
+        return self._change(
+            lambda: self.resources.occupy(body.gpus, body.owner, body.until_s, now), body.gpus
+        )
+
+    async def _release(self, req: Request) -> Response:
+        self._auth(req)
+        try:
+            body = ReleaseRequest.from_json(req.json())
+        except ResourceError as exc:
+            raise HttpError(400, str(exc)) from None
+        now = self.wall()
+        return self._change(lambda: self.resources.release(body.gpus, now), body.gpus)
+
+    async def _status(self, req: Request) -> Response:
+        self._auth(req)
+        return json_response(self.status())
+
+    async def _health(self, req: Request) -> Response:
+        del req
+        return Response(b"")

@@ -1,0 +1,349 @@
+"""Carrying out a shift, make-before-break (issue 9 §4), on the real clock:
+
+1. warm: start the target's new instances (launcher), wait until they answer /health;
+2. rehearse: a probe through each new engine, compared with the gear table's prediction; a
+   miss beyond `tolerance` rolls the shift back (new instances stopped; the caller logs and
+   blacklists the target);
+3. switch: the new instances join the gateway's pool;
+4. drain the instances that leave: no new requests; in-flight ones get `drain_deadline_s`
+   to finish, then each one left is moved to a live instance of its model — its KV cache
+   over the link when that is cheaper than recomputing its context, else by recompute — and
+   the method is recorded;
+5. release: the old engines stop, their GPUs are free.
+
+A new instance that needs GPUs of a leaving one (an in-place shift) is started after that
+one is released; the shift is refused when that would leave a model with no instance
+serving in between (serving capacity never drops to zero). Every phase is timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from flexpipe.cluster import Cluster
+from flexpipe.control.gateway_client import GatewayClient, GatewayError
+from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
+from flexpipe.launch import EngineHandle, EngineSpec, Launcher
+from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.migration import choose_migration, link_between, perf_model_of
+from flexpipe.policies.shift.snapshot import instance_key
+
+__all__ = ["Executor", "LiveInstance", "ShiftOutcome"]
+
+log = logging.getLogger("flexpipe.control")
+
+
+@dataclass
+class LiveInstance:
+    """An instance the controller runs: the plan's view and the engine's."""
+
+    planned: PlannedInstance
+    handle: EngineHandle
+    state: str = "starting"  # starting | rehearsing | active | draining | gone
+    store_id: int | None = None
+
+    @property
+    def key(self) -> str:
+        return instance_key(self.planned)
+
+    @property
+    def url(self) -> str:
+        return self.handle.endpoint
+
+
+@dataclass
+class ShiftOutcome:
+    succeeded: bool
+    reason: str = ""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    migrated: dict[str, int] = field(default_factory=dict)  # method -> requests
+    rehearsal: list[dict[str, Any]] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)  # instance keys
+    stopped: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "succeeded": self.succeeded,
+            "reason": self.reason,
+            "phases_s": {k: round(v, 3) for k, v in self.phases_s.items()},
+            "migrated": dict(self.migrated),
+            "rehearsal": self.rehearsal,
+            "started": self.started,
+            "stopped": self.stopped,
+        }
+
+
+SpecOf = Callable[[PlannedInstance], EngineSpec]
+OnState = Callable[[LiveInstance, str], None]
+
+
+class Executor:
+    def __init__(
+        self,
+        launcher: Launcher,
+        gateway: GatewayClient,
+        spec_of: SpecOf,
+        *,
+        engine_admin_token: str | None = None,
+        time_scale: float = 1.0,
+        drain_deadline_s: float = 30.0,
+        rehearsal_tolerance: float = 2.0,
+        probe_overhead_s: float = 0.05,
+        on_state: OnState | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.launcher = launcher
+        self.gateway = gateway
+        self.spec_of = spec_of
+        self.engine_admin_token = engine_admin_token
+        self.time_scale = time_scale
+        self.drain_deadline_s = drain_deadline_s
+        self.rehearsal_tolerance = rehearsal_tolerance
+        self.probe_overhead_s = probe_overhead_s
+        self.on_state = on_state or (lambda inst, state: None)
+        self.clock = clock
+        self._probe_pool = ClientPool(max_idle_per_backend=2)
+
+    async def close(self) -> None:
+        await self._probe_pool.close()
+
+    def _set(self, inst: LiveInstance, state: str) -> None:
+        inst.state = state
+        self.on_state(inst, state)
+
+    # ------------------------------------------------------------------ the shift
+    async def shift(
+        self,
+        cluster: Cluster,
+        running: dict[str, LiveInstance],
+        target: Sequence[PlannedInstance],
+        rehearse: bool = True,
+        all_or_nothing: bool = True,
+    ) -> ShiftOutcome:
+        """Move from `running` (updated in place) to `target`. `all_or_nothing` False (the
+        first plan): instances that start serve even when others could not."""
+        out = ShiftOutcome(succeeded=True)
+        target_keys = {instance_key(p): p for p in target}
+        leaving = [i for k, i in running.items() if k not in target_keys]
+        adding = [p for k, p in target_keys.items() if k not in running]
+        leaving_gpus = {g for i in leaving for g in i.planned.gpu_ids}
+        now_adds = [p for p in adding if not set(p.gpu_ids) & leaving_gpus]
+        later_adds = [p for p in adding if set(p.gpu_ids) & leaving_gpus]
+        why_not = self._capacity_gap(running, leaving, now_adds)
+        if why_not:
+            return ShiftOutcome(False, why_not)
+        started = await self._bring_up(now_adds, running, out, rehearse, all_or_nothing)
+        if not out.succeeded:
+            return out
+        await self._retire(cluster, leaving, running, started, out)
+        if later_adds:
+            await self._bring_up(later_adds, running, out, rehearse, all_or_nothing, "_in_place")
+        return out
+
+    def _capacity_gap(
+        self,
+        running: dict[str, LiveInstance],
+        leaving: Sequence[LiveInstance],
+        now_adds: Sequence[PlannedInstance],
+    ) -> str:
+        gone = {i.key for i in leaving}
+        for model in {i.planned.model for i in leaving}:
+            staying = [i for k, i in running.items() if i.planned.model == model and k not in gone]
+            if not staying and not any(p.model == model for p in now_adds):
+                return (
+                    f"{model}: every instance leaves and its replacement needs their GPUs; "
+                    "serving would stop in between"
+                )
+        return ""
+
+    async def _bring_up(
+        self,
+        adds: Sequence[PlannedInstance],
+        running: dict[str, LiveInstance],
+        out: ShiftOutcome,
+        rehearse: bool,
+        all_or_nothing: bool = True,
+        phase_suffix: str = "",
+    ) -> list[LiveInstance]:
+        if not adds:
+            return []
+        t0 = self.clock()
+        results = await asyncio.gather(
+            *(self.launcher.start(self.spec_of(p)) for p in adds), return_exceptions=True
+        )
+        started: list[LiveInstance] = []
+        failures = []
+        for p, r in zip(adds, results, strict=True):
+            if isinstance(r, BaseException):
+                failures.append(f"instance {p.name} did not start: {r}")
+                continue
+            inst = LiveInstance(p, r)
+            self._set(inst, "starting")
+            started.append(inst)
+        out.phases_s["warm" + phase_suffix] = self.clock() - t0
+        if failures:
+            out.reason = "; ".join(failures)
+            if all_or_nothing or not started:
+                await self._stop(started)
+                out.succeeded = False
+                return []
+        if rehearse:
+            t0 = self.clock()
+            for inst in started:
+                self._set(inst, "rehearsing")
+            checks = await asyncio.gather(*(self._rehearse(i) for i in started))
+            out.rehearsal.extend(checks)
+            out.phases_s["rehearse" + phase_suffix] = self.clock() - t0
+            missed = [c for c in checks if not c["passed"]]
+            if missed:
+                await self._stop(started)
+                out.succeeded = False
+                out.reason = "rehearsal missed: " + "; ".join(c["why"] for c in missed)
+                return []
+        t0 = self.clock()
+        for inst in started:
+            await self.gateway.add(
+                inst.url,
+                inst.planned.model,
+                inst.planned.gear.max_num_seqs,
+                admin_token=self.engine_admin_token,
+            )
+            running[inst.key] = inst
+            out.started.append(inst.key)
+            self._set(inst, "active")
+        out.phases_s["switch" + phase_suffix] = self.clock() - t0
+        return started
+
+    async def _rehearse(self, inst: LiveInstance) -> dict[str, Any]:
+        """One probe through the engine, its time against the gear table's prediction for
+        the probe (TTFT + TPOT per further token, at the gear's full batch: an upper bound
+        for a lone probe), with `probe_overhead_s` of wall time allowed for HTTP."""
+        body = orjson.dumps({"model": inst.planned.model, "prompt": "rehearsal " * 32,
+                             "max_tokens": 16, "ignore_eos": True})  # fmt: skip
+        headers = {"content-type": "application/json"}
+        predicted_tpot_s = inst.planned.estimate.tpot_s
+        t0 = time.monotonic()
+        try:
+            resp = await self._probe_pool.request(
+                inst.url, "POST", "/v1/completions", body, headers, Timeouts(3.0, 120.0, 60.0)
+            )
+            data = await resp.read()
+            resp.release()
+        except UpstreamError as exc:
+            return {"instance": inst.key, "passed": False, "why": f"{inst.key}: probe {exc}"}
+        wall_s = time.monotonic() - t0
+        if resp.status != 200:
+            why = f"{inst.key}: probe answered {resp.status}"
+            return {"instance": inst.key, "passed": False, "why": why}
+        usage = orjson.loads(data).get("usage") or {}
+        num_tokens = max(1, int(usage.get("completion_tokens", 16)))
+        predicted_s = inst.planned.estimate.ttft_s + predicted_tpot_s * (num_tokens - 1)
+        if self.time_scale <= 0:  # no modelled time passes: nothing to compare
+            return {"instance": inst.key, "passed": True, "why": "", "skipped": "time scale 0"}
+        measured_s = max(0.0, wall_s - self.probe_overhead_s) / self.time_scale
+        ratio = measured_s / predicted_s if predicted_s > 0 else 1.0
+        passed = ratio <= self.rehearsal_tolerance
+        why = ""
+        if not passed:
+            why = (
+                f"{inst.key}: probe took {measured_s:.3f} s against {predicted_s:.3f} s "
+                f"predicted (x{ratio:.2f}, tolerance x{self.rehearsal_tolerance:g})"
+            )
+        return {"instance": inst.key, "passed": passed, "why": why,
+                "predicted_s": round(predicted_s, 4), "measured_s": round(measured_s, 4),
+                "ratio": round(ratio, 3)}  # fmt: skip
+
+    async def _retire(
+        self,
+        cluster: Cluster,
+        leaving: Sequence[LiveInstance],
+        running: dict[str, LiveInstance],
+        started: Sequence[LiveInstance],
+        out: ShiftOutcome,
+    ) -> None:
+        if not leaving:
+            return
+        t0 = self.clock()
+        for inst in leaving:
+            self._set(inst, "draining")
+        drained = await asyncio.gather(
+            *(self._drain(i, self.drain_deadline_s) for i in leaving), return_exceptions=True
+        )
+        out.phases_s["drain"] = self.clock() - t0
+        t0 = self.clock()
+        for inst, ok in zip(leaving, drained, strict=True):
+            if ok is not True:
+                await self._move_off(cluster, inst, running, out)
+        out.phases_s["migrate"] = self.clock() - t0
+        t0 = self.clock()
+        await self._stop(list(leaving))
+        for inst in leaving:
+            running.pop(inst.key, None)
+            out.stopped.append(inst.key)
+            with contextlib.suppress(GatewayError):  # already gone from the pool
+                await self.gateway.remove(inst.url)
+        out.phases_s["release"] = self.clock() - t0
+
+    async def _drain(self, inst: LiveInstance, wait_s: float) -> bool:
+        try:
+            return await self.gateway.drain(inst.url, wait_s)
+        except GatewayError as exc:
+            log.warning("drain of %s: %s", inst.url, exc)
+            return False
+
+    async def _move_off(
+        self,
+        cluster: Cluster,
+        source: LiveInstance,
+        running: dict[str, LiveInstance],
+        out: ShiftOutcome,
+    ) -> None:
+        """Move what is still running on `source` to live instances of its model."""
+        targets = [
+            i
+            for i in running.values()
+            if i.planned.model == source.planned.model and i.state == "active"
+        ]
+        if not targets:
+            return  # nowhere to go: the gateway continues them when the engine stops
+        try:
+            reqs = await self.gateway.requests_on(source.url)
+        except GatewayError:
+            return
+        moves = []
+        for n, req in enumerate(reqs):
+            target = targets[n % len(targets)]
+            context = int(req["num_prompt_tokens"]) + int(req["num_output_tokens"])
+            link = link_between(cluster, source.planned, target.planned)
+            choice = choose_migration(perf_model_of(cluster, target.planned), context, link)
+            move: dict[str, Any] = {"id": req["id"], "method": choice.method,
+                                    "target": target.url}  # fmt: skip
+            if link is not None:
+                move["bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
+                move["latency_s"] = link.latency_s
+            moves.append(move)
+        if not moves:
+            return
+        try:
+            results = await self.gateway.move(moves)
+        except GatewayError as exc:
+            log.warning("moves off %s: %s", source.url, exc)
+            return
+        for r in results:
+            outcome = str(r.get("outcome"))
+            if outcome != "not_running":
+                out.migrated[outcome] = out.migrated.get(outcome, 0) + 1
+        await self._drain(source, 10.0)  # the moved requests leave it at once
+
+    async def _stop(self, instances: Sequence[LiveInstance]) -> None:
+        await asyncio.gather(*(i.handle.stop() for i in instances), return_exceptions=True)
+        for inst in instances:
+            self._set(inst, "gone")

@@ -1,0 +1,97 @@
+"""The controller's side of the gateway's admin API (docs/gateway.md): register, drain,
+move and remove instances, and read what the gateway sees. Every call is one HTTP request on
+a pooled keep-alive connection; a failure is a `GatewayError` with one readable line."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
+
+__all__ = ["GatewayClient", "GatewayError"]
+
+
+class GatewayError(RuntimeError):
+    """The gateway refused or could not be reached."""
+
+
+class GatewayClient:
+    def __init__(self, url: str, token: str | None, timeout_s: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self._headers = {"content-type": "application/json"}
+        if token:
+            self._headers["authorization"] = f"Bearer {token}"
+        self._timeouts = Timeouts(connect_s=3.0, ttfb_s=timeout_s, idle_s=timeout_s)
+        self._pool = ClientPool(max_idle_per_backend=4)
+
+    async def close(self) -> None:
+        await self._pool.close()
+
+    async def _call(
+        self, method: str, path: str, body: Any = None, ttfb_s: float | None = None
+    ) -> Any:
+        raw = b"" if body is None else orjson.dumps(body)
+        timeouts = self._timeouts
+        if ttfb_s is not None:
+            timeouts = Timeouts(timeouts.connect_s, ttfb_s, timeouts.idle_s)
+        try:
+            resp = await self._pool.request(self.url, method, path, raw, self._headers, timeouts)
+            data = await resp.read()
+            resp.release()
+        except UpstreamError as exc:
+            raise GatewayError(f"gateway {self.url}{path}: {exc}") from None
+        if resp.status >= 400:
+            detail = data[:300].decode("utf-8", "replace")
+            raise GatewayError(f"gateway {self.url}{path}: {resp.status} {detail}")
+        return orjson.loads(data) if data else None
+
+    async def _text(self, path: str) -> str:
+        try:
+            resp = await self._pool.request(self.url, "GET", path, b"", None, self._timeouts)
+            data = await resp.read()
+            resp.release()
+        except UpstreamError as exc:
+            raise GatewayError(f"gateway {self.url}{path}: {exc}") from None
+        return data.decode("utf-8", "replace")
+
+    async def instances(self) -> list[dict[str, Any]]:
+        return list((await self._call("GET", "/admin/instances"))["instances"])
+
+    async def add(
+        self,
+        url: str,
+        model: str,
+        max_concurrency: int = 0,
+        admin_token: str | None = None,
+        api_key: str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"url": url, "model": model, "max_concurrency": max_concurrency}
+        if admin_token:
+            body["admin_token"] = admin_token
+        if api_key:
+            body["api_key"] = api_key
+        return dict(await self._call("POST", "/admin/instances", body))
+
+    async def remove(self, url: str) -> None:
+        await self._call("POST", "/admin/instances/remove", {"url": url})
+
+    async def drain(self, url: str, wait_s: float = 0.0) -> bool:
+        """Stop routing to `url`; with `wait_s`, wait until it serves nothing. Returns
+        whether it is empty."""
+        body = {"url": url, "wait_s": wait_s}
+        answer = await self._call("POST", "/admin/instances/drain", body, ttfb_s=wait_s + 10)
+        return bool(answer.get("drained"))
+
+    async def requests_on(self, url: str) -> list[dict[str, Any]]:
+        answer = await self._call("GET", f"/admin/instances/requests?url={url}")
+        return list(answer["requests"])
+
+    async def move(self, moves: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        answer = await self._call("POST", "/admin/requests/move", {"moves": list(moves)})
+        return list(answer["results"])
+
+    async def metrics(self) -> str:
+        return await self._text("/metrics")

@@ -1,0 +1,59 @@
+"""From a plan to engines: the models file and the launcher's view of a planned instance
+(shared by `flexpipe up`, `flexpipe controller` and gear_bench's callers)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from flexpipe.cluster import Cluster
+from flexpipe.launch import EngineSpec
+from flexpipe.policies.planner import ModelDemand, PlannedInstance, parse_models
+
+__all__ = ["ModelsFileError", "engine_spec", "load_models"]
+
+
+class ModelsFileError(ValueError):
+    """The models file cannot be used; one line for the user."""
+
+
+def load_models(path: Path) -> tuple[ModelDemand, ...]:
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelsFileError(f"{path}: cannot read the file: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ModelsFileError(f"{path}: YAML syntax error: {exc}") from None
+    return parse_models(doc, str(path))
+
+
+def engine_spec(
+    inst: PlannedInstance,
+    cluster: Cluster,
+    cluster_file: str,
+    demands: Sequence[ModelDemand],
+    admin_token: str | None = None,
+) -> EngineSpec:
+    """The launcher's view of a planned instance. `admin_token` is handed to the engine
+    through its environment (not its command line), for the controller's KV moves."""
+    gpu_ids = tuple(g for stage in inst.stages for g in stage)
+    max_len = next((d.max_model_len for d in demands if d.name == inst.model), None)
+    env: list[tuple[str, str]] = []
+    if len(set(inst.layers_per_stage)) > 1:
+        # vLLM reads an uneven pipeline split from this variable (the sim splits evenly).
+        env.append(("VLLM_PP_LAYER_PARTITION", ",".join(map(str, inst.layers_per_stage))))
+    if admin_token:
+        env.append(("FLEXPIPE_ADMIN_TOKEN", admin_token))
+    return EngineSpec(
+        model=inst.model_id,
+        gear=inst.gear,
+        name=inst.name,
+        gpu_ids=gpu_ids,
+        gpu_indices=tuple(cluster.gpu(g).index for g in gpu_ids),
+        cluster_file=cluster_file,
+        served_model_name=inst.model,
+        max_model_len=max_len,
+        env=tuple(env),
+    )

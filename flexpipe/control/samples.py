@@ -1,0 +1,104 @@
+"""Readings of each model's serving signals for the shift policy (`Sample`), from what the
+gateway exposes: its instances (in flight, running, waiting, slots) and its latency
+histograms. Pure: the controller fetches the texts, `Sampler.sample(now, ...)` reads them.
+
+Latency p99s are over the window since the previous reading: the difference of the
+cumulative histogram buckets between two readings, interpolated inside the bucket that holds
+the 99th percentile (what PromQL's histogram_quantile does over a rate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from flexpipe.policies.shift.signals import Sample
+
+__all__ = ["Sampler", "bucket_quantile", "parse_histograms"]
+
+_TTFT = "flexpipe_time_to_first_token_seconds"
+_TPOT = "flexpipe_time_per_output_token_seconds"
+
+Buckets = tuple[tuple[float, float], ...]  # (upper bound, cumulative count), ascending
+
+
+def parse_histograms(text: str, names: Iterable[str]) -> dict[tuple[str, str], Buckets]:
+    """(metric name, model) -> cumulative buckets, from Prometheus text."""
+    wanted = set(names)
+    out: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in wanted:
+            continue
+        for s in family.samples:
+            if s.name.endswith("_bucket"):
+                key = (family.name, s.labels.get("model", ""))
+                out.setdefault(key, []).append((float(s.labels["le"]), float(s.value)))
+    return {k: tuple(sorted(v)) for k, v in out.items()}
+
+
+def bucket_quantile(q: float, buckets: Buckets) -> float | None:
+    """The q-quantile of a (delta) histogram, linear inside its bucket; None when empty."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound  # beyond the last finite bucket: its bound
+            inside = count - lower_count
+            frac = (rank - lower_count) / inside if inside > 0 else 1.0
+            return lower_bound + (bound - lower_bound) * frac
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def _delta(now: Buckets, before: Buckets | None) -> Buckets:
+    if before is None or len(before) != len(now):
+        return now
+    return tuple((b, max(0.0, c - c0)) for (b, c), (_, c0) in zip(now, before, strict=True))
+
+
+@dataclass
+class Sampler:
+    """Turns successive gateway readings into one `Sample` per model."""
+
+    _last: dict[tuple[str, str], Buckets] = field(default_factory=dict)
+
+    def sample(
+        self,
+        now_s: float,
+        models: Sequence[str],
+        instances: Sequence[Mapping[str, Any]],
+        metrics_text: str,
+        num_queued_at_gateway: int = 0,
+    ) -> dict[str, Sample]:
+        hist = parse_histograms(metrics_text, (_TTFT, _TPOT))
+        out = {}
+        for model in models:
+            mine = [i for i in instances if i.get("model") == model and i.get("state") != "ejected"]
+            slots = sum(int(i.get("max_concurrency", 0)) for i in mine)
+            running = sum(int(i.get("num_running", 0)) for i in mine)
+            in_flight = sum(int(i.get("num_in_flight", 0)) for i in mine)
+            waiting = sum(int(i.get("num_waiting", 0)) for i in mine)
+            busy = max(running, in_flight - waiting)
+            p99 = {}
+            for name in (_TTFT, _TPOT):
+                key = (name, model)
+                now_b = hist.get(key, ())
+                p99[name] = bucket_quantile(0.99, _delta(now_b, self._last.get(key)))
+                self._last[key] = now_b
+            share = num_queued_at_gateway if len(models) == 1 else 0
+            out[model] = Sample(
+                at_s=now_s,
+                queue_depth=waiting + share,
+                queue_capacity=max(1, slots),
+                ttft_p99_s=p99[_TTFT],
+                tpot_p99_s=p99[_TPOT],
+                utilization=min(1.0, busy / slots) if slots else 0.0,
+            )
+        return out
