@@ -125,6 +125,7 @@ def assert_serves(c: Cluster, num: int = 4) -> None:
 # =============================================================================== 1. kill -9
 NUM_JOBS = 100  # 50 streamed + 50 not; half chat, half completions
 NUM_JOB_TOKENS = 64
+KILL_TIME_SCALE = 4.0  # slow steps (~40 ms): streams are mid-way when the client is going
 
 
 @dataclass
@@ -139,6 +140,7 @@ class Outcome:
     instance: str = ""
     error: str = ""
     clean_error: bool = False  # an HTTP error status or an SSE error event, not a cut
+    ended_after_kill: bool = False
 
     @property
     def kind(self) -> str:
@@ -149,9 +151,28 @@ def _job(i: int) -> tuple[bool, bool, str]:
     return i % 2 == 0, (i // 2) % 2 == 0, f"request {i}: tell me a story about the river"
 
 
-async def _run_job(
-    client: openai.AsyncOpenAI, i: int, first: asyncio.Event, killed: list[float]
-) -> Outcome:
+@dataclass
+class Progress:
+    """Streams that have their first token; `ready` once most of them do (time to kill)."""
+
+    num_needed: int
+    started: set[int] = field(default_factory=set)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    killed: list[float] = field(default_factory=list)
+
+    def first_token(self, job: int) -> None:
+        self.started.add(job)
+        if len(self.started) >= self.num_needed:
+            self.ready.set()
+
+
+async def _run_job(client: openai.AsyncOpenAI, i: int, progress: Progress) -> Outcome:
+    out = await _call_job(client, i, progress)
+    out.ended_after_kill = bool(progress.killed)
+    return out
+
+
+async def _call_job(client: openai.AsyncOpenAI, i: int, progress: Progress) -> Outcome:
     chat, stream, prompt = _job(i)
     out = Outcome(i, chat, stream)
     kw: dict[str, Any] = {"model": MODEL, "max_tokens": NUM_JOB_TOKENS, "stream": stream,
@@ -176,9 +197,9 @@ async def _run_job(
             c = ch.choices[0]
             piece = (c.delta.content or "") if chat else c.text
             out.text += piece
-            if not killed:
+            if not progress.killed:
                 out.before_kill += piece
-            first.set()
+                progress.first_token(i)
             out.finish = c.finish_reason or out.finish
     except openai.APIStatusError as exc:
         out.error, out.clean_error = f"HTTP {exc.status_code}: {exc.message}", True
@@ -191,16 +212,14 @@ async def _run_job(
 
 async def _run_jobs(base_url: str, kill: list[subprocess.Popen[bytes]]) -> list[Outcome]:
     client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=60)
-    first = asyncio.Event()
-    killed: list[float] = []
+    progress = Progress(num_needed=NUM_JOBS * 2 // 5)  # 40 of the 50 streams are under way
     try:
-        tasks = [asyncio.create_task(_run_job(client, i, first, killed)) for i in range(NUM_JOBS)]
+        tasks = [asyncio.create_task(_run_job(client, i, progress)) for i in range(NUM_JOBS)]
         if kill:
-            await asyncio.wait_for(first.wait(), 30)
-            await asyncio.sleep(0.2)  # every request is in flight, streams are mid-stream
+            await asyncio.wait_for(progress.ready.wait(), 30)
             for proc in kill:
                 os.kill(proc.pid, signal.SIGKILL)
-            killed.append(time.monotonic())
+            progress.killed.append(time.monotonic())
         return await asyncio.wait_for(asyncio.gather(*tasks), 90)
     finally:
         await client.close()
@@ -220,10 +239,12 @@ def test_kill_9_engines_under_streamed_and_plain_requests(
     num_killed: int, reference_texts: dict[int, str]
 ) -> None:
     config = {"health_interval_s": 0.5, "routing": {"policy": "round_robin"}}
-    with cluster(3, 1.0, config) as c:
+    with cluster(3, KILL_TIME_SCALE, config) as c:
         victims = c.engines[:num_killed]
         outcomes = asyncio.run(_run_jobs(c.gw.url + "/v1", [e.proc for e in victims]))
         victim_urls = {e.url for e in victims}
+        num_hit = sum(o.ended_after_kill for o in outcomes)
+        assert num_hit >= NUM_JOBS // 2, f"only {num_hit} requests were in flight at the kill"
         problems = []
         for o in outcomes:
             ref = reference_texts[o.job]
