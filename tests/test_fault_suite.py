@@ -419,13 +419,13 @@ DRAIN_FIELD = config_field(
 def test_sigterm_drains_then_ends_open_streams_with_an_error_event() -> None:
     config: dict[str, Any] = {}
     if DRAIN_FIELD is not None:
-        config[DRAIN_FIELD] = 2.0
-        deadline_s = 2.0
+        config[DRAIN_FIELD] = 4.0
+        deadline_s = 4.0
     else:  # not configurable yet: the default must still be bounded
         deadline_s = 30.0
     with cluster(2, 1.0, config) as c:
         port = c.gw.port
-        short, long_ = 30, LONG_TOKENS
+        short, long_ = 80, LONG_TOKENS  # ~1 s: within the drain; ~20 s: beyond it
 
         async def go() -> tuple[list[RawResponse], list[RawResponse], float, str]:
             calls = []
@@ -599,7 +599,7 @@ def _flood(port: int, data: bytes, timeout_s: float = 20.0) -> Flood:
 
     def read() -> None:
         with contextlib.suppress(OSError):
-            while chunk := sock.recv(65536):
+            while not _whole_response(out.response) and (chunk := sock.recv(65536)):
                 out.response += chunk
 
     reader = threading.Thread(target=read, daemon=True)
@@ -613,6 +613,18 @@ def _flood(port: int, data: bytes, timeout_s: float = 20.0) -> Flood:
     reader.join(timeout_s)
     sock.close()
     return out
+
+
+def _whole_response(data: bytes) -> bool:
+    """A complete HTTP/1.1 response with a content-length (the error answers here)?"""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return body.endswith(b"0\r\n\r\n")  # chunked: the terminal chunk
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
