@@ -38,19 +38,37 @@ def engine_args(time_scale: float, *extra: str) -> list[str]:
     return ["--model", MODEL, "--load-time-s", "0", "--time-scale", f"{time_scale:g}", *extra]
 
 
-def config_field(*candidates: str) -> str | None:
-    """The first of `candidates` that `GatewayConfig` has (limits and deadlines the gateway
-    may or may not have grown yet), else None."""
+def config_knob(*candidates: str) -> tuple[str, ...] | None:
+    """Where `GatewayConfig` keeps the first of `candidates` (limits and deadlines it may or
+    may not have grown yet): ("name",) for a field of its own, ("outer", "name") for a field
+    of a nested dataclass such as the HTTP limits; None if it has none of them."""
     from flexpipe.gateway import GatewayConfig
 
-    names = {f.name for f in dataclasses.fields(GatewayConfig)}
-    return next((c for c in candidates if c in names), None)
+    cfg = GatewayConfig()
+    for name in candidates:
+        for f in dataclasses.fields(cfg):
+            if f.name == name:
+                return (name,)
+            inner = getattr(cfg, f.name)
+            if dataclasses.is_dataclass(inner) and hasattr(inner, name):
+                return (f.name, name)
+    return None
 
 
-def config_default(name: str) -> Any:
+def knob_default(path: Sequence[str]) -> Any:
     from flexpipe.gateway import GatewayConfig
 
-    return getattr(GatewayConfig(), name)
+    value: Any = GatewayConfig()
+    for name in path:
+        value = getattr(value, name)
+    return value
+
+
+def set_knob(config: dict[str, Any], path: Sequence[str], value: Any) -> None:
+    """Set `path` (from `config_knob`) in a gateway.yaml dict."""
+    for name in path[:-1]:
+        config = config.setdefault(name, {})
+    config[path[-1]] = value
 
 
 # ----------------------------------------------------------------------------- processes
@@ -96,6 +114,10 @@ class GatewayProc:
     def get(self, path: str, timeout_s: float = 5.0) -> HttpResult:
         auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}
         return request("GET", self.url + path, headers=auth, timeout_s=timeout_s)
+
+    def admin_post(self, path: str, body: dict[str, Any]) -> HttpResult:
+        auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+        return request("POST", self.url + path, body, headers=auth, timeout_s=10)
 
     def instances(self) -> list[dict[str, Any]]:
         res = self.get("/admin/instances")

@@ -34,7 +34,7 @@ from faultkit import (
     MODEL,
     GatewayProc,
     RawResponse,
-    config_field,
+    config_knob,
     engine_args,
     engine_load,
     gateway_process,
@@ -43,6 +43,7 @@ from faultkit import (
     openai_error_problems,
     proc_rss_bytes,
     raw_call,
+    set_knob,
     text_problems,
     wait_settled,
     wait_until,
@@ -410,7 +411,7 @@ def test_random_disconnects_leave_every_counter_at_zero(
 
 
 # =============================================================================== 3. SIGTERM
-DRAIN_FIELD = config_field(
+DRAIN_KNOB = config_knob(
     "drain_timeout_s", "shutdown_timeout_s", "drain_deadline_s", "shutdown_grace_s",
     "graceful_shutdown_timeout_s", "drain_s",
 )  # fmt: skip
@@ -418,8 +419,8 @@ DRAIN_FIELD = config_field(
 
 def test_sigterm_drains_then_ends_open_streams_with_an_error_event() -> None:
     config: dict[str, Any] = {}
-    if DRAIN_FIELD is not None:
-        config[DRAIN_FIELD] = 4.0
+    if DRAIN_KNOB is not None:
+        set_knob(config, DRAIN_KNOB, 4.0)
         deadline_s = 4.0
     else:  # not configurable yet: the default must still be bounded
         deadline_s = 30.0
@@ -653,27 +654,28 @@ def test_hostile_input_gets_a_clean_error_and_the_gateway_keeps_serving(
     assert_serves(edge, 2)
 
 
-HEADER_TIMEOUT_FIELD = config_field(
-    "header_timeout_s", "header_read_timeout_s", "read_header_timeout_s", "http_header_timeout_s"
-)
-KEEPALIVE_FIELD = config_field(
-    "keepalive_timeout_s", "keep_alive_timeout_s", "idle_connection_timeout_s",
-    "http_keepalive_timeout_s", "http_idle_timeout_s",
-)  # fmt: skip
-BODY_TIMEOUT_FIELD = config_field("body_timeout_s", "body_read_timeout_s", "read_body_timeout_s")
+CONNECTION_TIMEOUTS = {  # the limit -> the names it may have in the gateway's config
+    "header read": ("header_timeout_s", "header_read_timeout_s", "read_header_timeout_s"),
+    "body read": ("body_timeout_s", "body_read_timeout_s", "read_body_timeout_s"),
+    "idle keep-alive": ("keep_alive_timeout_s", "keepalive_timeout_s", "idle_connection_timeout_s",
+                        "http_keepalive_timeout_s"),
+}  # fmt: skip
+UNCONFIGURABLE_LIMIT_S = 60.0
 
 
 def test_slow_and_idle_connections_are_closed() -> None:
     """Slowloris (headers a byte at a time), a body trickle, a silent connection and an idle
-    keep-alive connection are all closed by the gateway, and it serves meanwhile."""
+    keep-alive connection are all closed by the gateway, and it serves meanwhile. Each timeout
+    is set to 1 s where the config has a knob for it; without a knob it must close within
+    60 s."""
     config: dict[str, Any] = {}
-    limit_s = 0.0
-    for name in (HEADER_TIMEOUT_FIELD, KEEPALIVE_FIELD, BODY_TIMEOUT_FIELD):
-        if name is not None:
-            config[name] = 1.0
-            limit_s = max(limit_s, 1.0)
-    if not (HEADER_TIMEOUT_FIELD and KEEPALIVE_FIELD and BODY_TIMEOUT_FIELD):
-        limit_s = 60.0  # some timeout has no knob yet: its default must still close it
+    limit_s = 1.0
+    for names in CONNECTION_TIMEOUTS.values():
+        knob = config_knob(*names)
+        if knob is None:
+            limit_s = max(limit_s, UNCONFIGURABLE_LIMIT_S)
+        else:
+            set_knob(config, knob, 1.0)
     with cluster(1, 0.0, config) as c:
         port = c.gw.port
         head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -715,6 +717,6 @@ def test_slow_and_idle_connections_are_closed() -> None:
         open_ = sorted(set(scripts) - set(closed_after))
         assert not slow and not open_, (
             f"not closed within {limit_s:g} s (+2): {slow or open_}; timeouts configured: "
-            f"{sorted(config) or 'none found in GatewayConfig'}"
+            f"{config or 'none found in GatewayConfig'}"
         )
         assert leftovers(c.gw, c.engine_urls) == []
