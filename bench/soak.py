@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import csv
+import os
 import random
 import signal
 import statistics
@@ -73,6 +74,7 @@ class Sample:
     num_other_status: int
     num_hung_up: int
     num_client_errors: int
+    ok_per_s: float = 0.0  # completed responses per second since the previous sample
 
 
 def _request(rng: random.Random, i: int) -> bytes:
@@ -145,6 +147,9 @@ class Soak:
     async def sampler(self, gw: GatewayProc, engines: list[EngineProc]) -> None:
         while not self.stop.is_set():
             s = await asyncio.to_thread(self.sample, gw, engines)
+            if self.samples:
+                prev = self.samples[-1]
+                s.ok_per_s = round((s.num_ok - prev.num_ok) / max(0.1, s.t_s - prev.t_s), 1)
             self.samples.append(s)
             print(_row(s), flush=True)
             with contextlib.suppress(TimeoutError):
@@ -186,21 +191,26 @@ class Soak:
 
 HEADER = (f"{'t_s':>6} {'rss_mb':>7} {'fds':>5} {'in_flight':>9} {'queued':>6} "
           f"{'eng_run':>7} {'eng_wait':>8} {'ok':>6} {'429':>6} {'other':>5} {'hung_up':>7} "
-          f"{'cl_err':>6}")  # fmt: skip
+          f"{'cl_err':>6} {'ok/s':>5}")  # fmt: skip
 
 
 def _row(s: Sample) -> str:
     return (f"{s.t_s:>6.0f} {s.rss_mb:>7.1f} {s.num_fds:>5} {s.num_in_flight:>9} "
             f"{s.num_queued:>6.0f} {s.num_engine_running:>7.0f} {s.num_engine_waiting:>8.0f} "
             f"{s.num_ok:>6} {s.num_429:>6} {s.num_other_status:>5} {s.num_hung_up:>7} "
-            f"{s.num_client_errors:>6}")  # fmt: skip
+            f"{s.num_client_errors:>6} {s.ok_per_s:>5.1f}")  # fmt: skip
+
+
+def _window(samples: Sequence[Sample], window_s: float) -> tuple[list[Sample], list[Sample]]:
+    """The samples of the first and of the last `window_s` seconds."""
+    end = samples[-1].t_s
+    first = [s for s in samples if s.t_s <= samples[0].t_s + window_s]
+    return first, [s for s in samples if s.t_s >= end - window_s]
 
 
 def verdict(samples: Sequence[Sample], window_s: float) -> list[tuple[str, float, float, bool]]:
     """(figure, first-window median, last-window median, flat?) for the figures that leak."""
-    end = samples[-1].t_s
-    first = [s for s in samples if s.t_s <= samples[0].t_s + window_s]
-    last = [s for s in samples if s.t_s >= end - window_s]
+    first, last = _window(samples, window_s)
     out = []
     for name, slack in (("rss_mb", 8.0), ("num_fds", 8.0), ("num_in_flight", 2.0)):
         a = statistics.median(getattr(s, name) for s in first)
@@ -234,12 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ))  # fmt: skip
         print(f"soak: {args.duration_s:g} s, {args.clients} clients, {args.engines} engines "
               f"x {args.max_concurrency} slots, queue {args.max_queue}, "
-              f"{args.disconnect_share:.0%} hang up; gateway pid {gw.pid}")  # fmt: skip
+              f"{args.disconnect_share:.0%} hang up; gateway pid {gw.pid}; "
+              f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
         print(HEADER)
         asyncio.run(soak.run(gw, engines, stack))
         time.sleep(args.idle_s)
         idle = soak.sample(gw, engines)
-    print("idle after the load:")
+    print(f"idle after the load (load average {os.getloadavg()[0]:.1f}):")
     print(_row(idle))
     for e in soak.events:
         print("event:", e)
@@ -269,6 +280,9 @@ def report(soak: Soak, idle: Sample, window_s: float, idle_s: float) -> bool:
     for name, a, b, flat in verdict(soak.samples, window_s):
         ok &= flat
         print(f"  {name:<14} {a:>8.1f} -> {b:>8.1f}  {'flat' if flat else 'GROWING'}")
+    first, last = _window(soak.samples, window_s)
+    a, b = (statistics.median(s.ok_per_s for s in w) for w in (first[1:] or first, last))
+    print(f"  {'ok_per_s':<14} {a:>8.1f} -> {b:>8.1f}  (useful responses; for information)")
     base_fds = soak.samples[0].num_fds
     stuck = {
         "in_flight": idle.num_in_flight,
