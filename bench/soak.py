@@ -16,7 +16,8 @@ vllm:num_requests_running + waiting, with the request outcomes so far. At the en
 stops and, after a quiet period, everything must be back to zero.
 
 Verdict: the medians of the first and the last minute (a third of the run when shorter)
-of RSS, descriptors and in-flight are compared: "flat" when the last is within 10 % (plus a
+of RSS, descriptors, in-flight and orphaned slots (in-flight at the gateway that no
+engine runs or queues) are compared: "flat" when the last is within 10 % (plus a
 small absolute slack) of the first, else "GROWING"; then the idle check. Exit status 1 when
 something grows or does not return to zero. The table prints to stdout; a CSV goes to
 bench/results/soak-<UTC time>.csv.
@@ -75,6 +76,12 @@ class Sample:
     num_hung_up: int
     num_client_errors: int
     ok_per_s: float = 0.0  # completed responses per second since the previous sample
+
+    @property
+    def num_orphaned(self) -> float:
+        """Slots the gateway counts that no engine works on (leaked ones, and the few in
+        transit): in-flight minus the engines' running + waiting, not below 0."""
+        return max(0.0, self.num_in_flight - self.num_engine_running - self.num_engine_waiting)
 
 
 def _request(rng: random.Random, i: int) -> bytes:
@@ -191,14 +198,14 @@ class Soak:
 
 HEADER = (f"{'t_s':>6} {'rss_mb':>7} {'fds':>5} {'in_flight':>9} {'queued':>6} "
           f"{'eng_run':>7} {'eng_wait':>8} {'ok':>6} {'429':>6} {'other':>5} {'hung_up':>7} "
-          f"{'cl_err':>6} {'ok/s':>5}")  # fmt: skip
+          f"{'cl_err':>6} {'ok/s':>5} {'orphan':>6}")  # fmt: skip
 
 
 def _row(s: Sample) -> str:
     return (f"{s.t_s:>6.0f} {s.rss_mb:>7.1f} {s.num_fds:>5} {s.num_in_flight:>9} "
             f"{s.num_queued:>6.0f} {s.num_engine_running:>7.0f} {s.num_engine_waiting:>8.0f} "
             f"{s.num_ok:>6} {s.num_429:>6} {s.num_other_status:>5} {s.num_hung_up:>7} "
-            f"{s.num_client_errors:>6} {s.ok_per_s:>5.1f}")  # fmt: skip
+            f"{s.num_client_errors:>6} {s.ok_per_s:>5.1f} {s.num_orphaned:>6.0f}")  # fmt: skip
 
 
 def _window(samples: Sequence[Sample], window_s: float) -> tuple[list[Sample], list[Sample]]:
@@ -212,7 +219,8 @@ def verdict(samples: Sequence[Sample], window_s: float) -> list[tuple[str, float
     """(figure, first-window median, last-window median, flat?) for the figures that leak."""
     first, last = _window(samples, window_s)
     out = []
-    for name, slack in (("rss_mb", 8.0), ("num_fds", 8.0), ("num_in_flight", 2.0)):
+    figures = (("rss_mb", 8.0), ("num_fds", 8.0), ("num_in_flight", 2.0), ("num_orphaned", 3.0))
+    for name, slack in figures:
         a = statistics.median(getattr(s, name) for s in first)
         b = statistics.median(getattr(s, name) for s in last)
         out.append((name, a, b, b <= a * 1.10 + slack))
@@ -265,11 +273,11 @@ def write_csv(samples: Sequence[Sample], idle: Sample) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / time.strftime("soak-%Y%m%dT%H%M%SZ.csv", time.gmtime())
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*asdict(samples[0]), "phase"])
+        w = csv.DictWriter(f, fieldnames=[*asdict(samples[0]), "num_orphaned", "phase"])
         w.writeheader()
         for s in samples:
-            w.writerow({**asdict(s), "phase": "load"})
-        w.writerow({**asdict(idle), "phase": "idle"})
+            w.writerow({**asdict(s), "num_orphaned": s.num_orphaned, "phase": "load"})
+        w.writerow({**asdict(idle), "num_orphaned": idle.num_orphaned, "phase": "idle"})
     return path
 
 
