@@ -15,7 +15,7 @@ Every few seconds it samples the gateway's RSS and open descriptors (/proc), the
 vllm:num_requests_running + waiting, with the request outcomes so far. At the end the load
 stops and, after a quiet period, everything must be back to zero.
 
-Verdict: the medians of the first and the last minute (a third of the run when shorter)
+Verdict: the medians of the first and the last minute (a sixth of the run when shorter)
 of RSS, descriptors, in-flight and orphaned slots (in-flight at the gateway that no
 engine runs or queues) are compared: "flat" when the last is within 10 % (plus a
 small absolute slack) of the first, else "GROWING"; then the idle check. Exit status 1 when
@@ -264,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("event:", e)
 
     path = write_csv(soak.samples, idle)
-    ok = report(soak, idle, min(60.0, args.duration_s / 3), args.idle_s)
+    ok = report(soak, idle, min(60.0, args.duration_s / 6), args.idle_s)
     print(f"csv: {path.relative_to(ROOT)}")
     return 0 if ok else 1
 
