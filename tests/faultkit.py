@@ -141,12 +141,16 @@ def gateway_process(
     config: dict[str, Any] | None = None,
     args: Sequence[str] = (),
     wait_healthy: bool = True,
+    model: str | None = MODEL,
 ) -> Iterator[GatewayProc]:
     """`python -m flexpipe gateway --backend URL... --model MODEL` on a free port, with
-    `config` (a gateway.yaml as a dict) if given; killed on exit."""
+    `config` (a gateway.yaml as a dict) if given; killed on exit. `model` None: the gateway
+    discovers it; `wait_healthy` False: wait for the port only."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="faultkit-") as tmp:
-        cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(port), "--model", MODEL]
+        cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(port)]
+        if model is not None:
+            cmd += ["--model", model]
         for url in backends:
             cmd += ["--backend", url]
         if config is not None:
