@@ -14,6 +14,8 @@ import dataclasses
 import os
 import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -293,6 +295,7 @@ async def raw_call(
     `hang_up_after_s` after sending; otherwise read to the end or `timeout_s`."""
     out = RawResponse()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reading: asyncio.Future[None] | None = None
     try:
         writer.write(data)
         await writer.drain()
@@ -303,16 +306,14 @@ async def raw_call(
         except TimeoutError:
             if hang_up_after_s is None:
                 out.error = "timeout"
-        reading.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await reading
-    finally:
+    finally:  # also when cancelled: the client leaves
+        if reading is not None:
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reading
         if rst:
             sock = writer.get_extra_info("socket")
             if sock is not None:
-                import socket
-                import struct
-
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.close()
         with contextlib.suppress(Exception):

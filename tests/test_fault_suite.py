@@ -25,7 +25,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -304,6 +304,14 @@ def test_issue_repro_client_timeouts_do_not_leak_slots() -> None:
 PHASES = ["before_head", "queued_stream", "mid_stream", "retry_backoff"]
 
 
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    """`wait_until` for async tests: polls `cond` (which may block) in a thread."""
+    deadline = time.monotonic() + timeout_s
+    while not await asyncio.to_thread(cond):
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize("phase", PHASES)
 def test_disconnect_at_every_phase_releases_everything(phase: str) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
@@ -336,19 +344,19 @@ def test_disconnect_at_every_phase_releases_everything(phase: str) -> None:
                 assert all(o.status == 200 and len(o.events) >= 3 for o in outs), outs
             else:  # four streams hold the four slots; a fifth waits in the queue, then leaves
                 holders = [
-                    asyncio.create_task(raw_call(port, long_stream(i), hang_up_after_s=2.5))
+                    asyncio.create_task(raw_call(port, long_stream(i), hang_up_after_s=30))
                     for i in range(4)
                 ]
-                await asyncio.sleep(0.5)
-                queued = asyncio.create_task(raw_call(port, long_stream(9), hang_up_after_s=0.6))
-                await asyncio.sleep(0.3)
-                num_queued = await asyncio.to_thread(c.gw.num_queued)
-                assert num_queued == 1, f"the fifth stream is not queued ({num_queued})"
-                assert (await queued).status == 0
-                await asyncio.sleep(0.3)
-                num_queued = await asyncio.to_thread(c.gw.num_queued)
-                assert num_queued == 0, "a client that left is still in the queue"
-                await asyncio.gather(*holders)
+                await until(lambda: sum(c.gw.num_in_flight().values()) == 4, "4 slots taken")
+                queued = asyncio.create_task(raw_call(port, long_stream(9), hang_up_after_s=30))
+                await until(lambda: c.gw.num_queued() == 1, "the fifth stream queued")
+                queued.cancel()  # the client leaves: its connection closes
+                with contextlib.suppress(asyncio.CancelledError):
+                    await queued
+                await until(lambda: c.gw.num_queued() == 0, "the queue empty once it left")
+                for h in holders:
+                    h.cancel()
+                await asyncio.gather(*holders, return_exceptions=True)
 
         asyncio.run(go())
         wait_settled(c.gw, c.engine_urls, SETTLE_S)
@@ -652,7 +660,7 @@ def test_hostile_input_gets_a_clean_error_and_the_gateway_keeps_serving(
     assert growth_mb < 64, f"{case}: the gateway's RSS grew by {growth_mb:.0f} MB"
     t0 = time.monotonic()
     assert request("GET", edge.gw.url + "/health", timeout_s=5).status == 200
-    assert time.monotonic() - t0 < 1.0, "the gateway stalls after the hostile request"
+    assert time.monotonic() - t0 < 2.0, "the gateway stalls after the hostile request"
     assert_serves(edge, 2)
 
 
