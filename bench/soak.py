@@ -34,6 +34,7 @@ import random
 import signal
 import statistics
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -98,11 +99,24 @@ def _request(rng: random.Random, i: int) -> bytes:
     return http_request_bytes("/v1/completions", orjson.dumps(body))
 
 
+def drain_stderr(engine: EngineProc, sink: Counter[str]) -> None:
+    """Read an engine's stderr in a thread (a full pipe would stall it mid-soak); count lines."""
+
+    def run() -> None:
+        stream = engine.proc.stderr
+        with contextlib.suppress(ValueError, OSError):
+            for _ in iter(stream.readline, b"") if stream else ():
+                sink["engine_stderr_lines"] += 1
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
         self.outcomes: Counter[str] = Counter()
+        self.logs: Counter[str] = Counter()
         self.stop = asyncio.Event()
         self.samples: list[Sample] = []
         self.events: list[str] = []
@@ -152,6 +166,8 @@ class Soak:
         )  # fmt: skip
 
     async def sampler(self, gw: GatewayProc, engines: list[EngineProc]) -> None:
+        with contextlib.suppress(TimeoutError):  # the first sample once the load is on
+            await asyncio.wait_for(self.stop.wait(), self.args.sample_s)
         while not self.stop.is_set():
             s = await asyncio.to_thread(self.sample, gw, engines)
             if self.samples:
@@ -174,6 +190,7 @@ class Soak:
         fresh = await asyncio.to_thread(
             stack.enter_context, sim_engine(engine_args(self.args.time_scale))
         )
+        drain_stderr(fresh, self.logs)
         engines.append(fresh)
         add = await asyncio.to_thread(gw.admin_post, "/admin/instances",
                                       {"url": fresh.url, "model": MODEL})  # fmt: skip
@@ -250,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         gw = stack.enter_context(gateway_process(
             [e.url for e in engines], config, ("--max-concurrency", str(args.max_concurrency))
         ))  # fmt: skip
+        for e in engines:
+            drain_stderr(e, soak.logs)
         print(f"soak: {args.duration_s:g} s, {args.clients} clients, {args.engines} engines "
               f"x {args.max_concurrency} slots, queue {args.max_queue}, "
               f"{args.disconnect_share:.0%} hang up; gateway pid {gw.pid}; "
@@ -260,8 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         idle = soak.sample(gw, engines)
     print(f"idle after the load (load average {os.getloadavg()[0]:.1f}):")
     print(_row(idle))
-    for e in soak.events:
-        print("event:", e)
+    for event in soak.events:
+        print("event:", event)
+    print(f"engines wrote {soak.logs['engine_stderr_lines']} stderr lines")
 
     path = write_csv(soak.samples, idle)
     ok = report(soak, idle, min(60.0, args.duration_s / 6), args.idle_s)
