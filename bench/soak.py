@@ -170,9 +170,10 @@ class Soak:
             await asyncio.wait_for(self.stop.wait(), self.args.sample_s)
         while not self.stop.is_set():
             s = await asyncio.to_thread(self.sample, gw, engines)
-            if self.samples:
-                prev = self.samples[-1]
-                s.ok_per_s = round((s.num_ok - prev.num_ok) / max(0.1, s.t_s - prev.t_s), 1)
+            prev_ok, prev_t_s = (
+                (self.samples[-1].num_ok, self.samples[-1].t_s) if self.samples else (0, 0.0)
+            )
+            s.ok_per_s = round((s.num_ok - prev_ok) / max(0.1, s.t_s - prev_t_s), 1)
             self.samples.append(s)
             print(_row(s), flush=True)
             with contextlib.suppress(TimeoutError):
@@ -309,7 +310,7 @@ def report(soak: Soak, idle: Sample, window_s: float, idle_s: float) -> bool:
         ok &= flat
         print(f"  {name:<14} {a:>8.1f} -> {b:>8.1f}  {'flat' if flat else 'GROWING'}")
     first, last = _window(soak.samples, window_s)
-    a, b = (statistics.median(s.ok_per_s for s in w) for w in (first[1:] or first, last))
+    a, b = (statistics.median(s.ok_per_s for s in w) for w in (first, last))
     print(f"  {'ok_per_s':<14} {a:>8.1f} -> {b:>8.1f}  (useful responses; for information)")
     base_fds = soak.samples[0].num_fds
     stuck = {
