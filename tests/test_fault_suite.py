@@ -446,7 +446,11 @@ def test_sigterm_drains_then_ends_open_streams_with_an_error_event() -> None:
                 calls.append(post("/v1/chat/completions", chat_body(f"l{i}", long_, True)))
             tasks = [asyncio.create_task(raw_call(port, d, timeout_s=deadline_s + 15))
                      for d in calls]  # fmt: skip
-            await asyncio.sleep(0.4)  # everything admitted, the streams are mid-stream
+            await until(  # everything admitted (in flight or already done)
+                lambda: sum(c.gw.num_in_flight().values()) + sum(t.done() for t in tasks) >= 12,
+                "12 requests admitted",
+            )  # fmt: skip
+            await asyncio.sleep(0.2)  # the streams are mid-stream
             c.gw.proc.send_signal(signal.SIGTERM)
             t_term = time.monotonic()
             await asyncio.sleep(0.3)
