@@ -1,0 +1,163 @@
+"""`flexpipe shifts`: the shift log — every decision, why, and what became of it."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from flexpipe.cli.common import console as make_console
+from flexpipe.cli.common import user_errors
+from flexpipe.store import Store, StoreError
+from flexpipe.store.shift_entry import KINDS, PlanInstance, ShiftEntry
+from flexpipe.store.shift_log import ShiftLog
+
+__all__ = ["entries_table", "moves_text", "parse_since", "register"]
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_PHASE_ABBREV = {
+    "warm": "warm",
+    "rehearse": "reh",
+    "switch": "sw",
+    "drain": "drain",
+    "migrate": "mig",
+    "release": "rel",
+}
+_METHOD_ABBREV = {
+    "kv_moved": "kv",
+    "recomputed": "rc",
+    "finished_in_place": "fin",
+    "rerun": "rerun",
+}
+
+
+def parse_since(text: str, now: datetime) -> datetime:
+    """`10m`, `2h`, `1.5d`, `30s` before `now`, or an ISO 8601 time (no zone: UTC)."""
+    m = _DURATION.match(text)
+    if m:
+        return now - timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+    try:
+        at = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"bad --since {text!r}: expected a duration (30s, 10m, 2h, 1d) or an ISO time "
+            "(2026-12-01T12:00:00Z)"
+        ) from None
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+
+
+def _short(i: PlanInstance) -> str:
+    shape = "-".join(i.gear.split("-")[:2])  # tp2-pp1
+    return f"{i.model} {shape}@{'+'.join(i.gpu_ids)}"
+
+
+def moves_text(entry: ShiftEntry) -> str:
+    """What the change stops → what it starts (instances both plans share are left out)."""
+    if entry.target is None:
+        return "—"
+    current = {i.key for i in entry.current}
+    target = {i.key for i in entry.target}
+    removed = [_short(i) for i in entry.current if i.key not in target]
+    added = [_short(i) for i in entry.target if i.key not in current]
+    return f"{', '.join(removed) or '∅'} → {', '.join(added) or '∅'}"
+
+
+def _phases_text(entry: ShiftEntry) -> str:
+    items = entry.phases.items()
+    return " ".join(f"{_PHASE_ABBREV[p]} {s:.1f}" for p, s in items) if items else ""
+
+
+def _migrated_text(entry: ShiftEntry) -> str:
+    if entry.migrated is None:
+        return ""
+    d = entry.migrated.to_dict()
+    return " ".join(f"{_METHOD_ABBREV[m]} {n}" for m, n in d.items() if n) or "none"
+
+
+def _outcome_text(entry: ShiftEntry) -> str:
+    parts: list[str] = [entry.outcome]
+    if entry.rehearsal_passed is not None:
+        parts.append("rehearsal ok" if entry.rehearsal_passed else "rehearsal missed")
+    if entry.error:
+        parts.append(entry.error)
+    return "; ".join(parts)
+
+
+def entries_table(entries: Sequence[ShiftEntry], now: datetime, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("time (UTC)", "kind", "trigger", "from → to", "score", "phases s", "migrated"):
+        table.add_column(col, justify="right" if col == "score" else "left")
+    table.add_column("outcome")
+    table.add_column("why", overflow="fold")
+    for e in entries:
+        stamp = f"{e.at:%H:%M:%S}" if e.at.date() == now.date() else f"{e.at:%Y-%m-%d %H:%M:%S}"
+        table.add_row(
+            stamp,
+            e.kind,
+            e.trigger,
+            moves_text(e),
+            "" if e.score is None else f"{e.score:,.1f}",
+            _phases_text(e),
+            _migrated_text(e),
+            _outcome_text(e),
+            e.reason,
+        )
+    return table
+
+
+StoreOpt = Annotated[
+    str | None,
+    typer.Option("--store", help="SQLAlchemy URL (default: $FLEXPIPE_STORE or ~/.flexpipe)."),
+]
+
+
+def register(app: typer.Typer) -> None:
+    """Add `shifts` to the `flexpipe` app."""
+
+    @app.command("shifts")
+    def shifts(
+        since: Annotated[
+            str | None,
+            typer.Option(help="Only entries since: a duration (10m, 2h, 1d) or an ISO time."),
+        ] = None,
+        kind: Annotated[
+            list[str] | None,
+            typer.Option(help=f"Only this kind (repeatable): {', '.join(KINDS)}."),
+        ] = None,
+        limit: Annotated[int, typer.Option(help="The newest N entries (0: all).")] = 50,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the entries as JSON.")] = False,
+        store: StoreOpt = None,
+    ) -> None:
+        """The shift log: every decision (holds too), its trigger, score, phases, requests
+        migrated and outcome."""
+        now = datetime.now(UTC)
+        with user_errors():
+            start = None if since is None else parse_since(since, now)
+            if limit < 0:
+                raise ValueError(f"bad --limit {limit}: expected >= 0")
+            try:
+                st = Store(store)
+            except OSError as exc:  # e.g. the SQLite file's folder cannot be made
+                raise StoreError(f"cannot open store {store}: {exc.strerror or exc}") from None
+            with st:
+                log = ShiftLog(st)
+                entries = log.entries(since=start, kinds=kind, limit=limit or None)
+                total = log.count(since=start, kinds=kind)
+        if as_json:
+            typer.echo(json.dumps([e.to_dict() for e in entries], indent=2))
+            return
+        out = make_console()
+        where = f" since {start:%Y-%m-%d %H:%M:%S} UTC" if start is not None else ""
+        if not entries:
+            out.print(f"no shift log entries{where}", highlight=False)
+            return
+        title = f"shift log{where}: {len(entries)} of {total} entries"
+        out.print(entries_table(entries, now, title))
+        if len(entries) < total:
+            out.print(f"(the newest {len(entries)}; --limit 0 shows all)", highlight=False)

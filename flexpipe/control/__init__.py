@@ -1,0 +1,1 @@
+"""The controller: the I/O shell that carries out the shift policy's decisions."""
