@@ -14,27 +14,13 @@ from rich.table import Table
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import user_errors
 from flexpipe.store import Store, StoreError
-from flexpipe.store.shift_entry import KINDS, PlanInstance, ShiftEntry
+from flexpipe.store.shift_entry import KINDS, METHODS, PHASES, PlanInstance, ShiftEntry
 from flexpipe.store.shift_log import ShiftLog
 
 __all__ = ["entries_table", "moves_text", "parse_since", "register"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-_PHASE_ABBREV = {
-    "warm": "warm",
-    "rehearse": "reh",
-    "switch": "sw",
-    "drain": "drain",
-    "migrate": "mig",
-    "release": "rel",
-}
-_METHOD_ABBREV = {
-    "kv_moved": "kv",
-    "recomputed": "rc",
-    "finished_in_place": "fin",
-    "rerun": "rerun",
-}
 
 
 def parse_since(text: str, now: datetime) -> datetime:
@@ -69,35 +55,45 @@ def moves_text(entry: ShiftEntry) -> str:
 
 
 def _phases_text(entry: ShiftEntry) -> str:
-    items = entry.phases.items()
-    return " ".join(f"{_PHASE_ABBREV[p]} {s:.1f}" for p, s in items) if items else ""
+    """Seconds per phase in PHASES order, `-` for one not run; empty when none ran."""
+    if not entry.phases.items():
+        return ""
+    values = [getattr(entry.phases, f"{p}_s") for p in PHASES]
+    return "/".join("-" if v is None else f"{v:.1f}" for v in values)
 
 
 def _migrated_text(entry: ShiftEntry) -> str:
     if entry.migrated is None:
         return ""
-    d = entry.migrated.to_dict()
-    return " ".join(f"{_METHOD_ABBREV[m]} {n}" for m, n in d.items() if n) or "none"
+    return "/".join(str(getattr(entry.migrated, m)) for m in METHODS)
 
 
-def _outcome_text(entry: ShiftEntry) -> str:
-    parts: list[str] = [entry.outcome]
-    if entry.rehearsal_passed is not None:
-        parts.append("rehearsal ok" if entry.rehearsal_passed else "rehearsal missed")
-    if entry.error:
-        parts.append(entry.error)
-    return "; ".join(parts)
+def _why_text(entry: ShiftEntry) -> str:
+    return entry.reason if not entry.error else f"{entry.reason}\n→ {entry.error}"
 
 
 def entries_table(entries: Sequence[ShiftEntry], now: datetime, title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for col in ("time (UTC)", "kind", "trigger", "from → to", "score", "phases s", "migrated"):
-        table.add_column(col, justify="right" if col == "score" else "left")
-    table.add_column("outcome")
-    table.add_column("why", overflow="fold")
+    columns = (
+        ("id", "right", True),
+        ("time (UTC)", "left", True),
+        ("kind", "left", True),
+        ("trigger", "left", True),
+        ("from → to", "left", False),
+        ("score", "right", True),
+        ("phases s\nwarm/reh/sw/drain/mig/rel", "left", True),
+        ("migrated\nkv/rc/fin/rerun", "left", True),
+        ("rehearsal", "left", True),
+        ("outcome", "left", True),
+        ("why", "left", False),
+    )
+    for name, justify, no_wrap in columns:
+        table.add_column(name, justify=justify, no_wrap=no_wrap)  # type: ignore[arg-type]
     for e in entries:
         stamp = f"{e.at:%H:%M:%S}" if e.at.date() == now.date() else f"{e.at:%Y-%m-%d %H:%M:%S}"
+        passed = e.rehearsal_passed
         table.add_row(
+            str(e.id),
             stamp,
             e.kind,
             e.trigger,
@@ -105,8 +101,9 @@ def entries_table(entries: Sequence[ShiftEntry], now: datetime, title: str) -> T
             "" if e.score is None else f"{e.score:,.1f}",
             _phases_text(e),
             _migrated_text(e),
-            _outcome_text(e),
-            e.reason,
+            "" if passed is None else ("ok" if passed else "missed"),
+            e.outcome,
+            _why_text(e),
         )
     return table
 
