@@ -10,10 +10,12 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import user_errors
-from flexpipe.store import Store, StoreError
+from flexpipe.store import Store, StoreError, default_store_url
 from flexpipe.store.shift_entry import KINDS, METHODS, PHASES, PlanInstance, ShiftEntry
 from flexpipe.store.shift_log import ShiftLog
 
@@ -108,6 +110,34 @@ def entries_table(entries: Sequence[ShiftEntry], now: datetime, title: str) -> T
     return table
 
 
+def _first_line(exc: BaseException) -> str:
+    """SQLAlchemy's messages add the SQL and a link on lines of their own."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def _read(
+    url: str | None, since: datetime | None, kinds: list[str] | None, limit: int
+) -> tuple[list[ShiftEntry], int]:
+    """The entries to show and how many match; a store that cannot be read is one line."""
+    try:
+        with Store(url) as st:
+            log = ShiftLog(st)
+            return log.entries(since=since, kinds=kinds, limit=limit or None), log.count(
+                since=since, kinds=kinds
+            )
+    except StoreError as exc:
+        raise StoreError(_first_line(exc)) from None
+    except OSError as exc:  # the SQLite file's folder cannot be made
+        raise StoreError(f"cannot open store {_display(url)}: {exc.strerror or exc}") from None
+    except SQLAlchemyError as exc:  # e.g. a file locked or broken after it was opened
+        where = _display(url)
+        raise StoreError(f"cannot read the shift log in {where}: {_first_line(exc)}") from None
+
+
+def _display(url: str | None) -> str:
+    return make_url(url or default_store_url()).render_as_string(hide_password=True)
+
+
 StoreOpt = Annotated[
     str | None,
     typer.Option("--store", help="SQLAlchemy URL (default: $FLEXPIPE_STORE or ~/.flexpipe)."),
@@ -138,14 +168,7 @@ def register(app: typer.Typer) -> None:
             start = None if since is None else parse_since(since, now)
             if limit < 0:
                 raise ValueError(f"bad --limit {limit}: expected >= 0")
-            try:
-                st = Store(store)
-            except OSError as exc:  # e.g. the SQLite file's folder cannot be made
-                raise StoreError(f"cannot open store {store}: {exc.strerror or exc}") from None
-            with st:
-                log = ShiftLog(st)
-                entries = log.entries(since=start, kinds=kind, limit=limit or None)
-                total = log.count(since=start, kinds=kind)
+            entries, total = _read(store, start, kind, limit)
         if as_json:
             typer.echo(json.dumps([e.to_dict() for e in entries], indent=2))
             return
