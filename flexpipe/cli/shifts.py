@@ -90,7 +90,12 @@ def entries_table(entries: Sequence[ShiftEntry], now: datetime, title: str) -> T
         ("why", "left", False),
     )
     for name, justify, no_wrap in columns:
-        table.add_column(name, justify=justify, no_wrap=no_wrap)  # type: ignore[arg-type]
+        table.add_column(
+            name,
+            justify=justify,  # type: ignore[arg-type]
+            no_wrap=no_wrap,
+            overflow="ellipsis" if no_wrap else "fold",
+        )
     for e in entries:
         stamp = f"{e.at:%H:%M:%S}" if e.at.date() == now.date() else f"{e.at:%Y-%m-%d %H:%M:%S}"
         passed = e.rehearsal_passed
