@@ -271,6 +271,7 @@ def test_history_rebuilds_the_policys_shift_records(tmp_path: Path) -> None:
         log = ShiftLog(store)
         log.append(ShiftEntry(at=T0, kind="shift", current=(KEEP, OLD), target=(KEEP, NEW)))
         log.append(ShiftEntry(at=T0, kind="hold", outcome="held"))
+        log.append(ShiftEntry(at=T0, kind="plan", target=(KEEP,)))  # not the policy's
         later = T0 + timedelta(minutes=10)
         log.append(ShiftEntry(at=later, kind="reclaim", current=(KEEP,), target=()))
         log.update_outcome(1, outcome="rolled_back", at=T0 + timedelta(seconds=40))
@@ -605,3 +606,22 @@ def test_shifts_command_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
         assert "Traceback" not in result.output
+
+
+def test_public_api() -> None:
+    import flexpipe.control.lifecycle as lifecycle
+    import flexpipe.control.metrics as metrics
+    import flexpipe.store.instance_registry as registry
+    import flexpipe.store.migrate as migrate
+    import flexpipe.store.shift_entry as shift_entry
+    import flexpipe.store.shift_log as shift_log
+
+    for module in (lifecycle, metrics, registry, migrate, shift_entry, shift_log):
+        assert all(hasattr(module, name) for name in module.__all__), module.__name__
+    assert set(shift_log.__all__) == {"SHIFT_KINDS", "ShiftLog", "ShiftLogError", "ShiftLogRow"}
+    assert set(registry.__all__) == {
+        "InstanceRecord",
+        "InstanceRegistry",
+        "Transition",
+        "TransitionRow",
+    }

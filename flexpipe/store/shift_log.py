@@ -49,8 +49,9 @@ from flexpipe.store.store import Store, StoreError
 
 __all__ = ["SHIFT_KINDS", "ShiftLog", "ShiftLogError", "ShiftLogRow"]
 
-# kinds that change the plan (what the shift policy's history counts)
-SHIFT_KINDS: frozenset[Kind] = frozenset({"plan", "shift", "reclaim", "emergency"})
+# kinds the shift policy's history counts: changes it decided (the first plan is not one; a
+# rollback is the end of a shift, recorded as that shift's outcome)
+SHIFT_KINDS: frozenset[Kind] = frozenset({"shift", "reclaim", "emergency"})
 
 
 class ShiftLogError(ValueError):
