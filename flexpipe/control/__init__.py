@@ -1,1 +1,1 @@
-"""The controller: the I/O shell that carries out the shift policy's decisions."""
+"""The controller: the I/O shell that keeps the running plan fitted to load and free GPUs."""
