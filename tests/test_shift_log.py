@@ -82,6 +82,7 @@ def full_entry(**changes: object) -> ShiftEntry:
             Alternative("keep", False, "beaten", 0.0, (KEEP.key, OLD.key)),
             Alternative("shrink", False, "below the minimum", None, ()),
         ),
+        notes=("started " + NEW.key, "stopped " + OLD.key),
         outcome="succeeded",
         error=None,
         finished_at=T0 + timedelta(seconds=41.5),
@@ -114,8 +115,12 @@ def test_entry_rejects_bad_values() -> None:
         ShiftEntry(at=T0, kind="shfit")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="has no zone"):
         ShiftEntry(at=datetime(2026, 12, 1), kind="shift")
-    with pytest.raises(ValueError, match="a hold's outcome is 'held'"):
+    with pytest.raises(ValueError, match="a hold entry's outcome is 'held', not 'pending'"):
         ShiftEntry(at=T0, kind="hold")
+    with pytest.raises(ValueError, match="a resources entry's outcome is 'noted'"):
+        ShiftEntry(at=T0, kind="resources", outcome="succeeded")
+    with pytest.raises(ValueError, match="outcome 'held' is only for hold, resources"):
+        ShiftEntry(at=T0, kind="shift", outcome="held")
     with pytest.raises(ValueError, match="phase drain took -1"):
         Phases(drain_s=-1.0)
     # another zone is kept as the same instant in UTC
@@ -625,3 +630,44 @@ def test_public_api() -> None:
         "Transition",
         "TransitionRow",
     }
+
+
+def test_from_what_the_controller_measures() -> None:
+    """Adapters from the controller's own records: phase seconds (an in-place second round
+    adds to its phase), the gateway's move results, a rehearsal probe."""
+    phases = Phases.from_seconds(
+        {"warm": 2.0, "rehearse": 0.5, "switch": 0.01, "drain": 3.0, "migrate": 0.2,
+         "release": 0.3, "warm_in_place": 4.0, "switch_in_place": 0.02}
+    )  # fmt: skip
+    assert phases == Phases(6.0, 0.5, 0.03, 3.0, 0.2, 0.3)
+    with pytest.raises(ValueError, match="unknown shift phase 'warmup'"):
+        Phases.from_seconds({"warmup": 1.0})
+    migrated = Migrated.from_counts({"kv": 3, "recompute": 2, "rerun": 1, "finished_in_place": 4})
+    assert migrated == Migrated(kv_moved=3, recomputed=2, finished_in_place=4, rerun=1)
+    with pytest.raises(ValueError, match="unknown migration method 'teleport'"):
+        Migrated.from_counts({"teleport": 1})
+    probe = {"instance": NEW.key, "passed": False, "why": "probe took 0.9 s against 0.3 s",
+             "predicted_s": 0.3, "measured_s": 0.9, "ratio": 3.0}  # fmt: skip
+    check = RehearsalCheck.from_probe(probe, tolerance=2.0)
+    assert check == RehearsalCheck(NEW.key, "probe_s", 0.3, 0.9, 2.0, False,
+                                   "probe took 0.9 s against 0.3 s")  # fmt: skip
+    assert check.ratio == pytest.approx(3.0)
+    failed = RehearsalCheck.from_probe({"instance": NEW.key, "passed": False, "why": "503"}, 2.0)
+    assert (failed.predicted, failed.measured, failed.ratio) == (None, None, None)
+    entry = ShiftEntry(at=T0, kind="rollback", outcome="rolled_back", rehearsal=(failed,))
+    assert ShiftEntry.from_dict(json.loads(json.dumps(entry.to_dict()))) == entry
+    assert entry.rehearsal_passed is False
+
+
+def test_resource_changes_are_noted_between_decisions(tmp_path: Path) -> None:
+    with Store(url(tmp_path)) as store:
+        log = ShiftLog(store)
+        e = log.append(ShiftEntry(at=T0, kind="resources", outcome="noted",
+                                  reason="gpu1: the other tenant left",
+                                  notes=("gpu1 free 80 GiB",)))  # fmt: skip
+        assert log.get(e.id or 0) == e and log.pending() == []
+        with pytest.raises(ShiftLogError, match="outcome is already 'noted'"):
+            log.update_outcome(e.id or 0, outcome="succeeded")
+        shift = log.append(ShiftEntry(at=T0, kind="shift"))
+        with pytest.raises(ShiftLogError, match="'noted' is not a final outcome of a change"):
+            log.update_outcome(shift.id or 0, outcome="noted")

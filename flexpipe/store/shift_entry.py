@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FINAL_OUTCOMES",
+    "FIXED_OUTCOMES",
     "KINDS",
     "METHODS",
     "OUTCOMES",
@@ -40,14 +41,18 @@ __all__ = [
 # plan: a plan put in place from nothing (`flexpipe up`); shift: a planned change of gears;
 # hold: a decision not to change; reclaim: GPUs vacated before a tenant's lease ends;
 # emergency: GPUs or an engine lost without notice; rollback: a target undone after its
-# rehearsal missed.
-Kind = Literal["plan", "shift", "hold", "reclaim", "emergency", "rollback"]
+# rehearsal missed; resources: not a decision, the GPUs free to us changed (a tenant came or
+# left, a GPU was lost): the context of the decisions that follow.
+Kind = Literal["plan", "shift", "hold", "reclaim", "emergency", "rollback", "resources"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
-# pending: being carried out; held: the entry of a hold; aborted: cut short (e.g. the
-# controller restarted mid-shift).
-Outcome = Literal["pending", "succeeded", "failed", "rolled_back", "aborted", "held"]
+# pending: being carried out; aborted: cut short (e.g. the controller restarted mid-shift);
+# held: the outcome of a hold, noted: of a resources entry (both fixed by the kind).
+Outcome = Literal["pending", "succeeded", "failed", "rolled_back", "aborted", "held", "noted"]
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
+FIXED_OUTCOMES: Mapping[str, Outcome] = {"hold": "held", "resources": "noted"}  # kind -> outcome
 FINAL_OUTCOMES: frozenset[Outcome] = frozenset(OUTCOMES) - {"pending"}
+# gateway move results (POST /admin/requests/move) -> migration methods
+_METHOD_ALIASES = {"kv": "kv_moved", "recompute": "recomputed"}
 PHASES = ("warm", "rehearse", "switch", "drain", "migrate", "release")
 METHODS = ("kv_moved", "recomputed", "finished_in_place", "rerun")
 
@@ -205,16 +210,19 @@ class RehearsalCheck:
     """One comparison of a warmed target against the gear table's prediction."""
 
     instance: str  # instance key
-    metric: str  # e.g. tpot_p50_s
-    predicted: float
-    measured: float
-    tolerance: float  # the relative miss allowed, e.g. 0.25
+    metric: str  # e.g. probe_s, tpot_p50_s
+    predicted: float | None  # None: the probe failed before a measurement
+    measured: float | None
+    tolerance: float  # what the controller allowed, in its terms (e.g. x2.0 on the ratio)
     passed: bool  # the controller's verdict
+    why: str = ""  # why it missed, in words
 
     @property
-    def relative_error(self) -> float | None:
-        """measured / predicted - 1 (None when nothing was predicted)."""
-        return None if self.predicted == 0 else self.measured / self.predicted - 1
+    def ratio(self) -> float | None:
+        """measured / predicted (None when either is missing or nothing was predicted)."""
+        if self.predicted is None or self.measured is None or self.predicted == 0:
+            return None
+        return self.measured / self.predicted
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -224,10 +232,27 @@ class RehearsalCheck:
         return cls(
             d["instance"],
             d["metric"],
-            float(d["predicted"]),
-            float(d["measured"]),
+            _opt_float(d["predicted"]),
+            _opt_float(d["measured"]),
             float(d["tolerance"]),
             bool(d["passed"]),
+            d.get("why", ""),
+        )
+
+    @classmethod
+    def from_probe(
+        cls, probe: Mapping[str, Any], tolerance: float, metric: str = "probe_s"
+    ) -> RehearsalCheck:
+        """From the controller's probe result: `{"instance", "passed", "why", "predicted_s",
+        "measured_s"}` (the times absent when the probe failed)."""
+        return cls(
+            instance=probe["instance"],
+            metric=metric,
+            predicted=_opt_float(probe.get("predicted_s")),
+            measured=_opt_float(probe.get("measured_s")),
+            tolerance=tolerance,
+            passed=bool(probe["passed"]),
+            why=str(probe.get("why", "")),
         )
 
 
@@ -254,6 +279,20 @@ class Migrated:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Migrated:
         return cls(**{m: int(d.get(m, 0)) for m in METHODS})
+
+    @classmethod
+    def from_counts(cls, counts: Mapping[str, int]) -> Migrated:
+        """From method -> requests, with the gateway's move results as names too (`kv`,
+        `recompute`, `rerun`); an unknown name is a ValueError."""
+        out = dict.fromkeys(METHODS, 0)
+        for name, num in counts.items():
+            method = _METHOD_ALIASES.get(name, name)
+            if method not in out:
+                raise ValueError(
+                    f"unknown migration method {name!r}: expected {', '.join(METHODS)}"
+                )
+            out[method] += int(num)
+        return cls(**out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +326,19 @@ class Phases:
 
     def to_dict(self) -> dict[str, Any]:
         return {f"{p}_s": getattr(self, f"{p}_s") for p in PHASES}
+
+    @classmethod
+    def from_seconds(cls, seconds: Mapping[str, float]) -> Phases:
+        """From phase -> seconds as the controller times them; a phase run twice under a
+        suffix (`warm_in_place` of an in-place shift) adds to its phase. An unknown phase is a
+        ValueError."""
+        out: dict[str, float] = {}
+        for name, value in seconds.items():
+            phase = name.split("_", 1)[0]
+            if phase not in PHASES:
+                raise ValueError(f"unknown shift phase {name!r}: expected {', '.join(PHASES)}")
+            out[f"{phase}_s"] = out.get(f"{phase}_s", 0.0) + float(value)
+        return cls(**out)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Phases:
@@ -331,6 +383,7 @@ class ShiftEntry:
     score: float | None = None
     price: PriceTerms | None = None
     alternatives: tuple[Alternative, ...] = ()  # what it beat, or why nothing was taken
+    notes: tuple[str, ...] = ()  # free lines: resource events, instances started / stopped
     outcome: Outcome = "pending"
     error: str | None = None  # why it failed, rolled back or was aborted
     finished_at: datetime | None = None  # when the outcome became final
@@ -345,8 +398,11 @@ class ShiftEntry:
             raise ValueError(f"unknown shift log kind {self.kind!r}: expected {', '.join(KINDS)}")
         if self.outcome not in OUTCOMES:
             raise ValueError(f"unknown outcome {self.outcome!r}: expected {', '.join(OUTCOMES)}")
-        if (self.kind == "hold") != (self.outcome == "held"):
-            raise ValueError("a hold's outcome is 'held', and only a hold's")
+        fixed = FIXED_OUTCOMES.get(self.kind)
+        if fixed is not None and self.outcome != fixed:
+            raise ValueError(f"a {self.kind} entry's outcome is {fixed!r}, not {self.outcome!r}")
+        if fixed is None and self.outcome in FIXED_OUTCOMES.values():
+            raise ValueError(f"outcome {self.outcome!r} is only for {', '.join(FIXED_OUTCOMES)}")
         object.__setattr__(self, "at", _utc(self.at))
         if self.finished_at is not None:
             object.__setattr__(self, "finished_at", _utc(self.finished_at))
@@ -407,6 +463,7 @@ class ShiftEntry:
             "score": self.score,
             "price": None if self.price is None else self.price.to_dict(),
             "alternatives": [a.to_dict() for a in self.alternatives],
+            "notes": list(self.notes),
             "outcome": self.outcome,
             "error": self.error,
             "finished_at": None if self.finished_at is None else self.finished_at.isoformat(),
@@ -432,6 +489,7 @@ class ShiftEntry:
             score=_opt_float(d.get("score")),
             price=None if d.get("price") is None else PriceTerms.from_dict(d["price"]),
             alternatives=tuple(Alternative.from_dict(a) for a in d.get("alternatives", ())),
+            notes=tuple(d.get("notes", ())),
             outcome=d.get("outcome", "pending"),
             error=d.get("error"),
             finished_at=_time(d.get("finished_at")),

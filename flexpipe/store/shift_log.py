@@ -30,6 +30,7 @@ from flexpipe.store.migrate import add_missing_columns
 from flexpipe.store.schema import Base
 from flexpipe.store.shift_entry import (
     FINAL_OUTCOMES,
+    FIXED_OUTCOMES,
     KINDS,
     METHODS,
     PHASES,
@@ -96,6 +97,7 @@ class ShiftLogRow(Base):
     price_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     alternatives_json: Mapped[str] = mapped_column(Text)
     rehearsal_json: Mapped[str] = mapped_column(Text)
+    notes_json: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 def _dump(value: Any) -> str:
@@ -135,6 +137,7 @@ def _to_row(entry: ShiftEntry) -> ShiftLogRow:
         price_json=None if entry.price is None else _dump(entry.price.to_dict()),
         alternatives_json=_dump([a.to_dict() for a in entry.alternatives]),
         rehearsal_json=_dump([c.to_dict() for c in entry.rehearsal]),
+        notes_json=_dump(list(entry.notes)),
         **entry.phases.to_dict(),
     )
     if entry.migrated is not None:
@@ -170,6 +173,7 @@ def _from_row(row: ShiftLogRow) -> ShiftEntry:
         score=row.score,
         price=None if row.price_json is None else PriceTerms.from_dict(json.loads(row.price_json)),
         alternatives=tuple(Alternative.from_dict(a) for a in json.loads(row.alternatives_json)),
+        notes=tuple(json.loads(row.notes_json or "[]")),
         outcome=row.outcome,  # type: ignore[arg-type]  # written from an Outcome
         error=row.error,
         finished_at=_utc(row.finished_at),
@@ -237,7 +241,7 @@ class ShiftLog:
                 raise ShiftLogError(f"no shift log entry {entry_id}")
             old = _from_row(row)
             if outcome is not None and outcome != old.outcome:
-                if outcome not in FINAL_OUTCOMES or outcome == "held":
+                if outcome not in FINAL_OUTCOMES or outcome in FIXED_OUTCOMES.values():
                     raise ShiftLogError(
                         f"shift log entry {entry_id}: outcome {outcome!r} is not a final "
                         "outcome of a change (succeeded, failed, rolled_back, aborted)"
