@@ -19,6 +19,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from flexpipe.gears.point import GearKey, GearPoint
+from flexpipe.store.migrate import add_missing_columns
 from flexpipe.store.schema import Base, GearPointRow, InstanceRow, ShiftRow
 
 STORE_ENV = "FLEXPIPE_STORE"
@@ -57,6 +58,7 @@ class Store:
         try:
             self.engine: Engine = create_engine(parsed)
             Base.metadata.create_all(self.engine)
+            add_missing_columns(self.engine, Base.metadata.sorted_tables)  # see migrate.py
         except (SQLAlchemyError, ModuleNotFoundError) as exc:
             raise StoreError(f"cannot open store {_display(self.url)}: {exc}") from None
 
