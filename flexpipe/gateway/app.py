@@ -53,6 +53,7 @@ from flexpipe.protocol import RequestError, parse_chat_request, parse_completion
 log = logging.getLogger("flexpipe.gateway")
 
 _RETRY_STATUSES = (429, 503)
+_DEAD = ("connect", "closed", "protocol")  # the instance failed before a response head
 _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
 
@@ -294,9 +295,10 @@ class Gateway:
     async def send(
         self, call: Call, raw: bytes, path: str | None = None, admin: bool = False
     ) -> tuple[Instance, UpstreamResponse]:
-        """Route and send. An instance that cannot be reached, or dies before its response
-        head, is never tried again for this call and the next live one is (nothing has
-        reached the client yet); 429 and 503 are retried once with jitter."""
+        """Route and send. An instance that cannot be reached, or closes the connection
+        before its response head, is never tried again for this call and the next live one
+        is (nothing has reached the client yet), up to `max_failovers` instances; 429 and 503
+        are retried once with jitter."""
         while True:
             inst = await self._pick(call)
             self._acquire(inst, call)
@@ -312,15 +314,11 @@ class Gateway:
                 self.finish(inst, call, exc.kind)
                 self.failure(inst)
                 call.failed.add(inst.url)
-                if exc.kind == "connect" and len(call.failed) <= self.cfg.max_connect_failovers:
-                    self.metrics.retries.labels("connect").inc()
-                    continue
-                if exc.kind in ("closed", "protocol") and (
-                    call.num_migrations < self.cfg.max_migrations
-                ):
-                    call.num_migrations += 1
-                    self.metrics.retries.labels(exc.kind).inc()
-                    continue
+                if exc.kind in _DEAD:
+                    self.client.drop_backend(inst.url)  # its idle connections are stale too
+                    if len(call.failed) <= self.cfg.max_failovers:
+                        self.metrics.retries.labels(exc.kind).inc()
+                        continue
                 status = 504 if exc.kind == "ttfb" else 502
                 raise HttpError(status, f"upstream {exc}") from None
             except BaseException:  # cancelled (the client left): release the slot

@@ -66,7 +66,7 @@ class GatewayConfig:
     idle_timeout_s: float = 60.0
     retry_jitter_s: float = 0.05
     max_retries: int = 1  # 429 / 503 answers, before the first byte
-    max_connect_failovers: int = 3  # instances that cannot be reached, tried in turn
+    max_failovers: int = 3  # instances failing before a response head, tried in turn
     max_migrations: int = 1  # re-runs / continuations after an instance dies mid-request
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     scrape_interval_s: float = 1.0
