@@ -102,6 +102,7 @@ def controller(
             drain_deadline_s=drain_deadline_s,
             time_scale=time_scale,
             engine_admin_token=secrets.token_urlsafe(16),
+            engine_kind=engine,
             priorities={d.name: float(getattr(d, "priority", 1.0)) for d in demands},
             shift=params,
         )

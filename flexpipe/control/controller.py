@@ -24,6 +24,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ from flexpipe.control.client import (
 from flexpipe.control.cluster_watch import ClusterWatch
 from flexpipe.control.executor import Executor, LiveInstance, ShiftOutcome
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.lifecycle import State
+from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
 from flexpipe.control.samples import Sampler
 from flexpipe.gears.lookup import GearLookup
@@ -61,6 +64,15 @@ from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import ModelState, ShiftRecord, ShiftSnapshot
 from flexpipe.store import Store
+from flexpipe.store.instance_registry import InstanceRegistry
+from flexpipe.store.shift_entry import (
+    Migrated,
+    Phases,
+    PlanInstance,
+    RehearsalCheck,
+    ShiftEntry,
+)
+from flexpipe.store.shift_log import ShiftLog
 
 __all__ = ["Controller", "ControllerConfig"]
 
@@ -80,6 +92,7 @@ class ControllerConfig:
     rehearsal_tolerance: float = 2.0
     time_scale: float = 1.0  # sim engines: wall seconds per modelled second
     engine_admin_token: str | None = None  # given to engines it starts (KV moves)
+    engine_kind: str = "sim"
     priorities: dict[str, float] = field(default_factory=dict)
     min_instances: dict[str, int] = field(default_factory=dict)
     shift: ShiftParams = field(default_factory=ShiftParams)
@@ -122,6 +135,10 @@ class Controller:
         self._changed = asyncio.Event()
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
+        self.shift_log = ShiftLog(store) if store is not None else None
+        self.registry = InstanceRegistry(store) if store is not None else None
+        self.metrics = ControllerMetrics()
+        self._gone: list[tuple[str, State]] = []  # (model, gone) for the instance gauge
         self.executor = Executor(
             launcher,
             gateway,
@@ -144,27 +161,32 @@ class Controller:
         return plan(cluster, demands, self.performance, now_s=now_s)
 
     def _on_state(self, inst: LiveInstance, state: str) -> None:
+        p = inst.planned
         if state == "active":
-            p = inst.planned
             self.say(
                 f"  {p.name} ready at {inst.url} on {'+'.join(p.gpu_ids)} "
                 f"({p.gear.key()}, {inst.handle.cold_start_s:.1f} s)"
             )
-        if self.store is None:
+        if state == "gone":
+            self._gone.append((p.model, State.GONE))
+        self._gauge()
+        if self.registry is None:
             return
         if inst.store_id is None:
-            inst.store_id = self.store.add_instance(
-                inst.planned.name,
-                inst.planned.model_id,
-                str(inst.planned.gear),
-                inst.planned.gpu_ids,
-                inst.url,
-                "sim",
-                state,
-                inst.handle.cold_start_s,
+            record = self.registry.register(
+                p.name, p.model, str(p.gear), p.gpu_ids, inst.url, self.cfg.engine_kind
             )
-        else:
-            self.store.set_instance_state(inst.store_id, state)
+            inst.store_id = record.id
+            pid = getattr(inst.handle, "pid", None)
+            self.registry.set_process(record.id, pid, pid, inst.url, inst.handle.cold_start_s)
+            if state == "starting":
+                return
+        if self.registry.get(inst.store_id).state != state:
+            self.registry.transition(inst.store_id, state)
+
+    def _gauge(self) -> None:
+        live = [(i.planned.model, State(i.state)) for i in self.running.values()]
+        self.metrics.set_instances(live + self._gone[-1000:])
 
     def status(self) -> dict[str, Any]:
         return {
@@ -196,7 +218,8 @@ class Controller:
         outcome = await self.executor.shift(
             self.cluster, self.running, first.instances, rehearse=False, all_or_nothing=False
         )
-        self._log("plan", "initial plan", {"outcome": outcome.to_dict()})
+        self._note("plan", "the first plan", [outcome.reason] if outcome.reason else [],
+                   outcome="succeeded" if self.running else "failed")  # fmt: skip
         if outcome.reason:
             self.say(f"error: {outcome.reason}")
         if not self.running:
@@ -232,6 +255,7 @@ class Controller:
                 *(i.handle.stop() for i in self.running.values()), return_exceptions=True
             )
             for inst in self.running.values():
+                inst.state = "gone"
                 self._on_state(inst, "gone")
         await self.executor.close()
         await self.gateway.close()
@@ -258,13 +282,15 @@ class Controller:
         decision = self.policy.decide(snapshot, now_s, self.rng)
         self.last_decision = decision
         if decision.action != "shift" or decision.target is None:
-            self._log("hold", decision.reason, decision.to_dict())
+            self._append(ShiftEntry.from_decision(decision, _utc_now(), snapshot.running))
             return decision
         await self._carry_out(decision, now_s)
         return decision
 
     async def _carry_out(self, decision: ShiftDecision, now_s: float) -> None:
         async with self._lock:
+            running = [i.planned for i in self.running.values()]
+            entry = self._append(ShiftEntry.from_decision(decision, _utc_now(), running))
             record = decision.started(now_s)
             self.history.append(record)
             self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
@@ -276,13 +302,33 @@ class Controller:
             self.last_outcome = outcome
             if outcome.succeeded:
                 self.resources_changed_s = None
-            kind = "shift" if outcome.succeeded else "rollback"
-            self._log(kind, decision.reason, {**decision.to_dict(), "outcome": outcome.to_dict()})
+            self._finish_entry(entry, outcome)
             self.say(
                 f"controller: shift {'done' if outcome.succeeded else 'rolled back'} "
                 f"{outcome.reason} phases "
                 + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
             )
+
+    def _append(self, entry: ShiftEntry) -> ShiftEntry | None:
+        if entry.kind == "hold" or entry.outcome == "pending":
+            self.metrics.observe_decision(entry)
+        if self.shift_log is None:
+            return None
+        return self.shift_log.append(entry)
+
+    def _finish_entry(self, entry: ShiftEntry | None, outcome: ShiftOutcome) -> None:
+        if entry is None or entry.id is None or self.shift_log is None:
+            return
+        tol = self.cfg.rehearsal_tolerance
+        done = self.shift_log.update_outcome(
+            entry.id,
+            outcome="succeeded" if outcome.succeeded else "rolled_back",
+            error=outcome.reason or None,
+            phases=Phases.from_seconds(outcome.phases_s),
+            migrated=Migrated.from_counts(outcome.migrated),
+            rehearsal=tuple(RehearsalCheck.from_probe(c, tol) for c in outcome.rehearsal),
+        )
+        self.metrics.observe_finished(done)
 
     def _model_state(self, demand: ModelDemand) -> ModelState:
         rate = self._rate_per_s.get(demand.name, demand.request_rate_per_s)
@@ -328,9 +374,11 @@ class Controller:
             self.running.pop(key)
             with contextlib.suppress(GatewayError):
                 await self.gateway.remove(inst.url)
+            inst.state = "gone"
             self._on_state(inst, "gone")
             self.resources_changed_s = now_s
-            self._log("emergency", f"{key} exited ({inst.handle.returncode})", {"instance": key})
+            why = f"{key} exited ({inst.handle.returncode}); its GPUs are re-planned"
+            self._note("emergency", why, outcome="succeeded")
             self.say(f"controller: instance {inst.planned.name} exited; re-planning")
 
     def _resource_events(
@@ -339,8 +387,7 @@ class Controller:
         self.resources = resources
         if events:
             self.resources_changed_s = now_s
-            self._log("resources", "; ".join(e.why for e in events),
-                      {"events": [e.to_json() for e in events]})  # fmt: skip
+            self._note("resources", "; ".join(e.why for e in events), notes=[e.why for e in events])
             self._changed.set()
         return events
 
@@ -349,9 +396,22 @@ class Controller:
         async for cluster, _ in watch.changes():
             self._resource_events(*self.resources.file_changed(cluster, self.wall()), self.clock())
 
-    def _log(self, kind: str, summary: str, detail: dict[str, Any]) -> None:
-        if self.store is not None:
-            self.store.log_shift(kind, summary, detail)
+    def _note(
+        self, kind: Any, reason: str, notes: Sequence[str] = (), outcome: Any = "noted"
+    ) -> None:
+        """A shift log entry that is not a policy decision (resources, emergency, plan)."""
+        running = [i.planned for i in self.running.values()]
+        entry = ShiftEntry(
+            at=_utc_now(),
+            kind=kind,
+            reason=reason,
+            current=tuple(PlanInstance.from_planned(p) for p in running),
+            notes=tuple(notes),
+            outcome=outcome,
+            finished_at=_utc_now() if outcome != "noted" else None,
+        )
+        if self.shift_log is not None:
+            self.shift_log.append(entry)
 
     # ------------------------------------------------------------------ admin API
     def _app(self) -> App:
@@ -360,6 +420,7 @@ class Controller:
         app.add_route("POST", RELEASE_PATH, self._release)
         app.add_route("GET", STATUS_PATH, self._status)
         app.add_route("GET", "/health", self._health)
+        app.add_route("GET", "/metrics", self._metrics)
         return app
 
     def _auth(self, req: Request) -> None:
@@ -404,3 +465,11 @@ class Controller:
     async def _health(self, req: Request) -> Response:
         del req
         return Response(b"")
+
+    async def _metrics(self, req: Request) -> Response:
+        del req
+        return Response(self.metrics.render(), content_type="text/plain; version=0.0.4")
+
+
+def _utc_now() -> datetime:
+    return datetime.now(UTC)
