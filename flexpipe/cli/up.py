@@ -182,6 +182,10 @@ def register(app: typer.Typer) -> None:
             "vllm serve"
         ),
         store: Annotated[str | None, typer.Option(help="Store URL (gear table).")] = None,
+        shift_config: Annotated[
+            Path | None,
+            typer.Option(help="YAML with a `shift:` section (docs/shift-policy.md)."),
+        ] = None,
         dry_run: Annotated[bool, typer.Option(help="Print the plan and exit.")] = False,
     ) -> None:
         """Plan for the free GPUs, launch the instances, serve the OpenAI API until Ctrl-C,
@@ -245,6 +249,8 @@ def register(app: typer.Typer) -> None:
                 controller_argv += ["--sim-load-time-s", str(sim_load_time_s)]
             if store is not None:
                 controller_argv += ["--store", store]
+            if shift_config is not None:
+                controller_argv += ["--shift-config", str(shift_config)]
             with user_errors():
                 rc = asyncio.run(
                     supervise(gateway_argv, controller_argv, host, port, say, drain_timeout_s)
