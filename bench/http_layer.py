@@ -1,0 +1,503 @@
+"""flexpipe's own HTTP layer against uvicorn (httptools + uvloop), side by side in one run, on
+the gateway's and the sim engine's workloads (issue 8 §5).
+
+    python bench/http_layer.py            # or: python -m bench http_layer
+    python bench/http_layer.py --duration-s 5 --rounds 3 --events 16
+
+Processes: one fixed upstream (a raw asyncio + httptools server, the same for every target)
+that streams `--events` SSE events, each its own write one loop pass apart, or answers a small
+JSON body; then one server process per target (`flexpipe` = flexpipe.http, `uvicorn` = an ASGI
+app on uvicorn with `loop="uvloop", http="httptools"`), each serving four endpoints:
+
+- `POST /relay`: the gateway's streaming relay: forward the body to the upstream's stream with
+  `flexpipe.http.client.ClientPool` and relay the events as they arrive. flexpipe: the
+  gateway's push style (`PushResponse`, `UpstreamResponse.pipe`, one write per loop pass);
+  uvicorn: the idiomatic ASGI relay (`async for chunk in resp.iter_chunks(): await send(...)`).
+- `POST /proxy`: the gateway's non-streaming proxy: forward, read the JSON body, answer it.
+- `GET /sse`: the engine's stream: `--events` events, one per loop pass (flexpipe: the
+  engine's `PushResponse`; uvicorn: `await send` per event with `await asyncio.sleep(0)`).
+- `GET /json`: a small JSON response.
+
+The load generator is `wrk -t 1` (a separate process; Debian: `apt-get install wrk`); without
+it the benchmark says so and exits 0. For every (target, workload): req/s and p50/p99 at
+`--conns` connections and p50/p99 at one connection, and the server process's CPU time (user +
+system, from /proc) divided by the requests served. "Added" latency is the target's latency
+minus the upstream's own (relay, proxy) — the engine workloads have no upstream, so their
+latency is all the server's. Rounds are interleaved and rotated; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EVENT = (
+    b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1700000000,'
+    b'"model":"llama-2-7b","choices":[{"index":0,"text":" token","logprobs":null,'
+    b'"finish_reason":null}]}\n\n'
+)
+DONE = b"data: [DONE]\n\n"
+JSON_BODY = (
+    b'{"id":"cmpl-0123456789abcdef","object":"text_completion","created":1700000000,'
+    b'"model":"llama-2-7b","choices":[{"index":0,"text":"a small answer","logprobs":null,'
+    b'"finish_reason":"length"}],"usage":{"prompt_tokens":8,"completion_tokens":16,'
+    b'"total_tokens":24}}'
+)
+REQUEST_BODY = b'{"model":"llama-2-7b","prompt":"Hello there","max_tokens":16,"stream":true}'
+WORKLOADS = ("relay", "proxy", "sse", "json")
+TARGETS = ("flexpipe", "uvicorn")
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+# --- the fixed upstream ----------------------------------------------------------------------
+def run_upstream(num_events: int) -> None:
+    import httptools
+    import uvloop
+
+    stream_head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    stream_head += b"transfer-encoding: chunked\r\n\r\n"
+    chunks = [b"%x\r\n%b\r\n" % (len(EVENT), EVENT)] * (num_events - 1)
+    chunks.append(b"%x\r\n%b\r\n0\r\n\r\n" % (len(DONE), DONE))
+    json_resp = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+    json_resp += b"content-length: %d\r\n\r\n%b" % (len(JSON_BODY), JSON_BODY)
+
+    class Upstream(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport: Any = transport
+            self.parser = httptools.HttpRequestParser(self)
+            self.url = b""
+            self.loop = asyncio.get_running_loop()
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_url(self, url: bytes) -> None:
+            self.url = url
+
+        def on_message_complete(self) -> None:
+            if self.url.startswith(b"/json"):
+                self.transport.write(json_resp)
+            else:
+                self.transport.write(stream_head)
+                self._next(0)
+
+        def _next(self, i: int) -> None:
+            if self.transport.is_closing():
+                return
+            self.transport.write(chunks[i])
+            if i + 1 < len(chunks):
+                self.loop.call_soon(self._next, i + 1)
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Upstream, "127.0.0.1", 0)
+        print("PORT", server.sockets[0].getsockname()[1], flush=True)
+        await server.serve_forever()
+
+    uvloop.run(main())
+
+
+# --- flexpipe.http ---------------------------------------------------------------------------
+def run_flexpipe(upstream: str, num_events: int) -> None:
+    from flexpipe.http.client import ClientPool, UpstreamError, UpstreamResponse
+    from flexpipe.http.server import (
+        App,
+        ChunkWriter,
+        PushResponse,
+        Request,
+        Response,
+        error_response,
+        install_uvloop,
+        serve,
+    )
+
+    pool = ClientPool()
+    headers = {"content-type": "application/json"}
+
+    class Relay:
+        """The gateway's `_PushRelay` hot path without its accounting and failover."""
+
+        def __init__(self, resp: UpstreamResponse) -> None:
+            self.resp = resp
+            self.pending: list[bytes] = []
+            self.writer: ChunkWriter | None = None
+
+        def start(self, writer: ChunkWriter) -> None:
+            self.writer = writer
+            writer.on_close = self.resp.release
+            writer.on_resume = self.resp.resume_reading
+            if writer.closed:
+                self.resp.release()
+                return
+            self.resp.pipe(self._data, self._end)
+
+        def _data(self, chunk: bytes) -> None:
+            if not self.pending:
+                self.resp.loop.call_soon(self._flush)
+            self.pending.append(chunk)
+
+        def _flush(self) -> None:
+            writer = self.writer
+            if not self.pending or writer is None or writer.closed:
+                return
+            writer.write(b"".join(self.pending))
+            self.pending.clear()
+            if not writer.writable:
+                self.resp.pause_reading()
+
+        def _end(self, error: UpstreamError | None) -> None:
+            writer = self.writer
+            assert writer is not None
+            if error is not None:
+                writer.fail(502, str(error))
+            else:
+                writer.end(b"".join(self.pending))
+                self.pending.clear()
+            self.resp.release()
+
+    async def relay(req: Request) -> PushResponse | Response:
+        resp = await pool.request(upstream, "POST", "/stream", req.body, headers)
+        return PushResponse(Relay(resp).start)
+
+    async def proxy(req: Request) -> Response:
+        resp = await pool.request(upstream, "POST", "/json", req.body, headers)
+        try:
+            body = await resp.read()
+        finally:
+            resp.release()
+        return Response(body, resp.status)
+
+    async def sse(req: Request) -> PushResponse:
+        def start(writer: ChunkWriter) -> None:
+            loop = asyncio.get_running_loop()
+
+            def step(i: int) -> None:
+                if writer.closed:
+                    return
+                if i + 1 < num_events:
+                    writer.write(EVENT)
+                    loop.call_soon(step, i + 1)
+                else:
+                    writer.end(DONE)
+
+            step(0)
+
+        return PushResponse(start)
+
+    async def small_json(req: Request) -> Response:
+        return Response(JSON_BODY)
+
+    async def main() -> None:
+        app = App()
+        app.add_route("POST", "/relay", relay)
+        app.add_route("POST", "/proxy", proxy)
+        app.add_route("GET", "/sse", sse)
+        app.add_route("GET", "/json", small_json)
+        assert error_response  # the error path is the library's, not measured here
+        server = await serve(app, "127.0.0.1", 0)
+        print("PORT", server.port, flush=True)
+        await server.serve_forever()
+
+    install_uvloop()
+    asyncio.run(main())
+
+
+# --- uvicorn ---------------------------------------------------------------------------------
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+def run_uvicorn(upstream: str, num_events: int) -> None:
+    import uvicorn
+
+    from flexpipe.http.client import ClientPool
+
+    pools: list[ClientPool] = []
+    headers = {"content-type": "application/json"}
+    sse_head = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [(b"content-type", b"text/event-stream")],
+    }
+    json_head = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [(b"content-type", b"application/json")],
+    }
+
+    async def read_body(receive: Receive) -> bytes:
+        parts = []
+        while True:
+            msg = await receive()
+            parts.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                return b"".join(parts)
+
+    async def app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if not pools:
+            pools.append(ClientPool())
+        pool = pools[0]
+        path = scope["path"]
+        if path == "/relay":
+            body = await read_body(receive)
+            resp = await pool.request(upstream, "POST", "/stream", body, headers)
+            try:
+                await send(sse_head)
+                async for chunk in resp.iter_chunks():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+            finally:
+                resp.release()
+        elif path == "/proxy":
+            body = await read_body(receive)
+            resp = await pool.request(upstream, "POST", "/json", body, headers)
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+            head = dict(json_head, status=resp.status)
+            await send(head)
+            await send({"type": "http.response.body", "body": data})
+        elif path == "/sse":
+            await send(sse_head)
+            for _ in range(num_events - 1):
+                await send({"type": "http.response.body", "body": EVENT, "more_body": True})
+                await asyncio.sleep(0)
+            await send({"type": "http.response.body", "body": DONE})
+        else:
+            await send(json_head)
+            await send({"type": "http.response.body", "body": JSON_BODY})
+
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=0,
+        loop="uvloop",
+        http="httptools",
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+        backlog=2048,
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    print("PORT", sock.getsockname()[1], flush=True)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+# --- the driver ------------------------------------------------------------------------------
+def _start(args: list[str]) -> tuple[subprocess.Popen[str], int]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("PORT "):
+        proc.kill()
+        raise RuntimeError(f"{args[:2]} did not start: {line!r}")
+    return proc, int(line.split()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _ms(text: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s)", text)
+    if not m:
+        raise ValueError(f"unparsed wrk latency {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def run_wrk(url: str, conns: int, duration_s: int, script: Path | None) -> dict[str, float]:
+    cmd = ["wrk", "-t", "1", "-c", str(conns), "-d", f"{duration_s}s", "--latency"]
+    if script is not None:
+        cmd += ["-s", str(script)]
+    out = subprocess.run(
+        [*cmd, url], capture_output=True, text=True, timeout=duration_s + 30, check=True
+    ).stdout
+    pct = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
+    total = re.search(r"^\s+(\d+) requests in", out, re.M)
+    rps = re.search(r"^Requests/sec:\s+([\d.]+)", out, re.M)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    sock_errors = re.search(r"Socket errors: (.*)$", out, re.M)
+    if rps is None or total is None or "50" not in pct:
+        raise RuntimeError(f"unexpected wrk output:\n{out}")
+    if errors or sock_errors:
+        what = [m.group(0) for m in (errors, sock_errors) if m is not None]
+        print(f"  ! {url} -c {conns}: {'; '.join(what)}")
+    return {
+        "req_per_s": float(rps.group(1)),
+        "num_requests": float(total.group(1)),
+        "p50_ms": _ms(pct["50"]),
+        "p99_ms": _ms(pct["99"]),
+    }
+
+
+def _measure(
+    pid: int | None, url: str, conns: int, duration_s: int, script: Path | None
+) -> dict[str, float]:
+    cpu0 = _cpu_s(pid) if pid else 0.0
+    row = run_wrk(url, conns, duration_s, script)
+    if pid:
+        row["cpu_us_per_req"] = (_cpu_s(pid) - cpu0) / row["num_requests"] * 1e6
+    return row
+
+
+def _load_1m() -> str:
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--duration-s", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--conns", type=int, default=64)
+    parser.add_argument("--events", type=int, default=16)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--serve", choices=("upstream", *TARGETS))
+    parser.add_argument("--upstream", default="")
+    args = parser.parse_args(argv)
+    if args.serve == "upstream":
+        run_upstream(args.events)
+        return 0
+    if args.serve == "flexpipe":
+        run_flexpipe(args.upstream, args.events)
+        return 0
+    if args.serve == "uvicorn":
+        run_uvicorn(args.upstream, args.events)
+        return 0
+    if shutil.which("wrk") is None:
+        print("http_layer: wrk is not installed (apt-get install wrk); skipped")
+        return 0
+    post = Path(tempfile.mkdtemp()) / "post.lua"
+    body = REQUEST_BODY.decode()
+    post.write_text(
+        f"wrk.method = \"POST\"\nwrk.body = '{body}'\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+    )
+    workloads = [w for w in WORKLOADS if w in args.workloads.split(",")]
+    args.workloads = workloads
+    scripts = {"relay": post, "proxy": post, "sse": None, "json": None}
+    procs: list[subprocess.Popen[str]] = []
+    rows: dict[tuple[str, str, int], list[dict[str, float]]] = {}
+    load_before = _load_1m()
+    try:
+        up, up_port = _start(["--serve", "upstream", "--events", str(args.events)])
+        procs.append(up)
+        upstream = f"http://127.0.0.1:{up_port}"
+        servers: dict[str, tuple[int, int]] = {}
+        for name in TARGETS:
+            proc, port = _start(
+                ["--serve", name, "--upstream", upstream, "--events", str(args.events)]
+            )
+            procs.append(proc)
+            servers[name] = (proc.pid, port)
+        time.sleep(0.5)
+        for r in range(args.rounds):
+            order = list(TARGETS) if r % 2 == 0 else list(reversed(TARGETS))
+            for conns in (args.conns, 1):
+                for wl, path in (("relay", "/stream"), ("proxy", "/json")):
+                    if wl not in workloads:
+                        continue
+                    rows.setdefault(("upstream", wl, conns), []).append(
+                        _measure(up.pid, upstream + path, conns, args.duration_s, scripts[wl])
+                    )
+                for wl in workloads:
+                    for name in order:
+                        pid, port = servers[name]
+                        url = f"http://127.0.0.1:{port}/{wl}"
+                        row = _measure(pid, url, conns, args.duration_s, scripts[wl])
+                        rows.setdefault((name, wl, conns), []).append(row)
+                        print(
+                            f"  round {r} c={conns} {wl:5} {name:8} "
+                            f"{row['req_per_s']:8,.0f} req/s {row['cpu_us_per_req']:6.0f} µs "
+                            f"p50 {row['p50_ms']:.2f} ms p99 {row['p99_ms']:.2f} ms",
+                            flush=True,
+                        )
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    _report(rows, args, load_before)
+    return 0
+
+
+def _med(rows: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def _ratio(
+    rows: dict[tuple[str, str, int], list[dict[str, float]]], wl: str, c: int, key: str
+) -> float:
+    """The median over rounds of each round's flexpipe ÷ uvicorn (req/s) or uvicorn ÷
+    flexpipe (CPU): the two targets ran back to back, so a round's ratio shares its noise."""
+    fp, uv = rows[("flexpipe", wl, c)], rows[("uvicorn", wl, c)]
+    if key == "req_per_s":
+        return statistics.median(f[key] / u[key] for f, u in zip(fp, uv, strict=True))
+    return statistics.median(u[key] / f[key] for f, u in zip(fp, uv, strict=True))
+
+
+def _report(
+    rows: dict[tuple[str, str, int], list[dict[str, float]]],
+    args: argparse.Namespace,
+    load_before: str,
+) -> None:
+    c = args.conns
+    print(
+        f"\n### flexpipe.http vs uvicorn 0.54 (httptools + uvloop), {args.events} events per "
+        f"stream, wrk -t 1 -c {c} and -c 1, {args.duration_s} s per run, medians of "
+        f"{args.rounds} (load before {load_before}, after {_load_1m()})"
+    )
+    print(
+        f"| workload | server | req/s (c={c}) | CPU µs/req | p50 / p99 ms (c={c}) | "
+        "added p50 / p99 ms (c=1) | flexpipe ÷ uvicorn req/s | uvicorn ÷ flexpipe CPU |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for wl in args.workloads:
+        base1 = rows.get(("upstream", wl, 1))
+        for name in TARGETS:
+            hi, one = rows[(name, wl, c)], rows[(name, wl, 1)]
+            p50_1, p99_1 = _med(one, "p50_ms"), _med(one, "p99_ms")
+            if base1:
+                p50_1 -= _med(base1, "p50_ms")
+                p99_1 -= _med(base1, "p99_ms")
+            ratios = " | "
+            if name == "flexpipe":
+                ratios = (
+                    f"{_ratio(rows, wl, c, 'req_per_s'):.2f}× | "
+                    f"{_ratio(rows, wl, c, 'cpu_us_per_req'):.2f}×"
+                )
+            print(
+                f"| {wl} | {name} | {_med(hi, 'req_per_s'):,.0f} | "
+                f"{_med(hi, 'cpu_us_per_req'):.0f} | {_med(hi, 'p50_ms'):.2f} / "
+                f"{_med(hi, 'p99_ms'):.2f} | {p50_1:.3f} / {p99_1:.3f} | {ratios} |"
+            )
+    for wl in ("relay", "proxy"):
+        if wl not in args.workloads:
+            continue
+        up = rows[("upstream", wl, c)]
+        print(
+            f"| {wl} | (upstream alone) | {_med(up, 'req_per_s'):,.0f} | "
+            f"{_med(up, 'cpu_us_per_req'):.0f} | {_med(up, 'p50_ms'):.2f} / "
+            f"{_med(up, 'p99_ms'):.2f} | – | | |"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
