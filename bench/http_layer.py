@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import re
 import shutil
@@ -118,7 +119,6 @@ def run_flexpipe(upstream: str, num_events: int) -> None:
         PushResponse,
         Request,
         Response,
-        error_response,
         install_uvloop,
         serve,
     )
@@ -199,13 +199,37 @@ def run_flexpipe(upstream: str, num_events: int) -> None:
     async def small_json(req: Request) -> Response:
         return Response(JSON_BODY)
 
+    async def ticks(req: Request) -> PushResponse:
+        """One small event every 5 ms for 3 s (the body-stall check's concurrent stream)."""
+
+        def start(writer: ChunkWriter) -> None:
+            loop = asyncio.get_running_loop()
+
+            def tick(i: int) -> None:
+                if writer.closed:
+                    return
+                if i < 600:
+                    writer.write(b"data: tick\n\n")
+                    loop.call_later(0.005, tick, i + 1)
+                else:
+                    writer.end()
+
+            tick(0)
+
+        return PushResponse(start)
+
+    async def parse(req: Request) -> Response:
+        body = req.json()
+        return Response(b'{"num_keys":%d}' % len(body))
+
     async def main() -> None:
-        app = App()
+        app = App(max_body_bytes=32 << 20)
+        app.add_route("GET", "/ticks", ticks)
+        app.add_route("POST", "/parse", parse)
         app.add_route("POST", "/relay", relay)
         app.add_route("POST", "/proxy", proxy)
         app.add_route("GET", "/sse", sse)
         app.add_route("GET", "/json", small_json)
-        assert error_response  # the error path is the library's, not measured here
         server = await serve(app, "127.0.0.1", 0)
         print("PORT", server.port, flush=True)
         await server.serve_forever()
@@ -299,8 +323,8 @@ def run_uvicorn(upstream: str, num_events: int) -> None:
 
 
 # --- the driver ------------------------------------------------------------------------------
-def _start(args: list[str]) -> tuple[subprocess.Popen[str], int]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def _start(args: list[str], root: Path = ROOT) -> tuple[subprocess.Popen[str], int]:
+    env = dict(os.environ, PYTHONPATH=str(root))
     proc = subprocess.Popen(
         [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, env=env
     )
@@ -359,6 +383,67 @@ def _measure(
     return row
 
 
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _body_stall_once(port: int, body_bytes: int) -> tuple[float, float, float]:
+    """The longest gap between a /ticks stream's events before and while a `body_bytes` JSON
+    body is posted (and parsed) on another connection, and that POST's time."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /ticks HTTP/1.1\r\n\r\n")
+    loop = asyncio.get_running_loop()
+    arrivals: list[float] = []
+    post: dict[str, float] = {}
+
+    async def read_ticks() -> None:
+        while True:
+            data = await reader.read(65536)
+            if not data or b"0\r\n\r\n" in data:
+                return
+            arrivals.append(loop.time())
+
+    async def post_body() -> None:
+        await asyncio.sleep(1.0)
+        filler = b"x" * (body_bytes - 40)
+        body = b'{"model":"m","prompt":"' + filler + b'"}'
+        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+        post["t0"] = loop.time()
+        w2.write(b"POST /parse HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        await r2.readuntil(b"}")
+        post["t1"] = loop.time()
+        w2.close()
+
+    await asyncio.gather(read_ticks(), post_body())
+    writer.close()
+    t0, t1 = post["t0"], post["t1"] + 0.05
+    gaps_before = [b - a for a, b in itertools.pairwise(arrivals) if b < t0]
+    gaps_during = [b - a for a, b in itertools.pairwise(arrivals) if b >= t0 and a <= t1]
+    return max(gaps_before) * 1e3, max(gaps_during or [0.0]) * 1e3, (t1 - 0.05 - t0) * 1e3
+
+
+def body_stall(roots: dict[str, Path], body_bytes: int, rounds: int) -> None:
+    """A `body_bytes` body's effect on a concurrent stream, for each flexpipe checkout."""
+    print(f"\n### A {body_bytes / 1e6:.0f} MB JSON body posted while a stream runs "
+          f"(event every 5 ms), medians of {rounds}")  # fmt: skip
+    print("| flexpipe | max gap before, ms | max gap while the body is read and parsed, ms | "
+          "POST answered in, ms | server RSS after, MB |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, root in roots.items():
+        proc, port = _start(["--serve", "flexpipe", "--upstream", "http://127.0.0.1:9"], root)
+        try:
+            runs = [asyncio.run(_body_stall_once(port, body_bytes)) for _ in range(rounds)]
+            rss_mb = _rss_mb(proc.pid)
+        finally:
+            proc.kill()
+            proc.wait()
+        med = [statistics.median(r[i] for r in runs) for i in range(3)]
+        print(f"| {name} | {med[0]:.1f} | {med[1]:.1f} | {med[2]:.0f} | {rss_mb:.0f} |")
+
+
 def _load_1m() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
@@ -370,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conns", type=int, default=64)
     parser.add_argument("--events", type=int, default=16)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument(
+        "--body-stall",
+        default="",
+        help="instead: a 10 MB body's effect on a concurrent stream, for each NAME=ROOT "
+        "(a checkout whose flexpipe to run), e.g. before=/work/main,after=.",
+    )
     parser.add_argument("--serve", choices=("upstream", *TARGETS))
     parser.add_argument("--upstream", default="")
     args = parser.parse_args(argv)
@@ -381,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.serve == "uvicorn":
         run_uvicorn(args.upstream, args.events)
+        return 0
+    if args.body_stall:
+        pairs = (item.split("=", 1) for item in args.body_stall.split(","))
+        body_stall({n: Path(r).resolve() for n, r in pairs}, 10 << 20, args.rounds)
         return 0
     if shutil.which("wrk") is None:
         print("http_layer: wrk is not installed (apt-get install wrk); skipped")
