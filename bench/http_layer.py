@@ -33,6 +33,7 @@ import asyncio
 import itertools
 import os
 import re
+import resource
 import shutil
 import socket
 import statistics
@@ -323,10 +324,21 @@ def run_uvicorn(upstream: str, num_events: int) -> None:
 
 
 # --- the driver ------------------------------------------------------------------------------
-def _start(args: list[str], root: Path = ROOT) -> tuple[subprocess.Popen[str], int]:
+def _start(
+    args: list[str], root: Path = ROOT, max_files: int | None = None
+) -> tuple[subprocess.Popen[str], int]:
     env = dict(os.environ, PYTHONPATH=str(root))
+
+    def limit_files() -> None:
+        if max_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max_files, max_files))
+
     proc = subprocess.Popen(
-        [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, __file__, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=limit_files,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -444,6 +456,39 @@ def body_stall(roots: dict[str, Path], body_bytes: int, rounds: int) -> None:
         print(f"| {name} | {med[0]:.1f} | {med[1]:.1f} | {med[2]:.0f} | {rss_mb:.0f} |")
 
 
+def idle_flood(roots: dict[str, Path], num_idle: int) -> None:
+    """`num_idle` connections that send nothing against a server at `ulimit -n 1024`, then
+    one real request: is it served, and how fast?"""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, num_idle + 256)), hard))
+    print(f"\n### {num_idle} idle connections, then one GET (server at ulimit -n 1024)")
+    print("| flexpipe | the GET | answered in |")
+    print("| --- | --- | ---: |")
+    for name, root in roots.items():
+        proc, port = _start(["--serve", "flexpipe", "--upstream", "http://127.0.0.1:9"], root, 1024)
+        idle: list[socket.socket] = []
+        try:
+            for _ in range(num_idle):
+                try:
+                    idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                except OSError:
+                    break
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                    sock.sendall(b"GET /json HTTP/1.1\r\n\r\n")
+                    line = sock.recv(4096).split(b"\r\n", 1)[0].decode() or "closed"
+            except OSError as exc:
+                line = type(exc).__name__
+            print(f"| {name} | {line} | {(time.monotonic() - t0) * 1e3:.1f} ms |")
+        finally:
+            for sock in idle:
+                sock.close()
+            proc.kill()
+            proc.wait()
+
+
 def _load_1m() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
@@ -461,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: a 10 MB body's effect on a concurrent stream, for each NAME=ROOT "
         "(a checkout whose flexpipe to run), e.g. before=/work/main,after=.",
     )
+    parser.add_argument(
+        "--idle-flood",
+        default="",
+        help="instead: 1,100 idle connections then one GET, for each NAME=ROOT (as above)",
+    )
     parser.add_argument("--serve", choices=("upstream", *TARGETS))
     parser.add_argument("--upstream", default="")
     args = parser.parse_args(argv)
@@ -476,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.body_stall:
         pairs = (item.split("=", 1) for item in args.body_stall.split(","))
         body_stall({n: Path(r).resolve() for n, r in pairs}, 10 << 20, args.rounds)
+        return 0
+    if args.idle_flood:
+        pairs = (item.split("=", 1) for item in args.idle_flood.split(","))
+        idle_flood({n: Path(r).resolve() for n, r in pairs}, 1100)
         return 0
     if shutil.which("wrk") is None:
         print("http_layer: wrk is not installed (apt-get install wrk); skipped")
