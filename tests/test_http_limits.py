@@ -347,6 +347,12 @@ def test_a_body_over_the_route_limit_gets_413_before_it_is_sent(server: Server) 
         status, headers, body = read_response(sock)
         assert status == 413 and headers["connection"] == "close"
         assert error_of(body)["message"] == "Request body too large: the limit is 1000 bytes"
+        # a client that keeps the refused connection open is dropped after refusal_linger_s
+        t0 = time.monotonic()
+        while server.call(lambda: server.server.num_connections):  # type: ignore[union-attr]
+            assert time.monotonic() - t0 < 2.0, "a refused connection lingers on"
+            time.sleep(0.02)
+        assert time.monotonic() - t0 > 0.3
     with connect(server.port) as sock:  # a chunked body: 413 once the bytes pass the limit
         sock.sendall(b"POST /small HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n")
         sock.sendall(b"400\r\n" + b"x" * 1024 + b"\r\n")

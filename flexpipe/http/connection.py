@@ -97,6 +97,7 @@ class _Connection(asyncio.Protocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._write_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None  # drops a refused connection
         self._push: ChunkWriter | None = None  # the pushed response in progress
 
     # --- asyncio.Protocol ---------------------------------------------------------------
@@ -129,6 +130,9 @@ class _Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         self._stop_write_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         self._can_write.set()
         if self._push is not None:
             self._push._lost()
@@ -394,10 +398,13 @@ class _Connection(asyncio.Protocol):
         with contextlib.suppress(Exception):
             if transport.can_write_eof():
                 transport.write_eof()
-        self._stop_write_timer()
-        self._write_timer = self.loop.call_later(
-            self.limits.refusal_linger_s, self._write_timed_out
-        )
+        self._linger_timer = self.loop.call_later(self.limits.refusal_linger_s, self._drop)
+
+    def _drop(self) -> None:
+        self._linger_timer = None
+        if self.transport is not None and not self._closed:
+            self._closed = True
+            self.transport.abort()
 
     # --- answering ----------------------------------------------------------------------
     async def _serve_pending(self) -> None:
