@@ -232,6 +232,11 @@ class HttpServer:
         assert self._server is not None
         await self._server.serve_forever()
 
+    def stop_accepting(self) -> None:
+        """Close the listening socket; open connections stay (a graceful shutdown's start)."""
+        if self._server is not None:
+            self._server.close()
+
     async def close(self) -> None:
         if self._server is None:
             return
