@@ -264,3 +264,28 @@ def test_an_oversized_upstream_head_is_a_protocol_error() -> None:
     kind, took_s = asyncio.run(main())
     assert kind == "protocol"
     assert took_s < 1.0
+
+
+def test_a_large_body_right_behind_the_head_is_not_mistaken_for_a_large_head() -> None:
+    body = b"x" * (1 << 20)
+
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)
+        writer.write(head + body)  # one write: the first read holds the head and the body
+        await writer.drain()
+
+    async def main() -> bytes:
+        server, url = await _serve(handler)
+        pool = ClientPool(max_head_bytes=1024)
+        try:
+            resp = await pool.request(url, "GET", "/")
+            try:
+                return await resp.read()
+            finally:
+                resp.release()
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(main()) == body

@@ -105,12 +105,23 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
         if not self.head_done:
-            self.head_bytes += len(data)
-            if self.head_bytes > self.max_head_bytes:
-                # (counted before parsing: a long header value is joined piece by piece)
-                limit = self.max_head_bytes
-                self._protocol_error(f"response head over {limit} bytes")
-                return
+            # the head is counted before parsing (httptools joins a long header value piece
+            # by piece): feed what the limit allows, and the rest only if the head ended in it
+            room = self.max_head_bytes - self.head_bytes
+            if len(data) > room:
+                self.head_bytes += room
+                self._feed(data[:room])
+                if self.error is not None:
+                    return
+                if not self.head_done:
+                    self._protocol_error(f"response head over {self.max_head_bytes} bytes")
+                    return
+                data = data[room:]
+            else:
+                self.head_bytes += len(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
