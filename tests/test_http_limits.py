@@ -358,6 +358,16 @@ def test_a_body_over_the_route_limit_gets_413_before_it_is_sent(server: Server) 
         sock.sendall(b"400\r\n" + b"x" * 1024 + b"\r\n")
         status, _, _ = read_response(sock)
         assert status == 413
+    with connect(server.port) as sock:  # Expect: 100-continue gets 413 or 100 at once
+        sock.sendall(
+            b"POST /small HTTP/1.1\r\ncontent-length: 5000\r\nexpect: 100-continue\r\n\r\n"
+        )
+        assert read_response(sock)[0] == 413
+    with connect(server.port) as sock:
+        sock.sendall(b"POST /small HTTP/1.1\r\ncontent-length: 3\r\nexpect: 100-continue\r\n\r\n")
+        assert sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(b"abc")
+        assert read_response(sock)[2] == b'{"n":3}'
     with connect(server.port) as sock:  # under the limit, and another route's larger limit
         sock.sendall(b"POST /small HTTP/1.1\r\ncontent-length: 1000\r\n\r\n" + b"x" * 1000)
         assert read_response(sock)[2] == b'{"n":1000}'

@@ -265,6 +265,12 @@ class _Connection(asyncio.Protocol):
         if length is not None and length.isdigit() and int(length) > self._max_body_bytes:
             self._error = self._body_too_large()
             raise _LimitExceeded
+        expect = self._headers.get("expect")
+        if expect is not None and expect.lower() == "100-continue" and self._task is None:
+            # the body is welcome: say so now rather than let the client wait (curl: 1 s);
+            # not while another answer is being written (the client sends the body anyway)
+            assert self.transport is not None
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
