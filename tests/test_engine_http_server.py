@@ -337,3 +337,15 @@ def test_failure_while_answering_aborts_instead_of_stalling() -> None:
             await server.close()
 
     asyncio.run(run())
+
+
+def test_the_public_api_only_grows() -> None:
+    """Other modules import these names from flexpipe.http.server: none may go away."""
+    import flexpipe.http.server as server
+
+    before = {"App", "ChunkWriter", "Handler", "HttpError", "HttpServer", "PushResponse",
+              "Request", "Response", "StreamResponse", "error_body", "error_response",
+              "install_uvloop", "json_response", "serve"}  # fmt: skip
+    assert before | {"HttpLimits"} <= set(server.__all__)
+    assert all(hasattr(server, name) for name in server.__all__)
+    assert server.App(max_body_bytes=123).max_body_bytes == 123  # the old constructor

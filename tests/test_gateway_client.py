@@ -157,3 +157,135 @@ def test_pipe_ends_cleanly_and_the_connection_is_reused() -> None:
 
     body, err, num_idle = asyncio.run(main())
     assert (body, err, num_idle) == (b"ab", None, 1)
+
+
+async def _upstream_that_sees_eof(
+    head: bytes | None, seen: list[str]
+) -> tuple[asyncio.Server, str]:
+    """An upstream that reads a request head, sends `head` and one chunk (or nothing), then
+    records when the client closes its connection ("eof")."""
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            if head is not None:
+                writer.write(head + _chunk(b"first"))
+                await writer.drain()
+            while await reader.read(65536):
+                pass  # the request's body
+            seen.append("eof")
+        except ConnectionResetError:
+            seen.append("eof")
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def test_a_caller_cancelled_before_the_head_aborts_the_upstream_request() -> None:
+    """The disconnect contract reaches the engine: a gateway handler cancelled while waiting
+    for the upstream's head aborts the upstream connection, and the pool keeps nothing."""
+    seen: list[str] = []
+
+    async def main() -> int:
+        server, url = await _upstream_that_sees_eof(None, seen)
+        pool = ClientPool()
+        try:
+            task = asyncio.create_task(pool.request(url, "POST", "/v1/x", b"{}"))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            return sum(len(conns) for conns in pool._idle.values())
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    num_idle = asyncio.run(main())
+    assert seen == ["eof"]
+    assert num_idle == 0
+
+
+def test_releasing_an_unfinished_response_closes_the_upstream_connection() -> None:
+    seen: list[str] = []
+
+    async def main() -> tuple[bytes, int]:
+        server, url = await _upstream_that_sees_eof(_HEAD, seen)
+        pool = ClientPool()
+        try:
+            resp = await pool.request(url, "GET", "/")
+            first = await resp.next_chunk()
+            assert first is not None
+            resp.release()
+            for _ in range(100):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            return first, sum(len(conns) for conns in pool._idle.values())
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    first, num_idle = asyncio.run(main())
+    assert first == b"first"
+    assert seen == ["eof"]
+    assert num_idle == 0
+
+
+def test_an_oversized_upstream_head_is_a_protocol_error() -> None:
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nx-big: ")
+        for _ in range(64):  # 4 MB of one header value, never ended
+            writer.write(b"a" * 65536)
+            await writer.drain()
+        await asyncio.sleep(5)
+
+    async def main() -> tuple[str, float]:
+        server, url = await _serve(handler)
+        pool = ClientPool(max_head_bytes=16 * 1024)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            with pytest.raises(UpstreamError) as info:
+                await pool.request(url, "GET", "/", timeouts=Timeouts(1, 3, 3))
+            return info.value.kind, loop.time() - t0
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    kind, took_s = asyncio.run(main())
+    assert kind == "protocol"
+    assert took_s < 1.0
+
+
+def test_a_large_body_right_behind_the_head_is_not_mistaken_for_a_large_head() -> None:
+    body = b"x" * (1 << 20)
+
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body)
+        writer.write(head + body)  # one write: the first read holds the head and the body
+        await writer.drain()
+
+    async def main() -> bytes:
+        server, url = await _serve(handler)
+        pool = ClientPool(max_head_bytes=1024)
+        try:
+            resp = await pool.request(url, "GET", "/")
+            try:
+                return await resp.read()
+            finally:
+                resp.release()
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(main()) == body

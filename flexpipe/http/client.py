@@ -38,6 +38,7 @@ import httptools
 __all__ = ["ClientPool", "Timeouts", "UpstreamError", "UpstreamResponse"]
 
 _MAX_BUFFERED_CHUNKS = 64  # pause reading the socket beyond this many unread chunks
+MAX_HEAD_BYTES = 64 * 1024  # an upstream response head larger than this is a protocol error
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +60,10 @@ class UpstreamError(Exception):
 class _Conn(asyncio.Protocol):
     """One upstream connection; parses one response at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_head_bytes: int = MAX_HEAD_BYTES) -> None:
         # kept: `get_running_loop()` costs a getpid() system call on every call
         self.loop = asyncio.get_running_loop()
+        self.max_head_bytes = max_head_bytes
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -79,6 +81,7 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = True
         self.error: UpstreamError | None = None
         self.got_bytes = False
+        self.head_bytes = 0  # received before the head was complete
         self.waiter: asyncio.Future[bool] | None = None
         self.paused = False
         # pipe mode (`UpstreamResponse.pipe`): body chunks go straight to the sink
@@ -101,15 +104,36 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        if not self.head_done:
+            # the head is counted before parsing (httptools joins a long header value piece
+            # by piece): feed what the limit allows, and the rest only if the head ended in it
+            room = self.max_head_bytes - self.head_bytes
+            if len(data) > room:
+                self.head_bytes += room
+                self._feed(data[:room])
+                if self.error is not None:
+                    return
+                if not self.head_done:
+                    self._protocol_error(f"response head over {self.max_head_bytes} bytes")
+                    return
+                data = data[room:]
+            else:
+                self.head_bytes += len(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.error = UpstreamError("protocol", str(exc))
-            self.keep_alive = False
-            if self.transport is not None:
-                self.transport.abort()
-            self._wake()
-            self._sink_failed()
+            self._protocol_error(str(exc))
+
+    def _protocol_error(self, message: str) -> None:
+        self.error = UpstreamError("protocol", message)
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
+        self._sink_failed()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -313,8 +337,11 @@ class UpstreamResponse:
 class ClientPool:
     """Keep-alive connections per backend (`scheme://host:port`), reused LIFO."""
 
-    def __init__(self, max_idle_per_backend: int = 512) -> None:
+    def __init__(
+        self, max_idle_per_backend: int = 512, max_head_bytes: int = MAX_HEAD_BYTES
+    ) -> None:
         self.max_idle_per_backend = max_idle_per_backend
+        self.max_head_bytes = max_head_bytes
         self._idle: dict[str, list[_Conn]] = {}  # backend -> idle connections
         self._addrs: dict[str, tuple[str, int, str]] = {}  # backend -> host, port, host header
         self._heads: dict[tuple[str, str, str], bytes] = {}  # (backend, method, path) -> line
@@ -337,6 +364,8 @@ class ClientPool:
             if conn.transport is not None:
                 conn.transport.close()
             return
+        if conn.paused and conn.transport is not None:
+            conn.transport.resume_reading()  # the body ended while reading was paused
         conn._reset()
         idle.append(conn)
 
@@ -344,7 +373,9 @@ class ClientPool:
         host, port, _ = self._addr(backend)
         loop = asyncio.get_running_loop()
         try:
-            _, proto = await asyncio.wait_for(loop.create_connection(_Conn, host, port), timeout_s)
+            _, proto = await asyncio.wait_for(
+                loop.create_connection(lambda: _Conn(self.max_head_bytes), host, port), timeout_s
+            )
         except TimeoutError:
             raise UpstreamError("connect", f"connect to {backend} timed out") from None
         except OSError as exc:
@@ -391,13 +422,17 @@ class ClientPool:
                         raise conn.error
                     await conn.wait(timeouts.ttfb_s, "ttfb")
             except UpstreamError as exc:
+                conn.stop_timer()
                 if conn.transport is not None:
                     conn.transport.abort()
                 # A reused keep-alive connection the server had just closed: retry once.
                 if exc.kind == "closed" and reused and not conn.got_bytes and attempt == 0:
                     continue
                 raise
-            except BaseException:  # cancelled: the caller left; so does the upstream request
+            except BaseException:
+                # cancelled while waiting for the head (the client left): abort, so the
+                # upstream sees the disconnect and the connection is not left open
+                conn.stop_timer()
                 if conn.transport is not None:
                     conn.transport.abort()
                 raise
