@@ -53,6 +53,7 @@ from flexpipe.protocol import RequestError, parse_chat_request, parse_completion
 log = logging.getLogger("flexpipe.gateway")
 
 _RETRY_STATUSES = (429, 503)
+_ADMIN_BODY_BYTES = 1 << 20  # every route but the two that carry prompts
 _DEAD = ("connect", "closed", "protocol")  # the instance failed before a response head
 _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
@@ -100,9 +101,10 @@ class Gateway:
         await self.client.close()
 
     def _build_app(self) -> App:
-        app = App(max_body_bytes=self.cfg.max_body_bytes)
-        app.add_route("POST", "/v1/completions", self._completions)
-        app.add_route("POST", "/v1/chat/completions", self._chat)
+        app = App(max_body_bytes=_ADMIN_BODY_BYTES, limits=self.cfg.http)
+        body = self.cfg.max_body_bytes
+        app.add_route("POST", "/v1/completions", self._completions, max_body_bytes=body)
+        app.add_route("POST", "/v1/chat/completions", self._chat, max_body_bytes=body)
         app.add_route("GET", "/v1/models", self._models)
         app.add_route("GET", "/health", self._health)
         app.add_route("GET", "/metrics", self._metrics)

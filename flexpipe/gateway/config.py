@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from flexpipe.http.limits import HttpLimits
+
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message is one readable line."""
@@ -78,7 +80,8 @@ class GatewayConfig:
     block_chars: int = 64
     max_prefix_blocks_per_instance: int = 50_000
     default_expected_output_tokens: int = 256
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = 4 * 1024 * 1024  # /v1/completions and /v1/chat/completions [413]
+    http: HttpLimits = field(default_factory=HttpLimits)  # the server's limits (docs/http.md)
     admin_token: str | None = None
     tenants: list[TenantConfig] = field(default_factory=list)
 
@@ -92,7 +95,7 @@ def _build(cls: type[Any], data: Any, where: str) -> Any:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
     try:
         return cls(**data)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 
@@ -115,12 +118,14 @@ def config_from_dict(data: dict[str, Any], base_dir: Path | None = None) -> Gate
         if base_dir is not None and not path.is_absolute():
             path = base_dir / path
         tenants += _tenants(_read_yaml(path), str(path))
+    http = _build(HttpLimits, data.pop("http", None) or {}, "http")
     routing = data.pop("routing", None) or {}
     if not isinstance(routing, dict):
         raise ConfigError("routing: expected a mapping with `policy` and `params`")
     cfg: GatewayConfig = _build(GatewayConfig, data, "gateway config")
     cfg.backends = backends
     cfg.tenants = tenants
+    cfg.http = http
     cfg.policy = str(routing.get("policy", cfg.policy))
     cfg.policy_params = dict(routing.get("params") or {})
     if cfg.admin_token is None:
