@@ -7,6 +7,7 @@ shift log tells what happened."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -139,3 +140,63 @@ def test_tenant_leaves_gpu1_and_the_tp2_instance_shifts_up_live(tmp_path: Path) 
     done_shifts = [e for e in entries if e["kind"] == "shift" and e["outcome"] == "succeeded"]
     assert done_shifts and done_shifts[0]["trigger"] == "resource"
     assert any(e["kind"] == "resources" for e in entries)
+
+
+def test_a_killed_controller_is_restarted_and_adopts_its_engines(tmp_path: Path) -> None:
+    """kill -9 of the controller under load: the gateway and the engines keep serving, `up`
+    starts a new controller, which adopts the running engines from the store (no second
+    launch) and carries on; `kill -9` of `up` itself then leaves no process behind."""
+    from test_launcher import processes_with
+    from test_up import engines_with
+
+    port = free_port()
+    store = f"sqlite:///{tmp_path / 'fp.db'}"
+    name = f"adopt-{os.getpid()}"
+    argv = [
+        sys.executable, "-m", "flexpipe", "up", "--port", str(port),
+        "--controller-port", str(free_port()), "--time-scale", "0.05", "--tick-s", "0.5",
+        "--models", str(write_models(tmp_path, name)), "--store", store,
+        "--drain-timeout-s", "5",
+    ]  # fmt: skip
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)  # fmt: skip
+    out = Output(proc)
+    marker = str(tmp_path)
+    try:
+        out.wait_for("instance(s) serving", 90)
+        engines = sorted(engines_with(name))  # their command lines name the served model
+        assert len(engines) == 3
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)  # fmt: skip
+        controllers = [p for p in processes_with(marker) if _is_controller(p)]
+        assert len(controllers) == 1
+        os.kill(controllers[0], signal.SIGKILL)
+        for _ in range(10):  # served while no controller runs
+            r = client.completions.create(model=name, prompt="still there?", max_tokens=4)
+            assert r.usage is not None and r.usage.completion_tokens == 4
+        out.wait_for("adopted 3 running instance(s)", 60)
+        out.wait_for("instance(s) serving", 30, len(out.lines) - 5)
+        assert sorted(engines_with(name)) == engines  # the same engines, none launched
+        r = client.completions.create(model=name, prompt="and now?", max_tokens=4)
+        assert r.usage is not None and r.usage.completion_tokens == 4
+        proc.kill()  # kill -9 of up: everything it started goes
+        proc.wait(10)
+        deadline = time.monotonic() + 20
+        while processes_with(marker) + processes_with(name) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert processes_with(marker) + processes_with(name) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in processes_with(marker) + processes_with(name):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _is_controller(pid: int) -> bool:
+    try:
+        return b"\0controller\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

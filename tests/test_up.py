@@ -30,6 +30,19 @@ models:
 """
 
 
+def engines_with(marker: str) -> list[int]:
+    """The engines among them (under `up`, each engine runs under a guard process that ties
+    it to `up`: flexpipe/launch/guard.py)."""
+    return [p for p in processes_with(marker) if b"flexpipe.launch.guard" not in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def write_models(tmp_path: Path, name: str) -> Path:
     path = tmp_path / "models.yaml"
     path.write_text(MODELS.format(name=name))
@@ -82,7 +95,7 @@ def test_up_serves_the_plan_and_stops_everything(
             model=marker, messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
         assert chat.choices[0].finish_reason == "length"
-        assert len(processes_with(marker)) == 3  # one engine per planned instance
+        assert len(engines_with(marker)) == 3  # one engine per planned instance
         proc.send_signal(sig)
         rest, _ = proc.communicate(timeout=60)
     finally:
@@ -153,7 +166,7 @@ def test_engines_die_with_a_killed_up(marker: str, tmp_path: Path) -> None:  # n
     )
     try:
         wait_for_line(proc, "serving", 90)
-        assert len(processes_with(marker)) == 3
+        assert len(engines_with(marker)) == 3
         proc.kill()
         proc.wait(timeout=10)
         deadline = time.monotonic() + 15

@@ -64,6 +64,17 @@ def controller(
     shift_config: Annotated[
         Path | None, typer.Option(help="YAML with a `shift:` section (docs/shift-policy.md).")
     ] = None,
+    engine_token_file: Annotated[
+        Path | None,
+        typer.Option(help="Admin token of the engines it starts (KV moves; kept over restarts)."),
+    ] = None,
+    supervisor_pid: Annotated[
+        int | None,
+        typer.Option(
+            help="Engines live as long as this process (flexpipe up) instead of "
+            "as long as the controller, which may then crash and be restarted."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Launch the plan's engines, register them in the gateway, shift gears while serving."""
@@ -101,7 +112,8 @@ def controller(
             tick_s=tick_s,
             drain_deadline_s=drain_deadline_s,
             time_scale=time_scale,
-            engine_admin_token=secrets.token_urlsafe(16),
+            engine_admin_token=_secret(None, engine_token_file, "FLEXPIPE_ENGINE_TOKEN")
+            or secrets.token_urlsafe(16),
             engine_kind=engine,
             priorities={d.name: float(getattr(d, "priority", 1.0)) for d in demands},
             shift=params,
@@ -113,6 +125,7 @@ def controller(
         sim_load_time_s=sim_load_time_s,
         ready_timeout_s=ready_timeout_s,
         vllm_command=vllm_command.split(),
+        supervisor_pid=supervisor_pid,
     )
 
     def say(line: str) -> None:

@@ -99,9 +99,12 @@ async def supervise(
     port: int,
     say: Callable[[str], None],
     drain_timeout_s: float,
+    max_restarts: int = 5,
 ) -> int:
-    """Run the gateway, then the controller; stop both on SIGINT/SIGTERM or when either one
-    exits. Returns the controller's exit status."""
+    """Run the gateway, then the controller, until SIGINT/SIGTERM. A child that dies is
+    started again (a controller adopts the engines its predecessor left, and gives a new
+    gateway its pool back), up to `max_restarts` times; a controller that gives up (exit
+    status 2: it could not serve) stops everything. Returns the controller's exit status."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -109,21 +112,35 @@ async def supervise(
             loop.add_signal_handler(sig, stop.set)
     gateway = await _start(gateway_argv, say)
     controller: asyncio.subprocess.Process | None = None
+    num_restarts = 0
     try:
         await _wait_listening(host, port, gateway)
         say(f"flexpipe up: OpenAI API at http://{host}:{port}/v1 (starting engines)")
         controller = await _start(controller_argv, say)
-        waits = {
-            asyncio.ensure_future(stop.wait()),
-            asyncio.ensure_future(gateway.wait()),
-            asyncio.ensure_future(controller.wait()),
-        }
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
-        if gateway.returncode is not None and not stop.is_set():
-            say(f"error: the gateway exited ({gateway.returncode}); stopping")
-        return await _stop(controller, drain_timeout_s + 30)
+        while True:
+            waits = [
+                asyncio.ensure_future(stop.wait()),
+                asyncio.ensure_future(gateway.wait()),
+                asyncio.ensure_future(controller.wait()),
+            ]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            if stop.is_set():
+                return await _stop(controller, drain_timeout_s + 30)
+            if controller.returncode == 2:
+                return 2  # it said why
+            if num_restarts >= max_restarts:
+                say(f"error: {num_restarts} restarts already; stopping")
+                return 1
+            num_restarts += 1
+            if controller.returncode is not None:
+                say(f"error: the controller exited ({controller.returncode}); restarting it")
+                controller = await _start(controller_argv, say)
+            if gateway.returncode is not None:
+                say(f"error: the gateway exited ({gateway.returncode}); restarting it")
+                gateway = await _start(gateway_argv, say)
+                await _wait_listening(host, port, gateway)
     finally:
         if controller is not None:
             await _stop(controller, drain_timeout_s + 30)
@@ -230,8 +247,10 @@ def register(app: typer.Typer) -> None:
 
         with tempfile.TemporaryDirectory(prefix="flexpipe-up-") as tmp:
             token_file = Path(tmp) / "gateway-token"
-            token_file.write_text(secrets.token_urlsafe(24))
-            token_file.chmod(0o600)
+            engine_token_file = Path(tmp) / "engine-token"
+            for f in (token_file, engine_token_file):
+                f.touch(0o600)
+                f.write_text(secrets.token_urlsafe(24))
             me = [sys.executable, "-m", "flexpipe"]
             gateway_argv = [*me, "gateway", "--host", host, "--port", str(port),
                             "--admin-token-file", str(token_file),
@@ -244,6 +263,8 @@ def register(app: typer.Typer) -> None:
                 "--engine", engine, "--time-scale", str(time_scale),
                 "--ready-timeout-s", str(ready_timeout_s), "--tick-s", str(tick_s),
                 "--drain-deadline-s", str(drain_timeout_s), "--vllm-command", vllm_command,
+                "--engine-token-file", str(engine_token_file),
+                "--supervisor-pid", str(os.getpid()),
             ]  # fmt: skip
             if sim_load_time_s is not None:
                 controller_argv += ["--sim-load-time-s", str(sim_load_time_s)]

@@ -31,6 +31,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from flexpipe.cluster import Cluster, load_cluster
+from flexpipe.control.adopt import AdoptedEngine, reachable, stop_group
 from flexpipe.control.client import (
     OCCUPY_PATH,
     RELEASE_PATH,
@@ -47,6 +48,7 @@ from flexpipe.control.lifecycle import State
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
 from flexpipe.control.samples import Sampler
+from flexpipe.gears.gear import parse_gear
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
     App,
@@ -62,7 +64,12 @@ from flexpipe.policies.planner import ModelDemand, PlannedInstance, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.signals import Sample
-from flexpipe.policies.shift.snapshot import ModelState, ShiftRecord, ShiftSnapshot
+from flexpipe.policies.shift.snapshot import (
+    ModelState,
+    ShiftRecord,
+    ShiftSnapshot,
+    instance_key,
+)
 from flexpipe.store import Store
 from flexpipe.store.instance_registry import InstanceRegistry
 from flexpipe.store.shift_entry import (
@@ -107,7 +114,7 @@ class Controller:
         gateway: GatewayClient,
         spec_of: Callable[[PlannedInstance, Cluster], EngineSpec],
         store: Store | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
         wall: Callable[[], float] = time.time,
         say: Callable[[str], None] = print,
     ) -> None:
@@ -184,6 +191,50 @@ class Controller:
         if self.registry.get(inst.store_id).state != state:
             self.registry.transition(inst.store_id, state)
 
+    async def _adopt(self, planned: Sequence[PlannedInstance]) -> None:
+        """Take over the live instances of the store's registry: those alive and healthy
+        that the plan has are adopted; the others are drained and stopped. Changes left
+        pending by the previous controller are closed as aborted, and the policy gets the
+        shift history back (cooldown and blacklist survive a restart)."""
+        if self.registry is None or self.shift_log is None:
+            return
+        for entry in self.shift_log.pending():
+            assert entry.id is not None
+            self.shift_log.update_outcome(
+                entry.id, outcome="aborted", error="the controller restarted mid-change"
+            )
+        self.history = list(self.shift_log.history())
+        records = self.registry.live_instances()
+        if not records:
+            return
+        ok = await reachable(records)
+        adopted, gone = self.registry.reconcile(ok, "not reachable after a controller restart")
+        for rec in gone:
+            stop_group(rec)
+        by_key = {_flat_key(p.model, p.gear.key(), p.gpu_ids): p for p in planned}
+        gateway = {i["url"] for i in await self.gateway.instances()}
+        for rec in adopted:
+            handle = AdoptedEngine(rec)
+            p = by_key.get(_flat_key(rec.model, parse_gear(rec.gear).key(), rec.gpu_ids))
+            if p is None:  # not in today's plan: drained, then stopped
+                with contextlib.suppress(GatewayError):
+                    await self.gateway.drain(rec.endpoint, self.cfg.drain_deadline_s)
+                    await self.gateway.remove(rec.endpoint)
+                await handle.stop()
+                self.registry.mark_gone(rec.id, "not in the plan after a controller restart")
+                continue
+            inst = LiveInstance(p, handle, rec.state.value, rec.id)
+            self.running[instance_key(p)] = inst
+            if rec.endpoint not in gateway:
+                await self.gateway.add(rec.endpoint, p.model, p.gear.max_num_seqs,
+                                       admin_token=self.cfg.engine_admin_token)  # fmt: skip
+            if rec.state is not State.ACTIVE:
+                self.registry.transition(rec.id, State.ACTIVE, reason="adopted")
+                inst.state = "active"
+        if self.running:
+            self.say(f"controller: adopted {len(self.running)} running instance(s)")
+        self._gauge()
+
     def _gauge(self) -> None:
         live = [(i.planned.model, State(i.state)) for i in self.running.values()]
         self.metrics.set_instances(live + self._gone[-1000:])
@@ -210,11 +261,13 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Serve the admin API, plan for the free GPUs and bring the plan up."""
+        """Serve the admin API, adopt what a previous controller left running, plan for the
+        free GPUs and bring up what the plan lacks."""
         self.server = await serve(self._app(), self.cfg.host, self.cfg.port)
         first = self._planner(self.cluster, self.cfg.demands)
         if not first.instances:
             raise RuntimeError("the planner found nothing to run on the free GPUs")
+        await self._adopt(first.instances)
         outcome = await self.executor.shift(
             self.cluster, self.running, first.instances, rehearse=False, all_or_nothing=False
         )
@@ -342,6 +395,7 @@ class Controller:
 
     async def _sample(self, now_s: float) -> None:
         instances = await self.gateway.instances()
+        await self._register_missing(instances)
         text = await self.gateway.metrics()
         queued = 0
         done: dict[str, float] = {}
@@ -364,6 +418,16 @@ class Controller:
                 self._rate_per_s[name] = max(0.0, done.get(name, 0.0) - before) / dt
         self._requests_seen = done
         self._last_sample_s = now_s
+
+    async def _register_missing(self, instances: Sequence[dict[str, Any]]) -> None:
+        """A gateway that restarted has lost its pool: give it the running instances back."""
+        known = {i["url"] for i in instances}
+        for inst in self.running.values():
+            if inst.state == "active" and inst.url not in known:
+                await self.gateway.add(inst.url, inst.planned.model,
+                                       inst.planned.gear.max_num_seqs,
+                                       admin_token=self.cfg.engine_admin_token)  # fmt: skip
+                self.say(f"controller: {inst.planned.name} registered again in the gateway")
 
     async def _reap_dead(self, now_s: float) -> None:
         """An engine that exited: out of the gateway (its streams continue elsewhere), out of
@@ -469,6 +533,11 @@ class Controller:
     async def _metrics(self, req: Request) -> Response:
         del req
         return Response(self.metrics.render(), content_type="text/plain; version=0.0.4")
+
+
+def _flat_key(model: str, gear_key: str, gpu_ids: Sequence[str]) -> str:
+    """Model, gear and GPUs in order: what a registry record and a planned instance share."""
+    return f"{model}|{gear_key}|{','.join(gpu_ids)}"
 
 
 def _utc_now() -> datetime:

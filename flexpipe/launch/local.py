@@ -21,7 +21,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
@@ -169,7 +169,11 @@ class LocalLauncher:
         sim_command: Sequence[str] = SIM_COMMAND,
         vllm_command: Sequence[str] = VLLM_COMMAND,
         env: dict[str, str] | None = None,
+        supervisor_pid: int | None = None,
     ) -> None:
+        """`supervisor_pid`: engines live as long as that process (through a guard,
+        flexpipe/launch/guard.py) instead of as long as this one — a controller under
+        `flexpipe up` may crash and be restarted while its engines serve on."""
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
         self.engine = engine
@@ -182,6 +186,7 @@ class LocalLauncher:
         self.sim_command = tuple(sim_command)
         self.vllm_command = tuple(vllm_command)
         self.env = env or {}
+        self.supervisor_pid = supervisor_pid
 
     def command(self, spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str]]:
         """The argv and environment for a spec (public so users can see what runs)."""
@@ -212,6 +217,11 @@ class LocalLauncher:
         log_path = self.log_dir / f"{_safe(spec.name)}-{port}.log"
         endpoint = f"http://{self.host}:{port}"
         started = time.monotonic()
+        preexec: Callable[[], None] | None = die_with_parent
+        if self.supervisor_pid is not None:
+            from flexpipe.launch.guard import guard_argv
+
+            argv, preexec = guard_argv(self.supervisor_pid, argv), None
         with open(log_path, "wb") as log:
             log.write(("$ " + " ".join(argv) + "\n").encode())
             log.flush()
@@ -223,7 +233,7 @@ class LocalLauncher:
                     stderr=asyncio.subprocess.STDOUT,
                     env=env,
                     start_new_session=True,  # own process group: stopped as a whole
-                    preexec_fn=die_with_parent,
+                    preexec_fn=preexec,
                 )
             except OSError as exc:
                 raise LaunchError(

@@ -1,0 +1,108 @@
+"""A restarted controller takes over the engines its predecessor left running (issue 9 §7):
+the store's registry says which instances were live; each one whose process group is alive
+and whose /health answers 200 is adopted as it is — no duplicate launch —, the others are
+marked gone (and whatever is left of their process groups is stopped)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+
+from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
+from flexpipe.store.instance_registry import InstanceRecord
+
+__all__ = ["AdoptedEngine", "reachable"]
+
+
+class AdoptedEngine:
+    """An engine another controller started (implements EngineHandle): known by its
+    endpoint and process group, stopped by signalling the group."""
+
+    def __init__(self, record: InstanceRecord, stop_grace_s: float = 10.0) -> None:
+        self._name = record.name
+        self._endpoint = record.endpoint
+        self.pgid = record.pgid or record.pid or 0
+        self._cold_start_s = record.cold_start_s or 0.0
+        self.stop_grace_s = stop_grace_s
+        self._stopped = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def pid(self) -> int:
+        return self.pgid
+
+    @property
+    def cold_start_s(self) -> float:
+        return self._cold_start_s
+
+    @property
+    def returncode(self) -> int | None:
+        """None while any process of its group lives (the exit status is not ours to see)."""
+        return None if _group_alive(self.pgid) else -1
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        _signal_group(self.pgid, signal.SIGTERM)
+        for _ in range(int(self.stop_grace_s / 0.05)):
+            if not _group_alive(self.pgid):
+                return
+            await asyncio.sleep(0.05)
+        _signal_group(self.pgid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    if pgid <= 0:
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    if pgid > 0:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+
+
+async def reachable(records: list[InstanceRecord], timeout_s: float = 3.0) -> set[int]:
+    """The ids of the records whose process group lives and whose engine is healthy."""
+    pool = ClientPool(max_idle_per_backend=1)
+
+    async def ok(rec: InstanceRecord) -> bool:
+        if not _group_alive(rec.pgid or rec.pid or 0):
+            return False
+        try:
+            resp = await pool.request(
+                rec.endpoint, "GET", "/health", b"", None, Timeouts(timeout_s, timeout_s, 1.0)
+            )
+            await resp.read()
+            resp.release()
+        except UpstreamError:
+            return False
+        return resp.status == 200
+
+    try:
+        flags = await asyncio.gather(*(ok(r) for r in records))
+    finally:
+        await pool.close()
+    return {r.id for r, good in zip(records, flags, strict=True) if good}
+
+
+def stop_group(record: InstanceRecord) -> None:
+    """What is left of a gone instance's processes."""
+    _signal_group(record.pgid or 0, signal.SIGKILL)
