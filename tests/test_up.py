@@ -30,10 +30,10 @@ models:
 """
 
 
-def engines_with(marker: str) -> list[int]:
+def engines_with(needle: str) -> list[int]:
     """The engines among them (under `up`, each engine runs under a guard process that ties
     it to `up`: flexpipe/launch/guard.py)."""
-    return [p for p in processes_with(marker) if b"flexpipe.launch.guard" not in _cmdline(p)]
+    return [p for p in processes_with(needle) if b"flexpipe.launch.guard" not in _cmdline(p)]
 
 
 def _cmdline(pid: int) -> bytes:
