@@ -342,19 +342,21 @@ class _Planner:
         return chosen
 
     def take_minimums(self, chosen: list[tuple[Candidate, list[Alternative]]]) -> None:
-        """Every model below its minimum takes its best candidate (value per GPU, then fewest
-        GPUs, then capacity), highest priority first, until it is at its minimum or nothing
-        of it fits the GPUs left."""
+        """Every model below its minimum takes a candidate, highest priority first, until it
+        is at its minimum or nothing of it fits the GPUs left: the fewest GPUs (a minimum is
+        about being served at all, and a small footprint leaves room for the next model's
+        minimum), then value per GPU, then capacity. The greedy, the local search and the LP
+        round then decide where the capacity goes."""
         order = sorted(range(len(self.demands)), key=lambda m: (-self.demands[m].priority, m))
         for m in order:
             while self.counts[m] < self.min_counts[m]:
-                best: tuple[tuple[float, int, float, int], Candidate, _NodeState] | None = None
+                best: tuple[tuple[int, float, float, int], Candidate, _NodeState] | None = None
                 for state in self.nodes.values():
                     self.generate(state)
                     for k, c in enumerate(state.candidates):
                         if c.model_index != m:
                             continue
-                        key = (-self.value(c), c.num_gpus, -c.capacity_requests_per_s, k)
+                        key = (c.num_gpus, -self.value(c), -c.capacity_requests_per_s, k)
                         if best is None or key < best[0]:
                             best = (key, c, state)
                 if best is None:
