@@ -164,6 +164,9 @@ def test_unchanged_cluster_returns_the_running_plan_exactly(
     assert again.instances == running.instances
     assert statuses(again) == {i.name: "kept" for i in running.instances}
     assert again.stopped == () and again.new == ()
+    assert again.weighted_goodput_per_s == running.weighted_goodput_per_s
+    # The shift policy holds the running instances, not a Plan: the same answer.
+    assert plan(cluster, [seed_demand], running=running.instances).instances == running.instances
 
 
 def test_tenant_leaving_gpu1_replaces_only_the_tp2_instance(
@@ -220,7 +223,7 @@ def test_a_running_instance_that_no_longer_fits_is_stopped(
     assert st["llama-7b-0"] == "stopped" and st["llama-7b-1"] == st["llama-7b-2"] == "kept"
     reason = next(c.reason for c in after.changes if c.name == "llama-7b-0")
     assert reason.startswith("no longer fits: ")
-    assert all("llama-7b-0" != i.name for i in after.instances)
+    assert all(i.name != "llama-7b-0" for i in after.instances)
     assert "gpu2" in {g for i in after.new for g in i.gpu_ids}
 
 

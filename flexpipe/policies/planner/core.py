@@ -591,15 +591,16 @@ def plan(
     cluster: Cluster,
     demands: Sequence[ModelDemand],
     performance: GearPerformance | None = None,
-    running: Plan | None = None,
+    running: Plan | Sequence[PlannedInstance] | None = None,
     config: PlannerConfig | None = None,
     now_s: float = 0.0,
     efficiency: Efficiency | None = None,
 ) -> Plan:
     """Plan instances for `demands` on `cluster`'s free GPUs at time `now_s`. With `running`
-    (the plan the cluster runs now; `cluster` shows its GPUs as free to us), instances of it
-    that still fit are kept unless replacing them gains more than `config.replace_margin`, and
-    the plan's `changes` say per instance whether it is kept, new or stopped."""
+    (the plan the cluster runs now, or its instances; `cluster` shows its GPUs as free to
+    us), instances of it that still fit are kept unless replacing them gains more than
+    `config.replace_margin`, and the plan's `changes` say per instance whether it is kept, new
+    or stopped."""
     config = config or PlannerConfig()
     demands = tuple(demands)
     names = [d.name for d in demands]
@@ -609,6 +610,8 @@ def plan(
     planner, chosen, notes = _fresh(cluster, demands, performance, config, now_s, efficiency)
     if running is None:
         return _assemble(planner, chosen, notes, {}, {}, [])
+    if not isinstance(running, Plan):
+        running = Plan(tuple(running), ())
     return _sticky(
         cluster, demands, performance, config, now_s, efficiency, planner, chosen, notes, running
     )
