@@ -238,3 +238,21 @@ def test_a_model_no_longer_listed_is_stopped_and_its_gpus_reused(
         "llama-7b is no longer among the models"
     }
     assert placed(after) == {k.replace("llama-7b", "other"): v for k, v in placed(running).items()}
+
+
+def test_a_gpu_reclaimed_soon_stops_its_instance_and_the_diff_is_json(
+    cluster: Cluster, seed_demand: ModelDemand
+) -> None:
+    """gpu3 is free only 500 s more (< min_lease_s): its instance is stopped, the others
+    kept; `to_dict` carries the diff for `flexpipe plan --json` and the controller."""
+    running = plan(cluster, [seed_demand])
+    leased = cluster.with_gpu("gpu3", free_until_s=600.0)
+    after = plan(leased, [seed_demand], running=running, now_s=100.0)
+    doc = after.to_dict()
+    assert doc["changes"] == [
+        {"name": "llama-7b-0", "status": "kept", "reason": doc["changes"][0]["reason"]},
+        {"name": "llama-7b-2", "status": "kept", "reason": doc["changes"][1]["reason"]},
+        {"name": "llama-7b-1", "status": "stopped", "reason": "gpu3 no longer usable"},
+    ]
+    assert doc["stopped"] == ["llama-7b-1"]
+    assert after.status_of("llama-7b-1") == "stopped"
