@@ -256,3 +256,35 @@ def test_a_gpu_reclaimed_soon_stops_its_instance_and_the_diff_is_json(
     ]
     assert doc["stopped"] == ["llama-7b-1"]
     assert after.status_of("llama-7b-1") == "stopped"
+
+
+def test_more_demand_fills_free_gpus_and_regroups_where_it_pays_less_drops_nothing(
+    cluster: Cluster, seed_demand: ModelDemand
+) -> None:
+    """At 0.5 req/s one instance on gpu2 serves it all. At 8 req/s the re-plan starts
+    instances on the GPUs it left free (no margin: nothing runs there), and replaces the gpu2
+    instance by the tp=2 pair, since the pair serves 0.436 req/s more than gpu2 and gpu1 apart
+    (above 2% of the 1.98 req/s the gpu2 instance serves). Back at 0.5 req/s nothing is
+    stopped: the planner never drops a running instance only to save GPUs (the shift policy's
+    `shrink` does that)."""
+    low = replace(seed_demand, request_rate_per_s=0.5)
+    small = plan(cluster, [low])
+    assert placed(small) == {"llama-7b-0": ("gpu2",)}
+    grown = plan(cluster, [seed_demand], running=small)
+    assert placed(grown) == {
+        "llama-7b-1": ("gpu3",),
+        "llama-7b-2": ("gpu0",),
+        "llama-7b-3": ("gpu1", "gpu2"),
+    }
+    assert [(c.name, c.status, c.reason) for c in grown.changes] == [
+        ("llama-7b-1", "new", "on GPUs the running plan left"),
+        ("llama-7b-2", "new", "on GPUs the running plan left"),
+        (
+            "llama-7b-3",
+            "new",
+            "replaces running instances: +0.436 weighted req/s > margin 0.02 x 1.98 served",
+        ),
+        ("llama-7b-0", "stopped", "replaced: +0.436 weighted req/s > margin 0.02 x 1.98 served"),
+    ]
+    shrunk = plan(cluster, [low], running=grown)
+    assert statuses(shrunk) == {i.name: "kept" for i in grown.instances}
