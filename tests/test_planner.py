@@ -200,11 +200,12 @@ GAP_DEMANDS = {
 
 
 def _gap(cluster: Cluster, ds: list[ModelDemand]) -> float:
+    """The gap in the objective both optimise: priority-weighted SLO-meeting requests/s."""
     greedy = plan(cluster, ds)
     exact = solve_exact(all_candidates(cluster, ds, max_gpus=16), ds)
-    assert greedy.goodput_tokens_per_s <= exact.goodput_tokens_per_s * (1 + 1e-6)
+    assert greedy.weighted_goodput_per_s <= exact.objective * (1 + 1e-6)
     assert_sound(cluster, greedy)
-    return 1 - greedy.goodput_tokens_per_s / max(exact.goodput_tokens_per_s, 1e-9)
+    return 1 - greedy.weighted_goodput_per_s / max(exact.objective, 1e-9)
 
 
 @pytest.mark.parametrize("which", sorted(GAP_DEMANDS))
@@ -340,21 +341,24 @@ def test_cli_plan_reads_measured_rows_from_the_store(tmp_path: Path) -> None:
 
 
 def test_lp_round_gives_contended_gpus_to_the_model_that_needs_them() -> None:
-    """128 GPUs, four models: value per GPU lets the 8B cover itself on H100s and leaves L4s
-    idle; the LP round moves the 8B to the L4s and the H100s to Mixtral (docs/planner.md)."""
-    cluster = generate_cluster(16, 8, seed=1)
+    """128 GPUs, four models: value per GPU lets the 8B cover itself on the fast GPUs and
+    leaves the slow ones idle while Mixtral and the 14B are short; the LP round (iterative
+    rounding) puts the 8B on L4/L40S/4090s and comes within 1% of its bound (docs/planner.md)."""
+    cluster = generate_cluster(16, 8, seed=2)
     p = plan(cluster, FOUR)
     assert_sound(cluster, p)
     greedy_note, lp_note = p.notes
     greedy = float(greedy_note.split("goodput ")[1].split(" ")[0])
-    assert lp_note.endswith("; chosen") and "bound" in lp_note
+    bound = float(lp_note.split("bound ")[1].split(" ")[0])
+    assert lp_note.endswith("; chosen")
     print(p.notes)
-    assert p.goodput_tokens_per_s > 1.04 * greedy
+    assert p.weighted_goodput_per_s > 1.05 * greedy
+    assert p.weighted_goodput_per_s >= 0.99 * bound
     lp_chosen = [i for i in p.instances if "LP relaxation" in i.why]
     assert lp_chosen and all("LP relaxation" in a.reason for a in lp_chosen[0].alternatives[:1])
-    on_l4 = [i for i in p.instances if cluster.gpu(i.gpu_ids[0]).type == "L4"]
-    assert {i.model for i in on_l4} == {"llama-8b-chat"}
-    assert sum(i.num_gpus for i in on_l4) >= 10
+    slow = [i for i in p.instances if cluster.gpu(i.gpu_ids[0]).type in ("L4", "L40S")]
+    assert {i.model for i in slow} == {"llama-8b-chat"}
+    assert sum(i.num_gpus for i in slow) >= 20
 
 
 def test_without_the_lp_solver_the_greedy_plan_stands(monkeypatch: pytest.MonkeyPatch) -> None:

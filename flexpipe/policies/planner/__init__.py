@@ -1,8 +1,10 @@
 """The topology-aware planner (pure): which instances to run on the free GPUs now.
 
-See docs/planner.md. `plan(cluster, demands)` returns a `Plan`; speed comes from a
-`GearPerformance` (flexpipe.gears.lookup.GearLookup: the gear table over the performance
-model's prior).
+See docs/planner.md. `plan(cluster, demands, running=...)` returns a `Plan` that maximises
+priority-weighted goodput (SLO-meeting requests/s x priority) with every model at its
+minimum where the GPUs allow, keeping the running plan's instances unless replacing them
+pays; speed comes from a `GearPerformance` (flexpipe.gears.lookup.GearLookup: the gear table
+over the performance model's prior).
 """
 
 from flexpipe.policies.planner.core import plan, single_group_baseline, usable_gpus
@@ -11,6 +13,7 @@ from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.types import (
     Alternative,
     Baseline,
+    InstanceChange,
     ModelDemand,
     ModelOutcome,
     Plan,
@@ -24,6 +27,7 @@ __all__ = [
     "Alternative",
     "Baseline",
     "GearPerformance",
+    "InstanceChange",
     "ModelDemand",
     "ModelOutcome",
     "ModelsFileError",

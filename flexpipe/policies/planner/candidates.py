@@ -293,6 +293,68 @@ class Evaluator:
             max_concurrency=max_concurrency,
         )
 
+    def evaluate_as_is(
+        self, m: int, stages: tuple[tuple[str, ...], ...], gear: Gear, layers: tuple[int, ...]
+    ) -> Candidate | Rejection:
+        """A running instance on the GPUs as they are now, unchanged (its gear, its batch, its
+        layer split): a Candidate when it still fits (memory plan, KV for its batch, SLOs at
+        its batch), else why not. Not cached: called once per running instance."""
+        spec = self.specs[m]
+        demand = self.demands[m]
+        flat = [g for s in stages for g in s]
+        if any(g not in self._free for g in flat):
+            missing = ", ".join(g for g in flat if g not in self._free)
+            return Rejection(m, stages, gear, f"{missing} no longer in the cluster")
+        if spec.num_heads % gear.tp or len(stages) != gear.pp or sum(layers) != spec.num_layers:
+            return Rejection(m, stages, gear, "gear and stages do not match the model")
+        try:
+            placement = placement_on(self.cluster, stages, spec.num_layers, layers)
+        except ValueError as exc:
+            return Rejection(m, stages, gear, str(exc))
+        model_len = demand.max_model_len or min(
+            spec.max_position_embeddings, self.efficiency.default_max_model_len
+        )
+        # The memory plan as `evaluate` makes it (at the ladder's top), so that an unchanged
+        # instance on unchanged GPUs comes out exactly as it was planned.
+        mem = memory_plan(
+            spec,
+            replace(gear, max_num_seqs=max(self._ladder)),
+            placement,
+            self.efficiency,
+            self.config.gpu_memory_utilization,
+            model_len,
+        )
+        if not mem.feasible:
+            return Rejection(m, stages, gear, mem.reason or "does not fit", memory=True)
+        context = demand.input_tokens + demand.output_tokens
+        max_concurrency = mem.max_batch(context)
+        if max_concurrency < gear.max_num_seqs:
+            reason = (
+                f"KV for {context}-token sequences fits only {max_concurrency} at once "
+                f"(batch {gear.max_num_seqs})"
+            )
+            return Rejection(m, stages, gear, reason, memory=True)
+        query = GearQuery.of(spec, gear, placement)
+        try:
+            est = self.performance.estimate(query, demand.workload)
+        except InfeasibleGear as exc:
+            return Rejection(m, stages, gear, str(exc))
+        slo = demand.slo
+        if est.tpot_s > slo.tpot_p99_s or est.ttft_s > slo.ttft_p99_s:
+            return Rejection(m, stages, gear, _slo_miss(est, slo.tpot_p99_s, slo.ttft_p99_s))
+        util = self.config.target_utilization
+        return Candidate(
+            model_index=m,
+            stages=stages,
+            gear=gear,
+            layers_per_stage=layers,
+            estimate=est,
+            capacity_tokens_per_s=est.output_tokens_per_s * util,
+            capacity_requests_per_s=est.requests_per_s * util,
+            kv_capacity_tokens=mem.kv_capacity_tokens,
+            max_concurrency=max_concurrency,
+        )
+
     def tp_link(self, ids: tuple[str, ...]) -> LinkSpec | None:
         if len(ids) < 2:
             return None

@@ -8,6 +8,8 @@ models:
     slo: {ttft_p99_ms: 1000, tpot_p99_ms: 60}
     dtypes: [bf16]            # optional; precisions the owner accepts
     max_model_len: 4096       # optional
+    priority: 2               # optional (default 1): weight of its requests in the objective
+    min_instances: 1          # optional (default 0): never fewer when the GPUs allow it
 ```
 
 `parse_models` validates a parsed document (pure); reading the file is the caller's job.
@@ -23,7 +25,16 @@ from flexpipe.precision import PrecisionError, precision
 
 __all__ = ["ModelsFileError", "parse_models"]
 
-_MODEL_KEYS = {"name", "model", "demand", "slo", "dtypes", "max_model_len"}
+_MODEL_KEYS = {
+    "name",
+    "model",
+    "demand",
+    "slo",
+    "dtypes",
+    "max_model_len",
+    "priority",
+    "min_instances",
+}
 _DEMAND_KEYS = {"request_rate_per_s", "input_tokens", "output_tokens"}
 _SLO_KEYS = {"ttft_p99_ms", "tpot_p99_ms"}
 
@@ -117,6 +128,16 @@ def parse_models(doc: object, source: str = "<models>") -> tuple[ModelDemand, ..
             isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1
         ):
             errors.append(f"{place}.max_model_len: expected a positive integer")
+        priority = item.get("priority", 1)
+        if isinstance(priority, bool) or not isinstance(priority, int | float) or priority <= 0:
+            errors.append(f"{place}.priority: expected a positive number, got {priority!r}")
+        min_instances = item.get("min_instances", 0)
+        if (
+            isinstance(min_instances, bool)
+            or not isinstance(min_instances, int)
+            or min_instances < 0
+        ):
+            errors.append(f"{place}.min_instances: expected an integer >= 0, got {min_instances!r}")
         if len(errors) > ok:
             continue
         assert isinstance(name, str) and isinstance(model, str)
@@ -130,6 +151,8 @@ def parse_models(doc: object, source: str = "<models>") -> tuple[ModelDemand, ..
                 slo=Slo(ttft_p99_s=ttft / 1e3, tpot_p99_s=tpot / 1e3),
                 dtypes=tuple(dtypes),
                 max_model_len=max_len,
+                priority=float(priority),
+                min_instances=min_instances,
             )
         )
     if errors:

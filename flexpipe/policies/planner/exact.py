@@ -5,10 +5,13 @@ never by the planner itself (highspy is a dev dependency). Candidates are a supe
 greedy's: every TP group inside every fast domain (all subsets, not just the best), and every
 ordered pipeline chain of disjoint groups up to `max_pp` stages, across nodes too.
 
-ILP (HiGHS, branch and bound; see docs/planner.md for why HiGHS):
+ILP (HiGHS, branch and bound; see docs/planner.md for why HiGHS): the planner's own program
+(relaxation.build_program: priority-weighted SLO-meeting requests/s, minimums, one instance per
+GPU) with x integral, so the gap the tests measure is a gap in the objective the planner
+optimises:
 
-    maximise   sum_m s_m  -  eps * sum_c gpus_c x_c
-    subject to s_m <= demand_m,   s_m <= sum_{c of m} capacity_c x_c
+    maximise   sum_m p_m s_m  -  eps * sum_c gpus_c x_c
+    subject to s_m <= rate_m,   s_m <= sum_{c of m} cap_c x_c,   sum_{c of m} x_c >= min_m
                sum_{c using g} x_c <= 1             for every GPU g
                x_c in {0, 1},  s_m >= 0
 """
@@ -26,19 +29,19 @@ from flexpipe.perf import Efficiency
 from flexpipe.policies.planner.candidates import Candidate, Evaluator
 from flexpipe.policies.planner.core import usable_gpus
 from flexpipe.policies.planner.performance import GearPerformance
-from flexpipe.policies.planner.relaxation import quiet_highs
+from flexpipe.policies.planner.relaxation import build_program, mark_integral
 from flexpipe.policies.planner.types import ModelDemand, PlannerConfig
 
 __all__ = ["ExactResult", "all_candidates", "node_pool_candidates", "solve_exact"]
 
 _TP_SIZES = (1, 2, 4, 8)
-# Tie-break weight per GPU, relative to one token/s: "fewest GPUs" without trading goodput.
-_GPU_EPS = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
 class ExactResult:
-    goodput_tokens_per_s: float
+    objective: float  # sum_m priority_m x served requests/s: compare with Plan.weighted_goodput
+    served_requests_per_s: tuple[float, ...]  # per model
+    goodput_tokens_per_s: float  # served requests x output tokens, summed (for reports)
     num_gpus: int
     chosen: tuple[Candidate, ...]
     num_candidates: int
@@ -94,49 +97,31 @@ def all_candidates(
     return out
 
 
-def solve_exact(candidates: Sequence[Candidate], demands: Sequence[ModelDemand]) -> ExactResult:
-    """The ILP optimum over `candidates` (HiGHS)."""
+def solve_exact(
+    candidates: Sequence[Candidate],
+    demands: Sequence[ModelDemand],
+    min_counts: Sequence[int] | None = None,
+) -> ExactResult:
+    """The ILP optimum over `candidates` (HiGHS). `min_counts` as in `build_program` (default:
+    every demand's `min_instances`); raises ValueError when the minimums cannot all be met."""
     import highspy
-    import numpy as np
 
-    h = quiet_highs(highspy)
-    h.setOptionValue("mip_rel_gap", 1e-9)
-    inf = highspy.kHighsInf
+    demands = tuple(demands)
     num_c = len(candidates)
-    for c in candidates:
-        h.addCol(-_GPU_EPS * c.num_gpus, 0.0, 1.0, 0, np.array([], np.int32), np.array([]))
-    for d in demands:
-        h.addCol(1.0, 0.0, d.demand_tokens_per_s, 0, np.array([], np.int32), np.array([]))
-    if num_c:
-        h.changeColsIntegrality(
-            num_c,
-            np.arange(num_c, dtype=np.int32),
-            np.array([highspy.HighsVarType.kInteger] * num_c),
-        )
-    # s_m - sum capacity_c x_c <= 0
-    for m in range(len(demands)):
-        idx = [j for j, c in enumerate(candidates) if c.model_index == m]
-        vals = [-candidates[j].capacity_tokens_per_s for j in idx]
-        h.addRow(
-            -inf,
-            0.0,
-            len(idx) + 1,
-            np.array([*idx, num_c + m], np.int32),
-            np.array([*vals, 1.0]),
-        )
-    by_gpu: dict[str, list[int]] = {}
-    for j, c in enumerate(candidates):
-        for g in c.gpu_ids:
-            by_gpu.setdefault(g, []).append(j)
-    for idx in by_gpu.values():
-        h.addRow(-inf, 1.0, len(idx), np.array(idx, np.int32), np.ones(len(idx)))
-    h.changeObjectiveSense(highspy.ObjSense.kMaximize)
+    h = build_program(highspy, candidates, demands, min_counts)
+    h.setOptionValue("mip_rel_gap", 1e-9)
+    mark_integral(highspy, h, num_c)
     h.run()
-    values = list(h.getSolution().col_value)
+    solution = h.getSolution()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal or not solution.value_valid:
+        raise ValueError(f"no optimum: {h.modelStatusToString(h.getModelStatus())}")
+    values = list(solution.col_value)
     chosen = tuple(c for j, c in enumerate(candidates) if values[j] > 0.5)
-    goodput = sum(values[num_c + m] for m in range(len(demands)))
+    served = tuple(max(0.0, v) for v in values[num_c:])
     return ExactResult(
-        goodput_tokens_per_s=goodput,
+        objective=sum(d.priority * s for d, s in zip(demands, served, strict=True)),
+        served_requests_per_s=served,
+        goodput_tokens_per_s=sum(d.output_tokens * s for d, s in zip(demands, served, strict=True)),
         num_gpus=sum(c.num_gpus for c in chosen),
         chosen=chosen,
         num_candidates=num_c,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from flexpipe.gears.gear import Gear
 from flexpipe.gears.lookup import GearEstimate
@@ -13,6 +13,7 @@ from flexpipe.perf.steady_state import Workload
 __all__ = [
     "Alternative",
     "Baseline",
+    "InstanceChange",
     "ModelDemand",
     "ModelOutcome",
     "Plan",
@@ -45,10 +46,19 @@ class ModelDemand:
     slo: Slo
     dtypes: tuple[str, ...] = ("bf16",)  # precisions the owner accepts (quality)
     max_model_len: int | None = None  # context the engines are launched with
+    # Weight of one of its SLO-meeting requests in the objective (seed 004: a customer-facing
+    # model outranks an internal one). 2 means one of its requests counts as two of a 1's.
+    priority: float = 1.0
+    # Never fewer instances when the GPUs allow it, demand or not (0: may scale to zero).
+    min_instances: int = 0
 
     def __post_init__(self) -> None:
         if self.request_rate_per_s < 0:
             raise ValueError(f"{self.name}: request_rate_per_s must be >= 0")
+        if not self.priority > 0:
+            raise ValueError(f"{self.name}: priority must be > 0")
+        if self.min_instances < 0:
+            raise ValueError(f"{self.name}: min_instances must be >= 0")
         if self.input_tokens < 1 or self.output_tokens < 1:
             raise ValueError(f"{self.name}: input_tokens and output_tokens must be >= 1")
         if not self.dtypes:
@@ -91,10 +101,17 @@ class PlannerConfig:
     # `price_step` while others are short (docs/planner.md).
     price_rounds: int = 1
     price_step: float = 0.5
+    # Stickiness (`plan(..., running=...)`): a running instance that still fits its GPUs is
+    # replaced only when the switch raises the plan's priority-weighted goodput by more than
+    # this fraction of what the replaced instances serve now (the shift policy's resource
+    # trigger asks 2% of the running plan's goodput too, and prices the move itself).
+    replace_margin: float = 0.02
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= 1:
             raise ValueError("target_utilization must be in (0, 1]")
+        if self.replace_margin < 0:
+            raise ValueError("replace_margin must be >= 0")
         if self.max_pp < 1 or not self.batch_ladder or min(self.batch_ladder) < 1:
             raise ValueError("max_pp and batch sizes must be >= 1")
 
@@ -139,14 +156,41 @@ class PlannedInstance:
 class ModelOutcome:
     name: str
     demand_tokens_per_s: float
-    served_tokens_per_s: float  # min(demand, SLO-meeting capacity)
+    served_tokens_per_s: float  # served requests/s x output tokens
     capacity_tokens_per_s: float
     num_instances: int
     num_gpus: int
+    priority: float = 1.0
+    min_instances: int = 0
+    demand_requests_per_s: float = 0.0
+    served_requests_per_s: float = 0.0  # min(demand, SLO-meeting capacity): goodput
+    capacity_requests_per_s: float = 0.0
 
     @property
     def covered(self) -> bool:
-        return self.served_tokens_per_s >= self.demand_tokens_per_s * (1 - 1e-9)
+        return self.served_requests_per_s >= self.demand_requests_per_s * (1 - 1e-9)
+
+    @property
+    def weighted_goodput_per_s(self) -> float:
+        """This model's term of the objective: priority x SLO-meeting requests/s."""
+        return self.priority * self.served_requests_per_s
+
+    @property
+    def below_minimum(self) -> bool:
+        return self.num_instances < self.min_instances
+
+
+ChangeStatus = Literal["kept", "new", "stopped"]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceChange:
+    """One line of the diff from the running plan (`plan(..., running=...)`) to this one:
+    what the controller does with the instance called `name`."""
+
+    name: str
+    status: ChangeStatus  # kept: leave it running; new: start it; stopped: drain and stop it
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +217,41 @@ class Plan:
     unused: tuple[UnusedGpu, ...] = ()
     baselines: tuple[Baseline, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    # The diff from the running plan: one entry per instance of this plan (kept or new) and
+    # per running instance it stops, in that order. Without a running plan, all are new.
+    changes: tuple[InstanceChange, ...] = ()
+    stopped: tuple[PlannedInstance, ...] = ()  # running instances this plan does not keep
+
+    @property
+    def weighted_goodput_per_s(self) -> float:
+        """The objective: sum over models of priority x SLO-meeting requests/s."""
+        return sum(m.weighted_goodput_per_s for m in self.models)
+
+    @property
+    def goodput_requests_per_s(self) -> float:
+        """SLO-meeting requests/s of the demand, unweighted."""
+        return sum(m.served_requests_per_s for m in self.models)
 
     @property
     def goodput_tokens_per_s(self) -> float:
-        """SLO-meeting output tokens/s of the demand: sum over models of min(demand, capacity)."""
+        """SLO-meeting output tokens/s of the demand (served requests x output tokens)."""
         return sum(m.served_tokens_per_s for m in self.models)
+
+    def status_of(self, name: str) -> ChangeStatus:
+        for c in self.changes:
+            if c.name == name:
+                return c.status
+        raise KeyError(name)
+
+    @property
+    def kept(self) -> tuple[PlannedInstance, ...]:
+        keep = {c.name for c in self.changes if c.status == "kept"}
+        return tuple(i for i in self.instances if i.name in keep)
+
+    @property
+    def new(self) -> tuple[PlannedInstance, ...]:
+        keep = {c.name for c in self.changes if c.status == "kept"}
+        return tuple(i for i in self.instances if i.name not in keep)
 
     @property
     def capacity_tokens_per_s(self) -> float:
@@ -193,11 +267,18 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (`flexpipe plan --json`)."""
         return {
+            "weighted_goodput_per_s": self.weighted_goodput_per_s,
+            "goodput_requests_per_s": self.goodput_requests_per_s,
             "goodput_tokens_per_s": self.goodput_tokens_per_s,
             "num_gpus": self.num_gpus,
             "models": [
                 {
                     "name": m.name,
+                    "priority": m.priority,
+                    "min_instances": m.min_instances,
+                    "demand_requests_per_s": m.demand_requests_per_s,
+                    "served_requests_per_s": m.served_requests_per_s,
+                    "capacity_requests_per_s": m.capacity_requests_per_s,
                     "demand_tokens_per_s": m.demand_tokens_per_s,
                     "served_tokens_per_s": m.served_tokens_per_s,
                     "capacity_tokens_per_s": m.capacity_tokens_per_s,
@@ -241,6 +322,10 @@ class Plan:
                 }
                 for i in self.instances
             ],
+            "changes": [
+                {"name": c.name, "status": c.status, "reason": c.reason} for c in self.changes
+            ],
+            "stopped": [i.name for i in self.stopped],
             "unused": [{"gpu_id": u.gpu_id, "reason": u.reason} for u in self.unused],
             "baselines": [
                 {

@@ -82,14 +82,17 @@ def priority_first(
     for i in kept:
         served[i.model] = served.get(i.model, 0.0) + capacity(i)
     by_name = {d.name: d for d in demands}
+    num_kept = {m.name: sum(1 for i in kept if i.model == m.name) for m in models}
     chosen: list[PlannedInstance] = list(kept)
     for p in priorities:
+        # The planner honours a demand's own min_instances: count the kept ones against it.
         tier = tuple(
             replace(
                 by_name[m.name],
                 request_rate_per_s=max(
                     0.0, by_name[m.name].request_rate_per_s - served.get(m.name, 0.0)
                 ),
+                min_instances=max(0, by_name[m.name].min_instances - num_kept[m.name]),
             )
             for m in models
             if m.priority == p
