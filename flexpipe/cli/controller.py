@@ -115,7 +115,6 @@ def controller(
             engine_admin_token=_secret(None, engine_token_file, "FLEXPIPE_ENGINE_TOKEN")
             or secrets.token_urlsafe(16),
             engine_kind=engine,
-            priorities={d.name: float(getattr(d, "priority", 1.0)) for d in demands},
             shift=params,
         )
         st = Store(store)

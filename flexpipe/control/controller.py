@@ -60,7 +60,7 @@ from flexpipe.http.server import (
     serve,
 )
 from flexpipe.launch import EngineSpec, Launcher
-from flexpipe.policies.planner import ModelDemand, PlannedInstance, plan
+from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.signals import Sample
@@ -100,8 +100,9 @@ class ControllerConfig:
     time_scale: float = 1.0  # sim engines: wall seconds per modelled second
     engine_admin_token: str | None = None  # given to engines it starts (KV moves)
     engine_kind: str = "sim"
-    priorities: dict[str, float] = field(default_factory=dict)
-    min_instances: dict[str, int] = field(default_factory=dict)
+    # The floor under every model's min_instances: scaling to zero needs the gateway to hold
+    # requests while an instance cold-starts, which it does not do yet.
+    min_instances_floor: int = 1
     shift: ShiftParams = field(default_factory=ShiftParams)
     seed: int = 0
 
@@ -164,8 +165,13 @@ class Controller:
         """The GPUs as free for us now (other tenants' memory used, ours not)."""
         return self.resources.effective
 
-    def _planner(self, cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0) -> Any:
-        return plan(cluster, demands, self.performance, now_s=now_s)
+    def _planner(
+        self, cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0
+    ) -> Plan:
+        """The planner with the gear table and the running plan (kept unless replacing it
+        pays); the policy's candidates come from it too."""
+        running = [i.planned for i in self.running.values()]
+        return plan(cluster, demands, self.performance, running=running or None, now_s=now_s)
 
     def _on_state(self, inst: LiveInstance, state: str) -> None:
         p = inst.planned
@@ -388,8 +394,8 @@ class Controller:
         return ModelState(
             dataclasses.replace(demand, request_rate_per_s=max(rate, 1e-3)),
             tuple(self.samples[demand.name][-20:]),
-            priority=self.cfg.priorities.get(demand.name, 1.0),
-            min_instances=self.cfg.min_instances.get(demand.name, 1),
+            priority=demand.priority,
+            min_instances=max(self.cfg.min_instances_floor, demand.min_instances),
             expected_request_rate_per_s=None,
         )
 
