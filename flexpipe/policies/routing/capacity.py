@@ -17,9 +17,12 @@ request to queue behind an instance while another has a free slot ("spill before
 Tier 1 is ordered by the expected wait for a slot (`queue_wait`): requests ahead beyond the
 slots, over slots x measured per-sequence speed.
 
-Equalising `utilization` ((in flight + 1) / capacity) keeps each instance's in-flight count in
-proportion to its slots; by Little's law its share of requests is then in proportion to slots
-x per-sequence speed: its token throughput.
+Equalising `utilization` ((in flight + 1/2) / capacity) keeps each instance's in-flight count
+in proportion to its slots; by Little's law its share of requests is then in proportion to
+slots x per-sequence speed: its token throughput. The half is Sainte-Laguë's divisor: it
+apportions requests to capacities without favouring large instances (+1, d'Hondt: a 2-slot
+instance would get a request only once the others were half full) or small ones (+0: it would
+get the second request of an idle pool).
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ def capacity(v: InstanceView) -> float:
 
 
 def utilization(v: InstanceView) -> float:
-    """The share of its capacity in use if it took this request."""
-    return (v.num_in_flight + 1) / capacity(v)
+    """The share of its capacity in use, this request counted half (Sainte-Laguë)."""
+    return (v.num_in_flight + 0.5) / capacity(v)
 
 
 def has_free_slot(v: InstanceView, snapshot: RoutingSnapshot, now: float) -> bool:
