@@ -508,7 +508,10 @@ def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
     for seed in seeds:
         prompts = make_workload(seed, args.num_requests)
         bodies = [body_for(p, 24, True) for p in prompts]
-        for name in names:
+        runs = [(n, None) for n in names]
+        if args.baseline:  # the same flexpipe variants from another checkout, side by side
+            runs += [(n, args.baseline) for n in names if QUALITY_VARIANTS[n][0] == "flexpipe"]
+        for name, tree in runs:
             kind, policy, params = QUALITY_VARIANTS[name]
             if kind != "flexpipe" and not have[kind]:
                 continue
@@ -519,12 +522,13 @@ def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
             procs = Procs()
             try:
                 engines = procs.engines(3, 1.0, ["A100-80G-SXM", "A100-80G-SXM", "L4"])
-                gw = procs.gateway(kind, engines, policy, config)
+                gw = procs.gateway(kind, engines, policy, config, tree)
                 h0, q0 = engine_prefix_counts(engines)
                 s = measured(procs, gw, open_loop(gw, bodies, args.rate, seed))
                 h1, q1 = engine_prefix_counts(engines)
                 hit = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
-                row = {"bench": "quality", "variant": name, "seed": seed, "rate": args.rate,
+                variant = name if tree is None else f"{name} (baseline)"
+                row = {"bench": "quality", "variant": variant, "seed": seed, "rate": args.rate,
                        "prefix_hit_rate": round(hit, 3), **s}  # fmt: skip
                 rows.append(emit(row))
             finally:
