@@ -385,3 +385,26 @@ def test_composite_prefix_never_outweighs_a_queue() -> None:
         block_hashes=(1, 2, 3, 4),
     )
     assert p.choose(s, NOW, rng()).ranked == ("cold", "cached")
+
+
+def test_prefix_affinity_guard_weighs_work_per_sequence_not_per_slot() -> None:
+    """Many free slots do not make a growing batch free: 20 requests' work on the cached
+    instance against none elsewhere is an imbalance whatever the slots (without it every
+    session funnels onto the instance that first saw its system prompt)."""
+    p = create_policy("prefix_affinity")
+    s = snap(
+        view("cached", num_slots=256, max_concurrency=256, num_in_flight=20,
+             num_queued_tokens=12_000, speed_tokens_per_s=100, num_prefix_blocks_matched=4),
+        view("idle", num_slots=256, max_concurrency=256, speed_tokens_per_s=100),
+        block_hashes=(1, 2, 3, 4), num_prompt_tokens=500, num_expected_output_tokens=100,
+    )  # fmt: skip
+    d = p.choose(s, NOW, rng())
+    assert (d.best, d.reason) == ("idle", "imbalance")  # (12000 + 300) / 100 s against 3 s
+    light = snap(
+        view("cached", num_slots=256, max_concurrency=256, num_in_flight=1,
+             num_queued_tokens=100, speed_tokens_per_s=100, num_prefix_blocks_matched=4),
+        view("idle", num_slots=256, max_concurrency=256, speed_tokens_per_s=100),
+        block_hashes=(1, 2, 3, 4), num_prompt_tokens=500, num_expected_output_tokens=100,
+    )  # fmt: skip
+    d = p.choose(light, NOW, rng())
+    assert (d.best, d.reason) == ("cached", "prefix_hit")  # 4 s against 3 s

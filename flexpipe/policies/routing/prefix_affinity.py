@@ -3,9 +3,12 @@
 - Seen prefix: the instance with the longest matched prefix (from the prefix index, via
   `InstanceView.num_prefix_blocks_matched`), ties to the lower least_load cost, if it has a
   free slot (else `spill` to least_load: a cached prefix never outweighs a queue) and passes the
-  imbalance guard: if its cost exceeds the cheapest instance's by more than
-  `imbalance_ratio` times and `imbalance_abs_s` seconds of work, least_load decides
-  (`imbalance`; SGLang's cache-aware router does the same with request counts).
+  imbalance guard: if its work ahead per sequence (least_load's cost x slots: the tokens its
+  batch has to get through, over per-sequence speed) exceeds the lowest by more than
+  `imbalance_ratio` times and `imbalance_abs_s` seconds, least_load decides (`imbalance`;
+  SGLang's cache-aware router does the same with request counts). A batch that grows
+  slows every sequence in it, free slots or not: without the guard sessions funnel onto
+  one instance of many slots.
 - Unseen prefix (no match anywhere): bounded-load consistent hashing of the first block
   (typically the system prompt), weighted by capacity, so sessions sharing it converge on one
   instance: each instance has `num_virtual_nodes` x its share of the largest capacity points
@@ -35,7 +38,7 @@ import math
 import random
 
 from flexpipe.policies.routing.base import PolicyHooks
-from flexpipe.policies.routing.capacity import capacity, has_free_slot
+from flexpipe.policies.routing.capacity import capacity, has_free_slot, num_slots
 from flexpipe.policies.routing.least_load import LeastLoad, decide_by_costs, instance_costs
 from flexpipe.policies.routing.registry import register_policy, register_scorer
 from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
@@ -107,9 +110,12 @@ class PrefixAffinity(PolicyHooks):
         if best.num_prefix_blocks_matched >= max(1.0, self.min_match_ratio * len(hashes)):
             if not free[best_i]:  # it would queue there: the shortest wait decides
                 return Decision(by_load.ranked, "spill")
-            finite = [c for c in costs if math.isfinite(c)]
+            # the guard weighs work per sequence (cost x slots): what each batch has to get
+            # through, which slows every sequence in it; capacity already spoke (free slot)
+            work = [c * num_slots(v) for c, v in zip(costs, views, strict=True)]
+            finite = [w for w in work if math.isfinite(w)]
             low = min(finite) if finite else math.inf
-            c = costs[best_i]
+            c = work[best_i]
             overloaded = best.is_full or (
                 math.isfinite(low)
                 and (
