@@ -511,7 +511,7 @@ def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
         runs = [(n, None) for n in names]
         if args.baseline:  # the same flexpipe variants from another checkout, side by side
             runs += [(n, args.baseline) for n in names if QUALITY_VARIANTS[n][0] == "flexpipe"]
-        for name, tree in runs:
+        for name, tree in rotated(runs, seed * len(runs) // max(1, len(seeds))):
             kind, policy, params = QUALITY_VARIANTS[name]
             if kind != "flexpipe" and not have[kind]:
                 continue
