@@ -126,8 +126,7 @@ async def serve_plan(
                 say(f"error: instance {inst.name} did not start: {exc}")
                 return
             running.handles[inst.name] = handle
-            # its cap on in-flight requests follows the slots the planner gave it
-            gw.pool.add(handle.endpoint, model=inst.model, max_num_seqs=inst.gear.max_num_seqs)
+            gw.pool.add(handle.endpoint, model=inst.model)
             if store is not None:
                 running.instance_ids[inst.name] = store.add_instance(
                     inst.name,
