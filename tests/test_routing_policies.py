@@ -338,9 +338,9 @@ def test_least_load_divides_work_by_slots() -> None:
     )
     d = p.choose(s, NOW, rng())
     assert d.ranked == ("big", "small")
-    # the request counts half: (6400 + 320) / (100 x 48) = 1.4 s against (640 + 320) / 200
+    # (6400 + 640) / (100 x 48) = 1.47 s against (640 + 640) / (100 x 2) = 6.4 s
     scores = create_scorer("load").score(s, NOW, rng())
-    assert scores == pytest.approx([1.0, 1.4 / 4.8])
+    assert scores == pytest.approx([1.0, (7040 / 4800) / (1280 / 200)])
 
 
 def test_prefix_affinity_spills_from_a_cached_instance_without_a_free_slot() -> None:
@@ -399,7 +399,7 @@ def test_prefix_affinity_guard_weighs_work_per_sequence_not_per_slot() -> None:
         block_hashes=(1, 2, 3, 4), num_prompt_tokens=500, num_expected_output_tokens=100,
     )  # fmt: skip
     d = p.choose(s, NOW, rng())
-    assert (d.best, d.reason) == ("idle", "imbalance")  # (12000 + 300) / 100 s against 3 s
+    assert (d.best, d.reason) == ("idle", "imbalance")  # (12000 + 600) / 100 s against 6 s
     light = snap(
         view("cached", num_slots=256, max_concurrency=256, num_in_flight=1,
              num_queued_tokens=100, speed_tokens_per_s=100, num_prefix_blocks_matched=4),
@@ -407,4 +407,4 @@ def test_prefix_affinity_guard_weighs_work_per_sequence_not_per_slot() -> None:
         block_hashes=(1, 2, 3, 4), num_prompt_tokens=500, num_expected_output_tokens=100,
     )  # fmt: skip
     d = p.choose(light, NOW, rng())
-    assert (d.best, d.reason) == ("cached", "prefix_hit")  # 4 s against 3 s
+    assert (d.best, d.reason) == ("cached", "prefix_hit")  # 7 s against 6 s

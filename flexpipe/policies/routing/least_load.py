@@ -1,12 +1,13 @@
 """least_load: the instance whose work ahead, per unit of capacity, is smallest.
 
 Cost per instance = (queued and running tokens, from the engine's /metrics corrected by what
-this gateway sent since the scrape, + half of this request's prompt tokens and expected
-output) divided by its token throughput: slots (max_num_seqs) x measured per-sequence decode
-speed x weight. That is the seconds it would take to drain its work at full batch: an
-instance with three times the slots (or a GPU twice as fast) takes three times (twice) the
-work at equal cost. The request counts half for the reason `capacity.utilization` does
-(Sainte-Laguë: no bias for large or small instances). Instances whose speed is not yet
+this gateway sent since the scrape, + this request's prompt tokens and expected output)
+divided by its token throughput: slots (max_num_seqs) x measured per-sequence decode speed x
+weight. That is the seconds it would take to drain its work at full batch: an instance with
+three times the slots (or a GPU twice as fast) takes three times (twice) the work at equal
+cost. The request counts whole (not half, as in `capacity.utilization`): on an idle slow
+instance its own tokens are all the work there is, and half of them would make it look
+cheaper than a busy fast one that finishes sooner. Instances whose speed is not yet
 measured get the mean of the measured ones (a nominal 100 tokens/s while none is measured).
 Stale metrics (older than the snapshot's `max_metrics_age_s`, or never scraped) make an
 instance count as saturated: it ranks after every fresh one of its tier, and if all are
@@ -35,11 +36,11 @@ from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
 def instance_costs(
     snapshot: RoutingSnapshot, now: float, output_weight: float = 1.0
 ) -> list[float]:
-    """Seconds to drain each instance's work, half this request included, at full batch
+    """Seconds to drain each instance's work, this request included, at full batch
     (inf = stale metrics)."""
     req = snapshot.request
     default_speed = mean_speed(snapshot.instances)
-    extra = 0.5 * (req.num_prompt_tokens + output_weight * req.num_expected_output_tokens)
+    extra = req.num_prompt_tokens + output_weight * req.num_expected_output_tokens
     costs = []
     for v in snapshot.instances:
         if snapshot.is_stale(v, now):
