@@ -86,86 +86,101 @@ def _sample_in_flight(r: Running, peak: dict[str, int], stop: threading.Event) -
         time.sleep(0.002)
 
 
+def _stream_chats(url: str, num_requests: int, num_clients: int) -> list[str]:
+    """`num_clients` closed loops of streamed chats (16 tokens); the finish reasons."""
+
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        queue = list(range(num_requests))
+        finishes: list[str] = []
+
+        async def worker() -> None:
+            while queue:
+                i = queue.pop()
+                kw: dict[str, Any] = {"extra_body": {"ignore_eos": True}}
+                stream = await client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"request {i}: a story"}],
+                    max_tokens=16,
+                    stream=True,
+                    **kw,
+                )
+                async for ch in stream:
+                    if ch.choices and ch.choices[0].finish_reason:
+                        finishes.append(ch.choices[0].finish_reason)
+
+        try:
+            await asyncio.gather(*(worker() for _ in range(num_clients)))
+        finally:
+            await client.close()
+        return finishes
+
+    return asyncio.run(main())
+
+
+def _served(urls: list[str]) -> list[float]:
+    return [scrape(request("GET", u + "/metrics").text, "vllm:request_success_total") for u in urls]
+
+
 def test_unequal_sim_engines_share_requests_by_capacity(lt: LoopThread) -> None:
-    """Engines of 12, 6 and 2 slots (max_num_seqs, reported over /metrics), one gateway with
-    nothing configured but their URLs, 16 streams at a time (80 % of the 20 slots): each
-    engine's share of requests follows its slots, none is sent more than its slots, and the
-    small one never makes a request wait."""
+    """Engines of 12, 6 and 2 slots (max_num_seqs, reported over /metrics), a gateway with
+    nothing configured but their URLs, 16 streams at a time (80 % of the 20 slots). With
+    least_request each engine's share of requests follows its slots; with the default
+    prefix_affinity (new prefixes: its capacity-weighted hash ring) the small one gets no
+    more than its share (a 2-slot home is often busy and its keys spill on: less, which
+    its TTFT does not mind). Under both, none is sent more than its slots and the small one
+    never makes a request wait."""
     slots = (12, 6, 2)
+    fair = [s / sum(slots) for s in slots]  # 0.6, 0.3, 0.1
     base = [MODEL, "--load-time-s", "0", "--time-scale", "1"]
     with (
         sim_engine([*base, "--max-num-seqs", str(slots[0])]) as big,
         sim_engine([*base, "--max-num-seqs", str(slots[1])]) as mid,
         sim_engine([*base, "--max-num-seqs", str(slots[2])]) as small,
     ):
-        engines = (big, mid, small)
-        r = Running(lt, [], backends=[{"url": e.url} for e in engines], admin_token=ADMIN)
-        try:
-            status, _, body = r.http(
-                "GET", "/admin/instances", headers={"authorization": f"Bearer {ADMIN}"}
-            )
-            listed = {i["url"]: i for i in json.loads(body)["instances"]}
-            assert status == 200
-            assert [listed[e.url]["max_concurrency"] for e in engines] == [13, 6, 2]
-            assert {listed[e.url]["max_concurrency_source"] for e in engines} == {"max_num_seqs"}
-
-            stop = threading.Event()
-            peak = dict.fromkeys((e.url for e in engines), 0)  # gateway in flight, sampled
-            sampler = threading.Thread(target=_sample_in_flight, args=(r, peak, stop))
-            sampler.start()
-            num_requests, num_clients = 160, 16
-
-            async def main() -> list[str]:
-                client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
-                queue = list(range(num_requests))
-                finishes: list[str] = []
-
-                async def worker() -> None:
-                    while queue:
-                        i = queue.pop()
-                        kw: dict[str, Any] = {"extra_body": {"ignore_eos": True}}
-                        stream = await client.chat.completions.create(
-                            model=MODEL,
-                            messages=[{"role": "user", "content": f"request {i}: a story"}],
-                            max_tokens=16,
-                            stream=True,
-                            **kw,
-                        )
-                        async for ch in stream:
-                            if ch.choices and ch.choices[0].finish_reason:
-                                finishes.append(ch.choices[0].finish_reason)
-
-                try:
-                    await asyncio.gather(*(worker() for _ in range(num_clients)))
-                finally:
-                    await client.close()
-                return finishes
-
+        urls = [e.url for e in (big, mid, small)]
+        for policy in ("least_request", "prefix_affinity"):
+            backends = [{"url": u} for u in urls]
+            r = Running(lt, [], backends=backends, admin_token=ADMIN, routing={"policy": policy})
             try:
-                finishes = asyncio.run(main())
+                status, _, body = r.http(
+                    "GET", "/admin/instances", headers={"authorization": f"Bearer {ADMIN}"}
+                )
+                listed = {i["url"]: i for i in json.loads(body)["instances"]}
+                assert status == 200
+                assert [listed[u]["max_concurrency"] for u in urls] == [13, 6, 2]
+                assert {listed[u]["max_concurrency_source"] for u in urls} == {"max_num_seqs"}
+
+                stop = threading.Event()
+                peak = dict.fromkeys(urls, 0)  # gateway in flight, sampled
+                sampler = threading.Thread(target=_sample_in_flight, args=(r, peak, stop))
+                sampler.start()
+                num_requests = 160
+                before = _served(urls)
+                try:
+                    finishes = _stream_chats(r.url, num_requests, 16)
+                finally:
+                    stop.set()
+                    sampler.join(5)
+                assert finishes == ["length"] * num_requests
+                served = [b - a for a, b in zip(before, _served(urls), strict=True)]
+                assert sum(served) == num_requests
+                shares = [n / num_requests for n in served]
+                if policy == "least_request":
+                    for share, want in zip(shares, fair, strict=True):
+                        assert abs(share - want) <= 0.04 + 0.25 * want, (policy, shares)
+                else:
+                    assert shares[2] <= 1.25 * fair[2] + 0.04, (policy, shares)
+                    assert shares[0] >= 0.75 * fair[0], (policy, shares)
+                # no instance is sent more than its slots while the pool has room ...
+                peaks = [peak[u] for u in urls]
+                assert all(p <= n for p, n in zip(peaks, slots, strict=True)), (policy, peaks)
             finally:
-                stop.set()
-                sampler.join(5)
-            assert finishes == ["length"] * num_requests
-            served = [
-                scrape(request("GET", e.url + "/metrics").text, "vllm:request_success_total")
-                for e in engines
-            ]
-            assert sum(served) == num_requests
-            shares = [n / num_requests for n in served]
-            fair = [s / sum(slots) for s in slots]  # 0.6, 0.3, 0.1
-            for share, want in zip(shares, fair, strict=True):
-                assert abs(share - want) <= 0.04 + 0.25 * want, (shares, fair)
-            # no instance is sent more than its slots while the pool has room ...
-            peaks = [peak[e.url] for e in engines]
-            assert all(p <= n for p, n in zip(peaks, slots, strict=True)), (peaks, shares)
-            assert peak[small.url] == 2
-            # ... and the small engine never made a request wait (its own queue-time histogram)
-            text = request("GET", small.url + "/metrics").text
-            num_quick = scrape(text, "vllm:request_queue_time_seconds_bucket", le="0.5")
-            assert num_quick == scrape(text, "vllm:request_queue_time_seconds_count") > 0
-        finally:
-            r.close()
+                r.close()
+        # ... and the small engine never made a request wait (its own queue-time histogram)
+        text = request("GET", small.url + "/metrics").text
+        num_quick = scrape(text, "vllm:request_queue_time_seconds_bucket", le="0.5")
+        assert num_quick == scrape(text, "vllm:request_queue_time_seconds_count") > 0
 
 
 def test_backend_with_api_key_and_no_model_is_discovered_and_used(lt: LoopThread) -> None:
