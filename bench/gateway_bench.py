@@ -3,7 +3,9 @@
     python bench/gateway_bench.py overhead  # saturated throughput: flexpipe vs direct
     python bench/gateway_bench.py latency   # added latency when NOT saturated
     python bench/gateway_bench.py peers     # flexpipe vs sglang-router vs vllm-router
-    python bench/gateway_bench.py quality   # routing quality: policy/weight sweep, seeds
+    python bench/gateway_bench.py quality   # routing quality: policy/weight sweep, seeds,
+                                            # then the example's unequal pool (capacity)
+    python bench/gateway_bench.py capacity  # only the unequal pool: concurrency sweep
     python bench/gateway_bench.py all
 
 Every comparison runs its targets side by side in one run, interleaved round by round
@@ -25,6 +27,13 @@ does not inflate the way it inflates throughput and tail latency.
   pool (2 x A100 + 1 x L4 at time scale 1), Poisson arrivals; each policy / weight variant
   and peer runs once per seed on fresh engines; medians over seeds of TTFT p99 and the
   engines' prefix-cache hit rate.
+- capacity (part of quality; alone: `capacity`): the pool `flexpipe up` / `make run` starts
+  for the built-in example (the same planner and launcher: TP2 on two A100s with 48 slots,
+  an L40S with 16, an L4 with 2; sim engines at time scale 1), one gateway with only the
+  engines' URLs (`--baseline` adds the same from another checkout, alternating on the same
+  engines), closed loops of streamed chats (512-token prompts, new each run; 128 tokens out)
+  at `--concurrencies` up to past the pool's 66 slots: TTFT p50/p99, output tokens/s counted
+  inside the window, 429s, and each instance's share of requests.
 
 The load generator is flexpipe's own keep-alive asyncio client in this process: per request
 it records time to the first body chunk (TTFT), the gaps between chunks and the end;
@@ -499,7 +508,10 @@ def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
     for seed in seeds:
         prompts = make_workload(seed, args.num_requests)
         bodies = [body_for(p, 24, True) for p in prompts]
-        for name in names:
+        runs = [(n, None) for n in names]
+        if args.baseline:  # the same flexpipe variants from another checkout, side by side
+            runs += [(n, args.baseline) for n in names if QUALITY_VARIANTS[n][0] == "flexpipe"]
+        for name, tree in rotated(runs, seed * len(runs) // max(1, len(seeds))):
             kind, policy, params = QUALITY_VARIANTS[name]
             if kind != "flexpipe" and not have[kind]:
                 continue
@@ -510,12 +522,13 @@ def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
             procs = Procs()
             try:
                 engines = procs.engines(3, 1.0, ["A100-80G-SXM", "A100-80G-SXM", "L4"])
-                gw = procs.gateway(kind, engines, policy, config)
+                gw = procs.gateway(kind, engines, policy, config, tree)
                 h0, q0 = engine_prefix_counts(engines)
                 s = measured(procs, gw, open_loop(gw, bodies, args.rate, seed))
                 h1, q1 = engine_prefix_counts(engines)
                 hit = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
-                row = {"bench": "quality", "variant": name, "seed": seed, "rate": args.rate,
+                variant = name if tree is None else f"{name} (baseline)"
+                row = {"bench": "quality", "variant": variant, "seed": seed, "rate": args.rate,
                        "prefix_hit_rate": round(hit, 3), **s}  # fmt: skip
                 rows.append(emit(row))
             finally:
@@ -528,10 +541,167 @@ def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# ----------------------------------------------------------------------- the example's pool
+EXAMPLE_MODEL = "llama-7b"  # the served name in examples/models/llama-7b.yaml
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+@dataclass
+class ExampleEngine:
+    name: str
+    url: str
+    max_num_seqs: int
+    gpus: str
+
+
+def start_example_engines(procs: Procs, time_scale: float = 1.0) -> list[ExampleEngine]:
+    """The engines `flexpipe up` starts for the built-in example: its planner, its launcher."""
+    from flexpipe.cli.up import DEFAULT_CLUSTER, DEFAULT_MODELS, engine_spec, load_models
+    from flexpipe.cluster import load_cluster
+    from flexpipe.gears.performance import TablePerformance
+    from flexpipe.launch import LocalLauncher
+    from flexpipe.policies.planner import plan
+
+    cluster = load_cluster(DEFAULT_CLUSTER)
+    demands = load_models(DEFAULT_MODELS)
+    the_plan = plan(cluster, demands, TablePerformance(()))
+    launcher = LocalLauncher("sim", time_scale=time_scale, sim_load_time_s=0.0)
+    out = []
+    for inst in the_plan.instances:
+        spec = engine_spec(inst, cluster, str(DEFAULT_CLUSTER), demands)
+        port = free_port()
+        argv, env = launcher.command(spec, port)
+        procs.procs.append(
+            subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        )
+        url = f"http://127.0.0.1:{port}"
+        out.append(ExampleEngine(inst.name, url, inst.gear.max_num_seqs, "+".join(spec.gpu_ids)))
+    for e in out:
+        wait_up(e.url)
+    return out
+
+
+def chat_bodies(seed: int, n: int, num_prompt_words: int, max_tokens: int) -> list[bytes]:
+    """Distinct prompts (no prefix shared across requests or runs), streamed, fixed output."""
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(2000)]
+    out = []
+    for i in range(n):
+        text = f"{seed}-{i} " + " ".join(rng.choice(words) for _ in range(num_prompt_words))
+        body = {"model": EXAMPLE_MODEL, "messages": [{"role": "user", "content": text}],
+                "max_tokens": max_tokens, "stream": True, "ignore_eos": True}  # fmt: skip
+        out.append(json.dumps(body).encode())
+    return out
+
+
+async def window_loop(
+    url: str, bodies: Sequence[bytes], concurrency: int, duration_s: float
+) -> dict[str, Any]:
+    """Closed loop: `concurrency` clients send the next body as soon as the last ends, for
+    `duration_s`. Output tokens are counted inside the window only (the tail, while the last
+    requests finish, does not dilute throughput); TTFT of every request started in it."""
+    pool = ClientPool()
+    ttfts: list[float] = []
+    per_instance: dict[str, int] = {}
+    num_errors = num_tokens_in_window = 0
+    next_body = 0
+    t0 = time.perf_counter()
+    stop_at = t0 + duration_s
+
+    async def worker() -> None:
+        nonlocal next_body, num_errors, num_tokens_in_window
+        while time.perf_counter() < stop_at:
+            body = bodies[next_body % len(bodies)]
+            next_body += 1
+            t_start = time.perf_counter()
+            try:
+                resp = await pool.request(
+                    url, "POST", "/v1/chat/completions", body, JSON_HEADERS, TIMEOUTS
+                )
+                first = True
+                while (chunk := await resp.next_chunk()) is not None:
+                    now = time.perf_counter()
+                    # token events only (vLLM's first chat event carries the role, no token)
+                    num_tokens = chunk.count(b'"delta":{"content":')
+                    if first and num_tokens and resp.status == 200:
+                        ttfts.append(now - t_start)
+                        first = False
+                    if now < stop_at:
+                        num_tokens_in_window += num_tokens
+                resp.release()
+                if resp.status != 200:
+                    num_errors += 1
+                    await asyncio.sleep(0.1)  # a 429: back off a little, as a client would
+                    continue
+                inst = resp.headers.get("x-flexpipe-instance", "?")
+                per_instance[inst] = per_instance.get(inst, 0) + 1
+            except UpstreamError:
+                num_errors += 1
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await pool.close()
+
+    def pct(q: float) -> float:
+        xs = sorted(ttfts)
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 1) if xs else float("nan")
+
+    return {
+        "requests": sum(per_instance.values()),
+        "errors": num_errors,
+        "ttft_p50_ms": pct(0.5),
+        "ttft_p99_ms": pct(0.99),
+        "tok_per_s": round(num_tokens_in_window / duration_s, 1),
+        "per_instance": per_instance,
+    }
+
+
+def run_capacity(args: argparse.Namespace) -> list[dict[str, Any]]:
+    procs = Procs()
+    rows: list[dict[str, Any]] = []
+    concurrencies = [int(x) for x in args.concurrencies.split(",")]
+    try:
+        engines = start_example_engines(procs)
+        urls = [e.url for e in engines]
+        gws = [("flexpipe", procs.gateway("flexpipe", urls, "prefix_affinity"))]
+        if args.baseline:
+            base = procs.gateway("flexpipe", urls, "prefix_affinity", tree=args.baseline)
+            gws.append(("flexpipe-baseline", base))
+        print(json.dumps({"pool": [e.__dict__ for e in engines]}), flush=True)
+        run = 0
+        for r in range(args.rounds):
+            for c in concurrencies:
+                for target, url in rotated(gws, r):
+                    run += 1
+                    bodies = chat_bodies(run, 4 * c + 64, 500, 128)  # ~512 tokens
+                    load0 = load_1m()
+                    res = asyncio.run(window_loop(url, bodies, c, args.capacity_duration_s))
+                    per = res.pop("per_instance")
+                    n = max(1, res["requests"])
+                    shares = "/".join(f"{100 * per.get(e.url, 0) / n:.0f}" for e in engines)
+                    rows.append(emit({"bench": "capacity", "gateway": target, "conc": c,
+                                      "round": r, **res, "share_pct": shares,
+                                      "load_1m": [load0, load_1m()]}))  # fmt: skip
+    finally:
+        procs.stop()
+    med = median_rows(rows, ["conc", "gateway"])
+    for m in med:  # shares are strings: keep the last round's
+        m["share_pct"] = next(
+            x["share_pct"] for x in reversed(rows)
+            if (x["conc"], x["gateway"]) == (m["conc"], m["gateway"])
+        )  # fmt: skip
+    med.sort(key=lambda m: (m["conc"], m["gateway"]))
+    title = (f"capacity: the example's pool (48/16/2 slots), closed loop, 128 tokens out, "
+             f"{args.capacity_duration_s:g} s windows")  # fmt: skip
+    print_table(title, med, ["conc", "gateway", "requests", "errors", "ttft_p50_ms",
+                             "ttft_p99_ms", "tok_per_s", "share_pct", "load_1m"])  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("what", nargs="?", default="overhead",
-                    choices=["overhead", "latency", "peers", "quality", "all"])  # fmt: skip
+                    choices=["overhead", "latency", "peers", "quality", "capacity",
+                             "all"])  # fmt: skip
     ap.add_argument("--duration-s", type=float, default=4.0, help="per run")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
     ap.add_argument("--latency-tokens", type=int, default=32, help="latency (a): max_tokens")
@@ -540,8 +710,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=24.0, help="quality: requests/s (Poisson)")
     ap.add_argument("--seeds", default="0,1,2", help="quality: workload and arrival seeds")
     ap.add_argument("--only", default="", help="quality: variant names, comma-separated")
+    ap.add_argument("--concurrencies", default="8,32,64,96", help="capacity: closed loops")
+    ap.add_argument("--capacity-duration-s", type=float, default=20.0, help="capacity: window")
     ap.add_argument("--baseline", type=Path, default=None,
-                    help="overhead, latency, peers: also run the gateway from this checkout\n"
+                    help="overhead, latency, peers, capacity: also run the gateway from this\n"
+                         "checkout "
                          "(e.g. `git worktree add /tmp/base <commit>`), side by side")  # fmt: skip
     args = ap.parse_args(argv)
     print(json.dumps({"machine": {"cpus": os.cpu_count(), "load_1m": load_1m()}}), flush=True)
@@ -553,6 +726,8 @@ def main(argv: list[str] | None = None) -> None:
         run_peers(args)
     if args.what in ("quality", "all"):
         run_quality(args)
+    if args.what in ("quality", "capacity", "all"):
+        run_capacity(args)
 
 
 if __name__ == "__main__":

@@ -219,3 +219,192 @@ def test_full_instances_rank_last_everywhere() -> None:
     for name in routing.policy_names():
         d = create_policy(name).choose(s, NOW, rng())
         assert d.ranked[-1] == "full", name
+
+
+# ---------------------------------------------------------------- capacity
+# The seed's example pool (examples/clusters/fragmented-4gpu.yaml, `flexpipe up`): caps as the
+# gateway derives them from max_num_seqs (slots + slots // 8).
+EXAMPLE_SLOTS = {"tp2-a100": 48, "l40s": 16, "l4": 2}
+EXAMPLE_CAPS = {"tp2-a100": 54, "l40s": 18, "l4": 2}
+
+
+def example_views(in_flight: dict[str, int], **kw: object) -> list[InstanceView]:
+    return [
+        view(
+            n,
+            num_slots=EXAMPLE_SLOTS[n],
+            max_concurrency=EXAMPLE_CAPS[n],
+            num_in_flight=in_flight.get(n, 0),
+            num_queued_tokens=640.0 * in_flight.get(n, 0),
+            **kw,
+        )
+        for n in EXAMPLE_SLOTS
+    ]
+
+
+def test_capacity_tiers_free_slot_then_queue_by_wait_then_full() -> None:
+    from flexpipe.policies.routing import capacity as cap
+
+    s = snap(
+        view("free", num_slots=4, max_concurrency=5, num_in_flight=3),
+        view("kv-full", num_slots=4, max_concurrency=5, num_in_flight=0, kv_usage=0.97),
+        view("queues", num_slots=4, max_concurrency=5, num_in_flight=4),
+        view("full", num_slots=4, max_concurrency=5, num_in_flight=5),
+        view("unknown", max_concurrency=8, num_in_flight=7),  # slots = the cap
+    )
+    assert [cap.tier(v, s, NOW) for v in s.instances] == [0, 1, 1, 2, 0]
+    assert [cap.num_slots(v) for v in s.instances] == [4, 4, 4, 4, 8]
+    # kv-full waits for (0 + 1 - 4) -> 0 requests ahead, queues for 1: kv-full first
+    assert cap.rank(s, NOW, [0.0] * 5, rng())[2:] == ("kv-full", "queues", "full")
+    stale_kv = snap(view("a", num_slots=2, kv_usage=0.99, scraped_at_s=NOW - 60))
+    assert cap.tier(stale_kv.instances[0], stale_kv, NOW) == 0  # stale KV usage is not trusted
+    # when all queue, the shortest expected wait wins: 1 ahead of 48 slots, not 1 ahead of 2
+    all_busy = snap(*example_views({"tp2-a100": 48, "l40s": 16, "l4": 2}))
+    assert cap.rank(all_busy, NOW, [0.0, 0.0, 1.0], rng()) == ("tp2-a100", "l40s", "l4")
+
+
+def _steady_state_shares(
+    policy_name: str, concurrency: int, num_steps: int = 1500
+) -> tuple[dict[str, float], dict[str, int]]:
+    """Route `num_steps` requests with `concurrency` in flight (each completion picks one
+    request uniformly: equal service times); shares of requests and peak in flight."""
+    p = create_policy(policy_name)
+    r = random.Random(7)
+    live: list[str] = []  # instance of each request in flight
+    picks = dict.fromkeys(EXAMPLE_SLOTS, 0)
+    peak = dict.fromkeys(EXAMPLE_SLOTS, 0)
+    for step in range(num_steps):
+        if len(live) >= concurrency:
+            live.pop(r.randrange(len(live)))
+        counts = {n: live.count(n) for n in EXAMPLE_SLOTS}
+        s = snap(
+            *example_views(counts, speed_tokens_per_s=25.0),
+            num_prompt_tokens=512,
+            num_expected_output_tokens=128,
+            block_hashes=(step * 7919 + 13, step),  # a new prefix each time
+        )
+        ranked = p.choose(s, NOW, r).ranked
+        name = next(n for n in ranked if counts[n] < EXAMPLE_CAPS[n])
+        live.append(name)
+        picks[name] += 1
+        peak[name] = max(peak[name], counts[name] + 1)
+    return {n: c / num_steps for n, c in picks.items()}, peak
+
+
+@pytest.mark.parametrize("policy_name", routing.policy_names())
+@pytest.mark.parametrize("concurrency", [8, 32, 60])
+def test_every_policy_shares_requests_by_capacity(policy_name: str, concurrency: int) -> None:
+    shares, peak = _steady_state_shares(policy_name, concurrency)
+    total = sum(EXAMPLE_SLOTS.values())
+    for name, slots in EXAMPLE_SLOTS.items():
+        assert shares[name] <= 1.5 * slots / total + 0.01, (name, shares)
+    assert shares["tp2-a100"] >= 0.65  # its fair share is 48/66 = 0.73
+    assert peak["l4"] <= 2  # below the pool's capacity the small instance never queues
+    if concurrency <= 32:  # the old prefix_affinity sent 16 % here (hashing, no capacity)
+        assert shares["l4"] <= 0.05, shares
+
+
+def test_least_request_fills_slots_in_proportion() -> None:
+    p = create_policy("least_request")
+    counts = dict.fromkeys(EXAMPLE_SLOTS, 0)
+    for _ in range(33):  # half the pool's 66 slots
+        name = p.choose(snap(*example_views(counts)), NOW, rng()).best
+        assert name is not None
+        counts[name] += 1
+    assert counts == {"tp2-a100": 24, "l40s": 8, "l4": 1}
+
+
+def test_round_robin_turns_in_proportion_to_capacity() -> None:
+    p = create_policy("round_robin")
+    s = snap(view("a", num_slots=3, max_concurrency=9), view("b", num_slots=1, max_concurrency=9))
+    assert [p.choose(s, NOW, rng()).best for _ in range(8)] == list("aabaaaba")
+
+
+def test_random_draws_in_proportion_to_capacity() -> None:
+    p = create_policy("random")
+    s = snap(view("a", num_slots=48, max_concurrency=64), view("b", num_slots=16))
+    picks = [p.choose(s, NOW, random.Random(i)).best for i in range(2000)]
+    assert 0.70 < picks.count("a") / len(picks) < 0.80  # 48 : 16 -> 75 %
+
+
+def test_least_load_divides_work_by_slots() -> None:
+    p = create_policy("least_load")
+    # 10 requests of work on 48 slots drain faster than 1 on 2 slots
+    s = snap(
+        view("big", num_slots=48, max_concurrency=54, num_in_flight=10, num_queued_tokens=6400),
+        view("small", num_slots=2, max_concurrency=2, num_in_flight=1, num_queued_tokens=640),
+        num_prompt_tokens=512,
+        num_expected_output_tokens=128,
+    )
+    d = p.choose(s, NOW, rng())
+    assert d.ranked == ("big", "small")
+    # (6400 + 640) / (100 x 48) = 1.47 s against (640 + 640) / (100 x 2) = 6.4 s
+    scores = create_scorer("load").score(s, NOW, rng())
+    assert scores == pytest.approx([1.0, (7040 / 4800) / (1280 / 200)])
+
+
+def test_prefix_affinity_spills_from_a_cached_instance_without_a_free_slot() -> None:
+    p = create_policy("prefix_affinity")
+    hashes = (1, 2, 3, 4)
+    busy = snap(
+        view("l4", num_slots=2, max_concurrency=3, num_in_flight=2, num_prefix_blocks_matched=4),
+        view("a100", num_slots=48, max_concurrency=54, num_in_flight=30),
+        block_hashes=hashes,
+    )
+    d = p.choose(busy, NOW, rng())
+    assert (d.best, d.reason) == ("a100", "spill")
+    idle = snap(
+        view("l4", num_slots=2, max_concurrency=3, num_in_flight=1, num_prefix_blocks_matched=4),
+        view("a100", num_slots=48, max_concurrency=54, num_in_flight=30),
+        block_hashes=hashes,
+    )
+    assert (p.choose(idle, NOW, rng()).best, p.choose(idle, NOW, rng()).reason) == (
+        "l4",
+        "prefix_hit",
+    )
+
+
+def test_prefix_affinity_ring_points_follow_capacity() -> None:
+    p = create_policy("prefix_affinity")
+    views = [view("big", num_slots=48, max_concurrency=54), view("small", num_slots=2)]
+    homes = [
+        p.choose(snap(*views, block_hashes=(k * 7919, 1)), NOW, rng()).best for k in range(400)
+    ]
+    # 64 ring points against 3 (48 : 2 slots): the small instance is home to ~4 % of prefixes
+    assert homes.count("small") / len(homes) < 0.10
+    assert homes.count("small") > 0
+
+
+def test_composite_prefix_never_outweighs_a_queue() -> None:
+    p = create_policy("composite", weights={"prefix": 10, "load": 1})
+    s = snap(
+        view(
+            "cached", num_slots=2, max_concurrency=3, num_in_flight=2, num_prefix_blocks_matched=4
+        ),
+        view("cold", num_slots=16, max_concurrency=18, num_in_flight=15),
+        block_hashes=(1, 2, 3, 4),
+    )
+    assert p.choose(s, NOW, rng()).ranked == ("cold", "cached")
+
+
+def test_prefix_affinity_guard_weighs_work_per_sequence_not_per_slot() -> None:
+    """Many free slots do not make a growing batch free: 20 requests' work on the cached
+    instance against none elsewhere is an imbalance whatever the slots (without it every
+    session funnels onto the instance that first saw its system prompt)."""
+    p = create_policy("prefix_affinity")
+    s = snap(
+        view("cached", num_slots=256, max_concurrency=256, num_in_flight=20,
+             num_queued_tokens=12_000, speed_tokens_per_s=100, num_prefix_blocks_matched=4),
+        view("idle", num_slots=256, max_concurrency=256, speed_tokens_per_s=100),
+        block_hashes=(1, 2, 3, 4), num_prompt_tokens=500, num_expected_output_tokens=100,
+    )  # fmt: skip
+    d = p.choose(s, NOW, rng())
+    assert (d.best, d.reason) == ("idle", "imbalance")  # (12000 + 600) / 100 s against 6 s
+    light = snap(
+        view("cached", num_slots=256, max_concurrency=256, num_in_flight=1,
+             num_queued_tokens=100, speed_tokens_per_s=100, num_prefix_blocks_matched=4),
+        view("idle", num_slots=256, max_concurrency=256, speed_tokens_per_s=100),
+        block_hashes=(1, 2, 3, 4), num_prompt_tokens=500, num_expected_output_tokens=100,
+    )  # fmt: skip
+    d = p.choose(light, NOW, rng())
+    assert (d.best, d.reason) == ("cached", "prefix_hit")  # 7 s against 6 s

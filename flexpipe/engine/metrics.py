@@ -16,7 +16,10 @@ vllm:request_prompt_tokens, vllm:request_generation_tokens, vllm:iteration_token
 vllm:cache_config_info (value 1; the config in labels).
 
 flexpipe additions: flexpipe:num_tokens_queued_running (prompt + output tokens of every
-waiting and running request: a load signal for least-load routing), flexpipe:num_kv_blocks_free,
+waiting and running request: a load signal for least-load routing), flexpipe:max_num_seqs
+(the scheduler's limit on running sequences: vLLM exports no scheduler config, so a router
+learns a sim engine's capacity from this and vLLM's from registration or
+vllm:cache_config_info's num_gpu_blocks x block_size), flexpipe:num_kv_blocks_free,
 flexpipe:engine_lag_seconds (how far the engine loop runs behind modelled time),
 flexpipe:engine_steps_total, flexpipe:modelled_busy_seconds_total; and what the engine's own
 timing costs at time scales > 0, for the faithfulness benchmark:
@@ -111,6 +114,7 @@ class _StateCollector(Collector):
             ("vllm:gpu_cache_usage_perc", _DOC_USAGE, usage),
             ("flexpipe:num_tokens_queued_running", _DOC_QUEUED, queued),
             ("flexpipe:num_kv_blocks_free", _DOC_FREE, s.bm.num_free_blocks),
+            ("flexpipe:max_num_seqs", _DOC_MAX_SEQS, s.config.max_num_seqs),
             ("flexpipe:engine_lag_seconds", _DOC_LAG, m.lag_s),
         ):
             yield gauge(name, doc, value)
@@ -129,6 +133,7 @@ _DOC_RUNNING = "Number of requests in model execution batches."
 _DOC_WAITING = "Number of requests waiting to be processed."
 _DOC_USAGE = "KV-cache usage. 1 means 100 percent usage."
 _DOC_QUEUED = "Tokens of waiting requests plus tokens left to compute of running ones."
+_DOC_MAX_SEQS = "Maximum number of sequences running at once (the engine's max_num_seqs)."
 _DOC_FREE = "Free KV blocks (cached blocks that may be evicted count as free)."
 _DOC_LAG = "How far the engine loop runs behind the modelled step deadlines."
 _DOC_QUERIES = "Prefix cache queries, in terms of number of queried tokens."

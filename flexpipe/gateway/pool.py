@@ -13,6 +13,30 @@ from dataclasses import dataclass, field
 
 from flexpipe.policies.routing import InstanceView
 
+QUEUE_ALLOWANCE_RATIO = 0.125  # requests queued in the engine beyond its slots: slots // 8
+
+
+def derive_max_concurrency(
+    configured: int, max_num_seqs: int, num_kv_slots: int, ceiling: int
+) -> tuple[int, str]:
+    """The cap on requests in flight to one instance, and where it came from.
+
+    An explicit value (backend config, admin API) always wins. Otherwise the engine's slots
+    (max_num_seqs, from registration or the engine's report; else what its KV cache holds)
+    plus a small queue in the engine, slots // 8 (none below 8 slots: a request queued
+    behind a 2-slot instance waits a whole request, one queued at the gateway takes the first
+    slot freed anywhere), never above the gateway-wide `ceiling`. Without either: `ceiling`.
+    """
+    if configured > 0:
+        return configured, "configured"
+    if max_num_seqs > 0:
+        slots, source = max_num_seqs, "max_num_seqs"
+    elif num_kv_slots > 0:
+        slots, source = num_kv_slots, "kv_cache"
+    else:
+        return ceiling, "default"
+    return max(1, min(ceiling, slots + int(slots * QUEUE_ALLOWANCE_RATIO))), source
+
 
 class InstanceState(enum.Enum):
     ACTIVE = "active"
@@ -25,8 +49,15 @@ class Instance:
     url: str
     model: str | None
     weight: float = 1.0
-    max_concurrency: int = 256
+    max_concurrency: int = 256  # the cap the gateway enforces (`update_capacity`)
     api_key: str | None = None
+    # capacity: what was configured, registered or reported (`derive_max_concurrency`)
+    max_concurrency_configured: int = 0  # explicit; 0 = derive
+    max_concurrency_ceiling: int = 256  # the gateway-wide limit
+    max_concurrency_source: str = "default"
+    max_num_seqs: int = 0  # sequences the engine runs at once; 0 = unknown
+    num_kv_tokens: int = 0  # its KV cache (vllm:cache_config_info num_gpu_blocks x block_size)
+    num_kv_slots: int = 0  # requests of the mean size that fit in it
     state: InstanceState = InstanceState.ACTIVE
     num_in_flight: int = 0
     # from the engine's /metrics (producer: scraper)
@@ -54,12 +85,26 @@ class Instance:
     def num_queued_tokens(self) -> float:
         return max(0.0, self.num_scraped_tokens + self.num_tokens_sent_since_scrape)
 
+    @property
+    def num_slots(self) -> int:
+        """Sequences it runs at once, as routing sees them (0 = unknown: the cap stands in)."""
+        return self.max_num_seqs or self.num_kv_slots
+
+    def update_capacity(self) -> None:
+        self.max_concurrency, self.max_concurrency_source = derive_max_concurrency(
+            self.max_concurrency_configured,
+            self.max_num_seqs,
+            self.num_kv_slots,
+            self.max_concurrency_ceiling,
+        )
+
     def view(self, num_prefix_blocks_matched: int = 0) -> InstanceView:
         return InstanceView(
             name=self.url,
             weight=self.weight,
             num_in_flight=self.num_in_flight,
             max_concurrency=self.max_concurrency,
+            num_slots=self.num_slots,
             num_running=self.num_running,
             num_waiting=self.num_waiting,
             kv_usage=self.kv_usage,
@@ -76,6 +121,9 @@ class Instance:
             "state": self.state.value,
             "weight": self.weight,
             "max_concurrency": self.max_concurrency,
+            "max_concurrency_source": self.max_concurrency_source,
+            "max_num_seqs": self.max_num_seqs,
+            "num_kv_tokens": self.num_kv_tokens,
             "num_in_flight": self.num_in_flight,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
@@ -111,19 +159,27 @@ class Pool:
         weight: float = 1.0,
         max_concurrency: int = 0,
         api_key: str | None = None,
+        max_num_seqs: int = 0,
     ) -> Instance:
+        """`max_concurrency` > 0 is an explicit cap; else it is derived from `max_num_seqs`
+        (what the engine was launched with) or what the engine reports (`report_capacity`)."""
         url = url.rstrip("/")
         if url in self.instances:
             raise PoolError(f"instance {url} is already in the pool")
         if weight <= 0:
             raise PoolError("weight must be > 0")
+        if max_concurrency < 0 or max_num_seqs < 0:
+            raise PoolError("max_concurrency and max_num_seqs must be >= 0")
         inst = Instance(
             url=url,
             model=model,
             weight=weight,
-            max_concurrency=max_concurrency or self.default_max_concurrency,
             api_key=api_key,
+            max_concurrency_configured=max_concurrency,
+            max_concurrency_ceiling=self.default_max_concurrency,
+            max_num_seqs=max_num_seqs,
         )
+        inst.update_capacity()
         self.instances[url] = inst
         self._changed()
         return inst
@@ -157,6 +213,22 @@ class Pool:
         inst.num_consecutive_failures = 0
         self._changed()
         return inst
+
+    def report_capacity(
+        self, inst: Instance, max_num_seqs: int, num_kv_tokens: int, mean_request_tokens: float
+    ) -> None:
+        """What the engine reports (0 = not reported): its max_num_seqs replaces a registered
+        one (the engine knows best), its KV cache bounds the slots when max_num_seqs is
+        unknown. Wakes queued requests when the cap grows."""
+        old = inst.max_concurrency
+        if max_num_seqs > 0:
+            inst.max_num_seqs = max_num_seqs
+        if num_kv_tokens > 0:
+            inst.num_kv_tokens = num_kv_tokens
+            inst.num_kv_slots = max(1, int(num_kv_tokens // max(1.0, mean_request_tokens)))
+        inst.update_capacity()
+        if inst.max_concurrency > old:
+            self._changed()
 
     def set_weight(self, url: str, weight: float) -> Instance:
         if weight <= 0:

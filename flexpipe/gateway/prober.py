@@ -1,12 +1,15 @@
 """Producers of instance state, on the real clock: active health probes (eject with backoff,
-re-admit when healthy), metrics scraping of the engines' /metrics (vLLM names), and model
-discovery from /v1/models. Scorers never call these; they read what these wrote."""
+re-admit when healthy), metrics scraping of the engines' /metrics (vLLM names, and the
+engine's capacity: `flexpipe:max_num_seqs`, `vllm:cache_config_info`), and model discovery
+from /v1/models. Every call carries the instance's API key, as requests do (vLLM's
+`--api-key` guards /v1/*). Scorers never call these; they read what these wrote."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import re
 from typing import TYPE_CHECKING
 
 import orjson
@@ -28,11 +31,15 @@ _METRICS = {
     b"vllm:kv_cache_usage_perc": "kv_usage",
     b"vllm:gpu_cache_usage_perc": "kv_usage",
     b"flexpipe:num_tokens_queued_running": "num_tokens",  # the sim engine's exact count
+    b"flexpipe:max_num_seqs": "max_num_seqs",  # the sim engine's scheduler limit
 }
+_CACHE_INFO = b"vllm:cache_config_info"
+_LABEL = re.compile(rb'(\w+)="([^"]*)"')
 
 
 def parse_engine_metrics(text: bytes) -> dict[str, float]:
-    """Sum the samples of the metrics routing needs over all their label sets."""
+    """Sum the samples of the metrics routing needs over all their label sets; the KV cache's
+    size in tokens (`num_kv_tokens`) from vllm:cache_config_info's labels."""
     out: dict[str, float] = {}
     for line in text.split(b"\n"):
         if not line.startswith((b"vllm:", b"flexpipe:")):
@@ -40,6 +47,11 @@ def parse_engine_metrics(text: bytes) -> dict[str, float]:
         name_end = min(i for i in (line.find(b"{"), line.find(b" ")) if i >= 0)
         field = _METRICS.get(line[:name_end])
         if field is None:
+            if line[:name_end] == _CACHE_INFO:
+                labels = dict(_LABEL.findall(line))
+                with contextlib.suppress(KeyError, ValueError):
+                    blocks = int(labels[b"num_gpu_blocks"]) * int(labels[b"block_size"])
+                    out["num_kv_tokens"] = out.get("num_kv_tokens", 0.0) + blocks
             continue
         try:
             value = float(line.rsplit(b" ", 1)[1])
@@ -84,7 +96,10 @@ class Prober:
                 log.exception("prober loop failed")
 
     async def _get(self, inst: Instance, path: str) -> tuple[int, bytes]:
-        resp = await self.gw.client.request(inst.url, "GET", path, timeouts=_PROBE_TIMEOUTS)
+        headers = {"authorization": f"Bearer {inst.api_key}"} if inst.api_key else None
+        resp = await self.gw.client.request(
+            inst.url, "GET", path, headers=headers, timeouts=_PROBE_TIMEOUTS
+        )
         try:
             return resp.status, await resp.read()
         finally:
@@ -150,3 +165,9 @@ class Prober:
             inst.num_scraped_tokens = num_requests * self.gw.mean_request_tokens
         inst.num_tokens_sent_since_scrape = 0.0
         inst.scraped_at_s = self.gw.clock()
+        self.gw.pool.report_capacity(
+            inst,
+            int(values.get("max_num_seqs", 0)),
+            int(values.get("num_kv_tokens", 0)),
+            self.gw.mean_request_tokens,
+        )

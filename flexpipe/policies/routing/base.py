@@ -1,7 +1,8 @@
 """The two contracts: a `RoutingPolicy` ranks instances; a `Scorer` scores them in [0, 1].
 
 Policies rank and the framework (the gateway, the simulator) retries, queues and backs off
-(STYLE 8). Hooks are optional with no-op defaults (STYLE 9): a stateless policy is tiny.
+(STYLE 8); every ranking is tiered by capacity first (`capacity.rank`).
+Hooks are optional with no-op defaults (STYLE 9): a stateless policy is tiny.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Protocol, runtime_checkable
 
-from flexpipe.policies.routing.snapshot import Decision, InstanceView, RoutingSnapshot
+from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
 
 
 @runtime_checkable
@@ -36,15 +37,6 @@ class PolicyHooks:
 
     def on_instance_removed(self, instance: str) -> None:
         del instance
-
-
-def rank_by_score(
-    instances: tuple[InstanceView, ...], scores: list[float], rng: random.Random
-) -> tuple[str, ...]:
-    """Names sorted by score, highest first; ties broken by the seeded RNG, full ones last."""
-    keyed = [(v.is_full, -s, rng.random(), v.name) for v, s in zip(instances, scores, strict=True)]
-    keyed.sort()
-    return tuple(k[3] for k in keyed)
 
 
 def clamp01(x: float) -> float:

@@ -2,8 +2,10 @@
 
 The framework, not the scorer, clamps and weights (llm-d's scheduler profile). Scorers by
 name: `prefix` (matched prompt blocks / prompt blocks), `queue` (engine waiting queue),
-`kv` (free KV cache), `load` (least_load cost), `least_request` (in flight here).
-Ties are broken by the seeded RNG; full instances rank last. The decision's reason names
+`kv` (free KV cache), `load` (least_load cost), `least_request` (utilization).
+Ties are broken by the seeded RNG. The totals order instances within a capacity tier
+(`capacity.rank`): one with a free slot always ranks before one where the request would
+queue, so no prefix score can outweigh a queue. The decision's reason names
 the scorer that contributed most to the winner.
 
 Parameters: `weights` (default `DEFAULT_WEIGHTS`), `params` (per-scorer parameters).
@@ -21,7 +23,8 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from flexpipe.policies.routing.base import PolicyHooks, Scorer, clamp01, rank_by_score
+from flexpipe.policies.routing.base import PolicyHooks, Scorer, clamp01
+from flexpipe.policies.routing.capacity import rank
 from flexpipe.policies.routing.registry import create_scorer, register_policy
 from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
 
@@ -61,7 +64,7 @@ class Composite(PolicyHooks):
             parts.append(s)
             for i in range(n):
                 totals[i] += s[i]
-        ranked = rank_by_score(snapshot.instances, totals, rng)
+        ranked = rank(snapshot, now, totals, rng)
         best = next(i for i, v in enumerate(snapshot.instances) if v.name == ranked[0])
         top = max(range(len(parts)), key=lambda k: parts[k][best]) if parts else 0
         reason = self.scorers[top][0].name if self.scorers else "none"

@@ -1,13 +1,18 @@
-"""least_load: the instance that would finish this request's work soonest.
+"""least_load: the instance whose work ahead, per unit of capacity, is smallest.
 
 Cost per instance = (queued and running tokens, from the engine's /metrics corrected by what
-this gateway sent since the scrape, + this request's prompt tokens + its expected output)
-divided by the instance's measured speed times its weight. A GPU half as fast gets half the
-traffic at equal queues (seed 001 §4.1-4.2). Instances whose speed is not yet measured get
-the mean of the measured ones (a nominal 100 tokens/s while none is measured). Stale metrics
-(older than the snapshot's `max_metrics_age_s`, or never scraped) make an instance count as
-saturated: it ranks after every fresh one, and if all are stale the order falls back to
-fewest in flight.
+this gateway sent since the scrape, + this request's prompt tokens and expected output)
+divided by its token throughput: slots (max_num_seqs) x measured per-sequence decode speed x
+weight. That is the seconds it would take to drain its work at full batch: an instance with
+three times the slots (or a GPU twice as fast) takes three times (twice) the work at equal
+cost. The request counts whole (not half, as in `capacity.utilization`): on an idle slow
+instance its own tokens are all the work there is, and half of them would make it look
+cheaper than a busy fast one that finishes sooner. Instances whose speed is not yet
+measured get the mean of the measured ones (a nominal 100 tokens/s while none is measured).
+Stale metrics (older than the snapshot's `max_metrics_age_s`, or never scraped) make an
+instance count as saturated: it ranks after every fresh one of its tier, and if all are
+stale the order falls back to the lowest utilization (in flight per slot). As in every
+policy, an instance with a free slot ranks before one without (`capacity.rank`).
 
 Parameters: `output_weight` (default 1.0) scales the expected output tokens (decode tokens
 cost more than prefill tokens on real engines; raise it to reflect that).
@@ -22,20 +27,19 @@ from __future__ import annotations
 import math
 import random
 
-from flexpipe.policies.routing.base import PolicyHooks, rank_by_score
+from flexpipe.policies.routing.base import PolicyHooks
+from flexpipe.policies.routing.capacity import capacity, mean_speed, rank, utilization
 from flexpipe.policies.routing.registry import register_policy, register_scorer
-from flexpipe.policies.routing.snapshot import Decision, InstanceView, RoutingSnapshot
-
-NOMINAL_SPEED_TOKENS_PER_S = 100.0  # used while no instance of the pool has a measured speed
+from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
 
 
 def instance_costs(
     snapshot: RoutingSnapshot, now: float, output_weight: float = 1.0
 ) -> list[float]:
-    """Estimated seconds of work ahead on each instance if it took this request (inf = stale)."""
+    """Seconds to drain each instance's work, this request included, at full batch
+    (inf = stale metrics)."""
     req = snapshot.request
-    measured = [v.speed_tokens_per_s for v in snapshot.instances if v.speed_tokens_per_s > 0]
-    default_speed = sum(measured) / len(measured) if measured else NOMINAL_SPEED_TOKENS_PER_S
+    default_speed = mean_speed(snapshot.instances)
     extra = req.num_prompt_tokens + output_weight * req.num_expected_output_tokens
     costs = []
     for v in snapshot.instances:
@@ -43,12 +47,8 @@ def instance_costs(
             costs.append(math.inf)
             continue
         speed = v.speed_tokens_per_s if v.speed_tokens_per_s > 0 else default_speed
-        costs.append((v.num_queued_tokens + extra) / (speed * max(v.weight, 1e-9)))
+        costs.append((v.num_queued_tokens + extra) / (speed * capacity(v)))
     return costs
-
-
-def _fallback_in_flight(views: tuple[InstanceView, ...]) -> list[float]:
-    return [1.0 / (1.0 + v.num_in_flight / max(v.weight, 1e-9)) for v in views]
 
 
 class LeastLoad(PolicyHooks):
@@ -64,7 +64,9 @@ class LeastLoad(PolicyHooks):
         return _scores(instance_costs(snapshot, now, self.output_weight))
 
     def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision:
-        return decide_by_costs(snapshot, instance_costs(snapshot, now, self.output_weight), rng)
+        return decide_by_costs(
+            snapshot, now, instance_costs(snapshot, now, self.output_weight), rng
+        )
 
 
 def _scores(costs: list[float]) -> list[float]:
@@ -75,12 +77,14 @@ def _scores(costs: list[float]) -> list[float]:
     return [0.0 if not math.isfinite(c) else (low / c if c > 0 else 1.0) for c in costs]
 
 
-def decide_by_costs(snapshot: RoutingSnapshot, costs: list[float], rng: random.Random) -> Decision:
+def decide_by_costs(
+    snapshot: RoutingSnapshot, now: float, costs: list[float], rng: random.Random
+) -> Decision:
     """least_load's decision from costs already computed by `instance_costs`."""
     if all(math.isinf(c) for c in costs):
-        scores = _fallback_in_flight(snapshot.instances)
-        return Decision(rank_by_score(snapshot.instances, scores, rng), "stale_metrics")
-    return Decision(rank_by_score(snapshot.instances, _scores(costs), rng), "least_cost")
+        scores = [1.0 / utilization(v) for v in snapshot.instances]
+        return Decision(rank(snapshot, now, scores, rng), "stale_metrics")
+    return Decision(rank(snapshot, now, _scores(costs), rng), "least_cost")
 
 
 register_policy("least_load", LeastLoad)

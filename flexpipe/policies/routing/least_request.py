@@ -1,8 +1,10 @@
-"""least_request: the instance with the fewest requests in flight at this gateway.
+"""least_request: the instance with the lowest utilization: requests in flight at this
+gateway, this one included, per unit of capacity (slots x weight).
 
-In-flight counts are divided by the instance's `weight`, so weight 2 takes twice as many.
-Ties are broken by the seeded RNG. Parameters: none. Also registered as the scorer
-`least_request`: score = (min + 1) / (own + 1) over weighted in-flight counts.
+An instance with 48 slots takes 24 times the requests of one with 2; weight 2 doubles an
+instance's share. Ties are broken by the seeded RNG; an instance with a free slot ranks before
+one without (`capacity.rank`). Parameters: none. Also registered as the scorer
+`least_request`: score = min utilization / own utilization.
 
     routing: {policy: least_request}
 """
@@ -11,7 +13,8 @@ from __future__ import annotations
 
 import random
 
-from flexpipe.policies.routing.base import PolicyHooks, rank_by_score
+from flexpipe.policies.routing.base import PolicyHooks
+from flexpipe.policies.routing.capacity import rank, utilization
 from flexpipe.policies.routing.registry import register_policy, register_scorer
 from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
 
@@ -21,15 +24,15 @@ class LeastRequest(PolicyHooks):
 
     def score(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> list[float]:
         del now, rng
-        loads = [v.num_in_flight / max(v.weight, 1e-9) for v in snapshot.instances]
+        loads = [utilization(v) for v in snapshot.instances]
         if not loads:
             return []
         low = min(loads)
-        return [(low + 1.0) / (x + 1.0) for x in loads]
+        return [low / x for x in loads]
 
     def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision:
         scores = self.score(snapshot, now, rng)
-        return Decision(rank_by_score(snapshot.instances, scores, rng), "fewest_in_flight")
+        return Decision(rank(snapshot, now, scores, rng), "lowest_utilization")
 
 
 register_policy("least_request", LeastRequest)

@@ -1,17 +1,23 @@
-"""prefix_affinity: send a prompt where its prefix is already cached, without overloading it.
+"""prefix_affinity: send a prompt where its prefix is already cached, within capacity.
 
 - Seen prefix: the instance with the longest matched prefix (from the prefix index, via
-  `InstanceView.num_prefix_blocks_matched`), ties to the lower least_load cost.
-- Imbalance guard: if that instance's cost exceeds the cheapest instance's by more than
-  `imbalance_ratio` times and `imbalance_abs_s` seconds of work, fall back to least_load
-  (SGLang's cache-aware router does the same with request counts).
+  `InstanceView.num_prefix_blocks_matched`), ties to the lower least_load cost, if it has a
+  free slot (else `spill` to least_load: a cached prefix never outweighs a queue) and passes the
+  imbalance guard: if its work ahead per sequence (least_load's cost x slots: the tokens its
+  batch has to get through, over per-sequence speed) exceeds the lowest by more than
+  `imbalance_ratio` times and `imbalance_abs_s` seconds, least_load decides (`imbalance`;
+  SGLang's cache-aware router does the same with request counts). A batch that grows
+  slows every sequence in it, free slots or not: without the guard sessions funnel onto
+  one instance of many slots.
 - Unseen prefix (no match anywhere): bounded-load consistent hashing of the first block
-  (typically the system prompt), so sessions sharing it converge on one instance: walk a
-  ring of `num_virtual_nodes` points per instance from the key and take the first instance
-  whose in-flight count is within `load_bound` x the mean (Mirrokni et al. 2018).
+  (typically the system prompt), weighted by capacity, so sessions sharing it converge on one
+  instance: each instance has `num_virtual_nodes` x its share of the largest capacity points
+  on the ring (at least one); walk the ring from the key and take the first instance with a
+  free slot whose in-flight count is below its capacity share of `load_bound` x (all in
+  flight + 1) (Mirrokni et al. 2018, with bins of unequal size).
 - No prompt blocks at all: least_load.
 
-The rest of the ranking (for retries) follows least_load.
+The rest of the ranking (for retries) follows least_load, tiered by capacity.
 
 Parameters (defaults): `min_match_ratio` 0.1, `imbalance_ratio` 3.0, `imbalance_abs_s` 2.0,
 `load_bound` 1.25, `num_virtual_nodes` 64, `output_weight` 1.0. The guard's defaults won the
@@ -32,6 +38,7 @@ import math
 import random
 
 from flexpipe.policies.routing.base import PolicyHooks
+from flexpipe.policies.routing.capacity import capacity, has_free_slot, num_slots
 from flexpipe.policies.routing.least_load import LeastLoad, decide_by_costs, instance_costs
 from flexpipe.policies.routing.registry import register_policy, register_scorer
 from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
@@ -72,18 +79,17 @@ class PrefixAffinity(PolicyHooks):
         self.load_bound = load_bound
         self.num_virtual_nodes = num_virtual_nodes
         self._least_load = LeastLoad(output_weight)
-        self._rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}  # names -> ring
+        # (instance, num points) per instance -> the ring
+        self._rings: dict[tuple[tuple[str, int], ...], tuple[list[int], list[str]]] = {}
 
-    def _ring(self, names: tuple[str, ...]) -> tuple[list[int], list[str]]:
-        ring = self._rings.get(names)
+    def _ring(self, vnodes: tuple[tuple[str, int], ...]) -> tuple[list[int], list[str]]:
+        ring = self._rings.get(vnodes)
         if ring is None:
-            points = sorted(
-                (_point(f"{n}#{i}"), n) for n in names for i in range(self.num_virtual_nodes)
-            )
+            points = sorted((_point(f"{n}#{i}"), n) for n, k in vnodes for i in range(k))
             ring = ([p for p, _ in points], [n for _, n in points])
             if len(self._rings) > 64:  # pools change rarely; keep the memo small
                 self._rings.clear()
-            self._rings[names] = ring
+            self._rings[vnodes] = ring
         return ring
 
     def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision:
@@ -91,19 +97,25 @@ class PrefixAffinity(PolicyHooks):
         if not views:
             return Decision((), "empty")
         costs = instance_costs(snapshot, now, self._least_load.output_weight)
-        by_load = decide_by_costs(snapshot, costs, rng)
+        by_load = decide_by_costs(snapshot, now, costs, rng)
         hashes = snapshot.request.block_hashes
         if not hashes:
             return Decision(by_load.ranked, "no_prefix")
+        free = [has_free_slot(v, snapshot, now) for v in views]
         best_i = max(
             range(len(views)),
             key=lambda i: (views[i].num_prefix_blocks_matched, -costs[i], views[i].name),
         )
         best = views[best_i]
         if best.num_prefix_blocks_matched >= max(1.0, self.min_match_ratio * len(hashes)):
-            finite = [c for c in costs if math.isfinite(c)]
+            if not free[best_i]:  # it would queue there: the shortest wait decides
+                return Decision(by_load.ranked, "spill")
+            # the guard weighs work per sequence (cost x slots): what each batch has to get
+            # through, which slows every sequence in it; capacity already spoke (free slot)
+            work = [c * num_slots(v) for c, v in zip(costs, views, strict=True)]
+            finite = [w for w in work if math.isfinite(w)]
             low = min(finite) if finite else math.inf
-            c = costs[best_i]
+            c = work[best_i]
             overloaded = best.is_full or (
                 math.isfinite(low)
                 and (
@@ -115,20 +127,27 @@ class PrefixAffinity(PolicyHooks):
                 return Decision(by_load.ranked, "imbalance")
             rest = tuple(n for n in by_load.ranked if n != best.name)
             return Decision((best.name, *rest), "prefix_hit")
-        # Unseen prefix: bounded-load consistent hashing on the first block.
-        names = tuple(sorted(v.name for v in views))
-        points, owners = self._ring(names)
+        # Unseen prefix: bounded-load consistent hashing on the first block, by capacity.
+        caps = {v.name: capacity(v) for v in views}
+        top = max(caps.values())
+        vnodes = tuple(
+            sorted((n, max(1, round(self.num_virtual_nodes * c / top))) for n, c in caps.items())
+        )
+        points, owners = self._ring(vnodes)
         in_flight = {v.name: v.num_in_flight for v in views}
-        usable = {v.name for v in views if not v.is_full and not snapshot.is_stale(v, now)}
+        usable = {
+            v.name for v, f in zip(views, free, strict=True) if f and not snapshot.is_stale(v, now)
+        }
         if not usable:
-            usable = {v.name for v in views if not v.is_full}
-        bound = math.ceil(self.load_bound * (sum(in_flight.values()) + 1) / len(views))
+            usable = {v.name for v, f in zip(views, free, strict=True) if f}
+        total_cap = sum(caps.values())
+        num_balls = self.load_bound * (sum(in_flight.values()) + 1)
         # Fibonacci hashing spreads the (32-bit CRC) block hash over the 64-bit ring.
         key = (hashes[0] * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
         start = bisect.bisect_left(points, key)
         for k in range(len(points)):
             name = owners[(start + k) % len(points)]
-            if name in usable and in_flight[name] < bound:
+            if name in usable and in_flight[name] < math.ceil(num_balls * caps[name] / total_cap):
                 rest = tuple(n for n in by_load.ranked if n != name)
                 return Decision((name, *rest), "hash")
         return Decision(by_load.ranked, "hash_overflow")

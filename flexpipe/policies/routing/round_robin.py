@@ -1,6 +1,10 @@
-"""round_robin: each request goes to the next instance in name order.
+"""round_robin: smooth weighted round robin over the instances, weighted by capacity.
 
-Parameters: none. Full instances (at their concurrency limit) rank last.
+Each instance gets turns in proportion to its capacity (slots x weight), interleaved (nginx's
+smooth weighted round robin: every pick adds each instance's capacity to its credit, the
+highest credit wins and pays back the total). Equal capacities rotate in name order.
+Instances without a free slot are passed over while another has one (`capacity.tier`).
+Parameters: none.
 
     routing: {policy: round_robin}
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 import random
 
 from flexpipe.policies.routing.base import PolicyHooks
+from flexpipe.policies.routing.capacity import capacity, tier
 from flexpipe.policies.routing.registry import register_policy
 from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
 
@@ -18,19 +23,31 @@ class RoundRobin(PolicyHooks):
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._num_chosen = 0  # requests routed so far: the rotation position
+        self._credit: dict[str, float] = {}  # instance -> smooth-WRR credit
 
     def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision:
-        del now, rng
-        names = sorted(v.name for v in snapshot.instances)
-        if not names:
+        del rng
+        views = sorted(snapshot.instances, key=lambda v: v.name)
+        if not views:
             return Decision((), "empty")
-        start = self._num_chosen % len(names)
-        self._num_chosen += 1
-        rotated = names[start:] + names[:start]
-        full = {v.name for v in snapshot.instances if v.is_full}
-        ranked = [n for n in rotated if n not in full] + [n for n in rotated if n in full]
-        return Decision(tuple(ranked), "rotation")
+        tiers = {v.name: tier(v, snapshot, now) for v in views}
+        best_tier = min(tiers.values())
+        eligible = [v for v in views if tiers[v.name] == best_tier]
+        total = 0.0
+        for v in eligible:
+            w = capacity(v)
+            self._credit[v.name] = self._credit.get(v.name, 0.0) + w
+            total += w
+        credit = self._credit
+        order = sorted(views, key=lambda v: (tiers[v.name], -credit.get(v.name, 0.0), v.name))
+        credit[order[0].name] -= total
+        if len(credit) > 4 * len(views):  # forget instances long gone
+            names = {v.name for v in views}
+            self._credit = {n: c for n, c in credit.items() if n in names}
+        return Decision(tuple(v.name for v in order), "rotation")
+
+    def on_instance_removed(self, instance: str) -> None:
+        self._credit.pop(instance, None)
 
 
 register_policy("round_robin", RoundRobin)

@@ -17,7 +17,8 @@ class InstanceView:
     name: str
     weight: float = 1.0
     num_in_flight: int = 0  # requests this gateway has open on it
-    max_concurrency: int = 0  # 0 = unlimited
+    max_concurrency: int = 0  # the gateway's cap on in-flight requests; 0 = unlimited
+    num_slots: int = 0  # sequences the engine runs at once (max_num_seqs); 0 = unknown
     num_running: int = 0  # vllm:num_requests_running at the last scrape
     num_waiting: int = 0  # vllm:num_requests_waiting at the last scrape
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1
