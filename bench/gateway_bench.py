@@ -556,15 +556,16 @@ class ExampleEngine:
 
 def start_example_engines(procs: Procs, time_scale: float = 1.0) -> list[ExampleEngine]:
     """The engines `flexpipe up` starts for the built-in example: its planner, its launcher."""
-    from flexpipe.cli.up import DEFAULT_CLUSTER, DEFAULT_MODELS, engine_spec, load_models
+    from flexpipe.cli.up import DEFAULT_CLUSTER, DEFAULT_MODELS
     from flexpipe.cluster import load_cluster
-    from flexpipe.gears.performance import TablePerformance
+    from flexpipe.control.launching import engine_spec, load_models
+    from flexpipe.gears.lookup import GearLookup
     from flexpipe.launch import LocalLauncher
     from flexpipe.policies.planner import plan
 
     cluster = load_cluster(DEFAULT_CLUSTER)
     demands = load_models(DEFAULT_MODELS)
-    the_plan = plan(cluster, demands, TablePerformance(()))
+    the_plan = plan(cluster, demands, GearLookup(()))
     launcher = LocalLauncher("sim", time_scale=time_scale, sim_load_time_s=0.0)
     out = []
     for inst in the_plan.instances:

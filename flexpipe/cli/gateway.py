@@ -46,7 +46,11 @@ def gateway(
         typer.Option(help="On SIGTERM/SIGINT, seconds in-flight requests get to finish [30]."),
     ] = None,
     max_concurrency: Annotated[
-        int | None, typer.Option(help="Requests in flight per instance [256].")
+        int | None,
+        typer.Option(
+            help="A ceiling on requests in flight per instance; each one's cap follows its "
+            "max_num_seqs [256]."
+        ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:

@@ -64,11 +64,12 @@ class GatewayClient:
         self,
         url: str,
         model: str,
-        max_concurrency: int = 0,
+        max_num_seqs: int = 0,
         admin_token: str | None = None,
         api_key: str | None = None,
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"url": url, "model": model, "max_concurrency": max_concurrency}
+        """Register an engine launched with `max_num_seqs` (its cap is derived from it)."""
+        body: dict[str, Any] = {"url": url, "model": model, "max_num_seqs": max_num_seqs}
         if admin_token:
             body["admin_token"] = admin_token
         if api_key:

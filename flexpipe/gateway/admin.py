@@ -1,7 +1,8 @@
 """The gateway's admin API (bearer token): the pool as the controller drives it.
 
 GET  /admin/instances                 list with state and load
-POST /admin/instances                 {"url", "model"?, "weight"?, "max_concurrency"?, "api_key"?,
+POST /admin/instances                 {"url", "model"?, "weight"?, "max_concurrency"?,
+                                       "max_num_seqs"?, "api_key"?,
                                        "admin_token"? (the engine's, for KV moves)}
 POST /admin/instances/remove|activate {"url"}
 POST /admin/instances/drain           {"url", "wait_s"?}: with wait_s, answers once the
@@ -69,12 +70,18 @@ class AdminApi:
             admin_token = body.get("admin_token")
             if admin_token is not None and not isinstance(admin_token, str):
                 raise TypeError("`admin_token` must be a string")
+            max_num_seqs = body.get("max_num_seqs", 0)
+            if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int):
+                raise TypeError("`max_num_seqs` must be an integer")
+            if max_num_seqs < 0:
+                raise ValueError("`max_num_seqs` must be >= 0")
             inst = self.gw.pool.add(
                 body["url"],
                 body.get("model"),
                 float(body.get("weight", 1.0)),
                 int(body.get("max_concurrency", 0)),
                 api_key,
+                max_num_seqs,
             )
         except (PoolError, TypeError, ValueError) as exc:
             raise HttpError(400, str(exc)) from None

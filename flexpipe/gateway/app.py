@@ -82,7 +82,7 @@ class Gateway:
         self.prober = Prober(self)
         self.server: HttpServer | None = None
         for b in cfg.backends:
-            self.pool.add(b.url, b.model, b.weight, b.max_concurrency, b.api_key)
+            self.pool.add(b.url, b.model, b.weight, b.max_concurrency, b.api_key, b.max_num_seqs)
         self.pool.on_change(self._wake_one)
         self.app = self._build_app()
 

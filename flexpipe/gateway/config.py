@@ -36,7 +36,8 @@ class BackendConfig:
     url: str
     model: str | None = None  # None: ask the backend's /v1/models
     weight: float = 1.0
-    max_concurrency: int = 0  # 0: the gateway-wide `max_concurrency_per_instance`
+    max_concurrency: int = 0  # > 0: the cap; 0: from max_num_seqs or the engine's report
+    max_num_seqs: int = 0  # what the engine was launched with (0: ask the engine)
     api_key: str | None = None  # sent upstream as a bearer token (e.g. vLLM --api-key)
 
 
