@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from flexpipe.hardware import GpuSpec, gpu_spec, link_spec
+from flexpipe.model_spec import ModelSpec
 from flexpipe.perf.calibration import (
     ANY_OP,
     Calibration,
@@ -33,9 +34,10 @@ from flexpipe.perf.calibration import (
     LinkCalibration,
 )
 from flexpipe.perf.efficiency import Efficiency
+from flexpipe.perf.model import perf_model_for
 from flexpipe.perf.operator import GEMM_OPS, MEMORY_OPS, LayerShape, OperatorCost, gemm_bytes_flops
 from flexpipe.perf.sample import Sample
-from flexpipe.perf.step_time import LinkCost
+from flexpipe.perf.step_time import BatchShape, LinkCost
 from flexpipe.precision import PRECISIONS, compute_flops_per_s
 
 # Profiles and `flexpipe calibrate` run 16-bit kernels.
@@ -230,6 +232,25 @@ def leave_one_gpu_out(samples: Sequence[Sample], gpu_type: str, source: str) -> 
         if (s.op in GEMM_OPS or s.op in MEMORY_OPS) and gpu_spec(s.gpu_type).name != name
     ]
     return Calibration(gpus=(fit_gpu(others, name, f"{source}, without {name}"),))
+
+
+# -- whole layers: the fitted model against a measured layer -----------------------------------
+
+
+def layer_batch(s: Sample) -> BatchShape:
+    """The batch a `layer_prefill` / `layer_decode` sample ran."""
+    seqs = max(1, s.num_seqs)
+    if s.op == "layer_prefill":
+        return BatchShape.of(prefills=[(s.num_tokens // seqs, 0)] * seqs)
+    if s.op == "layer_decode":
+        return BatchShape(num_decode_seqs=seqs, decode_context_tokens=seqs * s.context_len)
+    raise ValueError(f"{s.op!r} is not a whole-layer sample")
+
+
+def predict_layer_s(s: Sample, model: ModelSpec, eff: Efficiency) -> float:
+    """The performance model's time for one layer of `model` as `s` ran it (16 bit, tp=1)."""
+    pm = perf_model_for(model, "tp=1,dtype=fp16", gpu_type=s.gpu_type, efficiency=eff)
+    return pm.layer_time_s(layer_batch(s))
 
 
 # -- error report ----------------------------------------------------------------------------

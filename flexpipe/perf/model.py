@@ -229,9 +229,8 @@ class PerfModel:
         self._kernels_memo[key] = total = linear + memory + comm
         return total
 
-    def _stage_time_s(self, st: _StageCost, batch: BatchShape) -> float:
-        num_tokens = batch.num_tokens
-        kernels = self._layer_kernels_s(st, num_tokens)
+    def _layer_s(self, st: _StageCost, batch: BatchShape) -> float:
+        kernels = self._layer_kernels_s(st, batch.num_tokens)
         kv_tokens = batch.decode_context_tokens + batch.num_prefill_tokens
         pairs = batch.prefill_attention_tokens + batch.decode_context_tokens
         attention = roofline_s(
@@ -240,6 +239,15 @@ class PerfModel:
             st.hbm_bytes_per_s,
             st.attention_flops_per_s,
         )
+        return kernels + attention
+
+    def layer_time_s(self, batch: BatchShape, stage: int = 0) -> float:
+        """One decoder layer of `stage` (its kernels, attention and TP all-reduces; no lm_head,
+        no engine overhead): what `flexpipe calibrate` times on a random-weight layer."""
+        self._check_runnable()
+        return self._layer_s(self._stages[stage], batch)
+
+    def _stage_time_s(self, st: _StageCost, batch: BatchShape) -> float:
         lm_head = 0.0
         if st.lm_head is not None and batch.num_seqs:
             key = (id(st.lm_head), batch.num_seqs)
@@ -247,7 +255,7 @@ class PerfModel:
                 st, (st.lm_head,), batch.num_seqs
             )
             self._kernels_memo[key] = lm_head
-        return st.num_layers * (kernels + attention) + lm_head
+        return st.num_layers * self._layer_s(st, batch) + lm_head
 
     def stage_times_s(self, batch: BatchShape) -> list[float]:
         self._check_runnable()

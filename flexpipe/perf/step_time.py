@@ -119,7 +119,7 @@ class LinkCost:
         if cal is not None and not link.latency_measured:
             ar_lat = cal.allreduce_latency_s
             p2p_lat = link.latency_s if cal.p2p_latency_s is None else cal.p2p_latency_s
-        notes = [f"calibrated ({cal.source})"] if cal is not None else ["generic factors"]
+        notes = [f"calibrated from {cal.source}"] if cal is not None else ["generic factors"]
         if link.bandwidth_measured:
             notes.append("bandwidth measured in the cluster file")
         if link.latency_measured:
