@@ -74,7 +74,7 @@ def _roofline_at_peak(s: Sample, gpu: GpuSpec) -> float:
         num_bytes, flops = gemm_bytes_flops(s.num_tokens, k, n, _ELEMENT_BYTES, _ELEMENT_BYTES)
         return cost.gemm_s(num_bytes, flops, s.num_tokens)
     elements = _shape(s).memory_elements_per_token(s.tp)[s.op]
-    return cost.memory_s(s.num_tokens * elements * _ELEMENT_BYTES, s.num_tokens, s.op)
+    return s.num_tokens * elements * _ELEMENT_BYTES / gpu.hbm_bandwidth_bytes_per_s
 
 
 def predict_s(s: Sample, eff: Efficiency, calibration: Calibration) -> float:
@@ -93,7 +93,9 @@ def predict_s(s: Sample, eff: Efficiency, calibration: Calibration) -> float:
     ops = operator_cost(gpu_spec(s.gpu_type), eff, calibration)
     if s.op in GEMM_OPS:
         k, n = _shape(s).gemm_dims(s.tp)[s.op]
-        num_bytes, flops = gemm_bytes_flops(s.num_tokens, k, n, _ELEMENT_BYTES, _ELEMENT_BYTES)
+        # As the model does: generic factors see weight bytes only (see PerfModel).
+        act = _ELEMENT_BYTES if ops.calibration is not None else 0.0
+        num_bytes, flops = gemm_bytes_flops(s.num_tokens, k, n, _ELEMENT_BYTES, act)
         return ops.gemm_s(num_bytes, flops, s.num_tokens)
     if s.op in MEMORY_OPS:
         elements = _shape(s).memory_elements_per_token(s.tp)[s.op]

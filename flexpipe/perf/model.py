@@ -38,6 +38,11 @@ class _StageCost:
     expert_gemms: tuple[tuple[float, int, int], ...]
     memory_ops: tuple[tuple[str, int], ...]  # (op, elements per token) per layer
     activation_bytes: float
+    # Generic factors price a layer's linear part as ONE roofline over its weights (they are
+    # end-to-end figures: MBU/MFU of whole engines, elementwise ops included).
+    layer_weight_bytes: float  # attention + router (+ a dense MLP)
+    expert_weight_bytes: float  # one expert (MoE only)
+    layer_flops_per_token: float  # active parameters x 2
     attention_flops_per_pair_per_layer: float
     kv_bytes_per_token_per_layer: float
     tp: int
@@ -126,6 +131,15 @@ class PerfModel:
         embed_bytes = max(prec.weight_bytes, prec.activation_bytes)
         lm_params = model.vocab_size * model.hidden_size / tp
         memory_ops = LayerShape.of(model).memory_elements_per_token(tp)
+        router_params = model.hidden_size * model.num_experts if model.is_moe else 0
+        dense_params = model.attention_params_per_layer + router_params
+        if not model.is_moe:
+            dense_params += model.mlp_params_per_expert
+        active_params = (
+            model.attention_params_per_layer
+            + router_params
+            + model.num_experts_per_tok * model.mlp_params_per_expert
+        )
         return _StageCost(
             num_layers=num_layers,
             ops=ops,
@@ -135,6 +149,9 @@ class PerfModel:
             expert_gemms=expert_gemms,
             memory_ops=tuple(memory_ops.items()),
             activation_bytes=prec.activation_bytes,
+            layer_weight_bytes=dense_params * w / tp,
+            expert_weight_bytes=model.mlp_params_per_expert * w / tp,
+            layer_flops_per_token=2.0 * active_params / tp,
             # QK^T and PV: 2 FLOPs per multiply-add, 2 matmuls, q_size wide.
             attention_flops_per_pair_per_layer=4.0 * model.q_size / tp,
             kv_bytes_per_token_per_layer=2 * kv_heads_per_gpu(model, tp) * model.head_dim * kv_elem,
@@ -196,7 +213,8 @@ class PerfModel:
     def _gemms_s(
         self, st: _StageCost, gemms: tuple[tuple[float, int, int], ...], num_tokens: float
     ) -> float:
-        act = st.activation_bytes
+        # Calibrated GEMMs were measured with their activations; generic factors see weights.
+        act = st.activation_bytes if st.ops.calibration is not None else 0.0
         total = 0.0
         for weight_bytes, k, n in gemms:
             num_bytes = weight_bytes + num_tokens * (k + n) * act
@@ -204,23 +222,33 @@ class PerfModel:
         return total
 
     def _layer_kernels_s(self, st: _StageCost, num_tokens: int) -> float:
-        """One layer's GEMMs, memory-bound ops and TP all-reduces for `num_tokens` tokens
-        (memoised: the
-        sim engine and the planner ask for the same few token counts again and again)."""
+        """One layer's GEMMs, memory-bound ops and TP all-reduces for `num_tokens` tokens.
+
+        Calibrated GPU types: kernel by kernel (the factors were fitted per kernel). Generic:
+        one roofline over the layer's weights and active FLOPs, as the end-to-end generic
+        factors were chosen for. Memoised: the sim engine and the planner ask for the same few
+        token counts again and again."""
         key = (id(st), num_tokens)
         cached = self._kernels_memo.get(key)
         if cached is not None:
             return cached
-        linear = self._gemms_s(st, st.gemms, num_tokens)
-        if st.expert_gemms:
-            touched = self._experts_touched(num_tokens)
-            per_expert = num_tokens * self.model.num_experts_per_tok / touched
-            linear += touched * self._gemms_s(st, st.expert_gemms, per_expert)
-        act = st.activation_bytes
-        memory = sum(
-            st.ops.memory_s(num_tokens * elements * act, num_tokens, op)
-            for op, elements in st.memory_ops
-        )
+        if st.ops.calibration is None:
+            weight_bytes = st.layer_weight_bytes
+            if st.expert_gemms:
+                weight_bytes += self._experts_touched(num_tokens) * st.expert_weight_bytes
+            linear = st.ops.gemm_s(weight_bytes, st.layer_flops_per_token * num_tokens, num_tokens)
+            memory = 0.0  # folded into the generic hbm_efficiency
+        else:
+            linear = self._gemms_s(st, st.gemms, num_tokens)
+            if st.expert_gemms:
+                touched = self._experts_touched(num_tokens)
+                per_expert = num_tokens * self.model.num_experts_per_tok / touched
+                linear += touched * self._gemms_s(st, st.expert_gemms, per_expert)
+            act = st.activation_bytes
+            memory = sum(
+                st.ops.memory_s(num_tokens * elements * act, num_tokens, op)
+                for op, elements in st.memory_ops
+            )
         comm = 0.0
         if st.tp > 1 and st.tp_link is not None:
             comm = 2 * st.tp_link.allreduce_s(num_tokens * self._handoff_bytes_per_token, st.tp)
@@ -249,7 +277,7 @@ class PerfModel:
 
     def _stage_time_s(self, st: _StageCost, batch: BatchShape) -> float:
         lm_head = 0.0
-        if st.lm_head is not None and batch.num_seqs:
+        if st.lm_head is not None:
             key = (id(st.lm_head), batch.num_seqs)
             lm_head = self._kernels_memo.get(key) or self._gemms_s(
                 st, (st.lm_head,), batch.num_seqs

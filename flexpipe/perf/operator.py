@@ -86,8 +86,8 @@ def gemm_bytes_flops(
 class OperatorCost:
     """Prices kernels on one GPU type at one GEMM precision.
 
-    Generic: `max(bytes / (HBM x hbm_eff), FLOPs / (peak x compute_eff))` and
-    `bytes / (HBM x hbm_eff)`. Calibrated: `floor + roofline at peak / efficiency(tokens)`
+    Generic: `max(bytes / (HBM x hbm_eff), FLOPs / (peak x compute_eff))`, and memory-bound ops
+    folded into that. Calibrated: `floor + roofline at peak / efficiency(tokens)`
     (see `GpuCalibration`).
     """
 
@@ -108,8 +108,9 @@ class OperatorCost:
         return cal.gemm.time_s(ideal, num_tokens)
 
     def memory_s(self, num_bytes: float, num_tokens: float, op: str = ANY_OP) -> float:
-        """A memory-bound op (`op` picks its calibrated factors; see MEMORY_OPS)."""
+        """A memory-bound op (`op` picks its calibrated factors; see MEMORY_OPS). Generic
+        factors price none: they are end-to-end figures with these ops folded in."""
         cal = self.calibration
         if cal is None:
-            return num_bytes / (self.hbm_bytes_per_s * self.hbm_efficiency)
+            return 0.0
         return cal.memory_for(op).time_s(num_bytes / self.hbm_bytes_per_s, num_tokens)
