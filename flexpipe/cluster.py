@@ -113,31 +113,44 @@ class Gpu:
         return max(0.0, self.capacity_bytes - self.used_bytes)
 
 
-def _effective(name: str, measured_gb_per_s: float | None) -> LinkSpec:
-    """The catalog link with a measured bandwidth (if any) in place of the datasheet's."""
+def _effective(
+    name: str, measured_gb_per_s: float | None, measured_latency_us: float | None = None
+) -> LinkSpec:
+    """The catalog link with a measured bandwidth and latency (if any) in place of the
+    datasheet's, marked as measured (the performance model prefers them to a calibrated link
+    class)."""
     spec = link_spec(name)
-    if measured_gb_per_s is None:
-        return spec
-    return replace(
-        spec,
-        bandwidth_bytes_per_s=measured_gb_per_s * GB,
-        description=f"{spec.description}, measured {measured_gb_per_s:g} GB/s",
-    )
+    if measured_gb_per_s is not None:
+        spec = replace(
+            spec,
+            bandwidth_bytes_per_s=measured_gb_per_s * GB,
+            description=f"{spec.description}, measured {measured_gb_per_s:g} GB/s",
+            bandwidth_measured=True,
+        )
+    if measured_latency_us is not None:
+        spec = replace(
+            spec,
+            latency_s=measured_latency_us * 1e-6,
+            description=f"{spec.description}, measured {measured_latency_us:g} us",
+            latency_measured=True,
+        )
+    return spec
 
 
 @dataclass(frozen=True, slots=True)
 class GpuGroupLink:
     """GPUs of one node joined pairwise by one link class (an NVLink island, an NVSwitch, a
     PCIe switch). `measured_gb_per_s` (GB = 1e9 B, per GPU per direction) overrides the
-    catalog bandwidth."""
+    catalog bandwidth, `measured_latency_us` the catalog latency."""
 
     gpus: tuple[str, ...]
     link: str  # canonical catalog link name
     measured_gb_per_s: float | None = None
+    measured_latency_us: float | None = None  # one-way, per hop (e.g. nccl-tests at 8 B)
 
     @property
     def spec(self) -> LinkSpec:
-        return _effective(self.link, self.measured_gb_per_s)
+        return _effective(self.link, self.measured_gb_per_s, self.measured_latency_us)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,10 +159,11 @@ class NetworkLink:
 
     link: str  # canonical catalog link name
     measured_gb_per_s: float | None = None
+    measured_latency_us: float | None = None  # one-way, per hop (e.g. nccl-tests at 8 B)
 
     @property
     def spec(self) -> LinkSpec:
-        return _effective(self.link, self.measured_gb_per_s)
+        return _effective(self.link, self.measured_gb_per_s, self.measured_latency_us)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +173,11 @@ class NodePairLink:
     nodes: tuple[str, str]
     link: str
     measured_gb_per_s: float | None = None
+    measured_latency_us: float | None = None  # one-way, per hop (e.g. nccl-tests at 8 B)
 
     @property
     def spec(self) -> LinkSpec:
-        return _effective(self.link, self.measured_gb_per_s)
+        return _effective(self.link, self.measured_gb_per_s, self.measured_latency_us)
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,7 +390,11 @@ class Cluster:
             n: dict[str, Any] = {"name": node.name}
             if node.note:
                 n["note"] = node.note
-            n["network"] = _link_doc(node.network.link, node.network.measured_gb_per_s)
+            n["network"] = _link_doc(
+                node.network.link,
+                node.network.measured_gb_per_s,
+                latency_us=node.network.measured_latency_us,
+            )
             gpus = []
             for g in node.gpus:
                 gd: dict[str, Any] = {"id": g.id, "type": g.type, "index": g.index}
@@ -391,14 +410,20 @@ class Cluster:
             n["gpus"] = gpus
             if node.links:
                 n["links"] = [
-                    {"gpus": list(lk.gpus), **_link_doc(lk.link, lk.measured_gb_per_s, True)}
+                    {
+                        "gpus": list(lk.gpus),
+                        **_link_doc(lk.link, lk.measured_gb_per_s, True, lk.measured_latency_us),
+                    }
                     for lk in node.links
                 ]
             nodes.append(n)
         doc["nodes"] = nodes
         if self.node_links:
             doc["node_links"] = [
-                {"nodes": list(p.nodes), **_link_doc(p.link, p.measured_gb_per_s, True)}
+                {
+                    "nodes": list(p.nodes),
+                    **_link_doc(p.link, p.measured_gb_per_s, True, p.measured_latency_us),
+                }
                 for p in self.node_links
             ]
         return doc
@@ -419,12 +444,16 @@ def _unknown(kind: str, name: str, known: Mapping[str, object]) -> str:
     return f"unknown {kind} {name!r}; known: {shown}"
 
 
-def _link_doc(link: str, measured: float | None, always_dict: bool = False) -> Any:
-    if measured is None and not always_dict:
+def _link_doc(
+    link: str, measured: float | None, always_dict: bool = False, latency_us: float | None = None
+) -> Any:
+    if measured is None and latency_us is None and not always_dict:
         return link
     out: dict[str, Any] = {"link": link}
     if measured is not None:
         out["measured_gb_per_s"] = measured
+    if latency_us is not None:
+        out["measured_latency_us"] = latency_us
     return out
 
 
@@ -491,9 +520,9 @@ _GPU_KEYS = (
     "owner",
     "note",
 )
-_GPU_LINK_KEYS = ("gpus", "link", "measured_gb_per_s")
-_NODE_LINK_KEYS = ("nodes", "link", "measured_gb_per_s")
-_NETWORK_KEYS = ("link", "measured_gb_per_s")
+_GPU_LINK_KEYS = ("gpus", "link", "measured_gb_per_s", "measured_latency_us")
+_NODE_LINK_KEYS = ("nodes", "link", "measured_gb_per_s", "measured_latency_us")
+_NETWORK_KEYS = ("link", "measured_gb_per_s", "measured_latency_us")
 
 
 class _Errors:
@@ -618,7 +647,7 @@ def _link_name(value: object, place: str, errors: _Errors, intra_node: bool) -> 
 
 
 def _network(value: object, place: str, errors: _Errors) -> NetworkLink | None:
-    """`eth25` or `{link: eth25, measured_gb_per_s: 2.8}`."""
+    """`eth25` or `{link: eth25, measured_gb_per_s: 2.8, measured_latency_us: 40}`."""
     if isinstance(value, dict):
         doc = _mapping(value, place, _NETWORK_KEYS, errors)
         assert doc is not None
@@ -626,7 +655,10 @@ def _network(value: object, place: str, errors: _Errors) -> NetworkLink | None:
         measured = _positive(
             doc.get("measured_gb_per_s"), _join(place, "measured_gb_per_s"), errors
         )
-        return None if link is None else NetworkLink(link, measured)
+        latency = _positive(
+            doc.get("measured_latency_us"), _join(place, "measured_latency_us"), errors
+        )
+        return None if link is None else NetworkLink(link, measured, latency)
     link = _link_name(value, place, errors, intra_node=False)
     return None if link is None else NetworkLink(link)
 
@@ -738,8 +770,11 @@ def _group_links(
         measured = _positive(
             link_doc.get("measured_gb_per_s"), _join(link_place, "measured_gb_per_s"), errors
         )
+        latency = _positive(
+            link_doc.get("measured_latency_us"), _join(link_place, "measured_latency_us"), errors
+        )
         if len(errors.items) == ok and link is not None:
-            links.append(GpuGroupLink(tuple(members), link, measured))
+            links.append(GpuGroupLink(tuple(members), link, measured, latency))
     return tuple(links)
 
 
@@ -864,8 +899,11 @@ def parse_cluster(
         measured = _positive(
             pair_doc.get("measured_gb_per_s"), _join(place, "measured_gb_per_s"), errors
         )
+        latency = _positive(
+            pair_doc.get("measured_latency_us"), _join(place, "measured_latency_us"), errors
+        )
         if len(errors.items) == ok and link is not None and len(ends) == 2:
-            node_links.append(NodePairLink((ends[0], ends[1]), link, measured))
+            node_links.append(NodePairLink((ends[0], ends[1]), link, measured, latency))
 
     errors.raise_if_any()
     return Cluster(name, tuple(nodes), tuple(node_links), intra_default, description, source)

@@ -97,6 +97,28 @@ GPUS: dict[str, GpuSpec] = {
         # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090): 24 GB GDDR6X 1,008 GB/s;
         # FP16/BF16 tensor with FP32 accumulate 165 TF dense, FP8 330 TF, INT8 661 TOPS.
         _gpu("RTX-4090", 24, 1008, 165, 165, 330, 661, None, None, "8.9"),
+        # NVIDIA A40 datasheet (images.nvidia.com/content/Solutions/data-center/a40/nvidia-a40-
+        # datasheet.pdf): 48 GB GDDR6 696 GB/s; BF16/FP16 tensor 149.7 TF dense (299.4 sparse),
+        # INT8 299.3 TOPS dense; NVLink bridge 112.5 GB/s bidirectional between two cards.
+        _gpu("A40", 48, 696, 149.7, 149.7, None, 299.3, 56.25, "nvlink3-bridge", "8.6"),
+        # NVIDIA L20 datasheet (nvidia.com/en-us/data-center/l20, PCIe, Ada): 48 GB GDDR6
+        # 864 GB/s; FP16/BF16 tensor 119.5 TF dense (239 sparse), FP8 239 TF, INT8 239 TOPS
+        # dense; no NVLink.
+        _gpu("L20", 48, 864, 119.5, 119.5, 239, 239, None, None, "8.9"),
+        # NVIDIA HGX H20 product brief (2024; Hopper for the China market): 96 GB HBM3 at
+        # 4.0 TB/s; FP16/BF16 tensor 148 TF dense, FP8 296 TF, INT8 296 TOPS dense; NVLink
+        # 900 GB/s bidirectional. The tensor rate is capped: decode-friendly, prefill-poor.
+        _gpu("H20-96G", 96, 4000, 148, 148, 296, 296, 450, "nvlink4", "9.0"),
+        # NVIDIA DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200): 8 GPUs, 1,440 GB
+        # HBM3e = 180 GB per GPU at 8 TB/s, 72 PF FP8 training (sparse) = 4.5 PF dense FP8 per
+        # GPU, BF16/FP16 half that (2.25 PF dense), INT8 4.5 POPS dense; NVLink 5 at 1.8 TB/s
+        # bidirectional per GPU.
+        _gpu("B200-180G", 180, 8000, 2250, 2250, 4500, 4500, 900, "nvlink5", "10.0"),
+        # AMD Instinct MI300X data sheet (amd.com/.../instinct-mi300x-data-sheet.pdf): 192 GB
+        # HBM3 at 5.3 TB/s; FP16/BF16 matrix 1,307.4 TF dense, FP8 2,614.9 TF, INT8 2,614.9
+        # TOPS dense; 7 Infinity Fabric links, 896 GB/s aggregate bidirectional (448 per
+        # direction). ROCm, so vLLM's ROCm build; compute capability is NVIDIA's notion: "".
+        _gpu("MI300X", 192, 5300, 1307.4, 1307.4, 2614.9, 2614.9, 448, "infinity-fabric", ""),
     )
 }
 
@@ -114,6 +136,10 @@ class LinkSpec:
     latency_s: float
     intra_node: bool
     description: str
+    # True where a cluster file measured this very link (the figure above is then the
+    # measurement, and wins over a calibrated link class; see flexpipe/perf/step_time.py).
+    bandwidth_measured: bool = False
+    latency_measured: bool = False
 
 
 def _link(
@@ -132,12 +158,23 @@ LINKS: dict[str, LinkSpec] = {
         _link("nvlink2", 150, 3, True, "NVLink 2.0 (Volta)"),
         # NVLink 3.0 (A100): 12 links x 25 GB/s = 300 GB/s per direction (A100 datasheet).
         _link("nvlink3", 300, 3, True, "NVLink 3.0 (Ampere)"),
+        # NVLink 3.0 bridge between two PCIe cards (A40, RTX A6000): 4 links, 112.5 GB/s
+        # bidirectional (A40 datasheet) = 56.25 GB/s per direction.
+        _link("nvlink3-bridge", 56.25, 3, True, "NVLink 3.0 bridge (A40 pairs)"),
         # NVLink 4.0 (H100/H200): 18 links x 25 GB/s = 450 GB/s per direction (H100 datasheet).
         _link("nvlink4", 450, 3, True, "NVLink 4.0 (Hopper)"),
+        # NVLink 5.0 (B200): 18 links x 50 GB/s = 900 GB/s per direction (DGX B200 datasheet).
+        _link("nvlink5", 900, 3, True, "NVLink 5.0 (Blackwell)"),
+        # AMD Infinity Fabric (MI300X platform): every GPU of the 8-GPU board reaches each other
+        # over one of its 7 links (64 GB/s per direction each); a ring or all-to-all over all
+        # seven reaches 448 GB/s per direction (MI300X data sheet). RCCL small-message
+        # latency is reported at ~5 us.
+        _link("infinity-fabric", 448, 5, True, "AMD Infinity Fabric (MI300X 8-GPU mesh)"),
         # NVSwitch (HGX A100 / HGX H100): every GPU reaches every other at its full NVLink rate
         # (NVIDIA HGX platform brief); a switch hop adds ~1 us.
         _link("nvswitch-a100", 300, 4, True, "NVSwitch gen 2 (HGX A100)"),
         _link("nvswitch-h100", 450, 4, True, "NVSwitch gen 3 (HGX H100/H200)"),
+        _link("nvswitch-b200", 900, 4, True, "NVSwitch gen 4 (HGX B200)"),
         # PCI-SIG: gen4 x16 = 31.5 GB/s per direction raw, ~25 GB/s achieved by NCCL p2p;
         # gen5 x16 = 63 GB/s raw, ~50 GB/s achieved.
         _link("pcie4", 25, 8, True, "PCIe gen4 x16 under one switch"),
@@ -161,6 +198,7 @@ LINKS: dict[str, LinkSpec] = {
 # Short names users type: `--link nvlink`, `--link 25gbe`.
 LINK_ALIASES: dict[str, str] = {
     "nvlink": "nvlink3",
+    "xgmi": "infinity-fabric",
     "nvswitch": "nvswitch-a100",
     "pcie": "pcie4",
     "pcie-gen4": "pcie4",

@@ -170,6 +170,11 @@ def test_gpu_catalog_has_every_listed_gpu() -> None:
         "A10G",
         "V100-32G",
         "RTX-4090",
+        "A40",
+        "L20",
+        "H20-96G",
+        "B200-180G",
+        "MI300X",
     }
     assert listed == set(GPUS)
 
@@ -225,6 +230,16 @@ def test_datasheet_spot_checks() -> None:
     assert a100.bf16_flops_per_s == 312e12
     assert gpu_spec("H100-80G-SXM").hbm_bandwidth_bytes_per_s == 3350 * GB
     assert gpu_spec("H200-141G").memory_bytes == 141 * GiB
+    # H20: 96 GB HBM3 at 4.0 TB/s, but only 148 TF bf16: far more bytes per FLOP than an H100.
+    h20 = gpu_spec("H20-96G")
+    assert h20.hbm_bandwidth_bytes_per_s == 4000 * GB and h20.bf16_flops_per_s == 148e12
+    assert gpu_spec("L20").hbm_bandwidth_bytes_per_s == 864 * GB
+    assert gpu_spec("B200-180G").fp8_flops_per_s == 4500e12
+    assert link_spec("nvlink5").bandwidth_bytes_per_s == 900 * GB
+    mi300x = gpu_spec("MI300X")
+    assert mi300x.memory_bytes == 192 * GiB and mi300x.bf16_flops_per_s == 1307.4e12
+    assert link_spec("xgmi") is LINKS["infinity-fabric"]
+    assert gpu_spec("A40").hbm_bandwidth_bytes_per_s == 696 * GB
 
 
 def test_link_classes_are_ordered_nvlink_pcie_network() -> None:
@@ -257,6 +272,11 @@ def test_link_classes_are_ordered_nvlink_pcie_network() -> None:
         ("H200-141G", True),
         ("L40S", True),
         ("L4", True),
+        ("L20", True),
+        ("H20-96G", True),
+        ("B200-180G", True),
+        ("MI300X", True),
+        ("A40", False),
         ("A100-40G-SXM", False),
         ("A100-80G-SXM", False),
         ("A100-80G-PCIe", False),
@@ -264,7 +284,7 @@ def test_link_classes_are_ordered_nvlink_pcie_network() -> None:
         ("A10G", False),
     ],
 )
-def test_fp8_only_on_hopper_and_ada(name: str, has_fp8: bool) -> None:
+def test_fp8_only_on_hopper_ada_blackwell_and_cdna3(name: str, has_fp8: bool) -> None:
     assert (gpu_spec(name).fp8_flops_per_s is not None) is has_fp8
 
 

@@ -7,6 +7,8 @@ import json
 from typer.testing import CliRunner
 
 from flexpipe.cli import app
+from flexpipe.perf import perf_model_for
+from flexpipe.perf.steady_state import Workload, steady_state
 
 runner = CliRunner()
 
@@ -57,4 +59,50 @@ def test_estimate_bad_input_is_one_line_and_exit_2() -> None:
     ):
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
+        assert "error:" in result.output and "Traceback" not in result.output
+
+
+def _json(args: list[str]) -> dict[str, object]:
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert isinstance(report, dict)
+    return report
+
+
+def test_estimate_answers_ttft_tpot_and_tokens_per_s_at_the_points_asked() -> None:
+    args = ["estimate", "--model", "llama-2-7b", "--batch", "4,1", "--prompt-len", "512"]
+    report = _json([*args, "--output-len", "64"])
+    steps = report["steps"]
+    assert isinstance(steps, list) and [s["batch"] for s in steps] == [1, 4]
+    # The very numbers the planner prices (its steady state on the same performance model).
+    pm = perf_model_for("llama-2-7b", "tp=1")
+    expected = steady_state(pm, 4, Workload(512, 64))
+    assert steps[1]["ttft_ms"] == round(expected.ttft_s * 1e3, 3)
+    assert steps[1]["tpot_ms"] == round(expected.tpot_s * 1e3, 3)
+    assert steps[1]["output_tokens_per_s"] == round(expected.output_tokens_per_s, 1)
+    assert report["context_len"] == 512 + 32
+
+
+def test_estimate_says_which_factor_set_priced_each_gpu_type() -> None:
+    calibrated = _json(["estimate", "--model", "llama-2-7b", "--gpus", "A100-80G-SXM:1"])
+    assert calibrated["factors"] == {
+        "A100-80G-SXM": "calibrated from vidur-profiling (microsoft/vidur@7d47513 "
+        "data/profiling, MIT)"
+    }
+    generic = _json(["estimate", "--model", "llama-2-7b", "--gpus", "A100-80G-SXM:1", "--generic"])
+    assert generic["factors"] == {
+        "A100-80G-SXM": "generic factors (no measurements of this GPU type)"
+    }
+    h20 = _json(["estimate", "--model", "llama-2-7b", "--gpus", "H20-96G:1"])
+    assert h20["factors"] == {"H20-96G": "generic factors (no measurements of this GPU type)"}
+    text = runner.invoke(app, ["estimate", "--model", "llama-2-7b", "--batch", "2"]).output
+    assert "TTFT ms" in text and "TPOT ms" in text and "output tokens/s" in text
+    assert "factors for A100-80G-SXM: calibrated from vidur-profiling" in text
+
+
+def test_estimate_bad_points_are_one_line_and_exit_2() -> None:
+    for extra in (["--batch", "0"], ["--batch", "a,b"], ["--prompt-len", "0"]):
+        result = runner.invoke(app, ["estimate", "--model", "llama-2-7b", *extra])
+        assert result.exit_code == 2, (extra, result.output)
         assert "error:" in result.output and "Traceback" not in result.output

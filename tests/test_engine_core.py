@@ -12,7 +12,8 @@ from flexpipe.engine.metrics import EngineMetrics
 from flexpipe.engine.request import EngineRequest, SamplingParams
 from flexpipe.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from flexpipe.engine.tokenizer import BOS_ID, EOS_ID, Tokenizer
-from flexpipe.perf import BatchShape, perf_model_for
+from flexpipe.perf import BatchShape, Efficiency, perf_model_for
+from flexpipe.perf.calibration import NO_CALIBRATION
 
 GEN = (100, 101, 102)
 
@@ -190,7 +191,13 @@ def test_prompt_larger_than_the_cache_is_rejected() -> None:
 
 
 # --- the engine core on a virtual clock --------------------------------------------------
-PM = perf_model_for("llama-2-7b", "tp=1", max_model_len=4096)
+# Generic factors: the exact step sequence below (b joins at step 6) is timed on them.
+PM = perf_model_for(
+    "llama-2-7b",
+    "tp=1",
+    max_model_len=4096,
+    efficiency=Efficiency(calibration=NO_CALIBRATION),
+)
 
 
 def make_core(num_blocks: int = 64, block_size: int = 4, **cfg: object) -> EngineCore:

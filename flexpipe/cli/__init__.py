@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import typer
 
-from flexpipe.cli import cluster, controller, engine, estimate, gateway, gears, plan, shifts, up
+from flexpipe.cli import (
+    calibrate,
+    cluster,
+    controller,
+    engine,
+    estimate,
+    gateway,
+    gears,
+    plan,
+    shifts,
+    up,
+)
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -19,7 +30,7 @@ def _root() -> None:
     """flexpipe: serve LLMs on the GPUs a cluster actually has free."""
 
 
-for _module in (estimate, cluster, engine, gateway, controller, gears, plan, up, shifts):
+for _module in (estimate, calibrate, cluster, engine, gateway, controller, gears, plan, up, shifts):
     _module.register(app)
 
 

@@ -1,4 +1,5 @@
-"""`flexpipe estimate`: the performance model's memory plan and step times for one gear."""
+"""`flexpipe estimate`: the performance model's memory plan, step times and the TTFT, TPOT and
+tokens/s of one gear at the batch sizes and request lengths asked, with the factor set used."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from flexpipe.gears.gear import GearError, GpuSlot, Placement, parse_gear, unifo
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import Efficiency, PerfModel
+from flexpipe.perf.calibration import NO_CALIBRATION
+from flexpipe.perf.steady_state import Workload, steady_state
 
 GiB = float(2**30)
 
@@ -35,8 +38,38 @@ def parse_gpu_list(text: str) -> list[str]:
     return out
 
 
-def load_efficiency(path: Path | None, overrides: list[str]) -> Efficiency:
-    eff = Efficiency()
+def parse_batches(text: str | None) -> list[int] | None:
+    """`1,8,32` -> [1, 8, 32]; None -> None (the defaults: 1, 8, 32 and the largest that fits)."""
+    if text is None:
+        return None
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            b = int(part)
+        except ValueError:
+            raise ValueError(f"bad --batch item {part!r}: expected a positive integer") from None
+        if b < 1:
+            raise ValueError(f"bad --batch item {part!r}: expected a positive integer")
+        out.append(b)
+    if not out:
+        raise ValueError("--batch is empty")
+    return sorted(set(out))
+
+
+def load_efficiency(
+    path: Path | None,
+    overrides: list[str],
+    store_url: str | None = None,
+    generic: bool = False,
+) -> Efficiency:
+    """Generic factors with the built-in calibration, then the store's (`--store`), then the
+    YAML file and `--set` overrides; `generic` drops every calibration."""
+    eff = Efficiency(calibration=NO_CALIBRATION) if generic else Efficiency()
+    if store_url is not None and not generic:
+        from flexpipe.store import Store
+
+        with Store(store_url) as st:
+            eff = st.efficiency(eff)
     if path is not None:
         doc = yaml.safe_load(path.read_text()) or {}
         if not isinstance(doc, dict):
@@ -47,9 +80,20 @@ def load_efficiency(path: Path | None, overrides: list[str]) -> Efficiency:
     return eff
 
 
-def estimate_report(pm: PerfModel, context_len: int) -> dict[str, Any]:
-    """The numbers `estimate` prints, as plain data (also its --json output)."""
+def estimate_report(
+    pm: PerfModel,
+    prompt_len: int,
+    output_len: int = 256,
+    batches: list[int] | None = None,
+) -> dict[str, Any]:
+    """The numbers `estimate` prints, as plain data (also its --json output).
+
+    At each batch size: the steady state the planner prices (the same `steady_state`): TTFT,
+    TPOT with chunked prefills of new requests interleaved, output tokens/s; and the bare
+    decode step at the mean context (prompt + half the output)."""
     mem = pm.memory
+    workload = Workload(prompt_len, output_len)
+    context_len = workload.mean_context_tokens
     report: dict[str, Any] = {
         "model": pm.model.name,
         "gear": str(pm.gear),
@@ -60,6 +104,7 @@ def estimate_report(pm: PerfModel, context_len: int) -> dict[str, Any]:
         "layers_per_stage": [s.num_layers for s in pm.placement.stages],
         "feasible": pm.feasible,
         "reason": pm.reason,
+        "factors": pm.factor_sets() if pm.feasible else {},
         "memory": {
             "per_gpu": [
                 {
@@ -78,24 +123,32 @@ def estimate_report(pm: PerfModel, context_len: int) -> dict[str, Any]:
             "block_size": mem.block_size,
             "max_model_len": mem.max_model_len,
         },
+        "prompt_len": prompt_len,
+        "output_len": output_len,
         "context_len": context_len,
         "steps": [],
     }
     if not pm.feasible:
         return report
-    max_batch = min(mem.max_batch(context_len), pm.gear.max_num_seqs)
+    max_batch = min(mem.max_batch(prompt_len + output_len), pm.gear.max_num_seqs)
     report["memory"]["max_batch"] = max_batch
-    batches = sorted({b for b in (1, 8, 32, max_batch) if 1 <= b <= max_batch})
+    if batches is None:
+        batches = sorted({b for b in (1, 8, 32, max_batch) if 1 <= b <= max_batch})
     for b in batches:
+        est = steady_state(pm, b, workload)
         report["steps"].append(
             {
                 "batch": b,
+                "fits": b <= max_batch,
+                "ttft_ms": round(est.ttft_s * 1e3, 3),
+                "tpot_ms": round(est.tpot_s * 1e3, 3),
+                "output_tokens_per_s": round(est.output_tokens_per_s, 1),
+                "requests_per_s": round(est.requests_per_s, 3),
                 "decode_step_ms": round(pm.decode_step_s(b, context_len) * 1e3, 3),
                 "decode_tokens_per_s": round(pm.decode_tokens_per_s(b, context_len), 1),
-                "prefill_ms": round(pm.prefill_s(context_len) * 1e3, 3) if b == 1 else None,
             }
         )
-    report["prefill_ms"] = round(pm.prefill_s(context_len) * 1e3, 3)
+    report["prefill_ms"] = round(pm.prefill_s(prompt_len) * 1e3, 3)
     report["cold_start_s"] = round(pm.cold_start_s(), 2)
     return report
 
@@ -117,25 +170,46 @@ def _print_report(report: dict[str, Any], console: Console) -> None:
         )
     console.print(mem)
     m = report["memory"]
+    whole = report["prompt_len"] + report["output_len"]
     console.print(
         f"KV capacity: {m['kv_capacity_tokens']:,} tokens = {m['num_kv_blocks']:,} blocks of "
-        f"{m['block_size']} · max batch at {report['context_len']} tokens of context: "
+        f"{m['block_size']} · max batch at {whole} tokens per sequence: "
         f"{m.get('max_batch', 0)} · layers per stage: {report['layers_per_stage']}"
     )
     if not report["feasible"]:
         return
-    steps = Table(title=f"Step times (context {report['context_len']} tokens)")
-    for col in ("batch", "decode step ms", "decode tokens/s"):
+    steps = Table(
+        title=f"Steady state: {report['prompt_len']}-token prompts, "
+        f"{report['output_len']}-token outputs (decode context {report['context_len']})"
+    )
+    for col in (
+        "batch",
+        "TTFT ms",
+        "TPOT ms",
+        "output tokens/s",
+        "requests/s",
+        "decode step ms",
+        "decode tokens/s",
+    ):
         steps.add_column(col, justify="right")
     for s in report["steps"]:
+        note = "" if s["fits"] else " (over max batch)"
         steps.add_row(
-            str(s["batch"]), f"{s['decode_step_ms']:.2f}", f"{s['decode_tokens_per_s']:,.0f}"
+            f"{s['batch']}{note}",
+            f"{s['ttft_ms']:.1f}",
+            f"{s['tpot_ms']:.2f}",
+            f"{s['output_tokens_per_s']:,.0f}",
+            f"{s['requests_per_s']:.2f}",
+            f"{s['decode_step_ms']:.2f}",
+            f"{s['decode_tokens_per_s']:,.0f}",
         )
     console.print(steps)
     console.print(
-        f"prefill of {report['context_len']} tokens: {report['prefill_ms']:.1f} ms · "
+        f"prefill of {report['prompt_len']} tokens alone: {report['prefill_ms']:.1f} ms · "
         f"cold start: {report['cold_start_s']:.1f} s"
     )
+    for what, factors in report["factors"].items():
+        console.print(f"factors for {what}: {factors}", highlight=False)
 
 
 def _cluster_placement(cluster_file: Path, on: str, tp: int, pp: int, num_layers: int) -> Placement:
@@ -165,7 +239,12 @@ def register(app: typer.Typer) -> None:
         on: Annotated[
             str | None, typer.Option(help="GPU ids in the cluster, stage by stage.")
         ] = None,
-        context_len: Annotated[int, typer.Option(help="Context length per sequence.")] = 1024,
+        batch: Annotated[
+            str | None,
+            typer.Option(help="Batch sizes (concurrent sequences), e.g. 1,8,32 [1,8,32,max]."),
+        ] = None,
+        prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 1024,
+        output_len: Annotated[int, typer.Option(help="Output tokens per request.")] = 256,
         gpu_memory_utilization: Annotated[float, typer.Option()] = 0.9,
         max_model_len: Annotated[int | None, typer.Option()] = None,
         efficiency: Annotated[
@@ -174,13 +253,22 @@ def register(app: typer.Typer) -> None:
         set_: Annotated[
             list[str] | None, typer.Option("--set", help="Override one factor: KEY=VALUE.")
         ] = None,
+        store: Annotated[
+            str | None,
+            typer.Option(help="Store URL: use the factor sets `flexpipe calibrate` stored there."),
+        ] = None,
+        generic: Annotated[
+            bool, typer.Option("--generic", help="Ignore every calibration: generic factors.")
+        ] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     ) -> None:
-        """Memory plan, step times and decode tokens/s of one gear on concrete GPUs."""
+        """Memory plan, TTFT, TPOT and tokens/s of one gear on concrete GPUs, and which factors
+        (generic or calibrated, from where) priced each GPU type and link."""
         with user_errors():
             spec = load_model_spec(model)
             g = parse_gear(gear)
-            eff = load_efficiency(efficiency, set_ or [])
+            batches = parse_batches(batch)
+            eff = load_efficiency(efficiency, set_ or [], store, generic)
             if cluster is not None or on is not None:
                 if cluster is None or on is None:
                     raise GearError("--cluster and --on go together")
@@ -200,10 +288,10 @@ def register(app: typer.Typer) -> None:
                     link_spec(link),
                     link_spec(pp_link or link),
                 )
-            if context_len < 1:
-                raise ValueError("--context-len must be >= 1")
+            if prompt_len < 1 or output_len < 1:
+                raise ValueError("--prompt-len and --output-len must be >= 1")
             pm = PerfModel(spec, g, placement, eff, gpu_memory_utilization, max_model_len)
-            report = estimate_report(pm, context_len)
+            report = estimate_report(pm, prompt_len, output_len, batches)
         if as_json:
             typer.echo(json.dumps(report, indent=2))
         else:

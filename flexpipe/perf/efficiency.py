@@ -2,13 +2,20 @@
 
 Defaults are justified in docs/performance-model.md; override them from a YAML/JSON mapping
 (`Efficiency.from_mapping`) or the CLI (`--set hbm_efficiency=0.7`).
+
+`calibration` carries the per-GPU-type and per-link factor sets fitted to measurements
+(flexpipe/perf/calibration.py); it travels with the scalars so that every caller that passes
+an `Efficiency` (planner, gear table, sim engine) gets the same calibrated model. GPU types and
+links it does not name use the generic scalars below.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from flexpipe.perf.calibration import Calibration, builtin_calibration
 
 GiB = float(2**30)
 
@@ -40,9 +47,13 @@ class Efficiency:
     engine_startup_s: float = 20.0
     # Context length an engine is launched with unless told (vLLM's --max-model-len).
     default_max_model_len: int = 4096
+    # Calibrated factor sets (built-in: fitted to public operator profiles).
+    calibration: Calibration = field(default_factory=builtin_calibration)
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name == "calibration":
+                continue
             value = getattr(self, f.name)
             if value < 0 or (f.name.endswith("efficiency") and not 0 < value <= 1):
                 raise ValueError(f"efficiency {f.name}={value} is out of range")
@@ -50,7 +61,7 @@ class Efficiency:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], base: Efficiency | None = None) -> Efficiency:
         """Override defaults from a mapping; unknown keys are an error (typos are caught)."""
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name: f for f in fields(cls) if f.name != "calibration"}
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(
@@ -65,7 +76,13 @@ class Efficiency:
         return replace(base or cls(), **parsed)
 
     def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+        """The scalar factors (the calibration is reported on its own)."""
+        return {
+            f.name: float(getattr(self, f.name)) for f in fields(self) if f.name != "calibration"
+        }
+
+    def with_calibration(self, calibration: Calibration) -> Efficiency:
+        return replace(self, calibration=calibration)
 
 
 DEFAULT_EFFICIENCY = Efficiency()

@@ -14,7 +14,8 @@ from flexpipe.hardware import GpuSpec, LinkSpec, link_spec
 from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from flexpipe.perf.memory import InfeasibleGear, MemoryPlan, kv_heads_per_gpu, memory_plan
-from flexpipe.perf.step_time import BatchShape, allreduce_s, p2p_s, roofline_s
+from flexpipe.perf.operator import LayerShape, OperatorCost
+from flexpipe.perf.step_time import BatchShape, LinkCost, roofline_s
 from flexpipe.precision import (
     PRECISIONS,
     PrecisionError,
@@ -25,21 +26,31 @@ from flexpipe.precision import (
 
 @dataclass(frozen=True, slots=True)
 class _StageCost:
-    """Per-stage constants of the roofline (bytes and FLOPs per GPU)."""
+    """Per-stage constants (per GPU of the stage), so a step is a handful of multiplications."""
 
     num_layers: int
-    hbm_bytes_per_s: float
-    linear_flops_per_s: float
+    ops: OperatorCost  # GEMMs and memory-bound ops on this stage's (slowest) GPU type
+    hbm_bytes_per_s: float  # attention: generic factors (no attention profiles yet)
     attention_flops_per_s: float
-    dense_weight_bytes_per_layer: float  # attention + router (+ all of a dense MLP)
-    expert_bytes: float  # one expert's weights per GPU (MoE only)
-    linear_flops_per_token_per_layer: float
+    # One layer's dense GEMMs: (weight bytes, in_features, out_features) per GPU.
+    gemms: tuple[tuple[float, int, int], ...]
+    # MoE: one expert's GEMMs, the same way (empty for a dense model).
+    expert_gemms: tuple[tuple[float, int, int], ...]
+    memory_ops: tuple[tuple[str, int], ...]  # (op, elements per token) per layer
+    activation_bytes: float
+    # Generic factors price a layer's linear part as ONE roofline over its weights (they are
+    # end-to-end figures: MBU/MFU of whole engines, elementwise ops included).
+    layer_weight_bytes: float  # attention + router (+ a dense MLP)
+    expert_weight_bytes: float  # one expert (MoE only)
+    layer_flops_per_token: float  # active parameters x 2
     attention_flops_per_pair_per_layer: float
     kv_bytes_per_token_per_layer: float
     tp: int
-    tp_link: LinkSpec | None
-    lm_head_bytes: float  # last stage only, else 0
-    lm_head_flops_per_seq: float
+    tp_link: LinkCost | None
+    lm_head: tuple[float, int, int] | None  # last stage only
+
+
+_MAX_MEMO = 4096  # token counts remembered per model (a few hundred kB at most)
 
 
 def _slowest_gpu(gpus: tuple[GpuSlot, ...]) -> GpuSpec:
@@ -67,6 +78,7 @@ class PerfModel:
         )
         prec = gear.precision
         self._unsupported: str | None = None
+        self._kernels_memo: dict[tuple[int, int], float] = {}
         self._stages: list[_StageCost] = []
         for i, stage in enumerate(placement.stages):
             gpu = _slowest_gpu(stage.gpus)
@@ -76,7 +88,7 @@ class PerfModel:
                 self._unsupported = str(exc)
                 break
         self._handoff_bytes_per_token = model.hidden_size * prec.activation_bytes
-        self._pp_links = placement.pp_links
+        self._pp_links = [self._link_cost(link) for link in placement.pp_links]
 
     def _stage_cost(
         self, gpu: GpuSpec, num_layers: int, tp_link: LinkSpec | None, index: int
@@ -84,40 +96,95 @@ class PerfModel:
         model, gear, eff = self.model, self.gear, self.efficiency
         prec = gear.precision
         tp = gear.tp
-        hbm = gpu.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency
-        linear_rate = compute_flops_per_s(gpu, prec) * eff.compute_efficiency
         # Attention runs in 16 bit whatever the weight format (bf16 where the chip has it).
         attn_prec = PRECISIONS["bf16" if gpu.bf16_flops_per_s is not None else "fp16"]
         attention_rate = compute_flops_per_s(gpu, attn_prec) * eff.attention_compute_efficiency
-        router = model.hidden_size * model.num_experts if model.is_moe else 0
-        dense_params = model.attention_params_per_layer + router
-        if not model.is_moe:
-            dense_params += model.mlp_params_per_expert
-        active_params = (
-            model.attention_params_per_layer
-            + router
-            + model.num_experts_per_tok * model.mlp_params_per_expert
+        ops = OperatorCost(
+            gpu.hbm_bandwidth_bytes_per_s,
+            compute_flops_per_s(gpu, prec),
+            eff.hbm_efficiency,
+            eff.compute_efficiency,
+            eff.calibration.gpu(gpu.name),
         )
+        dims = LayerShape.of(model).gemm_dims(tp)
+        w = prec.weight_bytes
+
+        def gemm(op: str) -> tuple[float, int, int]:
+            k, n = dims[op]
+            return (k * n * w, k, n)
+
+        attention_gemms = (gemm("attn_pre_proj"), gemm("attn_post_proj"))
+        mlp_gemms = (gemm("mlp_up_proj"), gemm("mlp_down_proj"))
+        gemms: tuple[tuple[float, int, int], ...]
+        expert_gemms: tuple[tuple[float, int, int], ...]
+        if model.is_moe:
+            router = (
+                model.hidden_size * model.num_experts * w,
+                model.hidden_size,
+                model.num_experts,
+            )
+            gemms, expert_gemms = (*attention_gemms, router), mlp_gemms
+        else:
+            gemms, expert_gemms = (*attention_gemms, *mlp_gemms), ()
         kv_elem = kv_bytes_per_element(gear.kv_cache_dtype, prec)
         is_last = index == self.placement.pp - 1
         embed_bytes = max(prec.weight_bytes, prec.activation_bytes)
         lm_params = model.vocab_size * model.hidden_size / tp
+        memory_ops = LayerShape.of(model).memory_elements_per_token(tp)
+        router_params = model.hidden_size * model.num_experts if model.is_moe else 0
+        dense_params = model.attention_params_per_layer + router_params
+        if not model.is_moe:
+            dense_params += model.mlp_params_per_expert
+        active_params = (
+            model.attention_params_per_layer
+            + router_params
+            + model.num_experts_per_tok * model.mlp_params_per_expert
+        )
         return _StageCost(
             num_layers=num_layers,
-            hbm_bytes_per_s=hbm,
-            linear_flops_per_s=linear_rate,
+            ops=ops,
+            hbm_bytes_per_s=gpu.hbm_bandwidth_bytes_per_s * eff.hbm_efficiency,
             attention_flops_per_s=attention_rate,
-            dense_weight_bytes_per_layer=dense_params * prec.weight_bytes / tp,
-            expert_bytes=model.mlp_params_per_expert * prec.weight_bytes / tp,
-            linear_flops_per_token_per_layer=2.0 * active_params / tp,
+            gemms=gemms,
+            expert_gemms=expert_gemms,
+            memory_ops=tuple(memory_ops.items()),
+            activation_bytes=prec.activation_bytes,
+            layer_weight_bytes=dense_params * w / tp,
+            expert_weight_bytes=model.mlp_params_per_expert * w / tp,
+            layer_flops_per_token=2.0 * active_params / tp,
             # QK^T and PV: 2 FLOPs per multiply-add, 2 matmuls, q_size wide.
             attention_flops_per_pair_per_layer=4.0 * model.q_size / tp,
             kv_bytes_per_token_per_layer=2 * kv_heads_per_gpu(model, tp) * model.head_dim * kv_elem,
             tp=tp,
-            tp_link=tp_link,
-            lm_head_bytes=lm_params * embed_bytes if is_last else 0.0,
-            lm_head_flops_per_seq=2.0 * lm_params if is_last else 0.0,
+            tp_link=None if tp_link is None else self._link_cost(tp_link),
+            lm_head=(lm_params * embed_bytes, model.hidden_size, model.vocab_size // tp)
+            if is_last
+            else None,
         )
+
+    def _link_cost(self, link: LinkSpec) -> LinkCost:
+        eff = self.efficiency
+        return LinkCost.of(
+            link,
+            eff.allreduce_bandwidth_efficiency,
+            eff.p2p_bandwidth_efficiency,
+            eff.calibration.link(link.name),
+        )
+
+    def factor_sets(self) -> dict[str, str]:
+        """Which factors price each GPU type and link of the placement (for `estimate`)."""
+        out: dict[str, str] = {}
+        for gpu in self.placement.gpus:
+            cal = self.efficiency.calibration.gpu(gpu.spec.name)
+            out[gpu.spec.name] = (
+                f"calibrated from {cal.source}"
+                if cal is not None
+                else "generic factors (no measurements of this GPU type)"
+            )
+        links = [st.tp_link for st in self._stages if st.tp_link is not None] + self._pp_links
+        for lc in links:
+            out[f"link {lc.link.name}"] = lc.factors
+        return out
 
     # -- feasibility -------------------------------------------------------------------
 
@@ -143,42 +210,80 @@ class PerfModel:
         miss = (1.0 - m.num_experts_per_tok / m.num_experts) ** num_tokens
         return m.num_experts * (1.0 - miss)
 
-    def _stage_time_s(self, st: _StageCost, batch: BatchShape) -> float:
-        eff = self.efficiency
-        num_tokens = batch.num_tokens
-        weight_bytes = st.num_layers * (
-            st.dense_weight_bytes_per_layer + self._experts_touched(num_tokens) * st.expert_bytes
-        )
-        linear = roofline_s(
-            weight_bytes,
-            st.num_layers * st.linear_flops_per_token_per_layer * num_tokens,
-            st.hbm_bytes_per_s,
-            st.linear_flops_per_s,
-        )
+    def _gemms_s(
+        self, st: _StageCost, gemms: tuple[tuple[float, int, int], ...], num_tokens: float
+    ) -> float:
+        # Calibrated GEMMs were measured with their activations; generic factors see weights.
+        act = st.activation_bytes if st.ops.calibration is not None else 0.0
+        total = 0.0
+        for weight_bytes, k, n in gemms:
+            num_bytes = weight_bytes + num_tokens * (k + n) * act
+            total += st.ops.gemm_s(num_bytes, 2.0 * num_tokens * k * n, num_tokens)
+        return total
+
+    def _layer_kernels_s(self, st: _StageCost, num_tokens: int) -> float:
+        """One layer's GEMMs, memory-bound ops and TP all-reduces for `num_tokens` tokens.
+
+        Calibrated GPU types: kernel by kernel (the factors were fitted per kernel). Generic:
+        one roofline over the layer's weights and active FLOPs, as the end-to-end generic
+        factors were chosen for. Memoised: the sim engine and the planner ask for the same few
+        token counts again and again."""
+        key = (id(st), num_tokens)
+        cached = self._kernels_memo.get(key)
+        if cached is not None:
+            return cached
+        if st.ops.calibration is None:
+            weight_bytes = st.layer_weight_bytes
+            if st.expert_gemms:
+                weight_bytes += self._experts_touched(num_tokens) * st.expert_weight_bytes
+            linear = st.ops.gemm_s(weight_bytes, st.layer_flops_per_token * num_tokens, num_tokens)
+            memory = 0.0  # folded into the generic hbm_efficiency
+        else:
+            linear = self._gemms_s(st, st.gemms, num_tokens)
+            if st.expert_gemms:
+                touched = self._experts_touched(num_tokens)
+                per_expert = num_tokens * self.model.num_experts_per_tok / touched
+                linear += touched * self._gemms_s(st, st.expert_gemms, per_expert)
+            act = st.activation_bytes
+            memory = sum(
+                st.ops.memory_s(num_tokens * elements * act, num_tokens, op)
+                for op, elements in st.memory_ops
+            )
+        comm = 0.0
+        if st.tp > 1 and st.tp_link is not None:
+            comm = 2 * st.tp_link.allreduce_s(num_tokens * self._handoff_bytes_per_token, st.tp)
+        if len(self._kernels_memo) >= _MAX_MEMO:
+            self._kernels_memo.clear()
+        self._kernels_memo[key] = total = linear + memory + comm
+        return total
+
+    def _layer_s(self, st: _StageCost, batch: BatchShape) -> float:
+        kernels = self._layer_kernels_s(st, batch.num_tokens)
         kv_tokens = batch.decode_context_tokens + batch.num_prefill_tokens
         pairs = batch.prefill_attention_tokens + batch.decode_context_tokens
         attention = roofline_s(
-            st.num_layers * st.kv_bytes_per_token_per_layer * kv_tokens,
-            st.num_layers * st.attention_flops_per_pair_per_layer * pairs,
+            st.kv_bytes_per_token_per_layer * kv_tokens,
+            st.attention_flops_per_pair_per_layer * pairs,
             st.hbm_bytes_per_s,
             st.attention_flops_per_s,
         )
-        comm = 0.0
-        if st.tp > 1 and st.tp_link is not None:
-            message = num_tokens * self._handoff_bytes_per_token
-            per_allreduce = allreduce_s(
-                message, st.tp, st.tp_link, eff.allreduce_bandwidth_efficiency
-            )
-            comm = 2 * st.num_layers * per_allreduce
+        return kernels + attention
+
+    def layer_time_s(self, batch: BatchShape, stage: int = 0) -> float:
+        """One decoder layer of `stage` (its kernels, attention and TP all-reduces; no lm_head,
+        no engine overhead): what `flexpipe calibrate` times on a random-weight layer."""
+        self._check_runnable()
+        return self._layer_s(self._stages[stage], batch)
+
+    def _stage_time_s(self, st: _StageCost, batch: BatchShape) -> float:
         lm_head = 0.0
-        if st.lm_head_bytes:
-            lm_head = roofline_s(
-                st.lm_head_bytes,
-                st.lm_head_flops_per_seq * batch.num_seqs,
-                st.hbm_bytes_per_s,
-                st.linear_flops_per_s,
+        if st.lm_head is not None:
+            key = (id(st.lm_head), batch.num_seqs)
+            lm_head = self._kernels_memo.get(key) or self._gemms_s(
+                st, (st.lm_head,), batch.num_seqs
             )
-        return linear + attention + comm + lm_head
+            self._kernels_memo[key] = lm_head
+        return st.num_layers * self._layer_s(st, batch) + lm_head
 
     def stage_times_s(self, batch: BatchShape) -> list[float]:
         self._check_runnable()
@@ -186,11 +291,13 @@ class PerfModel:
 
     def handoff_s(self, batch: BatchShape, link: LinkSpec) -> float:
         """Sending one stage's hidden states for `batch` to the next stage over `link`."""
-        message = batch.num_tokens * self._handoff_bytes_per_token
-        return p2p_s(message, link, self.efficiency.p2p_bandwidth_efficiency)
+        return self._handoff_s(batch, self._link_cost(link))
+
+    def _handoff_s(self, batch: BatchShape, link: LinkCost) -> float:
+        return link.p2p_s(batch.num_tokens * self._handoff_bytes_per_token)
 
     def _handoffs_s(self, batch: BatchShape) -> float:
-        return sum(self.handoff_s(batch, link) for link in self._pp_links)
+        return sum(self._handoff_s(batch, link) for link in self._pp_links)
 
     def _overhead_s(self, batch: BatchShape) -> float:
         eff = self.efficiency

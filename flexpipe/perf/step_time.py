@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flexpipe.hardware import LinkSpec
+from flexpipe.perf.calibration import LinkCalibration
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +82,58 @@ def roofline_s(
 ) -> float:
     """A kernel is bounded by the slower of moving its bytes and doing its math."""
     return max(num_bytes / bandwidth_bytes_per_s, flops / flops_per_s)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCost:
+    """What collectives over one link achieve, resolved once per link.
+
+    Per quantity the most specific figure wins: a value measured for this very link (cluster
+    file) over a calibrated link class (`LinkCalibration`) over the catalog's datasheet figure
+    with the generic efficiency. A cluster-measured bandwidth keeps the generic efficiency, as
+    it always has; a calibrated bandwidth is already what collectives achieve.
+    """
+
+    link: LinkSpec
+    allreduce_bandwidth_bytes_per_s: float
+    allreduce_latency_s: float
+    p2p_bandwidth_bytes_per_s: float
+    p2p_latency_s: float
+    factors: str  # "calibrated (source)" | "generic" | "measured ..." (for `estimate`)
+
+    @classmethod
+    def of(
+        cls,
+        link: LinkSpec,
+        allreduce_efficiency: float,
+        p2p_efficiency: float,
+        calibration: LinkCalibration | None,
+    ) -> LinkCost:
+        ar_bw = link.bandwidth_bytes_per_s * allreduce_efficiency
+        p2p_bw = link.bandwidth_bytes_per_s * p2p_efficiency
+        ar_lat = p2p_lat = link.latency_s
+        cal = calibration
+        if cal is not None and not link.bandwidth_measured:
+            ar_bw = cal.allreduce_bandwidth_bytes_per_s
+            p2p_bw = cal.p2p_bandwidth_bytes_per_s or p2p_bw
+        if cal is not None and not link.latency_measured:
+            ar_lat = cal.allreduce_latency_s
+            p2p_lat = link.latency_s if cal.p2p_latency_s is None else cal.p2p_latency_s
+        notes = [f"calibrated from {cal.source}"] if cal is not None else ["generic factors"]
+        if link.bandwidth_measured:
+            notes.append("bandwidth measured in the cluster file")
+        if link.latency_measured:
+            notes.append("latency measured in the cluster file")
+        return cls(link, ar_bw, ar_lat, p2p_bw, p2p_lat, "; ".join(notes))
+
+    def allreduce_s(self, message_bytes: float, num_ranks: int) -> float:
+        """Ring all-reduce: 2(t-1) steps, each paying the latency, moving 2(t-1)/t of it."""
+        if num_ranks <= 1:
+            return 0.0
+        steps = 2 * (num_ranks - 1)
+        return steps * self.allreduce_latency_s + (
+            steps / num_ranks * message_bytes / self.allreduce_bandwidth_bytes_per_s
+        )
+
+    def p2p_s(self, message_bytes: float) -> float:
+        return self.p2p_latency_s + message_bytes / self.p2p_bandwidth_bytes_per_s

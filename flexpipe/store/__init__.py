@@ -1,4 +1,5 @@
-"""The store: gear table, instances and shift log in SQLite (or any SQLAlchemy URL)."""
+"""The store: gear table, calibrated factor sets, instances and shift log in SQLite (or any
+SQLAlchemy URL)."""
 
 from flexpipe.store.store import STORE_ENV, Store, StoreError, default_store_url
 

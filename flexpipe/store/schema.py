@@ -2,8 +2,9 @@
 
 `gear_points`: one row per (model, gear, GPU types, link class, batch size) — a point of a
 gear's curve, measured by gear_bench or predicted by the performance model, with its
-provenance. `instances` and `shifts` are the controller's (room for it: written by `flexpipe
-up` today, read by the shift log later).
+provenance. `calibrations`: the performance model's factor sets per GPU type and link
+class, fitted by `flexpipe calibrate`. `instances` and `shifts` are the controller's (room
+for it: written by `flexpipe up` today, read by the shift log later).
 """
 
 from __future__ import annotations
@@ -57,6 +58,21 @@ class GearPointRow(Base):
     num_failed: Mapped[int] = mapped_column(Integer, default=0)
     measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     note: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class CalibrationRow(Base):
+    """A calibrated factor set of one GPU type or link class (`flexpipe calibrate`), as the
+    JSON of `GpuCalibration` / `LinkCalibration`; the newest row of a name wins."""
+
+    __tablename__ = "calibrations"
+    __table_args__ = (UniqueConstraint("kind", "name", name="uq_calibration"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(10))  # "gpu" | "link"
+    name: Mapped[str] = mapped_column(String(120))  # catalog GPU type or link class
+    factors_json: Mapped[str] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(Text)  # where the measurements came from
+    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class InstanceRow(Base):

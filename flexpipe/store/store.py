@@ -19,8 +19,10 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from flexpipe.gears.point import GearKey, GearPoint
+from flexpipe.perf.calibration import Calibration, GpuCalibration, LinkCalibration
+from flexpipe.perf.efficiency import Efficiency
 from flexpipe.store.migrate import add_missing_columns
-from flexpipe.store.schema import Base, GearPointRow, InstanceRow, ShiftRow
+from flexpipe.store.schema import Base, CalibrationRow, GearPointRow, InstanceRow, ShiftRow
 
 STORE_ENV = "FLEXPIPE_STORE"
 
@@ -61,6 +63,11 @@ class Store:
             add_missing_columns(self.engine, Base.metadata.sorted_tables)  # see migrate.py
         except (SQLAlchemyError, ModuleNotFoundError) as exc:
             raise StoreError(f"cannot open store {_display(self.url)}: {exc}") from None
+
+    @property
+    def display_url(self) -> str:
+        """The URL without its password (safe to print)."""
+        return _display(self.url)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -133,6 +140,62 @@ class Store:
             query = query.where(GearPointRow.gear_key == gear_key)
         with Session(self.engine) as session, session.begin():
             result = session.execute(query)
+            return int(getattr(result, "rowcount", 0) or 0)
+
+    # -- calibrated factor sets (next to the gear table) -----------------------------------
+
+    def put_calibration(self, calibration: Calibration) -> int:
+        """Store every GPU type and link class of `calibration`, replacing the same names."""
+        now = datetime.now(UTC)
+        rows: list[tuple[str, str, dict[str, Any], str]] = [
+            ("gpu", g.gpu_type, g.as_dict(), g.source) for g in calibration.gpus
+        ]
+        rows += [("link", lk.link, lk.as_dict(), lk.source) for lk in calibration.links]
+        with Session(self.engine) as session, session.begin():
+            for kind, name, doc, source in rows:
+                session.execute(
+                    delete(CalibrationRow).where(
+                        CalibrationRow.kind == kind, CalibrationRow.name == name
+                    )
+                )
+                session.add(
+                    CalibrationRow(
+                        kind=kind,
+                        name=name,
+                        factors_json=json.dumps(doc),
+                        source=source,
+                        measured_at=now,
+                    )
+                )
+        return len(rows)
+
+    def calibration(self) -> Calibration:
+        """Every stored factor set (empty when `flexpipe calibrate` never ran here)."""
+        with Session(self.engine) as session:
+            rows = list(session.scalars(select(CalibrationRow).order_by(CalibrationRow.id)))
+        return Calibration(
+            gpus=tuple(
+                GpuCalibration.from_dict(json.loads(r.factors_json))
+                for r in rows
+                if r.kind == "gpu"
+            ),
+            links=tuple(
+                LinkCalibration.from_dict(json.loads(r.factors_json))
+                for r in rows
+                if r.kind == "link"
+            ),
+            provenance=(("store", self.display_url),) if rows else (),
+        )
+
+    def efficiency(self, base: Efficiency | None = None) -> Efficiency:
+        """`base` (default factors) with the stored factor sets over its calibration: what
+        `plan`, `up`, `sim` and `estimate` hand the performance model."""
+        eff = base or Efficiency()
+        return eff.with_calibration(eff.calibration.merged(self.calibration()))
+
+    def delete_calibration(self, name: str) -> int:
+        with Session(self.engine) as session, session.begin():
+            result = session.execute(delete(CalibrationRow).where(CalibrationRow.name == name))
             return int(getattr(result, "rowcount", 0) or 0)
 
     # -- instances and shift log (the controller's; `flexpipe up` writes them) ---------------
