@@ -25,7 +25,7 @@ models:
   - name: {name}
     model: llama-2-7b
     demand: {{request_rate_per_s: 8, input_tokens: 2048, output_tokens: 256}}
-    slo: {{ttft_p99_ms: 2000, tpot_p99_ms: 60}}  # room above batch 48 (calibrated A100: 50.8 ms at 64)
+    slo: {{ttft_p99_ms: 2000, tpot_p99_ms: 60}}  # calibrated A100: 50.8 ms at batch 64
     dtypes: [bf16, fp8]
 """
 
