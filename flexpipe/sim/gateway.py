@@ -56,11 +56,17 @@ class SimGateway:
         self._waiters: deque[_Call] = deque()
         self.num_queued_total = 0
         self._scraping = False
+        self.log: list[tuple[float, str, str]] | None = None  # (time, event, detail) if kept
+
+    def _log(self, now: float, event: str, detail: str) -> None:
+        if self.log is not None:
+            self.log.append((now, event, detail))
 
     # --- instances -----------------------------------------------------------------------
     def add_instance(self, inst: SimInstance, now: float) -> None:
         """The engine answers /health: into the pool (scraped first, as the prober does)."""
         self.instances[inst.url] = inst
+        self._log(now, "ready", inst.dep.name)
         record = self.pool.add(inst.url, model=inst.model)
         self._scrape_one(record, now)
         if not self._scraping:
@@ -73,6 +79,7 @@ class SimGateway:
 
     # --- requests ------------------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> None:
+        self._log(now, "arrive", f"{req.request_id} {req.model}")
         if not self.pool.has_model(req.model):
             self._fail(req, now, f"404: no instance serves model {req.model!r} (yet)")
             return
@@ -102,6 +109,7 @@ class SimGateway:
                 return
             call.queued = True
             self._waiters.append(call)
+            self._log(now, "queue", str(call.req.request_id))
             return
         inst = pick.instance
         engine = self.instances[inst.url]
@@ -116,6 +124,7 @@ class SimGateway:
             self._wake(now)
             return
         self._calls[call.req.request_id] = call
+        self._log(now, "route", f"{call.req.request_id} {engine.dep.name} {pick.reason}")
         engine.submit(call.req, now)
 
     def _timeout(self, call: _Call, now: float) -> None:
@@ -153,12 +162,14 @@ class SimGateway:
                 old = inst.speed_tokens_per_s
                 inst.speed_tokens_per_s = speed if not old else old + 0.2 * (speed - old)
             self.router.succeeded(inst)
+            self._log(now, "done", f"{req.request_id} {n} tokens")
             self.on_end(req)
         self._wake(now)
 
     def _fail(self, req: SimRequest, now: float, why: str) -> None:
         req.failed = why
         req.finish_s = now
+        self._log(now, "fail", f"{req.request_id} {why}")
         self.on_end(req)
 
     @property

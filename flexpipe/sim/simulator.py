@@ -224,13 +224,17 @@ def simulate(
     *,
     stretches: bool = True,
     progress: Callable[[float], None] | None = None,
+    log: list[tuple[float, str, str]] | None = None,
 ) -> SimResult:
     """Run `scenario` under `policy` (default: the scenario's). `stretches=False` steps every
-    engine iteration as its own event (the reference the closed form is checked against)."""
+    engine iteration as its own event (the reference the closed form is checked against).
+    `log`: a list that receives the gateway's events (time, event, detail) in order."""
     pol = policy if policy is not None and not isinstance(policy, str) else None
     pol = pol or create_policy(policy if isinstance(policy, str) else scenario.policy)
     requests = generate_requests(scenario)
-    return _Run(scenario, pol, stretches, requests).run(progress)
+    run = _Run(scenario, pol, stretches, requests)
+    run.gateway.log = log  # the gateway's events, in order, when a list is given
+    return run.run(progress)
 
 
 __all__ = ["InstanceRecord", "SimResult", "generate_requests", "model_demands", "simulate"]
