@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 from pathlib import Path
@@ -56,7 +57,7 @@ def test_two_loops_do_not_share_counters() -> None:
 
 def _gaps(src: Synthetic, seed: int, until: float) -> list[float]:
     times = [a[0] for a in src.arrivals(random.Random(seed), until)]
-    return [y - x for x, y in zip(times, times[1:], strict=False)]
+    return [y - x for x, y in itertools.pairwise(times)]
 
 
 def test_poisson_and_gamma_rates_and_burstiness() -> None:

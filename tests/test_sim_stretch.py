@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
+from flexpipe.engine.block_manager import BlockManager
 from flexpipe.engine.core import EngineCore
 from flexpipe.engine.request import EngineRequest, SamplingParams
+from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
 from flexpipe.gear import Gear
 from flexpipe.perf import BatchShape, perf_model_for
 from flexpipe.sim.deployment import Deployment
@@ -25,8 +27,6 @@ from flexpipe.sim.policy import PolicyView
 from flexpipe.sim.scenario import Scenario, parse_scenario
 from flexpipe.sim.simulator import SimResult, simulate
 from flexpipe.sim.stretch import SIM_GEN_IDS, fast_forward, plan_stretch, price
-from flexpipe.engine.block_manager import BlockManager
-from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
 
 ONE_A100 = {"name": "a", "nodes": [{"name": "n0", "network": "eth100", "gpus": [
     {"id": "g0", "type": "A100-80G-SXM"}, {"id": "g1", "type": "L4"}]}]}  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from flexpipe.cli import cluster, engine, estimate, gateway, gears, plan, up
+from flexpipe.cli import cluster, engine, estimate, gateway, gears, plan, sim, up
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -19,7 +19,7 @@ def _root() -> None:
     """flexpipe: serve LLMs on the GPUs a cluster actually has free."""
 
 
-for _module in (estimate, cluster, engine, gateway, gears, plan, up):
+for _module in (estimate, cluster, engine, gateway, gears, plan, up, sim):
     _module.register(app)
 
 

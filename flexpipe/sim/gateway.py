@@ -86,7 +86,9 @@ class SimGateway:
         prompt = req.prompt_bytes()
         num_prompt = len(prompt) // 4 + 1
         num_out = req.num_output_tokens
-        routing = RoutingRequest(num_prompt, num_out, prompt_block_hashes(prompt, self.cfg.block_chars))
+        routing = RoutingRequest(
+            num_prompt, num_out, prompt_block_hashes(prompt, self.cfg.block_chars)
+        )
         call = _Call(req, routing, float(num_prompt + num_out))
         self._route(call, now)
 

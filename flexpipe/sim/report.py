@@ -39,10 +39,14 @@ def _latency(values: list[float]) -> dict[str, float]:
     return {f"p{q}": _r(percentile(values, q)) for q in (50, 90, 99)}
 
 
-def _summary(reqs: list[SimRequest], duration_s: float, ttft_s: float, tpot_s: float) -> dict[str, Any]:
+def _summary(
+    reqs: list[SimRequest], duration_s: float, ttft_s: float, tpot_s: float
+) -> dict[str, Any]:
     done = [r for r in reqs if r.completed]
     good = [r for r in done if r.ttft_s <= ttft_s and r.tpot_s <= tpot_s]
-    failed = Counter(r.failed.split(":")[0] if ":" in r.failed else r.failed for r in reqs if r.failed)
+    failed = Counter(
+        r.failed.split(":")[0] if ":" in r.failed else r.failed for r in reqs if r.failed
+    )
     return {
         "num_requests": len(reqs),
         "num_completed": len(done),
@@ -73,7 +77,9 @@ def report(result: SimResult) -> dict[str, Any]:
         }
     done = [r for r in result.requests if r.completed]
     good = sum(
-        1 for r in done if r.ttft_s <= slos[r.model].ttft_p99_s and r.tpot_s <= slos[r.model].tpot_p99_s
+        1
+        for r in done
+        if r.ttft_s <= slos[r.model].ttft_p99_s and r.tpot_s <= slos[r.model].tpot_p99_s
     )
     u = result.usage
     reserved = sum(u.reserved_gpu_s)

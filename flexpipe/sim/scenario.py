@@ -127,6 +127,8 @@ def _workload(value: Any, base: Path, where: str, models: list[str]) -> Workload
         if "trace" in doc:
             t = dict(_mapping(doc["trace"], f"{where}.trace"))
             t["path"] = base / str(t.pop("file", ""))
+            if not t["path"].is_file():
+                raise ScenarioError(f"{where}.trace: trace file {t['path']} does not exist")
             return Workload(model, _build(TraceReplay, t, f"{where}.trace"))
         arrivals = dict(_mapping(doc.get("arrivals"), f"{where}.arrivals"))
         process = arrivals.pop("process", "poisson")

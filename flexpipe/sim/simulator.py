@@ -14,6 +14,7 @@ import heapq
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+
 from flexpipe.policies.planner import ModelDemand, ModelsFileError, parse_models
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.engine_factory import engine_config
