@@ -4,8 +4,10 @@ the reports and the `flexpipe sim` command."""
 from __future__ import annotations
 
 import json
+import random
 import sys
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from flexpipe.perf import BatchShape
 from flexpipe.sim import builtin_scenarios, load_scenario, report, report_json, resolve, simulate
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.engine_factory import engine_config
+from flexpipe.sim.policy import PolicyView
 from flexpipe.sim.report import percentile, requests_csv, timeline_csv
 from flexpipe.sim.scenario import ScenarioError, parse_scenario
 
@@ -214,3 +217,54 @@ def test_cli_list_run_compare_and_errors(tmp_path: Path) -> None:
     assert out.exit_code == 2 and "unknown policy 'magic'" in out.output
     out = runner.invoke(app, ["sim", str(tmp_path / "missing.yaml")])
     assert out.exit_code == 2 and "cannot read the file" in out.output
+
+
+@dataclass
+class Switch:
+    """A policy seam test: runs a100 first, then from t = 40 only l4 (a plan change)."""
+
+    name: str = "switch"
+    routing: str | None = None
+    interval_s: float | None = 20.0
+
+    def decide(
+        self, view: PolicyView, now: float, rng: random.Random
+    ) -> Sequence[Deployment] | None:
+        return [DEPS[0]] if now < 40 else [DEPS[1]]
+
+
+def test_a_policy_that_changes_the_plan_launches_and_drains() -> None:
+    doc = {
+        "name": "switch", "duration_s": 120, "seed": 2, "report_interval_s": 10,
+        "cluster": {"inline": TWO_GPUS}, "models": [MODEL],
+        "workloads": [{"model": "m", "arrivals": {"rate_per_s": 3, "start_s": 28},
+                       "prompt_tokens": {"mean": 300}, "output_tokens": {"mean": 400}}],
+    }  # fmt: skip
+    result = simulate(parse_scenario(doc, DATA), Switch())
+    a100, l4 = result.instances
+    assert (a100.dep.name, a100.launched_s, a100.stopped_s) == ("a100", 0.0, 40.0)
+    assert (l4.dep.name, l4.launched_s, l4.stopped_s, l4.released_s) == ("l4", 40.0, -1.0, -1.0)
+    on_a100 = [r for r in result.requests if r.instance == "a100"]
+    assert on_a100 and all(r.completed and r.arrival_s < 40 for r in on_a100)
+    assert a100.released_s == max(r.finish_s for r in on_a100) > 40  # drained, then freed
+    later = [r for r in result.requests if r.arrival_s > l4.ready_s + 1]
+    assert later and all(r.instance == "l4" for r in later)
+    # between the drain and l4's cold start nothing serves the model: the naive swap's gap
+    # (503 while the draining a100 is still in the pool, 404 once it has left)
+    gap = [r for r in result.requests if 40 < r.arrival_s < l4.ready_s]
+    assert gap and {r.failed[:3] for r in gap} == {"503", "404"}
+    reserved = sum(result.usage.reserved_gpu_s)
+    assert reserved == pytest.approx(a100.released_s + (120 - 40))
+
+
+def test_public_api() -> None:
+    import flexpipe.sim as sim
+
+    assert sorted(sim.__all__) == sorted(
+        ["POLICIES", "Deployment", "EventLoop", "Policy", "PolicyView", "Scenario",
+         "ScenarioError", "SimRequest", "SimResult", "builtin_scenarios", "create_policy",
+         "load_scenario", "parse_scenario", "report", "report_json", "resolve", "simulate",
+         "write_reports"]
+    )  # fmt: skip
+    assert all(hasattr(sim, name) for name in sim.__all__)
+    assert set(sim.POLICIES) == {"flexpipe", "round_robin", "peak", "wait-for-ideal"}

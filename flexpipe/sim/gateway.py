@@ -77,6 +77,11 @@ class SimGateway:
     def drain_instance(self, url: str) -> None:
         self.pool.drain(url)
 
+    def remove_instance(self, url: str) -> None:
+        """Out of the pool (the admin API's removal: the pool, then what routing kept)."""
+        self.pool.remove(url)
+        self.router.remove_instance(url)
+
     # --- requests ------------------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> None:
         self._log(now, "arrive", f"{req.request_id} {req.model}")

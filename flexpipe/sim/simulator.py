@@ -10,6 +10,7 @@ running then fails as "unfinished"). Every request ends completed or failed.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -36,7 +37,8 @@ class InstanceRecord:
     dep: Deployment
     launched_s: float
     ready_s: float
-    stopped_s: float = -1.0  # -1: ran to the end
+    stopped_s: float = -1.0  # left the plan (drain began); -1: ran to the end
+    released_s: float = -1.0  # drained and empty: its GPUs are free again
     num_kv_blocks: int = 0
     max_model_len: int = 0
     instance: SimInstance | None = None
@@ -124,13 +126,15 @@ class _Run:
         self.requests = requests
         self.demands, self.peaks = model_demands(scenario, requests)
         self.usage = Usage(scenario.duration_s, scenario.report_interval_s)
-        self.records: dict[str, InstanceRecord] = {}  # deployment name -> record
+        self.records: list[InstanceRecord] = []  # every instance launched, in order
+        self.live: dict[str, InstanceRecord] = {}  # deployment name -> record, in the plan
+        self.draining: list[InstanceRecord] = []
         self.notes: list[str] = []
         self.num_open = 0  # requests submitted and not ended
 
     # --- policy --------------------------------------------------------------------------
     def _decide(self, now: float) -> None:
-        running = tuple(r.dep for r in self.records.values() if r.stopped_s < 0)
+        running = tuple(r.dep for r in self.live.values())
         view = PolicyView(self.scenario.cluster, self.demands, self.peaks, running)
         wanted = self.policy.decide(view, now, self.rng)
         if wanted is not None:
@@ -140,13 +144,11 @@ class _Run:
 
     def _apply_plan(self, wanted: list[Deployment], now: float) -> None:
         names = {d.name for d in wanted}
-        for name, rec in self.records.items():
-            if rec.stopped_s < 0 and name not in names and rec.instance is not None:
-                self._stop(rec, now)
+        for name in [n for n in self.live if n not in names]:
+            self._stop(self.live.pop(name), now)
         max_len = {d.name: d.max_model_len for d in self.demands}
         for dep in wanted:
-            old = self.records.get(dep.name)
-            if old is not None and old.stopped_s < 0:
+            if dep.name in self.live:
                 continue
             try:
                 cfg = engine_config(dep, self.scenario.cluster, max_len.get(dep.model))
@@ -160,15 +162,32 @@ class _Run:
                 dep, now, now + cfg.load_time_s, num_kv_blocks=cfg.num_kv_blocks,
                 max_model_len=cfg.max_model_len, instance=inst,
             )  # fmt: skip
-            self.records[dep.name] = rec
-            self.loop.at(rec.ready_s, CONTROL, lambda t, i=inst: self.gateway.add_instance(i, t))
+            self.records.append(rec)
+            self.live[dep.name] = rec
+            self.loop.at(rec.ready_s, CONTROL, functools.partial(self._ready, rec))
+
+    def _ready(self, rec: InstanceRecord, now: float) -> None:
+        if rec.stopped_s < 0:  # still wanted once loaded
+            assert rec.instance is not None
+            self.gateway.add_instance(rec.instance, now)
 
     def _stop(self, rec: InstanceRecord, now: float) -> None:
         """Drain: out of routing now; the GPUs are held until its last request ends."""
-        assert rec.instance is not None
-        if rec.instance.url in self.gateway.pool.instances:
-            self.gateway.drain_instance(rec.instance.url)
         rec.stopped_s = now
+        self.draining.append(rec)
+        inst = rec.instance
+        assert inst is not None
+        if inst.url in self.gateway.pool.instances:
+            self.gateway.drain_instance(inst.url)
+        self._release_drained(now)
+
+    def _release_drained(self, now: float) -> None:
+        for rec in [r for r in self.draining if r.instance and not r.instance.requests]:
+            self.draining.remove(rec)
+            rec.released_s = now
+            assert rec.instance is not None
+            if rec.instance.url in self.gateway.pool.instances:
+                self.gateway.remove_instance(rec.instance.url)
 
     # --- work ----------------------------------------------------------------------------
     def _busy(self, inst: SimInstance, start_s: float, end_s: float) -> None:
@@ -176,6 +195,8 @@ class _Run:
 
     def _ended(self, req: SimRequest) -> None:
         self.num_open -= 1
+        if self.draining:
+            self._release_drained(req.finish_s)
 
     def _arrive(self, index: int, now: float) -> None:
         req = self.requests[index]
@@ -206,14 +227,14 @@ class _Run:
             if req.finish_s < 0:
                 req.failed = "unfinished: still running when the run ended"
                 req.finish_s = end
-        for rec in self.records.values():
-            stop = rec.stopped_s if rec.stopped_s >= 0 else scenario.duration_s
+        for rec in self.records:
+            stop = rec.released_s if rec.released_s >= 0 else scenario.duration_s
             self.usage.reserve(rec.dep.num_gpus, rec.launched_s, stop)
         if not self.records:
             self.notes.append(f"policy {self.policy.name} runs no instance on this cluster")
         return SimResult(
             scenario, self.policy.name, self.routing, self.demands, self.requests,
-            list(self.records.values()), self.usage,
+            list(self.records), self.usage,
             max((r.finish_s for r in self.requests), default=0.0), self.loop.num_events,
             self.notes,
         )  # fmt: skip
