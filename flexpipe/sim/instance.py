@@ -65,6 +65,9 @@ class SimInstance:
         self._first_end_s = 0.0
         self._stretch: Stretch | None = None
         self._version = 0
+        # a request arrived during the step in progress: the next step will most likely be
+        # cut again, so it is not worth planning a stretch (exact either way)
+        self._arrived = False
 
     @property
     def model(self) -> str:
@@ -96,6 +99,7 @@ class SimInstance:
         self.requests[ereq.request_id] = req
         self.sync(now)
         self.core.add(ereq, now)
+        self._arrived = True
         if self._plan is None:
             self._start(now)
         elif self._stretch is not None:
@@ -128,7 +132,10 @@ class SimInstance:
             self._plan = plan
             self._start_s = now
             self._first_end_s = now + plan.duration_s
-            m = plan_stretch(core, plan, self.max_stretch_steps, self._decode_registers)
+            m = 0
+            if not self._arrived:
+                m = plan_stretch(core, plan, self.max_stretch_steps, self._decode_registers)
+            self._arrived = False
             self._stretch = price(core, plan, m) if m else None
             end = self._first_end_s + (self._stretch.elapsed_s(m) if self._stretch else 0.0)
             self._schedule_end(end)
