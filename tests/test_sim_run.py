@@ -177,7 +177,7 @@ def test_percentile_is_nearest_rank() -> None:
 
 def test_builtin_scenarios_load() -> None:
     names = builtin_scenarios()
-    assert {"seed-fragmented", "azure-conversation"} <= set(names)
+    assert {"seed-fragmented", "azure-conversation", "mooncake-prefix"} <= set(names)
     for path in names.values():
         load_scenario(path)
 

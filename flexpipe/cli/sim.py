@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 import yaml
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from flexpipe.cli.common import console as make_console
@@ -72,6 +72,10 @@ def compare_table(reports: list[dict[str, Any]]) -> Table:
             for q in ("p50", "p90", "p99"):
                 table.add_row(f"  {metric[:-2]} {q} (s)", *(_cell(p[metric][q]) for p in per))
         table.add_row("  first served (s)", *(_cell(p["first_served_s"]) for p in per))
+        table.add_row(
+            "  prefix-cache hits (tok)", *(_cell(p["prefix_cache_hit_tokens"]) for p in per)
+        )
+        table.add_row("  preemptions", *(_cell(p["num_preemptions"]) for p in per))
         table.add_row(
             "  failed by reason",
             *(", ".join(f"{k} x{v}" for k, v in p["failed_by_reason"].items()) or "-" for p in per),
@@ -132,10 +136,14 @@ def register(app: typer.Typer) -> None:
                 console=err_console, transient=True, disable=not err_console.is_terminal
             ) as bar:
                 task = bar.add_task(f"{sc.name} / {name}", total=sc.duration_s)
+
+                def advance(t: float, task: TaskID = task, bar: Progress = bar) -> None:
+                    bar.update(task, completed=t)
+
                 with user_errors():
                     result = simulate(
                         sc, name, stretches=not every_step,
-                        progress=lambda t, task=task: bar.update(task, completed=t),
+                        progress=advance,
                     )  # fmt: skip
             rep = report(result)
             reports.append(rep)
