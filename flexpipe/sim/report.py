@@ -129,18 +129,22 @@ def report(result: SimResult) -> dict[str, Any]:
 def timeline_rows(result: SimResult) -> list[dict[str, float]]:
     u = result.usage
     step = u.interval_s
+    ends: list[list[SimRequest]] = [[] for _ in u.reserved_gpu_s]  # completions per interval
+    for r in result.requests:
+        i = int(r.finish_s // step)
+        if r.completed and i < len(ends):
+            ends[i].append(r)
     rows = []
     for i, (res, busy) in enumerate(zip(u.reserved_gpu_s, u.busy_gpu_s, strict=True)):
         lo, hi = i * step, min((i + 1) * step, u.duration_s)
-        ends = [r for r in result.requests if r.completed and lo <= r.finish_s < hi]
         rows.append(
             {
                 "start_s": _r(lo),
                 "gpus_reserved": _r(res / (hi - lo)),
                 "utilisation": _r(busy / res) if res else 0.0,
-                "completed": len(ends),
-                "tokens_per_s": _r(sum(r.num_generated_tokens for r in ends) / (hi - lo)),
-                "ttft_p50_s": _r(percentile([r.ttft_s for r in ends], 50)),
+                "completed": len(ends[i]),
+                "tokens_per_s": _r(sum(r.num_generated_tokens for r in ends[i]) / (hi - lo)),
+                "ttft_p50_s": _r(percentile([r.ttft_s for r in ends[i]], 50)),
             }
         )
     return rows
