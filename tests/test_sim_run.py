@@ -268,3 +268,31 @@ def test_public_api() -> None:
     )  # fmt: skip
     assert all(hasattr(sim, name) for name in sim.__all__)
     assert set(sim.POLICIES) == {"flexpipe", "round_robin", "peak", "wait-for-ideal"}
+
+
+def test_the_gateway_queue_serves_in_order_and_times_out() -> None:
+    """One slot, 30-token answers (~0.28 s each): the second request waits and starts the
+    instant the first ends; the third gives up after max_queue_wait_s; a fourth finds the
+    queue full."""
+    doc = {
+        "name": "q", "duration_s": 40, "seed": 0, "cluster": {"inline": TWO_GPUS},
+        "models": [MODEL],
+        "workloads": [{"model": "m", "arrivals": {"rate_per_s": 1000, "start_s": 30},
+                       "prompt_tokens": {"mean": 100}, "output_tokens": {"mean": 30}}],
+        "gateway": {"max_concurrency_per_instance": 1, "max_queue": 2, "max_queue_wait_s": 0.4},
+    }  # fmt: skip
+    sc = parse_scenario(doc, DATA)
+    sc = replace(sc, duration_s=30.0035)  # a handful of requests at 1000/s
+    log: list[tuple[float, str, str]] = []
+    result = simulate(sc, Fixed(DEPS[:1]), log=log)
+    reqs = result.requests
+    assert len(reqs) >= 4
+    first, second, third, fourth = reqs[:4]
+    assert first.completed and second.completed
+    assert second.instance == "a100"
+    route_second = next(t for t, e, d in log if e == "route" and d.startswith("1 "))
+    assert route_second == first.finish_s  # woken by the freed slot, at once
+    assert third.failed.startswith("429: all instances stayed busy")
+    assert third.finish_s == pytest.approx(third.arrival_s + 0.4)
+    assert fourth.failed == "429: all instances are busy and the queue is full"
+    assert fourth.finish_s == fourth.arrival_s
