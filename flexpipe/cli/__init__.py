@@ -15,6 +15,7 @@ from flexpipe.cli import (
     gears,
     plan,
     shifts,
+    sim,
     up,
 )
 
@@ -30,7 +31,19 @@ def _root() -> None:
     """flexpipe: serve LLMs on the GPUs a cluster actually has free."""
 
 
-for _module in (estimate, calibrate, cluster, engine, gateway, controller, gears, plan, up, shifts):
+for _module in (
+    estimate,
+    calibrate,
+    cluster,
+    engine,
+    gateway,
+    controller,
+    gears,
+    plan,
+    up,
+    shifts,
+    sim,
+):
     _module.register(app)
 
 

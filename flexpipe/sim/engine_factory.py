@@ -1,0 +1,76 @@
+"""A planned instance -> the engine config and engine core the sim engine would run.
+
+`flexpipe up` launches `python -m flexpipe.engine.sim` with `vllm_flags(spec)` plus
+`--cluster FILE --gpu-ids ...`; `parse_engine_args` turns them into an `EngineConfig` (a
+`PerfModel` on `placement_on(cluster, stages, ...)`, the memory plan's KV blocks and
+max_model_len, the modelled cold start), and `SimServer.__init__` builds the block manager,
+scheduler and step time from it. `engine_config` makes the same `EngineConfig` from the
+objects in memory (no cluster file, no process), and `engine_core` does what
+`SimServer.__init__` does with it. (For the lead: `SimServer.__init__` could call
+`engine_core` so that the two cannot drift.)
+"""
+
+from __future__ import annotations
+
+from flexpipe.cluster import Cluster, placement_on
+from flexpipe.engine.args import EngineConfig
+from flexpipe.engine.block_manager import BlockManager
+from flexpipe.engine.core import EngineCore
+from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
+from flexpipe.model_spec import load_model_spec
+from flexpipe.perf import PerfModel
+from flexpipe.sim.deployment import Deployment
+
+GPU_MEMORY_UTILIZATION = 0.9  # EngineSpec's default, what `flexpipe up` launches with
+
+
+def engine_config(
+    dep: Deployment,
+    cluster: Cluster,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+) -> EngineConfig:
+    """Raises ValueError (InfeasibleGear, GearError) when the gear cannot run there."""
+    model = load_model_spec(dep.model_id)
+    gear = dep.gear
+    placement = placement_on(cluster, dep.stages, model.num_layers, dep.layers_per_stage or None)
+    pm = PerfModel(model, gear, placement, None, gpu_memory_utilization, max_model_len)
+    pm.require_feasible()
+    return EngineConfig(
+        model=model,
+        model_path=dep.model_id,
+        served_model_names=(dep.model,),
+        host="sim",
+        port=0,
+        gear=gear,
+        pm=pm,
+        max_model_len=pm.memory.max_model_len,
+        num_kv_blocks=pm.memory.num_kv_blocks,
+        enable_chunked_prefill=True,
+        gpu_memory_utilization=gpu_memory_utilization,
+        api_key=None,
+        admin_token=None,
+        seed=0,
+        time_scale=0.0,
+        load_time_s=pm.cold_start_s(),
+        max_request_body_bytes=0,
+        log_level="warning",
+        ignored_flags=(),
+        hardware=f"{dep.name}: {'; '.join(','.join(s) for s in dep.stages)}",
+    )
+
+
+def engine_core(cfg: EngineConfig) -> EngineCore:
+    """The block manager, scheduler and step time of `SimServer.__init__`, in a core."""
+    gear = cfg.gear
+    block_manager = BlockManager(cfg.num_kv_blocks, gear.block_size, gear.enable_prefix_caching)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=gear.max_num_seqs,
+            max_num_batched_tokens=gear.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+        ),
+        block_manager,
+    )
+    return EngineCore(scheduler, cfg.pm.step_time_s)

@@ -1,0 +1,205 @@
+"""The gateway on the virtual clock: the live gateway's `Router` and `Pool`, its wait queue,
+its metrics scrape and its measured decode speed, without HTTP.
+
+A request is routed when it arrives (`Router.pick`); when every instance of its model is at
+its concurrency limit it waits in one FIFO queue (at most `max_queue`, at most
+`max_queue_wait_s`), and each freed slot wakes the oldest waiter, as `Gateway._pick` does. No
+instance for the model: it fails at once (the live gateway's 404 / 503). The engine's 400 for
+a context that does not fit fails it too. Network time is not modelled.
+
+Two pieces mirror the live I/O shell rather than call it, because they live in its async
+methods: the scrape (`Prober.scrape`: engine counts into the `Instance` record) and the
+speed EWMA of `Gateway.stream_done`. (For the lead: moving both into `Instance` methods
+would let the simulator call them.)
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from flexpipe.engine.request import EngineRequest
+from flexpipe.gateway.config import GatewayConfig
+from flexpipe.gateway.pool import Instance, InstanceState, Pool
+from flexpipe.gateway.router import NoInstance, Router
+from flexpipe.policies.routing import RoutingRequest, prompt_block_hashes
+from flexpipe.sim.instance import SimInstance
+from flexpipe.sim.loop import ARRIVAL, SCRAPE, EventLoop
+from flexpipe.sim.request import SimRequest
+
+Ended = Callable[[SimRequest], None]
+
+
+@dataclass(slots=True)
+class _Call:
+    req: SimRequest
+    routing: RoutingRequest
+    num_tokens: float  # prompt + expected output, the router's load unit
+    deadline_s: float = -1.0
+    instance: Instance | None = None
+    queued: bool = False
+
+
+class SimGateway:
+    def __init__(
+        self, cfg: GatewayConfig, loop: EventLoop, rng: random.Random, on_end: Ended
+    ) -> None:
+        self.cfg = cfg
+        self.loop = loop
+        self.pool = Pool(cfg.max_concurrency_per_instance)
+        self.router = Router(cfg, self.pool, rng)
+        self.on_end = on_end
+        self.instances: dict[str, SimInstance] = {}  # url -> engine
+        self._calls: dict[int, _Call] = {}  # request id -> call in flight
+        self._waiters: deque[_Call] = deque()
+        self.num_queued_total = 0
+        self._scraping = False
+        self.log: list[tuple[float, str, str]] | None = None  # (time, event, detail) if kept
+
+    def _log(self, now: float, event: str, detail: str) -> None:
+        if self.log is not None:
+            self.log.append((now, event, detail))
+
+    # --- instances -----------------------------------------------------------------------
+    def add_instance(self, inst: SimInstance, now: float) -> None:
+        """The engine answers /health: into the pool (scraped first, as the prober does)."""
+        self.instances[inst.url] = inst
+        self._log(now, "ready", inst.dep.name)
+        record = self.pool.add(inst.url, model=inst.model)
+        self._scrape_one(record, now)
+        if not self._scraping:
+            self._scraping = True
+            self.loop.at(now + self.cfg.scrape_interval_s, SCRAPE, self._scrape)
+        self._wake(now)
+
+    def drain_instance(self, url: str) -> None:
+        self.pool.drain(url)
+
+    def remove_instance(self, url: str) -> None:
+        """Out of the pool (the admin API's removal: the pool, then what routing kept)."""
+        self.pool.remove(url)
+        self.router.remove_instance(url)
+
+    # --- requests ------------------------------------------------------------------------
+    def submit(self, req: SimRequest, now: float) -> None:
+        self._log(now, "arrive", f"{req.request_id} {req.model}")
+        if not self.pool.has_model(req.model):
+            self._fail(req, now, f"404: no instance serves model {req.model!r} (yet)")
+            return
+        prompt = req.prompt_bytes()
+        num_prompt = len(prompt) // 4 + 1
+        num_out = req.num_output_tokens
+        routing = RoutingRequest(
+            num_prompt, num_out, prompt_block_hashes(prompt, self.cfg.block_chars)
+        )
+        call = _Call(req, routing, float(num_prompt + num_out))
+        self._route(call, now)
+
+    def _route(self, call: _Call, now: float) -> None:
+        try:
+            pick = self.router.pick(call.req.model, call.routing, now)
+        except NoInstance as exc:
+            self._fail(call.req, now, f"503: {exc}")
+            return
+        if pick is None:
+            if call.deadline_s < 0:
+                if len(self._waiters) >= self.cfg.max_queue:
+                    self._fail(call.req, now, "429: all instances are busy and the queue is full")
+                    return
+                call.deadline_s = now + self.cfg.max_queue_wait_s
+                self.num_queued_total += 1
+                self.loop.at(call.deadline_s, ARRIVAL, lambda t: self._timeout(call, t))
+            elif now >= call.deadline_s:
+                self._fail(call.req, now, "429: all instances stayed busy")
+                return
+            call.queued = True
+            self._waiters.append(call)
+            self._log(now, "queue", str(call.req.request_id))
+            return
+        inst = pick.instance
+        engine = self.instances[inst.url]
+        self.router.acquire(inst, call.num_tokens)
+        call.instance = inst
+        call.req.instance = engine.dep.name
+        refusal = engine.refusal(call.req)
+        if refusal:
+            self.router.finish(inst, call.num_tokens, now)
+            self.router.succeeded(inst)
+            self._fail(call.req, now, refusal)
+            self._wake(now)
+            return
+        self._calls[call.req.request_id] = call
+        self._log(now, "route", f"{call.req.request_id} {engine.dep.name} {pick.reason}")
+        engine.submit(call.req, now)
+
+    def _timeout(self, call: _Call, now: float) -> None:
+        if not call.queued:
+            return
+        call.queued = False
+        self._waiters.remove(call)
+        self._route(call, now)
+
+    def _wake(self, now: float) -> None:
+        """A slot may have freed: the oldest waiter tries again (`Gateway._wake_one`)."""
+        if self._waiters:
+            call = self._waiters.popleft()
+            call.queued = False
+            self._route(call, now)
+
+    def done(self, engine: SimInstance, req: SimRequest, ereq: EngineRequest, now: float) -> None:
+        """The engine finished `req` at `now` (a full response, or the engine's error)."""
+        call = self._calls.pop(req.request_id)
+        inst = call.instance
+        assert inst is not None
+        self.router.finish(inst, call.num_tokens, now)
+        req.num_generated_tokens = ereq.num_output_tokens
+        req.num_cached_tokens = ereq.num_cached_tokens
+        req.num_preemptions = ereq.num_preemptions
+        if ereq.finish_reason == "error":
+            self._fail(req, now, f"engine error: {ereq.error}")
+        else:
+            req.first_token_s = ereq.first_token_s
+            req.last_token_s = ereq.last_token_s
+            req.finish_s = now
+            n = ereq.num_output_tokens
+            if n >= 2 and req.last_token_s > req.first_token_s:  # Gateway.stream_done
+                speed = (n - 1) / (req.last_token_s - req.first_token_s)
+                old = inst.speed_tokens_per_s
+                inst.speed_tokens_per_s = speed if not old else old + 0.2 * (speed - old)
+            self.router.succeeded(inst)
+            self._log(now, "done", f"{req.request_id} {n} tokens")
+            self.on_end(req)
+        self._wake(now)
+
+    def _fail(self, req: SimRequest, now: float, why: str) -> None:
+        req.failed = why
+        req.finish_s = now
+        self._log(now, "fail", f"{req.request_id} {why}")
+        self.on_end(req)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiters)
+
+    # --- metrics scrape ------------------------------------------------------------------
+    def _scrape(self, now: float) -> None:
+        for record in self.pool.instances.values():
+            self._scrape_one(record, now)
+        if self.pool.instances:
+            self.loop.at(now + self.cfg.scrape_interval_s, SCRAPE, self._scrape)
+        else:
+            self._scraping = False
+
+    def _scrape_one(self, record: Instance, now: float) -> None:
+        """`Prober.scrape`: the engine's counts into the routing record."""
+        if record.state is InstanceState.EJECTED:
+            return
+        running, waiting, usage, tokens = self.instances[record.url].metrics(now)
+        record.num_running = running
+        record.num_waiting = waiting
+        record.kv_usage = usage
+        record.num_scraped_tokens = tokens
+        record.num_tokens_sent_since_scrape = 0.0
+        record.scraped_at_s = now

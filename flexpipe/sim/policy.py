@@ -1,0 +1,128 @@
+"""What the simulator runs: a policy decides the plan, the routing policy routes.
+
+The seam: `Policy.decide(view, now, rng)` gets a snapshot (the cluster's free GPUs, the
+demand, what runs now) and returns a new list of deployments, or None to keep what runs. The
+simulator asks at t = 0 and then every `interval_s` (None: never again). Today's policies are
+static; the controller's shift policy (issue 9) plugs in here: a decide that returns a
+changed plan, and the simulator carries the change out (new instances cold-start and join the
+pool when ready; instances no longer in the plan drain and leave when empty).
+
+Registered by name (`create_policy`):
+- `flexpipe`: the planner's plan for the free GPUs at t = 0 (its default routing);
+- `round_robin`: the same plan, routed round robin;
+- `peak`: the planner's plan for the workload's peak rate (peak provisioning);
+- `wait-for-ideal`: seed 000 §4.1's fixed template, tp=4 on four identical, fully free,
+  fast-linked GPUs; serves nothing when the cluster has no such four.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from flexpipe.cluster import Cluster
+from flexpipe.gear import Gear
+from flexpipe.model_spec import load_model_spec
+from flexpipe.policies.planner import ModelDemand, PlannerConfig, plan
+from flexpipe.sim.deployment import Deployment
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyView:
+    cluster: Cluster
+    demands: tuple[ModelDemand, ...]  # mean demand per model (what the planner is given)
+    peak_demands: tuple[ModelDemand, ...]  # the same at each model's peak rate
+    running: tuple[Deployment, ...]
+
+
+class Policy(Protocol):
+    name: str
+    routing: str | None  # routing policy name; None: the scenario's / gateway default
+    interval_s: float | None  # how often `decide` is asked after t = 0; None: never
+
+    def decide(
+        self, view: PolicyView, now: float, rng: random.Random
+    ) -> Sequence[Deployment] | None: ...
+
+
+@dataclass(slots=True)
+class PlannerPolicy:
+    """A static plan from `flexpipe.policies.planner.plan` (what `flexpipe up` runs)."""
+
+    name: str = "flexpipe"
+    routing: str | None = None
+    interval_s: float | None = None
+    at_peak: bool = False
+
+    def decide(
+        self, view: PolicyView, now: float, rng: random.Random
+    ) -> Sequence[Deployment] | None:
+        del rng
+        if view.running:
+            return None
+        demands = view.peak_demands if self.at_peak else view.demands
+        the_plan = plan(view.cluster, demands, None, PlannerConfig(), now)
+        return [Deployment.of(i) for i in the_plan.instances]
+
+
+@dataclass(slots=True)
+class WaitForIdeal:
+    """A fixed tp=`num_gpus` template on identical, fully free GPUs joined by fast links."""
+
+    name: str = "wait-for-ideal"
+    routing: str | None = None
+    interval_s: float | None = None
+    num_gpus: int = 4
+
+    def decide(
+        self, view: PolicyView, now: float, rng: random.Random
+    ) -> Sequence[Deployment] | None:
+        del now, rng
+        if view.running:
+            return None
+        cluster = view.cluster
+        demand = view.demands[0]
+        spec = load_model_spec(demand.model)
+        out: list[Deployment] = []
+        fast = PlannerConfig().fast_link_bytes_per_s
+        for domain in cluster.fast_domains(fast):
+            by_type: dict[str, list[str]] = {}
+            for gid in domain:
+                gpu = cluster.gpu(gid)
+                if gpu.used_bytes == 0:
+                    by_type.setdefault(gpu.type, []).append(gid)
+            for ids in by_type.values():
+                while len(ids) >= self.num_gpus:
+                    group, ids = ids[: self.num_gpus], ids[self.num_gpus :]
+                    out.append(
+                        Deployment(
+                            f"{demand.name}-{len(out)}",
+                            demand.name,
+                            demand.model,
+                            Gear(tp=self.num_gpus, dtype=demand.dtypes[0]),
+                            (tuple(group),),
+                            (spec.num_layers,),
+                        )
+                    )
+        return out
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "flexpipe": PlannerPolicy,
+    "round_robin": lambda: PlannerPolicy(name="round_robin", routing="round_robin"),
+    "peak": lambda: PlannerPolicy(name="peak", at_peak=True),
+    "wait-for-ideal": WaitForIdeal,
+}
+
+
+def create_policy(name: str) -> Policy:
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return factory()
+
+
+def at_rate(demand: ModelDemand, rate_per_s: float) -> ModelDemand:
+    return replace(demand, request_rate_per_s=rate_per_s)

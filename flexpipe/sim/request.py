@@ -1,0 +1,82 @@
+"""One simulated client request: what the workload asks, and how it ended.
+
+Prompts are made of blocks: `prefix_ids` are shared block ids (a Mooncake trace's hash ids:
+requests that share leading ids share that prefix), each `prefix_block_tokens` long; the rest
+of the prompt is unique to the request. Token ids and the prompt bytes the gateway hashes are
+both derived from those ids, so prefix caching (engine) and prefix-aware routing (gateway)
+see the same sharing as a real prompt would give them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX_BLOCK_TOKENS = 512  # tokens per shared block id (the Mooncake trace's block)
+_BYTES_PER_TOKEN = 4  # the gateway estimates a token per 4 bytes of prompt
+_UNIQUE_BASE = 1 << 40  # token ids of unique prompt parts start here (shared blocks: below)
+
+
+@dataclass(slots=True)
+class SimRequest:
+    request_id: int  # position in the run's arrival order (0, 1, ...)
+    arrival_s: float  # when the client sends it to the gateway
+    model: str  # the served model name
+    num_prompt_tokens: int
+    num_output_tokens: int  # max_tokens: the sim model talks until cut off
+    prefix_ids: tuple[int, ...] = ()  # shared prompt blocks (see module docstring)
+    # outcome (set by the simulator)
+    instance: str = ""
+    first_token_s: float = -1.0
+    last_token_s: float = -1.0
+    finish_s: float = -1.0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    failed: str = ""  # why it failed ("" while pending or when completed)
+
+    @property
+    def completed(self) -> bool:
+        return self.finish_s >= 0 and not self.failed
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        n = self.num_generated_tokens
+        return (self.last_token_s - self.first_token_s) / (n - 1) if n > 1 else 0.0
+
+    @property
+    def e2e_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    def prompt_token_ids(self) -> list[int]:
+        n = self.num_prompt_tokens
+        out: list[int] = []
+        for block in self.prefix_ids:
+            start = block * PREFIX_BLOCK_TOKENS
+            out.extend(range(start, start + PREFIX_BLOCK_TOKENS))
+            if len(out) >= n:
+                del out[n:]
+                return out
+        start = _UNIQUE_BASE + self.request_id * (1 << 22)
+        out.extend(range(start, start + n - len(out)))
+        return out
+
+    def prompt_bytes(self) -> bytes:
+        """Stand-in prompt text for the gateway's prefix hashes: shared blocks give shared
+        bytes, unique tokens unique bytes, `_BYTES_PER_TOKEN` bytes per token."""
+        parts: list[bytes] = []
+        left = self.num_prompt_tokens
+        per_block = PREFIX_BLOCK_TOKENS * _BYTES_PER_TOKEN // 8
+        for block in self.prefix_ids:
+            if left <= 0:
+                break
+            take = min(left, PREFIX_BLOCK_TOKENS)
+            parts.append((block.to_bytes(8, "little") * per_block)[: take * _BYTES_PER_TOKEN])
+            left -= take
+        if left > 0:
+            unique = (self.request_id | (1 << 62)).to_bytes(8, "little")
+            parts.append((unique * (left * _BYTES_PER_TOKEN // 8 + 1))[: left * _BYTES_PER_TOKEN])
+        return b"".join(parts)

@@ -1,0 +1,129 @@
+"""Synthetic workloads: pure generators of (arrival, prompt length, output length, prefix).
+
+Arrivals are Poisson (exponential gaps) or Gamma (gaps with a coefficient of variation `cv`:
+cv > 1 is bursty, cv = 1 is Poisson); a diurnal pattern modulates the rate as
+`rate x (1 + amplitude x cos(2 pi (t - peak_s) / period_s))`, by thinning (candidates at the
+peak rate, each kept with probability rate(t) / peak rate). Lengths come from `LengthDist`.
+Everything random comes from the `random.Random` passed in: same seed, same requests.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from flexpipe.sim.request import PREFIX_BLOCK_TOKENS
+
+Arrival = tuple[float, int, int, tuple[int, ...]]  # (time_s, prompt, output, prefix ids)
+
+
+class WorkloadError(ValueError):
+    """A workload description that cannot be used; one readable line."""
+
+
+@dataclass(frozen=True, slots=True)
+class LengthDist:
+    """Token counts: `fixed` (mean), `uniform` (min..max), `exponential` (mean) or
+    `lognormal` (mean, cv); always clamped to [min, max]."""
+
+    dist: str = "fixed"
+    mean: float = 256.0
+    cv: float = 1.0
+    min: int = 1
+    max: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.dist not in ("fixed", "uniform", "exponential", "lognormal"):
+            raise WorkloadError(
+                f"unknown length distribution {self.dist!r}: "
+                "use fixed, uniform, exponential or lognormal"
+            )
+        if self.mean < 1 or self.min < 1 or self.max < self.min or self.cv <= 0:
+            raise WorkloadError("lengths need mean >= 1, 1 <= min <= max and cv > 0")
+
+    def sample(self, rng: random.Random) -> int:
+        if self.dist == "fixed":
+            x = self.mean
+        elif self.dist == "uniform":
+            return rng.randint(self.min, self.max)
+        elif self.dist == "exponential":
+            x = rng.expovariate(1.0 / self.mean)
+        else:
+            sigma2 = math.log(1.0 + self.cv * self.cv)
+            x = rng.lognormvariate(math.log(self.mean) - sigma2 / 2, math.sqrt(sigma2))
+        return min(self.max, max(self.min, round(x)))
+
+
+@dataclass(frozen=True, slots=True)
+class Diurnal:
+    period_s: float = 86_400.0
+    amplitude: float = 0.5  # 0..1: the rate swings between (1 - a) and (1 + a) x mean
+    peak_s: float = 0.0  # when the rate peaks (mod period)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.amplitude <= 1 or self.period_s <= 0:
+            raise WorkloadError("diurnal needs 0 <= amplitude <= 1 and period_s > 0")
+
+    def factor(self, t_s: float) -> float:
+        return 1.0 + self.amplitude * math.cos(2 * math.pi * (t_s - self.peak_s) / self.period_s)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """Requests start with one of `num_groups` shared prefixes of `num_tokens` tokens
+    (system prompts, few-shot examples), drawn uniformly."""
+
+    num_groups: int = 8
+    num_tokens: int = 1024
+
+    def ids(self, group: int) -> tuple[int, ...]:
+        num_blocks = max(1, self.num_tokens // PREFIX_BLOCK_TOKENS)
+        base = (1 << 30) + group * num_blocks  # far from trace hash ids
+        return tuple(range(base, base + num_blocks))
+
+
+@dataclass(frozen=True, slots=True)
+class Synthetic:
+    rate_per_s: float
+    prompt: LengthDist
+    output: LengthDist
+    arrival: str = "poisson"  # or "gamma"
+    cv: float = 1.0  # gamma: coefficient of variation of the gaps
+    diurnal: Diurnal | None = None
+    shared_prefix: SharedPrefix | None = None
+    start_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.arrival not in ("poisson", "gamma"):
+            raise WorkloadError(f"unknown arrival process {self.arrival!r}: use poisson or gamma")
+        if self.rate_per_s <= 0 or self.cv <= 0:
+            raise WorkloadError("arrivals need rate_per_s > 0 and cv > 0")
+
+    @property
+    def peak_rate_per_s(self) -> float:
+        return self.rate_per_s * (1.0 + (self.diurnal.amplitude if self.diurnal else 0.0))
+
+    def arrivals(self, rng: random.Random, until_s: float) -> Iterator[Arrival]:
+        peak = self.peak_rate_per_s
+        shape = 1.0 / (self.cv * self.cv)
+        t = self.start_s
+        while True:
+            if self.arrival == "poisson":
+                t += rng.expovariate(peak)
+            else:
+                t += rng.gammavariate(shape, 1.0 / (peak * shape))
+            if t > until_s:
+                return
+            if self.diurnal is not None and rng.random() * peak > self.rate_per_s * (
+                self.diurnal.factor(t)
+            ):
+                continue
+            prefix: tuple[int, ...] = ()
+            if self.shared_prefix is not None:
+                prefix = self.shared_prefix.ids(rng.randrange(self.shared_prefix.num_groups))
+            prompt = self.prompt.sample(rng)
+            if prefix:
+                prompt = max(prompt, self.shared_prefix.num_tokens + 1)  # type: ignore[union-attr]
+            yield t, prompt, self.output.sample(rng), prefix

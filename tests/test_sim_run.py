@@ -1,0 +1,298 @@
+"""Whole simulated runs: a golden event sequence, determinism, conservation, the policies,
+the reports and the `flexpipe sim` command."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flexpipe.cli import app
+from flexpipe.gear import Gear
+from flexpipe.perf import BatchShape
+from flexpipe.sim import builtin_scenarios, load_scenario, report, report_json, resolve, simulate
+from flexpipe.sim.deployment import Deployment
+from flexpipe.sim.engine_factory import engine_config
+from flexpipe.sim.policy import PolicyView
+from flexpipe.sim.report import percentile, requests_csv, timeline_csv
+from flexpipe.sim.scenario import ScenarioError, parse_scenario
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sim_stretch import Fixed
+
+DATA = Path(__file__).parent / "data"
+TWO_GPUS = {"name": "a", "nodes": [{"name": "n0", "gpus": [
+    {"id": "g0", "type": "A100-80G-SXM"}, {"id": "g1", "type": "L4"}]}]}  # fmt: skip
+MODEL = {"name": "m", "model": "llama-2-7b", "slo": {"ttft_p99_ms": 500, "tpot_p99_ms": 30}}
+DEPS = (
+    Deployment("a100", "m", "llama-2-7b", Gear(max_num_seqs=4), (("g0",),)),
+    Deployment("l4", "m", "llama-2-7b", Gear(max_num_seqs=4), (("g1",),)),
+)
+
+
+def _golden_scenario():  # type: ignore[no-untyped-def]
+    doc = {
+        "name": "golden", "duration_s": 32.2, "seed": 0, "report_interval_s": 10,
+        "cluster": {"inline": TWO_GPUS}, "models": [MODEL],
+        "workloads": [{"model": "m", "trace": {
+            "kind": "azure", "file": "azure_conv_head.csv", "offset_s": 30, "speedup": 4}}],
+    }  # fmt: skip
+    return parse_scenario(doc, DATA)
+
+
+GOLDEN = [
+    (26.738416, "ready", "a100"),
+    (26.738416, "ready", "l4"),
+    (30.000000, "arrive", "0 m"),
+    (30.000000, "route", "0 a100 hash"),
+    (30.424549, "done", "0 44 tokens"),
+    (31.078645, "arrive", "1 m"),
+    (31.078645, "route", "1 l4 hash"),
+    (31.135469, "arrive", "2 m"),
+    (31.135469, "route", "2 l4 hash"),
+    (31.177607, "arrive", "3 m"),
+    (31.177607, "route", "3 a100 hash"),
+    (31.323887, "done", "3 16 tokens"),
+    (31.473164, "arrive", "4 m"),
+    (31.473164, "route", "4 a100 hash"),
+    (31.577882, "arrive", "5 m"),
+    (31.577882, "route", "5 l4 hash"),
+    (31.619444, "done", "4 16 tokens"),
+    (31.936374, "arrive", "6 m"),
+    (31.936374, "route", "6 a100 hash"),
+    (32.062858, "arrive", "7 m"),
+    (32.062858, "route", "7 l4 hash"),
+    (32.084270, "arrive", "8 m"),
+    (32.084270, "route", "8 a100 hash"),
+    (32.116246, "arrive", "9 m"),
+    (32.116246, "route", "9 l4 hash"),
+    (32.175053, "arrive", "10 m"),
+    (32.175053, "route", "10 a100 hash"),
+    (32.252609, "done", "8 14 tokens"),
+    (33.408790, "done", "10 124 tokens"),
+    (33.427947, "done", "6 142 tokens"),
+    (34.611310, "done", "2 55 tokens"),
+    (36.696191, "done", "5 84 tokens"),
+    (37.165970, "done", "7 84 tokens"),
+    (37.743275, "done", "1 109 tokens"),
+    (43.361364, "done", "9 152 tokens"),
+]
+
+
+def test_golden_event_sequence() -> None:
+    """Two instances (max 4 sequences each) and the first 11 rows of the Azure trace at 4x:
+    every gateway event, in order, at its exact time (performance-model arithmetic only)."""
+    log: list[tuple[float, str, str]] = []
+    result = simulate(_golden_scenario(), Fixed(DEPS), log=log)
+    assert [(round(t, 6), e, d) for t, e, d in log] == GOLDEN
+    # the first request reached an idle engine: its TTFT is one prefill step of its prompt
+    first = result.requests[0]
+    pm = engine_config(DEPS[0], _golden_scenario().cluster).pm
+    assert first.ttft_s == pm.step_time_s(BatchShape.of(prefills=[(374, 0)]))
+    assert first.num_generated_tokens == 44 and first.instance == "a100"
+
+
+def test_same_seed_same_bytes_and_another_seed_differs() -> None:
+    sc = replace(load_scenario(resolve("seed-fragmented")), duration_s=120)
+    a, b = simulate(sc), simulate(sc)
+    assert report_json(a) == report_json(b)
+    assert requests_csv(a) == requests_csv(b) and timeline_csv(a) == timeline_csv(b)
+    c = simulate(replace(sc, seed=1))
+    assert requests_csv(c) != requests_csv(a)
+
+
+def test_conservation_every_request_ends_and_tokens_add_up() -> None:
+    doc = {
+        "name": "c", "duration_s": 60, "seed": 4, "report_interval_s": 10,
+        "cluster": {"inline": TWO_GPUS}, "models": [MODEL],
+        "workloads": [{"model": "m", "arrivals": {"process": "gamma", "rate_per_s": 8, "cv": 2},
+                       "prompt_tokens": {"dist": "lognormal", "mean": 800, "cv": 1, "max": 6000},
+                       "output_tokens": {"dist": "exponential", "mean": 150, "max": 800}}],
+        "gateway": {"max_queue": 5, "max_queue_wait_s": 1.0, "max_concurrency_per_instance": 4},
+    }  # fmt: skip
+    sc = parse_scenario(doc, DATA)
+    result = simulate(sc, Fixed(DEPS))
+    reqs = result.requests
+    assert all(r.completed != bool(r.failed) and r.finish_s >= r.arrival_s for r in reqs)
+    done = [r for r in reqs if r.completed]
+    assert all(r.num_generated_tokens == r.num_output_tokens for r in done)
+    assert all(r.arrival_s <= r.first_token_s <= r.last_token_s <= r.finish_s for r in done)
+    reasons = {r.failed.split(":")[0] for r in reqs if r.failed}
+    assert reasons == {"404", "400", "429"}  # cold start, too long for 4096, queue full/timeout
+    rep = report(result)
+    assert rep["num_completed"] + rep["num_failed"] == len(reqs)
+    # GPU-seconds add up: the timeline's reserved and busy GPU time are the totals
+    u = result.usage
+    assert sum(u.reserved_gpu_s) == pytest.approx(2 * sc.duration_s)
+    busy = sum(rec.instance.busy_s for rec in result.instances if rec.instance)
+    assert sum(u.busy_gpu_s) <= busy + 1e-9  # busy time after the end is not in the window
+    assert rep["utilisation"] == pytest.approx(sum(u.busy_gpu_s) / sum(u.reserved_gpu_s), abs=1e-6)
+
+
+def test_wait_for_ideal_serves_nothing_on_the_fragmented_cluster() -> None:
+    sc = replace(load_scenario(resolve("seed-fragmented")), duration_s=60)
+    rep = report(simulate(sc, "wait-for-ideal"))
+    assert rep["num_completed"] == 0 and rep["gpu_hours_reserved"] == 0
+    assert rep["models"]["llama-7b"]["failed_by_reason"] == {"404": rep["num_requests"]}
+    assert "runs no instance" in rep["notes"][0]
+
+
+def test_wait_for_ideal_runs_tp4_when_four_identical_gpus_exist() -> None:
+    doc = {
+        "name": "hgx", "duration_s": 60, "seed": 0,
+        "cluster": {"inline": {"name": "hgx", "nodes": [{"name": "n", "gpus": [
+            {"id": f"g{i}", "type": "A100-80G-SXM"} for i in range(4)],
+            "links": [{"gpus": ["g0", "g1", "g2", "g3"], "link": "nvlink3"}]}]}},
+        "models": [MODEL],
+        "workloads": [{"model": "m", "arrivals": {"rate_per_s": 2, "start_s": 40},
+                       "prompt_tokens": {"mean": 100}, "output_tokens": {"mean": 10}}],
+    }  # fmt: skip
+    rep = report(simulate(parse_scenario(doc, DATA), "wait-for-ideal"))
+    assert [i["gear"].split("-")[0] for i in rep["instances"]] == ["tp4"]
+    assert rep["num_completed"] == rep["num_requests"] > 0
+
+
+def test_round_robin_and_peak_policies() -> None:
+    sc = replace(load_scenario(resolve("seed-fragmented")), duration_s=90)
+    rr = report(simulate(sc, "round_robin"))
+    assert rr["routing"] == "round_robin" and rr["policy"] == "round_robin"
+    flex = report(simulate(sc, "flexpipe"))
+    assert flex["routing"] == "prefix_affinity"
+    peak = report(simulate(sc, "peak"))  # steady load: the peak interval is above the mean
+    assert peak["gpu_hours_reserved"] >= flex["gpu_hours_reserved"]
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile(list(map(float, range(1, 101))), 99) == 99.0
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_builtin_scenarios_load() -> None:
+    names = builtin_scenarios()
+    assert {"seed-fragmented", "azure-conversation", "mooncake-prefix"} <= set(names)
+    for path in names.values():
+        load_scenario(path)
+
+
+def test_bad_scenarios_are_one_line_errors(tmp_path: Path) -> None:
+    base = {"name": "x", "duration_s": 10, "cluster": {"inline": TWO_GPUS}, "models": [MODEL],
+            "workloads": [{"model": "m", "arrivals": {"rate_per_s": 1}}]}  # fmt: skip
+    for change, msg in (
+        ({"duration_s": -1}, "duration_s must be a positive number"),
+        ({"workloads": [{"model": "nope", "arrivals": {"rate_per_s": 1}}]}, "is not one of"),
+        ({"workloads": [{"model": "m", "arrivals": {"rate_per_s": 1, "bogus": 2}}]}, "bogus"),
+        ({"workloads": [{"model": "m", "trace": {"kind": "azure", "file": "x.csv"}}]}, "x.csv"),
+        ({"colour": 1}, "unknown key"),
+        ({"cluster": {}}, "give `file`, `inline` or `generate`"),
+    ):
+        with pytest.raises(ScenarioError, match=msg):
+            sc = parse_scenario({**base, **change}, tmp_path)
+            simulate(sc)
+
+
+def test_cli_list_run_compare_and_errors(tmp_path: Path) -> None:
+    runner = CliRunner()
+    out = runner.invoke(app, ["sim", "list"])
+    assert out.exit_code == 0 and "seed-fragmented" in out.output
+    out = runner.invoke(
+        app, ["sim", "seed-fragmented", "--duration-s", "60",
+              "--compare", "flexpipe,wait-for-ideal", "--out", str(tmp_path)],
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "goodput req/s" in out.output and "wait-for-ideal" in out.output
+    rep = json.loads((tmp_path / "flexpipe" / "report.json").read_text())
+    assert rep["policy"] == "flexpipe" and rep["num_completed"] > 0
+    assert (tmp_path / "wait-for-ideal" / "requests.csv").read_text().startswith("request_id,")
+    out = runner.invoke(app, ["sim", "seed-fragmented", "--duration-s", "30", "--json"])
+    assert out.exit_code == 0 and json.loads(out.output)["duration_s"] == 30
+    out = runner.invoke(app, ["sim", "seed-fragmented", "--policy", "magic"])
+    assert out.exit_code == 2 and "unknown policy 'magic'" in out.output
+    out = runner.invoke(app, ["sim", str(tmp_path / "missing.yaml")])
+    assert out.exit_code == 2 and "cannot read the file" in out.output
+
+
+@dataclass
+class Switch:
+    """A policy seam test: runs a100 first, then from t = 40 only l4 (a plan change)."""
+
+    name: str = "switch"
+    routing: str | None = None
+    interval_s: float | None = 20.0
+
+    def decide(
+        self, view: PolicyView, now: float, rng: random.Random
+    ) -> Sequence[Deployment] | None:
+        return [DEPS[0]] if now < 40 else [DEPS[1]]
+
+
+def test_a_policy_that_changes_the_plan_launches_and_drains() -> None:
+    doc = {
+        "name": "switch", "duration_s": 120, "seed": 2, "report_interval_s": 10,
+        "cluster": {"inline": TWO_GPUS}, "models": [MODEL],
+        "workloads": [{"model": "m", "arrivals": {"rate_per_s": 3, "start_s": 28},
+                       "prompt_tokens": {"mean": 300}, "output_tokens": {"mean": 400}}],
+    }  # fmt: skip
+    result = simulate(parse_scenario(doc, DATA), Switch())
+    a100, l4 = result.instances
+    assert (a100.dep.name, a100.launched_s, a100.stopped_s) == ("a100", 0.0, 40.0)
+    assert (l4.dep.name, l4.launched_s, l4.stopped_s, l4.released_s) == ("l4", 40.0, -1.0, -1.0)
+    on_a100 = [r for r in result.requests if r.instance == "a100"]
+    assert on_a100 and all(r.completed and r.arrival_s < 40 for r in on_a100)
+    assert a100.released_s == max(r.finish_s for r in on_a100) > 40  # drained, then freed
+    later = [r for r in result.requests if r.arrival_s > l4.ready_s + 1]
+    assert later and all(r.instance == "l4" for r in later)
+    # between the drain and l4's cold start nothing serves the model: the naive swap's gap
+    # (503 while the draining a100 is still in the pool, 404 once it has left)
+    gap = [r for r in result.requests if 40 < r.arrival_s < l4.ready_s]
+    assert gap and {r.failed[:3] for r in gap} == {"503", "404"}
+    reserved = sum(result.usage.reserved_gpu_s)
+    assert reserved == pytest.approx(a100.released_s + (120 - 40))
+
+
+def test_public_api() -> None:
+    import flexpipe.sim as sim
+
+    assert sorted(sim.__all__) == sorted(
+        ["POLICIES", "Deployment", "EventLoop", "Policy", "PolicyView", "Scenario",
+         "ScenarioError", "SimRequest", "SimResult", "builtin_scenarios", "create_policy",
+         "load_scenario", "parse_scenario", "report", "report_json", "resolve", "simulate",
+         "write_reports"]
+    )  # fmt: skip
+    assert all(hasattr(sim, name) for name in sim.__all__)
+    assert set(sim.POLICIES) == {"flexpipe", "round_robin", "peak", "wait-for-ideal"}
+
+
+def test_the_gateway_queue_serves_in_order_and_times_out() -> None:
+    """One slot, 30-token answers (~0.28 s each): the second request waits and starts the
+    instant the first ends; the third gives up after max_queue_wait_s; a fourth finds the
+    queue full."""
+    doc = {
+        "name": "q", "duration_s": 40, "seed": 0, "cluster": {"inline": TWO_GPUS},
+        "models": [MODEL],
+        "workloads": [{"model": "m", "arrivals": {"rate_per_s": 1000, "start_s": 30},
+                       "prompt_tokens": {"mean": 100}, "output_tokens": {"mean": 30}}],
+        "gateway": {"max_concurrency_per_instance": 1, "max_queue": 2, "max_queue_wait_s": 0.4},
+    }  # fmt: skip
+    sc = parse_scenario(doc, DATA)
+    sc = replace(sc, duration_s=30.0035)  # a handful of requests at 1000/s
+    log: list[tuple[float, str, str]] = []
+    result = simulate(sc, Fixed(DEPS[:1]), log=log)
+    reqs = result.requests
+    assert len(reqs) >= 4
+    first, second, third, fourth = reqs[:4]
+    assert first.completed and second.completed
+    assert second.instance == "a100"
+    route_second = next(t for t, e, d in log if e == "route" and d.startswith("1 "))
+    assert route_second == first.finish_s  # woken by the freed slot, at once
+    assert third.failed.startswith("429: all instances stayed busy")
+    assert third.finish_s == pytest.approx(third.arrival_s + 0.4)
+    assert fourth.failed == "429: all instances are busy and the queue is full"
+    assert fourth.finish_s == fourth.arrival_s
