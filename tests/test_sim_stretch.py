@@ -20,7 +20,7 @@ from flexpipe.engine.block_manager import BlockManager
 from flexpipe.engine.core import EngineCore
 from flexpipe.engine.request import EngineRequest, SamplingParams
 from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
-from flexpipe.gear import Gear
+from flexpipe.gears.gear import Gear
 from flexpipe.perf import BatchShape, perf_model_for
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.policy import PolicyView

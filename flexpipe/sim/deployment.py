@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flexpipe.gear import Gear
+from flexpipe.gears.gear import Gear
 from flexpipe.policies.planner import PlannedInstance
 
 

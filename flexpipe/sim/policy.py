@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from flexpipe.cluster import Cluster
-from flexpipe.gear import Gear
+from flexpipe.gears.gear import Gear
 from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import ModelDemand, PlannerConfig, plan
 from flexpipe.sim.deployment import Deployment
@@ -63,7 +63,7 @@ class PlannerPolicy:
         if view.running:
             return None
         demands = view.peak_demands if self.at_peak else view.demands
-        the_plan = plan(view.cluster, demands, None, PlannerConfig(), now)
+        the_plan = plan(view.cluster, demands, None, config=PlannerConfig(), now_s=now)
         return [Deployment.of(i) for i in the_plan.instances]
 
 
