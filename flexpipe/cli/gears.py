@@ -156,7 +156,7 @@ def register(app: typer.Typer) -> None:
             g = parse_gear(gear)
             spec = load_model_spec(model)
             with Store(store) as st:
-                lookup = GearLookup(st.points(model=spec.name))
+                lookup = GearLookup(st.points(model=spec.name), st.efficiency())
             query = GearQuery.on_whole_gpus(spec, g, gpu_type.split("+"), link)
             measured = lookup.table.points(query.key)
             if not measured:

@@ -177,8 +177,9 @@ def plan_command(
                 raise ValueError("--fast-link-gbps must be positive")
             config = PlannerConfig(max_pp=max_pp, fast_link_bytes_per_s=fast_link_gb_per_s * GB)
         with Store(store) as st:
-            performance = GearLookup(st.points())
-        result = plan(cl, demands, performance, config=config, now_s=now_s)
+            efficiency = st.efficiency()  # built-in calibration plus `flexpipe calibrate`'s
+            performance = GearLookup(st.points(), efficiency)
+        result = plan(cl, demands, performance, config=config, now_s=now_s, efficiency=efficiency)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
         return

@@ -216,7 +216,9 @@ def register(app: typer.Typer) -> None:
             the_cluster = load_cluster(cluster_path)
             demands = load_models(models_path)
             with Store(store) as st:
-                the_plan = plan(the_cluster, demands, GearLookup(st.points()))
+                efficiency = st.efficiency()
+                lookup = GearLookup(st.points(), efficiency)
+                the_plan = plan(the_cluster, demands, lookup, efficiency=efficiency)
             if not the_plan.instances:
                 raise UpError(
                     "the planner found nothing to run on the free GPUs: "

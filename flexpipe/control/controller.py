@@ -127,8 +127,9 @@ class Controller:
         self.say = say
         self.rng = random.Random(cfg.seed)
         self.resources = Resources.of(load_cluster(cfg.cluster_path), wall())
-        self.performance = GearLookup(store.points() if store is not None else [])
-        self.policy = ShiftPolicy(cfg.shift, planner=self._planner)
+        self.efficiency = store.efficiency() if store is not None else None
+        self.performance = GearLookup(store.points() if store is not None else [], self.efficiency)
+        self.policy = ShiftPolicy(cfg.shift, planner=self._planner, efficiency=self.efficiency)
         self.running: dict[str, LiveInstance] = {}
         self.history: list[ShiftRecord] = []
         self.samples: dict[str, list[Sample]] = {d.name: [] for d in cfg.demands}
@@ -171,7 +172,14 @@ class Controller:
         """The planner with the gear table and the running plan (kept unless replacing it
         pays); the policy's candidates come from it too."""
         running = [i.planned for i in self.running.values()]
-        return plan(cluster, demands, self.performance, running=running or None, now_s=now_s)
+        return plan(
+            cluster,
+            demands,
+            self.performance,
+            running=running or None,
+            now_s=now_s,
+            efficiency=self.efficiency,
+        )
 
     def _on_state(self, inst: LiveInstance, state: str) -> None:
         p = inst.planned
