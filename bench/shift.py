@@ -160,8 +160,9 @@ def _probe_first_token(port: int, model: str, deadline_s: float) -> float | None
         client.close()
 
 
-def _leftover_pids(marker: str) -> list[int]:
-    """Processes whose command line mentions this run's private directory."""
+def _leftover_pids(markers: Sequence[str]) -> list[int]:
+    """Processes whose command line holds one of `markers` (this run's private directory,
+    which the controller and engines are given, or the gateway's port)."""
     out = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) == os.getpid():
@@ -170,7 +171,7 @@ def _leftover_pids(marker: str) -> list[int]:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
         except OSError:
             continue
-        if marker in cmd:
+        if any(m in cmd for m in markers):
             out.append(int(d.name))
     return out
 
@@ -288,9 +289,9 @@ class Run:
                     self.proc.wait()
             result["up_exit_code"] = self.proc.returncode
         time.sleep(1)
-        leftover = _leftover_pids(str(self.tmp))
+        leftover = _leftover_pids([str(self.tmp), f"--port {self.port} "])
         result["leftover_processes"] = leftover
-        for pid in leftover:  # ours: their command lines name this run's private directory
+        for pid in leftover:  # ours: they name this run's directory or port
             self.notes.append(f"process {pid} outlived `up`: killed")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -450,6 +451,18 @@ def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
         "during_elsewhere": pauses([r for r in during if r.instance not in urls]),
         "baseline_before": pauses(steady),
     }
+    detail = []
+    for r in during:
+        gap = r.max_gap()
+        if r.instance in urls and gap is not None and r.prompt_tokens is not None:
+            context = r.prompt_tokens + gap[1]
+            detail.append({
+                "index": r.index, "max_tokens": r.max_tokens, "context_tokens": context,
+                "pause_ms": round(gap[0] / scale * 1e3),
+                "at_s_after_shift_start": round((r.token_s[gap[1] - 1] - s0) / scale, 2),
+                "prefill_ms": round(pm.prefill_s(context) * 1e3),
+            })  # fmt: skip
+    summary["in_flight_on_leaving"] = detail
     if "tenant_leaves" in ev:
         summary["throughput"] = {
             "before_tenant_leaves": _throughput(records, ev["load_start"] + 1.0,
@@ -499,6 +512,10 @@ def print_report(s: dict[str, Any]) -> None:
         print(f"  {'requests':<20}" + "".join(f"{c:>24}" for c in cols))
         for name, row in s["pause"].items():
             print(f"  {name:<20}" + "".join(f"{row.get(c, '-')!s:>24}" for c in cols))
+    for d in s.get("in_flight_on_leaving", []):
+        print(f"    on the leaving instance: request {d['index']} ({d['max_tokens']} tokens): "
+              f"pause {d['pause_ms']} ms at +{d['at_s_after_shift_start']} s, context "
+              f"{d['context_tokens']} tokens, prefill {d['prefill_ms']} ms")  # fmt: skip
     if "throughput" in s:
         tcols = ("window_modelled_s", "output_tokens_per_s", "requests_per_s", "ttft_p50_ms",
                 "ttft_p99_ms")  # fmt: skip
