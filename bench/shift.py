@@ -1,0 +1,610 @@
+"""The seed scenario's live gear shift, timed (issue 9 §8).
+
+    python -m bench shift                                 # real time: ~4 minutes
+    python -m bench shift -- --time-scale 0.5 --seed 7    # twice as fast (less precise)
+
+`flexpipe up` (gateway + controller + sim engines, real processes on 127.0.0.1) serves the
+seed's fragmented 4-GPU cluster (examples/clusters/fragmented-4gpu.yaml, a private copy) and
+one 7B model (examples/models/llama-7b.yaml). Open-loop Poisson load (seeded) of streamed
+chat and completion requests runs; after `--before-s` the other tenant leaves gpu1 (the
+copy's `used_gib: 40` becomes 0), the controller re-plans and shifts the TP2 instance on
+gpu1+gpu2 live (make-before-break; in place, so it is released before its successor starts
+and the other instances carry the load meanwhile); the load runs `--after-s` more.
+
+Every duration the user sets is in MODELLED seconds (what a real GPU deployment would see);
+the sim engines run `--time-scale` wall seconds per modelled second, and the bench converts
+(the default, 1.0, is real time: the run stands for the ~4 minutes it takes). Measured:
+
+- time from `up` start to the first served token (a 1-token probe, polled);
+- each shift from the shift log (`flexpipe shifts --json`): trigger, outcome, each phase's
+  duration, requests migrated by method;
+- the pause in-flight requests saw: for each request in flight during the shift, the largest
+  gap between consecutive streamed tokens; p50/p99, against one prefill of that request's
+  context (prompt + tokens so far) computed by the performance model (flexpipe.perf) for the
+  instance that left; the same measure for requests of the steady period before is the
+  baseline (the machine's own jitter);
+- requests before / during / after the shift, failed requests (errors or short answers),
+  throughput and TTFT before the tenant leaves and after the shift.
+
+Verdict: "ok" when the shift succeeded, no request failed, and the p99 of pause / prefill
+of the in-flight requests is below 1. The table prints; JSON (summary) and CSV (one row per
+request) go to bench/results/shift-<UTC time>.{json,csv}. Everything it starts is stopped
+at the end (SIGTERM to `up`, then SIGKILL of its process group), and the whole run is
+bounded by `--max-wall-s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from bench._shift_load import LoadMix, PoissonLoad, RequestRecord
+from flexpipe.cluster import load_cluster, placement_on
+from flexpipe.control.launching import load_models
+from flexpipe.gears.gear import parse_gear
+from flexpipe.launch import free_port
+from flexpipe.model_spec import load_model_spec
+from flexpipe.perf import PerfModel
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+CLUSTER = ROOT / "examples" / "clusters" / "fragmented-4gpu.yaml"
+MODELS = ROOT / "examples" / "models" / "llama-7b.yaml"
+# The resource trigger is what this bench is about: the load-driven down trigger is off so
+# that a quiet moment does not start a second shift in the middle of the measurement.
+SHIFT_CONFIG = """
+shift:
+  triggers:
+    window_s: 30
+    num_samples: 2
+    cooldown_s: 5
+    resource_settle_s: 1
+    thresholds: {down_utilization: 0.0}
+"""
+SHIFT_KINDS = ("shift", "reclaim", "emergency")
+
+
+class Output:
+    """`up`'s output, read by a thread, each line with its time.monotonic()."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait_for(self, needles: Sequence[str], timeout_s: float, start: int = 0) -> int | None:
+        """Index of the first line from `start` holding any of `needles`; None at timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for n, (_, line) in enumerate(self.lines[start:], start):
+                if any(x in line for x in needles):
+                    return n
+            time.sleep(0.05)
+        return None
+
+    def tail(self, num_lines: int = 40) -> str:
+        return "\n".join(line for _, line in self.lines[-num_lines:])
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]  # nearest rank
+
+
+def _gpus(instance: dict[str, Any]) -> str:
+    """`tp2-pp1-bf16-kvauto-s48@gpu1+gpu2` from a shift log instance."""
+    return f"{instance['gear']}@{'+'.join(g for stage in instance['stages'] for g in stage)}"
+
+
+# `  llama-7b-0 ready at http://127.0.0.1:43597 on gpu2+gpu1 (tp2-pp1-bf16-kvauto-s48, 14.9 s)`
+_READY = re.compile(r"ready at (?P<url>http://\S+) on (?P<gpus>[\w+-]+) \((?P<gear>[\w-]+),")
+_GEAR_KEY = re.compile(r"tp(\d+)-pp(\d+)-(\w+)-kv(\w+)-s(\d+)$")
+
+
+def _perf_model(cluster_path: Path, model_id: str, gear_key: str, stages: Any) -> PerfModel:
+    """The performance model of a shift log instance on the cluster file as it is now."""
+    m = _GEAR_KEY.match(gear_key)
+    if m is None:
+        raise ValueError(f"unexpected gear key {gear_key!r}")
+    tp, pp, dtype, kv, seqs = m.groups()
+    gear = parse_gear(f"tp={tp},pp={pp},dtype={dtype},kv={kv},max_num_seqs={seqs}")
+    spec = load_model_spec(model_id)
+    placement = placement_on(load_cluster(cluster_path), stages, spec.num_layers)
+    return PerfModel(spec, gear, placement)
+
+
+def _probe_first_token(port: int, model: str, deadline_s: float) -> float | None:
+    """Poll with a streamed 1-token completion until one is served; its time.monotonic()."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0, timeout=10
+    )
+    try:
+        while time.monotonic() < deadline_s:
+            try:
+                for chunk in client.completions.create(
+                    model=model, prompt="hello", max_tokens=1, stream=True
+                ):
+                    if chunk.choices and chunk.choices[0].text:
+                        return time.monotonic()
+            except openai.APIError:
+                pass
+            time.sleep(0.1)
+        return None
+    finally:
+        client.close()
+
+
+def _leftover_pids(markers: Sequence[str]) -> list[int]:
+    """Processes whose command line holds one of `markers` (this run's private directory,
+    which the controller and engines are given, or the gateway's port)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            continue
+        if any(m in cmd for m in markers):
+            out.append(int(d.name))
+    return out
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args = args
+        self.tmp = tmp
+        self.cluster = tmp / "cluster.yaml"
+        self.cluster.write_text(CLUSTER.read_text())
+        self.models = tmp / "models.yaml"
+        self.models.write_text(MODELS.read_text())
+        (tmp / "shift.yaml").write_text(SHIFT_CONFIG)
+        self.store = f"sqlite:///{tmp / 'fp.db'}"
+        self.port = free_port()
+        self.demand = load_models(self.models)[0]
+        self.t0 = time.monotonic()
+        self.wall0 = time.time() - self.t0  # wall = monotonic + wall0
+        self.events: dict[str, float] = {}  # name -> time.monotonic()
+        self.notes: list[str] = []
+        self.proc: subprocess.Popen[str] | None = None
+        self.out: Output | None = None
+        self.load: PoissonLoad | None = None
+
+    def wall_s(self, modelled_s: float) -> float:
+        return modelled_s * float(self.args.time_scale)
+
+    def argv(self) -> list[str]:
+        a = self.args
+        return [
+            sys.executable, "-m", "flexpipe", "up", "--port", str(self.port),
+            "--controller-port", str(free_port()), "--time-scale", str(a.time_scale),
+            "--tick-s", str(a.tick_s), "--cluster", str(self.cluster),
+            "--models", str(self.models), "--store", self.store,
+            "--shift-config", str(self.tmp / "shift.yaml"),
+            "--drain-timeout-s", f"{self.wall_s(a.drain_deadline_s):.3f}",
+        ]  # fmt: skip
+
+    def left(self) -> float:
+        return max(0.0, self.t0 + float(self.args.max_wall_s) - time.monotonic())
+
+    def scenario(self) -> None:
+        a = self.args
+        env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+        self.t0 = time.monotonic()
+        self.wall0 = time.time() - self.t0
+        self.proc = subprocess.Popen(
+            self.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=True, cwd=ROOT,
+        )  # fmt: skip
+        self.out = out = Output(self.proc)
+        first = _probe_first_token(self.port, self.demand.name, self.t0 + min(a.max_wall_s, 300))
+        if first is None:
+            self.notes.append("no token served before the startup deadline")
+            return
+        self.events["first_token"] = first
+        if out.wait_for(["instance(s) serving"], min(self.left(), 120)) is None:
+            self.notes.append("the controller never reported its instances serving")
+            return
+        self.events["serving"] = time.monotonic()
+        mix = LoadMix(
+            rate_per_s=a.rate_per_s / a.time_scale,
+            min_prompt_tokens=a.min_prompt_tokens,
+            max_prompt_tokens=a.max_prompt_tokens,
+            short_output_tokens=a.short_output_tokens,
+            long_output_tokens=a.long_output_tokens,
+            long_share=a.long_share,
+            seed=a.seed,
+        )
+        self.load = PoissonLoad(f"http://127.0.0.1:{self.port}/v1", self.demand.name, mix, 300)
+        self.events["load_start"] = time.monotonic()
+        self.load.start()
+        time.sleep(min(self.wall_s(a.before_s), self.left()))
+        # the other tenant leaves gpu1
+        self.events["tenant_leaves"] = time.monotonic()
+        mark = len(out.lines)
+        self.cluster.write_text(self.cluster.read_text().replace("used_gib: 40", "used_gib: 0"))
+        n = out.wait_for(["controller: shift ("], min(self.left(), 120), mark)
+        if n is None:
+            self.notes.append("no shift started within 120 s of the tenant leaving")
+        else:
+            self.events["shift_said"] = out.lines[n][0]
+            done = out.wait_for(
+                ["controller: shift done", "controller: shift rolled back", "error:"],
+                min(self.left(), 300),
+                n,
+            )
+            if done is None:
+                self.notes.append("the shift did not finish in time")
+            else:
+                self.events["shift_end_said"] = out.lines[done][0]
+                if "error:" in out.lines[done][1]:
+                    self.notes.append(f"up said: {out.lines[done][1]}")
+        time.sleep(min(self.wall_s(a.after_s), self.left()))
+        self.events["load_stop"] = time.monotonic()
+        self.load.stop()
+        if not self.load.join(min(self.left() + 5, 120)):
+            self.notes.append("requests still in flight at the end (bounded wait ran out)")
+        self.events["load_done"] = time.monotonic()
+
+    def stop(self) -> dict[str, Any]:
+        """SIGTERM `up` (it stops its controller, engines and gateway), then make sure."""
+        result: dict[str, Any] = {}
+        if self.load is not None:
+            self.load.stop()
+            self.load.join(5)
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(90)
+                except subprocess.TimeoutExpired:
+                    self.notes.append("`up` did not stop within 90 s of SIGTERM: killed")
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
+            result["up_exit_code"] = self.proc.returncode
+        time.sleep(1)
+        leftover = _leftover_pids([str(self.tmp), f"--port {self.port} "])
+        result["leftover_processes"] = leftover
+        for pid in leftover:  # ours: they name this run's directory or port
+            self.notes.append(f"process {pid} outlived `up`: killed")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return result
+
+    def shift_log(self) -> list[dict[str, Any]]:
+        done = subprocess.run(
+            [sys.executable, "-m", "flexpipe", "shifts", "--store", self.store, "--json",
+             "--limit", "0"],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        if done.returncode != 0:
+            self.notes.append(f"flexpipe shifts failed: {done.stderr.strip()[-300:]}")
+            return []
+        doc = json.loads(done.stdout)
+        return list(doc if isinstance(doc, list) else doc["entries"])
+
+    def instance_urls(self, instance: dict[str, Any]) -> list[str]:
+        """The engine URLs `up` reported ready for a shift log instance (same gear and GPUs):
+        which requests' heads went to it."""
+        gpus = {g for stage in instance["stages"] for g in stage}
+        out = []
+        for _, line in self.out.lines if self.out is not None else ():
+            m = _READY.search(line)
+            if m and m["gear"] == instance["gear"] and set(m["gpus"].split("+")) == gpus:
+                out.append(m["url"])
+        return out
+
+    def mono(self, iso: str | None) -> float | None:
+        if iso is None:
+            return None
+        return datetime.fromisoformat(iso).timestamp() - self.wall0
+
+
+def _throughput(
+    records: Sequence[RequestRecord], start_s: float, end_s: float, scale: float
+) -> dict[str, Any]:
+    """Output tokens and finished requests per MODELLED second in [start_s, end_s), and the
+    TTFT of requests sent in it."""
+    span_s = max(end_s - start_s, 1e-9)
+    num_tokens = sum(1 for r in records for t in r.token_s if start_s <= t < end_s)
+    num_done = sum(1 for r in records if r.ended_s is not None and start_s <= r.ended_s < end_s)
+    ttfts = [r.token_s[0] - r.sent_s for r in records if start_s <= r.sent_s < end_s and r.token_s]
+    return {
+        "window_modelled_s": round(span_s / scale, 1),
+        "output_tokens_per_s": round(num_tokens / span_s * scale, 1),
+        "requests_per_s": round(num_done / span_s * scale, 2),
+        "ttft_p50_ms": None if not ttfts else round(_pct(ttfts, 50)  # type: ignore[operator]
+                                                    / scale * 1e3),
+        "ttft_p99_ms": None if not ttfts else round(_pct(ttfts, 99)  # type: ignore[operator]
+                                                    / scale * 1e3),
+    }  # fmt: skip
+
+
+def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    a = run.args
+    scale = a.time_scale
+    records = run.load.records if run.load is not None else []
+    ev = run.events
+    summary: dict[str, Any] = {
+        "command": "python -m bench shift -- " + " ".join(a.argv_text),
+        "date_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f} (1 min) at the end",
+        "time_scale": scale,
+        "modelled_s_per_wall_s": round(1 / scale, 2),
+        "load": {
+            "rate_per_s_modelled": a.rate_per_s,
+            "prompt_tokens": [a.min_prompt_tokens, a.max_prompt_tokens],
+            "output_tokens": {
+                "short": a.short_output_tokens,
+                "long": a.long_output_tokens,
+                "long_share": a.long_share,
+            },
+            "seed": a.seed,
+        },
+        "notes": run.notes,
+    }
+    if "first_token" in ev:
+        summary["first_token_s_modelled"] = round((ev["first_token"] - run.t0) / scale, 1)
+        summary["first_token_s_wall"] = round(ev["first_token"] - run.t0, 1)
+    shifts = [e for e in entries if e["kind"] in SHIFT_KINDS]
+    summary["shifts"] = [
+        {
+            "id": e["id"],
+            "kind": e["kind"],
+            "trigger": e["trigger"],
+            "outcome": e["outcome"],
+            "reason": e["reason"],
+            "from": [_gpus(i) for i in e["current"]],
+            "to": [_gpus(i) for i in e["target"] or []],
+            "after_tenant_left_s_modelled": None
+            if "tenant_leaves" not in ev
+            else round(((run.mono(e["at"]) or 0) - ev["tenant_leaves"]) / scale, 1),
+            "phases_s_wall": {k.removesuffix("_s"): v for k, v in e["phases"].items()},
+            "phases_s_modelled": {
+                k.removesuffix("_s"): None if v is None else round(v / scale, 2)
+                for k, v in e["phases"].items()
+            },
+            "total_s_modelled": None
+            if e["finished_at"] is None
+            else round(((run.mono(e["finished_at"]) or 0) - (run.mono(e["at"]) or 0)) / scale, 1),
+            "migrated": e["migrated"],
+        }
+        for e in shifts
+    ]
+    failures = [(r.index, r.failure) for r in records if r.failure is not None]
+    summary["num_requests"] = len(records)
+    summary["num_failed"] = len(failures)
+    summary["failures"] = failures[:20]
+    main_shift = next((e for e in shifts if e["outcome"] == "succeeded"), shifts[0] if shifts
+                      else None)  # fmt: skip
+    if main_shift is None or main_shift["finished_at"] is None:
+        summary["verdict"] = "FAILED: no finished shift"
+        return summary
+    s0 = run.mono(main_shift["at"]) or 0.0
+    s1 = run.mono(main_shift["finished_at"]) or 0.0
+    before = [r for r in records if r.ended_s is not None and r.ended_s < s0]
+    during = [r for r in records if r.sent_s < s1 and (r.ended_s is None or r.ended_s > s0)]
+    after = [r for r in records if r.sent_s >= s1]
+    summary["requests"] = {"before": len(before), "during": len(during), "after": len(after)}
+
+    # the pause budget: one prefill of the request's context on the instance that left
+    target_keys = {(i["gear"], json.dumps(i["stages"])) for i in main_shift["target"] or []}
+    leaving = [i for i in main_shift["current"]
+               if (i["gear"], json.dumps(i["stages"])) not in target_keys]  # fmt: skip
+    left = leaving[0] if leaving else main_shift["current"][0]
+    pm = _perf_model(run.cluster, run.demand.model, left["gear"], left["stages"])
+    summary["pause_budget_instance"] = _gpus(left)
+
+    def pauses(group: Sequence[RequestRecord]) -> dict[str, Any]:
+        rows = []
+        for r in group:
+            gap = r.max_gap()
+            if gap is None or r.prompt_tokens is None:
+                continue
+            gap_s, num_before = gap
+            prefill_s = pm.prefill_s(r.prompt_tokens + num_before)
+            rows.append((gap_s / scale, prefill_s))
+        if not rows:
+            return {"num": 0}
+        ratios = [g / p for g, p in rows]
+        return {
+            "num": len(rows),
+            "pause_p50_ms": round(_pct([g for g, _ in rows], 50) * 1e3),  # type: ignore[operator]
+            "pause_p99_ms": round(_pct([g for g, _ in rows], 99) * 1e3),  # type: ignore[operator]
+            "prefill_p50_ms": round(statistics.median(p for _, p in rows) * 1e3),
+            "pause_over_prefill_p50": round(_pct(ratios, 50), 2),  # type: ignore[arg-type]
+            "pause_over_prefill_p99": round(_pct(ratios, 99), 2),  # type: ignore[arg-type]
+        }
+
+    steady = [r for r in before if r.sent_s >= ev.get("load_start", 0) + 1.0]
+    urls = run.instance_urls(left)
+    summary["leaving_instance_urls"] = urls
+    summary["pause"] = {
+        "during_shift": pauses(during),
+        "during_on_leaving": pauses([r for r in during if r.instance in urls]),
+        "during_elsewhere": pauses([r for r in during if r.instance not in urls]),
+        "baseline_before": pauses(steady),
+    }
+    detail = []
+    for r in during:
+        gap = r.max_gap()
+        if r.instance in urls and gap is not None and r.prompt_tokens is not None:
+            context = r.prompt_tokens + gap[1]
+            detail.append({
+                "index": r.index, "max_tokens": r.max_tokens, "context_tokens": context,
+                "pause_ms": round(gap[0] / scale * 1e3),
+                "at_s_after_shift_start": round((r.token_s[gap[1] - 1] - s0) / scale, 2),
+                "prefill_ms": round(pm.prefill_s(context) * 1e3),
+            })  # fmt: skip
+    summary["in_flight_on_leaving"] = detail
+    if "tenant_leaves" in ev:
+        summary["throughput"] = {
+            "before_tenant_leaves": _throughput(records, ev["load_start"] + 1.0,
+                                                ev["tenant_leaves"], scale),
+            "during_shift": _throughput(records, s0, s1, scale),
+            "after_shift": _throughput(records, s1, ev["load_stop"], scale),
+        }  # fmt: skip
+    p99_ratio = summary["pause"]["during_shift"].get("pause_over_prefill_p99")
+    problems = []
+    if main_shift["outcome"] != "succeeded":
+        problems.append(f"shift {main_shift['outcome']}")
+    if failures:
+        problems.append(f"{len(failures)} failed request(s)")
+    if p99_ratio is None:
+        problems.append("no request in flight during the shift")
+    elif p99_ratio >= 1.0:
+        base = summary["pause"]["baseline_before"].get("pause_over_prefill_p99")
+        problems.append(
+            f"pause p99 is {p99_ratio:.2f}x one prefill (without a shift, before: {base}x)"
+        )
+    summary["verdict"] = "ok" if not problems else "MISSED: " + "; ".join(problems)
+    return summary
+
+
+def print_report(s: dict[str, Any]) -> None:
+    print(f"time scale {s['time_scale']} (1 wall s = {s['modelled_s_per_wall_s']} modelled s); "
+          "figures in modelled time unless marked wall")  # fmt: skip
+    if "first_token_s_modelled" in s:
+        print(f"first served token: {s['first_token_s_modelled']} s after `up` started "
+              f"({s['first_token_s_wall']} s wall)")  # fmt: skip
+    for sh in s["shifts"]:
+        print(f"shift {sh['id']} ({sh['kind']}, trigger {sh['trigger']}): {sh['outcome']}, "
+              f"decided {sh['after_tenant_left_s_modelled']} s after the tenant left, "
+              f"total {sh['total_s_modelled']} s")  # fmt: skip
+        print(f"  {', '.join(sh['from'])}  ->  {', '.join(sh['to'])}")
+        print("  phases: " + ", ".join(f"{k} {v} s" for k, v in sh["phases_s_modelled"].items()
+                                       if v is not None))  # fmt: skip
+        print(f"  migrated: {sh['migrated']}")
+    if "requests" in s:
+        r = s["requests"]
+        print(f"requests: {s['num_requests']} sent; {r['before']} before, {r['during']} in "
+              f"flight during, {r['after']} after the shift; failed {s['num_failed']}")  # fmt: skip
+    if "pause" in s:
+        print(f"pause budget: one prefill of the context on {s['pause_budget_instance']}")
+        cols = ("num", "pause_p50_ms", "pause_p99_ms", "prefill_p50_ms", "pause_over_prefill_p50",
+                "pause_over_prefill_p99")  # fmt: skip
+        print(f"  {'requests':<20}" + "".join(f"{c:>24}" for c in cols))
+        for name, row in s["pause"].items():
+            print(f"  {name:<20}" + "".join(f"{row.get(c, '-')!s:>24}" for c in cols))
+    for d in s.get("in_flight_on_leaving", []):
+        print(f"    on the leaving instance: request {d['index']} ({d['max_tokens']} tokens): "
+              f"pause {d['pause_ms']} ms at +{d['at_s_after_shift_start']} s, context "
+              f"{d['context_tokens']} tokens, prefill {d['prefill_ms']} ms")  # fmt: skip
+    if "throughput" in s:
+        tcols = ("window_modelled_s", "output_tokens_per_s", "requests_per_s", "ttft_p50_ms",
+                "ttft_p99_ms")  # fmt: skip
+        print(f"  {'window':<22}" + "".join(f"{c:>21}" for c in tcols))
+        for name, row in s["throughput"].items():
+            print(f"  {name:<22}" + "".join(f"{row.get(c)!s:>21}" for c in tcols))
+    for f in s["failures"]:
+        print(f"  failed: request {f[0]}: {f[1]}")
+    for n in s["notes"]:
+        print(f"  note: {n}")
+    print(f"verdict: {s['verdict']}")
+
+
+def write_results(s: dict[str, Any], records: Sequence[RequestRecord], t0: float) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = RESULTS / f"shift-{stamp}.json"
+    path.write_text(json.dumps(s, indent=2))
+    with (RESULTS / f"shift-{stamp}.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["index", "route", "instance", "prompt_tokens", "max_tokens",
+                    "num_completion_tokens", "sent_s", "first_token_s", "ended_s", "max_gap_ms",
+                    "error"])  # fmt: skip
+        for r in records:
+            gap = r.max_gap()
+            w.writerow([
+                r.index, r.route, r.instance, r.prompt_tokens, r.max_tokens,
+                r.num_completion_tokens, f"{r.sent_s - t0:.3f}",
+                f"{r.token_s[0] - t0:.3f}" if r.token_s else "",
+                f"{r.ended_s - t0:.3f}" if r.ended_s is not None else "",
+                f"{gap[0] * 1e3:.1f}" if gap else "", r.error or "",
+            ])  # fmt: skip
+    return path
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench shift", description=__doc__.split("\n")[0])
+    p.add_argument("--time-scale", type=float, default=1.0, help="wall s per modelled s")
+    p.add_argument("--rate-per-s", type=float, default=3.0, help="arrivals per modelled s")
+    p.add_argument("--before-s", type=float, default=60.0, help="modelled s of load before")
+    p.add_argument("--after-s", type=float, default=60.0, help="modelled s of load after")
+    p.add_argument("--drain-deadline-s", type=float, default=4.0, help="modelled s")
+    p.add_argument("--tick-s", type=float, default=0.5, help="controller tick (wall s)")
+    p.add_argument("--min-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=2048)
+    p.add_argument("--short-output-tokens", type=int, default=64)
+    p.add_argument("--long-output-tokens", type=int, default=2048)
+    p.add_argument("--long-share", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-wall-s", type=float, default=900.0, help="bound on the whole run")
+    p.add_argument("--keep", action="store_true", help="keep the run's directory (store, files)")
+    args = p.parse_args(list(argv))
+    if args.time_scale <= 0 or args.rate_per_s <= 0:
+        p.error("--time-scale and --rate-per-s must be > 0")
+    args.argv_text = list(argv)
+    return args
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    args = parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="flexpipe-bench-shift-"))
+    run = Run(args, tmp)
+    try:
+        try:
+            run.scenario()
+        except KeyboardInterrupt:
+            run.notes.append("interrupted")
+        finally:
+            stopped = run.stop()
+        entries = run.shift_log()
+        summary = analyse(run, entries)
+        summary.update(stopped)
+        if stopped.get("leftover_processes"):
+            summary["verdict"] += "; processes outlived `up`"
+        if run.out is not None and summary["verdict"] != "ok":
+            summary["up_output_tail"] = run.out.tail(60)
+        records = run.load.records if run.load is not None else []
+        print_report(summary)
+        path = write_results(summary, records, run.t0)
+        print(f"results: {path} (+ .csv per request)")
+        if run.out is not None and summary["verdict"] != "ok":
+            print("--- last lines of `up`:\n" + run.out.tail(60))
+        return 0 if summary["verdict"] == "ok" else 1
+    finally:
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
