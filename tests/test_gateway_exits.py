@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import openai
+import orjson
 import pytest
 from test_gateway_api import Running
 from test_gateway_fakes import FakeEngine, LoopThread
@@ -190,5 +191,46 @@ def test_shutdown_finishes_what_it_can_and_ends_the_rest_with_an_error_event(
         assert 5 < len(long_lines) < 400
         assert refused is not None
         assert idle(r)
+    finally:
+        r.close()
+
+
+def test_a_hold_keeps_requests_queued_while_capacity_is_relaunched(lt: LoopThread) -> None:
+    """An in-place shift takes an instance away while its replacement starts: with a hold
+    for the model, requests wait in the queue past max_queue_wait_s instead of getting 429,
+    and every waiter is served once the new instance joins the pool."""
+    slow = FakeEngine(token_delay_s=0.05)
+    r = Running(lt, [slow], max_concurrency_per_instance=1, max_queue=8, max_queue_wait_s=0.3,
+                admin_token="t")  # fmt: skip
+    auth = {"authorization": "Bearer t", "content-type": "application/json"}
+    try:
+        body = b'{"model": "fake-model", "seconds": 30}'
+        assert r.http("POST", "/admin/models/hold", body, auth)[0] == 200
+
+        async def burst() -> list[int]:
+            client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+
+            async def one() -> int:
+                stream = await client.completions.create(
+                    model="fake-model", prompt="x", max_tokens=20, stream=True
+                )
+                return len([c async for c in stream if c.choices])
+
+            try:
+                tasks = [asyncio.create_task(one()) for _ in range(4)]
+                await asyncio.sleep(1.0)  # well past max_queue_wait_s: nobody refused
+                assert not any(t.done() and t.exception() for t in tasks)
+                extra = lt.run(FakeEngine(token_delay_s=0.01).start())
+                r.engines.append(extra)
+                add = {"url": extra.url, "model": "fake-model", "max_concurrency": 4}
+                assert r.http("POST", "/admin/instances", orjson.dumps(add), auth)[0] == 200
+                return list(await asyncio.gather(*tasks))
+            finally:
+                await client.close()
+
+        assert asyncio.run(burst()) == [20, 20, 20, 20]
+        assert r.http("POST", "/admin/models/hold", b'{"model": "fake-model", "seconds": 0}',
+                      auth)[0] == 200  # fmt: skip
+        assert r.gw.holds == {}
     finally:
         r.close()

@@ -143,10 +143,36 @@ class Executor:
         started = await self._bring_up(now_adds, running, out, rehearse, all_or_nothing)
         if not out.succeeded:
             return out
-        await self._retire(cluster, leaving, running, started, out)
-        if later_adds:
-            await self._bring_up(later_adds, running, out, rehearse, all_or_nothing, "_in_place")
+        held = await self._hold(later_adds, leaving)
+        try:
+            await self._retire(cluster, leaving, running, started, out)
+            if later_adds:
+                await self._bring_up(
+                    later_adds, running, out, rehearse, all_or_nothing, "_in_place"
+                )
+        finally:
+            for model in held:
+                with contextlib.suppress(GatewayError):
+                    await self.gateway.hold(model, 0)
         return out
+
+    async def _hold(
+        self, later_adds: Sequence[PlannedInstance], leaving: Sequence[LiveInstance]
+    ) -> list[str]:
+        """An in-place shift takes a model's capacity away while the replacement starts on
+        the same GPUs: the gateway keeps its requests queued that long (twice the cold start
+        the leaving instances took, plus the drain) instead of refusing them."""
+        models = sorted({p.model for p in later_adds})
+        if not models:
+            return []
+        cold_s = max((i.handle.cold_start_s for i in leaving), default=30.0)
+        hold_s = 2 * cold_s + self.drain_deadline_s + 30.0
+        held = []
+        for model in models:
+            with contextlib.suppress(GatewayError):
+                await self.gateway.hold(model, hold_s)
+                held.append(model)
+        return held
 
     def _capacity_gap(
         self,

@@ -94,5 +94,10 @@ class GatewayClient:
         answer = await self._call("POST", "/admin/requests/move", {"moves": list(moves)})
         return list(answer["results"])
 
+    async def hold(self, model: str, seconds: float) -> None:
+        """Requests of `model` wait up to `seconds` for capacity instead of being refused
+        (0: back to the gateway's own queue wait)."""
+        await self._call("POST", "/admin/models/hold", {"model": model, "seconds": seconds})
+
     async def metrics(self) -> str:
         return await self._text("/metrics")

@@ -11,6 +11,9 @@ POST /admin/instances/weight          {"url", "weight"}
 GET  /admin/instances/requests?url=U  the requests U serves now (what a move is priced on)
 POST /admin/requests/move             {"moves": [{"id", "method": "kv"|"recompute",
                                        "target"?, "bandwidth_bytes_per_s"?, "latency_s"?}]}
+POST /admin/models/hold               {"model", "seconds"}: for that long, requests of the
+                                      model wait in the queue for capacity (a shift that
+                                      re-launches it) instead of being refused; 0 ends it
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class AdminApi:
         app.add_route("POST", "/admin/instances/weight", self.weight)
         app.add_route("GET", "/admin/instances/requests", self.requests)
         app.add_route("POST", "/admin/requests/move", self.move)
+        app.add_route("POST", "/admin/models/hold", self.hold)
 
     def _check(self, req: Request) -> None:
         token = self.gw.cfg.admin_token
@@ -112,6 +116,21 @@ class AdminApi:
             raise HttpError(404, str(exc)) from None
         drained = await self.gw.drained(inst.url, float(wait_s))
         return json_response({**inst.as_dict(), "drained": drained})
+
+    async def hold(self, req: Request) -> Response:
+        self._check(req)
+        body = req.json()
+        model = body.get("model") if isinstance(body, dict) else None
+        seconds = body.get("seconds") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model:
+            raise HttpError(400, "`model` must be a non-empty string", param="model")
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
+            raise HttpError(400, "`seconds` must be a number >= 0", param="seconds")
+        if seconds > 0:
+            self.gw.holds[model] = self.gw.clock() + min(float(seconds), 3600.0)
+        else:
+            self.gw.holds.pop(model, None)
+        return json_response({"model": model, "seconds": seconds})
 
     async def requests(self, req: Request) -> Response:
         self._check(req)

@@ -75,6 +75,8 @@ class Gateway:
         self._call_ids = itertools.count(1)
         self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
         self._drain_waiters: list[asyncio.Future[None]] = []
+        # model -> clock time until which queued requests wait (a shift re-launching capacity)
+        self.holds: dict[str, float] = {}
         self.relays: set[PushRelay] = set()  # streams being relayed by push
         self.shutting_down = False  # new requests are refused
         self._grace_over = False  # and, past the grace period, queued ones too
@@ -83,7 +85,7 @@ class Gateway:
         self.server: HttpServer | None = None
         for b in cfg.backends:
             self.pool.add(b.url, b.model, b.weight, b.max_concurrency, b.api_key, b.max_num_seqs)
-        self.pool.on_change(self._wake_one)
+        self.pool.on_change(self._wake_all)
         self.app = self._build_app()
 
     # ---------------------------------------------------------------- lifecycle
@@ -367,6 +369,8 @@ class Gateway:
                 raise _TooMany("all instances are busy and the wait queue is full", wait_s)
             if deadline is None:
                 deadline = now + self.cfg.max_queue_wait_s
+            # a planned shift takes capacity away for a while: wait it out, don't refuse
+            deadline = max(deadline, self.holds.get(call.model, 0.0))
             left = deadline - now
             if left <= 0:
                 self.metrics.rejected.labels("queue_timeout").inc()
@@ -388,6 +392,14 @@ class Gateway:
             if not fut.done():
                 fut.set_result(None)
                 return
+
+    def _wake_all(self) -> None:
+        """The pool changed (an instance joined, came back, got more weight): every waiter
+        looks again, as many may fit now."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
 
     @property
     def num_waiting(self) -> int:
