@@ -6,11 +6,11 @@ marked gone (and whatever is left of their process groups is stopped)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
+from flexpipe.launch.local import signal_group
 from flexpipe.store.instance_registry import InstanceRecord
 
 __all__ = ["AdoptedEngine", "reachable"]
@@ -53,12 +53,12 @@ class AdoptedEngine:
         if self._stopped:
             return
         self._stopped = True
-        _signal_group(self.pgid, signal.SIGTERM)
+        signal_group(self.pgid, signal.SIGTERM)
         for _ in range(int(self.stop_grace_s / 0.05)):
             if not _group_alive(self.pgid):
                 return
             await asyncio.sleep(0.05)
-        _signal_group(self.pgid, signal.SIGKILL)
+        signal_group(self.pgid, signal.SIGKILL)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -71,12 +71,6 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    if pgid > 0:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
 
 
 async def reachable(records: list[InstanceRecord], timeout_s: float = 3.0) -> set[int]:
@@ -105,4 +99,4 @@ async def reachable(records: list[InstanceRecord], timeout_s: float = 3.0) -> se
 
 def stop_group(record: InstanceRecord) -> None:
     """What is left of a gone instance's processes."""
-    _signal_group(record.pgid or 0, signal.SIGKILL)
+    signal_group(record.pgid or 0, signal.SIGKILL)

@@ -139,16 +139,20 @@ class LocalEngine:
             return
         self._stopped = True
         pgid = self.proc.pid  # start_new_session: the group id is the child's pid
-        _signal_group(pgid, signal.SIGTERM)
+        signal_group(pgid, signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.proc.wait(), self.stop_grace_s)
         # Children the engine forked may outlive it: kill what is left of the group.
-        _signal_group(pgid, signal.SIGKILL)
+        signal_group(pgid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             await asyncio.wait_for(self.proc.wait(), 5.0)
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
+def signal_group(pgid: int, sig: signal.Signals) -> None:
+    """Signal a process group; one that is gone (or not ours) is left alone, and so is an
+    unknown one (0 would be our own group)."""
+    if pgid <= 0:
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 
