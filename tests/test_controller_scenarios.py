@@ -25,15 +25,16 @@ from typing import Any
 
 import openai
 import pytest
+import yaml
 from test_controller import Output
 from test_up import write_models
 
 from flexpipe.control.client import ControllerClient
 from flexpipe.launch import free_port
 from flexpipe.store import Store
+from flexpipe.store.instance_registry import InstanceRegistry
 from flexpipe.store.shift_entry import ShiftEntry
 from flexpipe.store.shift_log import ShiftLog
-from flexpipe.store.instance_registry import InstanceRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
 FLEXPIPE = [sys.executable, "-m", "flexpipe"]
@@ -42,8 +43,9 @@ FLEXPIPE = [sys.executable, "-m", "flexpipe"]
 class Load:
     """`num_streams` clients, each streaming one completion after another until stopped."""
 
-    def __init__(self, port: int, model: str, num_streams: int = 6) -> None:
+    def __init__(self, port: int, model: str, num_streams: int = 6, pause_s: float = 0.0) -> None:
         self.port, self.model, self.num_streams = port, model, num_streams
+        self.pause_s = pause_s
         self.results: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -66,6 +68,7 @@ class Load:
                     self.results.append("ok" if ok else f"short: {text!r}")
                 except openai.APIError as exc:
                     self.results.append(f"error: {exc}")
+                await asyncio.sleep(self.pause_s)
 
         try:
             await asyncio.gather(*(one(i) for i in range(self.num_streams)))
@@ -133,12 +136,14 @@ class Up:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}; output:\n{self.out.text[-6000:]}")
+        last = [f"{e.kind} {e.outcome}: {e.reason} {e.signals}" for e in self.entries()[-3:]]
+        raise AssertionError(
+            f"timed out waiting for {what}; output:\n{self.out.text[-4000:]}\nlast entries:\n"
+            + "\n".join(last)
+        )
 
     def set_gpu(self, gpu: str, **fields: Any) -> None:
-        """Rewrite one GPU's entry of the cluster file (flow style, as the example has it)."""
-        import yaml
-
+        """Rewrite one GPU's entry of the cluster file (the controller watches it)."""
         doc = yaml.safe_load(self.cluster.read_text())
         for node in doc["nodes"]:
             for g in node["gpus"]:
@@ -242,8 +247,10 @@ def test_planned_reclaim_vacates_the_gpu_before_its_lease_ends(shared: tuple[Up,
     entry = done[0]
     assert entry.outcome == "succeeded", entry
     assert entry.finished_at is not None and entry.finished_at.timestamp() < deadline_s
-    assert entry.target is not None and all("gpu0" not in i.gpus for i in entry.target)
+    assert entry.target is not None and all("gpu0" not in i.gpu_ids for i in entry.target)
     assert "gpu0" not in up.gpus_in_use()
+    logged = [e for e in _json_entries(up.store_url) if e["kind"] == "reclaim"]
+    assert any("gpu0 is reclaimed in" in e["reason"] for e in logged), logged
     # its requests were moved or finished in place: none failed
     time.sleep(1)
     assert load.failures() == [], load.failures()[:5]
@@ -259,9 +266,7 @@ def test_engine_killed_without_notice_is_an_emergency_and_no_request_fails(
     num_results = len(load.results)
     victim = "gpu3" if "gpu3" in before else "gpu1"
     os.kill(up.engine_pid(victim), signal.SIGKILL)
-    emergency = up.wait_until(
-        "an emergency entry", lambda: new_entries(up, seen, "emergency"), 30
-    )
+    emergency = up.wait_until("an emergency entry", lambda: new_entries(up, seen, "emergency"), 30)
     assert "re-planned" in emergency[0].reason
     # re-planned: a new instance on the freed GPUs, or the others carry the load
     up.wait_until("the freed GPU used again", lambda: victim in up.gpus_in_use(), 60)
@@ -299,7 +304,7 @@ def test_a_target_that_fails_rehearsal_is_rolled_back_then_blacklisted(tmp_path:
     load: Load | None = None
     try:
         up.ready()
-        before = up.status()["instances"]
+        before = {i["key"] for i in up.status()["instances"]}
         load = Load(up.port, up.model).start()
         time.sleep(1)
         up.set_gpu("gpu1", used_gib=0)  # the other tenant leaves gpu1
@@ -326,8 +331,10 @@ def test_a_target_that_fails_rehearsal_is_rolled_back_then_blacklisted(tmp_path:
         assert blacklisted
         time.sleep(3)  # six more ticks
         assert len(up.entries("shift")) == num_shifts
-        # the old instances kept serving throughout
-        assert up.status()["instances"] == before
+        # the old plan serves again: the target is in place (TP2 s64 on the GPUs of TP2 s48),
+        # so the old instance was released before the rehearsal and is started again
+        assert {i["key"] for i in up.status()["instances"]} == before
+        assert all(i["state"] == "active" for i in up.status()["instances"])
         results = load.stop()
         assert len(results) > 20 and load.failures() == [], load.failures()[:5]
     finally:
@@ -352,24 +359,25 @@ def test_sustained_low_load_shifts_down_after_n_samples_and_frees_gpus(tmp_path:
     try:
         up.ready()
         before = up.gpus_in_use()
-        load = Load(up.port, up.model, num_streams=1).start()  # far below what 3 instances carry
-        done = up.wait_until(
-            "a down-shift", lambda: finished([e for e in up.entries("shift")]), 60
-        )
+        # one request a second: far below what the three instances carry. (The controller
+        # measures the arrival rate per wall second and compares it with capacities per
+        # modelled second; at --time-scale 0.05 back-to-back streams look 20x busier.)
+        load = Load(up.port, up.model, num_streams=1, pause_s=1.0).start()
+        done = up.wait_until("a down-shift", lambda: finished([e for e in up.entries("shift")]), 60)
         shift = done[0]
         assert shift.trigger == "down" and shift.outcome == "succeeded", shift
         # only after 4 samples in a row in the down zone: the holds before it counted up
         holds = [e for e in up.entries("hold") if e.at < shift.at]
         runs = [s.run for e in holds for s in e.signals if s.zone == "down"]
         assert runs[:3] == [1, 2, 3], runs
-        down_signal = [s for s in shift.signals if s.model == up.model][0]
+        down_signal = next(s for s in shift.signals if s.model == up.model)
         assert down_signal.zone == "down" and down_signal.run >= 4
         after = up.gpus_in_use()
         assert len(after) < len(before) and after < before
         assert len(up.status()["instances"]) >= 1
         time.sleep(1)
         results = load.stop()
-        assert len(results) > 5 and load.failures() == [], load.failures()[:5]
+        assert len(results) >= 2 and load.failures() == [], load.failures()[:5]
     finally:
         if load is not None:
             load.stop()
