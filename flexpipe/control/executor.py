@@ -324,14 +324,20 @@ class Executor:
         t0 = self.clock()
         for inst in leaving:
             self._set(inst, "draining")
+        # No new requests from here on; what runs now either finishes in place by the
+        # deadline or is moved (or continued by the gateway) after it.
+        in_flight = await asyncio.gather(*(self._in_flight(i) for i in leaving))
         drained = await asyncio.gather(
             *(self._drain(i, self.drain_deadline_s) for i in leaving), return_exceptions=True
         )
         out.phases_s["drain" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
-        for inst, ok in zip(leaving, drained, strict=True):
-            if ok is not True:
-                await self._move_off(cluster, inst, running, out)
+        for inst, ok, num in zip(leaving, drained, in_flight, strict=True):
+            left = 0 if ok is True else await self._move_off(cluster, inst, running, out)
+            if num > left:
+                out.migrated["finished_in_place"] = (
+                    out.migrated.get("finished_in_place", 0) + num - left
+                )
         out.phases_s["migrate" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
         await self._stop(list(leaving))
@@ -341,6 +347,14 @@ class Executor:
             with contextlib.suppress(GatewayError):  # already gone from the pool
                 await self.gateway.remove(inst.url)
         out.phases_s["release" + phase_suffix] = self.clock() - t0
+
+    async def _in_flight(self, inst: LiveInstance) -> int:
+        """Stop routing to `inst` and count the requests it still runs (0 if unknown)."""
+        await self._drain(inst, 0.0)
+        try:
+            return len(await self.gateway.requests_on(inst.url))
+        except GatewayError:
+            return 0
 
     async def _drain(self, inst: LiveInstance, wait_s: float) -> bool:
         try:
@@ -355,19 +369,21 @@ class Executor:
         source: LiveInstance,
         running: dict[str, LiveInstance],
         out: ShiftOutcome,
-    ) -> None:
-        """Move what is still running on `source` to live instances of its model."""
+    ) -> int:
+        """Move what is still running on `source` to live instances of its model. Returns
+        how many requests were still running on it (moved, or continued by the gateway
+        when there is nowhere to move them)."""
+        try:
+            reqs = await self.gateway.requests_on(source.url)
+        except GatewayError:
+            return 0
         targets = [
             i
             for i in running.values()
             if i.planned.model == source.planned.model and i.state == "active"
         ]
         if not targets:
-            return  # nowhere to go: the gateway continues them when the engine stops
-        try:
-            reqs = await self.gateway.requests_on(source.url)
-        except GatewayError:
-            return
+            return len(reqs)  # nowhere to go: the gateway continues them when it stops
         moves = []
         for n, req in enumerate(reqs):
             target = targets[n % len(targets)]
@@ -381,17 +397,20 @@ class Executor:
                 move["latency_s"] = link.latency_s
             moves.append(move)
         if not moves:
-            return
+            return 0
         try:
             results = await self.gateway.move(moves)
         except GatewayError as exc:
             log.warning("moves off %s: %s", source.url, exc)
-            return
+            return len(moves)
+        num_moved = 0
         for r in results:
             outcome = str(r.get("outcome"))
             if outcome != "not_running":
                 out.migrated[outcome] = out.migrated.get(outcome, 0) + 1
+                num_moved += 1
         await self._drain(source, 10.0)  # the moved requests leave it at once
+        return num_moved
 
     async def _stop(self, instances: Sequence[LiveInstance]) -> None:
         await asyncio.gather(*(i.handle.stop() for i in instances), return_exceptions=True)
