@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from test_controller import Output
 from test_up import write_models
 
@@ -265,21 +267,50 @@ def test_engine_killed_without_notice_is_an_emergency_and_no_request_fails(
     assert load.failures() == [], load.failures()[:5]
 
 
+def in_flight_by_url(up: Up) -> dict[str, float]:
+    """Requests in flight per instance URL, from the gateway's public /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{up.port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "flexpipe_in_flight_requests":
+            for sample in family.samples:
+                out[sample.labels["instance"]] = sample.value
+    return out
+
+
+def busiest_instance(up: Up) -> tuple[dict[str, Any], dict[str, float]]:
+    """The controller's view of the instance with the most requests in flight (at least 2),
+    so that a reclaim of its GPU has requests to move."""
+
+    def busiest() -> tuple[dict[str, Any], dict[str, float]] | None:
+        in_flight = in_flight_by_url(up)
+        instances: list[dict[str, Any]] = up.status()["instances"]
+        best = max(instances, key=lambda i: in_flight.get(i["url"], 0.0))
+        return (best, in_flight) if in_flight.get(best["url"], 0.0) >= 2 else None
+
+    found: tuple[dict[str, Any], dict[str, float]] = up.wait_until("a busy instance", busiest, 10)
+    return found
+
+
 def test_planned_reclaim_vacates_the_gpu_before_its_lease_ends(shared: tuple[Up, Load]) -> None:
     up, load = shared
-    assert {"gpu1", "gpu2"} <= up.gpus_in_use()
-    # long answers too (one to two seconds of wall time each on TP2, several drain deadlines):
-    # some are still running on the TP2 instance at the deadline and must be moved
-    # (distinct first prompt blocks: the gateway's prefix affinity spreads them by hash)
+    # long answers too (seconds of wall time each, many drain deadlines): those running on
+    # the reclaimed instance at the deadline must be moved (distinct first prompt blocks: the
+    # gateway's prefix affinity spreads them)
     prompt = "{i} " * 40 + "tell a long story"
     long = Load(up.port, up.model, num_streams=8, max_tokens=3500, prompt=prompt).start()
     try:
         time.sleep(2)
+        victim, in_flight = busiest_instance(up)
+        gpu = victim["gpus"][0]
         seen = len(up.entries())
         deadline_s = time.time() + 40
-        up.set_gpu("gpu2", free_until_s=round(deadline_s))
+        up.set_gpu(gpu, free_until_s=round(deadline_s))
         done = up.wait_until(
-            "the instance on gpu2 vacated", lambda: finished(new_entries(up, seen, "reclaim")), 40
+            f"the instance on {gpu} vacated",
+            lambda: finished(new_entries(up, seen, "reclaim")),
+            40,
         )
         time.sleep(1)
     finally:
@@ -287,14 +318,15 @@ def test_planned_reclaim_vacates_the_gpu_before_its_lease_ends(shared: tuple[Up,
     entry = done[0]
     assert entry.outcome == "succeeded", entry
     assert entry.finished_at is not None and entry.finished_at.timestamp() < deadline_s
-    assert entry.target is not None and all("gpu2" not in i.gpu_ids for i in entry.target)
-    assert "gpu2" not in up.gpus_in_use()
+    assert entry.target is not None and all(gpu not in i.gpu_ids for i in entry.target)
+    assert gpu not in up.gpus_in_use()
     logged = _json_entries(up.store_url, "reclaim")
-    assert any("gpu2 is reclaimed in" in e["reason"] for e in logged), logged
-    # what ran on it is accounted for by method (which instance the gateway's routing gave
-    # the long answers to varies, so the methods do too)
-    assert entry.migrated is not None
-    # its requests were moved or finished in place: none failed
+    assert any(f"{gpu} is reclaimed in" in e["reason"] for e in logged), logged
+    # what ran on it finished in place by the drain deadline or was moved, and is counted
+    m = entry.migrated
+    print(f"reclaim of {gpu} ({victim['gear']}, in flight {in_flight}): {m}")
+    assert m is not None and m.kv_moved + m.recomputed + m.rerun + m.finished_in_place >= 1, m
+    # none failed
     assert long.results and long.failures() == [], long.failures()[:5]
     assert load.failures() == [], load.failures()[:5]
 
