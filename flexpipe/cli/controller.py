@@ -10,6 +10,8 @@ import logging
 import os
 import secrets
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -29,6 +31,16 @@ def _secret(value: str | None, path: Path | None, env: str) -> str | None:
         except OSError as exc:
             raise ValueError(f"cannot read {path}: {exc.strerror}") from None
     return os.environ.get(env) or None
+
+
+def unix_clock() -> Callable[[], float]:
+    """A monotonic clock that reads unix seconds. The controller hands its clock's `now` to the
+    shift policy and the planner, which compare it with the cluster file's `free_until_s`
+    (unix seconds); `time.monotonic()` counts from boot, so a lease ending in a minute looked
+    hours away and no planned reclaim ever fired. Monotonic, so that phase durations and
+    cooldowns do not jump with the wall clock."""
+    offset_s = time.time() - time.monotonic()
+    return lambda: time.monotonic() + offset_s
 
 
 def register(app: typer.Typer) -> None:
@@ -61,6 +73,14 @@ def controller(
     ),
     tick_s: Annotated[float, typer.Option(help="Seconds between decisions.")] = 10.0,
     drain_deadline_s: Annotated[float, typer.Option(help="Drain before moving.")] = 30.0,
+    rehearsal_tolerance: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="A new instance's rehearsal probe may take this many times the gear "
+            "table's prediction; slower rolls the shift back.",
+        ),
+    ] = 2.0,
     shift_config: Annotated[
         Path | None, typer.Option(help="YAML with a `shift:` section (docs/shift-policy.md).")
     ] = None,
@@ -111,6 +131,7 @@ def controller(
             token=admin_token,
             tick_s=tick_s,
             drain_deadline_s=drain_deadline_s,
+            rehearsal_tolerance=rehearsal_tolerance,
             time_scale=time_scale,
             engine_admin_token=_secret(None, engine_token_file, "FLEXPIPE_ENGINE_TOKEN")
             or secrets.token_urlsafe(16),
@@ -142,6 +163,7 @@ def controller(
             GatewayClient(gateway, gw_token),
             lambda p, c: engine_spec(p, c, str(cluster_path), demands, cfg.engine_admin_token),
             store=st,
+            clock=unix_clock(),
             say=say,
         )
         try:

@@ -195,6 +195,14 @@ def register(app: typer.Typer) -> None:
         ready_timeout_s: Annotated[float, typer.Option(help="Wait for each engine.")] = 900.0,
         drain_timeout_s: Annotated[float, typer.Option(help="Wait for in-flight requests.")] = 30,
         tick_s: Annotated[float, typer.Option(help="Seconds between shift decisions.")] = 10.0,
+        rehearsal_tolerance: Annotated[
+            float,
+            typer.Option(
+                min=0.0,
+                help="A new instance's rehearsal probe may take this many times the "
+                "prediction; slower rolls the shift back.",
+            ),
+        ] = 2.0,
         vllm_command: Annotated[str, typer.Option(help="What runs for --engine vllm.")] = (
             "vllm serve"
         ),
@@ -267,6 +275,7 @@ def register(app: typer.Typer) -> None:
                 "--drain-deadline-s", str(drain_timeout_s), "--vllm-command", vllm_command,
                 "--engine-token-file", str(engine_token_file),
                 "--supervisor-pid", str(os.getpid()),
+                "--rehearsal-tolerance", str(rehearsal_tolerance),
             ]  # fmt: skip
             if sim_load_time_s is not None:
                 controller_argv += ["--sim-load-time-s", str(sim_load_time_s)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,10 @@ from flexpipe.policies.shift.snapshot import instance_key
 __all__ = ["Executor", "LiveInstance", "ShiftOutcome"]
 
 log = logging.getLogger("flexpipe.control")
+
+MIN_PROBE_TOKENS = 16
+MAX_PROBE_TOKENS = 256
+PROBE_MIN_OVERHEADS = 10.0  # the probe's predicted wall time over the HTTP allowance
 
 
 @dataclass
@@ -143,17 +148,24 @@ class Executor:
         started = await self._bring_up(now_adds, running, out, rehearse, all_or_nothing)
         if not out.succeeded:
             return out
-        held = await self._hold(later_adds, leaving)
-        try:
-            await self._retire(cluster, leaving, running, started, out)
-            if later_adds:
+        later_gpus = {g for p in later_adds for g in p.gpu_ids}
+        in_way = [i for i in leaving if set(i.planned.gpu_ids) & later_gpus]
+        rest = [i for i in leaving if not set(i.planned.gpu_ids) & later_gpus]
+        if later_adds:
+            held = await self._hold(later_adds, in_way)
+            try:
+                await self._retire(cluster, in_way, running, started, out)
                 await self._bring_up(
                     later_adds, running, out, rehearse, all_or_nothing, "_in_place"
                 )
-        finally:
-            for model in held:
-                with contextlib.suppress(GatewayError):
-                    await self.gateway.hold(model, 0)
+                if not out.succeeded:
+                    await self._roll_back(cluster, in_way, started, running, out)
+                    return out
+            finally:
+                for model in held:
+                    with contextlib.suppress(GatewayError):
+                        await self.gateway.hold(model, 0)
+        await self._retire(cluster, rest, running, started, out, "_rest" if later_adds else "")
         return out
 
     async def _hold(
@@ -163,8 +175,6 @@ class Executor:
         the same GPUs: the gateway keeps its requests queued that long (twice the cold start
         the leaving instances took, plus the drain) instead of refusing them."""
         models = sorted({p.model for p in later_adds})
-        if not models:
-            return []
         cold_s = max((i.handle.cold_start_s for i in leaving), default=30.0)
         hold_s = 2 * cold_s + self.drain_deadline_s + 30.0
         held = []
@@ -173,6 +183,29 @@ class Executor:
                 await self.gateway.hold(model, hold_s)
                 held.append(model)
         return held
+
+    async def _roll_back(
+        self,
+        cluster: Cluster,
+        released: Sequence[LiveInstance],
+        started: Sequence[LiveInstance],
+        running: dict[str, LiveInstance],
+        out: ShiftOutcome,
+    ) -> None:
+        """An in-place successor failed (did not start, or missed its rehearsal) after the
+        instances in its way were released: start those again (no rehearsal: they served
+        until now) and take out what the shift already started, so that the running plan is
+        the old one again. Before this, a failed in-place rehearsal left the model without
+        the instance it replaced (and without any other leaving instance)."""
+        failed = ShiftOutcome(succeeded=True)
+        back = await self._bring_up(
+            [i.planned for i in released], running, failed, False, False, "_rollback"
+        )
+        out.phases_s.update(failed.phases_s)
+        if len(back) < len(released):
+            out.reason += f"; rollback: {failed.reason or 'not every instance came back'}"
+        await self._retire(cluster, list(started), running, back, out, "_rollback")
+        out.started = [k for k in out.started if k not in {i.key for i in started}]
 
     def _capacity_gap(
         self,
@@ -248,12 +281,26 @@ class Executor:
         out.phases_s["switch" + phase_suffix] = self.clock() - t0
         return started
 
+    def _probe_tokens(self, inst: LiveInstance) -> int:
+        """Tokens the probe asks for: at least 16, and enough that its predicted wall time is
+        `PROBE_MIN_OVERHEADS` times the HTTP allowance (at most `MAX_PROBE_TOKENS`). With a
+        fixed 16 tokens, a sim engine at time scale 0.05 answered in ~30 ms of wall time,
+        less than the 50 ms allowed for HTTP: the measured time was clamped to 0 and every
+        rehearsal passed, whatever the tolerance."""
+        est = inst.planned.estimate
+        if self.time_scale <= 0 or est.tpot_s <= 0:
+            return MIN_PROBE_TOKENS
+        want_s = PROBE_MIN_OVERHEADS * self.probe_overhead_s / self.time_scale  # modelled
+        n = math.ceil((want_s - est.ttft_s) / est.tpot_s) + 1
+        return max(MIN_PROBE_TOKENS, min(MAX_PROBE_TOKENS, n))
+
     async def _rehearse(self, inst: LiveInstance) -> dict[str, Any]:
         """One probe through the engine, its time against the gear table's prediction for
         the probe (TTFT + TPOT per further token, at the gear's full batch: an upper bound
         for a lone probe), with `probe_overhead_s` of wall time allowed for HTTP."""
         body = orjson.dumps({"model": inst.planned.model, "prompt": "rehearsal " * 32,
-                             "max_tokens": 16, "ignore_eos": True})  # fmt: skip
+                             "max_tokens": self._probe_tokens(inst),
+                             "ignore_eos": True})  # fmt: skip
         headers = {"content-type": "application/json"}
         predicted_tpot_s = inst.planned.estimate.tpot_s
         t0 = time.monotonic()
@@ -294,21 +341,28 @@ class Executor:
         running: dict[str, LiveInstance],
         started: Sequence[LiveInstance],
         out: ShiftOutcome,
+        phase_suffix: str = "",
     ) -> None:
         if not leaving:
             return
         t0 = self.clock()
         for inst in leaving:
             self._set(inst, "draining")
+        # No new requests from here on; what runs now either finishes in place by the
+        # deadline or is moved (or continued by the gateway) after it.
+        in_flight = await asyncio.gather(*(self._in_flight(i) for i in leaving))
         drained = await asyncio.gather(
             *(self._drain(i, self.drain_deadline_s) for i in leaving), return_exceptions=True
         )
-        out.phases_s["drain"] = self.clock() - t0
+        out.phases_s["drain" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
-        for inst, ok in zip(leaving, drained, strict=True):
-            if ok is not True:
-                await self._move_off(cluster, inst, running, out)
-        out.phases_s["migrate"] = self.clock() - t0
+        for inst, ok, num in zip(leaving, drained, in_flight, strict=True):
+            left = 0 if ok is True else await self._move_off(cluster, inst, running, out)
+            if num > left:
+                out.migrated["finished_in_place"] = (
+                    out.migrated.get("finished_in_place", 0) + num - left
+                )
+        out.phases_s["migrate" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
         await self._stop(list(leaving))
         for inst in leaving:
@@ -316,7 +370,15 @@ class Executor:
             out.stopped.append(inst.key)
             with contextlib.suppress(GatewayError):  # already gone from the pool
                 await self.gateway.remove(inst.url)
-        out.phases_s["release"] = self.clock() - t0
+        out.phases_s["release" + phase_suffix] = self.clock() - t0
+
+    async def _in_flight(self, inst: LiveInstance) -> int:
+        """Stop routing to `inst` and count the requests it still runs (0 if unknown)."""
+        await self._drain(inst, 0.0)
+        try:
+            return len(await self.gateway.requests_on(inst.url))
+        except GatewayError:
+            return 0
 
     async def _drain(self, inst: LiveInstance, wait_s: float) -> bool:
         try:
@@ -331,19 +393,21 @@ class Executor:
         source: LiveInstance,
         running: dict[str, LiveInstance],
         out: ShiftOutcome,
-    ) -> None:
-        """Move what is still running on `source` to live instances of its model."""
+    ) -> int:
+        """Move what is still running on `source` to live instances of its model. Returns
+        how many requests were still running on it (moved, or continued by the gateway
+        when there is nowhere to move them)."""
+        try:
+            reqs = await self.gateway.requests_on(source.url)
+        except GatewayError:
+            return 0
         targets = [
             i
             for i in running.values()
             if i.planned.model == source.planned.model and i.state == "active"
         ]
         if not targets:
-            return  # nowhere to go: the gateway continues them when the engine stops
-        try:
-            reqs = await self.gateway.requests_on(source.url)
-        except GatewayError:
-            return
+            return len(reqs)  # nowhere to go: the gateway continues them when it stops
         moves = []
         for n, req in enumerate(reqs):
             target = targets[n % len(targets)]
@@ -357,17 +421,20 @@ class Executor:
                 move["latency_s"] = link.latency_s
             moves.append(move)
         if not moves:
-            return
+            return 0
         try:
             results = await self.gateway.move(moves)
         except GatewayError as exc:
             log.warning("moves off %s: %s", source.url, exc)
-            return
+            return len(moves)
+        num_moved = 0
         for r in results:
             outcome = str(r.get("outcome"))
             if outcome != "not_running":
                 out.migrated[outcome] = out.migrated.get(outcome, 0) + 1
+                num_moved += 1
         await self._drain(source, 10.0)  # the moved requests leave it at once
+        return num_moved
 
     async def _stop(self, instances: Sequence[LiveInstance]) -> None:
         await asyncio.gather(*(i.handle.stop() for i in instances), return_exceptions=True)
