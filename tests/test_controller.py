@@ -132,7 +132,7 @@ def test_tenant_leaves_gpu1_and_the_tp2_instance_shifts_up_live(tmp_path: Path) 
             proc.kill()
             proc.wait()
     shifts = subprocess.run(
-        [sys.executable, "-m", "flexpipe", "shifts", "--store", store, "--json"],
+        [sys.executable, "-m", "flexpipe", "shifts", "--store", store, "--json", "--limit", "0"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     entries = json.loads(shifts.stdout)

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -137,9 +138,8 @@ class Controller:
         self.last_decision: ShiftDecision | None = None
         self.last_outcome: ShiftOutcome | None = None
         self._sampler = Sampler()
-        self._requests_seen: dict[str, float] = {}
+        self._done_history: deque[tuple[float, dict[str, float]]] = deque()
         self._rate_per_s: dict[str, float] = {d.name: d.request_rate_per_s for d in cfg.demands}
-        self._last_sample_s: float | None = None
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
         self._lock = asyncio.Lock()  # one shift at a time
@@ -278,7 +278,7 @@ class Controller:
         """Serve the admin API, adopt what a previous controller left running, plan for the
         free GPUs and bring up what the plan lacks."""
         self.server = await serve(self._app(), self.cfg.host, self.cfg.port)
-        first = self._planner(self.cluster, self.cfg.demands)
+        first = self._planner(self.cluster, self.cfg.demands, self.clock())
         if not first.instances:
             raise RuntimeError("the planner found nothing to run on the free GPUs")
         await self._adopt(first.instances)
@@ -363,8 +363,11 @@ class Controller:
             self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
             assert decision.target is not None
             outcome = await self.executor.shift(self.cluster, self.running, decision.target)
+            # a failed shift blacklists the instances that failed, not every one it added
+            failed = tuple(c["instance"] for c in outcome.rehearsal if not c.get("passed"))
+            keys = failed if not outcome.succeeded and failed else record.target_keys
             self.history[-1] = dataclasses.replace(
-                record, finished_s=self.clock(), succeeded=outcome.succeeded
+                record, finished_s=self.clock(), succeeded=outcome.succeeded, target_keys=keys
             )
             self.last_outcome = outcome
             if outcome.succeeded:
@@ -422,16 +425,26 @@ class Controller:
                         m = s.labels.get("model", "")
                         done[m] = done.get(m, 0.0) + s.value
         names = [d.name for d in self.cfg.demands]
+        scale = self.cfg.time_scale if self.cfg.time_scale > 0 else 1.0
         for name, sample in self._sampler.sample(now_s, names, instances, text, queued).items():
-            self.samples[name].append(sample)
+            # sim engines at a time scale: latencies in the model's seconds, as SLOs are
+            self.samples[name].append(
+                dataclasses.replace(
+                    sample,
+                    ttft_p99_s=None if sample.ttft_p99_s is None else sample.ttft_p99_s / scale,
+                    tpot_p99_s=None if sample.tpot_p99_s is None else sample.tpot_p99_s / scale,
+                )
+            )
             del self.samples[name][:-100]
-        if self._last_sample_s is not None and now_s > self._last_sample_s:
-            dt = now_s - self._last_sample_s
+        # the arrival rate over the last minute of readings, per modelled second
+        self._done_history.append((now_s, done))
+        while len(self._done_history) > 2 and now_s - self._done_history[0][0] > 60.0:
+            self._done_history.popleft()
+        t0, first = self._done_history[0]
+        if now_s > t0:
             for name in names:
-                before = self._requests_seen.get(name, 0.0)
-                self._rate_per_s[name] = max(0.0, done.get(name, 0.0) - before) / dt
-        self._requests_seen = done
-        self._last_sample_s = now_s
+                finished = max(0.0, done.get(name, 0.0) - first.get(name, 0.0))
+                self._rate_per_s[name] = finished / (now_s - t0) * scale
 
     async def _register_missing(self, instances: Sequence[dict[str, Any]]) -> None:
         """A gateway that restarted has lost its pool: give it the running instances back."""
