@@ -315,9 +315,11 @@ class Controller:
 
     async def close(self, stop_engines: bool = True) -> None:
         if stop_engines:
-            for inst in list(self.running.values()):
-                with contextlib.suppress(GatewayError):
-                    await self.gateway.drain(inst.url, min(5.0, self.cfg.drain_deadline_s))
+            wait_s = min(5.0, self.cfg.drain_deadline_s)
+            await asyncio.gather(
+                *(self.gateway.drain(i.url, wait_s) for i in self.running.values()),
+                return_exceptions=True,  # a gateway that is gone: stop the engines anyway
+            )
             await asyncio.gather(
                 *(i.handle.stop() for i in self.running.values()), return_exceptions=True
             )
