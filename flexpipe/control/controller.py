@@ -169,17 +169,12 @@ class Controller:
     def _planner(
         self, cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0
     ) -> Plan:
-        """The planner with the gear table and the running plan (kept unless replacing it
-        pays); the policy's candidates come from it too."""
-        running = [i.planned for i in self.running.values()]
-        return plan(
-            cluster,
-            demands,
-            self.performance,
-            running=running or None,
-            now_s=now_s,
-            efficiency=self.efficiency,
-        )
+        """The planner with the gear table, for the GPUs free now. The running plan is not
+        passed (`plan(running=...)` keeps what runs unless replacing it gains more than a
+        margin at the demand as measured): the shift policy prices each candidate against
+        the running plan itself, at the current and the expected load, so a bigger KV cache
+        that pays only at the expected load (the seed's freed gpu1) is still found."""
+        return plan(cluster, demands, self.performance, now_s=now_s, efficiency=self.efficiency)
 
     def _on_state(self, inst: LiveInstance, state: str) -> None:
         p = inst.planned
