@@ -119,7 +119,7 @@ def test_catalog_names_from_nvml_names() -> None:
     assert catalog_type("NVIDIA L4", 22.5 * GiB) == "L4"
     assert catalog_type("NVIDIA L40S", 45 * GiB) == "L40S"
     with pytest.raises(DiscoverError, match="not in flexpipe's catalog"):
-        catalog_type("NVIDIA B200", 180 * GiB)
+        catalog_type("NVIDIA GB300", 288 * GiB)
 
 
 def test_topology_becomes_a_cluster_file() -> None:
