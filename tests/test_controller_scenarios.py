@@ -355,6 +355,10 @@ shift:
     failure_window_s: 600
     blacklist_s: 900
     thresholds: {down_utilization: 0.0}
+    # the light test load is covered by either plan: the freed gpu1 must not need a goodput
+    # gain to be tried (this test is about what happens when the try fails)
+    resource_min_gain_fraction: 0.0
+  pricing: {horizon_s: 7200}  # and the in-place gap must not outweigh it at this load
 """
 
 

@@ -314,6 +314,19 @@ def test_tenant_leaves_gpu1_tp2_replanned_with_bigger_kv_when_it_pays() -> None:
     )
 
 
+def test_tenant_leaves_gpu1_under_light_load_gpus_go_back() -> None:
+    """At 3 req/s either plan covers the load, so no goodput is gained; the plan for the GPUs
+    free now serves it on fewer GPUs (the bigger TP2 pair replaces the L4), and with a
+    positive score that resource-driven shift is taken: a GPU goes back to other tenants."""
+    running = running_for(CLUSTER, demand(8.0))
+    s = snap(running, [steady(50)], cluster=FREED, resources_changed_s=0.0)
+    s = replace(s, models=(replace(s.models[0], demand=demand(3.0)),))
+    d = decide(policy(), s, 60)
+    assert d.action == "shift" and d.trigger == "resource", d.reason
+    assert d.price is not None and d.price.goodput_gain_per_s == pytest.approx(0.0, abs=1e-9)
+    assert d.price.num_gpus_target < d.price.num_gpus_running
+
+
 def test_tenant_back_soon_the_gain_does_not_beat_the_price() -> None:
     running = running_for(CLUSTER, demand(8.0))
     p = policy()

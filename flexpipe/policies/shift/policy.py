@@ -217,13 +217,20 @@ class ShiftPolicy:
                 self.capacity,
                 self.efficiency,
             )
-            ok, reason = self._clears_bar(trigger, p)
+            cap_running = sum(self.capacity(i) for i in running)
+            cap_target = sum(self.capacity(i) for i in fixed.instances)
+            headroom = (cap_target - cap_running) / cap_running if cap_running > 0 else 0.0
+            ok, reason = self._clears_bar(trigger, p, headroom)
             if fixed.note:
                 reason = f"{reason} ({fixed.note})"
             out.append(ScoredCandidate(fixed.name, ok, reason, p, fixed.instances))
         return out
 
-    def _clears_bar(self, trigger: Trigger, p: Price) -> tuple[bool, str]:
+    def _clears_bar(self, trigger: Trigger, p: Price, headroom: float = 0.0) -> tuple[bool, str]:
+        """`headroom`: the target's SLO-meeting capacity over the running plan's, minus 1. A
+        resource-driven shift (with a positive score) pays in goodput at the load, or — when
+        the load is covered either way — in capacity (the seed's freed gpu1: a bigger KV
+        cache and batch) or in GPUs given back at no loss of goodput."""
         s = (
             f"score {p.score:.1f} = gain {p.gain:.1f} - gap {p.gap_cost:.1f}"
             f" - migration {p.migration_cost:.1f} - risk {p.risk:.1f}"
@@ -237,10 +244,15 @@ class ShiftPolicy:
         if trigger == "down" and p.num_gpus_target >= p.num_gpus_running:
             return False, f"{s}: gives no GPU back"
         if trigger == "resource":
-            need = self.params.triggers.resource_min_gain_fraction * p.goodput_running_per_s
-            if p.goodput_gain_per_s <= 0 or p.goodput_gain_per_s < need:
+            margin = self.params.triggers.resource_min_gain_fraction
+            need = margin * p.goodput_running_per_s
+            gains = p.goodput_gain_per_s > 0 and p.goodput_gain_per_s >= need
+            # the same goodput on fewer GPUs: some go back to other tenants
+            gives_back = p.num_gpus_target < p.num_gpus_running and p.goodput_gain_per_s >= 0
+            if not gains and not gives_back and headroom < max(margin, 1e-9):
                 return False, (
-                    f"{s}: goodput +{p.goodput_gain_per_s:.3f}/s is below the margin {need:.3f}/s"
+                    f"{s}: goodput +{p.goodput_gain_per_s:.3f}/s is below the margin {need:.3f}/s "
+                    f"and capacity +{headroom:.1%} below {margin:.0%}"
                 )
         return True, s
 
