@@ -415,8 +415,14 @@ class ClientPool:
                 conn = await self._connect(backend, timeouts.connect_s)
             assert conn.transport is not None
             conn.num_uses += 1
-            conn.transport.write(data)
             try:
+                if conn.closed or conn.transport.is_closing():
+                    # lost between connect (or take) and now: an engine that just died
+                    raise UpstreamError("closed", "upstream closed the connection")
+                try:
+                    conn.transport.write(data)
+                except RuntimeError as exc:  # uvloop: writing to a transport closed under us
+                    raise UpstreamError("closed", str(exc)) from None
                 while not conn.head_done:
                     if conn.error is not None:
                         raise conn.error
