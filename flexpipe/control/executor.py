@@ -142,24 +142,31 @@ class Executor:
         leaving_gpus = {g for i in leaving for g in i.planned.gpu_ids}
         now_adds = [p for p in adding if not set(p.gpu_ids) & leaving_gpus]
         later_adds = [p for p in adding if set(p.gpu_ids) & leaving_gpus]
-        why_not = self._capacity_gap(running, leaving, now_adds)
-        if why_not:
-            return ShiftOutcome(False, why_not)
-        started = await self._bring_up(now_adds, running, out, rehearse, all_or_nothing)
-        if not out.succeeded:
-            return out
         later_gpus = {g for p in later_adds for g in p.gpu_ids}
         in_way = [i for i in leaving if set(i.planned.gpu_ids) & later_gpus]
         rest = [i for i in leaving if not set(i.planned.gpu_ids) & later_gpus]
-        if later_adds:
-            held = await self._hold(later_adds, in_way)
+        replaced_models = {p.model for p in later_adds}
+        without = [i for i in leaving if i.planned.model not in replaced_models]
+        why_not = self._capacity_gap(running, without, now_adds)
+        steps = _rolling_steps(running, in_way, now_adds, later_adds)
+        if steps is None:
+            why_not = self._capacity_gap(running, leaving, now_adds) or (
+                "no order of in-place replacements keeps every model serving"
+            )
+        if why_not:
+            return ShiftOutcome(False, why_not)
+        assert steps is not None
+        started = await self._bring_up(now_adds, running, out, rehearse, all_or_nothing)
+        if not out.succeeded:
+            return out
+        for n, (blockers, adds) in enumerate(steps):
+            suffix = "_in_place" if len(steps) == 1 else f"_in_place{n + 1}"
+            held = await self._hold(adds, blockers)
             try:
-                await self._retire(cluster, in_way, running, started, out)
-                await self._bring_up(
-                    later_adds, running, out, rehearse, all_or_nothing, "_in_place"
-                )
+                await self._retire(cluster, blockers, running, started, out, suffix)
+                await self._bring_up(adds, running, out, rehearse, all_or_nothing, suffix)
                 if not out.succeeded:
-                    await self._roll_back(cluster, in_way, started, running, out)
+                    await self._roll_back(cluster, blockers, started, running, out)
                     return out
             finally:
                 for model in held:
@@ -440,3 +447,56 @@ class Executor:
         await asyncio.gather(*(i.handle.stop() for i in instances), return_exceptions=True)
         for inst in instances:
             self._set(inst, "gone")
+
+
+Step = tuple[list[LiveInstance], list[PlannedInstance]]
+
+
+def _rolling_steps(
+    running: dict[str, LiveInstance],
+    in_way: Sequence[LiveInstance],
+    now_adds: Sequence[PlannedInstance],
+    later_adds: Sequence[PlannedInstance],
+) -> list[Step] | None:
+    """The order of in-place replacements: each step retires the leaving instances whose GPUs
+    a group of new instances needs, then starts that group, and is taken only while another
+    instance of each of the group's models serves (one still running, or started before).
+    None when no order keeps every model serving. Pure: plans on sets, changes nothing."""
+    serving = [i.planned for i in running.values()] + list(now_adds)
+    blockers_left = list(in_way)
+    remaining = list(later_adds)
+    steps: list[Step] = []
+
+    def overlaps(a: Sequence[str], b: Sequence[str]) -> bool:
+        return bool(set(a) & set(b))
+
+    while remaining:
+        for first in remaining:
+            adds = [first]
+            blockers: list[LiveInstance] = []
+            grown = True
+            while grown:  # close the group over shared GPUs
+                grown = False
+                for b in blockers_left:
+                    if b not in blockers and any(
+                        overlaps(b.planned.gpu_ids, a.gpu_ids) for a in adds
+                    ):
+                        blockers.append(b)
+                        grown = True
+                for a in remaining:
+                    if a not in adds and any(
+                        overlaps(a.gpu_ids, b.planned.gpu_ids) for b in blockers
+                    ):
+                        adds.append(a)
+                        grown = True
+            gone = {instance_key(b.planned) for b in blockers}
+            staying = [p for p in serving if instance_key(p) not in gone]
+            if all(any(p.model == a.model for p in staying) for a in adds):
+                break
+        else:
+            return None
+        steps.append((blockers, adds))
+        serving = [p for p in serving if instance_key(p) not in gone] + adds
+        blockers_left = [b for b in blockers_left if b not in blockers]
+        remaining = [a for a in remaining if a not in adds]
+    return steps

@@ -1,0 +1,45 @@
+"""The order of in-place replacements, planned before anything changes (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flexpipe.cluster import load_cluster
+from flexpipe.control.executor import LiveInstance, _rolling_steps
+from flexpipe.policies.planner import PlannedInstance, parse_models, plan
+from flexpipe.policies.shift.snapshot import instance_key
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = load_cluster(ROOT / "examples/clusters/fragmented-4gpu.yaml")
+(DEMAND,) = parse_models(yaml.safe_load((ROOT / "examples/models/llama-7b.yaml").read_text()), "m")
+
+
+def live(p: PlannedInstance) -> LiveInstance:
+    handle: Any = object()  # the steps never touch the engine
+    return LiveInstance(p, handle)
+
+
+def relaunched(p: PlannedInstance) -> PlannedInstance:
+    """The same GPUs in another gear (what an in-place target looks like)."""
+    return replace(p, gear=replace(p.gear, max_num_seqs=p.gear.max_num_seqs + 8))
+
+
+def test_every_instance_replaced_in_place_goes_one_group_at_a_time() -> None:
+    running = {instance_key(p): live(p) for p in plan(CLUSTER, [DEMAND]).instances}
+    by_gpus = {tuple(sorted(i.planned.gpu_ids)): i for i in running.values()}
+    pair, l40s, l4 = by_gpus[("gpu1", "gpu2")], by_gpus[("gpu3",)], by_gpus[("gpu0",)]
+    new_pair, new_l40s = relaunched(pair.planned), relaunched(l40s.planned)
+    steps = _rolling_steps(running, [pair, l40s], [], [new_pair, new_l40s])
+    assert steps == [([pair], [new_pair]), ([l40s], [new_l40s])]
+    # the L4 alone is replaced in place while the others serve
+    assert _rolling_steps(running, [l4], [], [relaunched(l4.planned)]) is not None
+
+
+def test_a_model_with_nothing_else_serving_is_not_replaced_in_place() -> None:
+    (only,) = [p for p in plan(CLUSTER, [DEMAND]).instances if p.num_gpus == 2]
+    running = {instance_key(only): live(only)}
+    assert _rolling_steps(running, [running[instance_key(only)]], [], [relaunched(only)]) is None
