@@ -240,8 +240,12 @@ def test_occupy_then_release_gpu3_vacates_it_then_uses_it_again(shared: tuple[Up
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert release.returncode == 0, release.stdout + release.stderr
-    up.wait_until("gpu3 in use again", lambda: "gpu3" in up.gpus_in_use(), 60)
-    shifts = finished(new_entries(up, seen, "shift"))
+    # the re-plan may relaunch other instances too, one group at a time: wait for its end
+    shifts = up.wait_until(
+        "a finished shift with gpu3 in use again",
+        lambda: finished(new_entries(up, seen, "shift")) if "gpu3" in up.gpus_in_use() else [],
+        120,
+    )
     assert shifts and shifts[-1].outcome == "succeeded" and shifts[-1].trigger == "resource"
     time.sleep(1)
     assert len(load.results) > num_results + 10
@@ -252,6 +256,7 @@ def test_engine_killed_without_notice_is_an_emergency_and_no_request_fails(
     shared: tuple[Up, Load],
 ) -> None:
     up, load = shared
+    up.wait_until("the A100s serving", lambda: {"gpu1", "gpu2"} <= up.gpus_in_use(), 120)
     before = up.gpus_in_use()
     assert {"gpu1", "gpu2"} <= before
     seen = len(up.entries())
