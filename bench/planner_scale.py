@@ -30,7 +30,7 @@ from pathlib import Path
 
 import yaml
 
-from flexpipe.cluster_gen import generate_cluster
+from flexpipe.cluster.generate import generate_cluster
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.policies.planner import (
     ModelDemand,

@@ -22,7 +22,7 @@ from flexpipe.cluster import (
     parse_cluster,
     placement_on,
 )
-from flexpipe.cluster_gen import NODE_KINDS, generate_cluster
+from flexpipe.cluster.generate import NODE_KINDS, generate_cluster
 from flexpipe.gears.gear import GearError
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, GB, GiB, link_spec
 

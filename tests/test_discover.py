@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from flexpipe import discover
 from flexpipe.cli import app
-from flexpipe.cluster import load_cluster
-from flexpipe.discover import (
+from flexpipe.cluster import load_cluster, nvml
+from flexpipe.cluster.nvml import (
     DiscoverError,
     catalog_type,
     cluster_doc,
@@ -181,7 +180,7 @@ def test_bandwidth_probe_skips_with_a_message() -> None:
 def test_discover_cli_prints_a_loadable_cluster_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(discover, "_load_nvml", fragmented)
+    monkeypatch.setattr(nvml, "_load_nvml", fragmented)
     out = tmp_path / "discovered.yaml"
     res = CliRunner().invoke(app, ["discover", "--name", "lab", "-o", str(out)])
     assert res.exit_code == 0, res.output
@@ -193,7 +192,7 @@ def test_discover_cli_prints_a_loadable_cluster_file(
 
 def test_discover_cli_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        discover, "_load_nvml", lambda: FakeNvml([], init_error=RuntimeError("Driver Not Loaded"))
+        nvml, "_load_nvml", lambda: FakeNvml([], init_error=RuntimeError("Driver Not Loaded"))
     )
     res = CliRunner().invoke(app, ["discover", "--probe"])
     assert res.exit_code == 1

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from flexpipe.cluster import Cluster, load_cluster, placement_on
-from flexpipe.cluster_gen import generate_cluster
+from flexpipe.cluster.generate import generate_cluster
 from flexpipe.gears.lookup import GearEstimate, GearLookup, GearQuery
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, GiB
 from flexpipe.model_spec import load_model_spec

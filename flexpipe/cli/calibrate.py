@@ -29,7 +29,7 @@ def _measure(
     model: ModelSpec, gpu_type: str | None, link: str | None, quick: bool
 ) -> tuple[list[Sample], str]:
     from flexpipe import microbench
-    from flexpipe.discover import catalog_type
+    from flexpipe.cluster.nvml import catalog_type
 
     if not microbench.torch_available():
         raise ValueError(microbench.INSTALL_HINT)

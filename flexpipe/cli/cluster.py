@@ -19,7 +19,7 @@ from rich.table import Table
 
 from flexpipe.cli.common import console
 from flexpipe.cluster import Cluster, ClusterError, load_cluster
-from flexpipe.cluster_gen import generate_cluster
+from flexpipe.cluster.generate import generate_cluster
 from flexpipe.control.client import (
     DEFAULT_CONTROLLER_URL,
     ControllerClient,

@@ -360,7 +360,7 @@ def register_discover(app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """Read this machine's GPUs and their NVLink/PCIe topology (NVML); print a cluster file."""
-        from flexpipe.discover import (
+        from flexpipe.cluster.nvml import (
             DiscoverError,
             cluster_doc,
             probe_bandwidth,

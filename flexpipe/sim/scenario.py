@@ -36,7 +36,7 @@ from typing import Any
 import yaml
 
 from flexpipe.cluster import Cluster, ClusterError, load_cluster, parse_cluster
-from flexpipe.cluster_gen import generate_cluster
+from flexpipe.cluster.generate import generate_cluster
 from flexpipe.gateway.config import ConfigError, GatewayConfig, config_from_dict
 from flexpipe.policies.planner import ModelsFileError
 from flexpipe.sim.trace import TraceReplay

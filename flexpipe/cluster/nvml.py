@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexpipe.cluster import Cluster, parse_cluster
+from flexpipe.cluster.model import Cluster
+from flexpipe.cluster.parse import parse_cluster
 from flexpipe.hardware import GPUS, GiB, gpu_spec
 
 # NVML constants (pynvml names), repeated so a fake NVML needs only functions.

@@ -16,7 +16,9 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from flexpipe.cluster import Cluster, ClusterError, parse_cluster
+from flexpipe.cluster.errors import ClusterError
+from flexpipe.cluster.model import Cluster
+from flexpipe.cluster.parse import parse_cluster
 from flexpipe.hardware import GB, gpu_spec, link_spec
 
 __all__ = ["NODE_KINDS", "NodeKind", "generate_cluster"]
