@@ -32,6 +32,7 @@ __all__ = [
     "placement_on",
     "slower",
     "slowest_link",
+    "sub_cluster",
 ]
 
 # GPUs of one node with no declared group link between them: PCIe through the CPU (the
@@ -201,3 +202,25 @@ def placement_on(
             )
         )
     return Placement(stages, tuple(pp_links))
+
+
+def sub_cluster(cluster: Cluster, gpu_ids: Iterable[str]) -> Cluster:
+    """Only these GPUs, their nodes and the links among them: all an engine needs to know of
+    the cluster to stand for its placement (a worker node has no cluster file)."""
+    keep = set(gpu_ids)
+    for gpu_id in keep:
+        cluster.gpu(gpu_id)  # unknown ids: ClusterError
+    nodes = []
+    for node in cluster.nodes:
+        gpus = tuple(g for g in node.gpus if g.id in keep)
+        if not gpus:
+            continue
+        links = tuple(
+            replace(lk, gpus=members)
+            for lk in node.links
+            if len(members := tuple(g for g in lk.gpus if g in keep)) >= 2
+        )
+        nodes.append(replace(node, gpus=gpus, links=links))
+    names = {n.name for n in nodes}
+    node_links = tuple(p for p in cluster.node_links if set(p.nodes) <= names)
+    return replace(cluster, nodes=tuple(nodes), node_links=node_links)

@@ -9,7 +9,8 @@ from pathlib import Path
 import yaml
 
 from flexpipe.cluster import Cluster
-from flexpipe.launch import EngineSpec
+from flexpipe.cluster.topology import sub_cluster
+from flexpipe.launch import EngineSpec, GpuPlace
 from flexpipe.policies.planner import ModelDemand, PlannedInstance, parse_models
 
 __all__ = ["ModelsFileError", "engine_spec", "load_models"]
@@ -56,4 +57,9 @@ def engine_spec(
         served_model_name=inst.model,
         max_model_len=max_len,
         env=tuple(env),
+        placement=tuple(
+            GpuPlace(g, cluster.gpu(g).node, cluster.gpu(g).index, cluster.gpu(g).type)
+            for g in gpu_ids
+        ),
+        topology=sub_cluster(cluster, gpu_ids).to_yaml(),
     )

@@ -1,11 +1,13 @@
 """Engine launchers: one interface (`Launcher.start(EngineSpec) -> EngineHandle`), a
-local-process implementation for the sim engine and vLLM."""
+local-process implementation for the sim engine and vLLM, and a Ray one (launch/ray.py,
+imported on its own: Ray is an optional extra)."""
 
 from flexpipe.launch.base import (
     EngineExited,
     EngineHandle,
     EngineNotReady,
     EngineSpec,
+    GpuPlace,
     Launcher,
     LaunchError,
 )
@@ -17,6 +19,7 @@ __all__ = [
     "EngineHandle",
     "EngineNotReady",
     "EngineSpec",
+    "GpuPlace",
     "LaunchError",
     "Launcher",
     "LocalEngine",

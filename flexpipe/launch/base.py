@@ -1,6 +1,6 @@
 """The one launcher interface: "start an engine for this gear on these GPUs, give me its
-endpoint". gear_bench, `flexpipe up` and the controller all go through it; a Ray launcher
-(placement groups across nodes) will implement the same Protocol.
+endpoint". gear_bench, `flexpipe up` and the controller all go through it: local processes
+(local.py) and Ray actors in placement groups across nodes (ray.py) implement it.
 """
 
 from __future__ import annotations
@@ -29,10 +29,26 @@ class EngineExited(LaunchError):
 
 
 @dataclass(frozen=True, slots=True)
+class GpuPlace:
+    """One GPU of an instance, where it is: its cluster id, its node, its device index there
+    (CUDA_VISIBLE_DEVICES on that node) and its catalog type."""
+
+    gpu_id: str
+    node: str
+    index: int
+    type: str
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSpec:
     """What to run and where. GPUs are named two ways: cluster ids (`gpu_ids`, the sim
     engine uses them with `cluster_file` to know what it stands for) and device indices on the
-    host (`gpu_indices`, vLLM's CUDA_VISIBLE_DEVICES)."""
+    host (`gpu_indices`, vLLM's CUDA_VISIBLE_DEVICES).
+
+    `placement` and `topology` carry the placement itself, for launchers whose engines run on
+    other machines (Ray): each GPU's node and index, and the placement's GPUs and links as a
+    cluster document (YAML), which a sim engine on a worker node reads instead of a file that
+    only the controller's machine has."""
 
     model: str
     gear: Gear = field(default_factory=Gear)
@@ -48,6 +64,8 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.9
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()  # extra environment (VLLM_PP_LAYER_PARTITION)
+    placement: tuple[GpuPlace, ...] = ()  # the GPUs in pipeline order, tp per stage
+    topology: str | None = None  # cluster YAML of just the placement's GPUs and links
 
 
 @runtime_checkable

@@ -1,0 +1,274 @@
+"""Ray launcher: each instance is a placement group whose bundles are exactly its GPUs, and an
+actor in it that runs the engine (implements `Launcher`).
+
+- Bundles: one `{"GPU": 1}` per GPU of the plan, in pipeline order, each pinned to its node
+  (a label selector on Ray's node id: the planner's choice of nodes holds); STRICT_PACK when
+  the instance is on one node (a tensor-parallel group), PACK across nodes (a pipeline).
+- Which GPUs: the engine's CUDA_VISIBLE_DEVICES is the plan's device indices on the node (the
+  planner chose them for their links); Ray's bundles keep other Ray work off that many GPUs.
+- The placement group is named `flexpipe:<deployment>:<instance>:<gpu ids>` and detached: it
+  outlives a controller that crashes. The launcher's first call removes what a previous
+  controller of the same deployment left, so a restarted controller starts clean.
+- The actor (launch/ray_actor.py) sits in bundle 0, starts the engine on its node and says
+  where it listens; the launcher waits for GET /health 200 from here.
+- `stop()` stops the engine and removes the placement group. An actor that dies (its node
+  lost) turns `returncode` to -1: the controller's engine-death path takes it from there.
+
+`engine="sim"` runs the sim engine with the spec's topology (the placement's GPUs and links);
+`engine="vllm"` runs `vllm serve` on one node (a pipeline across nodes would need vLLM's own
+Ray executor inside the placement group, which this launcher does not start yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+from flexpipe import ray_client
+from flexpipe.cluster.ray_inventory import node_name, pg_name, pg_prefix
+from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
+from flexpipe.launch.base import EngineExited, EngineNotReady, EngineSpec, LaunchError
+from flexpipe.launch.local import ENGINES, VLLM_COMMAND, _stage_ids, vllm_flags
+from flexpipe.launch.ray_actor import EngineProcess
+
+__all__ = ["RayEngine", "RayLauncher"]
+
+log = logging.getLogger("flexpipe.launch.ray")
+
+SIM_ARGV: tuple[str, ...] = ("{python}", "-m", "flexpipe.engine.sim")
+
+
+class RayEngine:
+    """An engine in a placement group (implements EngineHandle)."""
+
+    def __init__(
+        self, name: str, endpoint: str, actor: ray_client.ActorRef, pg_id: str, grace_s: float
+    ) -> None:
+        self._name = name
+        self._endpoint = endpoint
+        self.actor = actor
+        self.pg_id = pg_id
+        self.stop_grace_s = grace_s
+        self._cold_start_s = 0.0
+        self._returncode: int | None = None
+        self._stopped = False
+        self._watch: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def cold_start_s(self) -> float:
+        return self._cold_start_s
+
+    @property
+    def returncode(self) -> int | None:
+        """None while the engine runs; its exit status once it exited; -1 when its actor (or
+        the actor's node) is gone."""
+        return self._returncode
+
+    def watch(self) -> None:
+        """Notice, from now on, the engine exiting or the actor dying."""
+        self._watch = asyncio.get_running_loop().create_task(self._wait())
+
+    async def _wait(self) -> None:
+        try:
+            code = await self.actor.call("wait")
+            self._returncode = int(code)
+        except ray_client.ActorDied:
+            self._returncode = -1
+        if not self._stopped:
+            log.warning("engine %s (%s) is gone (%s)", self.name, self.endpoint, self._returncode)
+
+    async def stop(self) -> None:
+        """Stop the engine, then remove the placement group (and the actor with it)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._returncode is None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    self.actor.call("stop", self.stop_grace_s), self.stop_grace_s + 10.0
+                )
+        if self._watch is not None:
+            self._watch.cancel()
+        await asyncio.to_thread(ray_client.remove_placement_group, self.pg_id)
+        if self._returncode is None:
+            self._returncode = 0
+
+
+class RayLauncher:
+    """Implements Launcher on a Ray cluster (`address`: `auto`, `HOST:PORT`)."""
+
+    def __init__(
+        self,
+        address: str = "auto",
+        engine: str = "sim",
+        *,
+        deployment: str = "default",
+        time_scale: float = 1.0,
+        sim_load_time_s: float | None = None,
+        ready_timeout_s: float = 900.0,
+        placement_timeout_s: float = 60.0,
+        stop_grace_s: float = 10.0,
+        engine_host: str | None = None,
+        vllm_command: Sequence[str] = VLLM_COMMAND,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`engine_host`: the address engines bind (default: their node's Ray address)."""
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+        self.address = address
+        self.engine = engine
+        self.deployment = deployment
+        self.time_scale = time_scale
+        self.sim_load_time_s = sim_load_time_s
+        self.ready_timeout_s = ready_timeout_s
+        self.placement_timeout_s = placement_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.engine_host = engine_host
+        self.vllm_command = tuple(vllm_command)
+        self.env = env or {}
+        self.num_leftovers_removed = 0
+        self._connected = False
+        self._lock = asyncio.Lock()
+
+    async def connect(self) -> None:
+        """Join the Ray cluster and remove the placement groups a previous controller of this
+        deployment left (it crashed: nothing else leaves them)."""
+        async with self._lock:
+            if self._connected:
+                return
+            await asyncio.to_thread(ray_client.connect, self.address)
+            prefix = pg_prefix(self.deployment)
+            for pg in await asyncio.to_thread(ray_client.placement_groups):
+                if pg.name.startswith(prefix) and pg.state != "REMOVED":
+                    log.warning("removing placement group %s left by a previous run", pg.name)
+                    await asyncio.to_thread(ray_client.remove_placement_group, pg.pg_id)
+                    self.num_leftovers_removed += 1
+            self._connected = True
+
+    def command(self, spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
+        """The engine's argv (with placeholders the actor fills on its node) and environment."""
+        env = {**self.env, **dict(spec.env)}
+        flags = vllm_flags(spec, "{host}", 0)
+        flags[flags.index("--port") + 1] = "{port}"
+        if self.engine == "vllm":
+            return [*self.vllm_command, *flags], env
+        sim = ["--time-scale", repr(self.time_scale)]
+        if spec.topology is not None and spec.gpu_ids:
+            sim += ["--cluster", "{topology}", "--gpu-ids", _stage_ids(spec)]
+        else:
+            sim += ["--gpu-type", spec.gpu_type, "--link", spec.link]
+            if spec.pp_link:
+                sim += ["--pp-link", spec.pp_link]
+        if self.sim_load_time_s is not None:
+            sim += ["--load-time-s", repr(self.sim_load_time_s)]
+        return [*SIM_ARGV, *flags, *sim], env
+
+    async def start(self, spec: EngineSpec) -> RayEngine:
+        if not spec.placement:
+            raise LaunchError(f"engine {spec.name}: the Ray launcher needs the spec's placement")
+        await self.connect()
+        started = time.monotonic()
+        alive = {node_name(n): n for n in await asyncio.to_thread(ray_client.nodes) if n.alive}
+        missing = sorted({p.node for p in spec.placement if p.node not in alive})
+        if missing:
+            raise LaunchError(
+                f"engine {spec.name}: no live Ray node named {', '.join(missing)} "
+                f"(live: {', '.join(sorted(alive)) or 'none'})"
+            )
+        node_ids = [alive[p.node].node_id for p in spec.placement]
+        if self.engine == "vllm" and len(set(node_ids)) > 1:
+            raise LaunchError(
+                f"engine {spec.name}: vLLM across nodes needs its Ray executor inside the "
+                "placement group, which this launcher does not start yet; use --engine sim "
+                "or a plan on one node"
+            )
+        name = pg_name(self.deployment, spec.name, [p.gpu_id for p in spec.placement])
+        pg = await asyncio.to_thread(
+            ray_client.create_placement_group,
+            [{"GPU": 1.0}] * len(spec.placement),
+            "STRICT_PACK" if len(set(node_ids)) == 1 else "PACK",
+            name,
+            node_ids,
+        )
+        if not await asyncio.to_thread(pg.ready, self.placement_timeout_s):
+            await asyncio.to_thread(pg.remove)
+            raise LaunchError(
+                f"engine {spec.name}: Ray could not reserve GPUs "
+                f"{', '.join(p.gpu_id for p in spec.placement)} within "
+                f"{self.placement_timeout_s:g} s (held by other Ray work?)"
+            )
+        argv, env = self.command(spec)
+        first = spec.placement[0].node
+        indices = [str(p.index) for p in spec.placement if p.node == first]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(indices)
+        try:
+            actor = await asyncio.to_thread(
+                ray_client.start_actor,
+                EngineProcess,
+                [spec.name, argv, env, self.engine_host, spec.topology],
+                pg,
+                0,
+                1.0,
+            )
+            endpoint = str(await asyncio.wait_for(actor.call("endpoint"), self.ready_timeout_s))
+        except (ray_client.ActorDied, TimeoutError) as exc:
+            await asyncio.to_thread(pg.remove)
+            raise LaunchError(f"engine {spec.name}: its Ray actor did not start: {exc}") from None
+        handle = RayEngine(spec.name, endpoint, actor, pg.pg_id, self.stop_grace_s)
+        handle.watch()
+        try:
+            await _wait_healthy(handle, self.ready_timeout_s)
+        except BaseException:
+            await handle.stop()
+            raise
+        handle._cold_start_s = time.monotonic() - started
+        return handle
+
+
+async def _wait_healthy(handle: RayEngine, timeout_s: float, poll_s: float = 0.1) -> None:
+    """Poll GET /health until 200; raise if the engine exits or time runs out."""
+    pool = ClientPool()
+    deadline = time.monotonic() + timeout_s
+    timeouts = Timeouts(connect_s=1.0, ttfb_s=2.0, idle_s=2.0)
+    try:
+        while True:
+            if handle.returncode is not None:
+                tail = await _log_tail(handle)
+                raise EngineExited(
+                    f"engine {handle.name} ({handle.endpoint}) exited ({handle.returncode}) "
+                    "before it became ready" + (f"; last log lines:\n{tail}" if tail else ""),
+                    handle.returncode,
+                )
+            with contextlib.suppress(UpstreamError, OSError):
+                resp = await pool.request(handle.endpoint, "GET", "/health", timeouts=timeouts)
+                await resp.read()
+                resp.release()
+                if resp.status == 200:
+                    return
+            if time.monotonic() >= deadline:
+                tail = await _log_tail(handle)
+                raise EngineNotReady(
+                    f"engine {handle.name} did not become ready (GET /health 200) within "
+                    f"{timeout_s:g} s; stopped it" + (f"; last log lines:\n{tail}" if tail else "")
+                )
+            await asyncio.sleep(poll_s)
+    finally:
+        await pool.close()
+
+
+async def _log_tail(handle: RayEngine) -> str:
+    try:
+        return str(await asyncio.wait_for(handle.actor.call("log_tail"), 5.0))
+    except Exception:
+        return ""
