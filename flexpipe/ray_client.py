@@ -39,8 +39,9 @@ NODE_ID_LABEL = "ray.io/node-id"  # set by Ray on every node: pins a bundle to o
 NAMESPACE = "flexpipe"
 
 
-class RayUnavailable(RuntimeError):
-    """Ray is not installed, or the cluster cannot be reached; one line for the user."""
+class RayUnavailable(RuntimeError, ValueError):
+    """Ray is not installed, or the cluster cannot be reached; one line for the user (a
+    ValueError too: the CLI prints it as `error: ...`)."""
 
 
 class ActorDied(RuntimeError):

@@ -13,12 +13,16 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 import yaml
 
 from flexpipe.cli.common import err_console, user_errors
+
+if TYPE_CHECKING:
+    from flexpipe.control.ray_watch import RayWatch
+    from flexpipe.launch import Launcher
 
 
 def _secret(value: str | None, path: Path | None, env: str) -> str | None:
@@ -95,6 +99,19 @@ def controller(
             "as long as the controller, which may then crash and be restarted."
         ),
     ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            help="Ray cluster address (auto, HOST:PORT): nodes and GPUs from Ray, engines in "
+            "placement groups; --cluster then only lays links and names over it (docs/ray.md)."
+        ),
+    ] = None,
+    ray_deployment: Annotated[
+        str, typer.Option(help="Ray: names this deployment's placement groups.")
+    ] = "default",
+    engine_host: Annotated[
+        str | None, typer.Option(help="Ray: address engines bind [their node's Ray address].")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Launch the plan's engines, register them in the gateway, shift gears while serving."""
@@ -139,7 +156,7 @@ def controller(
             shift=params,
         )
         st = Store(store)
-    launcher = LocalLauncher(
+    launcher: Launcher = LocalLauncher(
         engine,
         time_scale=time_scale,
         sim_load_time_s=sim_load_time_s,
@@ -147,6 +164,15 @@ def controller(
         vllm_command=vllm_command.split(),
         supervisor_pid=supervisor_pid,
     )
+    watch: RayWatch | None = None
+    if ray is not None:
+        from flexpipe.control.ray_backend import ray_backend
+
+        with user_errors():
+            watch, launcher = ray_backend(
+                ray, cluster, ray_deployment, engine, time_scale, sim_load_time_s,
+                ready_timeout_s, vllm_command, engine_host,
+            )  # fmt: skip
 
     def say(line: str) -> None:
         typer.echo(line)
@@ -165,6 +191,7 @@ def controller(
             store=st,
             clock=unix_clock(),
             say=say,
+            watch=watch,
         )
         try:
             start = asyncio.ensure_future(ctl.start())

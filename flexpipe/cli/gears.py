@@ -348,6 +348,27 @@ def register_bench(app: typer.Typer) -> None:
 # -- flexpipe discover --------------------------------------------------------------------------
 
 
+def _discover_ray(
+    address: str, overlay: Path | None, name: str | None, output: Path | None
+) -> None:
+    from dataclasses import replace
+
+    from flexpipe.cluster import load_cluster
+    from flexpipe.cluster.ray_inventory import read_ray_cluster
+
+    with user_errors():
+        found = read_ray_cluster(address, load_cluster(overlay) if overlay is not None else None)
+    if name:
+        found = replace(found, name=name)
+    text = found.to_yaml()
+    if output is not None:
+        output.write_text(text, encoding="utf-8")
+        num = f"{len(found.gpus)} GPU(s) on {len(found.nodes)} node(s)"
+        err_console.print(f"wrote {output} ({num})")
+    else:
+        typer.echo(text, nl=False)
+
+
 def register_discover(app: typer.Typer) -> None:
     @app.command("discover")
     def discover_cmd(
@@ -358,8 +379,19 @@ def register_discover(app: typer.Typer) -> None:
         probe: Annotated[
             bool, typer.Option(help="Measure GPU-to-GPU bandwidth (needs PyTorch with CUDA).")
         ] = False,
+        ray: Annotated[
+            str | None,
+            typer.Option(help="Read a Ray cluster's nodes and GPUs instead (auto, HOST:PORT)."),
+        ] = None,
+        cluster: Annotated[
+            Path | None, typer.Option(help="--ray: a cluster file for links and names.")
+        ] = None,
     ) -> None:
-        """Read this machine's GPUs and their NVLink/PCIe topology (NVML); print a cluster file."""
+        """Read this machine's GPUs and their NVLink/PCIe topology (NVML); print a cluster file.
+        With --ray, every node of a Ray cluster (docs/ray.md)."""
+        if ray is not None:
+            _discover_ray(ray, cluster, name, output)
+            return
         from flexpipe.cluster.nvml import (
             DiscoverError,
             cluster_doc,

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
-from flexpipe.cluster import load_cluster
+from flexpipe.cluster import Cluster, load_cluster
 from flexpipe.control.launching import engine_spec, load_models
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.launch import ENGINES
@@ -168,6 +168,22 @@ def plan_table(the_plan: Plan) -> Table:
     return table
 
 
+def _ray_cluster(address: str, overlay: Path | None) -> Cluster:
+    """`--ray`: the cluster as the Ray cluster has it, with the cluster file's links."""
+    from flexpipe.cluster.ray_inventory import read_ray_cluster
+
+    return read_ray_cluster(address, load_cluster(overlay) if overlay is not None else None)
+
+
+def _ray_argv(address: str, overlay: Path | None, argv: list[str]) -> list[str]:
+    """The controller's `--ray` flags; without a cluster file of the user's, no overlay (the
+    default example's `--cluster` is dropped from `argv`)."""
+    if overlay is None:
+        i = argv.index("--cluster")
+        del argv[i : i + 2]
+    return ["--ray", address]
+
+
 def register(app: typer.Typer) -> None:
     """Add `flexpipe up` to the app."""
 
@@ -212,6 +228,13 @@ def register(app: typer.Typer) -> None:
             typer.Option(help="YAML with a `shift:` section (docs/shift-policy.md)."),
         ] = None,
         dry_run: Annotated[bool, typer.Option(help="Print the plan and exit.")] = False,
+        ray: Annotated[
+            str | None,
+            typer.Option(
+                help="Ray cluster address (auto, HOST:PORT): nodes and GPUs from Ray, engines "
+                "in placement groups; --cluster then only adds links and names (docs/ray.md)."
+            ),
+        ] = None,
     ) -> None:
         """Plan for the free GPUs, launch the instances, serve the OpenAI API until Ctrl-C,
         shifting gears as load and free GPUs change."""
@@ -221,7 +244,7 @@ def register(app: typer.Typer) -> None:
                 raise UpError(f"unknown engine {engine!r}; use sim or vllm")
             cluster_path = cluster or DEFAULT_CLUSTER
             models_path = models or DEFAULT_MODELS
-            the_cluster = load_cluster(cluster_path)
+            the_cluster = load_cluster(cluster_path) if ray is None else _ray_cluster(ray, cluster)
             demands = load_models(models_path)
             with Store(store) as st:
                 efficiency = st.efficiency()
@@ -283,6 +306,8 @@ def register(app: typer.Typer) -> None:
                 controller_argv += ["--store", store]
             if shift_config is not None:
                 controller_argv += ["--shift-config", str(shift_config)]
+            if ray is not None:
+                controller_argv += _ray_argv(ray, cluster, controller_argv)
             with user_errors():
                 rc = asyncio.run(
                     supervise(gateway_argv, controller_argv, host, port, say, drain_timeout_s)

@@ -23,15 +23,15 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from flexpipe.cluster import Cluster, load_cluster
+from flexpipe.cluster import Cluster
 from flexpipe.control.adopt import AdoptedEngine, reachable, stop_group
 from flexpipe.control.client import (
     OCCUPY_PATH,
@@ -87,6 +87,16 @@ __all__ = ["Controller", "ControllerConfig"]
 log = logging.getLogger("flexpipe.control")
 
 
+class ClusterSource(Protocol):
+    """The cluster file (ClusterWatch) or a Ray cluster (RayWatch): the cluster as last read
+    and its changes, as resource events."""
+
+    @property
+    def cluster(self) -> Cluster: ...
+
+    def changes(self) -> AsyncIterator[tuple[Cluster, list[ResourceEvent]]]: ...
+
+
 @dataclass
 class ControllerConfig:
     cluster_path: Path
@@ -119,7 +129,9 @@ class Controller:
         clock: Callable[[], float] = time.time,
         wall: Callable[[], float] = time.time,
         say: Callable[[str], None] = print,
+        watch: ClusterSource | None = None,
     ) -> None:
+        """`watch`: where the cluster comes from and changes (default: the cluster file)."""
         self.cfg = cfg
         self.gateway = gateway
         self.store = store
@@ -127,7 +139,8 @@ class Controller:
         self.wall = wall
         self.say = say
         self.rng = random.Random(cfg.seed)
-        self.resources = Resources.of(load_cluster(cfg.cluster_path), wall())
+        self.watch = watch or ClusterWatch(cfg.cluster_path, cfg.watch_interval_s)
+        self.resources = Resources.of(self.watch.cluster, wall())
         self.efficiency = store.efficiency() if store is not None else None
         self.performance = GearLookup(store.points() if store is not None else [], self.efficiency)
         self.policy = ShiftPolicy(cfg.shift, planner=self._planner, efficiency=self.efficiency)
@@ -480,8 +493,7 @@ class Controller:
         return events
 
     async def _watch_file(self) -> None:
-        watch = ClusterWatch(self.cfg.cluster_path, self.cfg.watch_interval_s)
-        async for cluster, _ in watch.changes():
+        async for cluster, _ in self.watch.changes():
             self._resource_events(*self.resources.file_changed(cluster, self.wall()), self.clock())
 
     def _note(
