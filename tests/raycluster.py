@@ -1,0 +1,124 @@
+"""A real Ray cluster on this machine, for tests: a head and worker nodes, each its own
+`ray start --block` in its own process group, each declaring its own logical GPUs and
+accelerator type and named by the `flexpipe/node` label.
+
+Everything binds 127.0.0.1. Ray turns `--node-ip-address 127.0.0.1` into the machine's
+outward address unless its cluster mode is off, and with it off refuses worker nodes; so nodes
+start through Ray's own CLI with that one rewrite disabled, and drivers on this machine
+(this test process, a controller) run with `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, which makes
+them reach the cluster on 127.0.0.1 as well. A real multi-machine cluster needs none of this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# `ray start` with the localhost rewrite off (see the module docstring).
+_NODE_MAIN = (
+    "import sys; from ray._private import services; "
+    "services.resolve_ip_for_localhost = lambda host: host; "
+    "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"
+)
+DRIVER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RayNodeProcess:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the node and every process it started (its process group)."""
+        self.signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(grace_s)
+        self.signal(signal.SIGKILL)  # what is left of the group (raylet, workers)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5.0)
+
+
+class LocalRayCluster:
+    """`start_node(...)` the head first, then workers; `stop()` stops them all."""
+
+    def __init__(self) -> None:
+        # Short: Ray's unix sockets live under it (a path of at most 107 bytes).
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="fpray-", dir="/tmp"))
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.nodes: dict[str, RayNodeProcess] = {}
+
+    def start_node(self, name: str, num_gpus: int, accelerator: str, num_cpus: int = 1) -> None:
+        head = not self.nodes
+        argv = [
+            sys.executable, "-c", _NODE_MAIN, "start", "--block",
+            "--node-ip-address", "127.0.0.1",
+            "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus),
+            "--resources", json.dumps({f"accelerator_type:{accelerator}": num_gpus}),
+            "--labels", f"flexpipe/node={name}",
+            "--object-store-memory", str(80 * 10**6),
+            "--temp-dir", str(self.temp_dir), "--disable-usage-stats",
+        ]  # fmt: skip
+        if head:
+            argv += ["--head", "--port", str(self.port), "--include-dashboard", "false"]
+        else:
+            argv += ["--address", self.address]
+        env = {
+            **os.environ,
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            # a lost node is noticed in about 2 s instead of Ray's default 30 s
+            "RAY_health_check_period_ms": "500",
+            "RAY_health_check_timeout_ms": "1000",
+            "RAY_health_check_failure_threshold": "3",
+            "PYTHONPATH": str(ROOT),
+        }
+        log_path = self.temp_dir / f"{name}.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.nodes[name] = RayNodeProcess(name, proc, log_path)
+        self._wait_started(self.nodes[name])
+
+    def _wait_started(self, node: RayNodeProcess, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = node.log_path.read_text(errors="replace")
+            if "Ray runtime started" in text:
+                return
+            if node.proc.poll() is not None:
+                raise RuntimeError(f"ray node {node.name} exited:\n{text[-2000:]}")
+            time.sleep(0.2)
+        raise RuntimeError(f"ray node {node.name} did not start in {timeout_s:g} s")
+
+    def stop_node(self, name: str) -> None:
+        self.nodes.pop(name).stop()
+
+    def stop(self) -> None:
+        for name in reversed(list(self.nodes)):  # workers first, the head last
+            self.stop_node(name)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
