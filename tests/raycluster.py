@@ -72,6 +72,10 @@ class LocalRayCluster:
         self.nodes: dict[str, RayNodeProcess] = {}
 
     def start_node(self, name: str, num_gpus: int, accelerator: str, num_cpus: int = 1) -> None:
+        """Start a node and wait until it runs (the first one is the head)."""
+        self._wait_started(self._spawn(name, num_gpus, accelerator, num_cpus))
+
+    def _spawn(self, name: str, num_gpus: int, accelerator: str, num_cpus: int) -> RayNodeProcess:
         head = not self.nodes
         argv = [
             sys.executable, "-c", _NODE_MAIN, "start", "--block",
@@ -102,7 +106,7 @@ class LocalRayCluster:
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         self.nodes[name] = RayNodeProcess(name, proc, log_path)
-        self._wait_started(self.nodes[name])
+        return self.nodes[name]
 
     def _wait_started(self, node: RayNodeProcess, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s

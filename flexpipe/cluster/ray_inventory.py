@@ -213,6 +213,9 @@ def cluster_doc(
         out_nodes.append(doc)
     if not out_nodes:
         raise ClusterError(["ray: no live node of the Ray cluster has a GPU (num_gpus)"])
+    # the file's order, then the nodes it does not name by name: the same order on every read
+    order = {name: i for i, name in enumerate(by_name)}
+    out_nodes.sort(key=lambda n: (order.get(n["name"], len(order)), n["name"]))
     names = {n["name"] for n in out_nodes}
     result: dict[str, Any] = {
         "name": base.get("name", name),
@@ -243,11 +246,9 @@ def read_ray_cluster(
     pgs = ray_client.placement_groups()
     used: dict[str, dict[int, float]] = {}
     if nvml:
-        for node in nodes:
-            if node.alive and _gpu_count(node) > 0:
-                found = ray_client.run_on_node(node.node_id, _nvml_used_bytes, nvml_timeout_s)
-                if found is not None:
-                    used[node.node_id] = found
+        gpu_nodes = [n.node_id for n in nodes if n.alive and _gpu_count(n) > 0]
+        found = ray_client.run_on_nodes(gpu_nodes, _nvml_used_bytes, nvml_timeout_s)
+        used = {node_id: u for node_id, u in found.items() if u is not None}
     doc = cluster_doc(nodes, pgs, overlay, deployment=deployment, nvml_used_bytes=used)
     return parse_cluster(doc, f"ray://{address}")
 
