@@ -119,7 +119,12 @@ def nodes() -> list[RayNode]:
                 hostname=str(n.get("NodeManagerHostname", "")),
                 labels={str(k): str(v) for k, v in dict(n.get("Labels") or {}).items()},
                 total=total,
-                available=available.get(node_id, total),
+                # Ray leaves out a resource none of which is available: that one is 0
+                available=(
+                    {r: available[node_id].get(r, 0.0) for r in total}
+                    if node_id in available
+                    else total
+                ),
             )
         )
     return out

@@ -135,6 +135,9 @@ def test_an_instance_is_a_placement_group_on_its_planned_gpus(
             mine = read_ray_cluster(ray_cluster.address, load_cluster(FRAGMENTED),
                                     deployment="t-place", nvml=False)  # fmt: skip
             assert mine.gpu("gpu2").owner is None  # ours, not other work
+            seen = time.monotonic()
+            _until(lambda: _node("node1").available["GPU"] == 0.0, 60, "Ray to count it")
+            print(f"ray: available GPUs caught up {time.monotonic() - seen:.1f} s later")
             theirs = read_ray_cluster(ray_cluster.address, load_cluster(FRAGMENTED),
                                       deployment="another", nvml=False)  # fmt: skip
             assert theirs.gpu("gpu1").owner == theirs.gpu("gpu2").owner == OTHER_RAY_WORK

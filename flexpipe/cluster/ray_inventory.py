@@ -184,7 +184,7 @@ def cluster_doc(
                 gpu.setdefault("owner", "other processes (NVML)")
             gpus.append(gpu)
         mine = ours.get(node.node_id, set())
-        held = _gpu_count(node) - float(node.available.get("GPU", _gpu_count(node)))
+        held = _gpu_count(node) - float(node.available.get("GPU", 0.0))
         busy = max(0, round(held) - len(mine & {str(g["id"]) for g in gpus}))
         for gpu in reversed(gpus):
             if busy == 0:

@@ -12,7 +12,9 @@ actor in it that runs the engine (implements `Launcher`).
 - The actor (launch/ray_actor.py) sits in bundle 0, starts the engine on its node and says
   where it listens; the launcher waits for GET /health 200 from here.
 - `stop()` stops the engine and removes the placement group. An actor that dies (its node
-  lost) turns `returncode` to -1: the controller's engine-death path takes it from there.
+  lost) turns `returncode` to -1 and its placement group is removed (Ray would otherwise
+  re-place it, holding GPUs for nothing): the controller's engine-death path takes it from
+  there.
 
 `engine="sim"` runs the sim engine with the spec's topology (the placement's GPUs and links);
 `engine="vllm"` runs `vllm serve` on one node (a pipeline across nodes would need vLLM's own
@@ -87,6 +89,10 @@ class RayEngine:
             self._returncode = -1
         if not self._stopped:
             log.warning("engine %s (%s) is gone (%s)", self.name, self.endpoint, self._returncode)
+            # a lost instance holds nothing: Ray would re-place the group (on a node that
+            # comes back) and keep its GPUs for an engine that is no more
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(ray_client.remove_placement_group, self.pg_id)
 
     async def stop(self) -> None:
         """Stop the engine, then remove the placement group (and the actor with it)."""
