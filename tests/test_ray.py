@@ -187,6 +187,21 @@ def test_a_restarted_controller_removes_what_a_crashed_one_left(
     _until(lambda: _health(endpoint) is None, 30, "the left engine to stop")
 
 
+def _child(parent_pid: int, word: str) -> int:
+    """The pid of `parent_pid`'s child whose command line has `word` (`flexpipe controller`)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent_pid and word.encode() in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no child {word!r} of {parent_pid}")
+
+
 def _free_port() -> int:
     import socket
 
@@ -248,6 +263,18 @@ def test_up_on_three_ray_nodes_serves_loses_no_request_to_a_lost_node_and_cleans
         assert all(finish == "length" and text for text, finish in results)
         _until(lambda: any(re.search(r"llama-7b-\d exited", ln) for ln in lines), 60,
                "the controller to notice the lost instance")  # fmt: skip
+
+        # the controller crashes; `up` restarts it, and it starts clean: what its predecessor
+        # left in Ray is removed, the plan is brought up again in new placement groups
+        before = {p.pg_id for p in _live_pgs("flexpipe:default:")}
+        num_serving = sum("instance(s) serving" in ln for ln in lines)
+        os.kill(_child(up.pid, "controller"), signal.SIGKILL)
+        _until(lambda: sum("instance(s) serving" in ln for ln in lines) > num_serving, 180,
+               "the restarted controller to serve")  # fmt: skip
+        after = {p.pg_id for p in _live_pgs("flexpipe:default:")}
+        assert after and not after & before
+        answer = client.completions.create(model="llama-7b", prompt="again", max_tokens=8)
+        assert answer.choices[0].finish_reason == "length"
     finally:
         up.send_signal(signal.SIGINT)
         try:
