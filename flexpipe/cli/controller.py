@@ -98,10 +98,10 @@ def controller(
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Launch the plan's engines, register them in the gateway, shift gears while serving."""
-    from flexpipe.cli.up import DEFAULT_CLUSTER, DEFAULT_MODELS
     from flexpipe.control.controller import Controller, ControllerConfig
     from flexpipe.control.gateway_client import GatewayClient
     from flexpipe.control.launching import engine_spec, load_models
+    from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
     from flexpipe.launch import ENGINES, LocalLauncher
     from flexpipe.policies.shift import ShiftParams
     from flexpipe.store import Store

@@ -1,7 +1,8 @@
 """`flexpipe up`: a gateway and a controller, supervised; the plan lives.
 
 1. load the cluster and the models (default: the seed's fragmented 4-GPU cluster and one 7B
-   model, examples/), plan once to show the plan and to stop early on what cannot work;
+   model, shipped in the package: flexpipe/examples.py), plan once to show the plan and to
+   stop early on what cannot work;
 2. start `flexpipe gateway` (the OpenAI API on 127.0.0.1:8000; its admin token in a private
    file) and `flexpipe controller` (launches the plan's engines, registers each in the
    gateway once healthy, shifts gears as load and free GPUs change; its admin API on the
@@ -32,15 +33,12 @@ from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
 from flexpipe.cluster import load_cluster
 from flexpipe.control.launching import engine_spec, load_models
+from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.launch import ENGINES
 from flexpipe.launch.local import die_with_parent
 from flexpipe.policies.planner import Plan, plan
 from flexpipe.store import Store
-
-_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CLUSTER = _ROOT / "examples" / "clusters" / "fragmented-4gpu.yaml"
-DEFAULT_MODELS = _ROOT / "examples" / "models" / "llama-7b.yaml"
 
 
 class UpError(ValueError):
@@ -177,7 +175,7 @@ def register(app: typer.Typer) -> None:
             Path | None, typer.Option(help="Cluster file (default: the fragmented 4-GPU example).")
         ] = None,
         models: Annotated[
-            Path | None, typer.Option(help="Models file (default: one 7B model, examples/).")
+            Path | None, typer.Option(help="Models file (default: the built-in one 7B model).")
         ] = None,
         engine: Annotated[str, typer.Option(help="sim or vllm.")] = "sim",
         host: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1",
