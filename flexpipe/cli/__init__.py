@@ -19,6 +19,7 @@ from flexpipe.cli import (
     plan,
     shifts,
     sim,
+    status,
     up,
 )
 
@@ -58,6 +59,7 @@ for _module in (
     plan,
     up,
     shifts,
+    status,
     sim,
 ):
     _module.register(app)

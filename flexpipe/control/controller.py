@@ -263,6 +263,19 @@ class Controller:
                 for i in self.running.values()
             ],
             "resources": self.resources.to_json(),
+            # what `flexpipe status` / `top` compare against and how to read the engines
+            "gateway": self.gateway.url,
+            "engine": self.cfg.engine_kind,
+            "time_scale": self.cfg.time_scale,
+            "models": [
+                {
+                    "name": d.name,
+                    "model": d.model,
+                    "slo": {"ttft_p99_s": d.slo.ttft_p99_s, "tpot_p99_s": d.slo.tpot_p99_s},
+                    "request_rate_per_s": self._rate_per_s.get(d.name, d.request_rate_per_s),
+                }
+                for d in self.cfg.demands
+            ],
             "last_decision": None if self.last_decision is None else self.last_decision.to_dict(),
             "last_outcome": None if self.last_outcome is None else self.last_outcome.to_dict(),
             "num_shifts": len(self.history),
