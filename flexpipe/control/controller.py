@@ -11,7 +11,8 @@ of the running plan, keeps the gateway's pool in step with it, and every `tick_s
    requests it moved; a shift that fails counts towards the target's blacklist.
 
 Its admin API (`client.py` has the contract): POST /admin/gpus/occupy, /admin/gpus/release,
-GET /admin/status, GET /metrics.
+GET /admin/status, GET /metrics, GET /sd/engines (the engines as Prometheus HTTP service
+discovery targets, control/targets.py).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from flexpipe.control.lifecycle import State
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
 from flexpipe.control.samples import Sampler
+from flexpipe.control.targets import SD_PATH, http_sd_targets
 from flexpipe.gears.gear import parse_gear
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
@@ -147,6 +149,7 @@ class Controller:
         self.shift_log = ShiftLog(store) if store is not None else None
         self.registry = InstanceRegistry(store) if store is not None else None
         self.metrics = ControllerMetrics()
+        self.metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
         self._gone: list[tuple[str, State]] = []  # (model, gone) for the instance gauge
         self.executor = Executor(
             launcher,
@@ -522,6 +525,7 @@ class Controller:
         app.add_route("GET", STATUS_PATH, self._status)
         app.add_route("GET", "/health", self._health)
         app.add_route("GET", "/metrics", self._metrics)
+        app.add_route("GET", SD_PATH, self._targets)
         return app
 
     def _auth(self, req: Request) -> None:
@@ -562,6 +566,10 @@ class Controller:
     async def _status(self, req: Request) -> Response:
         self._auth(req)
         return json_response(self.status())
+
+    async def _targets(self, req: Request) -> Response:
+        self._auth(req)
+        return json_response(http_sd_targets(self.status()["instances"]))
 
     async def _health(self, req: Request) -> Response:
         del req
