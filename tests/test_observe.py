@@ -140,7 +140,8 @@ def test_snapshot_without_a_previous_reading_is_since_start() -> None:
     snap = snapshot(now)
     (m,) = snap.models
     assert snap.window_s is None
-    assert m.request_rate_per_s is None and m.generation_tokens_per_s is None
+    assert m.request_rate_per_s == 1.0  # the controller's measure
+    assert m.generation_tokens_per_s is None
     assert m.error_rate == 1 / 30 and m.prefix_hit_rate == 40 / 200
     assert m.gpu_utilization is None  # busy time needs an elapsed time
     # 29 x 40 ms + 1 x 700 ms: rank 28.5 in the 25-50 ms bucket

@@ -22,6 +22,7 @@ import secrets
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -33,6 +34,7 @@ from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
 from flexpipe.cluster import load_cluster
 from flexpipe.control.launching import engine_spec, load_models
+from flexpipe.demo import DemoRun, controller_args, demo_cluster, demo_shift_config
 from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.launch import ENGINES
@@ -98,6 +100,7 @@ async def supervise(
     say: Callable[[str], None],
     drain_timeout_s: float,
     max_restarts: int = 5,
+    on_stop: Callable[[], None] | None = None,
 ) -> int:
     """Run the gateway, then the controller, until SIGINT/SIGTERM. A child that dies is
     started again (a controller adopts the engines its predecessor left, and gives a new
@@ -113,7 +116,10 @@ async def supervise(
     num_restarts = 0
     try:
         await _wait_listening(host, port, gateway)
-        say(f"flexpipe up: OpenAI API at http://{host}:{port}/v1 (starting engines)")
+        say(
+            f"flexpipe up: OpenAI API at http://{host}:{port}/v1, dashboard at "
+            f"http://{host}:{port}/ui (starting engines)"
+        )
         controller = await _start(controller_argv, say)
         while True:
             waits = [
@@ -125,6 +131,8 @@ async def supervise(
             for w in waits:
                 w.cancel()
             if stop.is_set():
+                if on_stop is not None:
+                    on_stop()  # e.g. the demo's load: no new requests while draining
                 return await _stop(controller, drain_timeout_s + 30)
             if controller.returncode == 2:
                 return 2  # it said why
@@ -210,6 +218,13 @@ def register(app: typer.Typer) -> None:
             typer.Option(help="YAML with a `shift:` section (docs/shift-policy.md)."),
         ] = None,
         dry_run: Annotated[bool, typer.Option(help="Print the plan and exit.")] = False,
+        demo: Annotated[
+            bool,
+            typer.Option(
+                help="Drive a built-in load and the seed's timeline: another tenant holds gpu1, "
+                "then leaves it after a minute; watch flexpipe shift up (flexpipe/demo.py)."
+            ),
+        ] = False,
     ) -> None:
         """Plan for the free GPUs, launch the instances, serve the OpenAI API until Ctrl-C,
         shifting gears as load and free GPUs change."""
@@ -217,9 +232,13 @@ def register(app: typer.Typer) -> None:
         with user_errors():
             if engine not in ENGINES:
                 raise UpError(f"unknown engine {engine!r}; use sim or vllm")
+            if demo and cluster is not None:
+                raise UpError("--demo runs the built-in example cluster; leave out --cluster")
             cluster_path = cluster or DEFAULT_CLUSTER
             models_path = models or DEFAULT_MODELS
             the_cluster = load_cluster(cluster_path)
+            if demo:  # the plan the controller will start with: gpu1 held by the tenant
+                the_cluster = demo_cluster(the_cluster, time.time())
             demands = load_models(models_path)
             with Store(store) as st:
                 efficiency = st.efficiency()
@@ -279,12 +298,27 @@ def register(app: typer.Typer) -> None:
                 controller_argv += ["--sim-load-time-s", str(sim_load_time_s)]
             if store is not None:
                 controller_argv += ["--store", store]
+            demo_run = None
+            if demo:
+                shift_config = shift_config or demo_shift_config()
+                controller_argv += controller_args()
+                controller_url = f"http://{host}:{controller_port or port + 100}"
+                demo_run = DemoRun(
+                    f"http://{host}:{port}", controller_url, demands[0].name, say, time_scale
+                )
             if shift_config is not None:
                 controller_argv += ["--shift-config", str(shift_config)]
-            with user_errors():
-                rc = asyncio.run(
-                    supervise(gateway_argv, controller_argv, host, port, say, drain_timeout_s)
-                )
+            try:
+                if demo_run is not None:
+                    demo_run.start()
+                with user_errors():
+                    rc = asyncio.run(
+                        supervise(gateway_argv, controller_argv, host, port, say,
+                                  drain_timeout_s, on_stop=demo_run.halt if demo_run else None)
+                    )  # fmt: skip
+            finally:
+                if demo_run is not None:
+                    demo_run.stop()
         console.print("stopped the controller and the gateway")
         if rc != 0:
             raise typer.Exit(rc)

@@ -108,6 +108,10 @@ class ControllerConfig:
     min_instances_floor: int = 1
     shift: ShiftParams = field(default_factory=ShiftParams)
     seed: int = 0
+    # GPUs another tenant holds from the start, as if `flexpipe cluster occupy` had taken them
+    # (until released through the admin API): the demo's tenant on gpu1 (flexpipe/demo.py)
+    occupied: tuple[str, ...] = ()
+    occupied_owner: str = "another tenant"
 
 
 class Controller:
@@ -130,6 +134,10 @@ class Controller:
         self.say = say
         self.rng = random.Random(cfg.seed)
         self.resources = Resources.of(load_cluster(cfg.cluster_path), wall())
+        if cfg.occupied:
+            self.resources, _ = self.resources.occupy(
+                cfg.occupied, cfg.occupied_owner, None, wall()
+            )
         self.efficiency = store.efficiency() if store is not None else None
         self.performance = GearLookup(store.points() if store is not None else [], self.efficiency)
         self.policy = ShiftPolicy(cfg.shift, planner=self._planner, efficiency=self.efficiency)

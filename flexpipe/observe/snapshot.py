@@ -80,7 +80,7 @@ class InstanceView:
 class ModelView:
     name: str
     num_instances: int
-    request_rate_per_s: float | None  # finished at the gateway
+    request_rate_per_s: float | None  # finished at the gateway (no window: the controller's)
     error_rate: float | None  # share of finished requests that were not 2xx
     ttft_p95_s: float | None
     tpot_p95_s: float | None
@@ -255,6 +255,9 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
     model_docs = [m for m in st.get("models", []) if isinstance(m, Mapping)]
     names = [str(m["name"]) for m in model_docs] or sorted({i.model for i in instances})
     slo = {str(m["name"]): m.get("slo") or {} for m in model_docs}
+    # without a window: the controller's own measure (finished requests over its last minute)
+    rate = {str(m["name"]): float(m["request_rate_per_s"]) for m in model_docs
+            if m.get("request_rate_per_s") is not None}  # fmt: skip
     hist = parse_histograms(now.gateway_metrics or "", (TTFT, TPOT))
     hist0 = parse_histograms(before.gateway_metrics or "", (TTFT, TPOT)) if before else {}
     models = []
@@ -296,7 +299,7 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
             ModelView(
                 name=name,
                 num_instances=len(mine),
-                request_rate_per_s=_ratio(num_done, modelled_s) if modelled_s else None,
+                request_rate_per_s=_ratio(num_done, modelled_s) if modelled_s else rate.get(name),
                 error_rate=None if not num_done else (num_done - num_ok) / num_done,
                 ttft_p95_s=p95[TTFT],
                 tpot_p95_s=p95[TPOT],
