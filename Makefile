@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench typecheck clean
+.PHONY: run demo test lint bench typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP)
 	$(VENV)/bin/flexpipe up
+
+demo: $(STAMP)
+	$(VENV)/bin/flexpipe up --demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -6,8 +6,8 @@ it occupied, `flexpipe controller --occupy gpu1`), so the first plan serves on t
 left: the lone L4, the lone A100 and the L40S behind the slow link. Open-loop Poisson load
 starts once the model serves; a minute later (modelled) the tenant leaves gpu1: the demo
 releases it through the controller's admin API (`flexpipe cluster release gpu1` does the
-same), and the controller re-plans and shifts up to tensor parallelism over the NVLinked
-A100 pair, make-before-break, while the load runs. Watch it with `flexpipe status --watch`,
+same), and the controller re-plans and shifts up onto the freed A100, make-before-break,
+while the load runs. Watch it with `flexpipe status --watch`,
 `flexpipe top`, the dashboard (/ui) and `flexpipe shifts`.
 
 The load is streamed completions through the gateway with flexpipe's own HTTP client (no
