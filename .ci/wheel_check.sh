@@ -22,7 +22,7 @@ say() { echo "wheel_check [$((SECONDS - START_S)) s]: $*"; }
 WHEEL=$(ls "$WORK"/dist/flexpipe-*.whl)
 say "built $(basename "$WHEEL")"
 "$PYTHON" -m venv "$WORK/venv"
-"$WORK/venv/bin/python" -m pip install -q "$WHEEL"
+"$WORK/venv/bin/python" -m pip install -q --no-compile "$WHEEL"
 say "installed into a clean venv"
 
 mkdir "$WORK/elsewhere" && cd "$WORK/elsewhere"

@@ -26,7 +26,7 @@ from test_up import wait_for_line, write_models
 from typer.testing import CliRunner
 
 from flexpipe.cli import app
-from flexpipe.control.targets import SD_PATH
+from flexpipe.control.targets import SD_PATH, http_sd_targets
 from flexpipe.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,3 +215,15 @@ def test_the_scrape_config_points_at_what_up_serves() -> None:
     assert jobs["flexpipe-controller"]["static_configs"][0]["targets"] == ["127.0.0.1:8100"]
     (sd,) = jobs["flexpipe-engines"]["http_sd_configs"]
     assert sd["url"] == "http://127.0.0.1:8100" + SD_PATH
+
+
+def test_http_sd_targets_label_each_instance() -> None:
+    doc = {"name": "m-0", "model": "m", "gear": "tp2-pp1-bf16-kvauto-s48", "gpus": ["gpu2", "gpu1"],
+           "url": "http://127.0.0.1:9001", "state": "active"}  # fmt: skip
+    assert http_sd_targets([doc, {**doc, "url": "not a url"}]) == [
+        {
+            "targets": ["127.0.0.1:9001"],
+            "labels": {"flexpipe_instance": "m-0", "model": "m", "gear": "tp2-pp1-bf16-kvauto-s48",
+                       "gpus": "gpu2+gpu1", "state": "active"},
+        }
+    ]  # fmt: skip
