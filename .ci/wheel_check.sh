@@ -9,10 +9,21 @@ PYTHON=${PYTHON:-python3}
 START_S=$SECONDS
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/flexpipe-wheel.XXXXXX")
 UP_PID=""
+ours() {  # pids of processes started from this check's venv (a unique temporary path)
+    "$PYTHON" - "$WORK/venv/" <<'PY'
+import os, sys
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if sys.argv[1].encode() in f.read() and int(pid) != os.getpid():
+                print(pid)
+    except OSError:
+        pass
+PY
+}
 cleanup() {
     if [[ -n "$UP_PID" ]] && kill -0 "$UP_PID" 2>/dev/null; then kill -KILL "$UP_PID" || true; fi
-    # processes of this check's own venv (a unique temporary path), by id
-    for pid in $(pgrep -f "$WORK/venv/" || true); do kill -KILL "$pid" 2>/dev/null || true; done
+    for pid in $(ours); do kill -KILL "$pid" 2>/dev/null || true; done
     rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -39,14 +50,27 @@ CPORT=$("$WORK/venv/bin/python" -c 'from flexpipe.launch import free_port; print
     > "$WORK/up.log" 2>&1 &
 UP_PID=$!
 BASE="http://127.0.0.1:$PORT/v1"
+# python3, not curl: a clean CI machine has python3 and pip, nothing more
+http() {  # http URL [JSON BODY]: print the answer's body; fail on no answer or an error status
+    "$WORK/venv/bin/python" - "$@" <<'PY'
+import sys, urllib.request
+url, body = sys.argv[1], (sys.argv[2].encode() if len(sys.argv) > 2 else None)
+req = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
+try:
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        sys.stdout.write(resp.read().decode())
+except OSError as exc:
+    sys.exit(f"{url}: {exc}")
+PY
+}
 for _ in $(seq 1 600); do
-    if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then break; fi
+    if http "http://127.0.0.1:$PORT/v1/models" 2>/dev/null | grep -q '"llama-7b"'; then break; fi
     kill -0 "$UP_PID" 2>/dev/null || { cat "$WORK/up.log"; echo "flexpipe up exited"; exit 1; }
     sleep 0.2
 done
-curl -sf "$BASE/models" | grep -q '"llama-7b"' || { cat "$WORK/up.log"; exit 1; }
-ANSWER=$(curl -sf "$BASE/chat/completions" -H 'content-type: application/json' \
-    -d '{"model": "llama-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}')
+ANSWER=$(http "$BASE/chat/completions" \
+    '{"model": "llama-7b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}') \
+    || { cat "$WORK/up.log"; exit 1; }
 echo "$ANSWER" | grep -q '"chat.completion"' || { echo "$ANSWER"; cat "$WORK/up.log"; exit 1; }
 say "one chat completion through flexpipe up at $BASE"
 
@@ -55,6 +79,7 @@ for _ in $(seq 1 600); do kill -0 "$UP_PID" 2>/dev/null || break; sleep 0.1; don
 if kill -0 "$UP_PID" 2>/dev/null; then cat "$WORK/up.log"; echo "up did not stop"; exit 1; fi
 wait "$UP_PID" || { cat "$WORK/up.log"; echo "up exited non-zero"; exit 1; }
 UP_PID=""
-for _ in $(seq 1 100); do pgrep -f "$WORK/venv/" > /dev/null || break; sleep 0.1; done
-if pgrep -af "$WORK/venv/"; then echo "processes left behind (above)"; exit 1; fi
+for _ in $(seq 1 100); do [[ -z "$(ours)" ]] && break; sleep 0.1; done
+LEFT=$(ours)
+if [[ -n "$LEFT" ]]; then echo "processes left behind: $LEFT"; exit 1; fi
 say "stopped; no process left; done"
