@@ -99,6 +99,7 @@ def test_status_json_from_the_running_processes(up: Up) -> None:
     assert res.returncode == 0, res.stderr
     snap = json.loads(res.stdout)
     assert snap["cluster"] == "fragmented-4gpu" and snap["engine"] == "sim"
+    assert json.loads(_get(up.controller + "/admin/status"))["store"] == up.store
     assert snap["gateway_url"] == f"http://127.0.0.1:{up.port}" and snap["gateway_up"]
     instances = snap["instances"]
     # the seed's plan: TP2 over the NVLinked pair, one instance on each lone GPU
@@ -119,7 +120,7 @@ def test_status_json_from_the_running_processes(up: Up) -> None:
 def test_top_draws_a_frame(up: Up) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "flexpipe", "top", "--frames", "1", "--interval", "0.5",
-         "--controller", up.controller, "--store", up.store],
+         "--controller", up.controller],  # the shift log: where the controller writes it
         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     assert res.returncode == 0, res.stderr

@@ -27,7 +27,7 @@ from rich.text import Text
 from flexpipe.cli.cluster import ControllerUrl, TimeoutS, Token, TokenFile
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console
-from flexpipe.cli.shifts import StoreOpt, entries_table
+from flexpipe.cli.shifts import entries_table
 from flexpipe.control.client import (
     DEFAULT_CONTROLLER_URL,
     ControllerClient,
@@ -156,7 +156,10 @@ def register(app: typer.Typer) -> None:
         token: Token = None,
         token_file: TokenFile = None,
         timeout_s: TimeoutS = 5.0,
-        store: StoreOpt = None,
+        store: Annotated[
+            str | None,
+            typer.Option(help="The shift log's store URL (default: the one the controller uses)."),
+        ] = None,
         num_shifts: Annotated[int, typer.Option("--shifts", min=0, help="Changes shown.")] = 5,
         frames: Annotated[
             int, typer.Option(min=0, help="Stop after this many refreshes (0: until q).")
@@ -168,6 +171,7 @@ def register(app: typer.Typer) -> None:
         client = _client(controller, token, token_file, timeout_s)
         out = make_console()
         before = _read(client, timeout_s)
+        store = store or before.status.get("store")  # the shift log the controller writes
         view: RenderableType = top_view(snapshot(before), _last_shifts(store, num_shifts))
         num_frames = 0
         with (

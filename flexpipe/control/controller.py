@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from flexpipe.cluster import Cluster, load_cluster
 from flexpipe.control.adopt import AdoptedEngine, reachable, stop_group
@@ -278,6 +280,8 @@ class Controller:
             "gateway": self.gateway.url,
             "engine": self.cfg.engine_kind,
             "time_scale": self.cfg.time_scale,
+            # where the shift log is (`flexpipe top` reads it there); not a URL with a password
+            "store": _shareable(self.store.url) if self.store is not None else None,
             "models": [
                 {
                     "name": d.name,
@@ -591,6 +595,14 @@ class Controller:
 def _flat_key(model: str, gear_key: str, gpu_ids: Sequence[str]) -> str:
     """Model, gear and GPUs in order: what a registry record and a planned instance share."""
     return f"{model}|{gear_key}|{','.join(gpu_ids)}"
+
+
+def _shareable(url: str) -> str | None:
+    """A store URL safe to hand out over the admin API: None when it holds a password."""
+    try:
+        return None if make_url(url).password is not None else url
+    except ArgumentError:
+        return None
 
 
 def _utc_now() -> datetime:
