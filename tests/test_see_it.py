@@ -228,3 +228,26 @@ def test_http_sd_targets_label_each_instance() -> None:
                        "gpus": "gpu2+gpu1", "state": "active"},
         }
     ]  # fmt: skip
+
+
+def test_the_board_is_well_formed() -> None:
+    """What Grafana needs to import and lay it out: unique ids, 24 columns, every panel on the
+    chosen data source with queries, panels that do not overlap."""
+    board = json.loads(BOARD.read_text())
+    panels = board["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(g["y"] + dy, g["x"] + dx) for dy in range(g["h"]) for dx in range(g["w"])}
+        assert not cells & mine, f"{p['title']} overlaps another panel"
+        cells |= mine
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
+        assert len({t["refId"] for t in p["targets"]}) == len(p["targets"])
+    names = [v["name"] for v in board["templating"]["list"]]
+    assert names == ["datasource", "model"]
+    shifts = [a for a in board["annotations"]["list"] if a.get("name") == "Shifts"]
+    assert len(shifts) == 1 and "flexpipe_shifts_total" in shifts[0]["expr"]
