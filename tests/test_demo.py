@@ -90,3 +90,23 @@ def test_up_demo_starts_on_fragments_and_shifts_up(tmp_path: Path) -> None:
     time.sleep(1)
     assert processes_with(str(tmp_path)) == []  # the controller (its --store) is gone
     assert [p for e in engine_ports for p in processes_with(f"--port {e} ")] == []
+
+
+def test_controller_occupy_of_an_unknown_gpu_is_one_line(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "flexpipe", "controller", "--occupy", "gpu9",
+         "--port", str(free_port()), "--store", f"sqlite:///{tmp_path / 'fp.db'}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith("error: --occupy gpu9: no such GPU in ")
+    assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+
+
+def test_up_demo_with_a_cluster_file_is_refused(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "flexpipe", "up", "--demo", "--cluster", str(DEFAULT_CLUSTER),
+         "--store", f"sqlite:///{tmp_path / 'fp.db'}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 2 and "--demo runs the built-in example cluster" in res.stderr
