@@ -12,13 +12,13 @@ SLOs, and so does the snapshot: latencies and rates here are in modelled seconds
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from flexpipe.control.samples import bucket_delta, bucket_quantile, parse_histograms
+from flexpipe.control.samples import Buckets, bucket_delta, bucket_quantile, parse_histograms
 from flexpipe.observe.readings import Readings
 
 __all__ = [
@@ -132,11 +132,13 @@ class Snapshot:
 
 
 def _delta(now: float | None, before: float | None) -> float | None:
+    """A counter's increase; its value when there is no earlier one or it went back (the
+    process restarted and counts from 0 again)."""
     if now is None:
         return None
-    if before is None:
+    if before is None or now < before:
         return now
-    return max(0.0, now - before) if now >= before else now  # a restart resets counters
+    return now - before
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -198,127 +200,127 @@ def _mean(values: Iterable[tuple[float | None, float]]) -> float | None:
     return None if not known or total_w <= 0 else sum(v * w for v, w in known) / total_w
 
 
-def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
-    """The snapshot of `now`, with rates over the window since `before`."""
-    st = now.status
-    scale = float(st.get("time_scale") or 1.0)
-    scale = scale if scale > 0 else 1.0
-    window_s = None if before is None else max(1e-9, now.at_s - before.at_s)
-    modelled_s = None if window_s is None else window_s / scale
-    gw = parse_samples(now.gateway_metrics)
-    gw0 = parse_samples(before.gateway_metrics) if before is not None else None
-    pool_state = {
-        lab["instance"]: lab.get("state", "") for lab, _ in gw.get("flexpipe_instance_up", [])
-    }
+@dataclass(frozen=True)
+class _Window:
+    """The two readings a snapshot compares, parsed once."""
 
-    engines = {u: _Engine.of(t) for u, t in now.engine_metrics.items()}
-    engines0 = {u: _Engine.of(t) for u, t in (before.engine_metrics if before else {}).items()}
+    scale: float  # wall seconds per modelled second
+    modelled_s: float | None  # the window in modelled seconds; None: since start
+    gw: Samples
+    gw0: Samples | None
+    engines: dict[str, _Engine | None]
+    engines0: dict[str, _Engine | None]
+    hist: dict[tuple[str, str], Buckets]
+    hist0: dict[tuple[str, str], Buckets]
 
-    instances: list[InstanceView] = []
-    busy: dict[str, tuple[float | None, float]] = {}
-    for doc in st.get("instances", []):
-        url = str(doc.get("url", ""))
-        e, e0 = engines.get(url), engines0.get(url)
+    @staticmethod
+    def of(now: Readings, before: Readings | None) -> _Window:
+        scale = float(now.status.get("time_scale") or 1.0)
+        scale = scale if scale > 0 else 1.0
+        window_s = None if before is None else max(1e-9, now.at_s - before.at_s)
+        previous = before.engine_metrics if before is not None else {}
+        return _Window(
+            scale,
+            None if window_s is None else window_s / scale,
+            parse_samples(now.gateway_metrics),
+            parse_samples(before.gateway_metrics) if before is not None else None,
+            {u: _Engine.of(t) for u, t in now.engine_metrics.items()},
+            {u: _Engine.of(t) for u, t in previous.items()},
+            parse_histograms(now.gateway_metrics or "", (TTFT, TPOT)),
+            parse_histograms(before.gateway_metrics or "", (TTFT, TPOT)) if before else {},
+        )
+
+    def counted(self, url: str, field: str) -> float | None:
+        """An engine counter over the window (since start without one)."""
+        e, e0 = self.engines.get(url), self.engines0.get(url)
         if e is None:
-            health = "unreachable"
-        elif url not in pool_state:
-            health = "not routed"
-        else:
-            health = pool_state[url]
-        hits = _delta(e.hits, e0.hits if e0 else None) if e else None
-        queries = _delta(e.queries, e0.queries if e0 else None) if e else None
-        util = None
-        if e is not None and e0 is not None and modelled_s and e.busy_s is not None:
-            util = min(1.0, (_delta(e.busy_s, e0.busy_s) or 0.0) / modelled_s)
-        gpus = tuple(str(g) for g in doc.get("gpus", []))
-        busy[url] = (util, float(len(gpus) or 1))
-        instances.append(
-            InstanceView(
-                name=str(doc.get("name", "")),
-                model=str(doc.get("model", "")),
-                gear=str(doc.get("gear", "")),
-                gpus=gpus,
-                url=url,
-                state=str(doc.get("state", "")),
-                health=health,
-                num_running=_int(e.running) if e else None,
-                num_waiting=_int(e.waiting) if e else None,
-                num_in_flight=_int(_value(gw, "flexpipe_in_flight_requests", instance=url)),
-                max_num_seqs=_int(e.max_num_seqs) if e else None,
-                kv_usage=e.kv if e else None,
-                prefix_hit_rate=_ratio(hits, queries),
-                gpu_utilization=util,
-            )
-        )
+            return None
+        return _delta(getattr(e, field), getattr(e0, field) if e0 is not None else None)
 
-    num_gateway_queued = _int(_value(gw, "flexpipe_queued_requests")) or 0
-    model_docs = [m for m in st.get("models", []) if isinstance(m, Mapping)]
-    names = [str(m["name"]) for m in model_docs] or sorted({i.model for i in instances})
-    slo = {str(m["name"]): m.get("slo") or {} for m in model_docs}
-    # without a window: the controller's own measure (finished requests over its last minute)
-    rate = {str(m["name"]): float(m["request_rate_per_s"]) for m in model_docs
-            if m.get("request_rate_per_s") is not None}  # fmt: skip
-    hist = parse_histograms(now.gateway_metrics or "", (TTFT, TPOT))
-    hist0 = parse_histograms(before.gateway_metrics or "", (TTFT, TPOT)) if before else {}
-    models = []
-    for name in names:
-        mine = [i for i in instances if i.model == name]
-        done = _value(gw, "flexpipe_requests_total", model=name)
-        done0 = _value(gw0, "flexpipe_requests_total", model=name) if gw0 is not None else None
-        ok = sum(
-            v for lab, v in gw.get("flexpipe_requests_total", [])
-            if lab.get("model") == name and lab.get("status", "").startswith("2")
-        )  # fmt: skip
-        ok0 = sum(
-            v for lab, v in (gw0 or {}).get("flexpipe_requests_total", [])
-            if lab.get("model") == name and lab.get("status", "").startswith("2")
-        )  # fmt: skip
-        num_done = _delta(done, done0)
-        num_ok = ok - ok0 if gw0 is not None and ok >= ok0 else ok
-        p95 = {}
-        for metric in (TTFT, TPOT):
-            buckets = bucket_delta(hist.get((metric, name), ()), hist0.get((metric, name)))
-            q = bucket_quantile(P95, buckets)
-            p95[metric] = None if q is None else q / scale
-        hits = queries = 0.0
-        tokens: float | None = None
-        for i in mine:
-            e, e0 = engines.get(i.url), engines0.get(i.url)
-            if e is None:
-                continue
-            hits += _delta(e.hits, e0.hits if e0 else None) or 0.0
-            queries += _delta(e.queries, e0.queries if e0 else None) or 0.0
-            if e0 is not None and e.tokens is not None:
-                tokens = (tokens or 0.0) + (_delta(e.tokens, e0.tokens) or 0.0)
-        waiting = sum(i.num_waiting or 0 for i in mine)
-        ttft_slo, tpot_slo = (
-            slo.get(name, {}).get("ttft_p99_s"),
-            slo.get(name, {}).get("tpot_p99_s"),
-        )
-        models.append(
-            ModelView(
-                name=name,
-                num_instances=len(mine),
-                request_rate_per_s=_ratio(num_done, modelled_s) if modelled_s else rate.get(name),
-                error_rate=None if not num_done else (num_done - num_ok) / num_done,
-                ttft_p95_s=p95[TTFT],
-                tpot_p95_s=p95[TPOT],
-                ttft_slo_s=None if ttft_slo is None else float(ttft_slo),
-                tpot_slo_s=None if tpot_slo is None else float(tpot_slo),
-                num_queued=waiting + (num_gateway_queued if len(names) == 1 else 0),
-                prefix_hit_rate=_ratio(hits, queries),
-                gpu_utilization=_mean(busy[i.url] for i in mine),
-                generation_tokens_per_s=_ratio(tokens, modelled_s) if tokens is not None else None,
-            )
-        )
 
+def _instance_view(
+    doc: Mapping[str, Any], w: _Window, pool_state: Mapping[str, str]
+) -> InstanceView:
+    url = str(doc.get("url", ""))
+    e, e0 = w.engines.get(url), w.engines0.get(url)
+    health = "unreachable" if e is None else pool_state.get(url, "not routed")
+    util = None
+    if e is not None and e0 is not None and w.modelled_s and e.busy_s is not None:
+        util = min(1.0, (w.counted(url, "busy_s") or 0.0) / w.modelled_s)
+    return InstanceView(
+        name=str(doc.get("name", "")),
+        model=str(doc.get("model", "")),
+        gear=str(doc.get("gear", "")),
+        gpus=tuple(str(g) for g in doc.get("gpus", [])),
+        url=url,
+        state=str(doc.get("state", "")),
+        health=health,
+        num_running=_int(e.running) if e else None,
+        num_waiting=_int(e.waiting) if e else None,
+        num_in_flight=_int(_value(w.gw, "flexpipe_in_flight_requests", instance=url)),
+        max_num_seqs=_int(e.max_num_seqs) if e else None,
+        kv_usage=e.kv if e else None,
+        prefix_hit_rate=_ratio(w.counted(url, "hits"), w.counted(url, "queries")),
+        gpu_utilization=util,
+    )
+
+
+def _finished(samples: Samples | None, model: str) -> tuple[float, float]:
+    """(all, 2xx) requests of `model` the gateway finished."""
+    rows = [(lab, v) for lab, v in (samples or {}).get("flexpipe_requests_total", [])
+            if lab.get("model") == model]  # fmt: skip
+    return sum(v for _, v in rows), sum(v for lab, v in rows if lab.get("status", "")[:1] == "2")
+
+
+def _model_view(
+    doc: Mapping[str, Any], mine: Sequence[InstanceView], w: _Window, num_queued_extra: int
+) -> ModelView:
+    name = str(doc["name"])
+    done, ok = _finished(w.gw, name)
+    if w.gw0 is not None:
+        done0, ok0 = _finished(w.gw0, name)
+        if done >= done0:  # else the gateway restarted: its counters start again
+            done, ok = done - done0, ok - ok0
+    p95 = {}
+    for metric in (TTFT, TPOT):
+        q = bucket_quantile(P95, bucket_delta(w.hist.get((metric, name), ()),
+                                              w.hist0.get((metric, name))))  # fmt: skip
+        p95[metric] = None if q is None else q / w.scale
+    reached = [i for i in mine if w.engines.get(i.url) is not None]
+    hits = sum(w.counted(i.url, "hits") or 0.0 for i in reached)
+    queries = sum(w.counted(i.url, "queries") or 0.0 for i in reached)
+    tokens = None
+    if w.modelled_s:
+        tokens = sum(w.counted(i.url, "tokens") or 0.0 for i in reached) / w.modelled_s
+    slo = doc.get("slo") or {}
+    rate = doc.get("request_rate_per_s")  # the controller's: finished over its last minute
+    return ModelView(
+        name=name,
+        num_instances=len(mine),
+        request_rate_per_s=done / w.modelled_s if w.modelled_s else _float(rate),
+        error_rate=(done - ok) / done if done else None,
+        ttft_p95_s=p95[TTFT],
+        tpot_p95_s=p95[TPOT],
+        ttft_slo_s=_float(slo.get("ttft_p99_s")),
+        tpot_slo_s=_float(slo.get("tpot_p99_s")),
+        num_queued=sum(i.num_waiting or 0 for i in mine) + num_queued_extra,
+        prefix_hit_rate=_ratio(hits, queries),
+        gpu_utilization=_mean((i.gpu_utilization, float(len(i.gpus) or 1)) for i in mine),
+        generation_tokens_per_s=tokens,
+    )
+
+
+def _float(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def _gpu_views(resources: Mapping[str, Any], instances: Sequence[InstanceView]) -> list[GpuView]:
     on_gpu = {g: i for i in instances for g in i.gpus}
-    resources = st.get("resources") or {}
-    gpu_views: list[GpuView] = []
+    out = []
     for g in resources.get("gpus", []):
         inst = on_gpu.get(str(g["id"]))
         occupied = g.get("occupied")
-        gpu_views.append(
+        out.append(
             GpuView(
                 id=str(g["id"]),
                 node=str(g.get("node", "")),
@@ -332,20 +334,40 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
                 state=inst.state if inst else None,
             )
         )
+    return out
 
+
+def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
+    """The snapshot of `now`, with rates over the window since `before`."""
+    st = now.status
+    w = _Window.of(now, before)
+    pool_state = {lab["instance"]: lab.get("state", "")
+                  for lab, _ in w.gw.get("flexpipe_instance_up", [])}  # fmt: skip
+    instances = [_instance_view(doc, w, pool_state) for doc in st.get("instances", [])]
+    num_gateway_queued = _int(_value(w.gw, "flexpipe_queued_requests")) or 0
+    model_docs = [m for m in st.get("models", []) if isinstance(m, Mapping)]
+    if not model_docs:  # a controller without the models part: what its instances serve
+        model_docs = [{"name": n} for n in sorted({i.model for i in instances})]
+    lone = len(model_docs) == 1  # the gateway's queue is that model's
+    models = [
+        _model_view(m, [i for i in instances if i.model == m["name"]], w,
+                    num_gateway_queued if lone else 0)
+        for m in model_docs
+    ]  # fmt: skip
+    resources = st.get("resources") or {}
     return Snapshot(
         at_s=now.at_s,
         controller_url=now.controller_url,
         gateway_url=st.get("gateway"),
         gateway_up=now.gateway_metrics is not None,
         engine=str(st.get("engine", "")),
-        time_scale=scale,
-        window_s=window_s,
+        time_scale=w.scale,
+        window_s=None if before is None else max(1e-9, now.at_s - before.at_s),
         cluster=str(resources.get("cluster", "")),
         num_gateway_queued=num_gateway_queued,
         instances=tuple(instances),
         models=tuple(models),
-        gpus=tuple(gpu_views),
+        gpus=tuple(_gpu_views(resources, instances)),
         num_shifts=int(st.get("num_shifts", 0)),
         last_decision=_decision(st.get("last_decision")),
         last_outcome=_outcome(st.get("last_outcome")),
