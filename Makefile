@@ -4,16 +4,19 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench typecheck clean
+.PHONY: run demo test lint bench typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/flexpipe up
+
+demo: $(STAMP)
+	$(VENV)/bin/flexpipe up --demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -556,9 +556,9 @@ class ExampleEngine:
 
 def start_example_engines(procs: Procs, time_scale: float = 1.0) -> list[ExampleEngine]:
     """The engines `flexpipe up` starts for the built-in example: its planner, its launcher."""
-    from flexpipe.cli.up import DEFAULT_CLUSTER, DEFAULT_MODELS
     from flexpipe.cluster import load_cluster
     from flexpipe.control.launching import engine_spec, load_models
+    from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
     from flexpipe.gears.lookup import GearLookup
     from flexpipe.launch import LocalLauncher
     from flexpipe.policies.planner import plan

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
+import flexpipe
 from flexpipe.cli import (
     calibrate,
     cluster,
@@ -16,6 +19,7 @@ from flexpipe.cli import (
     plan,
     shifts,
     sim,
+    status,
     up,
 )
 
@@ -26,8 +30,21 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"flexpipe {flexpipe.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
     """flexpipe: serve LLMs on the GPUs a cluster actually has free."""
 
 
@@ -42,6 +59,7 @@ for _module in (
     plan,
     up,
     shifts,
+    status,
     sim,
 ):
     _module.register(app)

@@ -112,13 +112,23 @@ def controller(
     engine_host: Annotated[
         str | None, typer.Option(help="Ray: address engines bind [their node's Ray address].")
     ] = None,
+    occupy: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A GPU another tenant holds from the start, until `flexpipe cluster release` "
+            "(repeatable)."
+        ),
+    ] = None,
+    occupy_owner: Annotated[str, typer.Option(help="Who holds the --occupy GPUs.")] = (
+        "another tenant"
+    ),
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Launch the plan's engines, register them in the gateway, shift gears while serving."""
-    from flexpipe.cli.up import DEFAULT_CLUSTER, DEFAULT_MODELS
     from flexpipe.control.controller import Controller, ControllerConfig
     from flexpipe.control.gateway_client import GatewayClient
     from flexpipe.control.launching import engine_spec, load_models
+    from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
     from flexpipe.launch import ENGINES, LocalLauncher
     from flexpipe.policies.shift import ShiftParams
     from flexpipe.store import Store
@@ -138,6 +148,13 @@ def controller(
             if not isinstance(section, dict):
                 raise ValueError(f"{shift_config}: `shift:` must be a mapping")
             params = ShiftParams.from_mapping(section)
+        if occupy:
+            from flexpipe.cluster import load_cluster
+
+            known = {g.id for g in load_cluster(cluster_path).gpus}
+            unknown = [g for g in occupy if g not in known]
+            if unknown:
+                raise ValueError(f"--occupy {unknown[0]}: no such GPU in {cluster_path}")
         gw_token = _secret(None, gateway_token_file, "FLEXPIPE_GATEWAY_TOKEN")
         admin_token = _secret(None, token_file, "FLEXPIPE_CONTROLLER_TOKEN")
         cfg = ControllerConfig(
@@ -154,6 +171,8 @@ def controller(
             or secrets.token_urlsafe(16),
             engine_kind=engine,
             shift=params,
+            occupied=tuple(occupy or ()),
+            occupied_owner=occupy_owner,
         )
         st = Store(store)
     launcher: Launcher = LocalLauncher(

@@ -22,13 +22,11 @@ from rich.table import Table
 
 from flexpipe.cli.common import user_errors
 from flexpipe.cluster import load_cluster
+from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.hardware import GB
 from flexpipe.policies.planner import ModelDemand, Plan, PlannerConfig, parse_models, plan
 from flexpipe.store import Store
-
-DEFAULT_CLUSTER = Path("examples/clusters/fragmented-4gpu.yaml")
-DEFAULT_MODELS = Path("examples/models/llama-7b.yaml")
 
 
 def load_models_file(path: str | Path) -> tuple[ModelDemand, ...]:

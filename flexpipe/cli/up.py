@@ -1,7 +1,8 @@
 """`flexpipe up`: a gateway and a controller, supervised; the plan lives.
 
 1. load the cluster and the models (default: the seed's fragmented 4-GPU cluster and one 7B
-   model, examples/), plan once to show the plan and to stop early on what cannot work;
+   model, shipped in the package: flexpipe/examples.py), plan once to show the plan and to
+   stop early on what cannot work;
 2. start `flexpipe gateway` (the OpenAI API on 127.0.0.1:8000; its admin token in a private
    file) and `flexpipe controller` (launches the plan's engines, registers each in the
    gateway once healthy, shifts gears as load and free GPUs change; its admin API on the
@@ -21,6 +22,7 @@ import secrets
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -32,15 +34,13 @@ from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
 from flexpipe.cluster import Cluster, load_cluster
 from flexpipe.control.launching import engine_spec, load_models
+from flexpipe.demo import DemoRun, controller_args, demo_cluster, demo_shift_config
+from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.launch import ENGINES
 from flexpipe.launch.local import die_with_parent
 from flexpipe.policies.planner import Plan, plan
 from flexpipe.store import Store
-
-_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CLUSTER = _ROOT / "examples" / "clusters" / "fragmented-4gpu.yaml"
-DEFAULT_MODELS = _ROOT / "examples" / "models" / "llama-7b.yaml"
 
 
 class UpError(ValueError):
@@ -100,6 +100,7 @@ async def supervise(
     say: Callable[[str], None],
     drain_timeout_s: float,
     max_restarts: int = 5,
+    on_stop: Callable[[], None] | None = None,
 ) -> int:
     """Run the gateway, then the controller, until SIGINT/SIGTERM. A child that dies is
     started again (a controller adopts the engines its predecessor left, and gives a new
@@ -115,7 +116,10 @@ async def supervise(
     num_restarts = 0
     try:
         await _wait_listening(host, port, gateway)
-        say(f"flexpipe up: OpenAI API at http://{host}:{port}/v1 (starting engines)")
+        say(
+            f"flexpipe up: OpenAI API at http://{host}:{port}/v1, dashboard at "
+            f"http://{host}:{port}/ui (starting engines)"
+        )
         controller = await _start(controller_argv, say)
         while True:
             waits = [
@@ -127,6 +131,8 @@ async def supervise(
             for w in waits:
                 w.cancel()
             if stop.is_set():
+                if on_stop is not None:
+                    on_stop()  # e.g. the demo's load: no new requests while draining
                 return await _stop(controller, drain_timeout_s + 30)
             if controller.returncode == 2:
                 return 2  # it said why
@@ -193,7 +199,7 @@ def register(app: typer.Typer) -> None:
             Path | None, typer.Option(help="Cluster file (default: the fragmented 4-GPU example).")
         ] = None,
         models: Annotated[
-            Path | None, typer.Option(help="Models file (default: one 7B model, examples/).")
+            Path | None, typer.Option(help="Models file (default: the built-in one 7B model).")
         ] = None,
         engine: Annotated[str, typer.Option(help="sim or vllm.")] = "sim",
         host: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1",
@@ -235,6 +241,13 @@ def register(app: typer.Typer) -> None:
                 "in placement groups; --cluster then only adds links and names (docs/ray.md)."
             ),
         ] = None,
+        demo: Annotated[
+            bool,
+            typer.Option(
+                help="Drive a built-in load and the seed's timeline: another tenant holds gpu1, "
+                "then leaves it after a minute; watch flexpipe shift up (flexpipe/demo.py)."
+            ),
+        ] = False,
     ) -> None:
         """Plan for the free GPUs, launch the instances, serve the OpenAI API until Ctrl-C,
         shifting gears as load and free GPUs change."""
@@ -242,9 +255,13 @@ def register(app: typer.Typer) -> None:
         with user_errors():
             if engine not in ENGINES:
                 raise UpError(f"unknown engine {engine!r}; use sim or vllm")
+            if demo and cluster is not None:
+                raise UpError("--demo runs the built-in example cluster; leave out --cluster")
             cluster_path = cluster or DEFAULT_CLUSTER
             models_path = models or DEFAULT_MODELS
             the_cluster = load_cluster(cluster_path) if ray is None else _ray_cluster(ray, cluster)
+            if demo:  # the plan the controller will start with: gpu1 held by the tenant
+                the_cluster = demo_cluster(the_cluster, time.time())
             demands = load_models(models_path)
             with Store(store) as st:
                 efficiency = st.efficiency()
@@ -304,14 +321,29 @@ def register(app: typer.Typer) -> None:
                 controller_argv += ["--sim-load-time-s", str(sim_load_time_s)]
             if store is not None:
                 controller_argv += ["--store", store]
+            demo_run = None
+            if demo:
+                shift_config = shift_config or demo_shift_config()
+                controller_argv += controller_args()
+                controller_url = f"http://{host}:{controller_port or port + 100}"
+                demo_run = DemoRun(
+                    f"http://{host}:{port}", controller_url, demands[0].name, say, time_scale
+                )
             if shift_config is not None:
                 controller_argv += ["--shift-config", str(shift_config)]
             if ray is not None:
                 controller_argv += _ray_argv(ray, cluster, controller_argv)
-            with user_errors():
-                rc = asyncio.run(
-                    supervise(gateway_argv, controller_argv, host, port, say, drain_timeout_s)
-                )
+            try:
+                if demo_run is not None:
+                    demo_run.start()
+                with user_errors():
+                    rc = asyncio.run(
+                        supervise(gateway_argv, controller_argv, host, port, say,
+                                  drain_timeout_s, on_stop=demo_run.halt if demo_run else None)
+                    )  # fmt: skip
+            finally:
+                if demo_run is not None:
+                    demo_run.stop()
         console.print("stopped the controller and the gateway")
         if rc != 0:
             raise typer.Exit(rc)

@@ -11,7 +11,8 @@ of the running plan, keeps the gateway's pool in step with it, and every `tick_s
    requests it moved; a shift that fails counts towards the target's blacklist.
 
 Its admin API (`client.py` has the contract): POST /admin/gpus/occupy, /admin/gpus/release,
-GET /admin/status, GET /metrics.
+GET /admin/status, GET /metrics, GET /sd/engines (the engines as Prometheus HTTP service
+discovery targets, control/targets.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.adopt import AdoptedEngine, reachable, stop_group
@@ -49,6 +52,7 @@ from flexpipe.control.lifecycle import State
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
 from flexpipe.control.samples import Sampler
+from flexpipe.control.targets import SD_PATH, http_sd_targets
 from flexpipe.gears.gear import parse_gear
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
@@ -116,6 +120,10 @@ class ControllerConfig:
     min_instances_floor: int = 1
     shift: ShiftParams = field(default_factory=ShiftParams)
     seed: int = 0
+    # GPUs another tenant holds from the start, as if `flexpipe cluster occupy` had taken them
+    # (until released through the admin API): the demo's tenant on gpu1 (flexpipe/demo.py)
+    occupied: tuple[str, ...] = ()
+    occupied_owner: str = "another tenant"
 
 
 class Controller:
@@ -141,6 +149,10 @@ class Controller:
         self.rng = random.Random(cfg.seed)
         self.watch = watch or ClusterWatch(cfg.cluster_path, cfg.watch_interval_s)
         self.resources = Resources.of(self.watch.cluster, wall())
+        if cfg.occupied:
+            self.resources, _ = self.resources.occupy(
+                cfg.occupied, cfg.occupied_owner, None, wall()
+            )
         self.efficiency = store.efficiency() if store is not None else None
         self.performance = GearLookup(store.points() if store is not None else [], self.efficiency)
         self.policy = ShiftPolicy(cfg.shift, planner=self._planner, efficiency=self.efficiency)
@@ -160,6 +172,7 @@ class Controller:
         self.shift_log = ShiftLog(store) if store is not None else None
         self.registry = InstanceRegistry(store) if store is not None else None
         self.metrics = ControllerMetrics()
+        self.metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
         self._gone: list[tuple[str, State]] = []  # (model, gone) for the instance gauge
         self.executor = Executor(
             launcher,
@@ -276,6 +289,21 @@ class Controller:
                 for i in self.running.values()
             ],
             "resources": self.resources.to_json(),
+            # what `flexpipe status` / `top` compare against and how to read the engines
+            "gateway": self.gateway.url,
+            "engine": self.cfg.engine_kind,
+            "time_scale": self.cfg.time_scale,
+            # where the shift log is (`flexpipe top` reads it there); not a URL with a password
+            "store": _shareable(self.store.url) if self.store is not None else None,
+            "models": [
+                {
+                    "name": d.name,
+                    "model": d.model,
+                    "slo": {"ttft_p99_s": d.slo.ttft_p99_s, "tpot_p99_s": d.slo.tpot_p99_s},
+                    "request_rate_per_s": self._rate_per_s.get(d.name, d.request_rate_per_s),
+                }
+                for d in self.cfg.demands
+            ],
             "last_decision": None if self.last_decision is None else self.last_decision.to_dict(),
             "last_outcome": None if self.last_outcome is None else self.last_outcome.to_dict(),
             "num_shifts": len(self.history),
@@ -521,6 +549,7 @@ class Controller:
         app.add_route("GET", STATUS_PATH, self._status)
         app.add_route("GET", "/health", self._health)
         app.add_route("GET", "/metrics", self._metrics)
+        app.add_route("GET", SD_PATH, self._targets)
         return app
 
     def _auth(self, req: Request) -> None:
@@ -562,6 +591,10 @@ class Controller:
         self._auth(req)
         return json_response(self.status())
 
+    async def _targets(self, req: Request) -> Response:
+        self._auth(req)
+        return json_response(http_sd_targets(self.status()["instances"]))
+
     async def _health(self, req: Request) -> Response:
         del req
         return Response(b"")
@@ -574,6 +607,14 @@ class Controller:
 def _flat_key(model: str, gear_key: str, gpu_ids: Sequence[str]) -> str:
     """Model, gear and GPUs in order: what a registry record and a planned instance share."""
     return f"{model}|{gear_key}|{','.join(gpu_ids)}"
+
+
+def _shareable(url: str) -> str | None:
+    """A store URL safe to hand out over the admin API: None when it holds a password."""
+    try:
+        return None if make_url(url).password is not None else url
+    except ArgumentError:
+        return None
 
 
 def _utc_now() -> datetime:

@@ -12,6 +12,8 @@ outcomes, phases, methods, lifecycle states; `model` is the served model name).
     flexpipe_requests_migrated_total{method}           kv_moved | recomputed |
                                                        finished_in_place | rerun
     flexpipe_instances{model,state}                    live instances per lifecycle state
+    flexpipe_slo_seconds{model,slo}                    each model's SLO: ttft_p99 | tpot_p99
+                                                       (what dashboards draw latencies against)
 """
 
 from __future__ import annotations
@@ -69,6 +71,12 @@ class ControllerMetrics:
             ["model", "state"],
             registry=r,
         )
+        self.slo_seconds = Gauge(
+            "flexpipe_slo_seconds",
+            "Each served model's latency SLO from the models file, in seconds.",
+            ["model", "slo"],
+            registry=r,
+        )
         for method in METHODS:  # a counter that exists at 0 makes rate() work from the start
             self.migrated.labels(method=method)
         for decision in ("hold", "shift"):
@@ -91,6 +99,12 @@ class ControllerMetrics:
                 num = getattr(entry.migrated, method)
                 if num:
                     self.migrated.labels(method=method).inc(num)
+
+    def set_slos(self, slos: Iterable[tuple[str, float, float]]) -> None:
+        """(model, TTFT p99 SLO s, TPOT p99 SLO s) of every served model."""
+        for model, ttft_s, tpot_s in slos:
+            self.slo_seconds.labels(model=model, slo="ttft_p99").set(ttft_s)
+            self.slo_seconds.labels(model=model, slo="tpot_p99").set(tpot_s)
 
     def set_instances(self, instances: Iterable[tuple[str, State]]) -> None:
         """Replace the instance gauge with counts of (model, state) pairs. Every live state of

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flexpipe.policies.shift.signals import Sample
 
-__all__ = ["Sampler", "bucket_quantile", "parse_histograms"]
+__all__ = ["Buckets", "Sampler", "bucket_delta", "bucket_quantile", "parse_histograms"]
 
 _TTFT = "flexpipe_time_to_first_token_seconds"
 _TPOT = "flexpipe_time_per_output_token_seconds"
@@ -57,7 +57,8 @@ def bucket_quantile(q: float, buckets: Buckets) -> float | None:
     return lower_bound
 
 
-def _delta(now: Buckets, before: Buckets | None) -> Buckets:
+def bucket_delta(now: Buckets, before: Buckets | None) -> Buckets:
+    """The histogram of what was observed between two readings (`now` alone: none before)."""
     if before is None or len(before) != len(now):
         return now
     return tuple((b, max(0.0, c - c0)) for (b, c), (_, c0) in zip(now, before, strict=True))
@@ -90,7 +91,7 @@ class Sampler:
             for name in (_TTFT, _TPOT):
                 key = (name, model)
                 now_b = hist.get(key, ())
-                p99[name] = bucket_quantile(0.99, _delta(now_b, self._last.get(key)))
+                p99[name] = bucket_quantile(0.99, bucket_delta(now_b, self._last.get(key)))
                 self._last[key] = now_b
             share = num_queued_at_gateway if len(models) == 1 else 0
             out[model] = Sample(

@@ -1,0 +1,176 @@
+"""Pure drawing of a `Snapshot` with rich: the tables of `flexpipe status` and the screen of
+`flexpipe top`. No I/O; the same snapshot always draws the same text (tests compare it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from flexpipe.hardware import GiB
+from flexpipe.observe.snapshot import Snapshot
+
+__all__ = [
+    "STATE_STYLE",
+    "gpus_table",
+    "header",
+    "instances_table",
+    "models_table",
+    "status_view",
+    "top_view",
+]
+
+STATE_STYLE = {
+    "starting": "yellow",
+    "rehearsing": "cyan",
+    "active": "green",
+    "draining": "magenta",
+    "gone": "dim",
+}
+_HEALTH_STYLE = {"active": "green", "draining": "magenta", "ejected": "red", "unreachable": "red"}
+NONE = "—"
+
+
+def _pct(x: float | None) -> str:
+    return NONE if x is None else f"{x * 100:.0f}%"
+
+
+def _ms(x: float | None) -> str:
+    return NONE if x is None else f"{x * 1e3:,.0f}"
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return NONE if x is None else format(x, fmt)
+
+
+def _against(value_s: float | None, slo_s: float | None) -> Text:
+    """`p95 / SLO` in ms, red when the p95 is over the (p99) SLO."""
+    text = f"{_ms(value_s)} / {_ms(slo_s)}"
+    over = value_s is not None and slo_s is not None and value_s > slo_s
+    return Text(text, style="bold red" if over else "")
+
+
+def _table(title: str, columns: Sequence[str], right: Sequence[str] = ()) -> Table:
+    table = Table(title=title, title_justify="left", expand=False)
+    for col in columns:
+        table.add_column(col, justify="right" if col in right else "left", no_wrap=True)
+    return table
+
+
+def header(snap: Snapshot) -> Text:
+    at = datetime.fromtimestamp(snap.at_s, UTC)
+    window = "since start" if snap.window_s is None else f"last {snap.window_s:.0f} s"
+    gateway = snap.gateway_url or NONE
+    text = Text()
+    text.append("flexpipe", style="bold")
+    text.append(f" · cluster {snap.cluster} · engine {snap.engine} · {at:%H:%M:%S} UTC")
+    text.append(f" · rates and p95 {window}\n")
+    text.append(f"controller {snap.controller_url} · gateway {gateway} ")
+    text.append(
+        "up" if snap.gateway_up else "NOT ANSWERING",
+        style="green" if snap.gateway_up else "bold red",
+    )
+    text.append(f" · gateway queue {snap.num_gateway_queued} · shifts {snap.num_shifts}")
+    if snap.time_scale != 1.0:
+        text.append(f"\ntime scale {snap.time_scale:g}: latencies and rates in modelled seconds")
+    return text
+
+
+def models_table(snap: Snapshot) -> Table:
+    right = ("inst", "req/s", "err", "TTFT p95/SLO ms", "TPOT p95/SLO ms", "queue", "prefix hit",
+             "GPU util", "tok/s")  # fmt: skip
+    table = _table("models", ("model", *right), right)
+    for m in snap.models:
+        table.add_row(
+            m.name,
+            str(m.num_instances),
+            _num(m.request_rate_per_s, ".2f"),
+            _pct(m.error_rate),
+            _against(m.ttft_p95_s, m.ttft_slo_s),
+            _against(m.tpot_p95_s, m.tpot_slo_s),
+            str(m.num_queued),
+            _pct(m.prefix_hit_rate),
+            _pct(m.gpu_utilization),
+            _num(m.generation_tokens_per_s, ",.0f"),
+        )
+    return table
+
+
+def instances_table(snap: Snapshot) -> Table:
+    right = ("running", "waiting", "in flight", "KV", "prefix hit", "GPU util")
+    table = _table("instances", ("instance", "model", "gear", "GPUs", "state", "health", *right),
+                   right)  # fmt: skip
+    for i in snap.instances:
+        running = NONE if i.num_running is None else str(i.num_running)
+        if i.num_running is not None and i.max_num_seqs is not None:
+            running = f"{i.num_running}/{i.max_num_seqs}"
+        table.add_row(
+            i.name,
+            i.model,
+            i.gear,
+            "+".join(i.gpus),
+            Text(i.state, style=STATE_STYLE.get(i.state, "")),
+            Text(i.health, style=_HEALTH_STYLE.get(i.health, "yellow")),
+            running,
+            _num(i.num_waiting, "d"),
+            _num(i.num_in_flight, "d"),
+            _pct(i.kv_usage),
+            _pct(i.prefix_hit_rate),
+            _pct(i.gpu_utilization),
+        )
+    return table
+
+
+def gpus_table(snap: Snapshot) -> Table:
+    table = _table("GPUs", ("GPU", "node", "type", "memory GiB", "others' GiB", "instance", "gear",
+                            "state"), ("memory GiB",))  # fmt: skip
+    for g in snap.gpus:
+        others = f"{g.used_by_others_bytes / GiB:.0f}"
+        who = g.occupied_by or g.owner
+        if who and g.used_by_others_bytes > 0:
+            others += f" ({who})"
+        table.add_row(
+            g.id,
+            g.node,
+            g.type,
+            f"{g.capacity_bytes / GiB:.0f}",
+            others,
+            g.instance or NONE,
+            g.gear or NONE,
+            Text(g.state or "unused", style=STATE_STYLE.get(g.state or "", "dim")),
+        )
+    return table
+
+
+def _decision(snap: Snapshot) -> Text:
+    text = Text()
+    text.append("last decision: ", style="bold")
+    text.append(snap.last_decision or NONE)
+    if snap.last_outcome:
+        text.append("\nlast shift: ", style="bold")
+        text.append(snap.last_outcome)
+    return text
+
+
+def status_view(snap: Snapshot) -> Group:
+    """`flexpipe status`: the header, models, instances, GPUs and the last decision."""
+    return Group(header(snap), models_table(snap), instances_table(snap), gpus_table(snap),
+                 _decision(snap))  # fmt: skip
+
+
+def top_view(snap: Snapshot, shifts: RenderableType | None = None, note: str = "") -> Group:
+    """`flexpipe top`: the same numbers in panels, with the shift log's last entries."""
+    parts: list[RenderableType] = [
+        Panel(header(snap), title="flexpipe top", subtitle=note or "q or Ctrl-C quits"),
+        models_table(snap),
+        instances_table(snap),
+        gpus_table(snap),
+        _decision(snap),
+    ]
+    if shifts is not None:
+        parts.append(shifts)
+    return Group(*parts)

@@ -1,0 +1,374 @@
+"""One snapshot of a running flexpipe, built purely from readings (`readings.Readings`): the
+instances with their lifecycle state, health and load; each model's rate, TTFT and TPOT p95
+against its SLO, queue, prefix-cache hit rate and GPU utilisation (seed 001 §5.3's five
+numbers); the GPUs and what occupies them; the last decision.
+
+Rates, percentiles and ratios are over the window since `before` (the previous reading) when
+there is one, else since the processes started (`window_s` None). Percentiles come from the
+histogram buckets (`control.samples.bucket_quantile`, what PromQL's histogram_quantile does).
+Sim engines at a time scale report wall time; the controller compares modelled time with the
+SLOs, and so does the snapshot: latencies and rates here are in modelled seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from flexpipe.control.samples import Buckets, bucket_delta, bucket_quantile, parse_histograms
+from flexpipe.observe.readings import Readings
+
+__all__ = [
+    "TPOT",
+    "TTFT",
+    "GpuView",
+    "InstanceView",
+    "ModelView",
+    "Snapshot",
+    "parse_samples",
+    "snapshot",
+]
+
+TTFT = "flexpipe_time_to_first_token_seconds"
+TPOT = "flexpipe_time_per_output_token_seconds"
+P95 = 0.95
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> [(labels, value)]
+
+
+def parse_samples(text: str | None) -> Samples:
+    """Prometheus text to sample name -> [(labels, value)] (counters keep `_total`)."""
+    out: Samples = {}
+    if not text:
+        return out
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return out
+
+
+def _value(samples: Samples, name: str, **labels: str) -> float | None:
+    """The sum of `name` over the series whose labels include `labels`; None when absent."""
+    rows = [
+        v for lab, v in samples.get(name, []) if all(lab.get(k) == x for k, x in labels.items())
+    ]
+    return sum(rows) if rows else None
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    name: str
+    model: str
+    gear: str
+    gpus: tuple[str, ...]
+    url: str
+    state: str  # lifecycle: starting, rehearsing, active, draining
+    health: str  # the gateway's view: active, draining, ejected; "unreachable"; "not routed"
+    num_running: int | None
+    num_waiting: int | None
+    num_in_flight: int | None  # open at the gateway
+    max_num_seqs: int | None
+    kv_usage: float | None  # 0..1
+    prefix_hit_rate: float | None  # 0..1
+    gpu_utilization: float | None  # 0..1: modelled busy time over (modelled) elapsed time
+
+
+@dataclass(frozen=True)
+class ModelView:
+    name: str
+    num_instances: int
+    request_rate_per_s: float | None  # finished at the gateway (no window: the controller's)
+    error_rate: float | None  # share of finished requests that were not 2xx
+    ttft_p95_s: float | None
+    tpot_p95_s: float | None
+    ttft_slo_s: float | None  # the models file's p99 SLO
+    tpot_slo_s: float | None
+    num_queued: int  # waiting in its engines (+ the gateway's queue for a lone model)
+    prefix_hit_rate: float | None
+    gpu_utilization: float | None
+    generation_tokens_per_s: float | None
+
+
+@dataclass(frozen=True)
+class GpuView:
+    id: str
+    node: str
+    type: str
+    capacity_bytes: float
+    used_by_others_bytes: float
+    owner: str | None
+    occupied_by: str | None  # an admin occupation (flexpipe cluster occupy)
+    instance: str | None  # the flexpipe instance on it
+    gear: str | None
+    state: str | None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    at_s: float
+    controller_url: str
+    gateway_url: str | None
+    gateway_up: bool
+    engine: str
+    time_scale: float
+    window_s: float | None  # None: since start
+    cluster: str
+    num_gateway_queued: int
+    instances: tuple[InstanceView, ...]
+    models: tuple[ModelView, ...]
+    gpus: tuple[GpuView, ...]
+    num_shifts: int
+    last_decision: str | None  # "hold|shift (trigger): reason"
+    last_outcome: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _delta(now: float | None, before: float | None) -> float | None:
+    """A counter's increase; its value when there is no earlier one or it went back (the
+    process restarted and counts from 0 again)."""
+    if now is None:
+        return None
+    if before is None or now < before:
+        return now
+    return now - before
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or not den else num / den
+
+
+@dataclass(frozen=True)
+class _Engine:
+    running: float | None
+    waiting: float | None
+    kv: float | None
+    max_num_seqs: float | None
+    hits: float | None
+    queries: float | None
+    busy_s: float | None
+    tokens: float | None
+
+    @staticmethod
+    def of(text: str | None) -> _Engine | None:
+        if text is None:
+            return None
+        s = parse_samples(text)
+        return _Engine(
+            _value(s, "vllm:num_requests_running"),
+            _value(s, "vllm:num_requests_waiting"),
+            _value(s, "vllm:kv_cache_usage_perc"),
+            _value(s, "flexpipe:max_num_seqs"),
+            _value(s, "vllm:prefix_cache_hits_total"),
+            _value(s, "vllm:prefix_cache_queries_total"),
+            _value(s, "flexpipe:modelled_busy_seconds_total"),
+            _value(s, "vllm:generation_tokens_total"),
+        )
+
+
+def _int(x: float | None) -> int | None:
+    return None if x is None else round(x)
+
+
+def _decision(doc: Any) -> str | None:
+    if not isinstance(doc, Mapping):
+        return None
+    return f"{doc.get('action')} ({doc.get('trigger')}): {doc.get('reason')}"
+
+
+def _outcome(doc: Any) -> str | None:
+    if not isinstance(doc, Mapping):
+        return None
+    word = "succeeded" if doc.get("succeeded") else "rolled back"
+    phases = doc.get("phases_s") or {}
+    took = sum(float(v) for v in phases.values()) if isinstance(phases, Mapping) else 0.0
+    reason = f": {doc['reason']}" if doc.get("reason") else ""
+    return f"{word} in {took:.1f} s{reason}"
+
+
+def _mean(values: Iterable[tuple[float | None, float]]) -> float | None:
+    """Weighted mean of the known values."""
+    known = [(v, w) for v, w in values if v is not None]
+    total_w = sum(w for _, w in known)
+    return None if not known or total_w <= 0 else sum(v * w for v, w in known) / total_w
+
+
+@dataclass(frozen=True)
+class _Window:
+    """The two readings a snapshot compares, parsed once."""
+
+    scale: float  # wall seconds per modelled second
+    modelled_s: float | None  # the window in modelled seconds; None: since start
+    gw: Samples
+    gw0: Samples | None
+    engines: dict[str, _Engine | None]
+    engines0: dict[str, _Engine | None]
+    hist: dict[tuple[str, str], Buckets]
+    hist0: dict[tuple[str, str], Buckets]
+
+    @staticmethod
+    def of(now: Readings, before: Readings | None) -> _Window:
+        scale = float(now.status.get("time_scale") or 1.0)
+        scale = scale if scale > 0 else 1.0
+        window_s = None if before is None else max(1e-9, now.at_s - before.at_s)
+        previous = before.engine_metrics if before is not None else {}
+        return _Window(
+            scale,
+            None if window_s is None else window_s / scale,
+            parse_samples(now.gateway_metrics),
+            parse_samples(before.gateway_metrics) if before is not None else None,
+            {u: _Engine.of(t) for u, t in now.engine_metrics.items()},
+            {u: _Engine.of(t) for u, t in previous.items()},
+            parse_histograms(now.gateway_metrics or "", (TTFT, TPOT)),
+            parse_histograms(before.gateway_metrics or "", (TTFT, TPOT)) if before else {},
+        )
+
+    def counted(self, url: str, field: str) -> float | None:
+        """An engine counter over the window (since start without one)."""
+        e, e0 = self.engines.get(url), self.engines0.get(url)
+        if e is None:
+            return None
+        return _delta(getattr(e, field), getattr(e0, field) if e0 is not None else None)
+
+
+def _instance_view(
+    doc: Mapping[str, Any], w: _Window, pool_state: Mapping[str, str]
+) -> InstanceView:
+    url = str(doc.get("url", ""))
+    e, e0 = w.engines.get(url), w.engines0.get(url)
+    health = "unreachable" if e is None else pool_state.get(url, "not routed")
+    util = None
+    if e is not None and e0 is not None and w.modelled_s and e.busy_s is not None:
+        util = min(1.0, (w.counted(url, "busy_s") or 0.0) / w.modelled_s)
+    return InstanceView(
+        name=str(doc.get("name", "")),
+        model=str(doc.get("model", "")),
+        gear=str(doc.get("gear", "")),
+        gpus=tuple(str(g) for g in doc.get("gpus", [])),
+        url=url,
+        state=str(doc.get("state", "")),
+        health=health,
+        num_running=_int(e.running) if e else None,
+        num_waiting=_int(e.waiting) if e else None,
+        num_in_flight=_int(_value(w.gw, "flexpipe_in_flight_requests", instance=url)),
+        max_num_seqs=_int(e.max_num_seqs) if e else None,
+        kv_usage=e.kv if e else None,
+        prefix_hit_rate=_ratio(w.counted(url, "hits"), w.counted(url, "queries")),
+        gpu_utilization=util,
+    )
+
+
+def _finished(samples: Samples | None, model: str) -> tuple[float, float]:
+    """(all, 2xx) requests of `model` the gateway finished."""
+    rows = [(lab, v) for lab, v in (samples or {}).get("flexpipe_requests_total", [])
+            if lab.get("model") == model]  # fmt: skip
+    return sum(v for _, v in rows), sum(v for lab, v in rows if lab.get("status", "")[:1] == "2")
+
+
+def _model_view(
+    doc: Mapping[str, Any], mine: Sequence[InstanceView], w: _Window, num_queued_extra: int
+) -> ModelView:
+    name = str(doc["name"])
+    done, ok = _finished(w.gw, name)
+    if w.gw0 is not None:
+        done0, ok0 = _finished(w.gw0, name)
+        if done >= done0:  # else the gateway restarted: its counters start again
+            done, ok = done - done0, ok - ok0
+    p95 = {}
+    for metric in (TTFT, TPOT):
+        q = bucket_quantile(P95, bucket_delta(w.hist.get((metric, name), ()),
+                                              w.hist0.get((metric, name))))  # fmt: skip
+        p95[metric] = None if q is None else q / w.scale
+    reached = [i for i in mine if w.engines.get(i.url) is not None]
+    hits = sum(w.counted(i.url, "hits") or 0.0 for i in reached)
+    queries = sum(w.counted(i.url, "queries") or 0.0 for i in reached)
+    tokens = None
+    if w.modelled_s:
+        tokens = sum(w.counted(i.url, "tokens") or 0.0 for i in reached) / w.modelled_s
+    slo = doc.get("slo") or {}
+    rate = doc.get("request_rate_per_s")  # the controller's: finished over its last minute
+    return ModelView(
+        name=name,
+        num_instances=len(mine),
+        request_rate_per_s=done / w.modelled_s if w.modelled_s else _float(rate),
+        error_rate=(done - ok) / done if done else None,
+        ttft_p95_s=p95[TTFT],
+        tpot_p95_s=p95[TPOT],
+        ttft_slo_s=_float(slo.get("ttft_p99_s")),
+        tpot_slo_s=_float(slo.get("tpot_p99_s")),
+        num_queued=sum(i.num_waiting or 0 for i in mine) + num_queued_extra,
+        prefix_hit_rate=_ratio(hits, queries),
+        gpu_utilization=_mean((i.gpu_utilization, float(len(i.gpus) or 1)) for i in mine),
+        generation_tokens_per_s=tokens,
+    )
+
+
+def _float(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def _gpu_views(resources: Mapping[str, Any], instances: Sequence[InstanceView]) -> list[GpuView]:
+    on_gpu = {g: i for i in instances for g in i.gpus}
+    out = []
+    for g in resources.get("gpus", []):
+        inst = on_gpu.get(str(g["id"]))
+        occupied = g.get("occupied")
+        out.append(
+            GpuView(
+                id=str(g["id"]),
+                node=str(g.get("node", "")),
+                type=str(g.get("type", "")),
+                capacity_bytes=float(g.get("capacity_bytes", 0.0)),
+                used_by_others_bytes=float(g.get("used_bytes", 0.0)),
+                owner=g.get("owner"),
+                occupied_by=occupied.get("owner") if isinstance(occupied, Mapping) else None,
+                instance=inst.name if inst else None,
+                gear=inst.gear if inst else None,
+                state=inst.state if inst else None,
+            )
+        )
+    return out
+
+
+def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
+    """The snapshot of `now`, with rates over the window since `before`."""
+    st = now.status
+    w = _Window.of(now, before)
+    pool_state = {lab["instance"]: lab.get("state", "")
+                  for lab, _ in w.gw.get("flexpipe_instance_up", [])}  # fmt: skip
+    instances = [_instance_view(doc, w, pool_state) for doc in st.get("instances", [])]
+    num_gateway_queued = _int(_value(w.gw, "flexpipe_queued_requests")) or 0
+    model_docs = [m for m in st.get("models", []) if isinstance(m, Mapping)]
+    if not model_docs:  # a controller without the models part: what its instances serve
+        model_docs = [{"name": n} for n in sorted({i.model for i in instances})]
+    lone = len(model_docs) == 1  # the gateway's queue is that model's
+    models = [
+        _model_view(m, [i for i in instances if i.model == m["name"]], w,
+                    num_gateway_queued if lone else 0)
+        for m in model_docs
+    ]  # fmt: skip
+    resources = st.get("resources") or {}
+    return Snapshot(
+        at_s=now.at_s,
+        controller_url=now.controller_url,
+        gateway_url=st.get("gateway"),
+        gateway_up=now.gateway_metrics is not None,
+        engine=str(st.get("engine", "")),
+        time_scale=w.scale,
+        window_s=None if before is None else max(1e-9, now.at_s - before.at_s),
+        cluster=str(resources.get("cluster", "")),
+        num_gateway_queued=num_gateway_queued,
+        instances=tuple(instances),
+        models=tuple(models),
+        gpus=tuple(_gpu_views(resources, instances)),
+        num_shifts=int(st.get("num_shifts", 0)),
+        last_decision=_decision(st.get("last_decision")),
+        last_outcome=_outcome(st.get("last_outcome")),
+    )
