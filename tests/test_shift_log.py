@@ -280,11 +280,15 @@ def test_history_rebuilds_the_policys_shift_records(tmp_path: Path) -> None:
         later = T0 + timedelta(minutes=10)
         log.append(ShiftEntry(at=later, kind="reclaim", current=(KEEP,), target=()))
         log.update_outcome(1, outcome="rolled_back", at=T0 + timedelta(seconds=40))
+        log.append(ShiftEntry(at=later, kind="shift", current=(KEEP, OLD), target=(KEEP, NEW)))
+        log.update_outcome(5, outcome="refused", at=later + timedelta(seconds=1))
         history = log.history()
     assert history == (
         ShiftRecord(T0.timestamp(), T0.timestamp() + 40, False, (NEW.key,)),
         ShiftRecord(later.timestamp(), None, None, ()),
+        ShiftRecord(later.timestamp(), later.timestamp() + 1, False, (NEW.key,), refused=True),
     )
+    assert [r.failed for r in history] == [True, False, False]
 
 
 # -- the schema grows in place ----------------------------------------------------------------

@@ -360,18 +360,13 @@ class Controller:
             self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
             assert decision.target is not None
             outcome = await self.executor.shift(self.cluster, self.running, decision.target)
-            # a failed shift blacklists the instances that failed, not every one it added
-            failed = tuple(c["instance"] for c in outcome.rehearsal if not c.get("passed"))
-            keys = failed if not outcome.succeeded and failed else record.target_keys
-            self.history[-1] = dataclasses.replace(
-                record, finished_s=self.clock(), succeeded=outcome.succeeded, target_keys=keys
-            )
+            self.history[-1] = finished_record(record, outcome, self.clock())
             self.last_outcome = outcome
             if outcome.succeeded:
                 self.resources_changed_s = None
             self._finish_entry(entry, outcome)
             self.say(
-                f"controller: shift {'done' if outcome.succeeded else 'rolled back'} "
+                f"controller: shift {_said(outcome)} "
                 f"{outcome.reason} phases "
                 + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
             )
@@ -387,9 +382,10 @@ class Controller:
         if entry is None or entry.id is None or self.shift_log is None:
             return
         tol = self.cfg.rehearsal_tolerance
+        result = "succeeded" if outcome.succeeded else "rolled_back"
         done = self.shift_log.update_outcome(
             entry.id,
-            outcome="succeeded" if outcome.succeeded else "rolled_back",
+            outcome="refused" if outcome.refused else result,
             error=outcome.reason or None,
             phases=Phases.from_seconds(outcome.phases_s),
             migrated=Migrated.from_counts(outcome.migrated),
@@ -557,6 +553,21 @@ class Controller:
     async def _metrics(self, req: Request) -> Response:
         del req
         return Response(self.metrics.render(), content_type="text/plain; version=0.0.4")
+
+
+def finished_record(record: ShiftRecord, outcome: ShiftOutcome, now_s: float) -> ShiftRecord:
+    """The policy's record of a shift once the executor is done with it. A failed shift
+    blacklists the instances that failed (their rehearsal), not every one it added; a shift
+    the executor refused before changing anything is recorded as refused, never as a failure
+    of its target."""
+    failed = tuple(c["instance"] for c in outcome.rehearsal if not c.get("passed"))
+    keys = failed if not outcome.succeeded and failed else record.target_keys
+    return dataclasses.replace(record, finished_s=now_s, succeeded=outcome.succeeded,
+                               target_keys=keys, refused=outcome.refused)  # fmt: skip
+
+
+def _said(outcome: ShiftOutcome) -> str:
+    return "done" if outcome.succeeded else "refused" if outcome.refused else "rolled back"
 
 
 def _flat_key(model: str, gear_key: str, gpu_ids: Sequence[str]) -> str:

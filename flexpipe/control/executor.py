@@ -73,10 +73,13 @@ class ShiftOutcome:
     rehearsal: list[dict[str, Any]] = field(default_factory=list)
     started: list[str] = field(default_factory=list)  # instance keys
     stopped: list[str] = field(default_factory=list)
+    # refused before anything changed (the target was not tried: no failure of it)
+    refused: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "succeeded": self.succeeded,
+            "refused": self.refused,
             "reason": self.reason,
             "phases_s": {k: round(v, 3) for k, v in self.phases_s.items()},
             "migrated": dict(self.migrated),
@@ -154,7 +157,7 @@ class Executor:
                 "no order of in-place replacements keeps every model serving"
             )
         if why_not:
-            return ShiftOutcome(False, why_not)
+            return ShiftOutcome(False, why_not, refused=True)
         assert steps is not None
         started = await self._bring_up(now_adds, running, out, rehearse, all_or_nothing)
         if not out.succeeded:
