@@ -45,7 +45,6 @@ from flexpipe.control.client import (
 from flexpipe.control.cluster_watch import ClusterWatch
 from flexpipe.control.executor import Executor, LiveInstance, ShiftOutcome
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
-from flexpipe.control.lifecycle import State
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
 from flexpipe.control.samples import Sampler
@@ -61,6 +60,7 @@ from flexpipe.http.server import (
     serve,
 )
 from flexpipe.launch import EngineSpec, Launcher
+from flexpipe.lifecycle import State
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
@@ -75,6 +75,7 @@ from flexpipe.store import Store
 from flexpipe.store.instance_registry import InstanceRegistry
 from flexpipe.store.shift_entry import (
     Migrated,
+    Outcome,
     Phases,
     PlanInstance,
     RehearsalCheck,
@@ -221,7 +222,7 @@ class Controller:
         for rec in gone:
             stop_group(rec)
         by_key = {_flat_key(p.model, p.gear.key(), p.gpu_ids): p for p in planned}
-        gateway = {i["url"] for i in await self.gateway.instances()}
+        gateway = {i["url"]: str(i.get("state")) for i in await self.gateway.instances()}
         for rec in adopted:
             handle = AdoptedEngine(rec)
             p = by_key.get(_flat_key(rec.model, parse_gear(rec.gear).key(), rec.gpu_ids))
@@ -237,6 +238,9 @@ class Controller:
             if rec.endpoint not in gateway:
                 await self.gateway.add(rec.endpoint, p.model, p.gear.max_num_seqs,
                                        admin_token=self.cfg.engine_admin_token)  # fmt: skip
+            elif gateway[rec.endpoint] != State.ACTIVE.value:
+                # cut short mid-shift (starting, rehearsing or draining): it serves again
+                await self.gateway.set_state(rec.endpoint, State.ACTIVE.value)
             if rec.state is not State.ACTIVE:
                 self.registry.transition(rec.id, State.ACTIVE, reason="adopted")
                 inst.state = "active"
@@ -382,7 +386,7 @@ class Controller:
         if entry is None or entry.id is None or self.shift_log is None:
             return
         tol = self.cfg.rehearsal_tolerance
-        result = "succeeded" if outcome.succeeded else "rolled_back"
+        result: Outcome = "succeeded" if outcome.succeeded else "rolled_back"
         done = self.shift_log.update_outcome(
             entry.id,
             outcome="refused" if outcome.refused else result,

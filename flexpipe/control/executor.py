@@ -257,6 +257,14 @@ class Executor:
             inst = LiveInstance(p, r)
             self._set(inst, "starting")
             started.append(inst)
+            try:  # in the gateway's pool from now on, not routed until active
+                await self.gateway.add(inst.url, p.model, p.gear.max_num_seqs,
+                                       admin_token=self.engine_admin_token,
+                                       state="starting")  # fmt: skip
+            except GatewayError as exc:
+                failures.append(f"instance {p.name}: the gateway refused it: {exc}")
+                started.pop()
+                await self._stop([inst])
         out.phases_s["warm" + phase_suffix] = self.clock() - t0
         if failures:
             out.reason = "; ".join(failures)
@@ -267,6 +275,7 @@ class Executor:
         if rehearse:
             t0 = self.clock()
             for inst in started:
+                await self._tell(inst, "rehearsing")
                 self._set(inst, "rehearsing")
             checks = await asyncio.gather(*(self._rehearse(i) for i in started))
             out.rehearsal.extend(checks)
@@ -279,12 +288,7 @@ class Executor:
                 return []
         t0 = self.clock()
         for inst in started:
-            await self.gateway.add(
-                inst.url,
-                inst.planned.model,
-                inst.planned.gear.max_num_seqs,
-                admin_token=self.engine_admin_token,
-            )
+            await self._tell(inst, "active")
             running[inst.key] = inst
             out.started.append(inst.key)
             self._set(inst, "active")
@@ -374,12 +378,10 @@ class Executor:
                 )
         out.phases_s["migrate" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
-        await self._stop(list(leaving))
+        await self._stop(list(leaving))  # and out of the gateway's pool: gone
         for inst in leaving:
             running.pop(inst.key, None)
             out.stopped.append(inst.key)
-            with contextlib.suppress(GatewayError):  # already gone from the pool
-                await self.gateway.remove(inst.url)
         out.phases_s["release" + phase_suffix] = self.clock() - t0
 
     async def _in_flight(self, inst: LiveInstance) -> int:
@@ -446,9 +448,19 @@ class Executor:
         await self._drain(source, 10.0)  # the moved requests leave it at once
         return num_moved
 
+    async def _tell(self, inst: LiveInstance, state: str) -> None:
+        """The gateway's pool follows the instance's lifecycle (a gateway that lost it, or is
+        gone, learns it again from the controller's next tick)."""
+        try:
+            await self.gateway.set_state(inst.url, state)
+        except GatewayError as exc:
+            log.warning("gateway: %s %s: %s", inst.url, state, exc)
+
     async def _stop(self, instances: Sequence[LiveInstance]) -> None:
         await asyncio.gather(*(i.handle.stop() for i in instances), return_exceptions=True)
         for inst in instances:
+            with contextlib.suppress(GatewayError):  # out of the pool (if it is there)
+                await self.gateway.remove(inst.url)
             self._set(inst, "gone")
 
 

@@ -57,6 +57,12 @@ def bucket_quantile(q: float, buckets: Buckets) -> float | None:
     return lower_bound
 
 
+def _serving(instance: Mapping[str, Any]) -> bool:
+    """Healthy and active or draining: what carries the model's load now (one starting or
+    rehearsing serves no one yet)."""
+    return bool(instance.get("healthy", True)) and instance.get("state") in ("active", "draining")
+
+
 def _delta(now: Buckets, before: Buckets | None) -> Buckets:
     if before is None or len(before) != len(now):
         return now
@@ -80,7 +86,7 @@ class Sampler:
         hist = parse_histograms(metrics_text, (_TTFT, _TPOT))
         out = {}
         for model in models:
-            mine = [i for i in instances if i.get("model") == model and i.get("state") != "ejected"]
+            mine = [i for i in instances if i.get("model") == model and _serving(i)]
             slots = sum(int(i.get("max_concurrency", 0)) for i in mine)
             running = sum(int(i.get("num_running", 0)) for i in mine)
             in_flight = sum(int(i.get("num_in_flight", 0)) for i in mine)
