@@ -102,9 +102,12 @@ class ControllerConfig:
     time_scale: float = 1.0  # sim engines: wall seconds per modelled second
     engine_admin_token: str | None = None  # given to engines it starts (KV moves)
     engine_kind: str = "sim"
-    # The floor under every model's min_instances: scaling to zero needs the gateway to hold
-    # requests while an instance cold-starts, which it does not do yet.
-    min_instances_floor: int = 1
+    # The floor under every model's min_instances (0: a model whose minimum is 0 may scale
+    # to zero; the gateway then holds its requests while an instance cold-starts).
+    min_instances_floor: int = 0
+    # How long (wall s) a model with no instance stays held in the gateway: renewed every
+    # tick, so it only has to outlast a cold start and a rehearsal.
+    standby_hold_s: float = 600.0
     shift: ShiftParams = field(default_factory=ShiftParams)
     seed: int = 0
 
@@ -143,6 +146,7 @@ class Controller:
         self._rate_per_s: dict[str, float] = {d.name: d.request_rate_per_s for d in cfg.demands}
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
+        self._standby: set[str] = set()  # models held in the gateway with no instance
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
         self.shift_log = ShiftLog(store) if store is not None else None
@@ -157,6 +161,7 @@ class Controller:
             time_scale=cfg.time_scale,
             drain_deadline_s=cfg.drain_deadline_s,
             rehearsal_tolerance=cfg.rehearsal_tolerance,
+            standby_hold_s=cfg.standby_hold_s,
             on_state=self._on_state,
             clock=clock,
         )
@@ -294,15 +299,19 @@ class Controller:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick until `stop` is set."""
-        watch = asyncio.create_task(self._watch_file())
+        watches = [
+            asyncio.create_task(self._watch_file()),
+            asyncio.create_task(self._watch_demand()),
+        ]
         try:
             while not stop.is_set():
-                await self.tick()
                 self._changed.clear()
+                await self.tick()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wait_any(stop), self.cfg.tick_s)
         finally:
-            watch.cancel()
+            for w in watches:
+                w.cancel()
 
     async def _wait_any(self, stop: asyncio.Event) -> None:
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._changed.wait())]
@@ -336,6 +345,7 @@ class Controller:
         await self._reap_dead(now_s)
         self._resource_events(*self.resources.tick(self.wall()), now_s)
         try:
+            await self._hold_standby()
             await self._sample(now_s)
         except GatewayError as exc:
             log.warning("no sample this tick: %s", exc)
@@ -399,23 +409,68 @@ class Controller:
 
     def _model_state(self, demand: ModelDemand) -> ModelState:
         rate = self._rate_per_s.get(demand.name, demand.request_rate_per_s)
+        min_instances = max(self.cfg.min_instances_floor, demand.min_instances)
+        if min_instances > 0:  # planned for some load, however idle
+            rate = max(rate, 1e-3)
         return ModelState(
-            dataclasses.replace(demand, request_rate_per_s=max(rate, 1e-3)),
+            dataclasses.replace(demand, request_rate_per_s=rate),
             tuple(self.samples[demand.name][-20:]),
             priority=demand.priority,
-            min_instances=max(self.cfg.min_instances_floor, demand.min_instances),
+            min_instances=min_instances,
             expected_request_rate_per_s=None,
         )
+
+    def _standby_models(self) -> list[str]:
+        """Models with no instance running (scaled to zero)."""
+        serving = {i.planned.model for i in self.running.values()}
+        return [d.name for d in self.cfg.demands if d.name not in serving]
+
+    async def _hold_standby(self) -> None:
+        """A model scaled to zero stays held in the gateway (its requests queue for the
+        instance its demand will start); one that serves again is released."""
+        standby = set(self._standby_models())
+        for model in sorted(standby | self._standby):
+            try:
+                await self.gateway.hold(model, self.cfg.standby_hold_s if model in standby else 0)
+            except GatewayError as exc:
+                log.warning("hold of %s: %s", model, exc)
+                continue
+            if model in standby:
+                self._standby.add(model)
+            else:
+                self._standby.discard(model)
+
+    async def _watch_demand(self) -> None:
+        """The demand trigger of models scaled to zero: the gateway answers as soon as one
+        of their requests queues (an event, not a poll); the controller ticks at once."""
+        while True:
+            models = self._standby_models()
+            if not models:
+                await asyncio.sleep(min(1.0, self.cfg.tick_s))
+                continue
+            try:
+                queued = await self.gateway.demand(models, max(self.cfg.tick_s, 5.0))
+            except GatewayError as exc:
+                log.warning("demand of %s: %s", ", ".join(models), exc)
+                await asyncio.sleep(self.cfg.tick_s)
+                continue
+            if queued:
+                self.say(f"controller: requests wait for {', '.join(sorted(queued))}; waking")
+                self._changed.set()
+                await asyncio.sleep(self.cfg.tick_s)  # the wake shift takes it from here
 
     async def _sample(self, now_s: float) -> None:
         instances = await self.gateway.instances()
         await self._register_missing(instances)
         text = await self.gateway.metrics()
         queued = 0
+        by_model: dict[str, int] | None = None
         done: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             if family.name == "flexpipe_queued_requests":
                 queued = int(sum(s.value for s in family.samples))
+            elif family.name == "flexpipe_model_queued_requests":
+                by_model = {s.labels["model"]: int(s.value) for s in family.samples}
             elif family.name == "flexpipe_requests":
                 for s in family.samples:
                     if s.name.endswith("_total"):
@@ -423,7 +478,8 @@ class Controller:
                         done[m] = done.get(m, 0.0) + s.value
         names = [d.name for d in self.cfg.demands]
         scale = self.cfg.time_scale if self.cfg.time_scale > 0 else 1.0
-        for name, sample in self._sampler.sample(now_s, names, instances, text, queued).items():
+        readings = self._sampler.sample(now_s, names, instances, text, queued, by_model)
+        for name, sample in readings.items():
             # sim engines at a time scale: latencies in the model's seconds, as SLOs are
             self.samples[name].append(
                 dataclasses.replace(

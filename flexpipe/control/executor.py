@@ -13,7 +13,10 @@
 
 A new instance that needs GPUs of a leaving one (an in-place shift) is started after that
 one is released; the shift is refused when that would leave a model with no instance
-serving in between (serving capacity never drops to zero). Every phase is timed.
+serving in between (serving capacity never drops to zero). A model the target has no
+instance of at all scales to zero on purpose: it is held in the gateway before its last
+instance drains, so its next requests queue for the instance its demand starts. Every phase
+is timed.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ class Executor:
         drain_deadline_s: float = 30.0,
         rehearsal_tolerance: float = 2.0,
         probe_overhead_s: float = 0.05,
+        standby_hold_s: float = 600.0,
         on_state: OnState | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -116,6 +120,7 @@ class Executor:
         self.drain_deadline_s = drain_deadline_s
         self.rehearsal_tolerance = rehearsal_tolerance
         self.probe_overhead_s = probe_overhead_s
+        self.standby_hold_s = standby_hold_s
         self.on_state = on_state or (lambda inst, state: None)
         self.clock = clock
         self._probe_pool = ClientPool(max_idle_per_backend=2)
@@ -149,16 +154,22 @@ class Executor:
         in_way = [i for i in leaving if set(i.planned.gpu_ids) & later_gpus]
         rest = [i for i in leaving if not set(i.planned.gpu_ids) & later_gpus]
         replaced_models = {p.model for p in later_adds}
+        kept_models = {p.model for p in target}  # a model not in it scales to zero
         without = [i for i in leaving if i.planned.model not in replaced_models]
-        why_not = self._capacity_gap(running, without, now_adds)
+        why_not = self._capacity_gap(running, without, now_adds, kept_models)
         steps = _rolling_steps(running, in_way, now_adds, later_adds)
         if steps is None:
-            why_not = self._capacity_gap(running, leaving, now_adds) or (
+            why_not = self._capacity_gap(running, leaving, now_adds, kept_models) or (
                 "no order of in-place replacements keeps every model serving"
             )
         if why_not:
             return ShiftOutcome(False, why_not, refused=True)
         assert steps is not None
+        for model in sorted({i.planned.model for i in leaving} - kept_models):
+            try:  # to zero: its requests from now on wait for a cold start, not a 404
+                await self.gateway.hold(model, self.standby_hold_s)
+            except GatewayError as exc:
+                return ShiftOutcome(False, f"{model}: cannot hold it at zero: {exc}", refused=True)
         started = await self._bring_up(now_adds, running, out, rehearse, all_or_nothing)
         if not out.succeeded:
             return out
@@ -222,9 +233,10 @@ class Executor:
         running: dict[str, LiveInstance],
         leaving: Sequence[LiveInstance],
         now_adds: Sequence[PlannedInstance],
+        kept_models: set[str],
     ) -> str:
         gone = {i.key for i in leaving}
-        for model in {i.planned.model for i in leaving}:
+        for model in {i.planned.model for i in leaving} & kept_models:
             staying = [i for k, i in running.items() if i.planned.model == model and k not in gone]
             if not staying and not any(p.model == model for p in now_adds):
                 return (

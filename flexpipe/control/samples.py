@@ -82,7 +82,10 @@ class Sampler:
         instances: Sequence[Mapping[str, Any]],
         metrics_text: str,
         num_queued_at_gateway: int = 0,
+        queued_by_model: Mapping[str, int] | None = None,
     ) -> dict[str, Sample]:
+        """`queued_by_model`: the gateway's wait queue by model (what a model with no
+        instance has as demand); without it, the whole queue counts for a lone model."""
         hist = parse_histograms(metrics_text, (_TTFT, _TPOT))
         out = {}
         for model in models:
@@ -98,7 +101,10 @@ class Sampler:
                 now_b = hist.get(key, ())
                 p99[name] = bucket_quantile(0.99, _delta(now_b, self._last.get(key)))
                 self._last[key] = now_b
-            share = num_queued_at_gateway if len(models) == 1 else 0
+            if queued_by_model is not None:
+                share = int(queued_by_model.get(model, 0))
+            else:
+                share = num_queued_at_gateway if len(models) == 1 else 0
             out[model] = Sample(
                 at_s=now_s,
                 queue_depth=waiting + share,

@@ -118,9 +118,10 @@ class Gateway:
     # ---------------------------------------------------------------- plain endpoints
     async def _models(self, req: Request) -> Response:
         del req
+        held = {m for m in self.holds if self.held(m)}  # scaled to zero: still served
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "flexpipe"}
-            for m in self.pool.models()
+            for m in sorted(set(self.pool.models()) | held)
         ]
         return json_response({"object": "list", "data": data})
 
