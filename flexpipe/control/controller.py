@@ -43,6 +43,7 @@ from flexpipe.control.client import (
     bearer_ok,
 )
 from flexpipe.control.cluster_watch import ClusterWatch
+from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.control.executor import Executor, LiveInstance, ShiftOutcome
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.control.metrics import ControllerMetrics
@@ -87,6 +88,8 @@ __all__ = ["Controller", "ControllerConfig"]
 
 log = logging.getLogger("flexpipe.control")
 
+DEFAULT_DISCOVER_INTERVAL_S = 30.0
+
 
 @dataclass
 class ControllerConfig:
@@ -97,6 +100,9 @@ class ControllerConfig:
     token: str | None = None  # bearer token of the controller's admin API
     tick_s: float = 10.0  # one sample and one decision per tick (seed 000: ~10 s)
     watch_interval_s: float = 2.0
+    # GPU discovery through NVML while running: None = every 30 s when the cluster file was
+    # written by `flexpipe discover` (its description says so), else off; 0 = off.
+    discover_interval_s: float | None = None
     drain_deadline_s: float = 30.0
     rehearsal_tolerance: float = 2.0
     time_scale: float = 1.0  # sim engines: wall seconds per modelled second
@@ -123,6 +129,7 @@ class Controller:
         clock: Callable[[], float] = time.time,
         wall: Callable[[], float] = time.time,
         say: Callable[[str], None] = print,
+        nvml: Any = None,  # NVML for discovery (pynvml by default; tests pass a fake)
     ) -> None:
         self.cfg = cfg
         self.gateway = gateway
@@ -132,6 +139,15 @@ class Controller:
         self.say = say
         self.rng = random.Random(cfg.seed)
         self.resources = Resources.of(load_cluster(cfg.cluster_path), wall())
+        self.discovery: DiscoveryWatch | None = None
+        interval_s = cfg.discover_interval_s
+        if interval_s is None:
+            described = self.resources.file.description or ""
+            interval_s = DEFAULT_DISCOVER_INTERVAL_S if DISCOVERED_MARK in described else 0.0
+        if interval_s > 0:
+            self.discovery = DiscoveryWatch(
+                self.resources.file, interval_s, nvml=nvml, own_pgids=self._own_pgids
+            )
         self.efficiency = store.efficiency() if store is not None else None
         self.performance = GearLookup(store.points() if store is not None else [], self.efficiency)
         self.policy = ShiftPolicy(cfg.shift, planner=self._planner, efficiency=self.efficiency)
@@ -303,6 +319,8 @@ class Controller:
             asyncio.create_task(self._watch_file()),
             asyncio.create_task(self._watch_demand()),
         ]
+        if self.discovery is not None:
+            watches.append(asyncio.create_task(self._watch_discovery(self.discovery)))
         try:
             while not stop.is_set():
                 self._changed.clear()
@@ -455,7 +473,8 @@ class Controller:
                 await asyncio.sleep(self.cfg.tick_s)
                 continue
             if queued:
-                self.say(f"controller: requests wait for {', '.join(sorted(queued))}; waking")
+                if not self._lock.locked():  # else the wake shift is under way
+                    self.say(f"controller: requests wait for {', '.join(sorted(queued))}")
                 self._changed.set()
                 await asyncio.sleep(self.cfg.tick_s)  # the wake shift takes it from here
 
@@ -500,14 +519,19 @@ class Controller:
                 self._rate_per_s[name] = finished / (now_s - t0) * scale
 
     async def _register_missing(self, instances: Sequence[dict[str, Any]]) -> None:
-        """A gateway that restarted has lost its pool: give it the running instances back."""
-        known = {i["url"] for i in instances}
+        """A gateway that restarted has lost its pool: give it the running instances back.
+        One whose state there lags (a lifecycle call that failed) is set active again."""
+        known = {i["url"]: i.get("state") for i in instances}
         for inst in self.running.values():
-            if inst.state == "active" and inst.url not in known:
+            if inst.state != "active" or self._lock.locked():
+                continue  # a shift in progress moves its instances itself
+            if inst.url not in known:
                 await self.gateway.add(inst.url, inst.planned.model,
                                        inst.planned.gear.max_num_seqs,
                                        admin_token=self.cfg.engine_admin_token)  # fmt: skip
                 self.say(f"controller: {inst.planned.name} registered again in the gateway")
+            elif known[inst.url] in (State.STARTING.value, State.REHEARSING.value):
+                await self.gateway.set_state(inst.url, State.ACTIVE.value)
 
     async def _reap_dead(self, now_s: float) -> None:
         """An engine that exited: out of the gateway (its streams continue elsewhere), out of
@@ -538,7 +562,25 @@ class Controller:
     async def _watch_file(self) -> None:
         watch = ClusterWatch(self.cfg.cluster_path, self.cfg.watch_interval_s)
         async for cluster, _ in watch.changes():
+            if self.discovery is not None:
+                self.discovery.rebase(cluster)
             self._resource_events(*self.resources.file_changed(cluster, self.wall()), self.clock())
+
+    async def _watch_discovery(self, watch: DiscoveryWatch) -> None:
+        """NVML asked again every interval: its changes are resource events like the file's."""
+        async for cluster, _ in watch.changes():
+            self.discovered(cluster)
+
+    def discovered(self, cluster: Cluster) -> list[ResourceEvent]:
+        """A cluster from discovery: the GPUs' memory as NVML sees it now."""
+        return self._resource_events(
+            *self.resources.file_changed(cluster, self.wall()), self.clock()
+        )
+
+    def _own_pgids(self) -> set[int]:
+        """The process groups of our engines (their GPU memory is not another tenant's)."""
+        pids = (getattr(i.handle, "pid", None) for i in self.running.values())
+        return {p for p in pids if isinstance(p, int) and p > 0}
 
     def _note(
         self, kind: Any, reason: str, notes: Sequence[str] = (), outcome: Any = "noted"
