@@ -7,6 +7,8 @@ the shift log in the store.
   the model (held), and the first request for it waits while the controller — woken by the
   gateway's queue, not a poll — cold-starts an instance. No request fails; its time to first
   token includes the cold start.
+- Two models, two priorities: the customer-facing model's load rises and it takes GPUs from
+  the internal one, which keeps its minimum; no request of either fails.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 
 import openai
-from test_controller_scenarios import Up, finished
+from test_controller_scenarios import Load, Up, finished
 
 from flexpipe.store.instance_registry import InstanceRegistry
 
@@ -82,5 +84,83 @@ def test_an_idle_model_scales_to_zero_and_its_next_request_cold_starts_one(
         assert out.usage is not None and out.usage.completion_tokens == 4
         assert time.monotonic() - t0 < ttft_s
     finally:
+        up.stop()
+    assert up.proc.returncode == 0, up.out.text[-3000:]
+
+
+TWO = """
+models:
+  - name: {name}-hi
+    model: llama-2-7b
+    demand: {{request_rate_per_s: 0.2, input_tokens: 2048, output_tokens: 256}}
+    slo: {{ttft_p99_ms: 2000, tpot_p99_ms: 60}}
+    dtypes: [bf16, fp8]
+    priority: 10
+    min_instances: 1
+  - name: {name}-lo
+    model: llama-2-7b
+    demand: {{request_rate_per_s: 8, input_tokens: 2048, output_tokens: 256}}
+    slo: {{ttft_p99_ms: 2000, tpot_p99_ms: 60}}
+    dtypes: [bf16, fp8]
+    priority: 1
+    min_instances: 1
+"""
+
+# Load-driven up-shifts only (no down-shift of the lightly loaded internal model), and one
+# shift: the cooldown outlasts the test.
+TRADE = """
+shift:
+  triggers:
+    window_s: 30
+    num_samples: 3
+    cooldown_s: 300
+    thresholds: {down_utilization: 0.0}
+"""
+
+
+def gpus_by_model(up: Up) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for inst in up.status()["instances"]:
+        out.setdefault(inst["model"], set()).update(inst["gpus"])
+    return out
+
+
+def test_a_high_priority_model_takes_gpus_from_a_low_priority_one_as_its_load_rises(
+    tmp_path: Path,
+) -> None:
+    up = Up(tmp_path, TRADE, models_yaml=TWO)
+    hi, lo = f"{up.model}-hi", f"{up.model}-lo"
+    loads: list[Load] = []
+    try:
+        up.ready()
+        before = gpus_by_model(up)
+        # the first plan, for the configured demand: the internal model has most GPUs
+        assert len(before[lo]) > len(before[hi]) >= 1, before
+        loads.append(Load(up.port, lo, num_streams=2, pause_s=0.5).start())
+        # the customer-facing model's load rises far beyond its one small instance
+        loads.append(Load(up.port, hi, num_streams=12, max_tokens=256).start())
+        shifts = up.wait_until(
+            "an up-shift for the customer-facing model",
+            lambda: [e for e in finished(up.entries("shift")) if e.trigger == "up"],
+            120,
+        )
+        shift = shifts[0]
+        assert shift.outcome == "succeeded", (shift.reason, shift.error)
+        assert hi in shift.reason  # its samples were in the up zone
+        after = gpus_by_model(up)
+        taken = after[hi] & before[lo]
+        assert taken, (before, after)  # GPUs the internal model had now serve the other
+        assert len(after[hi]) > len(before[hi]) or taken - before[hi]
+        # the internal model keeps its minimum
+        assert sum(1 for i in up.status()["instances"] if i["model"] == lo) >= 1
+        print(f"priority trade: {before} -> {after}: {shift.reason}")
+        time.sleep(1)
+        for load in loads:
+            load.stop()
+        for load in loads:
+            assert len(load.results) > 5 and load.failures() == [], load.failures()[:5]
+    finally:
+        for load in loads:
+            load.stop()
         up.stop()
     assert up.proc.returncode == 0, up.out.text[-3000:]

@@ -73,7 +73,7 @@ from flexpipe.policies.shift.snapshot import (
     instance_key,
 )
 from flexpipe.store import Store
-from flexpipe.store.instance_registry import InstanceRegistry
+from flexpipe.store.instance_registry import InstanceRecord, InstanceRegistry
 from flexpipe.store.shift_entry import (
     Migrated,
     Outcome,
@@ -169,6 +169,9 @@ class Controller:
         self.registry = InstanceRegistry(store) if store is not None else None
         self.metrics = ControllerMetrics()
         self._gone: list[tuple[str, State]] = []  # (model, gone) for the instance gauge
+        self._spawned_ids: dict[str, int] = {}  # endpoint -> registry id, not yet claimed
+        if self.registry is not None and hasattr(launcher, "on_spawn"):
+            launcher.on_spawn = self._spawned  # (the local launcher's hook; not in the Protocol)
         self.executor = Executor(
             launcher,
             gateway,
@@ -198,6 +201,27 @@ class Controller:
         that pays only at the expected load (the seed's freed gpu1) is still found."""
         return plan(cluster, demands, self.performance, now_s=now_s, efficiency=self.efficiency)
 
+    def _spawned(self, spec: EngineSpec, pid: int, endpoint: str) -> None:
+        """An engine process exists (not ready yet): in the store from now on, so that a
+        controller killed during its cold start leaves no engine unknown to its successor
+        (which finds it unreachable or not in its plan, and stops it)."""
+        assert self.registry is not None
+        model = spec.served_model_name or spec.model
+        record = self.registry.register(
+            spec.name, model, str(spec.gear), spec.gpu_ids, endpoint, self.cfg.engine_kind
+        )
+        self.registry.set_process(record.id, pid, pid, endpoint)
+        self._spawned_ids[endpoint] = record.id
+
+    def _sweep_spawned(self) -> None:
+        """Engines spawned that never became an instance (did not get ready, stopped): gone."""
+        if self.registry is None:
+            return
+        for endpoint, record_id in list(self._spawned_ids.items()):
+            del self._spawned_ids[endpoint]
+            if self.registry.get(record_id).live:
+                self.registry.mark_gone(record_id, "the engine did not start")
+
     def _on_state(self, inst: LiveInstance, state: str) -> None:
         p = inst.planned
         if state == "active":
@@ -210,6 +234,12 @@ class Controller:
         self._gauge()
         if self.registry is None:
             return
+        if inst.store_id is None and inst.url in self._spawned_ids:
+            inst.store_id = self._spawned_ids.pop(inst.url)
+            pid = getattr(inst.handle, "pid", None)
+            self.registry.set_process(inst.store_id, pid, pid, None, inst.handle.cold_start_s)
+            if state == "starting":
+                return
         if inst.store_id is None:
             record = self.registry.register(
                 p.name, p.model, str(p.gear), p.gpu_ids, inst.url, self.cfg.engine_kind
@@ -222,13 +252,15 @@ class Controller:
         if self.registry.get(inst.store_id).state != state:
             self.registry.transition(inst.store_id, state)
 
-    async def _adopt(self, planned: Sequence[PlannedInstance]) -> None:
+    async def _adopt(self, planned: Sequence[PlannedInstance]) -> list[InstanceRecord]:
         """Take over the live instances of the store's registry: those alive and healthy
-        that the plan has are adopted; the others are drained and stopped. Changes left
+        that the plan has are adopted (and serve: a shift cut short left them starting,
+        rehearsing or draining); those unreachable are gone. Returns the live ones not in the
+        plan: drained and stopped once the plan serves (`_retire_leftovers`). Changes left
         pending by the previous controller are closed as aborted, and the policy gets the
         shift history back (cooldown and blacklist survive a restart)."""
         if self.registry is None or self.shift_log is None:
-            return
+            return []
         for entry in self.shift_log.pending():
             assert entry.id is not None
             self.shift_log.update_outcome(
@@ -237,23 +269,23 @@ class Controller:
         self.history = list(self.shift_log.history())
         records = self.registry.live_instances()
         if not records:
-            return
+            return []
         ok = await reachable(records)
         adopted, gone = self.registry.reconcile(ok, "not reachable after a controller restart")
-        for rec in gone:
-            stop_group(rec)
-        by_key = {_flat_key(p.model, p.gear.key(), p.gpu_ids): p for p in planned}
         gateway = {i["url"]: str(i.get("state")) for i in await self.gateway.instances()}
-        for rec in adopted:
-            handle = AdoptedEngine(rec)
-            p = by_key.get(_flat_key(rec.model, parse_gear(rec.gear).key(), rec.gpu_ids))
-            if p is None:  # not in today's plan: drained, then stopped
+        for rec in gone:  # e.g. an engine killed with its controller mid cold start
+            stop_group(rec)
+            if rec.endpoint in gateway:
                 with contextlib.suppress(GatewayError):
-                    await self.gateway.drain(rec.endpoint, self.cfg.drain_deadline_s)
                     await self.gateway.remove(rec.endpoint)
-                await handle.stop()
-                self.registry.mark_gone(rec.id, "not in the plan after a controller restart")
+        by_key = {_flat_key(p.model, p.gear.key(), p.gpu_ids): p for p in planned}
+        leaving = []
+        for rec in adopted:
+            p = by_key.get(_flat_key(rec.model, parse_gear(rec.gear).key(), rec.gpu_ids))
+            if p is None:
+                leaving.append(rec)
                 continue
+            handle = AdoptedEngine(rec)
             inst = LiveInstance(p, handle, rec.state.value, rec.id)
             self.running[instance_key(p)] = inst
             if rec.endpoint not in gateway:
@@ -268,6 +300,20 @@ class Controller:
         if self.running:
             self.say(f"controller: adopted {len(self.running)} running instance(s)")
         self._gauge()
+        return leaving
+
+    async def _retire_leftovers(self, leaving: Sequence[InstanceRecord]) -> None:
+        """Live instances of the previous controller that today's plan lacks: drained and
+        stopped after the plan serves (make before break, as a shift)."""
+        assert self.registry is not None or not leaving
+        for rec in leaving:
+            with contextlib.suppress(GatewayError):
+                await self.gateway.drain(rec.endpoint, self.cfg.drain_deadline_s)
+            with contextlib.suppress(GatewayError):
+                await self.gateway.remove(rec.endpoint)
+            await AdoptedEngine(rec).stop()
+            if self.registry is not None:
+                self.registry.mark_gone(rec.id, "not in the plan after a controller restart")
 
     def _gauge(self) -> None:
         live = [(i.planned.model, State(i.state)) for i in self.running.values()]
@@ -301,10 +347,17 @@ class Controller:
         first = self._planner(self.cluster, self.cfg.demands, self.clock())
         if not first.instances:
             raise RuntimeError("the planner found nothing to run on the free GPUs")
-        await self._adopt(first.instances)
+        leftovers = await self._adopt(first.instances)
+        # what a new instance needs the GPUs of goes first; the rest once the plan serves
+        wanted = {g for p in first.instances if instance_key(p) not in self.running
+                  for g in p.gpu_ids}  # fmt: skip
+        in_way = [r for r in leftovers if wanted & set(r.gpu_ids)]
+        await self._retire_leftovers(in_way)
         outcome = await self.executor.shift(
             self.cluster, self.running, first.instances, rehearse=False, all_or_nothing=False
         )
+        self._sweep_spawned()
+        await self._retire_leftovers([r for r in leftovers if r not in in_way])
         self._note("plan", "the first plan", [outcome.reason] if outcome.reason else [],
                    outcome="succeeded" if self.running else "failed")  # fmt: skip
         if outcome.reason:
@@ -392,6 +445,7 @@ class Controller:
             self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
             assert decision.target is not None
             outcome = await self.executor.shift(self.cluster, self.running, decision.target)
+            self._sweep_spawned()
             self.history[-1] = finished_record(record, outcome, self.clock())
             self.last_outcome = outcome
             if outcome.succeeded:
