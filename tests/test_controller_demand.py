@@ -9,16 +9,28 @@ the shift log in the store.
   token includes the cold start.
 - Two models, two priorities: the customer-facing model's load rises and it takes GPUs from
   the internal one, which keeps its minimum; no request of either fails.
+- The controller killed (SIGKILL) in the middle of a shift, while the new engine cold-starts:
+  `up` starts another, which ends consistent — no second launch, no orphaned engine, the
+  shift log intact with the cut-short shift recorded as aborted, the gateway's pool the
+  store's live instances — and no request fails meanwhile.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
-from test_controller_scenarios import Load, Up, finished
+from prometheus_client.parser import text_string_to_metric_families
+from test_controller import _is_controller
+from test_controller_scenarios import SHARED, Load, Up, finished
+from test_launcher import processes_with
+from test_up import engines_with
 
+from flexpipe.lifecycle import State
 from flexpipe.store.instance_registry import InstanceRegistry
 
 MIN_ZERO = """
@@ -161,6 +173,83 @@ def test_a_high_priority_model_takes_gpus_from_a_low_priority_one_as_its_load_ri
             assert len(load.results) > 5 and load.failures() == [], load.failures()[:5]
     finally:
         for load in loads:
+            load.stop()
+        up.stop()
+    assert up.proc.returncode == 0, up.out.text[-3000:]
+
+
+def pool_states(up: Up) -> dict[str, str]:
+    """The gateway's pool (instance URL -> lifecycle state), from its public /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{up.port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        s.labels["instance"]: s.labels["state"]
+        for family in text_string_to_metric_families(text)
+        if family.name == "flexpipe_instance_up"
+        for s in family.samples
+    }
+
+
+def test_the_controller_killed_mid_shift_restarts_into_a_consistent_state(
+    tmp_path: Path,
+) -> None:
+    up = Up(tmp_path, SHARED, drain_s=1)
+    load: Load | None = None
+    try:
+        up.ready()
+        registry = InstanceRegistry(up.store)
+        first_ids = {r.id for r in registry.instances()}
+        load = Load(up.port, up.model).start()
+        time.sleep(1)
+        controllers = [p for p in processes_with(str(tmp_path)) if _is_controller(p)]
+        assert len(controllers) == 1
+        up.set_gpu("gpu1", used_gib=0)  # the tenant leaves gpu1: an in-place shift follows
+
+        def cold_starting() -> list[object]:
+            return [r for r in registry.live_instances()
+                    if r.id not in first_ids and r.state is State.STARTING]  # fmt: skip
+
+        up.wait_until("a new engine of the shift cold-starting", cold_starting, 60)
+        os.kill(controllers[0], signal.SIGKILL)  # mid-shift: its new engine is not ready
+        num_entries = len(up.entries())
+        up.out.wait_for("adopted", 90)
+        up.wait_until(
+            "the restarted controller serving, every instance active",
+            lambda: (
+                "instance(s) serving" in up.out.text.split("adopted", 1)[1]
+                and up.status()["instances"]
+                and all(i["state"] == "active" for i in up.status()["instances"])
+            ),
+            90,
+        )
+        time.sleep(1)
+        # the shift log: intact, the cut-short shift recorded as such
+        entries = up.entries()
+        assert [e.id for e in entries] == list(range(1, len(entries) + 1))
+        assert len(entries) >= num_entries
+        cut = [e for e in entries if e.kind == "shift" and e.trigger == "resource"]
+        assert cut and cut[0].outcome == "aborted", [(e.kind, e.outcome) for e in entries]
+        assert cut[0].error == "the controller restarted mid-change"
+        assert not [e for e in entries if e.outcome == "pending"]
+        # the store, the engines and the gateway agree
+        live = registry.live_instances()
+        assert live and all(r.state is State.ACTIVE for r in live)
+        gpus = [g for r in live for g in r.gpu_ids]
+        assert len(gpus) == len(set(gpus)), live  # no two engines on one GPU
+        engines = engines_with(up.model)
+        groups = {r.pgid for r in live}
+        # one engine per live instance (no second launch), each one's (no orphan)
+        assert len(engines) == len(live) and {os.getpgid(p) for p in engines} == groups
+        assert pool_states(up) == {r.endpoint: "active" for r in live}
+        assert {i["url"] for i in up.status()["instances"]} == {r.endpoint for r in live}
+        gone = [r for r in registry.instances() if r.state is State.GONE]
+        print(
+            f"after the restart: {len(live)} live, gone: {[(r.name, r.gone_reason) for r in gone]}"
+        )
+        results = load.stop()
+        assert len(results) > 20 and load.failures() == [], load.failures()[:5]
+    finally:
+        if load is not None:
             load.stop()
         up.stop()
     assert up.proc.returncode == 0, up.out.text[-3000:]
