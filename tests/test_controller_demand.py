@@ -242,10 +242,8 @@ def test_the_controller_killed_mid_shift_restarts_into_a_consistent_state(
         assert len(engines) == len(live) and {os.getpgid(p) for p in engines} == groups
         assert pool_states(up) == {r.endpoint: "active" for r in live}
         assert {i["url"] for i in up.status()["instances"]} == {r.endpoint for r in live}
-        gone = [r for r in registry.instances() if r.state is State.GONE]
-        print(
-            f"after the restart: {len(live)} live, gone: {[(r.name, r.gone_reason) for r in gone]}"
-        )
+        gone = [(r.name, r.gear, r.gone_reason) for r in registry.instances() if not r.live]
+        print(f"after the restart: live {[(r.name, r.gear) for r in live]}, gone {gone}")
         results = load.stop()
         assert len(results) > 20 and load.failures() == [], load.failures()[:5]
     finally:
