@@ -57,6 +57,7 @@ _ADMIN_BODY_BYTES = 1 << 20  # every route but the two that carry prompts
 _DEAD = ("connect", "closed", "protocol")  # the instance failed before a response head
 _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
+MAX_HELD_WAIT_S = 900.0  # the longest a request of a held model waits in the queue
 
 
 class Gateway:
@@ -375,8 +376,11 @@ class Gateway:
                 raise _TooMany("all instances are busy and the wait queue is full", wait_s)
             if deadline is None:
                 deadline = now + self.cfg.max_queue_wait_s
-            # a planned shift takes capacity away for a while: wait it out, don't refuse
-            deadline = max(deadline, self.holds.get(call.model, 0.0))
+            # a planned shift takes capacity away for a while (or the model is scaled to
+            # zero and an instance cold-starts): wait it out, don't refuse — though never
+            # longer than MAX_HELD_WAIT_S from arrival, however often the hold is renewed
+            held_until = min(self.holds.get(call.model, 0.0), call.t0 + MAX_HELD_WAIT_S)
+            deadline = max(deadline, held_until)
             left = deadline - now
             if left <= 0:
                 self.metrics.rejected.labels("queue_timeout").inc()
