@@ -252,13 +252,12 @@ class Controller:
         if self.registry.get(inst.store_id).state != state:
             self.registry.transition(inst.store_id, state)
 
-    async def _adopt(self, planned: Sequence[PlannedInstance]) -> list[InstanceRecord]:
-        """Take over the live instances of the store's registry: those alive and healthy
-        that the plan has are adopted (and serve: a shift cut short left them starting,
-        rehearsing or draining); those unreachable are gone. Returns the live ones not in the
-        plan: drained and stopped once the plan serves (`_retire_leftovers`). Changes left
-        pending by the previous controller are closed as aborted, and the policy gets the
-        shift history back (cooldown and blacklist survive a restart)."""
+    async def _survivors(self) -> list[InstanceRecord]:
+        """After a restart: changes the previous controller left pending are closed as
+        aborted, the policy gets the shift history back (cooldown and blacklist survive),
+        and the live instances of the store's registry whose process group lives and whose
+        engine answers /health are returned; the others are gone (their processes stopped,
+        out of the gateway)."""
         if self.registry is None or self.shift_log is None:
             return []
         for entry in self.shift_log.pending():
@@ -272,12 +271,24 @@ class Controller:
             return []
         ok = await reachable(records)
         adopted, gone = self.registry.reconcile(ok, "not reachable after a controller restart")
+        if gone:
+            urls = {i["url"] for i in await self.gateway.instances()}
+            for rec in gone:  # e.g. an engine killed with its controller mid cold start
+                stop_group(rec)
+                if rec.endpoint in urls:
+                    with contextlib.suppress(GatewayError):
+                        await self.gateway.remove(rec.endpoint)
+        return adopted
+
+    async def _adopt(
+        self, planned: Sequence[PlannedInstance], adopted: Sequence[InstanceRecord]
+    ) -> list[InstanceRecord]:
+        """Take over the surviving instances that the plan has (they serve: a shift cut
+        short left them starting, rehearsing or draining). Returns those it lacks: drained
+        and stopped once the plan serves (`_retire_leftovers`)."""
+        if self.registry is None or not adopted:
+            return []
         gateway = {i["url"]: str(i.get("state")) for i in await self.gateway.instances()}
-        for rec in gone:  # e.g. an engine killed with its controller mid cold start
-            stop_group(rec)
-            if rec.endpoint in gateway:
-                with contextlib.suppress(GatewayError):
-                    await self.gateway.remove(rec.endpoint)
         by_key = {_flat_key(p.model, p.gear.key(), p.gpu_ids): p for p in planned}
         leaving = []
         for rec in adopted:
@@ -347,7 +358,13 @@ class Controller:
         first = self._planner(self.cluster, self.cfg.demands, self.clock())
         if not first.instances:
             raise RuntimeError("the planner found nothing to run on the free GPUs")
-        leftovers = await self._adopt(first.instances)
+        survivors = await self._survivors()
+        if survivors:  # what a previous controller left serving stays, where it still pays
+            stubs = [_stub(r, first.instances) for r in survivors]
+            first = plan(self.cluster, self.cfg.demands, self.performance,
+                         running=[s for s in stubs if s is not None], now_s=self.clock(),
+                         efficiency=self.efficiency)  # fmt: skip
+        leftovers = await self._adopt(first.instances, survivors)
         # what a new instance needs the GPUs of goes first; the rest once the plan serves
         wanted = {g for p in first.instances if instance_key(p) not in self.running
                   for g in p.gpu_ids}  # fmt: skip
@@ -724,6 +741,24 @@ def finished_record(record: ShiftRecord, outcome: ShiftOutcome, now_s: float) ->
 
 def _said(outcome: ShiftOutcome) -> str:
     return "done" if outcome.succeeded else "refused" if outcome.refused else "rolled back"
+
+
+def _stub(record: InstanceRecord, like: Sequence[PlannedInstance]) -> PlannedInstance | None:
+    """A surviving instance as the planner's `running` input: its model, gear and GPUs (the
+    planner re-evaluates it as it runs; the rest is copied from an instance of the same model
+    in `like`). None for a model no longer planned. Stages: the GPUs in order, `tp` each;
+    layers split evenly (as the sim engine does)."""
+    template = next((p for p in like if p.model == record.model), None)
+    if template is None:
+        return None
+    gear = parse_gear(record.gear)
+    ids = record.gpu_ids
+    stages = tuple(tuple(ids[i : i + gear.tp]) for i in range(0, len(ids), gear.tp))
+    num_layers = sum(template.layers_per_stage)
+    base, extra = divmod(num_layers, max(1, len(stages)))
+    layers = tuple(base + (1 if i < extra else 0) for i in range(len(stages)))
+    return dataclasses.replace(template, name=record.name, gear=gear, stages=stages,
+                               layers_per_stage=layers)  # fmt: skip
 
 
 def _flat_key(model: str, gear_key: str, gpu_ids: Sequence[str]) -> str:
