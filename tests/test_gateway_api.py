@@ -204,7 +204,10 @@ def test_admin_api_moves_an_instance_along_its_one_lifecycle(gw: Running) -> Non
     assert post("/admin/instances/state", url=b.url, state="rehearsing")[0] == 200
     assert state_of(b.url) == ("rehearsing", True) and served_by_b() == 0
     assert post("/admin/instances/state", url=b.url, state="active")[0] == 200
-    assert served_by_b() > 0
+    assert [i.url for i in gw.gw.pool.routable("fake-model")] == [a.url, b.url]
+    assert post("/admin/instances/drain", url=a.url)[1]["state"] == "draining"
+    assert served_by_b() == 4  # a drains: b takes everything
+    assert post("/admin/instances/activate", url=a.url)[1]["state"] == "active"
     metrics = gw.http("GET", "/metrics")[2].decode()
     assert f'flexpipe_instance_up{{instance="{b.url}",state="active"}} 1.0' in metrics
     assert post("/admin/instances/state", url=b.url, state="sleeping")[0] == 400
