@@ -102,7 +102,12 @@ class Up:
     """A `flexpipe up` process with its cluster file, store and controller admin API."""
 
     def __init__(
-        self, tmp_path: Path, shift_yaml: str, extra: tuple[str, ...] = (), drain_s: float = 3
+        self,
+        tmp_path: Path,
+        shift_yaml: str,
+        extra: tuple[str, ...] = (),
+        drain_s: float = 3,
+        models_yaml: str | None = None,  # with {name}: the model's name (unique per run)
     ) -> None:
         self.cluster = tmp_path / "cluster.yaml"
         self.cluster.write_text((ROOT / "examples/clusters/fragmented-4gpu.yaml").read_text())
@@ -111,11 +116,16 @@ class Up:
         self.controller_url = f"http://127.0.0.1:{free_port()}"
         self.store_url = f"sqlite:///{tmp_path / 'fp.db'}"
         self.model = f"scn-{os.getpid()}"
+        if models_yaml is None:
+            models = write_models(tmp_path, self.model)
+        else:
+            models = tmp_path / "models.yaml"
+            models.write_text(models_yaml.format(name=self.model))
         argv = [
             *FLEXPIPE, "up", "--port", str(self.port),
             "--controller-port", self.controller_url.rsplit(":", 1)[1],
             "--time-scale", "0.05", "--tick-s", "0.5",
-            "--cluster", str(self.cluster), "--models", str(write_models(tmp_path, self.model)),
+            "--cluster", str(self.cluster), "--models", str(models),
             "--store", self.store_url, "--shift-config", str(tmp_path / "shift.yaml"),
             "--drain-timeout-s", str(drain_s), *extra,
         ]  # fmt: skip

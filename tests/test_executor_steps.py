@@ -43,3 +43,41 @@ def test_a_model_with_nothing_else_serving_is_not_replaced_in_place() -> None:
     (only,) = [p for p in plan(CLUSTER, [DEMAND]).instances if p.num_gpus == 2]
     running = {instance_key(only): live(only)}
     assert _rolling_steps(running, [running[instance_key(only)]], [], [relaunched(only)]) is None
+
+
+class Recorder:
+    """Stands in at the I/O seam (launcher and gateway): records each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            raise AssertionError(f"{name} called: a refused shift changes nothing")
+
+        return call
+
+
+def test_a_refused_shift_changes_nothing_and_says_it_was_refused() -> None:
+    """Replacing the only instance of a model in place would stop serving it: the executor
+    refuses before any launch or gateway call, and marks the outcome refused (not a failure
+    of the target: the controller records it so and the blacklist ignores it)."""
+    import asyncio
+
+    from flexpipe.control.controller import finished_record
+    from flexpipe.control.executor import Executor
+    from flexpipe.policies.shift.snapshot import ShiftRecord
+
+    (only,) = [p for p in plan(CLUSTER, [DEMAND]).instances if p.num_gpus == 2]
+    running = {instance_key(only): live(only)}
+    io = Recorder()
+    executor = Executor(io, io, lambda p: None)  # type: ignore[arg-type,return-value]
+    out = asyncio.run(executor.shift(CLUSTER, running, [relaunched(only)]))
+    assert (out.succeeded, out.refused, io.calls) == (False, True, [])
+    assert "serving would stop" in out.reason
+    assert list(running) == [instance_key(only)]
+    new = instance_key(relaunched(only))
+    record = finished_record(ShiftRecord(10.0, target_keys=(new,)), out, 12.0)
+    assert record == ShiftRecord(10.0, 12.0, False, (new,), refused=True)
+    assert not record.failed

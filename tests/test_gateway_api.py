@@ -173,6 +173,61 @@ def test_admin_api_needs_the_token_and_drives_the_pool(gw: Running) -> None:
     assert gw.http("POST", "/admin/instances/drain", b"{}", auth)[0] == 400
 
 
+def test_admin_api_moves_an_instance_along_its_one_lifecycle(gw: Running) -> None:
+    """starting → rehearsing → active → draining → gone in the pool, each move checked by
+    flexpipe/lifecycle.py (an illegal one is a 409 naming both ends); only active takes
+    traffic; health is a separate flag, shown in the list and in /metrics."""
+    a, b = gw.engines
+    auth = {"authorization": "Bearer s3cret", "content-type": "application/json"}
+
+    def post(path: str, **body: Any) -> tuple[int, dict[str, Any]]:
+        status, _, raw = gw.http("POST", path, orjson.dumps(body), auth)
+        return status, orjson.loads(raw)
+
+    def state_of(url: str) -> tuple[str, bool]:
+        raw = gw.http("GET", "/admin/instances", headers=auth)[2]
+        inst = next(i for i in orjson.loads(raw)["instances"] if i["url"] == url)
+        return inst["state"], inst["healthy"]
+
+    def served_by_b() -> int:
+        before = b.num_requests
+        for _ in range(4):
+            gw.client().completions.create(model="fake-model", prompt="x", max_tokens=1)
+        return b.num_requests - before
+
+    assert post("/admin/instances/remove", url=b.url)[0] == 200
+    status, doc = post("/admin/instances", url=b.url, model="fake-model", state="starting")
+    assert status == 200 and (doc["state"], doc["healthy"]) == ("starting", True)
+    assert served_by_b() == 0  # not routed while starting
+    status, doc = post("/admin/instances/state", url=b.url, state="draining")
+    assert status == 409 and "illegal transition starting → draining" in doc["error"]["message"]
+    assert post("/admin/instances/state", url=b.url, state="rehearsing")[0] == 200
+    assert state_of(b.url) == ("rehearsing", True) and served_by_b() == 0
+    assert post("/admin/instances/state", url=b.url, state="active")[0] == 200
+    assert [i.url for i in gw.gw.pool.routable("fake-model")] == [a.url, b.url]
+    assert post("/admin/instances/drain", url=a.url)[1]["state"] == "draining"
+    assert served_by_b() == 4  # a drains: b takes everything
+    assert post("/admin/instances/activate", url=a.url)[1]["state"] == "active"
+    metrics = gw.http("GET", "/metrics")[2].decode()
+    assert f'flexpipe_instance_up{{instance="{b.url}",state="active"}} 1.0' in metrics
+    assert post("/admin/instances/state", url=b.url, state="sleeping")[0] == 400
+    assert post("/admin/instances", url=a.url + "/x", state="draining")[0] == 400
+    # ejected: still active in its lifecycle, out of routing until a probe succeeds
+    gw.lt.run(_eject(gw, b.url))
+    assert state_of(b.url) == ("active", False) and served_by_b() == 0
+    metrics = gw.http("GET", "/metrics")[2].decode()
+    assert f'flexpipe_instance_up{{instance="{b.url}",state="active"}} 0.0' in metrics
+    gw.gw.pool.readmit(gw.gw.pool.get(b.url))
+    assert post("/admin/instances/drain", url=b.url)[1]["state"] == "draining"
+    assert post("/admin/instances/state", url=b.url, state="gone")[0] == 200
+    assert all(i.url != b.url for i in gw.gw.pool.instances.values())
+    assert post("/admin/instances/state", url=b.url, state="active")[0] == 404
+
+
+async def _eject(gw: Running, url: str) -> None:
+    gw.gw.eject(gw.gw.pool.get(url))
+
+
 def test_tenants_keys_and_quotas(lt: LoopThread) -> None:
     tenants = [
         {"key": "sk-a", "name": "a", "requests_per_min": 2},

@@ -17,7 +17,6 @@ from test_gateway_api import Running
 from test_gateway_fakes import LoopThread
 
 from flexpipe.engine.testing import request, scrape, sim_engine
-from flexpipe.gateway import InstanceState
 from flexpipe.gateway.pool import Pool, derive_max_concurrency
 from flexpipe.gateway.prober import parse_engine_metrics
 
@@ -190,13 +189,13 @@ def test_backend_with_api_key_and_no_model_is_discovered_and_used(lt: LoopThread
         without = Running(lt, [], backends=[{"url": eng.url}])
         try:  # the negative control: discovery without the key leaves it ejected
             inst = without.gw.pool.get(eng.url)
-            assert (inst.model, inst.state) == (None, InstanceState.EJECTED)
+            assert (inst.model, inst.healthy) == (None, False)
         finally:
             without.close()
         r = Running(lt, [], backends=[{"url": eng.url, "api_key": key}])
         try:
             inst = r.gw.pool.get(eng.url)
-            assert (inst.model, inst.state) == (MODEL, InstanceState.ACTIVE)
+            assert (inst.model, inst.healthy) == (MODEL, True)
             assert inst.scraped_at_s is not None and inst.max_num_seqs == 256  # scraped too
             out = r.client().completions.create(model=MODEL, prompt="hello", max_tokens=4)
             assert out.usage is not None and out.usage.completion_tokens == 4

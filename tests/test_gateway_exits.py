@@ -234,3 +234,66 @@ def test_a_hold_keeps_requests_queued_while_capacity_is_relaunched(lt: LoopThrea
         assert r.gw.holds == {}
     finally:
         r.close()
+
+
+def test_a_held_model_with_no_instance_queues_its_requests_and_signals_demand(
+    lt: LoopThread,
+) -> None:
+    """Scale to zero at the gateway: a model with no instance but a hold is listed and
+    accepted; its requests wait in the queue; `/admin/models/demand` answers as soon as one
+    waits (it is asked before, and woken by the request: not a poll); an instance that joins
+    (starting, then active) serves them. Unheld, a model with no instance is a 404."""
+    r = Running(lt, [], max_queue_wait_s=0.2, admin_token="t")
+    auth = {"authorization": "Bearer t", "content-type": "application/json"}
+
+    def post(path: str, **body: Any) -> tuple[int, Any]:
+        status, _, raw = r.http("POST", path, orjson.dumps(body), auth)
+        return status, orjson.loads(raw)
+
+    try:
+        client = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="fake-model", prompt="x", max_tokens=2)
+        assert post("/admin/models/hold", model="fake-model", seconds=60)[0] == 200
+        assert [m.id for m in client.models.list().data] == ["fake-model"]
+        assert post("/admin/models/demand", models=["fake-model"], wait_s=0)[1] == {"queued": {}}
+
+        async def scenario() -> tuple[dict[str, Any], list[int], float]:
+            aclient = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+            loop = asyncio.get_running_loop()
+            t0 = time.monotonic()
+            models = ["fake-model", "other"]
+            demand = loop.run_in_executor(
+                None, lambda: post("/admin/models/demand", models=models, wait_s=30)
+            )
+            await asyncio.sleep(0.3)
+            assert not demand.done()  # nothing queued yet: it waits
+            tasks = [
+                asyncio.create_task(
+                    aclient.completions.create(model="fake-model", prompt="x", max_tokens=3)
+                )
+                for _ in range(2)
+            ]
+            status, answer = await demand
+            waited_s = time.monotonic() - t0
+            assert status == 200
+            await asyncio.sleep(0.5)  # past max_queue_wait_s: still queued, not refused
+            assert not any(t.done() for t in tasks)
+            engine = lt.run(FakeEngine().start())
+            r.engines.append(engine)
+            url = engine.url
+            assert post("/admin/instances", url=url, model="fake-model", state="starting")[0] == 200
+            await asyncio.sleep(0.2)
+            assert not any(t.done() for t in tasks)  # starting: not routed
+            assert post("/admin/instances/state", url=url, state="active")[0] == 200
+            done = await asyncio.gather(*tasks)
+            await aclient.close()
+            return answer, [c.usage.completion_tokens for c in done if c.usage], waited_s
+
+        answer, tokens, waited_s = asyncio.run(scenario())
+        assert answer["queued"] == {"fake-model": 1} or answer["queued"] == {"fake-model": 2}
+        assert tokens == [3, 3] and waited_s < 5
+        assert r.gw.queued_by_model == {}
+        assert post("/admin/models/demand", models="fake-model", wait_s=0)[0] == 400
+    finally:
+        r.close()

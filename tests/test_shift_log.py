@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from flexpipe.cli import app
 from flexpipe.cli.shifts import moves_text, parse_since
 from flexpipe.cluster import load_cluster
-from flexpipe.control.lifecycle import (
+from flexpipe.control.metrics import ControllerMetrics
+from flexpipe.lifecycle import (
     LIVE_STATES,
     TRANSITIONS,
     LifecycleError,
@@ -25,7 +26,6 @@ from flexpipe.control.lifecycle import (
     can_transition,
     check_transition,
 )
-from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.policies.planner import ModelDemand, Slo
 from flexpipe.policies.shift import (
     ModelState,
@@ -280,11 +280,15 @@ def test_history_rebuilds_the_policys_shift_records(tmp_path: Path) -> None:
         later = T0 + timedelta(minutes=10)
         log.append(ShiftEntry(at=later, kind="reclaim", current=(KEEP,), target=()))
         log.update_outcome(1, outcome="rolled_back", at=T0 + timedelta(seconds=40))
+        log.append(ShiftEntry(at=later, kind="shift", current=(KEEP, OLD), target=(KEEP, NEW)))
+        log.update_outcome(5, outcome="refused", at=later + timedelta(seconds=1))
         history = log.history()
     assert history == (
         ShiftRecord(T0.timestamp(), T0.timestamp() + 40, False, (NEW.key,)),
         ShiftRecord(later.timestamp(), None, None, ()),
+        ShiftRecord(later.timestamp(), later.timestamp() + 1, False, (NEW.key,), refused=True),
     )
+    assert [r.failed for r in history] == [True, False, False]
 
 
 # -- the schema grows in place ----------------------------------------------------------------
@@ -615,8 +619,9 @@ def test_shifts_command_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None
 
 
 def test_public_api() -> None:
-    import flexpipe.control.lifecycle as lifecycle
+    import flexpipe.control.lifecycle as old_lifecycle
     import flexpipe.control.metrics as metrics
+    import flexpipe.lifecycle as lifecycle
     import flexpipe.store.instance_registry as registry
     import flexpipe.store.migrate as migrate
     import flexpipe.store.shift_entry as shift_entry
@@ -624,6 +629,9 @@ def test_public_api() -> None:
 
     for module in (lifecycle, metrics, registry, migrate, shift_entry, shift_log):
         assert all(hasattr(module, name) for name in module.__all__), module.__name__
+    # the old home re-exports the very same objects
+    assert old_lifecycle.__all__ == lifecycle.__all__
+    assert all(getattr(old_lifecycle, n) is getattr(lifecycle, n) for n in lifecycle.__all__)
     assert set(shift_log.__all__) == {"SHIFT_KINDS", "ShiftLog", "ShiftLogError", "ShiftLogRow"}
     assert set(registry.__all__) == {
         "InstanceRecord",

@@ -240,6 +240,42 @@ def test_target_failing_twice_in_ten_minutes_is_blacklisted_then_expires() -> No
     assert decide(p, snap(running, five, history=(failed(1500.0),)), 2050).action == "shift"
 
 
+def test_a_refused_shift_never_blacklists_its_target_a_failed_one_does() -> None:
+    """The executor refusing a target before changing anything (an in-place order that would
+    leave a model unserved) tried nothing: however often, it is no failure of the target's
+    rehearsal. The same target failing (tried, missed, rolled back) twice is blacklisted."""
+    running = running_for(CLUSTER, demand(1.5))
+    p = policy()
+    five = [up(t) for t in (2010, 2020, 2030, 2040, 2050)]
+    target = decide(p, snap(running, five), 2050).target
+    assert target is not None
+    tp2 = next(instance_key(i) for i in target if i.num_gpus == 2)
+
+    def refused(at_s: float) -> ShiftRecord:
+        return ShiftRecord(at_s - 1, at_s, False, (tp2,), refused=True)
+
+    def failed(at_s: float) -> ShiftRecord:
+        return ShiftRecord(at_s - 60, at_s, False, (tp2,))
+
+    assert refused(0).failed is False and failed(0).failed is True
+    three = (refused(1000.0), refused(1200.0), refused(1500.0))
+    again = decide(p, snap(running, five, history=three), 2050)
+    assert again.action == "shift" and again.target == target
+    # refusals do not add up with one real failure either
+    mixed = (*three, failed(1500.0))
+    assert decide(p, snap(running, five, history=mixed), 2050).target == target
+    twice = (failed(1000.0), failed(1500.0))
+    held = decide(p, snap(running, five, history=twice), 2050)
+    assert held.action == "hold"
+    replan = next(a for a in held.alternatives if a.name == "replan")
+    assert replan.reason == f"blacklisted until 2400 s: {tp2}"
+    # a refusal still starts the cooldown (the same target is not re-proposed every tick)
+    cooling = decide(p, snap(running, five, history=(refused(2000.0),)), 2050)
+    assert cooling.action == "hold" and cooling.reason.startswith("cooldown after the last shift")
+    with pytest.raises(ValueError, match="refused shift"):
+        ShiftRecord(0.0, 1.0, True, refused=True)
+
+
 # -- down-shifts give GPUs back ------------------------------------------------------------------
 
 

@@ -77,6 +77,14 @@ def controller(
     ),
     tick_s: Annotated[float, typer.Option(help="Seconds between decisions.")] = 10.0,
     drain_deadline_s: Annotated[float, typer.Option(help="Drain before moving.")] = 30.0,
+    discover_interval_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Ask NVML for the GPUs again this often (0: never; default: every 30 s "
+            "when the cluster file was written by `flexpipe discover`).",
+        ),
+    ] = None,
     rehearsal_tolerance: Annotated[
         float,
         typer.Option(
@@ -165,6 +173,7 @@ def controller(
             token=admin_token,
             tick_s=tick_s,
             drain_deadline_s=drain_deadline_s,
+            discover_interval_s=discover_interval_s,
             rehearsal_tolerance=rehearsal_tolerance,
             time_scale=time_scale,
             engine_admin_token=_secret(None, engine_token_file, "FLEXPIPE_ENGINE_TOKEN")

@@ -46,9 +46,9 @@ from flexpipe.control.client import (
     bearer_ok,
 )
 from flexpipe.control.cluster_watch import ClusterWatch
+from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.control.executor import Executor, LiveInstance, ShiftOutcome
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
-from flexpipe.control.lifecycle import State
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
 from flexpipe.control.samples import Sampler
@@ -65,6 +65,7 @@ from flexpipe.http.server import (
     serve,
 )
 from flexpipe.launch import EngineSpec, Launcher
+from flexpipe.lifecycle import State
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
@@ -76,9 +77,10 @@ from flexpipe.policies.shift.snapshot import (
     instance_key,
 )
 from flexpipe.store import Store
-from flexpipe.store.instance_registry import InstanceRegistry
+from flexpipe.store.instance_registry import InstanceRecord, InstanceRegistry
 from flexpipe.store.shift_entry import (
     Migrated,
+    Outcome,
     Phases,
     PlanInstance,
     RehearsalCheck,
@@ -89,6 +91,8 @@ from flexpipe.store.shift_log import ShiftLog
 __all__ = ["Controller", "ControllerConfig"]
 
 log = logging.getLogger("flexpipe.control")
+
+DEFAULT_DISCOVER_INTERVAL_S = 30.0
 
 
 class ClusterSource(Protocol):
@@ -110,14 +114,20 @@ class ControllerConfig:
     token: str | None = None  # bearer token of the controller's admin API
     tick_s: float = 10.0  # one sample and one decision per tick (seed 000: ~10 s)
     watch_interval_s: float = 2.0
+    # GPU discovery through NVML while running: None = every 30 s when the cluster file was
+    # written by `flexpipe discover` (its description says so), else off; 0 = off.
+    discover_interval_s: float | None = None
     drain_deadline_s: float = 30.0
     rehearsal_tolerance: float = 2.0
     time_scale: float = 1.0  # sim engines: wall seconds per modelled second
     engine_admin_token: str | None = None  # given to engines it starts (KV moves)
     engine_kind: str = "sim"
-    # The floor under every model's min_instances: scaling to zero needs the gateway to hold
-    # requests while an instance cold-starts, which it does not do yet.
-    min_instances_floor: int = 1
+    # The floor under every model's min_instances (0: a model whose minimum is 0 may scale
+    # to zero; the gateway then holds its requests while an instance cold-starts).
+    min_instances_floor: int = 0
+    # How long (wall s) a model with no instance stays held in the gateway: renewed every
+    # tick, so it only has to outlast a cold start and a rehearsal.
+    standby_hold_s: float = 600.0
     shift: ShiftParams = field(default_factory=ShiftParams)
     seed: int = 0
     # GPUs another tenant holds from the start, as if `flexpipe cluster occupy` had taken them
@@ -138,6 +148,7 @@ class Controller:
         wall: Callable[[], float] = time.time,
         say: Callable[[str], None] = print,
         watch: ClusterSource | None = None,
+        nvml: Any = None,  # NVML for discovery (pynvml by default; tests pass a fake)
     ) -> None:
         """`watch`: where the cluster comes from and changes (default: the cluster file)."""
         self.cfg = cfg
@@ -153,6 +164,15 @@ class Controller:
             self.resources, _ = self.resources.occupy(
                 cfg.occupied, cfg.occupied_owner, None, wall()
             )
+        self.discovery: DiscoveryWatch | None = None
+        interval_s = cfg.discover_interval_s
+        if interval_s is None:
+            described = self.resources.file.description or ""
+            interval_s = DEFAULT_DISCOVER_INTERVAL_S if DISCOVERED_MARK in described else 0.0
+        if interval_s > 0:
+            self.discovery = DiscoveryWatch(
+                self.resources.file, interval_s, nvml=nvml, own_pgids=self._own_pgids
+            )
         self.efficiency = store.efficiency() if store is not None else None
         self.performance = GearLookup(store.points() if store is not None else [], self.efficiency)
         self.policy = ShiftPolicy(cfg.shift, planner=self._planner, efficiency=self.efficiency)
@@ -167,6 +187,7 @@ class Controller:
         self._rate_per_s: dict[str, float] = {d.name: d.request_rate_per_s for d in cfg.demands}
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
+        self._standby: set[str] = set()  # models held in the gateway with no instance
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
         self.shift_log = ShiftLog(store) if store is not None else None
@@ -174,6 +195,9 @@ class Controller:
         self.metrics = ControllerMetrics()
         self.metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
         self._gone: list[tuple[str, State]] = []  # (model, gone) for the instance gauge
+        self._spawned_ids: dict[str, int] = {}  # endpoint -> registry id, not yet claimed
+        if self.registry is not None and hasattr(launcher, "on_spawn"):
+            launcher.on_spawn = self._spawned  # (the local launcher's hook; not in the Protocol)
         self.executor = Executor(
             launcher,
             gateway,
@@ -182,6 +206,7 @@ class Controller:
             time_scale=cfg.time_scale,
             drain_deadline_s=cfg.drain_deadline_s,
             rehearsal_tolerance=cfg.rehearsal_tolerance,
+            standby_hold_s=cfg.standby_hold_s,
             on_state=self._on_state,
             clock=clock,
         )
@@ -202,6 +227,27 @@ class Controller:
         that pays only at the expected load (the seed's freed gpu1) is still found."""
         return plan(cluster, demands, self.performance, now_s=now_s, efficiency=self.efficiency)
 
+    def _spawned(self, spec: EngineSpec, pid: int, endpoint: str) -> None:
+        """An engine process exists (not ready yet): in the store from now on, so that a
+        controller killed during its cold start leaves no engine unknown to its successor
+        (which finds it unreachable or not in its plan, and stops it)."""
+        assert self.registry is not None
+        model = spec.served_model_name or spec.model
+        record = self.registry.register(
+            spec.name, model, str(spec.gear), spec.gpu_ids, endpoint, self.cfg.engine_kind
+        )
+        self.registry.set_process(record.id, pid, pid, endpoint)
+        self._spawned_ids[endpoint] = record.id
+
+    def _sweep_spawned(self) -> None:
+        """Engines spawned that never became an instance (did not get ready, stopped): gone."""
+        if self.registry is None:
+            return
+        for endpoint, record_id in list(self._spawned_ids.items()):
+            del self._spawned_ids[endpoint]
+            if self.registry.get(record_id).live:
+                self.registry.mark_gone(record_id, "the engine did not start")
+
     def _on_state(self, inst: LiveInstance, state: str) -> None:
         p = inst.planned
         if state == "active":
@@ -214,6 +260,12 @@ class Controller:
         self._gauge()
         if self.registry is None:
             return
+        if inst.store_id is None and inst.url in self._spawned_ids:
+            inst.store_id = self._spawned_ids.pop(inst.url)
+            pid = getattr(inst.handle, "pid", None)
+            self.registry.set_process(inst.store_id, pid, pid, None, inst.handle.cold_start_s)
+            if state == "starting":
+                return
         if inst.store_id is None:
             record = self.registry.register(
                 p.name, p.model, str(p.gear), p.gpu_ids, inst.url, self.cfg.engine_kind
@@ -226,13 +278,14 @@ class Controller:
         if self.registry.get(inst.store_id).state != state:
             self.registry.transition(inst.store_id, state)
 
-    async def _adopt(self, planned: Sequence[PlannedInstance]) -> None:
-        """Take over the live instances of the store's registry: those alive and healthy
-        that the plan has are adopted; the others are drained and stopped. Changes left
-        pending by the previous controller are closed as aborted, and the policy gets the
-        shift history back (cooldown and blacklist survive a restart)."""
+    async def _survivors(self) -> list[InstanceRecord]:
+        """After a restart: changes the previous controller left pending are closed as
+        aborted, the policy gets the shift history back (cooldown and blacklist survive),
+        and the live instances of the store's registry whose process group lives and whose
+        engine answers /health are returned; the others are gone (their processes stopped,
+        out of the gateway)."""
         if self.registry is None or self.shift_log is None:
-            return
+            return []
         for entry in self.shift_log.pending():
             assert entry.id is not None
             self.shift_log.update_outcome(
@@ -241,34 +294,63 @@ class Controller:
         self.history = list(self.shift_log.history())
         records = self.registry.live_instances()
         if not records:
-            return
+            return []
         ok = await reachable(records)
         adopted, gone = self.registry.reconcile(ok, "not reachable after a controller restart")
-        for rec in gone:
-            stop_group(rec)
+        if gone:
+            urls = {i["url"] for i in await self.gateway.instances()}
+            for rec in gone:  # e.g. an engine killed with its controller mid cold start
+                stop_group(rec)
+                if rec.endpoint in urls:
+                    with contextlib.suppress(GatewayError):
+                        await self.gateway.remove(rec.endpoint)
+        return adopted
+
+    async def _adopt(
+        self, planned: Sequence[PlannedInstance], adopted: Sequence[InstanceRecord]
+    ) -> list[InstanceRecord]:
+        """Take over the surviving instances that the plan has (they serve: a shift cut
+        short left them starting, rehearsing or draining). Returns those it lacks: drained
+        and stopped once the plan serves (`_retire_leftovers`)."""
+        if self.registry is None or not adopted:
+            return []
+        gateway = {i["url"]: str(i.get("state")) for i in await self.gateway.instances()}
         by_key = {_flat_key(p.model, p.gear.key(), p.gpu_ids): p for p in planned}
-        gateway = {i["url"] for i in await self.gateway.instances()}
+        leaving = []
         for rec in adopted:
-            handle = AdoptedEngine(rec)
             p = by_key.get(_flat_key(rec.model, parse_gear(rec.gear).key(), rec.gpu_ids))
-            if p is None:  # not in today's plan: drained, then stopped
-                with contextlib.suppress(GatewayError):
-                    await self.gateway.drain(rec.endpoint, self.cfg.drain_deadline_s)
-                    await self.gateway.remove(rec.endpoint)
-                await handle.stop()
-                self.registry.mark_gone(rec.id, "not in the plan after a controller restart")
+            if p is None:
+                leaving.append(rec)
                 continue
+            handle = AdoptedEngine(rec)
             inst = LiveInstance(p, handle, rec.state.value, rec.id)
             self.running[instance_key(p)] = inst
             if rec.endpoint not in gateway:
                 await self.gateway.add(rec.endpoint, p.model, p.gear.max_num_seqs,
                                        admin_token=self.cfg.engine_admin_token)  # fmt: skip
+            elif gateway[rec.endpoint] != State.ACTIVE.value:
+                # cut short mid-shift (starting, rehearsing or draining): it serves again
+                await self.gateway.set_state(rec.endpoint, State.ACTIVE.value)
             if rec.state is not State.ACTIVE:
                 self.registry.transition(rec.id, State.ACTIVE, reason="adopted")
                 inst.state = "active"
         if self.running:
             self.say(f"controller: adopted {len(self.running)} running instance(s)")
         self._gauge()
+        return leaving
+
+    async def _retire_leftovers(self, leaving: Sequence[InstanceRecord]) -> None:
+        """Live instances of the previous controller that today's plan lacks: drained and
+        stopped after the plan serves (make before break, as a shift)."""
+        assert self.registry is not None or not leaving
+        for rec in leaving:
+            with contextlib.suppress(GatewayError):
+                await self.gateway.drain(rec.endpoint, self.cfg.drain_deadline_s)
+            with contextlib.suppress(GatewayError):
+                await self.gateway.remove(rec.endpoint)
+            await AdoptedEngine(rec).stop()
+            if self.registry is not None:
+                self.registry.mark_gone(rec.id, "not in the plan after a controller restart")
 
     def _gauge(self) -> None:
         live = [(i.planned.model, State(i.state)) for i in self.running.values()]
@@ -317,10 +399,23 @@ class Controller:
         first = self._planner(self.cluster, self.cfg.demands, self.clock())
         if not first.instances:
             raise RuntimeError("the planner found nothing to run on the free GPUs")
-        await self._adopt(first.instances)
+        survivors = await self._survivors()
+        if survivors:  # what a previous controller left serving stays, where it still pays
+            stubs = [_stub(r, first.instances) for r in survivors]
+            first = plan(self.cluster, self.cfg.demands, self.performance,
+                         running=[s for s in stubs if s is not None], now_s=self.clock(),
+                         efficiency=self.efficiency)  # fmt: skip
+        leftovers = await self._adopt(first.instances, survivors)
+        # what a new instance needs the GPUs of goes first; the rest once the plan serves
+        wanted = {g for p in first.instances if instance_key(p) not in self.running
+                  for g in p.gpu_ids}  # fmt: skip
+        in_way = [r for r in leftovers if wanted & set(r.gpu_ids)]
+        await self._retire_leftovers(in_way)
         outcome = await self.executor.shift(
             self.cluster, self.running, first.instances, rehearse=False, all_or_nothing=False
         )
+        self._sweep_spawned()
+        await self._retire_leftovers([r for r in leftovers if r not in in_way])
         self._note("plan", "the first plan", [outcome.reason] if outcome.reason else [],
                    outcome="succeeded" if self.running else "failed")  # fmt: skip
         if outcome.reason:
@@ -331,15 +426,21 @@ class Controller:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick until `stop` is set."""
-        watch = asyncio.create_task(self._watch_file())
+        watches = [
+            asyncio.create_task(self._watch_file()),
+            asyncio.create_task(self._watch_demand()),
+        ]
+        if self.discovery is not None:
+            watches.append(asyncio.create_task(self._watch_discovery(self.discovery)))
         try:
             while not stop.is_set():
-                await self.tick()
                 self._changed.clear()
+                await self.tick()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wait_any(stop), self.cfg.tick_s)
         finally:
-            watch.cancel()
+            for w in watches:
+                w.cancel()
 
     async def _wait_any(self, stop: asyncio.Event) -> None:
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._changed.wait())]
@@ -373,6 +474,7 @@ class Controller:
         await self._reap_dead(now_s)
         self._resource_events(*self.resources.tick(self.wall()), now_s)
         try:
+            await self._hold_standby()
             await self._sample(now_s)
         except GatewayError as exc:
             log.warning("no sample this tick: %s", exc)
@@ -401,18 +503,14 @@ class Controller:
             self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
             assert decision.target is not None
             outcome = await self.executor.shift(self.cluster, self.running, decision.target)
-            # a failed shift blacklists the instances that failed, not every one it added
-            failed = tuple(c["instance"] for c in outcome.rehearsal if not c.get("passed"))
-            keys = failed if not outcome.succeeded and failed else record.target_keys
-            self.history[-1] = dataclasses.replace(
-                record, finished_s=self.clock(), succeeded=outcome.succeeded, target_keys=keys
-            )
+            self._sweep_spawned()
+            self.history[-1] = finished_record(record, outcome, self.clock())
             self.last_outcome = outcome
             if outcome.succeeded:
                 self.resources_changed_s = None
             self._finish_entry(entry, outcome)
             self.say(
-                f"controller: shift {'done' if outcome.succeeded else 'rolled back'} "
+                f"controller: shift {_said(outcome)} "
                 f"{outcome.reason} phases "
                 + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
             )
@@ -428,9 +526,10 @@ class Controller:
         if entry is None or entry.id is None or self.shift_log is None:
             return
         tol = self.cfg.rehearsal_tolerance
+        result: Outcome = "succeeded" if outcome.succeeded else "rolled_back"
         done = self.shift_log.update_outcome(
             entry.id,
-            outcome="succeeded" if outcome.succeeded else "rolled_back",
+            outcome="refused" if outcome.refused else result,
             error=outcome.reason or None,
             phases=Phases.from_seconds(outcome.phases_s),
             migrated=Migrated.from_counts(outcome.migrated),
@@ -440,23 +539,69 @@ class Controller:
 
     def _model_state(self, demand: ModelDemand) -> ModelState:
         rate = self._rate_per_s.get(demand.name, demand.request_rate_per_s)
+        min_instances = max(self.cfg.min_instances_floor, demand.min_instances)
+        if min_instances > 0:  # planned for some load, however idle
+            rate = max(rate, 1e-3)
         return ModelState(
-            dataclasses.replace(demand, request_rate_per_s=max(rate, 1e-3)),
+            dataclasses.replace(demand, request_rate_per_s=rate),
             tuple(self.samples[demand.name][-20:]),
             priority=demand.priority,
-            min_instances=max(self.cfg.min_instances_floor, demand.min_instances),
+            min_instances=min_instances,
             expected_request_rate_per_s=None,
         )
+
+    def _standby_models(self) -> list[str]:
+        """Models with no instance running (scaled to zero)."""
+        serving = {i.planned.model for i in self.running.values()}
+        return [d.name for d in self.cfg.demands if d.name not in serving]
+
+    async def _hold_standby(self) -> None:
+        """A model scaled to zero stays held in the gateway (its requests queue for the
+        instance its demand will start); one that serves again is released."""
+        standby = set(self._standby_models())
+        for model in sorted(standby | self._standby):
+            try:
+                await self.gateway.hold(model, self.cfg.standby_hold_s if model in standby else 0)
+            except GatewayError as exc:
+                log.warning("hold of %s: %s", model, exc)
+                continue
+            if model in standby:
+                self._standby.add(model)
+            else:
+                self._standby.discard(model)
+
+    async def _watch_demand(self) -> None:
+        """The demand trigger of models scaled to zero: the gateway answers as soon as one
+        of their requests queues (an event, not a poll); the controller ticks at once."""
+        while True:
+            models = self._standby_models()
+            if not models:
+                await asyncio.sleep(min(1.0, self.cfg.tick_s))
+                continue
+            try:
+                queued = await self.gateway.demand(models, max(self.cfg.tick_s, 5.0))
+            except GatewayError as exc:
+                log.warning("demand of %s: %s", ", ".join(models), exc)
+                await asyncio.sleep(self.cfg.tick_s)
+                continue
+            if queued:
+                if not self._lock.locked():  # else the wake shift is under way
+                    self.say(f"controller: requests wait for {', '.join(sorted(queued))}")
+                self._changed.set()
+                await asyncio.sleep(self.cfg.tick_s)  # the wake shift takes it from here
 
     async def _sample(self, now_s: float) -> None:
         instances = await self.gateway.instances()
         await self._register_missing(instances)
         text = await self.gateway.metrics()
         queued = 0
+        by_model: dict[str, int] | None = None
         done: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             if family.name == "flexpipe_queued_requests":
                 queued = int(sum(s.value for s in family.samples))
+            elif family.name == "flexpipe_model_queued_requests":
+                by_model = {s.labels["model"]: int(s.value) for s in family.samples}
             elif family.name == "flexpipe_requests":
                 for s in family.samples:
                     if s.name.endswith("_total"):
@@ -464,7 +609,8 @@ class Controller:
                         done[m] = done.get(m, 0.0) + s.value
         names = [d.name for d in self.cfg.demands]
         scale = self.cfg.time_scale if self.cfg.time_scale > 0 else 1.0
-        for name, sample in self._sampler.sample(now_s, names, instances, text, queued).items():
+        readings = self._sampler.sample(now_s, names, instances, text, queued, by_model)
+        for name, sample in readings.items():
             # sim engines at a time scale: latencies in the model's seconds, as SLOs are
             self.samples[name].append(
                 dataclasses.replace(
@@ -485,14 +631,19 @@ class Controller:
                 self._rate_per_s[name] = finished / (now_s - t0) * scale
 
     async def _register_missing(self, instances: Sequence[dict[str, Any]]) -> None:
-        """A gateway that restarted has lost its pool: give it the running instances back."""
-        known = {i["url"] for i in instances}
+        """A gateway that restarted has lost its pool: give it the running instances back.
+        One whose state there lags (a lifecycle call that failed) is set active again."""
+        known = {i["url"]: i.get("state") for i in instances}
         for inst in self.running.values():
-            if inst.state == "active" and inst.url not in known:
+            if inst.state != "active" or self._lock.locked():
+                continue  # a shift in progress moves its instances itself
+            if inst.url not in known:
                 await self.gateway.add(inst.url, inst.planned.model,
                                        inst.planned.gear.max_num_seqs,
                                        admin_token=self.cfg.engine_admin_token)  # fmt: skip
                 self.say(f"controller: {inst.planned.name} registered again in the gateway")
+            elif known[inst.url] in (State.STARTING.value, State.REHEARSING.value):
+                await self.gateway.set_state(inst.url, State.ACTIVE.value)
 
     async def _reap_dead(self, now_s: float) -> None:
         """An engine that exited: out of the gateway (its streams continue elsewhere), out of
@@ -522,7 +673,25 @@ class Controller:
 
     async def _watch_file(self) -> None:
         async for cluster, _ in self.watch.changes():
+            if self.discovery is not None:
+                self.discovery.rebase(cluster)
             self._resource_events(*self.resources.file_changed(cluster, self.wall()), self.clock())
+
+    async def _watch_discovery(self, watch: DiscoveryWatch) -> None:
+        """NVML asked again every interval: its changes are resource events like the file's."""
+        async for cluster, _ in watch.changes():
+            self.discovered(cluster)
+
+    def discovered(self, cluster: Cluster) -> list[ResourceEvent]:
+        """A cluster from discovery: the GPUs' memory as NVML sees it now."""
+        return self._resource_events(
+            *self.resources.file_changed(cluster, self.wall()), self.clock()
+        )
+
+    def _own_pgids(self) -> set[int]:
+        """The process groups of our engines (their GPU memory is not another tenant's)."""
+        pids = (getattr(i.handle, "pid", None) for i in self.running.values())
+        return {p for p in pids if isinstance(p, int) and p > 0}
 
     def _note(
         self, kind: Any, reason: str, notes: Sequence[str] = (), outcome: Any = "noted"
@@ -602,6 +771,39 @@ class Controller:
     async def _metrics(self, req: Request) -> Response:
         del req
         return Response(self.metrics.render(), content_type="text/plain; version=0.0.4")
+
+
+def finished_record(record: ShiftRecord, outcome: ShiftOutcome, now_s: float) -> ShiftRecord:
+    """The policy's record of a shift once the executor is done with it. A failed shift
+    blacklists the instances that failed (their rehearsal), not every one it added; a shift
+    the executor refused before changing anything is recorded as refused, never as a failure
+    of its target."""
+    failed = tuple(c["instance"] for c in outcome.rehearsal if not c.get("passed"))
+    keys = failed if not outcome.succeeded and failed else record.target_keys
+    return dataclasses.replace(record, finished_s=now_s, succeeded=outcome.succeeded,
+                               target_keys=keys, refused=outcome.refused)  # fmt: skip
+
+
+def _said(outcome: ShiftOutcome) -> str:
+    return "done" if outcome.succeeded else "refused" if outcome.refused else "rolled back"
+
+
+def _stub(record: InstanceRecord, like: Sequence[PlannedInstance]) -> PlannedInstance | None:
+    """A surviving instance as the planner's `running` input: its model, gear and GPUs (the
+    planner re-evaluates it as it runs; the rest is copied from an instance of the same model
+    in `like`). None for a model no longer planned. Stages: the GPUs in order, `tp` each;
+    layers split evenly (as the sim engine does)."""
+    template = next((p for p in like if p.model == record.model), None)
+    if template is None:
+        return None
+    gear = parse_gear(record.gear)
+    ids = record.gpu_ids
+    stages = tuple(tuple(ids[i : i + gear.tp]) for i in range(0, len(ids), gear.tp))
+    num_layers = sum(template.layers_per_stage)
+    base, extra = divmod(num_layers, max(1, len(stages)))
+    layers = tuple(base + (1 if i < extra else 0) for i in range(len(stages)))
+    return dataclasses.replace(template, name=record.name, gear=gear, stages=stages,
+                               layers_per_stage=layers)  # fmt: skip
 
 
 def _flat_key(model: str, gear_key: str, gpu_ids: Sequence[str]) -> str:

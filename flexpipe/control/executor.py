@@ -13,7 +13,10 @@
 
 A new instance that needs GPUs of a leaving one (an in-place shift) is started after that
 one is released; the shift is refused when that would leave a model with no instance
-serving in between (serving capacity never drops to zero). Every phase is timed.
+serving in between (serving capacity never drops to zero). A model the target has no
+instance of at all scales to zero on purpose: it is held in the gateway before its last
+instance drains, so its next requests queue for the instance its demand starts. Every phase
+is timed.
 """
 
 from __future__ import annotations
@@ -73,10 +76,13 @@ class ShiftOutcome:
     rehearsal: list[dict[str, Any]] = field(default_factory=list)
     started: list[str] = field(default_factory=list)  # instance keys
     stopped: list[str] = field(default_factory=list)
+    # refused before anything changed (the target was not tried: no failure of it)
+    refused: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "succeeded": self.succeeded,
+            "refused": self.refused,
             "reason": self.reason,
             "phases_s": {k: round(v, 3) for k, v in self.phases_s.items()},
             "migrated": dict(self.migrated),
@@ -102,6 +108,7 @@ class Executor:
         drain_deadline_s: float = 30.0,
         rehearsal_tolerance: float = 2.0,
         probe_overhead_s: float = 0.05,
+        standby_hold_s: float = 600.0,
         on_state: OnState | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -113,6 +120,7 @@ class Executor:
         self.drain_deadline_s = drain_deadline_s
         self.rehearsal_tolerance = rehearsal_tolerance
         self.probe_overhead_s = probe_overhead_s
+        self.standby_hold_s = standby_hold_s
         self.on_state = on_state or (lambda inst, state: None)
         self.clock = clock
         self._probe_pool = ClientPool(max_idle_per_backend=2)
@@ -146,16 +154,22 @@ class Executor:
         in_way = [i for i in leaving if set(i.planned.gpu_ids) & later_gpus]
         rest = [i for i in leaving if not set(i.planned.gpu_ids) & later_gpus]
         replaced_models = {p.model for p in later_adds}
+        kept_models = {p.model for p in target}  # a model not in it scales to zero
         without = [i for i in leaving if i.planned.model not in replaced_models]
-        why_not = self._capacity_gap(running, without, now_adds)
+        why_not = self._capacity_gap(running, without, now_adds, kept_models)
         steps = _rolling_steps(running, in_way, now_adds, later_adds)
         if steps is None:
-            why_not = self._capacity_gap(running, leaving, now_adds) or (
+            why_not = self._capacity_gap(running, leaving, now_adds, kept_models) or (
                 "no order of in-place replacements keeps every model serving"
             )
         if why_not:
-            return ShiftOutcome(False, why_not)
+            return ShiftOutcome(False, why_not, refused=True)
         assert steps is not None
+        for model in sorted({i.planned.model for i in leaving} - kept_models):
+            try:  # to zero: its requests from now on wait for a cold start, not a 404
+                await self.gateway.hold(model, self.standby_hold_s)
+            except GatewayError as exc:
+                return ShiftOutcome(False, f"{model}: cannot hold it at zero: {exc}", refused=True)
         started = await self._bring_up(now_adds, running, out, rehearse, all_or_nothing)
         if not out.succeeded:
             return out
@@ -219,9 +233,10 @@ class Executor:
         running: dict[str, LiveInstance],
         leaving: Sequence[LiveInstance],
         now_adds: Sequence[PlannedInstance],
+        kept_models: set[str],
     ) -> str:
         gone = {i.key for i in leaving}
-        for model in {i.planned.model for i in leaving}:
+        for model in {i.planned.model for i in leaving} & kept_models:
             staying = [i for k, i in running.items() if i.planned.model == model and k not in gone]
             if not staying and not any(p.model == model for p in now_adds):
                 return (
@@ -254,6 +269,14 @@ class Executor:
             inst = LiveInstance(p, r)
             self._set(inst, "starting")
             started.append(inst)
+            try:  # in the gateway's pool from now on, not routed until active
+                await self.gateway.add(inst.url, p.model, p.gear.max_num_seqs,
+                                       admin_token=self.engine_admin_token,
+                                       state="starting")  # fmt: skip
+            except GatewayError as exc:
+                failures.append(f"instance {p.name}: the gateway refused it: {exc}")
+                started.pop()
+                await self._stop([inst])
         out.phases_s["warm" + phase_suffix] = self.clock() - t0
         if failures:
             out.reason = "; ".join(failures)
@@ -264,6 +287,7 @@ class Executor:
         if rehearse:
             t0 = self.clock()
             for inst in started:
+                await self._tell(inst, "rehearsing")
                 self._set(inst, "rehearsing")
             checks = await asyncio.gather(*(self._rehearse(i) for i in started))
             out.rehearsal.extend(checks)
@@ -276,12 +300,7 @@ class Executor:
                 return []
         t0 = self.clock()
         for inst in started:
-            await self.gateway.add(
-                inst.url,
-                inst.planned.model,
-                inst.planned.gear.max_num_seqs,
-                admin_token=self.engine_admin_token,
-            )
+            await self._tell(inst, "active")
             running[inst.key] = inst
             out.started.append(inst.key)
             self._set(inst, "active")
@@ -371,12 +390,10 @@ class Executor:
                 )
         out.phases_s["migrate" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
-        await self._stop(list(leaving))
+        await self._stop(list(leaving))  # and out of the gateway's pool: gone
         for inst in leaving:
             running.pop(inst.key, None)
             out.stopped.append(inst.key)
-            with contextlib.suppress(GatewayError):  # already gone from the pool
-                await self.gateway.remove(inst.url)
         out.phases_s["release" + phase_suffix] = self.clock() - t0
 
     async def _in_flight(self, inst: LiveInstance) -> int:
@@ -443,9 +460,19 @@ class Executor:
         await self._drain(source, 10.0)  # the moved requests leave it at once
         return num_moved
 
+    async def _tell(self, inst: LiveInstance, state: str) -> None:
+        """The gateway's pool follows the instance's lifecycle (a gateway that lost it, or is
+        gone, learns it again from the controller's next tick)."""
+        try:
+            await self.gateway.set_state(inst.url, state)
+        except GatewayError as exc:
+            log.warning("gateway: %s %s: %s", inst.url, state, exc)
+
     async def _stop(self, instances: Sequence[LiveInstance]) -> None:
         await asyncio.gather(*(i.handle.stop() for i in instances), return_exceptions=True)
         for inst in instances:
+            with contextlib.suppress(GatewayError):  # out of the pool (if it is there)
+                await self.gateway.remove(inst.url)
             self._set(inst, "gone")
 
 

@@ -67,14 +67,25 @@ class GatewayClient:
         max_num_seqs: int = 0,
         admin_token: str | None = None,
         api_key: str | None = None,
+        state: str = "active",
     ) -> dict[str, Any]:
-        """Register an engine launched with `max_num_seqs` (its cap is derived from it)."""
-        body: dict[str, Any] = {"url": url, "model": model, "max_num_seqs": max_num_seqs}
+        """Register an engine launched with `max_num_seqs` (its cap is derived from it), in
+        lifecycle `state` (starting or rehearsing: visible in the pool, not routed)."""
+        body: dict[str, Any] = {
+            "url": url,
+            "model": model,
+            "max_num_seqs": max_num_seqs,
+            "state": state,
+        }
         if admin_token:
             body["admin_token"] = admin_token
         if api_key:
             body["api_key"] = api_key
         return dict(await self._call("POST", "/admin/instances", body))
+
+    async def set_state(self, url: str, state: str) -> None:
+        """Move an instance along its lifecycle in the gateway's pool (gone removes it)."""
+        await self._call("POST", "/admin/instances/state", {"url": url, "state": state})
 
     async def remove(self, url: str) -> None:
         await self._call("POST", "/admin/instances/remove", {"url": url})
@@ -98,6 +109,13 @@ class GatewayClient:
         """Requests of `model` wait up to `seconds` for capacity instead of being refused
         (0: back to the gateway's own queue wait)."""
         await self._call("POST", "/admin/models/hold", {"model": model, "seconds": seconds})
+
+    async def demand(self, models: Sequence[str], wait_s: float) -> dict[str, int]:
+        """Requests queued at the gateway for `models`, answered as soon as one queues (or
+        after `wait_s` with none): the demand trigger of a model scaled to zero."""
+        body = {"models": list(models), "wait_s": wait_s}
+        answer = await self._call("POST", "/admin/models/demand", body, ttfb_s=wait_s + 10)
+        return {str(k): int(v) for k, v in dict(answer["queued"]).items()}
 
     async def metrics(self) -> str:
         return await self._text("/metrics")

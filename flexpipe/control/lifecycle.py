@@ -1,21 +1,15 @@
-"""An instance's one lifecycle (pure): starting → rehearsing → active → draining → gone.
+"""Re-exported from `flexpipe.lifecycle` (the gateway's pool, the store and the controller
+share it; the gateway does not import the controller)."""
 
-The pool, the store and the controller all check a change of state here, so an instance can
-never be, say, drained before it started. Legal moves besides the main line:
-
-- starting → active: an instance of the first plan (nothing to rehearse against);
-- rehearsing → draining: a rehearsal missed and the target is rolled back (it already
-  served a slice of live traffic, so it drains rather than drops it);
-- draining → active: a rollback after the switch brings a draining instance back;
-- any live state → gone: the engine died, failed to start or was found unreachable.
-
-`gone` is final: a new engine on the same GPUs is a new instance.
-"""
-
-from __future__ import annotations
-
-import enum
-from collections.abc import Mapping
+from flexpipe.lifecycle import (
+    LIVE_STATES,
+    TRANSITIONS,
+    LifecycleError,
+    State,
+    can_transition,
+    check_transition,
+    parse_state,
+)
 
 __all__ = [
     "LIVE_STATES",
@@ -26,53 +20,3 @@ __all__ = [
     "check_transition",
     "parse_state",
 ]
-
-
-class State(enum.StrEnum):
-    STARTING = "starting"
-    REHEARSING = "rehearsing"
-    ACTIVE = "active"
-    DRAINING = "draining"
-    GONE = "gone"
-
-
-# state -> the states it may move to
-TRANSITIONS: Mapping[State, frozenset[State]] = {
-    State.STARTING: frozenset({State.REHEARSING, State.ACTIVE, State.GONE}),
-    State.REHEARSING: frozenset({State.ACTIVE, State.DRAINING, State.GONE}),
-    State.ACTIVE: frozenset({State.DRAINING, State.GONE}),
-    State.DRAINING: frozenset({State.ACTIVE, State.GONE}),
-    State.GONE: frozenset(),
-}
-
-# states of an instance whose engine may still be running (a restarted controller adopts them)
-LIVE_STATES: frozenset[State] = frozenset(s for s in State if s is not State.GONE)
-
-
-class LifecycleError(ValueError):
-    """An unknown state or an illegal change of state; the message names both ends."""
-
-
-def parse_state(value: str) -> State:
-    try:
-        return State(value)
-    except ValueError:
-        names = ", ".join(s.value for s in State)
-        raise LifecycleError(f"unknown instance state {value!r}: expected one of {names}") from None
-
-
-def can_transition(current: State | str, target: State | str) -> bool:
-    return parse_state(target) in TRANSITIONS[parse_state(current)]
-
-
-def check_transition(current: State | str, target: State | str) -> State:
-    """`target` as a State if `current` may move to it; else LifecycleError saying why."""
-    frm, to = parse_state(current), parse_state(target)
-    if to in TRANSITIONS[frm]:
-        return to
-    if frm is State.GONE:
-        raise LifecycleError(f"illegal transition {frm} → {to}: gone is final")
-    if frm is to:
-        raise LifecycleError(f"illegal transition {frm} → {to}: already {to}")
-    allowed = ", ".join(sorted(s.value for s in TRANSITIONS[frm]))
-    raise LifecycleError(f"illegal transition {frm} → {to}: from {frm} only to {allowed}")

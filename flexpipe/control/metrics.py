@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from flexpipe.control.lifecycle import LIVE_STATES, State
+from flexpipe.lifecycle import LIVE_STATES, State
 from flexpipe.store.shift_entry import METHODS, ShiftEntry
 
 __all__ = ["CONTENT_TYPE", "PHASE_BUCKETS_S", "ControllerMetrics"]

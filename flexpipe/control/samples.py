@@ -57,6 +57,12 @@ def bucket_quantile(q: float, buckets: Buckets) -> float | None:
     return lower_bound
 
 
+def _serving(instance: Mapping[str, Any]) -> bool:
+    """Healthy and active or draining: what carries the model's load now (one starting or
+    rehearsing serves no one yet)."""
+    return bool(instance.get("healthy", True)) and instance.get("state") in ("active", "draining")
+
+
 def bucket_delta(now: Buckets, before: Buckets | None) -> Buckets:
     """The histogram of what was observed between two readings (`now` alone: none before)."""
     if before is None or len(before) != len(now):
@@ -77,11 +83,14 @@ class Sampler:
         instances: Sequence[Mapping[str, Any]],
         metrics_text: str,
         num_queued_at_gateway: int = 0,
+        queued_by_model: Mapping[str, int] | None = None,
     ) -> dict[str, Sample]:
+        """`queued_by_model`: the gateway's wait queue by model (what a model with no
+        instance has as demand); without it, the whole queue counts for a lone model."""
         hist = parse_histograms(metrics_text, (_TTFT, _TPOT))
         out = {}
         for model in models:
-            mine = [i for i in instances if i.get("model") == model and i.get("state") != "ejected"]
+            mine = [i for i in instances if i.get("model") == model and _serving(i)]
             slots = sum(int(i.get("max_concurrency", 0)) for i in mine)
             running = sum(int(i.get("num_running", 0)) for i in mine)
             in_flight = sum(int(i.get("num_in_flight", 0)) for i in mine)
@@ -93,7 +102,10 @@ class Sampler:
                 now_b = hist.get(key, ())
                 p99[name] = bucket_quantile(0.99, bucket_delta(now_b, self._last.get(key)))
                 self._last[key] = now_b
-            share = num_queued_at_gateway if len(models) == 1 else 0
+            if queued_by_model is not None:
+                share = int(queued_by_model.get(model, 0))
+            else:
+                share = num_queued_at_gateway if len(models) == 1 else 0
             out[model] = Sample(
                 at_s=now_s,
                 queue_depth=waiting + share,

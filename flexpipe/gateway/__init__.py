@@ -10,7 +10,8 @@ from flexpipe.gateway.config import (
     config_from_dict,
     load_config,
 )
-from flexpipe.gateway.pool import Instance, InstanceState, Pool, PoolError
+from flexpipe.gateway.pool import Instance, Pool, PoolError
+from flexpipe.lifecycle import State
 
 __all__ = [
     "BackendConfig",
@@ -18,9 +19,9 @@ __all__ = [
     "Gateway",
     "GatewayConfig",
     "Instance",
-    "InstanceState",
     "Pool",
     "PoolError",
+    "State",
     "TenantConfig",
     "config_from_dict",
     "load_config",

@@ -1,9 +1,12 @@
 """The gateway's admin API (bearer token): the pool as the controller drives it.
 
-GET  /admin/instances                 list with state and load
+GET  /admin/instances                 list with lifecycle state, health and load
 POST /admin/instances                 {"url", "model"?, "weight"?, "max_concurrency"?,
                                        "max_num_seqs"?, "api_key"?,
-                                       "admin_token"? (the engine's, for KV moves)}
+                                       "admin_token"? (the engine's, for KV moves),
+                                       "state"?: starting|rehearsing|active (default)}
+POST /admin/instances/state           {"url", "state"}: along the lifecycle (flexpipe/
+                                      lifecycle.py); an illegal move is a 409; gone removes
 POST /admin/instances/remove|activate {"url"}
 POST /admin/instances/drain           {"url", "wait_s"?}: with wait_s, answers once the
                                       instance serves nothing or wait_s passed ("drained")
@@ -13,7 +16,12 @@ POST /admin/requests/move             {"moves": [{"id", "method": "kv"|"recomput
                                        "target"?, "bandwidth_bytes_per_s"?, "latency_s"?}]}
 POST /admin/models/hold               {"model", "seconds"}: for that long, requests of the
                                       model wait in the queue for capacity (a shift that
-                                      re-launches it) instead of being refused; 0 ends it
+                                      re-launches it, or one scaled to zero: the model
+                                      stays known with no instance) instead of being
+                                      refused; 0 ends it
+POST /admin/models/demand             {"models", "wait_s"}: answers {"queued": {model: n}}
+                                      once a request of one of them waits in the queue, or
+                                      wait_s passed (the controller's demand trigger)
 """
 
 from __future__ import annotations
@@ -22,8 +30,9 @@ import hmac
 from typing import TYPE_CHECKING, Any
 
 from flexpipe.gateway.call import Move
-from flexpipe.gateway.pool import PoolError
+from flexpipe.gateway.pool import PoolError, TransitionError
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
+from flexpipe.lifecycle import LifecycleError, State, parse_state
 
 if TYPE_CHECKING:
     from flexpipe.gateway.app import Gateway
@@ -38,11 +47,13 @@ class AdminApi:
         app.add_route("POST", "/admin/instances", self.add)
         app.add_route("POST", "/admin/instances/remove", self.remove)
         app.add_route("POST", "/admin/instances/drain", self.drain)
+        app.add_route("POST", "/admin/instances/state", self.state)
         app.add_route("POST", "/admin/instances/activate", self.activate)
         app.add_route("POST", "/admin/instances/weight", self.weight)
         app.add_route("GET", "/admin/instances/requests", self.requests)
         app.add_route("POST", "/admin/requests/move", self.move)
         app.add_route("POST", "/admin/models/hold", self.hold)
+        app.add_route("POST", "/admin/models/demand", self.demand)
 
     def _check(self, req: Request) -> None:
         token = self.gw.cfg.admin_token
@@ -79,6 +90,7 @@ class AdminApi:
                 raise TypeError("`max_num_seqs` must be an integer")
             if max_num_seqs < 0:
                 raise ValueError("`max_num_seqs` must be >= 0")
+            state = _state(body.get("state", "active"))
             inst = self.gw.pool.add(
                 body["url"],
                 body.get("model"),
@@ -86,6 +98,7 @@ class AdminApi:
                 int(body.get("max_concurrency", 0)),
                 api_key,
                 max_num_seqs,
+                state,
             )
         except (PoolError, TypeError, ValueError) as exc:
             raise HttpError(400, str(exc)) from None
@@ -112,6 +125,8 @@ class AdminApi:
             raise HttpError(400, "`wait_s` must be a number of seconds >= 0", param="wait_s")
         try:
             inst = self.gw.pool.drain(body["url"])
+        except TransitionError as exc:
+            raise HttpError(409, str(exc)) from None
         except PoolError as exc:
             raise HttpError(404, str(exc)) from None
         drained = await self.gw.drained(inst.url, float(wait_s))
@@ -131,6 +146,18 @@ class AdminApi:
         else:
             self.gw.holds.pop(model, None)
         return json_response({"model": model, "seconds": seconds})
+
+    async def demand(self, req: Request) -> Response:
+        self._check(req)
+        body = req.json()
+        models = body.get("models") if isinstance(body, dict) else None
+        wait_s = body.get("wait_s", 0) if isinstance(body, dict) else None
+        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+            raise HttpError(400, "`models` must be a list of model names", param="models")
+        if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or wait_s < 0:
+            raise HttpError(400, "`wait_s` must be a number of seconds >= 0", param="wait_s")
+        queued = await self.gw.demand(models, min(float(wait_s), 600.0))
+        return json_response({"queued": queued})
 
     async def requests(self, req: Request) -> Response:
         self._check(req)
@@ -157,8 +184,29 @@ class AdminApi:
         body = self._body(req)
         try:
             return json_response(self.gw.pool.activate(body["url"]).as_dict())
+        except TransitionError as exc:
+            raise HttpError(409, str(exc)) from None
         except PoolError as exc:
             raise HttpError(404, str(exc)) from None
+
+    async def state(self, req: Request) -> Response:
+        """The controller moves an instance along its lifecycle as it brings it up or
+        retires it; `gone` takes it out of the pool (as remove does)."""
+        body = self._body(req)
+        try:
+            state = _state(body.get("state"))
+        except ValueError as exc:
+            raise HttpError(400, str(exc), param="state") from None
+        try:
+            inst = self.gw.pool.set_state(body["url"], state)
+        except TransitionError as exc:
+            raise HttpError(409, str(exc)) from None
+        except PoolError as exc:
+            raise HttpError(404, str(exc)) from None
+        if state is State.GONE:
+            self.gw.router.remove_instance(inst.url)
+            self.gw.engine_admin_tokens.pop(inst.url, None)
+        return json_response(inst.as_dict())
 
     async def weight(self, req: Request) -> Response:
         body = self._body(req)
@@ -169,6 +217,15 @@ class AdminApi:
             return json_response(self.gw.pool.set_weight(body["url"], float(weight)).as_dict())
         except PoolError as exc:
             raise HttpError(400 if "weight" in str(exc) else 404, str(exc)) from None
+
+
+def _state(value: Any) -> State:
+    if not isinstance(value, str):
+        raise ValueError("`state` must be a string")
+    try:
+        return parse_state(value)
+    except LifecycleError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _parse_move(m: Any, i: int) -> tuple[int, Move]:

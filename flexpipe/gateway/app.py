@@ -20,7 +20,7 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import orjson
@@ -29,7 +29,7 @@ from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.metrics import GatewayMetrics
-from flexpipe.gateway.pool import Instance, InstanceState, Pool
+from flexpipe.gateway.pool import Instance, Pool
 from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay
 from flexpipe.gateway.router import NoInstance, Router
@@ -57,6 +57,7 @@ _ADMIN_BODY_BYTES = 1 << 20  # every route but the two that carry prompts
 _DEAD = ("connect", "closed", "protocol")  # the instance failed before a response head
 _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
+MAX_HELD_WAIT_S = 900.0  # the longest a request of a held model waits in the queue
 
 
 class Gateway:
@@ -75,6 +76,8 @@ class Gateway:
         self._call_ids = itertools.count(1)
         self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
         self._drain_waiters: list[asyncio.Future[None]] = []
+        self.queued_by_model: dict[str, int] = {}  # model -> requests in the wait queue
+        self._demand_waiters: list[asyncio.Future[None]] = []  # woken when one queues
         # model -> clock time until which queued requests wait (a shift re-launching capacity)
         self.holds: dict[str, float] = {}
         self.relays: set[PushRelay] = set()  # streams being relayed by push
@@ -116,15 +119,16 @@ class Gateway:
     # ---------------------------------------------------------------- plain endpoints
     async def _models(self, req: Request) -> Response:
         del req
+        held = {m for m in self.holds if self.held(m)}  # scaled to zero: still served
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "flexpipe"}
-            for m in self.pool.models()
+            for m in sorted(set(self.pool.models()) | held)
         ]
         return json_response({"object": "list", "data": data})
 
     async def _health(self, req: Request) -> Response:
         del req
-        up = any(i.state is InstanceState.ACTIVE for i in self.pool.instances.values())
+        up = any(i.routable for i in self.pool.instances.values())
         if up:
             return Response(b"")
         return error_response(503, "no healthy instance")
@@ -133,11 +137,12 @@ class Gateway:
         del req
         m = self.metrics
         m.queued.set(len(self._waiters))
+        m.queued_by_model.clear()
+        for model, num in self.queued_by_model.items():
+            m.queued_by_model.labels(model).set(num)
         m.instance_up.clear()
         for inst in self.pool.instances.values():
-            m.instance_up.labels(inst.url, inst.state.value).set(
-                1 if inst.state is InstanceState.ACTIVE else 0
-            )
+            m.instance_up.labels(inst.url, inst.state.value).set(1 if inst.routable else 0)
             m.in_flight.labels(inst.url).set(inst.num_in_flight)
         return Response(m.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -158,7 +163,7 @@ class Gateway:
         except RequestError as exc:
             raise HttpError(exc.status, exc.message, param=exc.param) from None
         model = valid.model
-        if not self.pool.has_model(model):
+        if not self.pool.has_model(model) and not self.held(model):
             raise HttpError(404, f"The model `{model}` does not exist.", param="model")
         prompt = valid.prompt_bytes
         num_prompt = len(prompt) // 4 + 1
@@ -355,8 +360,10 @@ class Gateway:
                     call.model, call.routing, now, call.excluded, call.failed, prefer
                 )
             except NoInstance as exc:
-                self.metrics.rejected.labels("no_instance").inc()
-                raise HttpError(503, str(exc)) from None
+                if not self.held(call.model):
+                    self.metrics.rejected.labels("no_instance").inc()
+                    raise HttpError(503, str(exc)) from None
+                pick = None  # held (scaled to zero, or re-launched): wait for an instance
             if pick is not None:
                 self.metrics.decision(self.router.policy.name, pick.reason)
                 if pick.num_blocks:
@@ -369,8 +376,11 @@ class Gateway:
                 raise _TooMany("all instances are busy and the wait queue is full", wait_s)
             if deadline is None:
                 deadline = now + self.cfg.max_queue_wait_s
-            # a planned shift takes capacity away for a while: wait it out, don't refuse
-            deadline = max(deadline, self.holds.get(call.model, 0.0))
+            # a planned shift takes capacity away for a while (or the model is scaled to
+            # zero and an instance cold-starts): wait it out, don't refuse — though never
+            # longer than MAX_HELD_WAIT_S from arrival, however often the hold is renewed
+            held_until = min(self.holds.get(call.model, 0.0), call.t0 + MAX_HELD_WAIT_S)
+            deadline = max(deadline, held_until)
             left = deadline - now
             if left <= 0:
                 self.metrics.rejected.labels("queue_timeout").inc()
@@ -378,6 +388,8 @@ class Gateway:
                 raise _TooMany("all instances stayed busy", wait_s)
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
+            self.queued_by_model[call.model] = self.queued_by_model.get(call.model, 0) + 1
+            self._demand_changed()
             try:
                 await asyncio.wait_for(fut, left)
             except TimeoutError:
@@ -385,6 +397,37 @@ class Gateway:
             finally:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(fut)
+                num = self.queued_by_model.get(call.model, 0) - 1
+                if num > 0:
+                    self.queued_by_model[call.model] = num
+                else:
+                    self.queued_by_model.pop(call.model, None)
+
+    def held(self, model: str) -> bool:
+        """A hold is on for `model` (POST /admin/models/hold): its requests wait in the queue
+        for capacity, even while it has no instance at all (scaled to zero)."""
+        return self.holds.get(model, 0.0) > self.clock()
+
+    def _demand_changed(self) -> None:
+        waiters, self._demand_waiters = self._demand_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def demand(self, models: Collection[str], timeout_s: float) -> dict[str, int]:
+        """Requests queued for `models`, once there is at least one or `timeout_s` passed:
+        the controller's demand trigger for a model scaled to zero. Woken by each request
+        that queues, not a poll."""
+        deadline = self.clock() + timeout_s
+        while True:
+            queued = {m: self.queued_by_model[m] for m in models if self.queued_by_model.get(m)}
+            left = deadline - self.clock()
+            if queued or left <= 0:
+                return queued
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._demand_waiters.append(fut)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, left)
 
     def _wake_one(self) -> None:
         while self._waiters:

@@ -51,6 +51,13 @@ class GatewayMetrics:
         self.queued = Gauge(
             "flexpipe_queued_requests", "Requests waiting for a free instance.", registry=r
         )
+        self.queued_by_model = Gauge(
+            "flexpipe_model_queued_requests",
+            "Requests waiting for a free instance, by model (a held model with no instance: "
+            "its demand).",
+            ["model"],
+            registry=r,
+        )
         self.rejected = Counter(
             "flexpipe_rejected_requests",
             "Requests refused before routing, by reason.",

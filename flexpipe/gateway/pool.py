@@ -1,16 +1,20 @@
 """The pool of engine instances the gateway routes to: a plain, scriptable object.
 
-The controller (and the admin API) drive it: `add`, `remove`, `drain`, `set_weight`.
-Health probing, passive failures and metrics scraping write into the `Instance` records;
-the request path reads them to build routing snapshots. No I/O here.
+The controller (and the admin API) drive it: `add`, `set_state`, `drain`, `activate`,
+`remove`, `set_weight`. Each instance has the one lifecycle of flexpipe/lifecycle.py
+(starting → rehearsing → active → draining → gone), every change checked there; health is a
+separate flag: an instance ejected after failed probes or requests keeps its state and is
+only out of routing until a probe succeeds. Routing takes instances that are active and
+healthy. Health probing, passive failures and metrics scraping write into the `Instance`
+records; the request path reads them to build routing snapshots. No I/O here.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flexpipe.lifecycle import LifecycleError, State, check_transition
 from flexpipe.policies.routing import InstanceView
 
 QUEUE_ALLOWANCE_RATIO = 0.125  # requests queued in the engine beyond its slots: slots // 8
@@ -38,10 +42,8 @@ def derive_max_concurrency(
     return max(1, min(ceiling, slots + int(slots * QUEUE_ALLOWANCE_RATIO))), source
 
 
-class InstanceState(enum.Enum):
-    ACTIVE = "active"
-    DRAINING = "draining"  # no new requests; in-flight ones finish
-    EJECTED = "ejected"  # unhealthy; probed again after `ejected_until_s`
+# states an instance may be registered in (a rehearsed one joins as active)
+ADDABLE_STATES = frozenset({State.STARTING, State.REHEARSING, State.ACTIVE})
 
 
 @dataclass(slots=True)
@@ -58,7 +60,8 @@ class Instance:
     max_num_seqs: int = 0  # sequences the engine runs at once; 0 = unknown
     num_kv_tokens: int = 0  # its KV cache (vllm:cache_config_info num_gpu_blocks x block_size)
     num_kv_slots: int = 0  # requests of the mean size that fit in it
-    state: InstanceState = InstanceState.ACTIVE
+    state: State = State.ACTIVE  # the lifecycle; only `active` takes new requests
+    healthy: bool = True  # False: ejected, probed again after `ejected_until_s`
     num_in_flight: int = 0
     # from the engine's /metrics (producer: scraper)
     num_running: int = 0
@@ -73,13 +76,16 @@ class Instance:
     backoff_s: float = 0.0
     ejected_until_s: float = 0.0
     num_ejections: int = 0
-    removed: bool = False
-    draining: bool = False  # asked to drain: stays out of routing even after re-admission
     labels: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.url
+
+    @property
+    def routable(self) -> bool:
+        """Takes new requests: active and healthy."""
+        return self.state is State.ACTIVE and self.healthy
 
     @property
     def num_queued_tokens(self) -> float:
@@ -119,6 +125,7 @@ class Instance:
             "url": self.url,
             "model": self.model,
             "state": self.state.value,
+            "healthy": self.healthy,
             "weight": self.weight,
             "max_concurrency": self.max_concurrency,
             "max_concurrency_source": self.max_concurrency_source,
@@ -136,6 +143,10 @@ class Instance:
 
 class PoolError(ValueError):
     pass
+
+
+class TransitionError(PoolError):
+    """An illegal change of an instance's lifecycle state (the message names both ends)."""
 
 
 class Pool:
@@ -160,9 +171,12 @@ class Pool:
         max_concurrency: int = 0,
         api_key: str | None = None,
         max_num_seqs: int = 0,
+        state: State = State.ACTIVE,
     ) -> Instance:
         """`max_concurrency` > 0 is an explicit cap; else it is derived from `max_num_seqs`
-        (what the engine was launched with) or what the engine reports (`report_capacity`)."""
+        (what the engine was launched with) or what the engine reports (`report_capacity`).
+        `state`: starting or rehearsing for an instance the controller is still bringing up
+        (visible, not routed), active (the default) for one that serves."""
         url = url.rstrip("/")
         if url in self.instances:
             raise PoolError(f"instance {url} is already in the pool")
@@ -170,6 +184,9 @@ class Pool:
             raise PoolError("weight must be > 0")
         if max_concurrency < 0 or max_num_seqs < 0:
             raise PoolError("max_concurrency and max_num_seqs must be >= 0")
+        if state not in ADDABLE_STATES:
+            names = ", ".join(sorted(s.value for s in ADDABLE_STATES))
+            raise PoolError(f"an instance joins the pool as one of {names}, not {state.value}")
         inst = Instance(
             url=url,
             model=model,
@@ -178,6 +195,7 @@ class Pool:
             max_concurrency_configured=max_concurrency,
             max_concurrency_ceiling=self.default_max_concurrency,
             max_num_seqs=max_num_seqs,
+            state=state,
         )
         inst.update_capacity()
         self.instances[url] = inst
@@ -190,29 +208,38 @@ class Pool:
             raise PoolError(f"no instance {url} in the pool")
         return inst
 
+    def set_state(self, url: str, state: State) -> Instance:
+        """Move an instance along its lifecycle (a no-op when it is there already); an
+        illegal move is a `PoolError` naming both ends. `gone` takes it out (`remove`)."""
+        inst = self.get(url)
+        if inst.state is state:
+            return inst
+        try:
+            check_transition(inst.state, state)
+        except LifecycleError as exc:
+            raise TransitionError(f"instance {inst.url}: {exc}") from None
+        if state is State.GONE:
+            return self.remove(url)
+        inst.state = state
+        if state is State.ACTIVE:
+            inst.num_consecutive_failures = 0
+        self._changed()
+        return inst
+
     def remove(self, url: str) -> Instance:
-        """Take the instance out now; requests already on it keep their connection."""
+        """Take the instance out now (gone); requests already on it keep their connection."""
         inst = self.get(url)
         del self.instances[inst.url]
-        inst.removed = True
+        inst.state = State.GONE
         self._changed()
         return inst
 
     def drain(self, url: str) -> Instance:
-        inst = self.get(url)
-        inst.draining = True
-        if inst.state is InstanceState.ACTIVE:
-            inst.state = InstanceState.DRAINING
-        self._changed()
-        return inst
+        """No new requests; those in flight finish (or are moved by the controller)."""
+        return self.set_state(url, State.DRAINING)
 
     def activate(self, url: str) -> Instance:
-        inst = self.get(url)
-        inst.draining = False
-        inst.state = InstanceState.ACTIVE
-        inst.num_consecutive_failures = 0
-        self._changed()
-        return inst
+        return self.set_state(url, State.ACTIVE)
 
     def report_capacity(
         self, inst: Instance, max_num_seqs: int, num_kv_tokens: int, mean_request_tokens: float
@@ -245,21 +272,17 @@ class Pool:
         doubled = inst.backoff_s * 2 if inst.backoff_s else base_backoff_s
         inst.backoff_s = min(max_backoff_s, doubled)
         inst.ejected_until_s = now + inst.backoff_s
-        inst.state = InstanceState.EJECTED
+        inst.healthy = False
         inst.num_ejections += 1
 
     def readmit(self, inst: Instance) -> None:
-        """Back into routing after a successful probe (or into draining if it was asked to)."""
-        inst.state = InstanceState.DRAINING if inst.draining else InstanceState.ACTIVE
+        """Healthy again after a successful probe; its lifecycle state never changed."""
+        inst.healthy = True
         inst.num_consecutive_failures = 0
         self._changed()
 
     def routable(self, model: str) -> list[Instance]:
-        return [
-            i
-            for i in self.instances.values()
-            if i.state is InstanceState.ACTIVE and i.model == model
-        ]
+        return [i for i in self.instances.values() if i.routable and i.model == model]
 
     def models(self) -> list[str]:
         return sorted({i.model for i in self.instances.values() if i.model is not None})

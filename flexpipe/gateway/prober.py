@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from flexpipe.gateway.pool import Instance, InstanceState
+from flexpipe.gateway.pool import Instance
 from flexpipe.http.client import Timeouts, UpstreamError
+from flexpipe.lifecycle import State
 
 if TYPE_CHECKING:
     from flexpipe.gateway.app import Gateway
@@ -115,23 +116,23 @@ class Prober:
                 return True
         except (UpstreamError, orjson.JSONDecodeError, KeyError, TypeError, IndexError):
             pass
-        if inst.state is not InstanceState.EJECTED:
+        if inst.healthy:
             self.gw.eject(inst)  # unknown model: not routable until a probe succeeds
         return False
 
     async def probe(self, inst: Instance) -> None:
         now = self.gw.clock()
-        if inst.state is InstanceState.EJECTED and now < inst.ejected_until_s:
+        if not inst.healthy and now < inst.ejected_until_s:
             return
         try:
             status, _ = await self._get(inst, "/health")
             ok = status == 200
         except UpstreamError:
             ok = False
-        if inst.removed:
+        if inst.state is State.GONE:  # removed while the probe ran
             return
         if ok:
-            if inst.state is InstanceState.EJECTED:
+            if not inst.healthy:
                 if inst.model is None and not await self.discover(inst):
                     return
                 await self.scrape(inst)
@@ -140,13 +141,13 @@ class Prober:
             inst.num_consecutive_failures = 0
             return
         inst.num_consecutive_failures += 1
-        if inst.state is InstanceState.EJECTED:
+        if not inst.healthy:
             self.gw.eject(inst)  # still down: back off longer
         elif inst.num_consecutive_failures >= self.gw.cfg.eject_after_failures:
             self.gw.eject(inst)
 
     async def scrape(self, inst: Instance) -> None:
-        if inst.state is InstanceState.EJECTED:
+        if not inst.healthy:
             return
         try:
             status, body = await self._get(inst, "/metrics")

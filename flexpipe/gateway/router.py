@@ -3,7 +3,7 @@ what a request holds while it runs, when an instance is ejected, how long a refu
 should wait. The live `Gateway` wraps it in I/O (HTTP, the wait queue's futures, metrics);
 the simulator drives the same object on a virtual clock. Every method takes `now`.
 
-Pick: the candidates are the model's active instances minus those that already failed this
+Pick: the candidates are the model's active, healthy instances minus those that already failed this
 request (never again) and, while others remain, minus those that were busy for it (a 429 or
 503). The routing policy ranks them; the first one below its concurrency limit wins. None
 means every candidate is at its limit: the caller queues the request and asks again when a
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from flexpipe.gateway.backpressure import DrainRate
 from flexpipe.gateway.config import GatewayConfig
-from flexpipe.gateway.pool import Instance, InstanceState, Pool
+from flexpipe.gateway.pool import Instance, Pool
 from flexpipe.policies.routing import (
     PrefixIndex,
     RoutingRequest,
@@ -134,10 +134,7 @@ class Router:
         """A passive signal (connect error, timeout, broken stream); True when it ejected
         the instance."""
         inst.num_consecutive_failures += 1
-        if (
-            inst.state is not InstanceState.EJECTED
-            and inst.num_consecutive_failures >= self.cfg.eject_after_failures
-        ):
+        if inst.healthy and inst.num_consecutive_failures >= self.cfg.eject_after_failures:
             self.eject(inst, now)
             return True
         return False

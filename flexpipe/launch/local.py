@@ -188,6 +188,10 @@ class LocalLauncher:
         self.stop_grace_s = stop_grace_s
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "flexpipe-logs"
         self.sim_command = tuple(sim_command)
+        # Called with (spec, pid, endpoint) the moment an engine's process exists, before it
+        # is ready: the controller records it in the store then, so that a controller killed
+        # during a cold start leaves no engine its successor does not know of.
+        self.on_spawn: Callable[[EngineSpec, int, str], None] | None = None
         self.vllm_command = tuple(vllm_command)
         self.env = env or {}
         self.supervisor_pid = supervisor_pid
@@ -244,6 +248,12 @@ class LocalLauncher:
                     f"cannot start engine {spec.name}: {argv[0]}: {exc.strerror or exc}"
                 ) from None
         handle = LocalEngine(spec.name, proc, endpoint, log_path, self.stop_grace_s)
+        if self.on_spawn is not None:
+            try:
+                self.on_spawn(spec, proc.pid, endpoint)
+            except BaseException:
+                await handle.stop()
+                raise
         try:
             await wait_ready(handle, self.ready_timeout_s)
         except BaseException:

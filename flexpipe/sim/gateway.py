@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from flexpipe.engine.request import EngineRequest
 from flexpipe.gateway.config import GatewayConfig
-from flexpipe.gateway.pool import Instance, InstanceState, Pool
+from flexpipe.gateway.pool import Instance, Pool
 from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.policies.routing import RoutingRequest, prompt_block_hashes
 from flexpipe.sim.instance import SimInstance
@@ -194,7 +194,7 @@ class SimGateway:
 
     def _scrape_one(self, record: Instance, now: float) -> None:
         """`Prober.scrape`: the engine's counts into the routing record."""
-        if record.state is InstanceState.EJECTED:
+        if not record.healthy:
             return
         running, waiting, usage, tokens = self.instances[record.url].metrics(now)
         record.num_running = running

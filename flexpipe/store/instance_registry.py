@@ -19,7 +19,7 @@ from sqlalchemy import DateTime, ForeignKey, Integer, String, Text, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
-from flexpipe.control.lifecycle import LIVE_STATES, LifecycleError, State, check_transition
+from flexpipe.lifecycle import LIVE_STATES, LifecycleError, State, check_transition
 from flexpipe.store.migrate import add_missing_columns
 from flexpipe.store.schema import Base, InstanceRow
 from flexpipe.store.store import Store, StoreError

@@ -91,7 +91,7 @@ class InstanceRow(Base):
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     cold_start_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    # lifecycle (flexpipe/control/lifecycle.py; history in instance_transitions)
+    # lifecycle (flexpipe/lifecycle.py; history in instance_transitions)
     state_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     pid: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the engine's process
     pgid: Mapped[int | None] = mapped_column(Integer, nullable=True)  # its process group

@@ -46,8 +46,12 @@ __all__ = [
 Kind = Literal["plan", "shift", "hold", "reclaim", "emergency", "rollback", "resources"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 # pending: being carried out; aborted: cut short (e.g. the controller restarted mid-shift);
-# held: the outcome of a hold, noted: of a resources entry (both fixed by the kind).
-Outcome = Literal["pending", "succeeded", "failed", "rolled_back", "aborted", "held", "noted"]
+# refused: the executor refused the target before changing anything (not a failure of the
+# target: it never counts towards its blacklist); held: the outcome of a hold, noted: of a
+# resources entry (both fixed by the kind).
+Outcome = Literal[
+    "pending", "succeeded", "failed", "rolled_back", "refused", "aborted", "held", "noted"
+]
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 FIXED_OUTCOMES: Mapping[str, Outcome] = {"hold": "held", "resources": "noted"}  # kind -> outcome
 FINAL_OUTCOMES: frozenset[Outcome] = frozenset(OUTCOMES) - {"pending"}

@@ -244,7 +244,7 @@ class ShiftLog:
                 if outcome not in FINAL_OUTCOMES or outcome in FIXED_OUTCOMES.values():
                     raise ShiftLogError(
                         f"shift log entry {entry_id}: outcome {outcome!r} is not a final "
-                        "outcome of a change (succeeded, failed, rolled_back, aborted)"
+                        "outcome of a change (succeeded, failed, rolled_back, refused, aborted)"
                     )
                 if old.outcome != "pending":
                     raise ShiftLogError(
@@ -330,7 +330,8 @@ class ShiftLog:
     def history(self, since: datetime | None = None) -> tuple[ShiftRecord, ...]:
         """The shift policy's history (cooldown, blacklist) rebuilt from the log, with times
         as Unix seconds: a restarted controller hands it back to the policy. A rolled-back
-        or failed change counts as not succeeded."""
+        or failed change counts as not succeeded; a refused one too, marked refused (no
+        failure of its target: it does not count towards the blacklist)."""
         out = []
         for e in self.entries(since=since, kinds=SHIFT_KINDS):
             succeeded = None if e.outcome == "pending" else e.outcome == "succeeded"
@@ -342,6 +343,7 @@ class ShiftLog:
                     finished_s=None if e.finished_at is None else e.finished_at.timestamp(),
                     succeeded=succeeded,
                     target_keys=added,
+                    refused=e.outcome == "refused",
                 )
             )
         return tuple(out)

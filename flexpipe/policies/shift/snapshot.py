@@ -60,16 +60,34 @@ class ModelState:
 
 @dataclass(frozen=True, slots=True)
 class ShiftRecord:
-    """A shift the controller started: when, what it started, and how it ended."""
+    """A shift the controller started: when, what it started, and how it ended.
+
+    A shift that did not succeed either *failed* (an instance did not start or missed its
+    rehearsal, and was rolled back: counts towards the blacklist of `target_keys`) or was
+    *refused* by the executor before anything changed (say, an in-place order that would
+    leave a model with no instance serving): nothing of the target was tried, so a refusal
+    is no evidence against it and never blacklists it. Both start the cooldown, so the
+    same refused target is not proposed again on the very next tick.
+    """
 
     started_s: float
     finished_s: float | None = None  # None: still in progress
-    succeeded: bool | None = None  # False: rehearsal missed, rolled back (counts to blacklist)
+    succeeded: bool | None = None  # False: failed or refused (see `refused`)
     target_keys: tuple[str, ...] = ()  # instance_key of each instance the shift started
+    refused: bool = False  # not succeeded, but refused before any change (not a failure)
+
+    def __post_init__(self) -> None:
+        if self.refused and self.succeeded is not False:
+            raise ValueError("a refused shift has succeeded=False")
 
     @property
     def in_progress(self) -> bool:
         return self.finished_s is None
+
+    @property
+    def failed(self) -> bool:
+        """Tried and failed: what the blacklist counts."""
+        return self.succeeded is False and not self.refused
 
 
 @dataclass(frozen=True)

@@ -133,10 +133,11 @@ def blacklist(
     history: Sequence[ShiftRecord], now_s: float, params: TriggerParams
 ) -> dict[str, float]:
     """instance key -> until when it is skipped: it failed `max_failures` times within
-    `failure_window_s`, the last of them less than `blacklist_s` ago."""
+    `failure_window_s`, the last of them less than `blacklist_s` ago. A shift the executor
+    refused before changing anything tried nothing: it is not a failure of its target."""
     failures: dict[str, list[float]] = {}  # key -> times it failed
     for r in history:
-        if r.succeeded is False:
+        if r.failed:
             at = r.finished_s if r.finished_s is not None else r.started_s
             for key in r.target_keys:
                 failures.setdefault(key, []).append(at)
