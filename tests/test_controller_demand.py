@@ -57,7 +57,7 @@ shift:
 def test_an_idle_model_scales_to_zero_and_its_next_request_cold_starts_one(
     tmp_path: Path,
 ) -> None:
-    up = Up(tmp_path, ZERO, models_yaml=MIN_ZERO)
+    up = Up(tmp_path, ZERO, models_yaml=MIN_ZERO, extra=("--scale-to-zero",))
     try:
         up.ready()
         up.wait_until("no instance left", lambda: not up.status()["instances"], 60)

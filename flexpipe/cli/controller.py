@@ -85,6 +85,13 @@ def controller(
             "when the cluster file was written by `flexpipe discover`).",
         ),
     ] = None,
+    scale_to_zero: Annotated[
+        bool,
+        typer.Option(
+            help="An idle model whose min_instances is 0 may drop to no instance; the gateway "
+            "holds its next request while one cold-starts (default: at least one each).",
+        ),
+    ] = False,
     rehearsal_tolerance: Annotated[
         float,
         typer.Option(
@@ -174,6 +181,7 @@ def controller(
             tick_s=tick_s,
             drain_deadline_s=drain_deadline_s,
             discover_interval_s=discover_interval_s,
+            min_instances_floor=0 if scale_to_zero else 1,
             rehearsal_tolerance=rehearsal_tolerance,
             time_scale=time_scale,
             engine_admin_token=_secret(None, engine_token_file, "FLEXPIPE_ENGINE_TOKEN")

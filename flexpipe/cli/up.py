@@ -225,6 +225,13 @@ def register(app: typer.Typer) -> None:
                 "prediction; slower rolls the shift back.",
             ),
         ] = 2.0,
+        scale_to_zero: Annotated[
+            bool,
+            typer.Option(
+                help="An idle model whose min_instances is 0 may drop to no instance; its next "
+                "request waits in the gateway while one cold-starts.",
+            ),
+        ] = False,
         vllm_command: Annotated[str, typer.Option(help="What runs for --engine vllm.")] = (
             "vllm serve"
         ),
@@ -317,6 +324,8 @@ def register(app: typer.Typer) -> None:
                 "--supervisor-pid", str(os.getpid()),
                 "--rehearsal-tolerance", str(rehearsal_tolerance),
             ]  # fmt: skip
+            if scale_to_zero:
+                controller_argv.append("--scale-to-zero")
             if sim_load_time_s is not None:
                 controller_argv += ["--sim-load-time-s", str(sim_load_time_s)]
             if store is not None:

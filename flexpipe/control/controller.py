@@ -122,9 +122,10 @@ class ControllerConfig:
     time_scale: float = 1.0  # sim engines: wall seconds per modelled second
     engine_admin_token: str | None = None  # given to engines it starts (KV moves)
     engine_kind: str = "sim"
-    # The floor under every model's min_instances (0: a model whose minimum is 0 may scale
-    # to zero; the gateway then holds its requests while an instance cold-starts).
-    min_instances_floor: int = 0
+    # The floor under every model's min_instances: 1 keeps every model warm; 0 (--scale-to-zero)
+    # lets a model whose minimum is 0 drop to no instance when idle, the gateway then holding
+    # its next request while an instance cold-starts.
+    min_instances_floor: int = 1
     # How long (wall s) a model with no instance stays held in the gateway: renewed every
     # tick, so it only has to outlast a cold start and a rehearsal.
     standby_hold_s: float = 600.0
