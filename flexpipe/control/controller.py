@@ -49,6 +49,7 @@ from flexpipe.control.lifecycle import State
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
 from flexpipe.control.samples import Sampler
+from flexpipe.control.ui_api import UiApi
 from flexpipe.gears.gear import parse_gear
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
@@ -509,6 +510,7 @@ class Controller:
         app.add_route("GET", STATUS_PATH, self._status)
         app.add_route("GET", "/health", self._health)
         app.add_route("GET", "/metrics", self._metrics)
+        UiApi(self).add_routes(app)  # read-only views for the dashboard
         return app
 
     def _auth(self, req: Request) -> None:
