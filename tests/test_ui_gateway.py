@@ -131,9 +131,9 @@ def test_the_view_counts_the_requests_it_saw(running: Running) -> None:
     done = sum(p["models"]["fake-model"]["request_rate_per_s"] * p["dt_s"]
                for p in v["series"] if "fake-model" in p["models"])  # fmt: skip
     assert abs(done - 4.0) < 0.05  # rates and intervals are rounded in the view
-    tpot = [p["models"]["fake-model"]["tpot_s"]["p50"] for p in v["series"]
+    ttft = [p["models"]["fake-model"]["ttft_s"]["p99"] for p in v["series"]
             if "fake-model" in p["models"]]  # fmt: skip
-    assert any(x is not None for x in tpot)  # the stream's tokens
+    assert sum(x is not None for x in ttft) == 1  # the stream's first token, in one interval
     later = view()["series"][-1]["t"]
     status, _, body = running.get(f"/ui/api/view?since={later}")
     assert status == 200 and all(p["t"] > later for p in json.loads(body)["series"])
