@@ -41,6 +41,13 @@ function parseTime(v) {
   return null;
 }
 const list = (v) => (Array.isArray(v) ? v : []);
+// assign only what changed: a part re-drawn every push would lose a click in progress
+const shown = new WeakMap();
+function setHtml(el, html) {
+  if (shown.get(el) === html) return;
+  shown.set(el, html);
+  el.innerHTML = html;
+}
 const obj = (v) => (v && typeof v === "object" && !Array.isArray(v) ? v : {});
 
 // ------------------------------------------------------------------ charts (SVG)
@@ -97,7 +104,7 @@ function renderLegend() {
   items.push(`<span><span class="swatch" style="background:var(--others)"></span>other tenants</span>`);
   items.push(`<span><span class="swatch" style="background:var(--free);border:1px solid #ccc"></span>free</span>`);
   items.push(`<span class="link"><span class="bar"></span>fast link</span><span class="link slow"><span class="bar"></span>slow link</span>`);
-  $("legend").innerHTML = items.join("");
+  setHtml($("legend"), items.join(""));
 }
 
 function linkHtml(l, label) {
@@ -110,11 +117,11 @@ function renderMap(v) {
   $("cluster-name").textContent = c && c.name ? c.name : "";
   if (!c || !list(c.nodes).length) {
     const why = v.controller && v.controller.error ? ` (${v.controller.error})` : "";
-    $("gpu-map").innerHTML = `<p class="muted">no GPU map: ${v.source === "report" ? "the report has no cluster" : "the gateway has no controller (flexpipe up gives it one)" + esc(why)}</p>`;
-    $("node-links").innerHTML = "";
+    setHtml($("gpu-map"), `<p class="muted">no GPU map: ${v.source === "report" ? "the report has no cluster" : "the gateway has no controller (flexpipe up gives it one)" + esc(why)}</p>`);
+    setHtml($("node-links"), "");
     return;
   }
-  $("gpu-map").innerHTML = list(c.nodes).map((n) => {
+  setHtml($("gpu-map"), list(c.nodes).map((n) => {
     const gpus = list(n.gpus).map((g) => {
       const cap = num(g.capacity_bytes) || 1;
       const others = num(g.others_bytes) || 0, ours = num(g.flexpipe_bytes) || 0;
@@ -134,11 +141,11 @@ function renderMap(v) {
     const net = n.network ? `<span class="muted">network:</span> ${linkHtml(n.network, "")}` : "";
     return `<div class="node" data-node="${esc(n.name)}"><h3>${esc(n.name)}</h3><div class="gpus">${gpus}</div>` +
       `<div class="links">${links}${links ? "<br>" : ""}${net}</div></div>`;
-  }).join("");
+  }).join(""));
   const nl = list(c.node_links);
-  $("node-links").innerHTML = nl.length
+  setHtml($("node-links"), nl.length
     ? `<span class="muted">between nodes:</span> ` + nl.map((l) => linkHtml(l, list(l.nodes).join("↔"))).join("")
-    : "";
+    : "");
 }
 
 // ------------------------------------------------------------------ models
@@ -152,8 +159,8 @@ function renderModels(v) {
   $("latency-note").textContent = v.source === "report"
     ? "" : `latencies over the last ${fmt(v.window_s, 0)} s${scale !== 1 ? `, in modelled seconds (time scale ${scale})` : ""}; charts: last ${fmt((v.max_age_s || 900) / 60, 0)} min`;
   const models = list(v.models);
-  if (!models.length) { $("models").innerHTML = `<p class="muted">no model yet</p>`; return; }
-  $("models").innerHTML = models.map((m) => {
+  if (!models.length) { setHtml($("models"), `<p class="muted">no model yet</p>`); return; }
+  setHtml($("models"), models.map((m) => {
     const now = obj(m.now), slo = obj(m.slo);
     const lat = (key, sloKey) => ["p50", "p95", "p99"].map((q) => {
       const val = num(obj(now[key])[q]), lim = num(slo[sloKey]);
@@ -182,16 +189,16 @@ function renderModels(v) {
       charts.push(lineChart(extra.title, [{ name: "", color: "#555", points: points.map((p) => [p.t, obj(p.extra)[extra.key]]) }], {}));
     }
     return `<div class="model" data-model="${esc(m.name)}"><h3>${esc(m.name)}</h3><div class="figures">${figures}</div><div class="charts">${charts.join("")}</div></div>`;
-  }).join("");
+  }).join(""));
 }
 
 // ------------------------------------------------------------------ instances
 function renderInstances(v) {
   const rows = list(v.instances);
-  if (!rows.length) { $("instances").innerHTML = `<p class="muted">no instance</p>`; return; }
+  if (!rows.length) { setHtml($("instances"), `<p class="muted">no instance</p>`); return; }
   const token = $("admin-token").value.trim();
   const canAct = v.source !== "report" && v.admin_enabled && token;
-  $("instances").innerHTML = `<table><thead><tr><th>instance</th><th>model</th><th>gear</th><th>GPUs</th><th>state</th>` +
+  setHtml($("instances"), `<table><thead><tr><th>instance</th><th>model</th><th>gear</th><th>GPUs</th><th>state</th>` +
     `<th>in flight</th><th>running</th><th>waiting</th><th>cap</th><th>KV used</th>${canAct ? "<th></th>" : ""}</tr></thead><tbody>` +
     rows.map((i) => `<tr data-url="${esc(i.url)}"><td>${esc(i.name || i.url)}<br><span class="muted">${esc(i.name ? i.url : "")}</span></td>` +
       `<td>${esc(i.model)}</td><td>${esc(i.gear || "–")}</td><td>${esc(list(i.stages || (i.gpus ? [i.gpus] : [])).map((s) => list(s).join("+")).join(" | ") || "–")}</td>` +
@@ -199,7 +206,7 @@ function renderInstances(v) {
       `<td class="num">${fmt(i.num_in_flight, 0)}</td><td class="num">${fmt(i.num_running, 0)}</td><td class="num">${fmt(i.num_waiting, 0)}</td>` +
       `<td class="num">${fmt(i.max_concurrency, 0)}</td><td class="num">${pct(i.kv_usage)}</td>` +
       (canAct ? `<td>${i.gateway_state === "active" ? `<button data-drain="${esc(i.url)}">drain</button>` : ""}</td>` : "") + `</tr>`).join("") +
-    `</tbody></table>`;
+    `</tbody></table>`);
 }
 
 async function drain(url) {
@@ -241,8 +248,8 @@ function renderShifts(v) {
   const all = list(v.shifts);
   const entries = all.map((e, i) => ({ e, key: shiftKey(e, i), t: parseTime(e.at ?? e.at_s ?? e.t) }));
   if (!entries.length) {
-    $("shift-strip").innerHTML = "";
-    $("shift-list").innerHTML = `<p class="muted">no shift logged${v.source === "report" ? " in this report" : " yet"}</p>`;
+    setHtml($("shift-strip"), "");
+    setHtml($("shift-list"), `<p class="muted">no shift logged${v.source === "report" ? " in this report" : " yet"}</p>`);
     return;
   }
   // the strip: each entry at its time, as wide as it took, coloured by outcome
@@ -259,15 +266,15 @@ function renderShifts(v) {
     svg += `<rect data-shift="${esc(key)}" x="${x(t)}" y="${e.kind === "resources" ? 24 : 16}" width="${w}" height="${e.kind === "resources" ? 12 : 20}" fill="${c}"><title>${esc(`${clock(t)} ${e.kind} ${e.trigger ?? ""} ${e.outcome ?? ""}`)}</title></rect>`;
   }
   svg += `<text x="10" y="46" font-size="10" fill="#687385">${esc(clock(start))}</text><text x="${W - 10}" y="46" font-size="10" text-anchor="end" fill="#687385">${esc(clock(end))}</text>`;
-  $("shift-strip").innerHTML = `<svg viewBox="0 0 ${W} 48" preserveAspectRatio="none">${svg}</svg>`;
+  setHtml($("shift-strip"), `<svg viewBox="0 0 ${W} 48" preserveAspectRatio="none">${svg}</svg>`);
   const rows = entries.slice().reverse().map(({ e, key, t }) =>
     `<tr class="shift" data-shift-id="${esc(key)}" data-kind="${esc(e.kind)}"><td class="num">${esc(e.id ?? "")}</td><td>${t === null ? "–" : esc(clock(t))}</td>` +
     `<td>${esc(e.kind)}</td><td>${esc(e.trigger ?? "–")}</td><td>${esc(e.from_to ?? fromTo(e))}</td>` +
     `<td>${phaseBar(e)}<span class="muted">${num(e.duration_s) !== null ? fmt(e.duration_s, 1) + " s" : ""}</span></td>` +
     `<td>${migratedText(e)}</td><td class="outcome ${esc(e.outcome)}">${esc(e.outcome ?? "–")}</td>` +
     `<td>${esc(e.reason ?? "")}${e.error ? `<br><span class="muted">→ ${esc(e.error)}</span>` : ""}</td></tr>`).join("");
-  $("shift-list").innerHTML = `<table><thead><tr><th>id</th><th>time</th><th>kind</th><th>trigger</th><th>from → to</th>` +
-    `<th>phases (${PHASES.join("/")})</th><th>migrated (kv/rc/fin/rerun)</th><th>outcome</th><th>why</th></tr></thead><tbody>${rows}</tbody></table>`;
+  setHtml($("shift-list"), `<table><thead><tr><th>id</th><th>time</th><th>kind</th><th>trigger</th><th>from → to</th>` +
+    `<th>phases (${PHASES.join("/")})</th><th>migrated (kv/rc/fin/rerun)</th><th>outcome</th><th>why</th></tr></thead><tbody>${rows}</tbody></table>`);
 }
 
 function short(i) {
