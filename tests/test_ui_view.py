@@ -260,3 +260,20 @@ def test_a_view_without_controller_or_readings() -> None:
     assert assemble_view(5.0, History(), failed, 2.0)["controller"]["error"] == (
         "cannot read the controller"
     )
+
+
+def test_the_window_counts_the_tokens_of_instances_replaced_within_it() -> None:
+    u1, u2 = inst("http://u1", "a"), inst("http://u2", "a")
+    readings = [
+        Reading(0.0, engines={"http://u1": EngineCounters(0, 0, 0)}, instances=(u1,)),
+        Reading(2.0, engines={"http://u1": EngineCounters(100, 10, 5),
+                              "http://u2": EngineCounters(0, 0, 0)}, instances=(u1, u2)),
+        Reading(4.0, engines={"http://u2": EngineCounters(300, 30, 30)}, instances=(u2,)),
+    ]  # fmt: skip
+    p = window_point(readings, 60.0)
+    assert p is not None and p["dt_s"] == 4.0
+    # u1's 100 tokens before it left, u2's 300 after it came: (100 + 300) / 4 s
+    assert p["models"]["a"]["tokens_per_s"] == 100.0
+    assert p["models"]["a"]["prefix_hit_rate"] == round(35 / 40, 4)
+    # the two ends alone know only u2, which has no reading at the start
+    assert model_point("a", readings[0], readings[2])["tokens_per_s"] == 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 from flexpipe.control.samples import Buckets, bucket_quantile
@@ -55,14 +56,30 @@ def _engine_delta(r0: Reading, r1: Reading, urls: list[str]) -> EngineCounters:
     return EngineCounters(gen, queries, hits)
 
 
-def model_point(model: str, r0: Reading, r1: Reading) -> dict[str, Any]:
-    """One model's figures over the interval r0.at_s → r1.at_s (load: at r1)."""
+def _engines_between(model: str, readings: Sequence[Reading]) -> EngineCounters:
+    """The engines' growth over consecutive readings, each pair over the model's instances
+    at its end: instances that came and went within the span count for their part."""
+    gen = queries = hits = 0.0
+    for r0, r1 in pairwise(readings):
+        urls = [str(i["url"]) for i in r1.instances if i.get("model") == model]
+        d = _engine_delta(r0, r1, urls)
+        gen += d.num_generated_tokens
+        queries += d.num_prefix_queries
+        hits += d.num_prefix_hits
+    return EngineCounters(gen, queries, hits)
+
+
+def model_point(
+    model: str, r0: Reading, r1: Reading, between: Sequence[Reading] = ()
+) -> dict[str, Any]:
+    """One model's figures over the interval r0.at_s → r1.at_s (load: at r1). `between`: the
+    readings in between, for the engines' counters (instances replaced within the span)."""
     dt_s = r1.at_s - r0.at_s
     if dt_s <= 0:
         raise ValueError(f"readings out of order: {r0.at_s} then {r1.at_s}")
     m0, m1 = r0.models.get(model, ModelReading()), r1.models.get(model, ModelReading())
     mine = [i for i in r1.instances if i.get("model") == model]
-    engines = _engine_delta(r0, r1, [str(i["url"]) for i in mine])
+    engines = _engines_between(model, [r0, *between, r1])
     models_at_gateway = {i.get("model") for i in r1.instances if i.get("model")}
     queued_here = r1.num_queued if len(models_at_gateway) == 1 else 0  # one model: all its
     return {
@@ -90,11 +107,11 @@ def _models(*readings: Reading) -> list[str]:
     return sorted(names)
 
 
-def _point(r0: Reading, r1: Reading) -> Point:
+def _point(r0: Reading, r1: Reading, between: Sequence[Reading] = ()) -> Point:
     return {
         "t": r1.at_s,
         "dt_s": round(r1.at_s - r0.at_s, 3),
-        "models": {m: model_point(m, r0, r1) for m in _models(r0, r1)},
+        "models": {m: model_point(m, r0, r1, between) for m in _models(r0, r1)},
     }
 
 
@@ -104,14 +121,13 @@ def window_point(readings: Sequence[Reading], window_s: float) -> Point | None:
     if len(readings) < 2:
         return None
     newest = readings[-1]
-    start = readings[-2]
-    for r in readings:
+    first = len(readings) - 2
+    for i, r in enumerate(readings):
         if newest.at_s - r.at_s <= window_s:
-            start = r
+            first = min(i, first)
             break
-    if start is newest:
-        start = readings[-2]
-    return _point(start, newest)
+    span = list(readings)[first:]
+    return _point(span[0], newest, span[1:-1])
 
 
 class History:

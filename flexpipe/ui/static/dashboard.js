@@ -58,7 +58,7 @@ function lineChart(title, series, opts = {}) {
   const ts = series.flatMap((s) => s.points.map((p) => p[0]));
   if (!ts.length) return `<div class="chart"><h4>${esc(title)}</h4><p class="muted">no data yet</p></div>`;
   let t0 = Math.min(...ts), t1 = Math.max(...ts);
-  if (opts.span && state.source?.kind !== "report") t0 = Math.min(t0, t1 - opts.span);
+  if (opts.span) t0 = Math.max(t0, t1 - opts.span);  // what there is, up to the span
   if (t1 <= t0) t1 = t0 + 1;
   let ymax = Math.max(0, ...pts.map((p) => p[1]));
   const thr = opts.threshold && num(opts.threshold.value);
