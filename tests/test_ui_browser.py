@@ -9,6 +9,7 @@ as a whole record, and the same page opens a simulator report.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -195,6 +196,12 @@ def test_the_dashboard_opens_a_simulator_report(tmp_path: Path, browser: webdriv
         paths = model.find_elements(By.CSS_SELECTOR, ".chart svg path")
         assert len(paths) >= 3  # requests/s, TTFT p50, output tokens/s over the run
         assert "llama-7b" in browser.find_element(By.ID, "instances").text
+        # the shifts and resource events the report has (none before the simulator drives
+        # the controller), each a row of the timeline
+        doc = json.loads(sim.stdout)
+        num = len(doc.get("shifts", [])) + len(doc.get("resource_events", []))
+        rows = browser.execute_script("return document.querySelectorAll('tr.shift').length")
+        assert rows == num
         assert console_errors(browser) == []
     finally:
         proc.send_signal(signal.SIGTERM)

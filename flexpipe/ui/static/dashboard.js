@@ -224,8 +224,13 @@ async function drain(url) {
 
 // ------------------------------------------------------------------ shifts
 function phasesOf(e) {
+  // the log's `warm_s`...; a report's raw phases (`warm`, `warm_in_place`) add up
   const p = obj(e.phases);
-  return PHASES.map((name) => num(p[`${name}_s`] ?? p[name]));
+  return PHASES.map((name) => {
+    const vals = Object.entries(p).filter(([k, v]) => num(v) !== null &&
+      (k === name || k === `${name}_s` || k.startsWith(`${name}_`))).map(([, v]) => v);
+    return vals.length ? vals.reduce((a, b) => a + b, 0) : null;
+  });
 }
 
 function phaseBar(e) {
@@ -310,7 +315,7 @@ function showShift(key) {
   const vals = phasesOf(e);
   $("detail-body").innerHTML =
     `<p><b>${esc(e.from_to ?? fromTo(e))}</b></p><p>${esc(e.reason ?? "")}${e.error ? `<br><b>error:</b> ${esc(e.error)}` : ""}</p>` +
-    `<p class="muted">decided ${esc(e.at ?? "")}${e.finished_at ? `, finished ${esc(e.finished_at)}` : ""}${num(e.score) !== null ? `, score ${fmt(e.score)}` : ""}</p>` +
+    `<p class="muted">decided ${esc(typeof e.at === "number" ? clock(e.at) : e.at ?? "")}${e.finished_at ? `, finished ${esc(e.finished_at)}` : ""}${num(e.score) !== null ? `, score ${fmt(e.score)}` : ""}</p>` +
     `<h4>Phases</h4>${phaseBar(e)}` + table(PHASES.map((n, i) => [n, vals[i]]).filter((r) => r[1] !== null), [["phase", (r) => esc(r[0])], ["seconds", (r) => fmt(r[1], 3)]]) +
     `<h4>Requests migrated</h4>` + table(Object.entries(obj(e.migrated)), [["method", (r) => esc(r[0])], ["requests", (r) => esc(r[1])]]) +
     `<h4>Alternatives weighed</h4>` + table(alts, [["", (a) => (a.accepted ? "✔ taken" : "")], ["candidate", (a) => esc(a.name)], ["score", (a) => fmt(a.score)], ["why", (a) => esc(a.reason)], ["instances", (a) => esc(list(a.instances).join(", "))]]) +
@@ -414,12 +419,31 @@ function fromReport(doc) {
       };
     });
   }
-  const shifts = list(d.shifts ?? d.shift_log).map((e, i) => {
+  // the simulator's shift records (at_s, finished_s, succeeded, phases_s, migrated by
+  // method, started / stopped) or shift log entries; resource events as context marks
+  const methods = { kv: "kv_moved", recompute: "recomputed", rerun: "rerun", finished: "finished_in_place" };
+  const shifts = list(d.shifts ?? d.shift_log).map((e) => {
     const x = obj(e);
     const at = parseTime(x.at_s ?? x.at ?? x.t);
     const fin = parseTime(x.finished_s ?? x.finished_at);
-    return { ...x, id: x.id ?? i + 1, at: at, duration_s: num(x.duration_s) ?? (at !== null && fin !== null ? fin - at : null) };
+    const migrated = Object.fromEntries(Object.entries(obj(x.migrated)).map(([k, v]) => [methods[k] ?? k, v]));
+    const moved = list(x.stopped).length || list(x.started).length
+      ? `${list(x.stopped).join(", ") || "∅"} → ${list(x.started).join(", ") || "∅"}` : undefined;
+    return {
+      ...x, kind: x.kind ?? "shift", at,
+      outcome: x.outcome ?? (x.succeeded === true ? "succeeded" : x.succeeded === false ? "failed" : undefined),
+      error: x.error ?? (x.why_failed || undefined), phases: x.phases ?? x.phases_s, migrated,
+      from_to: x.from_to ?? moved,
+      duration_s: num(x.duration_s) ?? (at !== null && fin !== null ? fin - at : null),
+    };
   });
+  for (const r of list(d.resource_events)) {
+    const x = obj(r);
+    shifts.push({ kind: "resources", at: num(x.at_s), trigger: x.kind, outcome: "noted",
+      reason: x.why ?? `${x.gpu ?? ""} ${x.kind ?? ""}`, notes: [JSON.stringify(x)] });
+  }
+  shifts.sort((a, b) => (a.at ?? 0) - (b.at ?? 0));
+  shifts.forEach((e, i) => { if (e.id === undefined) e.id = i + 1; });
   return {
     source: "report",
     at_s: num(d.end_s) ?? num(d.duration_s) ?? 0,
@@ -428,12 +452,38 @@ function fromReport(doc) {
     models,
     series,
     extra_charts: series.length && series[0].extra ? [{ title: "GPUs reserved", key: "gpus_reserved" }, { title: "utilisation", key: "utilisation" }] : [],
-    instances: list(d.instances).map((i) => ({ ...obj(i), url: obj(i).url ?? obj(i).name, state: obj(i).state ?? "active" })),
-    cluster: d.cluster && list(obj(d.cluster).nodes).length ? d.cluster : null,
+    instances: list(d.instances).map((i) => {
+      const x = obj(i), gone = num(x.released_s) !== null && x.released_s >= 0 && x.released_s < (num(d.end_s) ?? Infinity);
+      return { ...x, url: x.url ?? "", state: x.state ?? (x.died ? "gone" : gone ? "gone" : "active") };
+    }),
+    cluster: d.cluster && list(obj(d.cluster).nodes).length ? d.cluster : occupancyMap(d),
     shifts,
     controller: null,
     title: `${d.scenario ?? "report"} · policy ${d.policy ?? "?"} · seed ${d.seed ?? "?"} · ${fmt(d.duration_s, 0)} s`,
   };
+}
+
+// the report's GPU occupancy (per GPU, who held it when) as a map of the run's end
+function occupancyMap(d) {
+  const gpus = list(d.gpu_occupancy);
+  if (!gpus.length) return null;
+  const nodes = new Map();
+  const gears = Object.fromEntries(list(d.instances).map((i) => [obj(i).name, obj(i).gear]));
+  for (const g of gpus.map(obj)) {
+    // who held it last: the segment that ends latest (ours before a tenant's on a tie)
+    const segs = list(g.segments).map(obj).sort((a, b) =>
+      (num(a.end_s) ?? 0) - (num(b.end_s) ?? 0) || (a.model ? 1 : 0) - (b.model ? 1 : 0));
+    const last = segs.length ? segs[segs.length - 1] : null;
+    const ours = last && last.model;
+    if (!nodes.has(g.node)) nodes.set(g.node, []);
+    nodes.get(g.node).push({
+      id: g.gpu, type: g.type, instance: ours ? last.holder : null, model: ours ? last.model : null,
+      gear: ours ? gears[last.holder] ?? last.holder : null, state: ours ? "active" : null,
+      owner: last && !ours ? last.holder : null,
+    });
+  }
+  return { name: `${d.scenario ?? "report"} (at the end of the run)`,
+    nodes: [...nodes].map(([name, g]) => ({ name, gpus: g, links: [] })), node_links: [] };
 }
 
 function openReport(doc, label) {
@@ -461,6 +511,7 @@ function init() {
     history.replaceState(null, "", "/ui");
     connect();
   });
+  $("token-form").addEventListener("submit", (ev) => ev.preventDefault());
   $("admin-token").value = sessionStorage.getItem("flexpipe-admin-token") || "";
   $("admin-token").addEventListener("change", () => {
     sessionStorage.setItem("flexpipe-admin-token", $("admin-token").value.trim());
