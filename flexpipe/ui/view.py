@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from flexpipe.cli.shifts import moves_text
-from flexpipe.store.shift_entry import ShiftEntry
 from flexpipe.ui.series import History, Point
 
 __all__ = ["VIEW_VERSION", "ControllerSnapshot", "assemble_view", "shift_row"]
@@ -63,6 +61,11 @@ def _seconds_between(a: str | None, b: str | None) -> float | None:
 def shift_row(entry: Mapping[str, Any]) -> dict[str, Any]:
     """A shift log entry (`ShiftEntry.to_dict()`) with what the timeline shows first: "from →
     to" (the words of `flexpipe shifts`) and how long it took."""
+    # imported here: the CLI package loads every command (typer, rich), which a gateway
+    # without a controller never needs
+    from flexpipe.cli.shifts import moves_text
+    from flexpipe.store.shift_entry import ShiftEntry
+
     try:
         from_to = moves_text(ShiftEntry.from_dict(entry))
     except (KeyError, TypeError, ValueError):
