@@ -15,7 +15,7 @@ import openai
 import pytest
 from test_gateway_fakes import FakeEngine, LoopThread, free_port
 
-from flexpipe.gateway import Gateway, config_from_dict
+from flexpipe.gateway import ConfigError, Gateway, config_from_dict
 
 INTERVAL_S = 0.2
 
@@ -188,3 +188,13 @@ def test_an_unreachable_controller_is_said_not_fatal() -> None:
     finally:
         r.close()
         lt.stop()
+
+
+def test_the_dashboard_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="controller_url 'ftp://x': expected http://HOST:PORT"):
+        config_from_dict({"controller_url": "ftp://x"})
+    with pytest.raises(ConfigError, match="ui_interval_s must be > 0"):
+        config_from_dict({"ui_interval_s": 0})
+    monkeypatch.setenv("FLEXPIPE_CONTROLLER_TOKEN", "ctl-token")
+    cfg = config_from_dict({"controller_url": "http://127.0.0.1:8100"})
+    assert cfg.controller_token == "ctl-token" and cfg.ui_interval_s == 2.0
