@@ -18,7 +18,14 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/flexpipe up --demo
 
-test: $(STAMP)
+# Debian's chromium and its driver, for the dashboard's browser test (tests/test_ui_browser.py);
+# the driver is found at /usr/bin/chromedriver, so selenium downloads nothing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+/usr/bin/chromedriver:
+	$(SUDO) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver
+
+test: $(STAMP) /usr/bin/chromedriver
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -52,6 +52,17 @@ def gateway(
             "max_num_seqs [256]."
         ),
     ] = None,
+    controller_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="FLEXPIPE_CONTROLLER_URL",
+            help="The controller's admin API, for the dashboard's GPU map and shift log.",
+        ),
+    ] = None,
+    controller_token_file: Annotated[
+        Path | None,
+        typer.Option(help="The controller's admin token (else $FLEXPIPE_CONTROLLER_TOKEN)."),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Serve the OpenAI API on HOST:PORT and route to the backends."""
@@ -85,6 +96,13 @@ def gateway(
                 raise ConfigError(f"cannot read {admin_token_file}: {exc.strerror}") from None
         if shutdown_grace_s is not None:
             cfg.shutdown_grace_s = shutdown_grace_s
+        if controller_url is not None:
+            cfg.controller_url = controller_url.rstrip("/")
+        if controller_token_file is not None:
+            try:
+                cfg.controller_token = controller_token_file.read_text().strip() or None
+            except OSError as exc:
+                raise ConfigError(f"cannot read {controller_token_file}: {exc.strerror}") from None
         if max_concurrency is not None:
             cfg.max_concurrency_per_instance = max_concurrency
         validate(cfg)

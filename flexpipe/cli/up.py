@@ -311,7 +311,9 @@ def register(app: typer.Typer) -> None:
             me = [sys.executable, "-m", "flexpipe"]
             gateway_argv = [*me, "gateway", "--host", host, "--port", str(port),
                             "--admin-token-file", str(token_file),
-                            "--shutdown-grace-s", str(drain_timeout_s)]  # fmt: skip
+                            "--shutdown-grace-s", str(drain_timeout_s),
+                            "--controller-url",  # the dashboard's GPU map and shift log
+                            f"http://{host}:{controller_port or port + 100}"]  # fmt: skip
             controller_argv = [
                 *me, "controller", "--gateway", f"http://{host}:{port}",
                 "--gateway-token-file", str(token_file),

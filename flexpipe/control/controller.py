@@ -53,6 +53,7 @@ from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
 from flexpipe.control.samples import Sampler
 from flexpipe.control.targets import SD_PATH, http_sd_targets
+from flexpipe.control.ui_api import UiApi
 from flexpipe.gears.gear import parse_gear
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
@@ -720,6 +721,7 @@ class Controller:
         app.add_route("GET", "/health", self._health)
         app.add_route("GET", "/metrics", self._metrics)
         app.add_route("GET", SD_PATH, self._targets)
+        UiApi(self).add_routes(app)  # read-only views for the dashboard
         return app
 
     def _auth(self, req: Request) -> None:

@@ -34,6 +34,7 @@ from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay
 from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.gateway.tenants import Tenants
+from flexpipe.gateway.ui_routes import UiRoutes
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError, UpstreamResponse
 from flexpipe.http.server import (
     App,
@@ -89,11 +90,13 @@ class Gateway:
         for b in cfg.backends:
             self.pool.add(b.url, b.model, b.weight, b.max_concurrency, b.api_key, b.max_num_seqs)
         self.pool.on_change(self._wake_all)
+        self.ui = UiRoutes(self)  # the dashboard at /ui (docs/dashboard.md)
         self.app = self._build_app()
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self, host: str | None = None, port: int | None = None) -> HttpServer:
         await self.prober.start()
+        self.ui.start()
         self.server = await serve(
             self.app, host or self.cfg.host, self.cfg.port if port is None else port
         )
@@ -101,6 +104,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.prober.stop()
+        await self.ui.stop()
         if self.server is not None:
             await self.server.close()
         await self.client.close()
@@ -114,6 +118,7 @@ class Gateway:
         app.add_route("GET", "/health", self._health)
         app.add_route("GET", "/metrics", self._metrics)
         AdminApi(self).add_routes(app)
+        self.ui.add_routes(app)
         return app
 
     # ---------------------------------------------------------------- plain endpoints

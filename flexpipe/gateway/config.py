@@ -85,6 +85,11 @@ class GatewayConfig:
     http: HttpLimits = field(default_factory=HttpLimits)  # the server's limits (docs/http.md)
     admin_token: str | None = None
     tenants: list[TenantConfig] = field(default_factory=list)
+    # the dashboard (docs/dashboard.md): its controller's admin API for the GPU map and the
+    # shift log (None: the dashboard shows the gateway's own view only)
+    controller_url: str | None = None
+    controller_token: str | None = None  # or env FLEXPIPE_CONTROLLER_TOKEN
+    ui_interval_s: float = 2.0  # one dashboard reading (and SSE push) per interval
 
 
 def _build(cls: type[Any], data: Any, where: str) -> Any:
@@ -131,6 +136,8 @@ def config_from_dict(data: dict[str, Any], base_dir: Path | None = None) -> Gate
     cfg.policy_params = dict(routing.get("params") or {})
     if cfg.admin_token is None:
         cfg.admin_token = os.environ.get("FLEXPIPE_ADMIN_TOKEN") or None
+    if cfg.controller_token is None:
+        cfg.controller_token = os.environ.get("FLEXPIPE_CONTROLLER_TOKEN") or None
     validate(cfg)
     return cfg
 
@@ -162,6 +169,10 @@ def validate(cfg: GatewayConfig) -> None:
             raise ConfigError(f"backend {b.url!r}: weight must be > 0")
     if len({t.key for t in cfg.tenants}) != len(cfg.tenants):
         raise ConfigError("tenants: duplicate API key")
+    if cfg.controller_url is not None and not cfg.controller_url.startswith("http://"):
+        raise ConfigError(f"controller_url {cfg.controller_url!r}: expected http://HOST:PORT")
+    if not cfg.ui_interval_s > 0:
+        raise ConfigError("ui_interval_s must be > 0")
     if cfg.max_queue < 0 or cfg.max_concurrency_per_instance < 1:
         raise ConfigError("max_queue must be >= 0 and max_concurrency_per_instance >= 1")
     try:

@@ -1,0 +1,166 @@
+"""Read-only views of the controller for the dashboard (docs/dashboard.md), behind the same
+bearer token as the rest of its admin API:
+
+    GET /admin/topology          the GPU map: nodes, GPUs (type, memory of other tenants and
+                                 of flexpipe's engines), links (fast or slow), the instances on
+                                 them with gear and lifecycle state, each model's SLOs
+    GET /admin/shifts?limit=N    the newest N entries of the shift log (holds left out), each
+                                 `ShiftEntry.to_dict()`, oldest first
+
+`topology_doc` is pure (cluster and instances in, JSON-ready dict out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flexpipe.cluster import Cluster
+from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, LinkSpec
+from flexpipe.http.server import App, HttpError, Request, Response, json_response
+from flexpipe.launch import EngineSpec
+from flexpipe.perf.memory import _budget_bytes as engine_budget_bytes
+from flexpipe.policies.planner import ModelDemand, PlannedInstance
+from flexpipe.store.shift_entry import KINDS
+
+if TYPE_CHECKING:
+    from flexpipe.control.controller import Controller
+
+__all__ = ["SHIFTS_PATH", "TOPOLOGY_PATH", "UiApi", "UiInstance", "topology_doc"]
+
+TOPOLOGY_PATH = "/admin/topology"
+SHIFTS_PATH = "/admin/shifts"
+_MAX_SHIFTS = 500
+_SHOWN_KINDS = tuple(k for k in KINDS if k != "hold")  # a hold per tick would drown the rest
+# what the engines the controller launches may take of a GPU (vLLM's --gpu-memory-utilization)
+_GPU_MEMORY_UTILIZATION = EngineSpec(model="").gpu_memory_utilization
+
+
+@dataclass(frozen=True, slots=True)
+class UiInstance:
+    """One running instance as the map shows it."""
+
+    key: str
+    name: str
+    model: str
+    gear: str
+    stages: tuple[tuple[str, ...], ...]  # GPU ids per pipeline stage
+    url: str
+    state: str  # starting | rehearsing | active | draining
+
+
+def _link(spec: LinkSpec) -> dict[str, Any]:
+    return {
+        "link": spec.name,
+        "gb_per_s": round(spec.bandwidth_bytes_per_s / 1e9, 3),
+        "fast": spec.bandwidth_bytes_per_s >= DEFAULT_FAST_LINK_BYTES_PER_S,
+    }
+
+
+def _instance(i: UiInstance) -> dict[str, Any]:
+    return {"key": i.key, "name": i.name, "model": i.model, "gear": i.gear,
+            "stages": [list(s) for s in i.stages], "url": i.url, "state": i.state}  # fmt: skip
+
+
+def topology_doc(
+    cluster: Cluster,
+    instances: Sequence[UiInstance],
+    demands: Sequence[ModelDemand],
+    time_scale: float = 1.0,
+    gpu_memory_utilization: float = _GPU_MEMORY_UTILIZATION,
+) -> dict[str, Any]:
+    """The GPU map. `cluster` is the cluster as free for us (other tenants' memory used,
+    admin occupations laid over it); an engine's memory on a GPU is what the memory plan lets
+    it take there (min(utilisation x capacity, free)), the same budget its KV cache is sized
+    from."""
+    on_gpu: dict[str, tuple[UiInstance, int]] = {}  # gpu id -> (instance, stage index)
+    for inst in instances:
+        for stage_index, stage in enumerate(inst.stages):
+            for gpu_id in stage:
+                on_gpu[gpu_id] = (inst, stage_index)
+    nodes = []
+    for node in cluster.nodes:
+        gpus = []
+        for gpu in node.gpus:
+            here = on_gpu.get(gpu.id)
+            ours = engine_budget_bytes(cluster.slot(gpu.id), gpu_memory_utilization) if here else 0
+            gpus.append(
+                {
+                    "id": gpu.id,
+                    "type": gpu.type,
+                    "index": gpu.index,
+                    "capacity_bytes": gpu.capacity_bytes,
+                    "others_bytes": gpu.used_bytes,
+                    "owner": gpu.owner,
+                    "flexpipe_bytes": max(0.0, ours),
+                    "free_until_s": gpu.free_until_s,
+                    "instance": None if here is None else here[0].key,
+                    "stage": None if here is None else here[1],
+                }
+            )
+        ids = [g.id for g in node.gpus]
+        links = [
+            {"gpus": [a, b], **_link(cluster.link_between(a, b))}
+            for i, a in enumerate(ids)
+            for b in ids[i + 1 :]
+        ]
+        nodes.append({"name": node.name, "network": _link(node.network.spec), "gpus": gpus,
+                      "links": links})  # fmt: skip
+    names = [n.name for n in cluster.nodes]
+    node_links = [
+        {"nodes": [a, b], **_link(cluster.network_between(a, b))}
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    ]
+    return {
+        "cluster": cluster.name,
+        "time_scale": time_scale,
+        "nodes": nodes,
+        "node_links": node_links,
+        "instances": [_instance(i) for i in instances],
+        "models": [
+            {
+                "name": d.name,
+                "slo": {"ttft_p99_s": d.slo.ttft_p99_s, "tpot_p99_s": d.slo.tpot_p99_s},
+            }
+            for d in demands
+        ],
+    }
+
+
+def _names(key: str, p: PlannedInstance) -> tuple[str, str, str, str, tuple[tuple[str, ...], ...]]:
+    return key, p.name, p.model, p.gear.key(), p.stages
+
+
+class UiApi:
+    """The two routes, on the controller's admin app (its `_auth` guards them)."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    def add_routes(self, app: App) -> None:
+        app.add_route("GET", TOPOLOGY_PATH, self.topology)
+        app.add_route("GET", SHIFTS_PATH, self.shifts)
+
+    async def topology(self, req: Request) -> Response:
+        self.c._auth(req)
+        instances = [
+            UiInstance(*_names(i.key, i.planned), i.url, i.state) for i in self.c.running.values()
+        ]
+        return json_response(
+            topology_doc(self.c.cluster, instances, self.c.cfg.demands, self.c.cfg.time_scale)
+        )
+
+    async def shifts(self, req: Request) -> Response:
+        self.c._auth(req)
+        raw = (req.query_params().get("limit") or ["100"])[0]
+        try:
+            limit = int(raw)
+        except ValueError:
+            raise HttpError(400, f"limit must be an integer, got {raw!r}", param="limit") from None
+        if not 1 <= limit <= _MAX_SHIFTS:
+            raise HttpError(400, f"limit must be 1 to {_MAX_SHIFTS}", param="limit")
+        log = self.c.shift_log
+        entries = [] if log is None else log.entries(kinds=_SHOWN_KINDS, limit=limit)
+        return json_response({"entries": [e.to_dict() for e in entries]})

@@ -1,0 +1,225 @@
+"""The dashboard on the gateway's port (docs/dashboard.md): the page and its static files, its
+JSON view and a server-sent event stream of it; and the loop that feeds them — every
+`ui_interval_s` one reading of the gateway (its metrics registry, its pool, the engines'
+token and prefix-cache counters) into a 15-minute ring, and, when the gateway knows its
+controller (`controller_url`), the GPU map and the shift log from the controller's admin API.
+
+GET /ui, /ui/              the page (reads are open, as /metrics is; an action on the page,
+                           such as drain, goes to the admin API with the admin token)
+GET /ui/static/<file>      its CSS and JS (no CDN: works offline)
+GET /ui/api/view[?since=T] the view (`flexpipe.ui.view.assemble_view`); `since`: only the
+                           series points after unix time T
+GET /ui/events             text/event-stream: `event: view` with the whole view at once, then
+                           every interval with the points new to this client
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from flexpipe.gateway.pool import Instance
+from flexpipe.http.client import Timeouts, UpstreamError
+from flexpipe.http.server import (
+    App,
+    ChunkWriter,
+    HttpError,
+    PushResponse,
+    Request,
+    Response,
+    json_response,
+)
+from flexpipe.ui.reading import EngineCounters, Reading, parse_engine_counters, read_registry
+from flexpipe.ui.series import History
+from flexpipe.ui.view import ControllerSnapshot, assemble_view
+
+if TYPE_CHECKING:
+    from flexpipe.gateway.app import Gateway
+
+__all__ = ["UiRoutes"]
+
+log = logging.getLogger("flexpipe.gateway.ui")
+
+_STATIC = {  # file -> content type; the page's whole set (exact routes, nothing else served)
+    "dashboard.css": "text/css; charset=utf-8",
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "favicon.svg": "image/svg+xml",
+}
+_TIMEOUTS = Timeouts(connect_s=1.0, ttfb_s=3.0, idle_s=3.0)
+_MAX_SHIFTS = 100
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("flexpipe.ui").joinpath("static", name).read_bytes()
+
+
+class _Stream:
+    """One client of /ui/events: its writer and the newest point it has."""
+
+    __slots__ = ("last_t", "writer")
+
+    def __init__(self, writer: ChunkWriter) -> None:
+        self.writer = writer
+        self.last_t: float | None = None
+
+
+class UiRoutes:
+    def __init__(self, gw: Gateway, wall: Callable[[], float] = time.time) -> None:
+        self.gw = gw
+        self.wall = wall
+        self.interval_s = gw.cfg.ui_interval_s
+        self.history = History()
+        self.controller: ControllerSnapshot | None = (
+            ControllerSnapshot(gw.cfg.controller_url.rstrip("/")) if gw.cfg.controller_url else None
+        )
+        self.streams: set[_Stream] = set()
+        self._engines: dict[str, EngineCounters] = {}  # url -> last counters scraped
+        self._task: asyncio.Task[None] | None = None
+        self._page = _asset("index.html")
+        self._static = {name: _asset(name) for name in _STATIC}
+
+    @property
+    def num_streams(self) -> int:
+        """Clients of /ui/events connected now."""
+        return len(self.streams)
+
+    def add_routes(self, app: App) -> None:
+        app.add_route("GET", "/ui", self._index)
+        app.add_route("GET", "/ui/", self._index)
+        for name in _STATIC:
+            app.add_route("GET", f"/ui/static/{name}", self._file)
+        app.add_route("GET", "/ui/api/view", self._view)
+        app.add_route("GET", "/ui/events", self._events)
+
+    # ---------------------------------------------------------------- the loop
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for stream in list(self.streams):
+            stream.writer.end()
+        self.streams.clear()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.sample()
+                self.push()
+            except Exception:  # a bug here must not stop the dashboard
+                log.exception("dashboard sampling failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def sample(self) -> None:
+        """One reading of the gateway (and of the controller, when it has one)."""
+        instances = list(self.gw.pool.instances.values())
+        polls: list[Any] = [self._scrape(i) for i in instances]
+        if self.controller is not None:
+            polls.append(self._poll_controller(self.controller.url))
+        await asyncio.gather(*polls)
+        live = {i.url for i in instances}
+        self._engines = {u: c for u, c in self._engines.items() if u in live}
+        reading = Reading(
+            at_s=self.wall(),
+            models=read_registry(self.gw.metrics.registry.collect()),
+            engines=dict(self._engines),
+            instances=tuple(i.as_dict() for i in self.gw.pool.instances.values()),
+            num_queued=self.gw.num_waiting,
+        )
+        self.history.add(reading)
+
+    async def _get(self, base: str, path: str, token: str | None) -> tuple[int, bytes]:
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        resp = await self.gw.client.request(base, "GET", path, headers=headers,
+                                            timeouts=_TIMEOUTS)  # fmt: skip
+        try:
+            return resp.status, await resp.read()
+        finally:
+            resp.release()
+
+    async def _scrape(self, inst: Instance) -> None:
+        """The engine's token and prefix-cache counters (kept from the last scrape on failure:
+        the prober decides about health)."""
+        with contextlib.suppress(UpstreamError):
+            status, body = await self._get(inst.url, "/metrics", inst.api_key)
+            if status == 200:
+                self._engines[inst.url] = parse_engine_counters(body)
+
+    async def _poll_controller(self, url: str) -> None:
+        token = self.gw.cfg.controller_token
+        old = self.controller or ControllerSnapshot(url)
+        try:
+            s1, topo = await self._get(url, "/admin/topology", token)
+            s2, shifts = await self._get(url, f"/admin/shifts?limit={_MAX_SHIFTS}", token)
+            if s1 != 200 or s2 != 200:
+                raise ValueError(f"the controller answered {s1 if s1 != 200 else s2}")
+            self.controller = ControllerSnapshot(
+                url, orjson.loads(topo), orjson.loads(shifts)["entries"], None, self.wall()
+            )
+        except (UpstreamError, ValueError, KeyError, TypeError) as exc:
+            why = f"cannot read the controller at {url}: {exc}"
+            self.controller = ControllerSnapshot(url, old.topology, old.shifts, why, old.at_s)
+
+    # ---------------------------------------------------------------- the view
+    def view(self, since_s: float | None = None) -> dict[str, Any]:
+        return assemble_view(self.wall(), self.history, self.controller, self.interval_s,
+                             since_s, admin_enabled=bool(self.gw.cfg.admin_token))  # fmt: skip
+
+    def push(self) -> None:
+        """Each client gets the view with the points it lacks; one whose socket is full is
+        skipped this time (it gets them with the next)."""
+        for stream in list(self.streams):
+            if stream.writer.writable:
+                self._send(stream)
+
+    def _send(self, stream: _Stream) -> None:
+        doc = self.view(stream.last_t)
+        stream.writer.write(b"event: view\ndata: " + orjson.dumps(doc) + b"\n\n")
+        if doc["series"]:
+            stream.last_t = doc["series"][-1]["t"]
+
+    # ---------------------------------------------------------------- handlers
+    async def _index(self, req: Request) -> Response:
+        del req
+        return Response(self._page, content_type="text/html; charset=utf-8",
+                        headers={"cache-control": "no-cache"})  # fmt: skip
+
+    async def _file(self, req: Request) -> Response:
+        name = req.path.rsplit("/", 1)[1]
+        return Response(self._static[name], content_type=_STATIC[name],
+                        headers={"cache-control": "no-cache"})  # fmt: skip
+
+    async def _view(self, req: Request) -> Response:
+        given = req.query_params().get("since")
+        raw = given[0] if given else None
+        try:
+            since = None if raw is None else float(raw)
+        except ValueError:
+            why = f"since must be unix seconds, got {raw!r}"
+            raise HttpError(400, why, param="since") from None
+        return json_response(self.view(since))
+
+    async def _events(self, req: Request) -> PushResponse:
+        del req
+
+        def start(writer: ChunkWriter) -> None:
+            if writer.closed:  # the client left before the stream started
+                return
+            stream = _Stream(writer)
+            self.streams.add(stream)
+            writer.on_close = lambda: self.streams.discard(stream)
+            writer.write(b"retry: 2000\n\n")
+            self._send(stream)
+
+        return PushResponse(start, headers={"cache-control": "no-cache"})

@@ -1,0 +1,170 @@
+"""The dashboard's time series: a ring of readings over the last `max_age_s` (15 minutes), and
+per pair of consecutive readings one point per model — request and error rates, TTFT and
+TPOT p50/p95/p99 over the interval (the difference of the cumulative histograms,
+interpolated inside the bucket as PromQL's histogram_quantile does: `bucket_quantile`, the
+controller's own), output tokens/s and prefix-cache hit rate from the engines' counters, and
+the queue and load at the end of the interval. Pure: readings carry their time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
+
+from flexpipe.control.samples import Buckets, bucket_delta, bucket_quantile
+from flexpipe.ui.reading import EngineCounters, ModelReading, Reading
+
+__all__ = ["QUANTILES", "History", "model_point", "window_point"]
+
+QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
+Point = dict[str, Any]  # {"t": unix s, "dt_s": s, "models": {model: figures}}
+
+
+def _quantiles(now: Buckets, before: Buckets) -> dict[str, float | None]:
+    delta = bucket_delta(now, before)
+    out: dict[str, float | None] = {}
+    for name, q in QUANTILES:
+        v = bucket_quantile(q, delta)
+        out[name] = None if v is None else round(v, 6)
+    return out
+
+
+def _grown(now: float, before: float) -> float:
+    """A counter's increase; a counter that went back (an engine restarted) counts from 0."""
+    return now - before if now >= before else now
+
+
+def _engine_delta(r0: Reading, r1: Reading, urls: list[str]) -> EngineCounters:
+    """Summed over `urls` present in both readings (a new instance's first reading only sets
+    its baseline: its tokens before that are not in any interval)."""
+    gen = queries = hits = 0.0
+    for url in urls:
+        a, b = r0.engines.get(url), r1.engines.get(url)
+        if a is None or b is None:
+            continue
+        gen += _grown(b.num_generated_tokens, a.num_generated_tokens)
+        queries += _grown(b.num_prefix_queries, a.num_prefix_queries)
+        hits += _grown(b.num_prefix_hits, a.num_prefix_hits)
+    return EngineCounters(gen, queries, hits)
+
+
+def _engines_between(model: str, readings: Sequence[Reading]) -> EngineCounters:
+    """The engines' growth over consecutive readings, each pair over the model's instances
+    at its end: instances that came and went within the span count for their part."""
+    gen = queries = hits = 0.0
+    for r0, r1 in pairwise(readings):
+        urls = [str(i["url"]) for i in r1.instances if i.get("model") == model]
+        d = _engine_delta(r0, r1, urls)
+        gen += d.num_generated_tokens
+        queries += d.num_prefix_queries
+        hits += d.num_prefix_hits
+    return EngineCounters(gen, queries, hits)
+
+
+def model_point(
+    model: str, r0: Reading, r1: Reading, between: Sequence[Reading] = ()
+) -> dict[str, Any]:
+    """One model's figures over the interval r0.at_s → r1.at_s (load: at r1). `between`: the
+    readings in between, for the engines' counters (instances replaced within the span)."""
+    dt_s = r1.at_s - r0.at_s
+    if dt_s <= 0:
+        raise ValueError(f"readings out of order: {r0.at_s} then {r1.at_s}")
+    m0, m1 = r0.models.get(model, ModelReading()), r1.models.get(model, ModelReading())
+    mine = [i for i in r1.instances if i.get("model") == model]
+    engines = _engines_between(model, [r0, *between, r1])
+    models_at_gateway = {i.get("model") for i in r1.instances if i.get("model")}
+    queued_here = r1.num_queued if len(models_at_gateway) == 1 else 0  # one model: all its
+    return {
+        "request_rate_per_s": round(_grown(m1.num_ok, m0.num_ok) / dt_s, 4),
+        "error_rate_per_s": round(_grown(m1.num_errors, m0.num_errors) / dt_s, 4),
+        "ttft_s": _quantiles(m1.ttft, m0.ttft),
+        "tpot_s": _quantiles(m1.tpot, m0.tpot),
+        "tokens_per_s": round(engines.num_generated_tokens / dt_s, 3),
+        "prefix_hit_rate": (
+            round(engines.num_prefix_hits / engines.num_prefix_queries, 4)
+            if engines.num_prefix_queries > 0
+            else None
+        ),
+        "queue": sum(int(i.get("num_waiting", 0)) for i in mine) + queued_here,
+        "in_flight": sum(int(i.get("num_in_flight", 0)) for i in mine),
+        "num_instances": len(mine),
+    }
+
+
+def _models(*readings: Reading) -> list[str]:
+    names: set[str] = set()
+    for r in readings:
+        names |= set(r.models)
+        names |= {str(i["model"]) for i in r.instances if i.get("model")}
+    return sorted(names)
+
+
+def _point(r0: Reading, r1: Reading, between: Sequence[Reading] = ()) -> Point:
+    return {
+        "t": r1.at_s,
+        "dt_s": round(r1.at_s - r0.at_s, 3),
+        "models": {m: model_point(m, r0, r1, between) for m in _models(r0, r1)},
+    }
+
+
+def window_point(readings: Sequence[Reading], window_s: float) -> Point | None:
+    """The figures over the last `window_s` (from the newest reading back to the oldest one
+    within the window, at least the one before the newest); None with fewer than two."""
+    if len(readings) < 2:
+        return None
+    newest = readings[-1]
+    first = len(readings) - 2
+    for i, r in enumerate(readings):
+        if newest.at_s - r.at_s <= window_s:
+            first = min(i, first)
+            break
+    span = list(readings)[first:]
+    return _point(span[0], newest, span[1:-1])
+
+
+class History:
+    """Readings over the last `max_age_s`, and the point between each and the one before.
+    A deque: appending and dropping the oldest are O(1) at one reading every few seconds."""
+
+    def __init__(self, max_age_s: float = 900.0) -> None:
+        if max_age_s <= 0:
+            raise ValueError("max_age_s must be > 0")
+        self.max_age_s = max_age_s
+        self.readings: deque[Reading] = deque()
+        self.points: deque[Point] = deque()
+
+    def add(self, reading: Reading) -> Point | None:
+        """Keep `reading`; returns its point (None for the first, or one not after the last)."""
+        point = None
+        if self.readings:
+            if reading.at_s <= self.readings[-1].at_s:
+                return None
+            point = _point(self.readings[-1], reading)
+            self.points.append(point)
+        self.readings.append(reading)
+        oldest = reading.at_s - self.max_age_s
+        while len(self.readings) > 1 and self.readings[0].at_s < oldest:
+            self.readings.popleft()
+        while self.points and self.points[0]["t"] < oldest:
+            self.points.popleft()
+        return point
+
+    def since(self, t_s: float | None) -> list[Point]:
+        """The points after `t_s` (all of them for None), oldest first."""
+        if t_s is None:
+            return list(self.points)
+        out: list[Point] = []
+        for p in reversed(self.points):
+            if p["t"] <= t_s:
+                break
+            out.append(p)
+        return out[::-1]
+
+    def window(self, window_s: float) -> Point | None:
+        return window_point(self.readings, window_s)
+
+    @property
+    def latest(self) -> Reading | None:
+        return self.readings[-1] if self.readings else None

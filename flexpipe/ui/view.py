@@ -1,0 +1,210 @@
+"""The dashboard's one JSON document ("the view"), assembled from snapshots: the gateway's
+readings (flexpipe/ui/series.py), and, when the gateway knows its controller, the GPU map
+(`GET /admin/topology`) and the shift log (`GET /admin/shifts`). Pure: `now_s` and every
+snapshot come in; nothing here reads a clock or does I/O. docs/dashboard.md lists the fields.
+
+Latencies are in the model's seconds: sim engines at a time scale run `time_scale` wall
+seconds per modelled second, and SLOs are modelled seconds (what the controller does too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from flexpipe.ui.series import History, Point
+
+__all__ = ["VIEW_VERSION", "ControllerSnapshot", "assemble_view", "shift_row"]
+
+VIEW_VERSION = 1
+WINDOW_S = 60.0  # the "now" figures: over the last minute
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerSnapshot:
+    """What the gateway last got from its controller (None fields: not got yet / failed)."""
+
+    url: str
+    topology: Mapping[str, Any] | None = None
+    shifts: Sequence[Mapping[str, Any]] | None = None
+    error: str | None = None  # the last poll's failure, in one line
+    at_s: float | None = None  # when the last poll succeeded
+
+
+def _scaled_model(fig: Mapping[str, Any], scale: float) -> dict[str, Any]:
+    out = dict(fig)
+    for key in ("ttft_s", "tpot_s"):
+        q = fig.get(key)
+        if isinstance(q, Mapping):
+            out[key] = {k: None if v is None else round(v / scale, 6) for k, v in q.items()}
+    return out
+
+
+def _scaled(point: Point, scale: float) -> Point:
+    if scale == 1.0:
+        return point
+    models = {m: _scaled_model(f, scale) for m, f in point["models"].items()}
+    return {**point, "models": models}
+
+
+def _seconds_between(a: str | None, b: str | None) -> float | None:
+    if not a or not b:
+        return None
+    try:
+        return round((datetime.fromisoformat(b) - datetime.fromisoformat(a)).total_seconds(), 3)
+    except ValueError:
+        return None
+
+
+def shift_row(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A shift log entry (`ShiftEntry.to_dict()`) with what the timeline shows first: "from →
+    to" (the words of `flexpipe shifts`) and how long it took."""
+    # imported here: the CLI package loads every command (typer, rich), which a gateway
+    # without a controller never needs
+    from flexpipe.cli.shifts import moves_text
+    from flexpipe.store.shift_entry import ShiftEntry
+
+    try:
+        from_to = moves_text(ShiftEntry.from_dict(entry))
+    except (KeyError, TypeError, ValueError):
+        from_to = "—"
+    return {
+        **entry,
+        "from_to": from_to,
+        "duration_s": _seconds_between(entry.get("at"), entry.get("finished_at")),
+    }
+
+
+def _instances(
+    gateway: Sequence[Mapping[str, Any]], topology: Mapping[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The gateway's pool joined with the controller's instances by URL. `state` is the
+    lifecycle state where the controller knows it (starting, rehearsing, active, draining),
+    else the gateway's (active, draining, ejected); an ejected instance stays ejected."""
+    planned = {str(i["url"]): i for i in (topology or {}).get("instances", [])}
+    out = []
+    for inst in gateway:
+        url = str(inst["url"])
+        ctl = planned.pop(url, None)
+        state = str(inst.get("state"))
+        if ctl is not None and state != "ejected":
+            state = str(ctl.get("state", state))
+        out.append(
+            {
+                "url": url,
+                "model": inst.get("model"),
+                "state": state,
+                "gateway_state": inst.get("state"),
+                "name": None if ctl is None else ctl.get("name"),
+                "key": None if ctl is None else ctl.get("key"),
+                "gear": None if ctl is None else ctl.get("gear"),
+                "stages": None if ctl is None else ctl.get("stages"),
+                "num_in_flight": inst.get("num_in_flight", 0),
+                "num_running": inst.get("num_running", 0),
+                "num_waiting": inst.get("num_waiting", 0),
+                "max_concurrency": inst.get("max_concurrency", 0),
+                "kv_usage": inst.get("kv_usage", 0.0),
+                "weight": inst.get("weight", 1.0),
+            }
+        )
+    for url, ctl in planned.items():  # launched, not in the gateway's pool yet
+        out.append(
+            {
+                "url": url, "model": ctl.get("model"), "state": ctl.get("state"),
+                "gateway_state": None, "name": ctl.get("name"), "key": ctl.get("key"),
+                "gear": ctl.get("gear"), "stages": ctl.get("stages"), "num_in_flight": 0,
+                "num_running": 0, "num_waiting": 0, "max_concurrency": 0, "kv_usage": 0.0,
+                "weight": 0.0,
+            }
+        )  # fmt: skip
+    return out
+
+
+def _models(
+    instances: Sequence[Mapping[str, Any]],
+    topology: Mapping[str, Any] | None,
+    window: Point | None,
+) -> list[dict[str, Any]]:
+    slos = {str(m["name"]): m.get("slo") for m in (topology or {}).get("models", [])}
+    names = set(slos) | {str(i["model"]) for i in instances if i.get("model")}
+    if window is not None:
+        names |= set(window["models"])
+    return [
+        {
+            "name": name,
+            "slo": slos.get(name),
+            "now": None if window is None else window["models"].get(name),
+            "instances": [i["url"] for i in instances if i.get("model") == name],
+        }
+        for name in sorted(names)
+    ]
+
+
+def _cluster(
+    topology: Mapping[str, Any] | None, instances: Sequence[Mapping[str, Any]]
+) -> dict[str, Any] | None:
+    """The map: the controller's topology, each occupied GPU with its instance's state."""
+    if topology is None:
+        return None
+    by_key = {i["key"]: i for i in instances if i.get("key")}
+    nodes = []
+    for node in topology.get("nodes", []):
+        gpus = []
+        for gpu in node.get("gpus", []):
+            inst = by_key.get(gpu.get("instance"))
+            gpus.append(
+                {
+                    **gpu,
+                    "model": None if inst is None else inst.get("model"),
+                    "gear": None if inst is None else inst.get("gear"),
+                    "state": None if inst is None else inst.get("state"),
+                    "url": None if inst is None else inst.get("url"),
+                }
+            )
+        nodes.append({**node, "gpus": gpus})
+    return {
+        "name": topology.get("cluster"),
+        "nodes": nodes,
+        "node_links": list(topology.get("node_links", [])),
+    }
+
+
+def assemble_view(
+    now_s: float,
+    history: History,
+    controller: ControllerSnapshot | None,
+    interval_s: float,
+    since_s: float | None = None,
+    admin_enabled: bool = False,
+) -> dict[str, Any]:
+    """The view at `now_s`; `series` holds the points after `since_s` (all for None: a
+    client that has the earlier ones asks only for what is new)."""
+    topology = None if controller is None else controller.topology
+    scale = float((topology or {}).get("time_scale") or 1.0)
+    latest = history.latest
+    instances = _instances(latest.instances if latest else (), topology)
+    window = history.window(WINDOW_S)
+    if window is not None:
+        window = _scaled(window, scale)
+    shifts = [] if controller is None or controller.shifts is None else controller.shifts
+    return {
+        "version": VIEW_VERSION,
+        "source": "live",
+        "at_s": now_s,
+        "interval_s": interval_s,
+        "window_s": WINDOW_S,
+        "max_age_s": history.max_age_s,
+        "time_scale": scale,
+        "admin_enabled": admin_enabled,
+        "num_queued": latest.num_queued if latest else 0,
+        "instances": instances,
+        "models": _models(instances, topology, window),
+        "series": [_scaled(p, scale) for p in history.since(since_s)],
+        "cluster": _cluster(topology, instances),
+        "shifts": [shift_row(e) for e in shifts],
+        "controller": None
+        if controller is None
+        else {"url": controller.url, "error": controller.error, "at_s": controller.at_s},
+    }
