@@ -7,7 +7,8 @@ pays; speed comes from a `GearPerformance` (flexpipe.gears.lookup.GearLookup: th
 over the performance model's prior).
 """
 
-from flexpipe.policies.planner.core import plan, single_group_baseline, usable_gpus
+from flexpipe.policies.planner.baselines import single_group_baseline
+from flexpipe.policies.planner.core import plan, usable_gpus
 from flexpipe.policies.planner.demand import ModelsFileError, parse_models
 from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.types import (

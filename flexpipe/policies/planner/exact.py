@@ -27,7 +27,7 @@ from flexpipe.gears.lookup import GearLookup
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import Efficiency
 from flexpipe.policies.planner.candidates import Candidate, Evaluator
-from flexpipe.policies.planner.core import usable_gpus
+from flexpipe.policies.planner.greedy import usable_gpus
 from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.relaxation import build_program, mark_integral
 from flexpipe.policies.planner.types import ModelDemand, PlannerConfig
