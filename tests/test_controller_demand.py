@@ -231,14 +231,20 @@ def test_the_controller_killed_mid_shift_restarts_into_a_consistent_state(
         assert cut and cut[0].outcome == "aborted", [(e.kind, e.outcome) for e in entries]
         assert cut[0].error == "the controller restarted mid-change"
         assert not [e for e in entries if e.outcome == "pending"]
-        # the store, the engines and the gateway agree
+        # the store, the engines and the gateway agree, once the engines the restarted
+        # controller's plan retired have drained (drain_s) and exited
+        up.wait_until(
+            "one engine per live instance",
+            lambda: len(engines_with(up.model)) == len(registry.live_instances()),
+            30,
+        )
         live = registry.live_instances()
         assert live and all(r.state is State.ACTIVE for r in live)
         gpus = [g for r in live for g in r.gpu_ids]
         assert len(gpus) == len(set(gpus)), live  # no two engines on one GPU
-        engines = engines_with(up.model)
         groups = {r.pgid for r in live}
         # one engine per live instance (no second launch), each one's (no orphan)
+        engines = engines_with(up.model)
         assert len(engines) == len(live) and {os.getpgid(p) for p in engines} == groups
         assert pool_states(up) == {r.endpoint: "active" for r in live}
         assert {i["url"] for i in up.status()["instances"]} == {r.endpoint for r in live}
