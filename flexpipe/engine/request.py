@@ -81,13 +81,18 @@ class EngineRequest:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        seed = self.params.seed if self.params.seed is not None else self.engine_seed
-        self._rng = random.Random(hash((seed, tuple(self.prompt_token_ids))))
         if self.params.max_tokens is None and not self.params.ignore_eos:
             lo, hi = NATURAL_LEN_RANGE
-            self._natural_len = max(self._rng.randint(lo, hi), self.params.min_tokens)
+            self._natural_len = max(self._new_rng().randint(lo, hi), self.params.min_tokens)
         else:
             self._natural_len = 1 << 62
+
+    def _new_rng(self) -> random.Random:
+        """The request's generator, made on first use (seeding one costs ~10 us, and a
+        request that never draws, such as the simulator's, never needs it)."""
+        seed = self.params.seed if self.params.seed is not None else self.engine_seed
+        self._rng = random.Random(hash((seed, tuple(self.prompt_token_ids))))
+        return self._rng
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -130,15 +135,17 @@ class EngineRequest:
 
     def sample(self) -> int:
         """Append the next generated token; set finish_reason when it ends the request."""
-        rng = self._rng
-        assert rng is not None
         n_out = len(self.token_ids) - len(self.prompt_token_ids) + 1
         params = self.params
         if n_out >= self._natural_len:
             tok = EOS_ID
         else:
             gen = self.gen_ids
-            tok = gen[int(rng.random() * len(gen))]
+            if len(gen) == 1:
+                tok = gen[0]  # nothing to draw (and every later draw is from `gen` too)
+            else:
+                rng = self._rng or self._new_rng()
+                tok = gen[int(rng.random() * len(gen))]
         self.token_ids.append(tok)
         if tok == EOS_ID and not params.ignore_eos:
             self.finish_reason = "stop"
