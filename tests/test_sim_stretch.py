@@ -47,8 +47,10 @@ class Fixed:
         return None if view.running else self.deps
 
 
-def _scenario(workload: dict[str, Any], duration_s: float = 60, seed: int = 1) -> Scenario:
-    doc = {
+def _scenario(
+    workload: dict[str, Any], duration_s: float = 60, seed: int = 1, **more: Any
+) -> Scenario:
+    doc = {**more,
         "name": "t", "duration_s": duration_s, "seed": seed, "report_interval_s": 10,
         "cluster": {"inline": ONE_A100},
         "models": [{"name": "m", "model": "llama-2-7b",
@@ -90,7 +92,7 @@ def test_stretches_equal_stepping_under_kv_pressure_with_shared_prefixes() -> No
         "prompt_tokens": {"dist": "lognormal", "mean": 1800, "cv": 0.6, "max": 3500},
         "output_tokens": {"dist": "exponential", "mean": 400, "max": 1500},
         "shared_prefix": {"num_groups": 3, "num_tokens": 1024},
-    }, duration_s=90)  # fmt: skip
+    }, duration_s=90, gateway={"max_queue_wait_s": 600})  # fmt: skip
     deps = (_dep("l4", "g1", max_num_seqs=64, max_num_batched_tokens=2048),)
     fast, slow = _both(sc, deps)
     _assert_same(fast, slow)

@@ -43,6 +43,20 @@ class SamplingParams:
     seed: int | None = None
 
 
+def context_error(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> str:
+    """Why a request does not fit the context ("" when it does): vLLM's 400 message. At least
+    one token must be left to generate, and prompt + max_tokens may not exceed the limit."""
+    limit = max_model_len
+    out = max_tokens or 0
+    if num_prompt_tokens < limit and num_prompt_tokens + out <= limit:
+        return ""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{num_prompt_tokens + out} tokens ({num_prompt_tokens} in the messages, {out} in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
+
+
 @dataclass(eq=False, slots=True)
 class EngineRequest:
     request_id: str
