@@ -83,6 +83,8 @@ class EngineRequest:
     _rng: random.Random | None = None
     _natural_len: int = 0
     _text_tail: str = ""
+    _num_prompt: int = 0  # len(prompt_token_ids), read once per step by `sample`
+    _fixed_token: int = -1  # the token of a one-token vocabulary (nothing to draw), else -1
     # timing: set by EngineCore from the `now` it is given (a wall clock or a virtual one)
     scheduled_s: float = 0.0  # first admitted (queue time ends)
     first_token_s: float = 0.0
@@ -95,6 +97,8 @@ class EngineRequest:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self._num_prompt = len(self.prompt_token_ids)
+        self._fixed_token = self.gen_ids[0] if len(self.gen_ids) == 1 else -1
         if self.params.max_tokens is None and not self.params.ignore_eos:
             lo, hi = NATURAL_LEN_RANGE
             self._natural_len = max(self._new_rng().randint(lo, hi), self.params.min_tokens)
@@ -149,17 +153,16 @@ class EngineRequest:
 
     def sample(self) -> int:
         """Append the next generated token; set finish_reason when it ends the request."""
-        n_out = len(self.token_ids) - len(self.prompt_token_ids) + 1
+        n_out = len(self.token_ids) - self._num_prompt + 1
         params = self.params
         if n_out >= self._natural_len:
             tok = EOS_ID
+        elif self._fixed_token >= 0:
+            tok = self._fixed_token  # nothing to draw (and every later draw is from it too)
         else:
             gen = self.gen_ids
-            if len(gen) == 1:
-                tok = gen[0]  # nothing to draw (and every later draw is from `gen` too)
-            else:
-                rng = self._rng or self._new_rng()
-                tok = gen[int(rng.random() * len(gen))]
+            rng = self._rng or self._new_rng()
+            tok = gen[int(rng.random() * len(gen))]
         self.token_ids.append(tok)
         if tok == EOS_ID and not params.ignore_eos:
             self.finish_reason = "stop"
