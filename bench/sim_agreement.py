@@ -54,6 +54,10 @@ DEPLOYMENTS = tuple(
     for i in range(2)
 )
 START_S = 60.0  # after the simulated cold start (~27 s on an L4); live engines skip it
+# Routing by turns, in both: least-load choices hinge on measured speeds and 1 s scrapes, so
+# a few ms of difference re-routes a request and the two runs stop being comparable request
+# by request (with prefix_affinity 25 of 45 requests went to the same engine in both)
+ROUTING = "round_robin"
 METRICS = ("throughput", "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 
 
@@ -81,6 +85,7 @@ class Outcome:
     first_token_s: float
     last_token_s: float
     num_tokens: int
+    instance: str  # the engine that served it (deployment name)
 
     @property
     def ttft_s(self) -> float:
@@ -95,6 +100,7 @@ class Outcome:
 def scenario(duration_s: float, rate_per_s: float, seed: int) -> Scenario:
     doc = {
         "name": "agreement", "duration_s": START_S + duration_s, "seed": seed,
+        "gateway": {"routing": {"policy": ROUTING}},
         "cluster": {"inline": CLUSTER},
         "models": [{"name": MODEL, "model": MODEL_ID,
                     "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 200}}],
@@ -102,7 +108,7 @@ def scenario(duration_s: float, rate_per_s: float, seed: int) -> Scenario:
                        "arrivals": {"process": "poisson", "rate_per_s": rate_per_s,
                                     "start_s": START_S},
                        "prompt_tokens": {"dist": "uniform", "min": 64, "max": 1500},
-                       "output_tokens": {"dist": "uniform", "min": 16, "max": 128}}],
+                       "output_tokens": {"dist": "uniform", "min": 16, "max": 96}}],
     }  # fmt: skip
     return parse_scenario(doc, Path("."))
 
@@ -117,6 +123,7 @@ def simulated(sc: Scenario) -> tuple[SimResult, list[Outcome]]:
             r.first_token_s - t0,
             r.last_token_s - t0,
             r.num_generated_tokens,
+            r.instance,
         )
         for r in result.requests
         if r.completed
@@ -135,7 +142,12 @@ def prompt_text(req: SimRequest) -> str:
 
 
 async def _one(
-    client: openai.AsyncOpenAI, req: SimRequest, t0: float, offset_s: float, scale: float
+    client: openai.AsyncOpenAI,
+    req: SimRequest,
+    t0: float,
+    offset_s: float,
+    scale: float,
+    names: dict[str, str],
 ) -> Outcome:
     await asyncio.sleep(max(0.0, t0 + offset_s * scale - time.monotonic()))
     sent = time.monotonic()
@@ -145,6 +157,7 @@ async def _one(
         model=MODEL, prompt=prompt_text(req), max_tokens=req.num_output_tokens, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
+    served = names.get(stream.response.headers.get("x-flexpipe-instance", ""), "?")
     async for chunk in stream:
         now = time.monotonic()
         if chunk.choices and chunk.choices[0].text:
@@ -154,15 +167,17 @@ async def _one(
         if chunk.usage is not None:
             num_tokens = chunk.usage.completion_tokens
     return Outcome(req.request_id, (sent - t0) / scale, (first - t0) / scale,
-                   (last - t0) / scale, num_tokens)  # fmt: skip
+                   (last - t0) / scale, num_tokens, served)  # fmt: skip
 
 
-async def _replay(url: str, reqs: Sequence[SimRequest], scale: float) -> list[Outcome]:
+async def _replay(
+    url: str, reqs: Sequence[SimRequest], scale: float, names: dict[str, str]
+) -> list[Outcome]:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
     try:
         base = reqs[0].arrival_s
         t0 = time.monotonic() + 0.5
-        tasks = [_one(client, r, t0, r.arrival_s - base, scale) for r in reqs]
+        tasks = [_one(client, r, t0, r.arrival_s - base, scale, names) for r in reqs]
         return list(await asyncio.gather(*tasks))
     finally:
         await client.close()
@@ -171,7 +186,8 @@ async def _replay(url: str, reqs: Sequence[SimRequest], scale: float) -> list[Ou
 @contextlib.contextmanager
 def _gateway(backends: Sequence[str]) -> Iterator[str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(port), "--model", MODEL]
+    cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(port), "--model", MODEL,
+           "--policy", ROUTING]  # fmt: skip
     for b in backends:
         cmd += ["--backend", b]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -220,9 +236,12 @@ def live(sc: Scenario, reqs: Sequence[SimRequest], time_scale: float) -> list[Ou
                 assert request("POST", u + "/v1/completions", body, timeout_s=30).status == 200
             gw = stack.enter_context(_gateway(urls))
             body = {"model": MODEL, "prompt": "warm up", "max_tokens": 2}
-            for _ in urls:  # and the gateway's first request and connections
+            for _ in urls:  # the gateway's first requests (one a turn: back to the first)
                 assert request("POST", gw + "/v1/completions", body, timeout_s=30).status == 200
-            return asyncio.run(_replay(gw, reqs, time_scale))
+            # round_robin rotates in name order (sim://e0, sim://e1 in the simulator): the
+            # engine whose URL sorts first plays e0 (both are the same L4 and gear)
+            names = {u: d.name for u, d in zip(sorted(urls), DEPLOYMENTS, strict=True)}
+            return asyncio.run(_replay(gw, reqs, time_scale, names))
 
 
 def summary(outs: Sequence[Outcome]) -> dict[str, float]:
@@ -240,14 +259,17 @@ def summary(outs: Sequence[Outcome]) -> dict[str, float]:
 
 def compare(
     duration_s: float, rate_per_s: float, seed: int, time_scale: float
-) -> tuple[dict[str, float], dict[str, float], int, int]:
-    """(simulated summary, live summary, requests, completed live)."""
+) -> tuple[dict[str, float], dict[str, float], int, int, int]:
+    """(simulated summary, live summary, requests, completed live, served by the same engine
+    in both)."""
     sc = scenario(duration_s, rate_per_s, seed)
     result, sim = simulated(sc)
     assert len(sim) == len(result.requests), "the simulation failed requests"
     outs = live(sc, result.requests, time_scale)
     done = [o for o in outs if o.num_tokens > 0]
-    return summary(sim), summary(done), len(result.requests), len(done)
+    served = {o.request_id: o.instance for o in outs}
+    same = sum(1 for o in sim if served[o.request_id] == o.instance)
+    return summary(sim), summary(done), len(result.requests), len(done), same
 
 
 def deviation(sim: float, live: float) -> float:
@@ -257,12 +279,13 @@ def deviation(sim: float, live: float) -> float:
 def main(argv: Sequence[str] = ()) -> int:
     p = argparse.ArgumentParser(prog="python -m bench sim_agreement")
     p.add_argument("--duration-s", type=float, default=60.0)
-    p.add_argument("--rate", type=float, default=2.0, help="requests/s (Poisson)")
+    p.add_argument("--rate", type=float, default=3.0, help="requests/s (Poisson)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-scale", type=float, default=1.0)
     args = p.parse_args(list(argv))
-    sim, real, n, done = compare(args.duration_s, args.rate, args.seed, args.time_scale)
-    print(f"{n} requests, {done} completed live; time scale {args.time_scale:g}")
+    sim, real, n, done, same = compare(args.duration_s, args.rate, args.seed, args.time_scale)
+    print(f"{n} requests, {done} completed live, {same} served by the same engine in both; "
+          f"time scale {args.time_scale:g}")  # fmt: skip
     print(f"{'metric':<12} {'simulated':>10} {'live':>10} {'sim vs live':>12}")
     for k in METRICS:
         unit = 1.0 if k == "throughput" else 1e3

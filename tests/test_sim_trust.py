@@ -116,29 +116,35 @@ def test_conservation_with_every_step_an_event() -> None:
     assert sum(r.num_cached_tokens for r in result.requests) > 0
 
 
-def _report_in_a_process(hash_seed: str) -> bytes:
-    argv = [sys.executable, "-m", "flexpipe", "sim", "mooncake-prefix", "--duration-s", "40",
-            "--json"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": hash_seed}
-    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=300, check=True)
-    return out.stdout
-
-
 def test_same_scenario_and_seed_same_bytes_across_processes() -> None:
     """Two processes with different string-hash seeds: byte-identical JSON reports (nothing
     depends on set order, object ids or a wall clock)."""
-    a = _report_in_a_process("1")
-    b = _report_in_a_process("2")
+    argv = [sys.executable, "-m", "flexpipe", "sim", "mooncake-prefix", "--duration-s", "30",
+            "--json"]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": seed},
+        )
+        for seed in ("1", "2")
+    ]
+    a, b = (p.communicate(timeout=300)[0] for p in procs)
+    assert [p.returncode for p in procs] == [0, 0]
     assert a == b
     assert json.loads(a)["num_completed"] > 0
 
 
 def test_agreement_with_the_live_system() -> None:
     """The simulator and the live system (a real gateway and two real sim engines, L4 /
-    llama-2-7b, at a time scale of 4: the engines sleep 4x the modelled time, so this VM's
-    own HTTP and tokenizer overhead shrinks 4x in modelled time) on the same 48 requests:
-    throughput and TTFT / TPOT p50 and p90 within 10%."""
-    sim, live, n, done = compare(duration_s=12, rate_per_s=4, seed=0, time_scale=4)
-    assert done == n > 30
-    devs = {k: deviation(sim[k], live[k]) for k in METRICS}
+    llama-2-7b, round_robin routing) on the same ~36 requests: throughput and TTFT / TPOT
+    p50 and p90 within 10%, and every request served by the same engine in both. Time scale
+    3 (the engines sleep 3x the modelled time): this VM's own per-request HTTP and tokenizer
+    work (~40 ms of wall time on the shared 2-core machine) shrinks 3x in modelled time; the
+    simulator models the GPUs, not that (bench/sim_agreement.py, BENCHMARKS.md)."""
+    sim, live, n, done, same = compare(duration_s=12, rate_per_s=3, seed=0, time_scale=3)
+    assert done == n > 25
+    assert same >= n - 1  # one may cross a turn when two arrive within the HTTP overhead
+    devs = {k: round(deviation(sim[k], live[k]), 4) for k in METRICS}
     assert all(abs(d) <= 0.10 for d in devs.values()), devs
