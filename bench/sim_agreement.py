@@ -53,6 +53,7 @@ DEPLOYMENTS = tuple(
     Deployment(f"e{i}", MODEL, MODEL_ID, Gear(max_num_seqs=MAX_NUM_SEQS), ((f"g{i}",),))
     for i in range(2)
 )
+ADMIN_TOKEN = "sim-agreement"
 START_S = 60.0  # after the simulated cold start (~27 s on an L4); live engines skip it
 # Routing by turns, in both: least-load choices hinge on measured speeds and 1 s scrapes, so
 # a few ms of difference re-routes a request and the two runs stop being comparable request
@@ -108,7 +109,7 @@ def scenario(duration_s: float, rate_per_s: float, seed: int) -> Scenario:
                        "arrivals": {"process": "poisson", "rate_per_s": rate_per_s,
                                     "start_s": START_S},
                        "prompt_tokens": {"dist": "uniform", "min": 64, "max": 1500},
-                       "output_tokens": {"dist": "uniform", "min": 16, "max": 96}}],
+                       "output_tokens": {"dist": "uniform", "min": 16, "max": 64}}],
     }  # fmt: skip
     return parse_scenario(doc, Path("."))
 
@@ -183,6 +184,17 @@ async def _replay(
         await client.close()
 
 
+def _scraped(url: str, num_instances: int) -> bool:
+    """Healthy, and every engine's capacity scraped (the simulator's pool starts so too: with
+    capacities still unequal, round_robin's credits would start out of step)."""
+    if request("GET", url + "/health", timeout_s=1).status != 200:
+        return False
+    auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    res = request("GET", url + "/admin/instances", headers=auth, timeout_s=1)
+    found = res.json()["instances"] if res.status == 200 else []
+    return len(found) == num_instances and all(i["max_num_seqs"] > 0 for i in found)
+
+
 @contextlib.contextmanager
 def _gateway(backends: Sequence[str]) -> Iterator[str]:
     port = free_port()
@@ -190,7 +202,7 @@ def _gateway(backends: Sequence[str]) -> Iterator[str]:
            "--policy", ROUTING]  # fmt: skip
     for b in backends:
         cmd += ["--backend", b]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLEXPIPE_ADMIN_TOKEN": ADMIN_TOKEN}
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -201,7 +213,7 @@ def _gateway(backends: Sequence[str]) -> Iterator[str]:
                     log.seek(0)
                     raise RuntimeError(f"gateway exited: {log.read().decode()[-2000:]}")
                 with contextlib.suppress(OSError):
-                    if request("GET", url + "/health", timeout_s=1).status == 200:
+                    if _scraped(url, len(backends)):
                         break
                 if time.monotonic() > deadline:
                     raise RuntimeError("gateway not healthy within 60 s")
