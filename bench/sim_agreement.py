@@ -36,6 +36,7 @@ import openai
 import yaml
 
 from flexpipe.engine.testing import ROOT, free_port, request, sim_engine
+from flexpipe.gateway.pool import stream_tpot_s
 from flexpipe.gears.gear import Gear
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.policy import PolicyView
@@ -94,8 +95,7 @@ class Outcome:
 
     @property
     def tpot_s(self) -> float:
-        n = self.num_tokens
-        return (self.last_token_s - self.first_token_s) / (n - 1) if n > 1 else 0.0
+        return stream_tpot_s(self.num_tokens, self.first_token_s, self.last_token_s) or 0.0
 
 
 def scenario(duration_s: float, rate_per_s: float, seed: int) -> Scenario:

@@ -8,14 +8,12 @@ floating-point rounding of the sums.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.sim_agreement import Fixed  # runs the given deployments from t = 0
 from flexpipe.engine.block_manager import BlockManager
 from flexpipe.engine.core import EngineCore
 from flexpipe.engine.request import EngineRequest, SamplingParams
@@ -23,28 +21,12 @@ from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
 from flexpipe.gears.gear import Gear
 from flexpipe.perf import BatchShape, perf_model_for
 from flexpipe.sim.deployment import Deployment
-from flexpipe.sim.policy import PolicyView
 from flexpipe.sim.scenario import Scenario, parse_scenario
 from flexpipe.sim.simulator import SimResult, simulate
 from flexpipe.sim.stretch import SIM_GEN_IDS, fast_forward, plan_stretch, price
 
 ONE_A100 = {"name": "a", "nodes": [{"name": "n0", "network": "eth100", "gpus": [
     {"id": "g0", "type": "A100-80G-SXM"}, {"id": "g1", "type": "L4"}]}]}  # fmt: skip
-
-
-@dataclass
-class Fixed:
-    """A policy that runs the given deployments from t = 0 (tests choose the gear)."""
-
-    deps: tuple[Deployment, ...]
-    name: str = "fixed"
-    routing: str | None = None
-    interval_s: float | None = None
-
-    def decide(
-        self, view: PolicyView, now: float, rng: random.Random
-    ) -> Sequence[Deployment] | None:
-        return None if view.running else self.deps
 
 
 def _scenario(
