@@ -97,17 +97,6 @@ class BlockManager:
         return hits
 
     # --- changes -------------------------------------------------------------------------
-    def can_allocate(
-        self,
-        kv: KVState,
-        num_total_tokens: int,
-        computed: Sequence[int] = (),
-        num_watermark_blocks: int = 0,
-    ) -> bool:
-        need = self.blocks_for(num_total_tokens) - len(kv.block_ids) - len(computed)
-        num_hit_free = sum(1 for b in computed if self.ref_counts[b] == 0)
-        return len(self.free_queue) - num_hit_free - max(need, 0) >= num_watermark_blocks
-
     def allocate(
         self,
         kv: KVState,
@@ -117,8 +106,8 @@ class BlockManager:
     ) -> bool:
         """Give `kv` blocks for its first `num_total_tokens` tokens, taking `computed` (cache
         hits from `computed_blocks`) first. False, and nothing changed, when there are too few
-        free blocks (keeping `num_watermark_blocks` free). The same test as `can_allocate`,
-        written out: this runs once per request per step."""
+        free blocks (keeping `num_watermark_blocks` free). Runs once per request per step, so each
+        case (cache hits; no new block; new blocks) is tested once, inline."""
         block_ids = kv.block_ids
         free = self.free_queue
         need = -(-num_total_tokens // self.block_size) - len(block_ids)
