@@ -8,14 +8,12 @@ floating-point rounding of the sums.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.sim_agreement import Fixed  # runs the given deployments from t = 0
 from flexpipe.engine.block_manager import BlockManager
 from flexpipe.engine.core import EngineCore
 from flexpipe.engine.request import EngineRequest, SamplingParams
@@ -23,7 +21,6 @@ from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
 from flexpipe.gears.gear import Gear
 from flexpipe.perf import BatchShape, perf_model_for
 from flexpipe.sim.deployment import Deployment
-from flexpipe.sim.policy import PolicyView
 from flexpipe.sim.scenario import Scenario, parse_scenario
 from flexpipe.sim.simulator import SimResult, simulate
 from flexpipe.sim.stretch import SIM_GEN_IDS, fast_forward, plan_stretch, price
@@ -32,23 +29,10 @@ ONE_A100 = {"name": "a", "nodes": [{"name": "n0", "network": "eth100", "gpus": [
     {"id": "g0", "type": "A100-80G-SXM"}, {"id": "g1", "type": "L4"}]}]}  # fmt: skip
 
 
-@dataclass
-class Fixed:
-    """A policy that runs the given deployments from t = 0 (tests choose the gear)."""
-
-    deps: tuple[Deployment, ...]
-    name: str = "fixed"
-    routing: str | None = None
-    interval_s: float | None = None
-
-    def decide(
-        self, view: PolicyView, now: float, rng: random.Random
-    ) -> Sequence[Deployment] | None:
-        return None if view.running else self.deps
-
-
-def _scenario(workload: dict[str, Any], duration_s: float = 60, seed: int = 1) -> Scenario:
-    doc = {
+def _scenario(
+    workload: dict[str, Any], duration_s: float = 60, seed: int = 1, **more: Any
+) -> Scenario:
+    doc = {**more,
         "name": "t", "duration_s": duration_s, "seed": seed, "report_interval_s": 10,
         "cluster": {"inline": ONE_A100},
         "models": [{"name": "m", "model": "llama-2-7b",
@@ -90,7 +74,7 @@ def test_stretches_equal_stepping_under_kv_pressure_with_shared_prefixes() -> No
         "prompt_tokens": {"dist": "lognormal", "mean": 1800, "cv": 0.6, "max": 3500},
         "output_tokens": {"dist": "exponential", "mean": 400, "max": 1500},
         "shared_prefix": {"num_groups": 3, "num_tokens": 1024},
-    }, duration_s=90)  # fmt: skip
+    }, duration_s=90, gateway={"max_queue_wait_s": 600})  # fmt: skip
     deps = (_dep("l4", "g1", max_num_seqs=64, max_num_batched_tokens=2048),)
     fast, slow = _both(sc, deps)
     _assert_same(fast, slow)

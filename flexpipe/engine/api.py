@@ -20,11 +20,10 @@ import orjson
 
 from flexpipe import __version__ as flexpipe_version
 from flexpipe.engine.args import EngineConfig
-from flexpipe.engine.block_manager import BlockManager
+from flexpipe.engine.build import engine_core
 from flexpipe.engine.metrics import CONTENT_TYPE, EngineMetrics
-from flexpipe.engine.request import EngineRequest, SamplingParams
+from flexpipe.engine.request import EngineRequest, SamplingParams, context_error
 from flexpipe.engine.runner import Engine
-from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
 from flexpipe.engine.stream import FinishSink, SseStream
 from flexpipe.engine.tokenizer import Tokenizer, message_text
 from flexpipe.http.server import (
@@ -62,18 +61,9 @@ class SimServer:
         pm = cfg.pm
         gear = cfg.gear
         self.tokenizer = Tokenizer(cfg.model.vocab_size)
-        self.block_manager = BlockManager(
-            cfg.num_kv_blocks, gear.block_size, gear.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=gear.max_num_seqs,
-                max_num_batched_tokens=gear.max_num_batched_tokens,
-                max_model_len=cfg.max_model_len,
-                enable_chunked_prefill=cfg.enable_chunked_prefill,
-            ),
-            self.block_manager,
-        )
+        core = engine_core(cfg)
+        self.scheduler = core.scheduler
+        self.block_manager = core.scheduler.bm
         cache_config = {
             "block_size": gear.block_size,
             "cache_dtype": gear.kv_cache_dtype,
@@ -90,7 +80,7 @@ class SimServer:
         self.metrics = EngineMetrics(
             cfg.served_model_name, self.scheduler, cfg.max_model_len, cache_config
         )
-        self.engine = Engine(self.scheduler, pm.step_time_s, self.metrics, cfg.time_scale)
+        self.engine = Engine(self.scheduler, core.step_time_s, self.metrics, cfg.time_scale)
         self.model_name = cfg.served_model_name
         self._model_json = orjson.dumps(self.model_name)
         # secrets as bytes, compared in constant time (hmac.compare_digest)
@@ -294,17 +284,9 @@ class SimServer:
         """Sampling params of a validated request (types and ranges were checked by the
         schema; what is left depends on this engine: the context length)."""
         max_tokens = r.output_limit
-        limit = self.cfg.max_model_len
-        if num_prompt >= limit or (max_tokens is not None and num_prompt + max_tokens > limit):
-            requested = num_prompt + (max_tokens or 0)
-            raise HttpError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {requested} tokens ({num_prompt} in the messages, "
-                f"{max_tokens or 0} in the completion). Please reduce the length of the "
-                "messages or completion.",
-                param="max_tokens" if max_tokens else "messages",
-            )
+        too_long = context_error(num_prompt, max_tokens, self.cfg.max_model_len)
+        if too_long:
+            raise HttpError(400, too_long, param="max_tokens" if max_tokens else "messages")
         stop = r.stop
         return SamplingParams(
             max_tokens=max_tokens,

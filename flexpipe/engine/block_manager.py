@@ -8,14 +8,17 @@
   keeps its hash, so a later request with the same prefix can take it back (a cache hit).
   Allocation pops from the head: the least recently freed block is evicted first. A request's
   blocks are freed tail first, so a prefix outlives its suffixes.
-- The free queue is an insertion-ordered dict (block id -> None): O(1) append, O(1) pop of the
-  oldest, O(1) removal from the middle when a cached free block is hit.
+- The free queue is an `OrderedDict` (block id -> None): O(1) append, O(1) pop of the oldest
+  (`popitem(last=False)`), O(1) removal from the middle when a cached free block is hit. (A
+  plain dict is not O(1) at the head: `next(iter(d))` after deletions at the head scans past
+  every deleted slot, 20 us per pop at 50,000 blocks.)
 
 Pure bookkeeping: no clock, no I/O. The scheduler owns the policy (who gets blocks).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,7 +53,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.free_queue: dict[int, None] = dict.fromkeys(range(num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.stats = PrefixCacheStats()
 
     # --- queries -------------------------------------------------------------------------
@@ -94,17 +97,6 @@ class BlockManager:
         return hits
 
     # --- changes -------------------------------------------------------------------------
-    def can_allocate(
-        self,
-        kv: KVState,
-        num_total_tokens: int,
-        computed: Sequence[int] = (),
-        num_watermark_blocks: int = 0,
-    ) -> bool:
-        need = self.blocks_for(num_total_tokens) - len(kv.block_ids) - len(computed)
-        num_hit_free = sum(1 for b in computed if self.ref_counts[b] == 0)
-        return len(self.free_queue) - num_hit_free - max(need, 0) >= num_watermark_blocks
-
     def allocate(
         self,
         kv: KVState,
@@ -114,28 +106,46 @@ class BlockManager:
     ) -> bool:
         """Give `kv` blocks for its first `num_total_tokens` tokens, taking `computed` (cache
         hits from `computed_blocks`) first. False, and nothing changed, when there are too few
-        free blocks (keeping `num_watermark_blocks` free)."""
-        if not self.can_allocate(kv, num_total_tokens, computed, num_watermark_blocks):
-            return False
-        refs = self.ref_counts
-        for b in computed:
-            if refs[b] == 0:
-                del self.free_queue[b]
-            refs[b] += 1
-            kv.block_ids.append(b)
-        kv.num_cached_blocks = max(kv.num_cached_blocks, len(kv.block_ids))
-        need = self.blocks_for(num_total_tokens) - len(kv.block_ids)
+        free blocks (keeping `num_watermark_blocks` free). Runs once per request per step, so each
+        case (cache hits; no new block; new blocks) is tested once, inline."""
+        block_ids = kv.block_ids
         free = self.free_queue
+        need = -(-num_total_tokens // self.block_size) - len(block_ids)
+        if computed:
+            refs = self.ref_counts
+            num_hit_free = sum(1 for b in computed if refs[b] == 0)
+            if len(free) - num_hit_free - max(need - len(computed), 0) < num_watermark_blocks:
+                return False
+            for b in computed:
+                if refs[b] == 0:
+                    del free[b]
+                refs[b] += 1
+                block_ids.append(b)
+            need -= len(computed)
+        elif need <= 0:  # a decode step within the blocks it holds: the common case
+            if len(free) < num_watermark_blocks:
+                return False
+            if kv.num_cached_blocks < len(block_ids):
+                kv.num_cached_blocks = len(block_ids)
+            return True
+        elif len(free) - need < num_watermark_blocks:
+            return False
+        if kv.num_cached_blocks < len(block_ids):
+            kv.num_cached_blocks = len(block_ids)
+        if need <= 0:
+            return True
+        refs = self.ref_counts
+        block_hash = self.block_hash
+        pop = free.popitem
         for _ in range(need):
-            b = next(iter(free))
-            del free[b]
-            old = self.block_hash[b]
+            b = pop(last=False)[0]
+            old = block_hash[b]
             if old is not None:  # evict the least recently freed cached block
                 if self.cached.get(old) == b:
                     del self.cached[old]
-                self.block_hash[b] = None
+                block_hash[b] = None
             refs[b] = 1
-            kv.block_ids.append(b)
+            block_ids.append(b)
         return True
 
     def cache_full_blocks(self, kv: KVState, num_computed_tokens: int) -> None:
@@ -143,6 +153,8 @@ class BlockManager:
         if not self.enable_caching:
             return
         n_full = min(num_computed_tokens // self.block_size, len(kv.block_hashes))
+        if n_full <= kv.num_cached_blocks:
+            return
         for i in range(kv.num_cached_blocks, n_full):
             b = kv.block_ids[i]
             h = kv.block_hashes[i]

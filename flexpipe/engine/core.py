@@ -91,6 +91,7 @@ class EngineCore:
         first = events.first_token
         finished = events.finished
         itl = events.itl_s
+        done = Status.FINISHED
         for req in out:
             if len(req.token_ids) - len(req.prompt_token_ids) == 1:
                 req.first_token_s = now
@@ -98,7 +99,7 @@ class EngineCore:
             else:
                 itl.append(now - req.last_token_s)
             req.last_token_s = now
-            if req.status is Status.FINISHED:
+            if req.status is done:
                 req.finished_s = now
                 finished.append(req)
         return events

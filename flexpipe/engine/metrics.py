@@ -67,6 +67,14 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+def num_queued_tokens(scheduler: Scheduler) -> int:
+    """flexpipe:num_tokens_queued_running: the tokens still to process of every waiting
+    request (all of them) and running one (the rest of its prompt, or its next token)."""
+    return sum(r.num_tokens for r in scheduler.waiting) + sum(
+        r.num_tokens - r.num_computed_tokens + 1 for r in scheduler.running
+    )
+
+
 def _token_buckets(max_model_len: int) -> list[float]:
     """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's build_1_2_5_buckets)."""
     out: list[float] = []
@@ -104,9 +112,7 @@ class _StateCollector(Collector):
 
         usage = s.bm.usage
         st = s.bm.stats
-        queued = sum(r.num_tokens for r in s.waiting) + sum(
-            r.num_tokens - r.num_computed_tokens + 1 for r in s.running
-        )
+        queued = num_queued_tokens(s)
         for name, doc, value in (
             ("vllm:num_requests_running", _DOC_RUNNING, s.num_running),
             ("vllm:num_requests_waiting", _DOC_WAITING, s.num_waiting),

@@ -43,6 +43,20 @@ class SamplingParams:
     seed: int | None = None
 
 
+def context_error(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> str:
+    """Why a request does not fit the context ("" when it does): vLLM's 400 message. At least
+    one token must be left to generate, and prompt + max_tokens may not exceed the limit."""
+    limit = max_model_len
+    out = max_tokens or 0
+    if num_prompt_tokens < limit and num_prompt_tokens + out <= limit:
+        return ""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{num_prompt_tokens + out} tokens ({num_prompt_tokens} in the messages, {out} in the "
+        "completion). Please reduce the length of the messages or completion."
+    )
+
+
 @dataclass(eq=False, slots=True)
 class EngineRequest:
     request_id: str
@@ -69,6 +83,8 @@ class EngineRequest:
     _rng: random.Random | None = None
     _natural_len: int = 0
     _text_tail: str = ""
+    _num_prompt: int = 0  # len(prompt_token_ids), read once per step by `sample`
+    _fixed_token: int = -1  # the token of a one-token vocabulary (nothing to draw), else -1
     # timing: set by EngineCore from the `now` it is given (a wall clock or a virtual one)
     scheduled_s: float = 0.0  # first admitted (queue time ends)
     first_token_s: float = 0.0
@@ -81,13 +97,20 @@ class EngineRequest:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        seed = self.params.seed if self.params.seed is not None else self.engine_seed
-        self._rng = random.Random(hash((seed, tuple(self.prompt_token_ids))))
+        self._num_prompt = len(self.prompt_token_ids)
+        self._fixed_token = self.gen_ids[0] if len(self.gen_ids) == 1 else -1
         if self.params.max_tokens is None and not self.params.ignore_eos:
             lo, hi = NATURAL_LEN_RANGE
-            self._natural_len = max(self._rng.randint(lo, hi), self.params.min_tokens)
+            self._natural_len = max(self._new_rng().randint(lo, hi), self.params.min_tokens)
         else:
             self._natural_len = 1 << 62
+
+    def _new_rng(self) -> random.Random:
+        """The request's generator, made on first use (seeding one costs ~10 us, and a
+        request that never draws, such as the simulator's, never needs it)."""
+        seed = self.params.seed if self.params.seed is not None else self.engine_seed
+        self._rng = random.Random(hash((seed, tuple(self.prompt_token_ids))))
+        return self._rng
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -130,14 +153,15 @@ class EngineRequest:
 
     def sample(self) -> int:
         """Append the next generated token; set finish_reason when it ends the request."""
-        rng = self._rng
-        assert rng is not None
-        n_out = len(self.token_ids) - len(self.prompt_token_ids) + 1
+        n_out = len(self.token_ids) - self._num_prompt + 1
         params = self.params
         if n_out >= self._natural_len:
             tok = EOS_ID
+        elif self._fixed_token >= 0:
+            tok = self._fixed_token  # nothing to draw (and every later draw is from it too)
         else:
             gen = self.gen_ids
+            rng = self._rng or self._new_rng()
             tok = gen[int(rng.random() * len(gen))]
         self.token_ids.append(tok)
         if tok == EOS_ID and not params.ignore_eos:

@@ -110,30 +110,41 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         running = self.running
 
+        chunked = cfg.enable_chunked_prefill
+        allocate = bm.allocate
+        bs = bm.block_size
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = req.num_tokens - req.num_computed_tokens
+            before = req.num_computed_tokens
+            num_new = len(req.token_ids) - before
             if num_new > budget:
-                if not cfg.enable_chunked_prefill:
+                if not chunked:
                     i += 1
                     continue
                 num_new = budget
             if num_new <= 0:
                 i += 1
                 continue
-            total = req.num_computed_tokens + num_new
-            ok = True
-            while not bm.allocate(req.kv, total):
-                victim = running.pop()
-                self._preempt(victim)
-                plan.preempted.append(victim)
-                if victim is req:
-                    ok = False
+            total = before + num_new
+            kv = req.kv
+            num_blocks = len(kv.block_ids)
+            if total <= num_blocks * bs:
+                # `allocate`'s no-new-block case, inline (it runs for nearly every decode)
+                if kv.num_cached_blocks < num_blocks:
+                    kv.num_cached_blocks = num_blocks
+            else:
+                ok = True
+                while not allocate(kv, total):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    plan.preempted.append(victim)
+                    if victim is req:
+                        ok = False
+                        break
+                if not ok:
                     break
-            if not ok:
-                break
-            scheduled.append((req, num_new, req.num_computed_tokens))
+            scheduled.append((req, num_new, before))
             budget -= num_new
             i += 1
 
@@ -190,25 +201,32 @@ class Scheduler:
         (finished ones included, with finish_reason set and blocks freed)."""
         bm = self.bm
         bs = bm.block_size
+        caching = bm.enable_caching
+        max_model_len = self.config.max_model_len
+        running_status = Status.RUNNING
         out: list[EngineRequest] = []
         any_finished = False
         for req, num_new, before in plan.scheduled:
-            if req.status is not Status.RUNNING or req.num_computed_tokens != before:
+            if req.status is not running_status or req.num_computed_tokens != before:
                 continue  # aborted or preempted since the plan
             computed = before + num_new
             req.num_computed_tokens = computed
-            if bm.enable_caching and computed >= bs:
-                bm.cache_full_blocks(req.kv, computed)
-            if computed < req.num_tokens:
+            kv = req.kv
+            # (cache_full_blocks does nothing unless a block past the registered ones is full)
+            if caching and computed >= (kv.num_cached_blocks + 1) * bs:
+                bm.cache_full_blocks(kv, computed)
+            token_ids = req.token_ids
+            if computed < len(token_ids):
                 continue  # a prefill chunk: nothing sampled yet
             req.sample()
-            if bm.enable_caching and req.num_tokens % bs == 0:
-                bm.update_hashes(req.kv, req.token_ids)
-            if req.num_tokens >= self.config.max_model_len and req.finish_reason is None:
+            num_tokens = len(token_ids)
+            if caching and num_tokens % bs == 0:
+                bm.update_hashes(kv, token_ids)
+            if num_tokens >= max_model_len and req.finish_reason is None:
                 req.finish_reason = "length"
             if req.finish_reason is not None:
                 req.status = Status.FINISHED
-                bm.free(req.kv)
+                bm.free(kv)
                 any_finished = True
             out.append(req)
         if any_finished:
@@ -229,7 +247,7 @@ def _batch_shape(scheduled: list[tuple[EngineRequest, int, int]]) -> BatchShape:
     num_decode = 0
     decode_context = 0
     for req, n, before in scheduled:
-        if n == 1 and before >= req.num_prompt_tokens:
+        if n == 1 and before >= len(req.prompt_token_ids):
             num_decode += 1
             decode_context += before + 1
         else:

@@ -29,7 +29,7 @@ from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.metrics import GatewayMetrics
-from flexpipe.gateway.pool import Instance, Pool
+from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay
 from flexpipe.gateway.router import NoInstance, Router
@@ -498,13 +498,11 @@ class Gateway:
     def stream_done(self, call: Call, inst: Instance, t_first: float, t_last: float,
                      num_tokens: int, measured_speed: bool) -> None:  # fmt: skip
         """A stream ended well: TPOT and the instance's measured decode speed."""
-        if num_tokens >= 2 and t_last > t_first:
-            tpot = (t_last - t_first) / (num_tokens - 1)
+        tpot = stream_tpot_s(num_tokens, t_first, t_last)
+        if tpot is not None:
             self.metrics.observe("tpot", call.model, tpot)
             if measured_speed:
-                speed = 1.0 / tpot
-                old = inst.speed_tokens_per_s
-                inst.speed_tokens_per_s = speed if not old else old + 0.2 * (speed - old)
+                inst.observe_tpot(tpot)
         self.success(inst)
 
     # ---------------------------------------------------------------- moves (controller)

@@ -20,6 +20,16 @@ from flexpipe.policies.routing import InstanceView
 QUEUE_ALLOWANCE_RATIO = 0.125  # requests queued in the engine beyond its slots: slots // 8
 
 
+SPEED_EWMA_WEIGHT = 0.2  # of the newest stream in `Instance.speed_tokens_per_s`
+
+
+def stream_tpot_s(num_tokens: int, t_first_s: float, t_last_s: float) -> float | None:
+    """A stream's mean time per output token after the first (None: too short to tell)."""
+    if num_tokens >= 2 and t_last_s > t_first_s:
+        return (t_last_s - t_first_s) / (num_tokens - 1)
+    return None
+
+
 def derive_max_concurrency(
     configured: int, max_num_seqs: int, num_kv_slots: int, ceiling: int
 ) -> tuple[int, str]:
@@ -95,6 +105,12 @@ class Instance:
     def num_slots(self) -> int:
         """Sequences it runs at once, as routing sees them (0 = unknown: the cap stands in)."""
         return self.max_num_seqs or self.num_kv_slots
+
+    def observe_tpot(self, tpot_s: float) -> None:
+        """A stream's measured time per output token into the decode speed EWMA."""
+        speed = 1.0 / tpot_s
+        old = self.speed_tokens_per_s
+        self.speed_tokens_per_s = speed if not old else old + SPEED_EWMA_WEIGHT * (speed - old)
 
     def update_capacity(self) -> None:
         self.max_concurrency, self.max_concurrency_source = derive_max_concurrency(

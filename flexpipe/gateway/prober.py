@@ -10,11 +10,12 @@ import asyncio
 import contextlib
 import logging
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import orjson
 
-from flexpipe.gateway.pool import Instance
+from flexpipe.gateway.pool import Instance, Pool
 from flexpipe.http.client import Timeouts, UpstreamError
 from flexpipe.lifecycle import State
 
@@ -60,6 +61,28 @@ def parse_engine_metrics(text: bytes) -> dict[str, float]:
             continue
         out[field] = out.get(field, 0.0) + value
     return out
+
+
+def apply_engine_metrics(
+    pool: Pool, inst: Instance, values: Mapping[str, float], mean_request_tokens: float, now: float
+) -> None:
+    """One scrape's engine counts (`parse_engine_metrics`' fields) into the routing record, and
+    the capacity the engine reports into the pool. Pure: the simulator calls it too."""
+    inst.num_running = int(values.get("num_running", 0))
+    inst.num_waiting = int(values.get("num_waiting", 0))
+    inst.kv_usage = values.get("kv_usage", 0.0)
+    if "num_tokens" in values:
+        inst.num_scraped_tokens = values["num_tokens"]
+    else:  # vLLM: estimate from the request counts
+        inst.num_scraped_tokens = (inst.num_running + inst.num_waiting) * mean_request_tokens
+    inst.num_tokens_sent_since_scrape = 0.0
+    inst.scraped_at_s = now
+    pool.report_capacity(
+        inst,
+        int(values.get("max_num_seqs", 0)),
+        int(values.get("num_kv_tokens", 0)),
+        mean_request_tokens,
+    )
 
 
 class Prober:
@@ -156,19 +179,6 @@ class Prober:
         if status != 200:
             return
         values = parse_engine_metrics(body)
-        inst.num_running = int(values.get("num_running", 0))
-        inst.num_waiting = int(values.get("num_waiting", 0))
-        inst.kv_usage = values.get("kv_usage", 0.0)
-        if "num_tokens" in values:
-            inst.num_scraped_tokens = values["num_tokens"]
-        else:  # vLLM: estimate from the request counts
-            num_requests = inst.num_running + inst.num_waiting
-            inst.num_scraped_tokens = num_requests * self.gw.mean_request_tokens
-        inst.num_tokens_sent_since_scrape = 0.0
-        inst.scraped_at_s = self.gw.clock()
-        self.gw.pool.report_capacity(
-            inst,
-            int(values.get("max_num_seqs", 0)),
-            int(values.get("num_kv_tokens", 0)),
-            self.gw.mean_request_tokens,
+        apply_engine_metrics(
+            self.gw.pool, inst, values, self.gw.mean_request_tokens, self.gw.clock()
         )

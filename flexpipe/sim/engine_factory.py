@@ -5,18 +5,15 @@
 `PerfModel` on `placement_on(cluster, stages, ...)`, the memory plan's KV blocks and
 max_model_len, the modelled cold start), and `SimServer.__init__` builds the block manager,
 scheduler and step time from it. `engine_config` makes the same `EngineConfig` from the
-objects in memory (no cluster file, no process), and `engine_core` does what
-`SimServer.__init__` does with it. (For the lead: `SimServer.__init__` could call
-`engine_core` so that the two cannot drift.)
+objects in memory (no cluster file, no process); `engine_core` (flexpipe.engine.build, the
+function `SimServer.__init__` calls) builds the core from it.
 """
 
 from __future__ import annotations
 
 from flexpipe.cluster import Cluster, placement_on
 from flexpipe.engine.args import EngineConfig
-from flexpipe.engine.block_manager import BlockManager
-from flexpipe.engine.core import EngineCore
-from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
+from flexpipe.engine.build import engine_core
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import PerfModel
 from flexpipe.sim.deployment import Deployment
@@ -60,17 +57,4 @@ def engine_config(
     )
 
 
-def engine_core(cfg: EngineConfig) -> EngineCore:
-    """The block manager, scheduler and step time of `SimServer.__init__`, in a core."""
-    gear = cfg.gear
-    block_manager = BlockManager(cfg.num_kv_blocks, gear.block_size, gear.enable_prefix_caching)
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=gear.max_num_seqs,
-            max_num_batched_tokens=gear.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-        ),
-        block_manager,
-    )
-    return EngineCore(scheduler, cfg.pm.step_time_s)
+__all__ = ["GPU_MEMORY_UTILIZATION", "engine_config", "engine_core"]

@@ -7,10 +7,12 @@ its concurrency limit it waits in one FIFO queue (at most `max_queue`, at most
 instance for the model: it fails at once (the live gateway's 404 / 503). The engine's 400 for
 a context that does not fit fails it too. Network time is not modelled.
 
-Two pieces mirror the live I/O shell rather than call it, because they live in its async
-methods: the scrape (`Prober.scrape`: engine counts into the `Instance` record) and the
-speed EWMA of `Gateway.stream_done`. (For the lead: moving both into `Instance` methods
-would let the simulator call them.)
+The scrape writes what the engine's /metrics reports into the routing record with the
+prober's own `apply_engine_metrics` (counts, queued tokens, and the capacity the engine
+reports, which caps the requests in flight at max_num_seqs plus a small allowance, as live);
+a finished stream updates the instance's measured speed with `Instance.observe_tpot`, as
+`Gateway.stream_done` does. An instance joins the pool with its gear's max_num_seqs, as the
+controller registers it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 
 from flexpipe.engine.request import EngineRequest
 from flexpipe.gateway.config import GatewayConfig
-from flexpipe.gateway.pool import Instance, Pool
+from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
+from flexpipe.gateway.prober import apply_engine_metrics
 from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.policies.routing import RoutingRequest, prompt_block_hashes
 from flexpipe.sim.instance import SimInstance
@@ -67,7 +70,7 @@ class SimGateway:
         """The engine answers /health: into the pool (scraped first, as the prober does)."""
         self.instances[inst.url] = inst
         self._log(now, "ready", inst.dep.name)
-        record = self.pool.add(inst.url, model=inst.model)
+        record = self.pool.add(inst.url, model=inst.model, max_num_seqs=inst.max_num_seqs)
         self._scrape_one(record, now)
         if not self._scraping:
             self._scraping = True
@@ -164,10 +167,9 @@ class SimGateway:
             req.last_token_s = ereq.last_token_s
             req.finish_s = now
             n = ereq.num_output_tokens
-            if n >= 2 and req.last_token_s > req.first_token_s:  # Gateway.stream_done
-                speed = (n - 1) / (req.last_token_s - req.first_token_s)
-                old = inst.speed_tokens_per_s
-                inst.speed_tokens_per_s = speed if not old else old + 0.2 * (speed - old)
+            tpot = stream_tpot_s(n, req.first_token_s, req.last_token_s)
+            if tpot is not None:  # as Gateway.stream_done
+                inst.observe_tpot(tpot)
             self.router.succeeded(inst)
             self._log(now, "done", f"{req.request_id} {n} tokens")
             self.on_end(req)
@@ -196,10 +198,5 @@ class SimGateway:
         """`Prober.scrape`: the engine's counts into the routing record."""
         if not record.healthy:
             return
-        running, waiting, usage, tokens = self.instances[record.url].metrics(now)
-        record.num_running = running
-        record.num_waiting = waiting
-        record.kv_usage = usage
-        record.num_scraped_tokens = tokens
-        record.num_tokens_sent_since_scrape = 0.0
-        record.scraped_at_s = now
+        values = self.instances[record.url].metrics(now)
+        apply_engine_metrics(self.pool, record, values, self.router.mean_request_tokens, now)

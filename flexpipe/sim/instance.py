@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 from flexpipe.engine.args import EngineConfig
 from flexpipe.engine.core import EngineCore, StepEvents
-from flexpipe.engine.request import EngineRequest, SamplingParams
+from flexpipe.engine.metrics import num_queued_tokens
+from flexpipe.engine.request import EngineRequest, SamplingParams, context_error
 from flexpipe.engine.scheduler import StepPlan
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.engine_factory import engine_core
@@ -78,15 +79,14 @@ class SimInstance:
         return self._plan is None
 
     # --- requests ------------------------------------------------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        return self.core.scheduler.config.max_num_seqs
+
     def refusal(self, req: SimRequest) -> str:
         """Why the engine answers 400 (the API's context check), or ""."""
-        limit = self.cfg.max_model_len
-        if req.num_prompt_tokens >= limit or req.num_prompt_tokens + req.num_output_tokens > limit:
-            return (
-                f"400: {req.num_prompt_tokens} + {req.num_output_tokens} tokens exceed "
-                f"max_model_len {limit} of {self.dep.name}"
-            )
-        return ""
+        why = context_error(req.num_prompt_tokens, req.num_output_tokens, self.cfg.max_model_len)
+        return f"400: {why} ({self.dep.name})" if why else ""
 
     def submit(self, req: SimRequest, now: float) -> None:
         ereq = EngineRequest(
@@ -176,12 +176,17 @@ class SimInstance:
         self.on_done(self, req, ereq, now)
 
     # --- what /metrics would say ---------------------------------------------------------
-    def metrics(self, now: float) -> tuple[int, int, float, float]:
-        """(running, waiting, KV usage, queued + running tokens) at `now`, as the engine's
-        /metrics computes them (flexpipe.engine.metrics)."""
+    def metrics(self, now: float) -> dict[str, float]:
+        """What the gateway's prober reads from this engine's /metrics at `now`
+        (`parse_engine_metrics`' fields, from flexpipe.engine.metrics' own values)."""
         self.sync(now)
         s = self.core.scheduler
-        queued = sum(r.num_tokens for r in s.waiting) + sum(
-            r.num_tokens - r.num_computed_tokens + 1 for r in s.running
-        )
-        return s.num_running, s.num_waiting, s.bm.usage, float(queued)
+        bm = s.bm
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_usage": bm.usage,
+            "num_tokens": num_queued_tokens(s),
+            "max_num_seqs": s.config.max_num_seqs,
+            "num_kv_tokens": bm.num_blocks * bm.block_size,
+        }

@@ -94,22 +94,25 @@ def plan_stretch(core: EngineCore, plan: StepPlan, max_steps: int, decode_regist
     bm = sched.bm
     bs = bm.block_size
     max_len = sched.config.max_model_len
-    cap = max_steps
-    firsts: list[int] = []
-    guard = decode_registers and bm.enable_caching and bool(sched.waiting)
-    for req, _, _ in plan.scheduled:
-        if req.gen_ids is not SIM_GEN_IDS:
-            return 0  # tokens not known in advance
-        after = req.num_tokens + 1  # tokens once the planned step is done
-        # the step (1 = the planned one) on which it finishes; virtual steps end before it
-        finish = min(req.max_output_tokens - req.num_output_tokens, max_len - req.num_tokens)
-        cap = min(cap, finish - 2)
-        if guard:  # the first step whose finish registers a full block: stop before it
-            cap = min(cap, ((1 - after) % bs or bs) - 1)
-        firsts.append(_first_new_block_step(after, bs))
+    reqs = [r for r, _, _ in plan.scheduled]
+    if any(r.gen_ids is not SIM_GEN_IDS for r in reqs):
+        return 0  # tokens not known in advance
+    # the step (1 = the planned one) on which each request finishes (max_tokens or
+    # max_model_len); virtual steps end before the first of them
+    cap = min(max_steps, min(
+        min(r.max_output_tokens + len(r.prompt_token_ids), max_len) - len(r.token_ids)
+        for r in reqs
+    ) - 2)  # fmt: skip
+    if cap > 0 and decode_registers and bm.enable_caching and sched.waiting:
+        # the first step whose finish registers a full block: stop before it
+        cap = min(cap, min(((-len(r.token_ids)) % bs or bs) - 1 for r in reqs))
     if cap <= 0:
         return 0
     free = bm.num_free_blocks
+    if len(reqs) * (cap // bs + 1) <= free:
+        return cap  # even a new block per request every block_size steps fits
+    # the first virtual step that needs a new block, per request (tokens after the planned step)
+    firsts = [_first_new_block_step(len(r.token_ids) + 1, bs) for r in reqs]
 
     def fits(m: int) -> bool:
         return sum(_num_new_blocks(f, bs, m) for f in firsts) <= free
