@@ -71,6 +71,7 @@ class SimServer:
                 max_num_batched_tokens=gear.max_num_batched_tokens,
                 max_model_len=cfg.max_model_len,
                 enable_chunked_prefill=cfg.enable_chunked_prefill,
+                policy=cfg.scheduling_policy,
             ),
             self.block_manager,
         )
@@ -328,6 +329,7 @@ class SimServer:
             rid = f"{self._id_prefix}{self._num_ids:016x}"
         if rid in self.engine.requests:
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+        priority = self._priority(req)
         return EngineRequest(
             rid,
             prompt_ids,
@@ -336,7 +338,22 @@ class SimServer:
             self.tokenizer.gen_ids,
             engine_seed=self.cfg.seed,
             fragments=self.tokenizer.gen_fragments if params.stop else None,
+            priority=priority,
         )
+
+    def _priority(self, req: Request) -> int:
+        """vLLM's `priority` (an extra field; lower is served first): refused unless the
+        engine runs `--scheduling-policy priority`, with vLLM's words."""
+        body = req.json()
+        value = body.get("priority", 0) if isinstance(body, dict) else 0
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise HttpError(400, "priority must be an integer", param="priority")
+        if value != 0 and self.cfg.scheduling_policy != "priority":
+            raise HttpError(
+                400, f"Got priority {value} but Priority scheduling is not enabled.",
+                param="priority",
+            )  # fmt: skip
+        return value
 
     async def _generate(
         self,
