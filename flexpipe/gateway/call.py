@@ -52,7 +52,9 @@ class Call:
     id: int = 0  # the gateway's own, for the admin API
     instance: str | None = None  # the instance serving it now (None while queued)
     upstream_request_id: str | None = None  # the engine's id of it (x-request-id)
+    first_request_id: str | None = None  # the first engine's: the stream id the client sees
     relay: PushRelay | None = None  # its push relay while one streams it
+    relayed: UpstreamResponse | None = None  # what the failover pump relays (after a move)
     move: Move | None = None  # asked for and not yet carried out
     sending: asyncio.Task[Any] | None = None  # waiting for the engine's response head
     export: dict[str, Any] | None = None  # the engine's exported state for a "kv" move
@@ -70,4 +72,5 @@ class Call:
             "num_output_tokens": sent,
             "max_tokens": self.routing.num_expected_output_tokens,
             "moved_by": list(self.moved_by),
+            "request_id": self.first_request_id,
         }
