@@ -34,7 +34,14 @@ from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher
 from flexpipe.policies.planner import PlannedInstance
-from flexpipe.policies.shift.migration import choose_migration, link_between, perf_model_of
+from flexpipe.policies.shift.migration import (
+    Destination,
+    MoveRequest,
+    link_between,
+    outlives,
+    perf_model_of,
+    plan_moves,
+)
 from flexpipe.policies.shift.snapshot import instance_key
 
 __all__ = ["Executor", "LiveInstance", "ShiftOutcome"]
@@ -86,6 +93,10 @@ class ShiftOutcome:
         }
 
 
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
 SpecOf = Callable[[PlannedInstance], EngineSpec]
 OnState = Callable[[LiveInstance, str], None]
 
@@ -104,6 +115,7 @@ class Executor:
         probe_overhead_s: float = 0.05,
         on_state: OnState | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_moves: Callable[[str], None] | None = None,
     ) -> None:
         self.launcher = launcher
         self.gateway = gateway
@@ -115,6 +127,9 @@ class Executor:
         self.probe_overhead_s = probe_overhead_s
         self.on_state = on_state or (lambda inst, state: None)
         self.clock = clock
+        # one line per batch of moves (which requests left which instance, how): the
+        # controller's output by default, as its other lines
+        self.on_moves = on_moves or _print_line
         self._probe_pool = ClientPool(max_idle_per_backend=2)
 
     async def close(self) -> None:
@@ -355,20 +370,30 @@ class Executor:
         t0 = self.clock()
         for inst in leaving:
             self._set(inst, "draining")
-        # No new requests from here on; what runs now either finishes in place by the
-        # deadline or is moved (or continued by the gateway) after it.
+        # No new requests from here on. What would still run at the deadline moves at once,
+        # while the other instances still have the free slots this one's traffic is about to
+        # take; the rest finishes in place by the deadline or is moved after it.
         in_flight = await asyncio.gather(*(self._in_flight(i) for i in leaving))
+        early = await asyncio.gather(
+            *(self._move_off(cluster, i, running, leaving, out, self.drain_deadline_s)
+              for i in leaving)
+        )  # fmt: skip
         drained = await asyncio.gather(
             *(self._drain(i, self.drain_deadline_s) for i in leaving), return_exceptions=True
         )
         out.phases_s["drain" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
-        for inst, ok, num in zip(leaving, drained, in_flight, strict=True):
-            left = 0 if ok is True else await self._move_off(cluster, inst, running, out)
-            if num > left:
-                out.migrated["finished_in_place"] = (
-                    out.migrated.get("finished_in_place", 0) + num - left
-                )
+        late = await asyncio.gather(
+            *(self._move_off(cluster, i, running, leaving, out)
+              for i, ok in zip(leaving, drained, strict=True) if ok is not True)
+        )  # fmt: skip
+        num_moved = sum(early) + sum(late)
+        await asyncio.gather(*(self._drain(i, 10.0) for i in leaving))  # moved ones leave at once
+        num_finished = sum(in_flight) - num_moved
+        if num_finished > 0:
+            out.migrated["finished_in_place"] = (
+                out.migrated.get("finished_in_place", 0) + num_finished
+            )
         out.phases_s["migrate" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
         await self._stop(list(leaving))
@@ -399,54 +424,110 @@ class Executor:
         cluster: Cluster,
         source: LiveInstance,
         running: dict[str, LiveInstance],
+        leaving: Sequence[LiveInstance],
         out: ShiftOutcome,
+        outliving_s: float | None = None,
     ) -> int:
-        """Move what is still running on `source` to live instances of its model. Returns
-        how many requests were still running on it (moved, or continued by the gateway
-        when there is nowhere to move them)."""
+        """Move what runs on `source` to live instances of its model (with `outliving_s`:
+        only what would still run that long from now), each where it pauses least with the
+        wait for a free slot there counted (`plan_moves`). Returns how many requests moved,
+        or were still running with nowhere to go (the gateway continues them when it
+        stops)."""
         try:
             reqs = await self.gateway.requests_on(source.url)
         except GatewayError:
             return 0
+        gone = {i.key for i in leaving}
         targets = [
-            i
-            for i in running.values()
-            if i.planned.model == source.planned.model and i.state == "active"
-        ]
+            i for k, i in running.items()
+            if i.planned.model == source.planned.model and i.state == "active" and k not in gone
+        ]  # fmt: skip
+        if outliving_s is not None:
+            interval_s = _interval_s(cluster, source.planned, reqs)
+            reqs = [r for r in reqs if outlives(_tokens_left(r), interval_s, outliving_s)]
+        if not reqs:
+            return 0
         if not targets:
-            return len(reqs)  # nowhere to go: the gateway continues them when it stops
+            return 0 if outliving_s is not None else len(reqs)
+        destinations = await asyncio.gather(
+            *(self._destination(cluster, source, t) for t in targets)
+        )
+        planned = plan_moves([MoveRequest(int(r["id"]), _context(r)) for r in reqs], destinations)
+        by_url = {t.url: t for t in targets}
         moves = []
-        for n, req in enumerate(reqs):
-            target = targets[n % len(targets)]
-            context = int(req["num_prompt_tokens"]) + int(req["num_output_tokens"])
-            link = link_between(cluster, source.planned, target.planned)
-            choice = choose_migration(perf_model_of(cluster, target.planned), context, link)
-            move: dict[str, Any] = {"id": req["id"], "method": choice.method,
-                                    "target": target.url}  # fmt: skip
+        for m in planned:
+            move: dict[str, Any] = {"id": m.id, "method": m.choice.method,
+                                    "target": m.destination}  # fmt: skip
+            link = link_between(cluster, source.planned, by_url[m.destination].planned)
             if link is not None:
                 move["bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
                 move["latency_s"] = link.latency_s
             moves.append(move)
-        if not moves:
-            return 0
+        t0 = self.clock()
         try:
             results = await self.gateway.move(moves)
         except GatewayError as exc:
             log.warning("moves off %s: %s", source.url, exc)
             return len(moves)
-        num_moved = 0
+        took_s = self.clock() - t0
+        stream_ids = {int(r["id"]): r.get("request_id") for r in reqs}
+        counts: dict[str, int] = {}
+        moved_ids = []
         for r in results:
             outcome = str(r.get("outcome"))
             if outcome != "not_running":
                 out.migrated[outcome] = out.migrated.get(outcome, 0) + 1
-                num_moved += 1
-        await self._drain(source, 10.0)  # the moved requests leave it at once
-        return num_moved
+                counts[outcome] = counts.get(outcome, 0) + 1
+                moved_ids.append(str(stream_ids.get(int(r["id"])) or "-"))
+        if moved_ids:
+            when = "before the drain deadline" if outliving_s is not None else "at the deadline"
+            self.on_moves(
+                f"controller: moved {len(moved_ids)} request(s) off {source.url} {when} "
+                f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) in "
+                f"{took_s:.3f} s: {' '.join(moved_ids)}"
+            )
+        return len(moved_ids)
+
+    async def _destination(
+        self, cluster: Cluster, source: LiveInstance, target: LiveInstance
+    ) -> Destination:
+        """`target` as a move destination: its slots and the time left of what it serves."""
+        try:
+            reqs = await self.gateway.requests_on(target.url)
+        except GatewayError:
+            reqs = []
+        interval_s = _interval_s(cluster, target.planned, reqs)
+        return Destination(
+            target.url,
+            perf_model_of(cluster, target.planned),
+            link_between(cluster, source.planned, target.planned),
+            target.planned.gear.max_num_seqs,
+            tuple(_tokens_left(r) * interval_s for r in reqs),
+        )
 
     async def _stop(self, instances: Sequence[LiveInstance]) -> None:
         await asyncio.gather(*(i.handle.stop() for i in instances), return_exceptions=True)
         for inst in instances:
             self._set(inst, "gone")
+
+
+def _context(req: dict[str, Any]) -> int:
+    """A gateway request's context: prompt + tokens sent so far."""
+    return int(req["num_prompt_tokens"]) + int(req["num_output_tokens"])
+
+
+def _tokens_left(req: dict[str, Any]) -> int:
+    return max(0, int(req.get("max_tokens") or 0) - int(req["num_output_tokens"]))
+
+
+def _interval_s(
+    cluster: Cluster, instance: PlannedInstance, reqs: Sequence[dict[str, Any]]
+) -> float:
+    """Modelled time between two tokens of a request on `instance` at its current batch and
+    mean context (the performance model's)."""
+    batch = max(1, len(reqs))
+    context = sum(_context(r) for r in reqs) // batch if reqs else 1
+    return perf_model_of(cluster, instance).decode_interval_s(batch, max(1, context))
 
 
 Step = tuple[list[LiveInstance], list[PlannedInstance]]
