@@ -137,6 +137,7 @@ def test_a_stream_moved_twice_is_seamless(lt: LoopThread, engines: list[EnginePr
                 outcomes.append(move(r, req["id"], "kv", second))
             if len(pieces) == 40 and len(outcomes) == 1:
                 (req,) = requests_on(r, second)
+                assert req["num_output_tokens"] >= 40  # what the client got (priced on it)
                 outcomes.append(move(r, req["id"], "kv", third))
         assert outcomes == ["kv", "kv"]
         assert len(pieces) == 90 and len(ids) == 1

@@ -374,10 +374,11 @@ class Executor:
         # while the other instances still have the free slots this one's traffic is about to
         # take; the rest finishes in place by the deadline or is moved after it.
         in_flight = await asyncio.gather(*(self._in_flight(i) for i in leaving))
+        # the deadline in modelled seconds, as the performance model's token intervals
+        deadline_s = self.drain_deadline_s / self.time_scale if self.time_scale > 0 else math.inf
         early = await asyncio.gather(
-            *(self._move_off(cluster, i, running, leaving, out, self.drain_deadline_s)
-              for i in leaving)
-        )  # fmt: skip
+            *(self._move_off(cluster, i, running, leaving, out, deadline_s) for i in leaving)
+        )
         drained = await asyncio.gather(
             *(self._drain(i, self.drain_deadline_s) for i in leaving), return_exceptions=True
         )

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from flexpipe.gateway.sse import StreamState
 from flexpipe.gateway.tenants import Tenant
 from flexpipe.http.client import UpstreamResponse
 from flexpipe.policies.routing import RoutingRequest
@@ -55,6 +56,7 @@ class Call:
     first_request_id: str | None = None  # the first engine's: the stream id the client sees
     relay: PushRelay | None = None  # its push relay while one streams it
     relayed: UpstreamResponse | None = None  # what the failover pump relays (after a move)
+    stream_state: StreamState | None = None  # the failover pump's view of what was sent
     move: Move | None = None  # asked for and not yet carried out
     sending: asyncio.Task[Any] | None = None  # waiting for the engine's response head
     export: dict[str, Any] | None = None  # the engine's exported state for a "kv" move
@@ -63,6 +65,8 @@ class Call:
     def describe(self) -> dict[str, Any]:
         """What the controller needs to price a move of this request."""
         sent = self.relay.num_tokens_sent if self.relay is not None else 0
+        if self.relay is None and self.stream_state is not None:
+            sent = self.stream_state.num_tokens
         return {
             "id": self.id,
             "model": self.model,

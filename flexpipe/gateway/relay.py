@@ -252,7 +252,7 @@ async def relay_after_failure(
                 resp.release()
                 call.failed.add(inst.url)
                 if state is None:
-                    state = sse.summarize(b"".join(sent), call.chat)
+                    state = call.stream_state = sse.summarize(b"".join(sent), call.chat)
                 if state.finished:
                     yield sse.DONE
                     return
