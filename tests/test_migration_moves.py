@@ -51,7 +51,7 @@ def test_the_wait_adds_to_either_method_and_does_not_change_which_is_cheaper() -
 
 
 def dest(name: str, slots: int, remaining: tuple[float, ...]) -> Destination:
-    return Destination(name, PM, FAST, slots, remaining)
+    return Destination(name, PM, {"": FAST}, slots, remaining)  # from the source "" over FAST
 
 
 def test_moves_go_where_a_slot_is_free_and_each_takes_one() -> None:
@@ -65,10 +65,15 @@ def test_moves_go_where_a_slot_is_free_and_each_takes_one() -> None:
     assert [(m.id, m.destination) for m in moves] == [(5, "roomy"), (6, "roomy"), (7, "full")]
     assert [m.choice.queue_wait_s for m in moves] == [0.0, 0.0, 0.4]
     assert moves[2].choice.pause_s == pytest.approx(base[3000] + 0.4)
+    # 6 shares roomy's link with 5: it moves once 5's KV is across, pausing only for its own
+    kv_1000 = PM.kv_transfer_s(1000, FAST.bandwidth_bytes_per_s, FAST.latency_s)
+    assert [m.choice.method for m in moves] == ["kv", "kv", "kv"]
+    assert [m.at_s for m in moves] == [0.0, kv_1000, 0.0]
+    assert moves[1].choice.pause_s == base[2000]
 
 
 def test_a_move_prefers_a_busy_fast_link_only_when_the_wait_is_shorter_than_the_gain() -> None:
-    slow = Destination("slow", PM, None, 4, ())  # free, but recompute only
+    slow = Destination("slow", PM, {}, 4, ())  # free, but recompute only
     fast_busy = dest("fast", 1, (0.001,))
     moves = plan_moves([MoveRequest(1, 4000)], [slow, fast_busy])
     kv = PM.kv_transfer_s(4000, FAST.bandwidth_bytes_per_s, FAST.latency_s)
@@ -82,6 +87,24 @@ def test_no_destination_no_moves_and_ties_go_to_the_first() -> None:
     assert plan_moves([MoveRequest(1, 100)], []) == []
     a, b = dest("a", 4, ()), dest("b", 4, ())
     assert [m.destination for m in plan_moves([MoveRequest(1, 100)], [a, b])] == ["a"]
+
+
+def test_recomputes_on_one_destination_go_one_after_another_within_the_horizon() -> None:
+    only = Destination("only", PM, {}, 8, ())  # recompute only, slots free
+    reqs = [MoveRequest(1, 1000), MoveRequest(2, 1000), MoveRequest(3, 1000)]
+    p = PM.prefill_s(1000)
+    moves = plan_moves(reqs, [only])
+    assert [m.at_s for m in moves] == [0.0, p, 2 * p]  # not all at once, each paused behind
+    assert all(m.choice.pause_s == p for m in moves)
+    # a second destination takes the next one at once rather than later
+    moves = plan_moves(reqs, [only, Destination("other", PM, {}, 8, ())])
+    assert [(m.destination, m.at_s) for m in moves] == [("only", 0.0), ("other", 0.0),
+                                                       ("only", p)]  # fmt: skip
+    # one slot, free in p/2: the first waits for it (paused p/2 + p), the next ones start
+    # when the lane is free; beyond the horizon they are ranked by when they resume
+    late = plan_moves(reqs, [Destination("only", PM, {}, 1, (p / 2,))], horizon_s=p / 4)
+    assert [m.choice.queue_wait_s for m in late] == [p / 2, 0.0, 0.0]
+    assert [m.at_s for m in late] == [0.0, pytest.approx(1.5 * p), pytest.approx(2.5 * p)]
 
 
 def test_what_outlives_the_drain_deadline_moves_at_once() -> None:

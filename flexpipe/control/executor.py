@@ -37,6 +37,7 @@ from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import (
     Destination,
     MoveRequest,
+    PlannedMove,
     link_between,
     outlives,
     perf_model_of,
@@ -370,25 +371,27 @@ class Executor:
         t0 = self.clock()
         for inst in leaving:
             self._set(inst, "draining")
-        # No new requests from here on. What would still run at the deadline moves at once,
-        # while the other instances still have the free slots this one's traffic is about to
-        # take; the rest finishes in place by the deadline or is moved after it.
+        # No new requests from here on. What would still run at the deadline moves now, while
+        # the other instances still have the free slots this one's traffic is about to take
+        # (in waves: one destination prefills one move after another, and a request keeps
+        # generating here until its turn); the rest finishes in place by the deadline or is
+        # moved after it.
         in_flight = await asyncio.gather(*(self._in_flight(i) for i in leaving))
         # the deadline in modelled seconds, as the performance model's token intervals
         deadline_s = self.drain_deadline_s / self.time_scale if self.time_scale > 0 else math.inf
-        early = await asyncio.gather(
-            *(self._move_off(cluster, i, running, leaving, out, deadline_s) for i in leaving)
+        stop = asyncio.Event()
+        early = asyncio.ensure_future(
+            self._move_off(cluster, leaving, running, leaving, out, deadline_s, stop)
         )
         drained = await asyncio.gather(
             *(self._drain(i, self.drain_deadline_s) for i in leaving), return_exceptions=True
         )
+        stop.set()  # no wave starts after the deadline: what is left moves below
+        num_moved = await early
         out.phases_s["drain" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
-        late = await asyncio.gather(
-            *(self._move_off(cluster, i, running, leaving, out)
-              for i, ok in zip(leaving, drained, strict=True) if ok is not True)
-        )  # fmt: skip
-        num_moved = sum(early) + sum(late)
+        left = [i for i, ok in zip(leaving, drained, strict=True) if ok is not True]
+        num_moved += await self._move_off(cluster, left, running, leaving, out)
         await asyncio.gather(*(self._drain(i, 10.0) for i in leaving))  # moved ones leave at once
         num_finished = sum(in_flight) - num_moved
         if num_finished > 0:
@@ -423,43 +426,86 @@ class Executor:
     async def _move_off(
         self,
         cluster: Cluster,
-        source: LiveInstance,
+        sources: Sequence[LiveInstance],
         running: dict[str, LiveInstance],
         leaving: Sequence[LiveInstance],
         out: ShiftOutcome,
         outliving_s: float | None = None,
+        stop: asyncio.Event | None = None,
     ) -> int:
-        """Move what runs on `source` to live instances of its model (with `outliving_s`:
-        only what would still run that long from now), each where it pauses least with the
-        wait for a free slot there counted (`plan_moves`). Returns how many requests moved,
-        or were still running with nowhere to go (the gateway continues them when it
-        stops)."""
-        try:
-            reqs = await self.gateway.requests_on(source.url)
-        except GatewayError:
+        """Move what runs on `sources` to live instances of their models (with `outliving_s`:
+        only what would still run that long from now), all of a model planned together
+        (`plan_moves`: where each pauses least, the wait for a free slot there counted, and
+        when, so that no move waits paused behind another on the same destination or link),
+        carried out wave by wave at the planned times until `stop` is set. Returns how many
+        requests moved, or were still running with nowhere to go (the gateway continues
+        them when their instance stops)."""
+        if not sources:
             return 0
         gone = {i.key for i in leaving}
-        targets = [
-            i for k, i in running.items()
-            if i.planned.model == source.planned.model and i.state == "active" and k not in gone
-        ]  # fmt: skip
-        if outliving_s is not None:
-            interval_s = _interval_s(cluster, source.planned, reqs)
-            reqs = [r for r in reqs if outlives(_tokens_left(r), interval_s, outliving_s)]
-        if not reqs:
-            return 0
-        if not targets:
-            return 0 if outliving_s is not None else len(reqs)
-        destinations = await asyncio.gather(
-            *(self._destination(cluster, source, t) for t in targets)
-        )
-        planned = plan_moves([MoveRequest(int(r["id"]), _context(r)) for r in reqs], destinations)
-        by_url = {t.url: t for t in targets}
+        found = await asyncio.gather(*(self._requests_on(i) for i in sources))
+        horizon_s = math.inf if outliving_s is None else outliving_s
+        planned: list[tuple[PlannedMove, LiveInstance, LiveInstance]] = []
+        stream_ids: dict[int, Any] = {}
+        num_stuck = 0
+        for model in sorted({i.planned.model for i in sources}):
+            reqs: list[MoveRequest] = []
+            from_url: dict[int, LiveInstance] = {}
+            for src, src_reqs in zip(sources, found, strict=True):
+                if src.planned.model != model:
+                    continue
+                if outliving_s is not None:
+                    interval_s = _interval_s(cluster, src.planned, src_reqs)
+                    src_reqs = [r for r in src_reqs
+                                if outlives(_tokens_left(r), interval_s, outliving_s)]  # fmt: skip
+                for r in src_reqs:
+                    reqs.append(MoveRequest(int(r["id"]), _context(r), src.url))
+                    from_url[int(r["id"])] = src
+                    stream_ids[int(r["id"])] = r.get("request_id")
+            targets = [
+                i for k, i in running.items()
+                if i.planned.model == model and i.state == "active" and k not in gone
+            ]  # fmt: skip
+            if not targets:
+                num_stuck += 0 if outliving_s is not None else len(reqs)
+                continue
+            destinations = await asyncio.gather(
+                *(self._destination(cluster, sources, t) for t in targets)
+            )
+            by_url = {t.url: t for t in targets}
+            for m in plan_moves(reqs, destinations, horizon_s):
+                planned.append((m, from_url[m.id], by_url[m.destination]))
+        num_moved = 0
+        t0 = self.clock()
+        waves: dict[float, list[tuple[PlannedMove, LiveInstance, LiveInstance]]] = {}
+        for item in planned:  # moves planned within 10 ms of each other go together
+            waves.setdefault(round(item[0].at_s, 2), []).append(item)
+        for at_s in sorted(waves):
+            wait_s = at_s * self.time_scale - (self.clock() - t0)
+            if stop is not None and wait_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), wait_s)
+            elif wait_s > 0:
+                await asyncio.sleep(wait_s)
+            if stop is not None and stop.is_set():
+                break
+            when = "before the drain deadline" if outliving_s is not None else "at the deadline"
+            num_moved += await self._move_wave(cluster, waves[at_s], stream_ids, out, when)
+        return num_moved + num_stuck
+
+    async def _move_wave(
+        self,
+        cluster: Cluster,
+        wave: Sequence[tuple[PlannedMove, LiveInstance, LiveInstance]],
+        stream_ids: dict[int, Any],
+        out: ShiftOutcome,
+        when: str,
+    ) -> int:
+        """One batch of moves through the gateway; one line per source says what moved."""
         moves = []
-        for m in planned:
-            move: dict[str, Any] = {"id": m.id, "method": m.choice.method,
-                                    "target": m.destination}  # fmt: skip
-            link = link_between(cluster, source.planned, by_url[m.destination].planned)
+        for m, src, dst in wave:
+            move: dict[str, Any] = {"id": m.id, "method": m.choice.method, "target": dst.url}
+            link = link_between(cluster, src.planned, dst.planned)
             if link is not None:
                 move["bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
                 move["latency_s"] = link.latency_s
@@ -468,40 +514,44 @@ class Executor:
         try:
             results = await self.gateway.move(moves)
         except GatewayError as exc:
-            log.warning("moves off %s: %s", source.url, exc)
+            log.warning("moves: %s", exc)
             return len(moves)
         took_s = self.clock() - t0
-        stream_ids = {int(r["id"]): r.get("request_id") for r in reqs}
-        counts: dict[str, int] = {}
-        moved_ids = []
+        source_of = {m.id: src.url for m, src, _ in wave}
+        by_source: dict[str, tuple[dict[str, int], list[str]]] = {}
         for r in results:
             outcome = str(r.get("outcome"))
-            if outcome != "not_running":
-                out.migrated[outcome] = out.migrated.get(outcome, 0) + 1
-                counts[outcome] = counts.get(outcome, 0) + 1
-                moved_ids.append(str(stream_ids.get(int(r["id"])) or "-"))
-        if moved_ids:
-            when = "before the drain deadline" if outliving_s is not None else "at the deadline"
+            if outcome == "not_running":
+                continue
+            out.migrated[outcome] = out.migrated.get(outcome, 0) + 1
+            counts, ids = by_source.setdefault(source_of[int(r["id"])], ({}, []))
+            counts[outcome] = counts.get(outcome, 0) + 1
+            ids.append(str(stream_ids.get(int(r["id"])) or "-"))
+        for url, (counts, ids) in by_source.items():
             self.on_moves(
-                f"controller: moved {len(moved_ids)} request(s) off {source.url} {when} "
+                f"controller: moved {len(ids)} request(s) off {url} {when} "
                 f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) in "
-                f"{took_s:.3f} s: {' '.join(moved_ids)}"
+                f"{took_s:.3f} s: {' '.join(ids)}"
             )
-        return len(moved_ids)
+        return sum(len(ids) for _, ids in by_source.values())
+
+    async def _requests_on(self, inst: LiveInstance) -> list[dict[str, Any]]:
+        try:
+            return await self.gateway.requests_on(inst.url)
+        except GatewayError:
+            return []
 
     async def _destination(
-        self, cluster: Cluster, source: LiveInstance, target: LiveInstance
+        self, cluster: Cluster, sources: Sequence[LiveInstance], target: LiveInstance
     ) -> Destination:
-        """`target` as a move destination: its slots and the time left of what it serves."""
-        try:
-            reqs = await self.gateway.requests_on(target.url)
-        except GatewayError:
-            reqs = []
+        """`target` as a move destination: its slots, the time left of what it serves and
+        the link from each source."""
+        reqs = await self._requests_on(target)
         interval_s = _interval_s(cluster, target.planned, reqs)
         return Destination(
             target.url,
             perf_model_of(cluster, target.planned),
-            link_between(cluster, source.planned, target.planned),
+            {s.url: link_between(cluster, s.planned, target.planned) for s in sources},
             target.planned.gear.max_num_seqs,
             tuple(_tokens_left(r) * interval_s for r in reqs),
         )

@@ -10,7 +10,8 @@ request at its drain deadline; the pricing calls it for the mean context.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -115,17 +116,19 @@ class Destination:
 
     name: str  # the instance's URL
     perf: PerfModel
-    link: LinkSpec | None  # from the source (None: recompute only)
+    links: Mapping[str, LinkSpec | None]  # source name -> the link from it (None: recompute)
     num_slots: int  # max_num_seqs (0: unknown)
     remaining_s: tuple[float, ...]  # time left of each request it serves now
 
 
 @dataclass(frozen=True, slots=True)
 class MoveRequest:
-    """A request to move: the gateway's id and the tokens of its context (prompt + output)."""
+    """A request to move: the gateway's id, the tokens of its context (prompt + output) and
+    the instance it leaves."""
 
     id: int
     context_tokens: int
+    source: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,30 +136,54 @@ class PlannedMove:
     id: int
     destination: str
     choice: MigrationChoice
+    at_s: float = 0.0  # when to carry it out, from now: after the moves ahead of it there
 
 
 def plan_moves(
-    requests: Sequence[MoveRequest], destinations: Sequence[Destination]
+    requests: Sequence[MoveRequest],
+    destinations: Sequence[Destination],
+    horizon_s: float = math.inf,
 ) -> list[PlannedMove]:
-    """Each request to the destination where it pauses least (slot wait + the cheaper of KV
-    move and recompute), a request placed there taking a slot from the next. Shortest context
-    first: its budget (one prefill of its context) is the smallest, so it gets the free slots.
-    Ties go to the earlier destination. Pure; empty when there is nowhere to go."""
-    if not destinations:
-        return []
+    """Each request to the destination and method where it pauses least, and when.
+
+    A destination prefills one recompute after another (they share its steps) and a link
+    carries one KV move after another (they share its bandwidth): a move placed behind others
+    on the same lane is carried out when they are done (`at_s`), so that it does not wait for
+    them while paused — until then it keeps generating where it is. Its pause is then its own
+    move plus what is left of the wait for a slot (`slot_wait_s`, counted from now). Among the
+    options that start within `horizon_s` (the drain deadline: after it the source is gone)
+    the smallest pause wins, then the earliest start; with none, the earliest resumption.
+    Shortest context first: its budget (one prefill of its context) is the smallest. Ties go
+    to the earlier destination. Pure; empty when there is nowhere to go."""
     placed = [0] * len(destinations)
+    lane_free_s: dict[tuple[int, str], float] = {}  # (destination, lane) -> free from
     out = []
     for req in sorted(requests, key=lambda r: (r.context_tokens, r.id)):
-        best: tuple[float, int, MigrationChoice] | None = None
+        best: tuple[tuple[bool, float, float], PlannedMove] | None = None
         for n, d in enumerate(destinations):
-            wait_s = slot_wait_s(d.num_slots, d.remaining_s, placed[n])
-            choice = choose_migration(d.perf, req.context_tokens, d.link, wait_s)
-            if best is None or choice.pause_s < best[0]:
-                best = (choice.pause_s, n, choice)
-        assert best is not None
-        _, n, choice = best
+            slot_s = slot_wait_s(d.num_slots, d.remaining_s, placed[n])
+            link = d.links.get(req.source)
+            base = choose_migration(d.perf, req.context_tokens, link)
+            options: list[tuple[Literal["kv", "recompute"], str]] = [("recompute", "prefill")]
+            if link is not None and base.kv_move_s is not None:
+                options.append(("kv", f"link:{req.source}"))
+            for method, lane in options:
+                at_s = lane_free_s.get((n, lane), 0.0)
+                wait_s = max(0.0, slot_s - at_s)
+                choice = MigrationChoice(method, base.kv_move_s, base.recompute_s, wait_s)
+                key = (at_s > horizon_s, choice.pause_s if at_s <= horizon_s else 0.0,
+                       at_s + choice.pause_s)  # fmt: skip
+                if best is None or key < best[0]:
+                    best = (key, PlannedMove(req.id, d.name, choice, at_s))
+        if best is None:
+            return []
+        move = best[1]
+        n = next(k for k, d in enumerate(destinations) if d.name == move.destination)
+        lane = "prefill" if move.choice.method == "recompute" else f"link:{req.source}"
+        cost_s = move.choice.pause_s - move.choice.queue_wait_s
+        lane_free_s[(n, lane)] = move.at_s + move.choice.queue_wait_s + cost_s
         placed[n] += 1
-        out.append(PlannedMove(req.id, destinations[n].name, choice))
+        out.append(move)
     return out
 
 
