@@ -513,7 +513,8 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
         if m is None or t < s0:
             continue
         start_s, end_s = t - float(m["took"]) - 0.01, t
-        for rid in m["ids"].split():
+        for word in m["ids"].split():  # stream id[=priced pause, e.g. 123ms]
+            rid, _, priced = word.partition("=")
             rec = by_id.get(rid)
             pm = perf.get(m["url"])
             if rec is None or pm is None:
@@ -531,6 +532,7 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
                 "pause_ms": round(gap_s / scale * 1e3, 1),
                 "stall_ms": round(max(0.0, gap_s - cadence_s) / scale * 1e3, 1),
                 "prefill_ms": round(prefill_s * 1e3, 1),
+                "priced_ms": float(priced.removesuffix("ms")) if priced else None,
                 "pause_over_prefill": round(gap_s / scale / prefill_s, 2),
                 "stall_over_prefill": round(max(0.0, gap_s - cadence_s) / scale / prefill_s, 2),
                 "failed": rec.failure,
@@ -544,6 +546,11 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
     for name, key in columns.items() if rows else ():
         for q in (50, 99):
             summary[name.format(f"p{q}")] = _pct([float(r[key]) for r in rows], q)
+    priced = [(float(r["pause_ms"]), float(r["priced_ms"])) for r in rows if r["priced_ms"]]
+    if priced:  # the move's own price, from the performance model (its floor in the sim)
+        for q in (50, 99):
+            summary[f"priced_p{q}_ms"] = _pct([p for _, p in priced], q)
+            summary[f"pause_over_priced_p{q}"] = round(_pct([g / p for g, p in priced], q) or 0, 2)
     summary["num_failed"] = sum(1 for r in rows if r["failed"])
     return {"summary": summary, "requests": rows}
 
@@ -583,12 +590,14 @@ def print_report(s: dict[str, Any]) -> None:
               f"{m.get('pause_p99_ms')} ms = {m.get('pause_over_prefill_p50')}/"
               f"{m.get('pause_over_prefill_p99')} x one prefill (p50 {m.get('prefill_p50_ms')} "
               f"ms); beyond their own cadence {m.get('stall_p50_ms')}/{m.get('stall_p99_ms')} "
-              f"ms = {m.get('stall_over_prefill_p50')}/{m.get('stall_over_prefill_p99')} x"
+              f"ms = {m.get('stall_over_prefill_p50')}/{m.get('stall_over_prefill_p99')} x; "
+              f"priced {m.get('priced_p50_ms')}/{m.get('priced_p99_ms')} ms (pause/price "
+              f"{m.get('pause_over_priced_p50')}/{m.get('pause_over_priced_p99')})"
               )  # fmt: skip
         for r in s["moved"]["requests"]:
             print(f"    moved: request {r['index']} off {r['from']} {r['when']}: pause "
                   f"{r['pause_ms']} ms (stall {r['stall_ms']}), context {r['context_tokens']}, "
-                  f"prefill {r['prefill_ms']} ms")  # fmt: skip
+                  f"prefill {r['prefill_ms']} ms, priced {r['priced_ms']} ms")  # fmt: skip
     if "throughput" in s:
         tcols = ("window_modelled_s", "output_tokens_per_s", "requests_per_s", "ttft_p50_ms",
                 "ttft_p99_ms")  # fmt: skip

@@ -518,6 +518,7 @@ class Executor:
             return len(moves)
         took_s = self.clock() - t0
         source_of = {m.id: src.url for m, src, _ in wave}
+        priced_s = {m.id: m.choice.pause_s for m, _, _ in wave}
         by_source: dict[str, tuple[dict[str, int], list[str]]] = {}
         for r in results:
             outcome = str(r.get("outcome"))
@@ -526,7 +527,8 @@ class Executor:
             out.migrated[outcome] = out.migrated.get(outcome, 0) + 1
             counts, ids = by_source.setdefault(source_of[int(r["id"])], ({}, []))
             counts[outcome] = counts.get(outcome, 0) + 1
-            ids.append(str(stream_ids.get(int(r["id"])) or "-"))
+            call_id = int(r["id"])  # stream id, and the pause the move was priced at
+            ids.append(f"{stream_ids.get(call_id) or '-'}={priced_s[call_id] * 1e3:.0f}ms")
         for url, (counts, ids) in by_source.items():
             self.on_moves(
                 f"controller: moved {len(ids)} request(s) off {url} {when} "
