@@ -538,6 +538,10 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
                 "failed": rec.failure,
             })  # fmt: skip
     summary: dict[str, Any] = {"num": len(rows)}
+    summary["move_lines"] = [  # when (s after `up` started, wall) and what the controller said
+        [round(t - run.t0, 3), line] for t, line in (run.out.lines if run.out else ())
+        if _MOVED.search(line)
+    ]  # fmt: skip
     columns = {  # summary name -> row key
         "pause_{}_ms": "pause_ms", "stall_{}_ms": "stall_ms", "prefill_{}_ms": "prefill_ms",
         "pause_over_prefill_{}": "pause_over_prefill",
@@ -620,7 +624,7 @@ def write_results(s: dict[str, Any], records: Sequence[RequestRecord], t0: float
         w = csv.writer(f)
         w.writerow(["index", "route", "instance", "prompt_tokens", "max_tokens",
                     "num_completion_tokens", "sent_s", "first_token_s", "ended_s", "max_gap_ms",
-                    "error"])  # fmt: skip
+                    "error", "stream_id"])  # fmt: skip
         for r in records:
             gap = r.max_gap()
             w.writerow([
@@ -628,7 +632,7 @@ def write_results(s: dict[str, Any], records: Sequence[RequestRecord], t0: float
                 r.num_completion_tokens, f"{r.sent_s - t0:.3f}",
                 f"{r.token_s[0] - t0:.3f}" if r.token_s else "",
                 f"{r.ended_s - t0:.3f}" if r.ended_s is not None else "",
-                f"{gap[0] * 1e3:.1f}" if gap else "", r.error or "",
+                f"{gap[0] * 1e3:.1f}" if gap else "", r.error or "", r.stream_id or "",
             ])  # fmt: skip
     return path
 
