@@ -26,8 +26,15 @@ the sim engines run `--time-scale` wall seconds per modelled second, and the ben
 - requests before / during / after the shift, failed requests (errors or short answers),
   throughput and TTFT before the tenant leaves and after the shift.
 
+- the pause of each request the shift moved (the controller prints one line per batch of
+  moves, naming the requests by the stream id their clients see, with the pause each move
+  was priced at): its largest gap between two tokens that overlaps the move, against one
+  prefill of its context on the instance it left; beside it, the model's price of the move,
+  and the gap that the requests not moved saw at the same moment (on this shared 2-core
+  machine the whole system stalls now and then, e.g. while the controller re-plans).
+
 Verdict: "ok" when the shift succeeded, no request failed, and the p99 of pause / prefill
-of the in-flight requests is below 1. The table prints; JSON (summary) and CSV (one row per
+of the moved requests is below 1. The table prints; JSON (summary) and CSV (one row per
 request) go to bench/results/shift-<UTC time>.{json,csv}. Everything it starts is stopped
 at the end (SIGTERM to `up`, then SIGKILL of its process group), and the whole run is
 bounded by `--max-wall-s`.
@@ -499,8 +506,9 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
     """The pause of each request the shift moved, as its client saw it: the largest gap
     between two of its tokens that overlaps the move (the controller's line names the
     requests and how long the move call took), against one prefill of its context on the
-    instance it left; and the same gap less the request's own median gap before it (its
-    cadence, which it would have seen anyway)."""
+    instance it left; the same gap less the request's own median gap before it (its
+    cadence, which it would have seen anyway); and the median of the same measure over the
+    requests that were not moved (a stall of the whole machine shows there too)."""
     scale = run.args.time_scale
     by_id = {r.stream_id: r for r in (run.load.records if run.load else []) if r.stream_id}
     perf: dict[str, PerfModel] = {}
@@ -508,12 +516,19 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
         for url in run.instance_urls(inst):
             perf[url] = _perf_model(run.cluster, run.demand.model, inst["gear"], inst["stages"])
     rows = []
+    records = run.load.records if run.load else []
     for t, line in run.out.lines if run.out is not None else ():
         m = _MOVED.search(line)
         if m is None or t < s0:
             continue
         start_s, end_s = t - float(m["took"]) - 0.01, t
-        for word in m["ids"].split():  # stream id[=priced pause, e.g. 123ms]
+        words = m["ids"].split()  # stream id[=priced pause, e.g. 123ms]
+        moved_here = {w.partition("=")[0] for w in words}
+        # the control: the same measure, same moment, for the requests that were not moved
+        control = [g[0] for r in records if r.stream_id not in moved_here
+                   and (g := r.gap_over(start_s, end_s)) is not None]  # fmt: skip
+        control_s = statistics.median(control) if control else 0.0
+        for word in words:
             rid, _, priced = word.partition("=")
             rec = by_id.get(rid)
             pm = perf.get(m["url"])
@@ -533,6 +548,9 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
                 "stall_ms": round(max(0.0, gap_s - cadence_s) / scale * 1e3, 1),
                 "prefill_ms": round(prefill_s * 1e3, 1),
                 "priced_ms": float(priced.removesuffix("ms")) if priced else None,
+                "unmoved_gap_ms": round(control_s / scale * 1e3, 1),
+                "excess_ms": round(max(0.0, gap_s - control_s) / scale * 1e3, 1),
+                "excess_over_prefill": round(max(0.0, gap_s - control_s) / scale / prefill_s, 2),
                 "pause_over_prefill": round(gap_s / scale / prefill_s, 2),
                 "stall_over_prefill": round(max(0.0, gap_s - cadence_s) / scale / prefill_s, 2),
                 "failed": rec.failure,
@@ -546,6 +564,8 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
         "pause_{}_ms": "pause_ms", "stall_{}_ms": "stall_ms", "prefill_{}_ms": "prefill_ms",
         "pause_over_prefill_{}": "pause_over_prefill",
         "stall_over_prefill_{}": "stall_over_prefill",
+        "unmoved_gap_{}_ms": "unmoved_gap_ms", "excess_{}_ms": "excess_ms",
+        "excess_over_prefill_{}": "excess_over_prefill",
     }  # fmt: skip
     for name, key in columns.items() if rows else ():
         for q in (50, 99):
@@ -596,12 +616,17 @@ def print_report(s: dict[str, Any]) -> None:
               f"ms); beyond their own cadence {m.get('stall_p50_ms')}/{m.get('stall_p99_ms')} "
               f"ms = {m.get('stall_over_prefill_p50')}/{m.get('stall_over_prefill_p99')} x; "
               f"priced {m.get('priced_p50_ms')}/{m.get('priced_p99_ms')} ms (pause/price "
-              f"{m.get('pause_over_priced_p50')}/{m.get('pause_over_priced_p99')})"
+              f"{m.get('pause_over_priced_p50')}/{m.get('pause_over_priced_p99')}); "
+              f"requests not moved saw {m.get('unmoved_gap_p50_ms')}/"
+              f"{m.get('unmoved_gap_p99_ms')} ms at the same moments, the moved ones "
+              f"{m.get('excess_p50_ms')}/{m.get('excess_p99_ms')} ms more = "
+              f"{m.get('excess_over_prefill_p50')}/{m.get('excess_over_prefill_p99')} x"
               )  # fmt: skip
         for r in s["moved"]["requests"]:
             print(f"    moved: request {r['index']} off {r['from']} {r['when']}: pause "
                   f"{r['pause_ms']} ms (stall {r['stall_ms']}), context {r['context_tokens']}, "
-                  f"prefill {r['prefill_ms']} ms, priced {r['priced_ms']} ms")  # fmt: skip
+                  f"prefill {r['prefill_ms']} ms, priced {r['priced_ms']} ms, unmoved "
+                  f"{r['unmoved_gap_ms']} ms")  # fmt: skip
     if "throughput" in s:
         tcols = ("window_modelled_s", "output_tokens_per_s", "requests_per_s", "ttft_p50_ms",
                 "ttft_p99_ms")  # fmt: skip
