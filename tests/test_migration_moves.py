@@ -111,3 +111,13 @@ def test_what_outlives_the_drain_deadline_moves_at_once() -> None:
     assert outlives(2000, 0.05, 4.0)  # 100 s left
     assert not outlives(60, 0.05, 4.0)  # 3 s left: finishes in place
     assert not outlives(80, 0.05, 4.0)  # exactly at the deadline: it may still finish
+
+
+def test_a_move_waits_unpaused_until_the_destination_has_prefilled_what_it_admitted() -> None:
+    flooded = Destination("flooded", PM, {}, 8, (), num_prefill_tokens=8192)
+    (move,) = plan_moves([MoveRequest(1, 1000)], [flooded])
+    assert move.at_s == PM.prefill_s(8192) and move.choice.pause_s == PM.prefill_s(1000)
+    # a quiet destination with a slower move wins while its pause is the smaller one
+    quiet = Destination("quiet", PM, {"": link_spec("eth25")}, 8, ())
+    (move,) = plan_moves([MoveRequest(1, 1000)], [flooded, quiet], horizon_s=0.1)
+    assert move.destination == "quiet"  # the flooded one could only start past the horizon

@@ -550,12 +550,16 @@ class Executor:
         the link from each source."""
         reqs = await self._requests_on(target)
         interval_s = _interval_s(cluster, target.planned, reqs)
+        slots = target.planned.gear.max_num_seqs
+        decoding = sum(1 for r in reqs if int(r["num_output_tokens"]) > 0)
+        fresh = [int(r["num_prompt_tokens"]) for r in reqs if int(r["num_output_tokens"]) == 0]
         return Destination(
             target.url,
             perf_model_of(cluster, target.planned),
             {s.url: link_between(cluster, s.planned, target.planned) for s in sources},
-            target.planned.gear.max_num_seqs,
+            slots,
             tuple(_tokens_left(r) * interval_s for r in reqs),
+            sum(fresh[: max(0, slots - decoding)]),  # in its slots: the rest waits behind
         )
 
     async def _stop(self, instances: Sequence[LiveInstance]) -> None:

@@ -119,6 +119,9 @@ class Destination:
     links: Mapping[str, LinkSpec | None]  # source name -> the link from it (None: recompute)
     num_slots: int  # max_num_seqs (0: unknown)
     remaining_s: tuple[float, ...]  # time left of each request it serves now
+    # prompt tokens it is still prefilling (requests in its slots without a token yet): a
+    # moved request's first token comes at the end of a step, and these fill the steps first
+    num_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +149,9 @@ def plan_moves(
 ) -> list[PlannedMove]:
     """Each request to the destination and method where it pauses least, and when.
 
-    A destination prefills one recompute after another (they share its steps) and a link
+    A destination first prefills what it already admitted (`num_prefill_tokens`: the steps
+    that carry it are long, and a request moved in meanwhile waits for them, paused); then
+    it prefills one recompute after another (they share its steps) and a link
     carries one KV move after another (they share its bandwidth): a move placed behind others
     on the same lane is carried out when they are done (`at_s`), so that it does not wait for
     them while paused — until then it keeps generating where it is. Its pause is then its own
@@ -157,6 +162,8 @@ def plan_moves(
     to the earlier destination. Pure; empty when there is nowhere to go."""
     placed = [0] * len(destinations)
     lane_free_s: dict[tuple[int, str], float] = {}  # (destination, lane) -> free from
+    busy_s = [d.perf.prefill_s(d.num_prefill_tokens) if d.num_prefill_tokens else 0.0
+              for d in destinations]  # fmt: skip
     out = []
     for req in sorted(requests, key=lambda r: (r.context_tokens, r.id)):
         best: tuple[tuple[bool, float, float], PlannedMove] | None = None
@@ -168,7 +175,7 @@ def plan_moves(
             if link is not None and base.kv_move_s is not None:
                 options.append(("kv", f"link:{req.source}"))
             for method, lane in options:
-                at_s = lane_free_s.get((n, lane), 0.0)
+                at_s = lane_free_s.get((n, lane), busy_s[n])
                 wait_s = max(0.0, slot_s - at_s)
                 choice = MigrationChoice(method, base.kv_move_s, base.recompute_s, wait_s)
                 key = (at_s > horizon_s, choice.pause_s if at_s <= horizon_s else 0.0,
