@@ -499,7 +499,8 @@ def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
 # `controller: moved 3 request(s) off http://127.0.0.1:4321 at the deadline (kv 1,
 # recompute 2) in 0.012 s: id1 id2 id3` (flexpipe/control/executor.py)
 _MOVED = re.compile(r"controller: moved \d+ request\(s\) off (?P<url>\S+) (?P<when>.+?) "
-                    r"\((?P<methods>[^)]*)\) in (?P<took>[\d.]+) s: (?P<ids>.*)$")  # fmt: skip
+                    r"\((?P<methods>[^)]*)\)(?: at (?P<at>[\d.]+))? in (?P<took>[\d.]+) s: "
+                    r"(?P<ids>.*)$")  # fmt: skip
 
 
 def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
@@ -521,7 +522,11 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
         m = _MOVED.search(line)
         if m is None or t < s0:
             continue
-        start_s, end_s = t - float(m["took"]) - 0.01, t
+        if m["at"] is not None:  # the wall time the move call began (the line comes later)
+            start_s = float(m["at"]) - run.wall0
+            end_s = start_s + float(m["took"])
+        else:  # when the line arrived: later than the move by the pipe's delay
+            start_s, end_s = t - float(m["took"]) - 0.01, t
         words = m["ids"].split()  # stream id[=priced pause, e.g. 123ms]
         moved_here = {w.partition("=")[0] for w in words}
         # the control: the same measure, same moment, for the requests that were not moved

@@ -511,6 +511,7 @@ class Executor:
                 move["latency_s"] = link.latency_s
             moves.append(move)
         t0 = self.clock()
+        at_wall_s = time.time()  # in the line: its readers see it later than it happened
         try:
             results = await self.gateway.move(moves)
         except GatewayError as exc:
@@ -532,8 +533,8 @@ class Executor:
         for url, (counts, ids) in by_source.items():
             self.on_moves(
                 f"controller: moved {len(ids)} request(s) off {url} {when} "
-                f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) in "
-                f"{took_s:.3f} s: {' '.join(ids)}"
+                f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) at "
+                f"{at_wall_s:.3f} in {took_s:.3f} s: {' '.join(ids)}"
             )
         return sum(len(ids) for _, ids in by_source.values())
 
