@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class RequestRecord:
     prompt_tokens: int | None = None  # from the usage chunk
     num_completion_tokens: int | None = None  # from the usage chunk
     instance: str | None = None  # x-flexpipe-instance of the head
+    stream_id: str | None = None  # the engine's request id in the stream's id (cmpl-<id>)
     error: str | None = None
 
     @property
@@ -72,6 +74,29 @@ class RequestRecord:
             return None
         gaps = [(b - a, i + 1) for i, (a, b) in enumerate(itertools.pairwise(self.token_s))]
         return max(gaps)
+
+    def gap_over(self, start_s: float, end_s: float) -> tuple[float, int] | None:
+        """The largest gap between consecutive text chunks that overlaps [start_s, end_s] (a
+        move carried out in that window), and how many tokens had arrived before it."""
+        gaps = [
+            (b - a, i + 1)
+            for i, (a, b) in enumerate(itertools.pairwise(self.token_s))
+            if a <= end_s and b >= start_s
+        ]
+        return max(gaps) if gaps else None
+
+    def median_gap_before(self, num_tokens: int) -> float | None:
+        """The median gap between the first `num_tokens` chunks: the request's own cadence."""
+        gaps = [b - a for a, b in itertools.pairwise(self.token_s[:num_tokens])]
+        return statistics.median(gaps) if gaps else None
+
+
+def _engine_id(stream_id: str) -> str:
+    """The engine's request id in an OpenAI stream id (what the controller's move lines name)."""
+    for prefix in ("chatcmpl-", "cmpl-"):
+        if stream_id.startswith(prefix):
+            return stream_id[len(prefix) :]
+    return stream_id
 
 
 def _prompt(rng: random.Random, num_words: int, index: int) -> str:
@@ -153,6 +178,7 @@ class PoissonLoad:
                 )
                 rec.instance = raw.headers.get("x-flexpipe-instance")
                 async for chunk in raw.parse():
+                    rec.stream_id = rec.stream_id or _engine_id(chunk.id)
                     if chunk.choices and chunk.choices[0].delta.content:
                         rec.token_s.append(time.monotonic())
                     if chunk.usage is not None:
@@ -169,6 +195,7 @@ class PoissonLoad:
                 )
                 rec.instance = raw_c.headers.get("x-flexpipe-instance")
                 async for c in raw_c.parse():
+                    rec.stream_id = rec.stream_id or _engine_id(c.id)
                     if c.choices and c.choices[0].text:
                         rec.token_s.append(time.monotonic())
                     if c.usage is not None:

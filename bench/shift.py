@@ -26,8 +26,15 @@ the sim engines run `--time-scale` wall seconds per modelled second, and the ben
 - requests before / during / after the shift, failed requests (errors or short answers),
   throughput and TTFT before the tenant leaves and after the shift.
 
+- the pause of each request the shift moved (the controller prints one line per batch of
+  moves, naming the requests by the stream id their clients see, with the pause each move
+  was priced at): its largest gap between two tokens that overlaps the move, against one
+  prefill of its context on the instance it left; beside it, the model's price of the move,
+  and the gap that the requests not moved saw at the same moment (on this shared 2-core
+  machine the whole system stalls now and then, e.g. while the controller re-plans).
+
 Verdict: "ok" when the shift succeeded, no request failed, and the p99 of pause / prefill
-of the in-flight requests is below 1. The table prints; JSON (summary) and CSV (one row per
+of the moved requests is below 1. The table prints; JSON (summary) and CSV (one row per
 request) go to bench/results/shift-<UTC time>.{json,csv}. Everything it starts is stopped
 at the end (SIGTERM to `up`, then SIGKILL of its process group), and the whole run is
 bounded by `--max-wall-s`.
@@ -466,6 +473,7 @@ def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
                 "prefill_ms": round(pm.prefill_s(context) * 1e3),
             })  # fmt: skip
     summary["in_flight_on_leaving"] = detail
+    summary["moved"] = moved_pauses(run, main_shift, s0)
     if "tenant_leaves" in ev:
         summary["throughput"] = {
             "before_tenant_leaves": _throughput(records, ev["load_start"] + 1.0,
@@ -473,21 +481,107 @@ def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
             "during_shift": _throughput(records, s0, s1, scale),
             "after_shift": _throughput(records, s1, ev["load_stop"], scale),
         }  # fmt: skip
-    p99_ratio = summary["pause"]["during_shift"].get("pause_over_prefill_p99")
+    moved = summary["moved"]["summary"]
+    p99_ratio = moved.get("pause_over_prefill_p99")
     problems = []
     if main_shift["outcome"] != "succeeded":
         problems.append(f"shift {main_shift['outcome']}")
     if failures:
         problems.append(f"{len(failures)} failed request(s)")
     if p99_ratio is None:
-        problems.append("no request in flight during the shift")
+        problems.append("no request was moved: the pause target was not exercised")
     elif p99_ratio >= 1.0:
-        base = summary["pause"]["baseline_before"].get("pause_over_prefill_p99")
-        problems.append(
-            f"pause p99 is {p99_ratio:.2f}x one prefill (without a shift, before: {base}x)"
-        )
+        problems.append(f"moved requests' pause p99 is {p99_ratio:.2f}x one prefill")
     summary["verdict"] = "ok" if not problems else "MISSED: " + "; ".join(problems)
     return summary
+
+
+# `controller: moved 3 request(s) off http://127.0.0.1:4321 at the deadline (kv 1,
+# recompute 2) in 0.012 s: id1 id2 id3` (flexpipe/control/executor.py)
+_MOVED = re.compile(r"controller: moved \d+ request\(s\) off (?P<url>\S+) (?P<when>.+?) "
+                    r"\((?P<methods>[^)]*)\)(?: at (?P<at>[\d.]+))? in (?P<took>[\d.]+) s: "
+                    r"(?P<ids>.*)$")  # fmt: skip
+
+
+def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
+    """The pause of each request the shift moved, as its client saw it: the largest gap
+    between two of its tokens that overlaps the move (the controller's line names the
+    requests and how long the move call took), against one prefill of its context on the
+    instance it left; the same gap less the request's own median gap before it (its
+    cadence, which it would have seen anyway); and the median of the same measure over the
+    requests that were not moved (a stall of the whole machine shows there too)."""
+    scale = run.args.time_scale
+    by_id = {r.stream_id: r for r in (run.load.records if run.load else []) if r.stream_id}
+    perf: dict[str, PerfModel] = {}
+    for inst in shift["current"]:
+        for url in run.instance_urls(inst):
+            perf[url] = _perf_model(run.cluster, run.demand.model, inst["gear"], inst["stages"])
+    rows = []
+    records = run.load.records if run.load else []
+    for t, line in run.out.lines if run.out is not None else ():
+        m = _MOVED.search(line)
+        if m is None or t < s0:
+            continue
+        if m["at"] is not None:  # the wall time the move call began (the line comes later)
+            start_s = float(m["at"]) - run.wall0
+            end_s = start_s + float(m["took"])
+        else:  # when the line arrived: later than the move by the pipe's delay
+            start_s, end_s = t - float(m["took"]) - 0.01, t
+        words = m["ids"].split()  # stream id[=priced pause, e.g. 123ms]
+        moved_here = {w.partition("=")[0] for w in words}
+        # the control: the same measure, same moment, for the requests that were not moved
+        control = [g[0] for r in records if r.stream_id not in moved_here
+                   and (g := r.gap_over(start_s, end_s)) is not None]  # fmt: skip
+        control_s = statistics.median(control) if control else 0.0
+        for word in words:
+            rid, _, priced = word.partition("=")
+            rec = by_id.get(rid)
+            pm = perf.get(m["url"])
+            if rec is None or pm is None:
+                continue
+            gap = rec.gap_over(start_s, end_s)
+            if gap is None:
+                continue
+            gap_s, num_before = gap
+            cadence_s = rec.median_gap_before(num_before) or 0.0
+            context = (rec.prompt_tokens or 0) + num_before
+            prefill_s = pm.prefill_s(context)
+            rows.append({
+                "index": rec.index, "from": m["url"], "when": m["when"],
+                "methods_of_batch": m["methods"], "context_tokens": context,
+                "pause_ms": round(gap_s / scale * 1e3, 1),
+                "stall_ms": round(max(0.0, gap_s - cadence_s) / scale * 1e3, 1),
+                "prefill_ms": round(prefill_s * 1e3, 1),
+                "priced_ms": float(priced.removesuffix("ms")) if priced else None,
+                "unmoved_gap_ms": round(control_s / scale * 1e3, 1),
+                "excess_ms": round(max(0.0, gap_s - control_s) / scale * 1e3, 1),
+                "excess_over_prefill": round(max(0.0, gap_s - control_s) / scale / prefill_s, 2),
+                "pause_over_prefill": round(gap_s / scale / prefill_s, 2),
+                "stall_over_prefill": round(max(0.0, gap_s - cadence_s) / scale / prefill_s, 2),
+                "failed": rec.failure,
+            })  # fmt: skip
+    summary: dict[str, Any] = {"num": len(rows)}
+    summary["move_lines"] = [  # when (s after `up` started, wall) and what the controller said
+        [round(t - run.t0, 3), line] for t, line in (run.out.lines if run.out else ())
+        if _MOVED.search(line)
+    ]  # fmt: skip
+    columns = {  # summary name -> row key
+        "pause_{}_ms": "pause_ms", "stall_{}_ms": "stall_ms", "prefill_{}_ms": "prefill_ms",
+        "pause_over_prefill_{}": "pause_over_prefill",
+        "stall_over_prefill_{}": "stall_over_prefill",
+        "unmoved_gap_{}_ms": "unmoved_gap_ms", "excess_{}_ms": "excess_ms",
+        "excess_over_prefill_{}": "excess_over_prefill",
+    }  # fmt: skip
+    for name, key in columns.items() if rows else ():
+        for q in (50, 99):
+            summary[name.format(f"p{q}")] = _pct([float(r[key]) for r in rows], q)
+    priced = [(float(r["pause_ms"]), float(r["priced_ms"])) for r in rows if r["priced_ms"]]
+    if priced:  # the move's own price, from the performance model (its floor in the sim)
+        for q in (50, 99):
+            summary[f"priced_p{q}_ms"] = _pct([p for _, p in priced], q)
+            summary[f"pause_over_priced_p{q}"] = round(_pct([g / p for g, p in priced], q) or 0, 2)
+    summary["num_failed"] = sum(1 for r in rows if r["failed"])
+    return {"summary": summary, "requests": rows}
 
 
 def print_report(s: dict[str, Any]) -> None:
@@ -519,6 +613,25 @@ def print_report(s: dict[str, Any]) -> None:
         print(f"    on the leaving instance: request {d['index']} ({d['max_tokens']} tokens): "
               f"pause {d['pause_ms']} ms at +{d['at_s_after_shift_start']} s, context "
               f"{d['context_tokens']} tokens, prefill {d['prefill_ms']} ms")  # fmt: skip
+    if "moved" in s:
+        m = s["moved"]["summary"]
+        print(f"moved requests: {m['num']}; pause p50/p99 {m.get('pause_p50_ms')}/"
+              f"{m.get('pause_p99_ms')} ms = {m.get('pause_over_prefill_p50')}/"
+              f"{m.get('pause_over_prefill_p99')} x one prefill (p50 {m.get('prefill_p50_ms')} "
+              f"ms); beyond their own cadence {m.get('stall_p50_ms')}/{m.get('stall_p99_ms')} "
+              f"ms = {m.get('stall_over_prefill_p50')}/{m.get('stall_over_prefill_p99')} x; "
+              f"priced {m.get('priced_p50_ms')}/{m.get('priced_p99_ms')} ms (pause/price "
+              f"{m.get('pause_over_priced_p50')}/{m.get('pause_over_priced_p99')}); "
+              f"requests not moved saw {m.get('unmoved_gap_p50_ms')}/"
+              f"{m.get('unmoved_gap_p99_ms')} ms at the same moments, the moved ones "
+              f"{m.get('excess_p50_ms')}/{m.get('excess_p99_ms')} ms more = "
+              f"{m.get('excess_over_prefill_p50')}/{m.get('excess_over_prefill_p99')} x"
+              )  # fmt: skip
+        for r in s["moved"]["requests"]:
+            print(f"    moved: request {r['index']} off {r['from']} {r['when']}: pause "
+                  f"{r['pause_ms']} ms (stall {r['stall_ms']}), context {r['context_tokens']}, "
+                  f"prefill {r['prefill_ms']} ms, priced {r['priced_ms']} ms, unmoved "
+                  f"{r['unmoved_gap_ms']} ms")  # fmt: skip
     if "throughput" in s:
         tcols = ("window_modelled_s", "output_tokens_per_s", "requests_per_s", "ttft_p50_ms",
                 "ttft_p99_ms")  # fmt: skip
@@ -541,7 +654,7 @@ def write_results(s: dict[str, Any], records: Sequence[RequestRecord], t0: float
         w = csv.writer(f)
         w.writerow(["index", "route", "instance", "prompt_tokens", "max_tokens",
                     "num_completion_tokens", "sent_s", "first_token_s", "ended_s", "max_gap_ms",
-                    "error"])  # fmt: skip
+                    "error", "stream_id"])  # fmt: skip
         for r in records:
             gap = r.max_gap()
             w.writerow([
@@ -549,7 +662,7 @@ def write_results(s: dict[str, Any], records: Sequence[RequestRecord], t0: float
                 r.num_completion_tokens, f"{r.sent_s - t0:.3f}",
                 f"{r.token_s[0] - t0:.3f}" if r.token_s else "",
                 f"{r.ended_s - t0:.3f}" if r.ended_s is not None else "",
-                f"{gap[0] * 1e3:.1f}" if gap else "", r.error or "",
+                f"{gap[0] * 1e3:.1f}" if gap else "", r.error or "", r.stream_id or "",
             ])  # fmt: skip
     return path
 

@@ -210,6 +210,7 @@ class Controller:
             rehearsal_tolerance=cfg.rehearsal_tolerance,
             standby_hold_s=cfg.standby_hold_s,
             on_state=self._on_state,
+            on_moves=self.say,
             clock=clock,
         )
 

@@ -37,7 +37,15 @@ from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher
 from flexpipe.policies.planner import PlannedInstance
-from flexpipe.policies.shift.migration import choose_migration, link_between, perf_model_of
+from flexpipe.policies.shift.migration import (
+    Destination,
+    MoveRequest,
+    PlannedMove,
+    link_between,
+    outlives,
+    perf_model_of,
+    plan_moves,
+)
 from flexpipe.policies.shift.snapshot import instance_key
 
 __all__ = ["Executor", "LiveInstance", "ShiftOutcome"]
@@ -92,6 +100,10 @@ class ShiftOutcome:
         }
 
 
+def _print_line(line: str) -> None:
+    print(line, flush=True)
+
+
 SpecOf = Callable[[PlannedInstance], EngineSpec]
 OnState = Callable[[LiveInstance, str], None]
 
@@ -111,6 +123,7 @@ class Executor:
         standby_hold_s: float = 600.0,
         on_state: OnState | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_moves: Callable[[str], None] | None = None,
     ) -> None:
         self.launcher = launcher
         self.gateway = gateway
@@ -123,6 +136,9 @@ class Executor:
         self.standby_hold_s = standby_hold_s
         self.on_state = on_state or (lambda inst, state: None)
         self.clock = clock
+        # one line per batch of moves (which requests left which instance, how): the
+        # controller's output by default, as its other lines
+        self.on_moves = on_moves or _print_line
         self._probe_pool = ClientPool(max_idle_per_backend=2)
 
     async def close(self) -> None:
@@ -374,20 +390,33 @@ class Executor:
         t0 = self.clock()
         for inst in leaving:
             self._set(inst, "draining")
-        # No new requests from here on; what runs now either finishes in place by the
-        # deadline or is moved (or continued by the gateway) after it.
+        # No new requests from here on. What would still run at the deadline moves now, while
+        # the other instances still have the free slots this one's traffic is about to take
+        # (in waves: one destination prefills one move after another, and a request keeps
+        # generating here until its turn); the rest finishes in place by the deadline or is
+        # moved after it.
         in_flight = await asyncio.gather(*(self._in_flight(i) for i in leaving))
+        # the deadline in modelled seconds, as the performance model's token intervals
+        deadline_s = self.drain_deadline_s / self.time_scale if self.time_scale > 0 else math.inf
+        stop = asyncio.Event()
+        early = asyncio.ensure_future(
+            self._move_off(cluster, leaving, running, leaving, out, deadline_s, stop)
+        )
         drained = await asyncio.gather(
             *(self._drain(i, self.drain_deadline_s) for i in leaving), return_exceptions=True
         )
+        stop.set()  # no wave starts after the deadline: what is left moves below
+        num_moved = await early
         out.phases_s["drain" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
-        for inst, ok, num in zip(leaving, drained, in_flight, strict=True):
-            left = 0 if ok is True else await self._move_off(cluster, inst, running, out)
-            if num > left:
-                out.migrated["finished_in_place"] = (
-                    out.migrated.get("finished_in_place", 0) + num - left
-                )
+        left = [i for i, ok in zip(leaving, drained, strict=True) if ok is not True]
+        num_moved += await self._move_off(cluster, left, running, leaving, out)
+        await asyncio.gather(*(self._drain(i, 10.0) for i in leaving))  # moved ones leave at once
+        num_finished = sum(in_flight) - num_moved
+        if num_finished > 0:
+            out.migrated["finished_in_place"] = (
+                out.migrated.get("finished_in_place", 0) + num_finished
+            )
         out.phases_s["migrate" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
         await self._stop(list(leaving))  # and out of the gateway's pool: gone
@@ -414,51 +443,142 @@ class Executor:
     async def _move_off(
         self,
         cluster: Cluster,
-        source: LiveInstance,
+        sources: Sequence[LiveInstance],
         running: dict[str, LiveInstance],
+        leaving: Sequence[LiveInstance],
         out: ShiftOutcome,
+        outliving_s: float | None = None,
+        stop: asyncio.Event | None = None,
     ) -> int:
-        """Move what is still running on `source` to live instances of its model. Returns
-        how many requests were still running on it (moved, or continued by the gateway
-        when there is nowhere to move them)."""
-        try:
-            reqs = await self.gateway.requests_on(source.url)
-        except GatewayError:
+        """Move what runs on `sources` to live instances of their models (with `outliving_s`:
+        only what would still run that long from now), all of a model planned together
+        (`plan_moves`: where each pauses least, the wait for a free slot there counted, and
+        when, so that no move waits paused behind another on the same destination or link),
+        carried out wave by wave at the planned times until `stop` is set. Returns how many
+        requests moved, or were still running with nowhere to go (the gateway continues
+        them when their instance stops)."""
+        if not sources:
             return 0
-        targets = [
-            i
-            for i in running.values()
-            if i.planned.model == source.planned.model and i.state == "active"
-        ]
-        if not targets:
-            return len(reqs)  # nowhere to go: the gateway continues them when it stops
+        gone = {i.key for i in leaving}
+        found = await asyncio.gather(*(self._requests_on(i) for i in sources))
+        horizon_s = math.inf if outliving_s is None else outliving_s
+        planned: list[tuple[PlannedMove, LiveInstance, LiveInstance]] = []
+        stream_ids: dict[int, Any] = {}
+        num_stuck = 0
+        for model in sorted({i.planned.model for i in sources}):
+            reqs: list[MoveRequest] = []
+            from_url: dict[int, LiveInstance] = {}
+            for src, src_reqs in zip(sources, found, strict=True):
+                if src.planned.model != model:
+                    continue
+                if outliving_s is not None:
+                    interval_s = _interval_s(cluster, src.planned, src_reqs)
+                    src_reqs = [r for r in src_reqs
+                                if outlives(_tokens_left(r), interval_s, outliving_s)]  # fmt: skip
+                for r in src_reqs:
+                    reqs.append(MoveRequest(int(r["id"]), _context(r), src.url))
+                    from_url[int(r["id"])] = src
+                    stream_ids[int(r["id"])] = r.get("request_id")
+            targets = [
+                i for k, i in running.items()
+                if i.planned.model == model and i.state == "active" and k not in gone
+            ]  # fmt: skip
+            if not targets:
+                num_stuck += 0 if outliving_s is not None else len(reqs)
+                continue
+            destinations = await asyncio.gather(
+                *(self._destination(cluster, sources, t) for t in targets)
+            )
+            by_url = {t.url: t for t in targets}
+            for m in plan_moves(reqs, destinations, horizon_s):
+                planned.append((m, from_url[m.id], by_url[m.destination]))
+        num_moved = 0
+        t0 = self.clock()
+        waves: dict[float, list[tuple[PlannedMove, LiveInstance, LiveInstance]]] = {}
+        for item in planned:  # moves planned within 10 ms of each other go together
+            waves.setdefault(round(item[0].at_s, 2), []).append(item)
+        for at_s in sorted(waves):
+            wait_s = at_s * self.time_scale - (self.clock() - t0)
+            if stop is not None and wait_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), wait_s)
+            elif wait_s > 0:
+                await asyncio.sleep(wait_s)
+            if stop is not None and stop.is_set():
+                break
+            when = "before the drain deadline" if outliving_s is not None else "at the deadline"
+            num_moved += await self._move_wave(cluster, waves[at_s], stream_ids, out, when)
+        return num_moved + num_stuck
+
+    async def _move_wave(
+        self,
+        cluster: Cluster,
+        wave: Sequence[tuple[PlannedMove, LiveInstance, LiveInstance]],
+        stream_ids: dict[int, Any],
+        out: ShiftOutcome,
+        when: str,
+    ) -> int:
+        """One batch of moves through the gateway; one line per source says what moved."""
         moves = []
-        for n, req in enumerate(reqs):
-            target = targets[n % len(targets)]
-            context = int(req["num_prompt_tokens"]) + int(req["num_output_tokens"])
-            link = link_between(cluster, source.planned, target.planned)
-            choice = choose_migration(perf_model_of(cluster, target.planned), context, link)
-            move: dict[str, Any] = {"id": req["id"], "method": choice.method,
-                                    "target": target.url}  # fmt: skip
+        for m, src, dst in wave:
+            move: dict[str, Any] = {"id": m.id, "method": m.choice.method, "target": dst.url}
+            link = link_between(cluster, src.planned, dst.planned)
             if link is not None:
                 move["bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
                 move["latency_s"] = link.latency_s
             moves.append(move)
-        if not moves:
-            return 0
+        t0 = self.clock()
+        at_wall_s = time.time()  # in the line: its readers see it later than it happened
         try:
             results = await self.gateway.move(moves)
         except GatewayError as exc:
-            log.warning("moves off %s: %s", source.url, exc)
+            log.warning("moves: %s", exc)
             return len(moves)
-        num_moved = 0
+        took_s = self.clock() - t0
+        source_of = {m.id: src.url for m, src, _ in wave}
+        priced_s = {m.id: m.choice.pause_s for m, _, _ in wave}
+        by_source: dict[str, tuple[dict[str, int], list[str]]] = {}
         for r in results:
             outcome = str(r.get("outcome"))
-            if outcome != "not_running":
-                out.migrated[outcome] = out.migrated.get(outcome, 0) + 1
-                num_moved += 1
-        await self._drain(source, 10.0)  # the moved requests leave it at once
-        return num_moved
+            if outcome == "not_running":
+                continue
+            out.migrated[outcome] = out.migrated.get(outcome, 0) + 1
+            counts, ids = by_source.setdefault(source_of[int(r["id"])], ({}, []))
+            counts[outcome] = counts.get(outcome, 0) + 1
+            call_id = int(r["id"])  # stream id, and the pause the move was priced at
+            ids.append(f"{stream_ids.get(call_id) or '-'}={priced_s[call_id] * 1e3:.0f}ms")
+        for url, (counts, ids) in by_source.items():
+            self.on_moves(
+                f"controller: moved {len(ids)} request(s) off {url} {when} "
+                f"({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}) at "
+                f"{at_wall_s:.3f} in {took_s:.3f} s: {' '.join(ids)}"
+            )
+        return sum(len(ids) for _, ids in by_source.values())
+
+    async def _requests_on(self, inst: LiveInstance) -> list[dict[str, Any]]:
+        try:
+            return await self.gateway.requests_on(inst.url)
+        except GatewayError:
+            return []
+
+    async def _destination(
+        self, cluster: Cluster, sources: Sequence[LiveInstance], target: LiveInstance
+    ) -> Destination:
+        """`target` as a move destination: its slots, the time left of what it serves and
+        the link from each source."""
+        reqs = await self._requests_on(target)
+        interval_s = _interval_s(cluster, target.planned, reqs)
+        slots = target.planned.gear.max_num_seqs
+        decoding = sum(1 for r in reqs if int(r["num_output_tokens"]) > 0)
+        fresh = [int(r["num_prompt_tokens"]) for r in reqs if int(r["num_output_tokens"]) == 0]
+        return Destination(
+            target.url,
+            perf_model_of(cluster, target.planned),
+            {s.url: link_between(cluster, s.planned, target.planned) for s in sources},
+            slots,
+            tuple(_tokens_left(r) * interval_s for r in reqs),
+            sum(fresh[: max(0, slots - decoding)]),  # in its slots: the rest waits behind
+        )
 
     async def _tell(self, inst: LiveInstance, state: str) -> None:
         """The gateway's pool follows the instance's lifecycle (a gateway that lost it, or is
@@ -474,6 +594,25 @@ class Executor:
             with contextlib.suppress(GatewayError):  # out of the pool (if it is there)
                 await self.gateway.remove(inst.url)
             self._set(inst, "gone")
+
+
+def _context(req: dict[str, Any]) -> int:
+    """A gateway request's context: prompt + tokens sent so far."""
+    return int(req["num_prompt_tokens"]) + int(req["num_output_tokens"])
+
+
+def _tokens_left(req: dict[str, Any]) -> int:
+    return max(0, int(req.get("max_tokens") or 0) - int(req["num_output_tokens"]))
+
+
+def _interval_s(
+    cluster: Cluster, instance: PlannedInstance, reqs: Sequence[dict[str, Any]]
+) -> float:
+    """Modelled time between two tokens of a request on `instance` at its current batch and
+    mean context (the performance model's)."""
+    batch = max(1, len(reqs))
+    context = sum(_context(r) for r in reqs) // batch if reqs else 1
+    return perf_model_of(cluster, instance).decode_interval_s(batch, max(1, context))
 
 
 Step = tuple[list[LiveInstance], list[PlannedInstance]]

@@ -299,7 +299,11 @@ class SimServer:
         )
 
     def _new_request(
-        self, req: Request, r: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int]
+        self,
+        req: Request,
+        r: ChatCompletionRequest | CompletionRequest,
+        prompt_ids: list[int],
+        body: dict[str, Any],
     ) -> EngineRequest:
         params = self._sampling(r, len(prompt_ids))
         limit = self.cfg.max_model_len - len(prompt_ids)
@@ -310,6 +314,7 @@ class SimServer:
             rid = f"{self._id_prefix}{self._num_ids:016x}"
         if rid in self.engine.requests:
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+        priority = self._priority(body)
         return EngineRequest(
             rid,
             prompt_ids,
@@ -318,7 +323,21 @@ class SimServer:
             self.tokenizer.gen_ids,
             engine_seed=self.cfg.seed,
             fragments=self.tokenizer.gen_fragments if params.stop else None,
+            priority=priority,
         )
+
+    def _priority(self, body: dict[str, Any]) -> int:
+        """vLLM's `priority` (an extra field of the validated body; lower is served first):
+        refused unless the engine runs `--scheduling-policy priority`, with vLLM's words."""
+        value = body.get("priority", 0)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise HttpError(400, "priority must be an integer", param="priority")
+        if value != 0 and self.cfg.scheduling_policy != "priority":
+            raise HttpError(
+                400, f"Got priority {value} but Priority scheduling is not enabled.",
+                param="priority",
+            )  # fmt: skip
+        return value
 
     async def _generate(
         self,
@@ -337,7 +356,7 @@ class SimServer:
         r = valid.request
         continues = isinstance(r, ChatCompletionRequest) and _continues_message(r)
         strip_first = chat and not continues
-        ereq = self._new_request(req, valid.request, prompt_ids)
+        ereq = self._new_request(req, valid.request, prompt_ids, valid.body)
         ereq.num_preloaded_tokens = preloaded_tokens
         stream = valid.stream
         headers = {"x-request-id": ereq.request_id}

@@ -60,6 +60,12 @@ def build_parser(prog: str = "flexpipe engine sim") -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="or env VLLM_API_KEY, or --api-key-file")
     p.add_argument("--api-key-file", default=None, help="read the API key from this file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="waiting queue order: arrival, or the request's `priority` (lower first)",
+    )
     sim = p.add_argument_group("sim engine (flexpipe only)")
     sim.add_argument("--gpu-type", default="A100-80G-SXM", help="GPU type each rank stands for")
     sim.add_argument("--link", default="nvlink3", help="link between tensor-parallel ranks")
@@ -97,6 +103,7 @@ class EngineConfig:
     log_level: str
     ignored_flags: tuple[str, ...]
     hardware: str  # one line: what the sim stands for
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (vLLM's --scheduling-policy)
 
     @property
     def served_model_name(self) -> str:
@@ -182,6 +189,7 @@ def parse_engine_args(argv: Sequence[str]) -> EngineConfig:
         max_model_len=max_model_len,
         num_kv_blocks=num_kv_blocks,
         enable_chunked_prefill=bool(args.enable_chunked_prefill),
+        scheduling_policy=str(args.scheduling_policy),
         gpu_memory_utilization=args.gpu_memory_utilization,
         api_key=api_key,
         admin_token=admin,

@@ -22,6 +22,7 @@ def engine_core(cfg: EngineConfig) -> EngineCore:
             max_num_batched_tokens=gear.max_num_batched_tokens,
             max_model_len=cfg.max_model_len,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
+            policy=cfg.scheduling_policy,
         ),
         block_manager,
     )

@@ -68,6 +68,7 @@ class EngineRequest:
     fragments: dict[int, str] | None = None  # token id -> text, needed for stop strings
     arrival_s: float = 0.0  # set by EngineCore.add
     num_preloaded_tokens: int = 0  # KV that arrived by transfer (migration): never computed
+    priority: int = 0  # lower first (scheduling policy "priority"; vLLM's request priority)
     # progress
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0

@@ -15,6 +15,11 @@ Policy (vLLM V1's, with V0's admission watermark):
   to be recomputed (its cached prefix blocks may still be hit).
 - Then waiting requests, FCFS, while there is budget, fewer than `max_num_seqs` running, no
   preemption happened this step, and enough free blocks remain above the watermark.
+- `policy="priority"` (vLLM's `--scheduling-policy priority`): the waiting queue is ordered by
+  (priority, arrival), lower first, and the preemption victim is the running request with the
+  largest (priority, arrival) instead of the last admitted. flexpipe's gateway sends a request
+  it moves off a drained instance with a negative priority, so that it takes the next free
+  slot ahead of the queue (and is the last to be preempted).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     watermark: float = 0.01  # fraction of blocks kept free when admitting a request
+    policy: str = "fcfs"  # "fcfs" | "priority" (vLLM's --scheduling-policy)
 
 
 @dataclass(slots=True)
@@ -64,6 +70,19 @@ class Scheduler:
     # --- queue changes -------------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
         req.status = Status.WAITING
+        if self.config.policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.append(req)
+
+    def _insert_by_priority(self, req: EngineRequest) -> None:
+        """Before the first waiting request that comes later in (priority, arrival) order: a
+        linear scan of the deque, as the queue is short next to a step's work."""
+        key = (req.priority, req.arrival_s)
+        for n, other in enumerate(self.waiting):
+            if (other.priority, other.arrival_s) > key:
+                self.waiting.insert(n, req)
+                return
         self.waiting.append(req)
 
     def abort(self, req: EngineRequest, reason: str = "abort") -> None:
@@ -100,7 +119,21 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.config.policy == "priority":
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
+
+    def _pop_victim(self) -> tuple[EngineRequest, int]:
+        """The running request to preempt and where it was in `running`: the last admitted
+        (FCFS), or the one latest in (priority, arrival) order (priority)."""
+        running = self.running
+        if self.config.policy != "priority":
+            return running.pop(), len(running)
+        victim = max(running, key=lambda r: (r.priority, r.arrival_s))
+        pos = running.index(victim)
+        del running[pos]
+        return victim, pos
 
     def schedule(self) -> StepPlan:
         cfg = self.config
@@ -136,7 +169,14 @@ class Scheduler:
             else:
                 ok = True
                 while not allocate(kv, total):
-                    victim = running.pop()
+                    victim, pos = self._pop_victim()
+                    if pos < i:  # (priority) already looked at in this step: undo its share
+                        i -= 1
+                        for n, (r, num, _) in enumerate(scheduled):
+                            if r is victim:
+                                del scheduled[n]
+                                budget += num
+                                break
                     self._preempt(victim)
                     plan.preempted.append(victim)
                     if victim is req:

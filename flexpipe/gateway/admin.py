@@ -26,6 +26,7 @@ POST /admin/models/demand             {"models", "wait_s"}: answers {"queued": {
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import TYPE_CHECKING, Any
 
@@ -174,10 +175,10 @@ class AdminApi:
         if not isinstance(moves, list):
             raise HttpError(400, 'expected {"moves": [...]}', param="moves")
         parsed = [_parse_move(m, i) for i, m in enumerate(moves)]
-        results = []
-        for call_id, move in parsed:
-            outcome = await self.gw.move_request(call_id, move)
-            results.append({"id": call_id, "outcome": outcome})
+        # together: each KV move first asks its engine for an export; one at a time, the
+        # last request of a batch paused for every export before its own
+        outcomes = await asyncio.gather(*(self.gw.move_request(i, m) for i, m in parsed))
+        results = [{"id": i, "outcome": o} for (i, _), o in zip(parsed, outcomes, strict=True)]
         return json_response({"results": results})
 
     async def activate(self, req: Request) -> Response:

@@ -31,7 +31,7 @@ from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
-from flexpipe.gateway.relay import PushRelay
+from flexpipe.gateway.relay import PushRelay, move_relayed
 from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.gateway.tenants import Tenants
 from flexpipe.gateway.ui_routes import UiRoutes
@@ -260,6 +260,7 @@ class Gateway:
             inst, resp = await self._send_movable(call)
             call.move = None  # carried out: later breaks are failures again
             call.upstream_request_id = resp.headers.get("x-request-id")
+            call.first_request_id = call.first_request_id or call.upstream_request_id
             if call.stream and resp.status == 200:
                 return PushResponse(
                     PushRelay(self, call, inst, resp).start,
@@ -528,16 +529,16 @@ class Gateway:
             call.move = Move("recompute", move.target)
             call.upstream.release()  # its reader sees the break and re-runs it on the target
             return "rerun"
-        relay = call.relay
-        if relay is None:
-            return "not_running"  # already being continued elsewhere
+        relay, relayed = call.relay, call.relayed  # relayed: continued after a move
+        if relay is None and relayed is None:
+            return "not_running"  # being continued elsewhere right now
         if move.method == "kv":
             call.export = await self._export(call.instance, call.upstream_request_id)
             if call.export is None:
                 move = Move("recompute", move.target)
-            if call.relay is not relay:
+            if call.relay is not relay or call.relayed is not relayed:
                 return "not_running"
-        return relay.move(move)
+        return relay.move(move) if relay is not None else move_relayed(call, move)
 
     async def _export(self, url: str, request_id: str | None) -> dict[str, Any] | None:
         """The engine's state of a request (its KV export), or None when it cannot tell."""

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from flexpipe.gateway.sse import StreamState
 from flexpipe.gateway.tenants import Tenant
 from flexpipe.http.client import UpstreamResponse
 from flexpipe.policies.routing import RoutingRequest
@@ -52,7 +53,10 @@ class Call:
     id: int = 0  # the gateway's own, for the admin API
     instance: str | None = None  # the instance serving it now (None while queued)
     upstream_request_id: str | None = None  # the engine's id of it (x-request-id)
+    first_request_id: str | None = None  # the first engine's: the stream id the client sees
     relay: PushRelay | None = None  # its push relay while one streams it
+    relayed: UpstreamResponse | None = None  # what the failover pump relays (after a move)
+    stream_state: StreamState | None = None  # the failover pump's view of what was sent
     move: Move | None = None  # asked for and not yet carried out
     sending: asyncio.Task[Any] | None = None  # waiting for the engine's response head
     export: dict[str, Any] | None = None  # the engine's exported state for a "kv" move
@@ -61,6 +65,8 @@ class Call:
     def describe(self) -> dict[str, Any]:
         """What the controller needs to price a move of this request."""
         sent = self.relay.num_tokens_sent if self.relay is not None else 0
+        if self.relay is None and self.stream_state is not None:
+            sent = self.stream_state.num_tokens
         return {
             "id": self.id,
             "model": self.model,
@@ -70,4 +76,5 @@ class Call:
             "num_output_tokens": sent,
             "max_tokens": self.routing.num_expected_output_tokens,
             "moved_by": list(self.moved_by),
+            "request_id": self.first_request_id,
         }

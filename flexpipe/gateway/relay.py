@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flexpipe.gateway")
 
+# A moved request is admitted ahead of the destination's waiting queue (vLLM's `priority`,
+# lower first, with `--scheduling-policy priority`; every client request has 0): it already
+# waited once, and the pause it sees is what a shift costs the client.
+MOVE_PRIORITY = -1
+_NO_PRIORITY = "Priority scheduling is not enabled"
+
 
 class PushRelay:
     """The streaming hot path: the upstream connection's callback hands each chunk straight to
@@ -246,16 +252,18 @@ async def relay_after_failure(
                 resp.release()
                 call.failed.add(inst.url)
                 if state is None:
-                    state = sse.summarize(b"".join(sent), call.chat)
+                    state = call.stream_state = sse.summarize(b"".join(sent), call.chat)
                 if state.finished:
                     yield sse.DONE
                     return
+                call.relayed = None
                 moved = await migrate(gw, call, inst, state)
                 if isinstance(moved, bytes):
                     yield moved
                     status = "migration_failed"
                     return
                 inst, resp = moved
+                call.relayed = resp  # the controller may move it again (`move_relayed`)
                 live = True
                 tail = b""
                 continue
@@ -292,11 +300,24 @@ async def relay_after_failure(
         num_tokens = max(0, num_events - 2) if state is None else state.num_tokens
         gw.stream_done(call, inst, t_first, t_last, num_tokens, state is None)
     finally:
+        call.relayed = None
         resp.release()  # aborts the upstream request if the client went away
         if live:
             gw.finish(inst, call, status)
         num_out = max(0, num_events - 2) if state is None else state.num_tokens
         gw.end_call(call, num_out)
+
+
+def move_relayed(call: Call, move: Move) -> str:
+    """Move a stream the failover pump relays (one moved or continued before): its response
+    is cut, and the pump, seeing `call.move`, carries the move out as `_moved` says."""
+    resp = call.relayed
+    if resp is None:
+        return "not_running"
+    call.move = move
+    call.relayed = None
+    resp.release()  # the pump's next read fails: a move, not a failure (call.move is set)
+    return move.method
 
 
 async def migrate(
@@ -335,6 +356,7 @@ async def migrate(
         gw.metrics.migrations.labels("failed").inc()
         return sse.error_event(f"could not continue the stream: {detail}") + sse.DONE
     gw.metrics.migrations.labels("ok").inc()
+    call.upstream_request_id = resp.headers.get("x-request-id")
     log.info("continued a stream from %s on %s", failed.url, inst.url)
     return inst, resp
 
@@ -347,7 +369,8 @@ async def _moved(
     export, call.export = call.export, None
     method = move.method
     body: dict[str, Any] | None
-    if method == "kv" and export is not None and _covers(export, state.num_tokens):
+    num_here = state.num_tokens - state.num_tokens_at_join  # what this engine generated
+    if method == "kv" and export is not None and _covers(export, num_here):
         body = sse.import_body(call.body, export, state, move.bandwidth_bytes_per_s, move.latency_s)
     else:
         method = "recompute"
@@ -359,23 +382,28 @@ async def _moved(
     state.num_tokens_at_join = state.num_tokens
     state.completion_events = method == "kv" and call.chat  # import answers as completions
     call.num_retries = 0
-    call.move = Move(method, move.target)  # the target is preferred while routing
+    call.move = Move(method, move.target)  # the target is taken, even at its limit
+    path = "/admin/import" if method == "kv" else None
+    body["priority"] = MOVE_PRIORITY
     try:
-        if method == "kv":
-            inst, resp = await gw.send(call, orjson.dumps(body), "/admin/import", admin=True)
-        else:
-            inst, resp = await gw.send(call, orjson.dumps(body))
+        while True:
+            inst, resp = await gw.send(call, orjson.dumps(body), path, admin=method == "kv")
+            if resp.status == 200:
+                break
+            detail = (await _safe_read(resp))[:200].decode("utf-8", "replace")
+            resp.release()
+            gw.finish(inst, call, str(resp.status))
+            if resp.status == 400 and _NO_PRIORITY in detail and "priority" in body:
+                del body["priority"]  # an engine not started with the priority policy
+                continue
+            gw.metrics.migrations.labels("failed").inc()
+            return sse.error_event(f"could not move the stream: {detail}") + sse.DONE
     except HttpError as exc:
         gw.metrics.migrations.labels("failed").inc()
         return sse.error_event(f"could not move the stream: {exc.message}") + sse.DONE
     finally:
         call.move = None
-    if resp.status != 200:
-        detail = (await _safe_read(resp))[:200].decode("utf-8", "replace")
-        resp.release()
-        gw.finish(inst, call, str(resp.status))
-        gw.metrics.migrations.labels("failed").inc()
-        return sse.error_event(f"could not move the stream: {detail}") + sse.DONE
+    call.upstream_request_id = resp.headers.get("x-request-id")
     call.moved_by.append(method)
     gw.metrics.migrations.labels("moved").inc()
     log.info("moved a stream from %s to %s (%s)", source.url, inst.url, method)

@@ -63,7 +63,9 @@ class Router:
     ) -> Pick | None:
         """The instance for `request`, or None when every candidate is at its limit.
         Raises `NoInstance` when no live instance is left for it. `prefer`: an instance the
-        controller chose (a move's target), taken when it is a candidate with room."""
+        controller chose (a move's target), taken whenever it is a candidate, even at its
+        limit: the controller priced the wait for a slot there, the request already held a
+        slot on the instance it leaves, and the engine admits it ahead of its queue."""
         routable = self.pool.routable(model)
         if failed:
             routable = [i for i in routable if i.url not in failed]
@@ -76,7 +78,7 @@ class Router:
         index = self.prefix_index
         if prefer is not None:
             inst = next((i for i in cands if i.url == prefer), None)
-            if inst is not None and inst.num_in_flight < inst.max_concurrency:
+            if inst is not None:
                 matched = index.match(inst.url, hashes) if hashes else 0
                 if hashes:
                     index.insert(inst.url, hashes)

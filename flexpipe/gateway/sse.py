@@ -120,10 +120,12 @@ def import_body(
     latency_s: float = 0.0,
 ) -> dict[str, Any] | None:
     """The engine's /admin/import body that resumes a request from its exported KV cache:
-    the prompt's token ids and the `state.num_tokens` the client got, as completions (the
-    import hook's format); None when nothing is left to generate."""
+    the prompt's token ids and the tokens the client got from this engine (all it got, less
+    what the engine's prompt already holds when the stream was continued there), as
+    completions (the import hook's format); None when nothing is left to generate."""
     prompt_ids = list(export.get("prompt_token_ids") or [])
-    output_ids = list(export.get("output_token_ids") or [])[: state.num_tokens]
+    num_here = state.num_tokens - state.num_tokens_at_join
+    output_ids = list(export.get("output_token_ids") or [])[:num_here]
     left = export.get("max_tokens_left")
     if not isinstance(left, int):
         return None

@@ -63,6 +63,10 @@ def vllm_flags(spec: EngineSpec, host: str, port: int) -> list[str]:
         "--gpu-memory-utilization",
         str(spec.gpu_memory_utilization),
         "--enable-prefix-caching" if g.enable_prefix_caching else "--no-enable-prefix-caching",
+        # a request moved off a drained instance is sent with a negative priority: it takes
+        # the next free slot ahead of the queue (every other request has priority 0: FCFS)
+        "--scheduling-policy",
+        "priority",
     ]
     if g.dtype in ("bf16", "fp16", "fp32"):
         flags += ["--dtype", {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[g.dtype]]

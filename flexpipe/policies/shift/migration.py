@@ -10,6 +10,8 @@ request at its drain deadline; the pricing calls it for the mean context.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,7 +21,18 @@ from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import Efficiency, PerfModel
 from flexpipe.policies.planner import PlannedInstance
 
-__all__ = ["MigrationChoice", "choose_migration", "link_between", "perf_model_of"]
+__all__ = [
+    "Destination",
+    "MigrationChoice",
+    "MoveRequest",
+    "PlannedMove",
+    "choose_migration",
+    "link_between",
+    "outlives",
+    "perf_model_of",
+    "plan_moves",
+    "slot_wait_s",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,13 +40,14 @@ class MigrationChoice:
     method: Literal["kv", "recompute"]
     kv_move_s: float | None  # None: no link to move it over (shared GPUs, source gone)
     recompute_s: float
+    queue_wait_s: float = 0.0  # until the destination has a slot for it
 
     @property
     def pause_s(self) -> float:
-        """How long the request stops producing tokens."""
+        """How long the request stops producing tokens: the wait for a slot, then the move."""
         if self.method == "kv" and self.kv_move_s is not None:
-            return self.kv_move_s
-        return self.recompute_s
+            return self.queue_wait_s + self.kv_move_s
+        return self.queue_wait_s + self.recompute_s
 
 
 def perf_model_of(
@@ -63,12 +77,126 @@ def link_between(
 
 
 def choose_migration(
-    target: PerfModel, context_tokens: int, link: LinkSpec | None
+    target: PerfModel, context_tokens: int, link: LinkSpec | None, queue_wait_s: float = 0.0
 ) -> MigrationChoice:
     """Move the KV of `context_tokens` over `link` or recompute it on `target`, whichever is
-    faster (KV bytes per token are the target's: its precision is what lands there)."""
+    faster (KV bytes per token are the target's: its precision is what lands there).
+    `queue_wait_s`: how long the request waits for a slot on `target` before either starts
+    (`slot_wait_s`); it is the same for both methods, so it prices the destination, not the
+    method."""
     recompute_s = target.prefill_s(context_tokens)
     if link is None:
-        return MigrationChoice("recompute", None, recompute_s)
+        return MigrationChoice("recompute", None, recompute_s, queue_wait_s)
     kv_s = target.kv_transfer_s(context_tokens, link.bandwidth_bytes_per_s, link.latency_s)
-    return MigrationChoice("kv" if kv_s < recompute_s else "recompute", kv_s, recompute_s)
+    method: Literal["kv", "recompute"] = "kv" if kv_s < recompute_s else "recompute"
+    return MigrationChoice(method, kv_s, recompute_s, queue_wait_s)
+
+
+def slot_wait_s(num_slots: int, remaining_s: Sequence[float], num_ahead: int) -> float:
+    """How long a moved request waits for a slot on an instance running requests with
+    `remaining_s` left each, when `num_ahead` moved requests were placed there before it.
+
+    A moved request is admitted ahead of the instance's waiting queue (engine priority), so
+    only running requests stand in its way: while fewer than `num_slots` run it starts at once;
+    else it takes the k-th slot to free, k counted over the moved requests ahead of it. Of the
+    requests in flight, the `num_slots` closest to their end are taken as the running ones (the
+    queued ones have generated nothing yet). `num_slots` 0 (unknown): never waits."""
+    if num_slots <= 0:
+        return 0.0
+    running = sorted(remaining_s)[:num_slots]
+    k = num_ahead - (num_slots - len(running))
+    if k < 0 or not running:  # a slot is free (or only moved requests hold them: unknown)
+        return 0.0
+    return running[min(k, len(running) - 1)]
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """A live instance of the model a request can move to, as the gateway sees it now."""
+
+    name: str  # the instance's URL
+    perf: PerfModel
+    links: Mapping[str, LinkSpec | None]  # source name -> the link from it (None: recompute)
+    num_slots: int  # max_num_seqs (0: unknown)
+    remaining_s: tuple[float, ...]  # time left of each request it serves now
+    # prompt tokens it is still prefilling (requests in its slots without a token yet): a
+    # moved request's first token comes at the end of a step, and these fill the steps first
+    num_prefill_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MoveRequest:
+    """A request to move: the gateway's id, the tokens of its context (prompt + output) and
+    the instance it leaves."""
+
+    id: int
+    context_tokens: int
+    source: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedMove:
+    id: int
+    destination: str
+    choice: MigrationChoice
+    at_s: float = 0.0  # when to carry it out, from now: after the moves ahead of it there
+
+
+def plan_moves(
+    requests: Sequence[MoveRequest],
+    destinations: Sequence[Destination],
+    horizon_s: float = math.inf,
+) -> list[PlannedMove]:
+    """Each request to the destination and method where it pauses least, and when.
+
+    A destination first prefills what it already admitted (`num_prefill_tokens`: the steps
+    that carry it are long, and a request moved in meanwhile waits for them, paused); then
+    it prefills one recompute after another (they share its steps) and a link
+    carries one KV move after another (they share its bandwidth): a move placed behind others
+    on the same lane is carried out when they are done (`at_s`), so that it does not wait for
+    them while paused — until then it keeps generating where it is. Its pause is then its own
+    move plus what is left of the wait for a slot (`slot_wait_s`, counted from now). Among the
+    options that start within `horizon_s` (the drain deadline: after it the source is gone)
+    the smallest pause wins, then the earliest start; with none, the earliest resumption.
+    Shortest context first: its budget (one prefill of its context) is the smallest. Ties go
+    to the earlier destination. Pure; empty when there is nowhere to go."""
+    placed = [0] * len(destinations)
+    lane_free_s: dict[tuple[int, str], float] = {}  # (destination, lane) -> free from
+    busy_s = [d.perf.prefill_s(d.num_prefill_tokens) if d.num_prefill_tokens else 0.0
+              for d in destinations]  # fmt: skip
+    out = []
+    for req in sorted(requests, key=lambda r: (r.context_tokens, r.id)):
+        best: tuple[tuple[bool, float, float], PlannedMove] | None = None
+        for n, d in enumerate(destinations):
+            slot_s = slot_wait_s(d.num_slots, d.remaining_s, placed[n])
+            link = d.links.get(req.source)
+            base = choose_migration(d.perf, req.context_tokens, link)
+            options: list[tuple[Literal["kv", "recompute"], str]] = [("recompute", "prefill")]
+            if link is not None and base.kv_move_s is not None:
+                options.append(("kv", f"link:{req.source}"))
+            for method, lane in options:
+                at_s = lane_free_s.get((n, lane), busy_s[n])
+                wait_s = max(0.0, slot_s - at_s)
+                choice = MigrationChoice(method, base.kv_move_s, base.recompute_s, wait_s)
+                key = (at_s > horizon_s, choice.pause_s if at_s <= horizon_s else 0.0,
+                       at_s + choice.pause_s)  # fmt: skip
+                if best is None or key < best[0]:
+                    best = (key, PlannedMove(req.id, d.name, choice, at_s))
+        if best is None:
+            return []
+        move = best[1]
+        n = next(k for k, d in enumerate(destinations) if d.name == move.destination)
+        lane = "prefill" if move.choice.method == "recompute" else f"link:{req.source}"
+        cost_s = move.choice.pause_s - move.choice.queue_wait_s
+        lane_free_s[(n, lane)] = move.at_s + move.choice.queue_wait_s + cost_s
+        placed[n] += 1
+        out.append(move)
+    return out
+
+
+def outlives(num_tokens_left: int, interval_s: float, deadline_s: float) -> bool:
+    """Whether a request with `num_tokens_left` at one token per `interval_s` is still running
+    at a drain deadline `deadline_s` away: it has to move anyway, so better at once, while
+    the destinations still have the free slots that the drained instance's traffic is about
+    to take."""
+    return num_tokens_left * interval_s > deadline_s

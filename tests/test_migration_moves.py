@@ -1,0 +1,123 @@
+"""Where and how a request moves when its instance is drained (policies/shift/migration.py):
+the wait for a free slot on the destination is part of the price, every move takes a slot,
+and what outlives the drain deadline moves at once. Pure; exact expectations."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexpipe.hardware import link_spec
+from flexpipe.perf import perf_model_for
+from flexpipe.policies.shift.migration import (
+    Destination,
+    MigrationChoice,
+    MoveRequest,
+    choose_migration,
+    outlives,
+    plan_moves,
+    slot_wait_s,
+)
+
+PM = perf_model_for("llama-2-7b", "tp=1")
+FAST = link_spec("nvlink3")
+
+
+def test_slot_wait_is_zero_while_a_slot_is_free_then_the_kth_running_request_to_end() -> None:
+    running = (3.0, 0.5, 2.0)
+    assert slot_wait_s(4, running, 0) == 0.0  # one of 4 slots free
+    assert slot_wait_s(4, running, 1) == 0.5  # the free slot went to the move before it
+    assert slot_wait_s(4, running, 2) == 2.0
+    assert slot_wait_s(3, running, 0) == 0.5  # full: the first request to end frees it
+    assert slot_wait_s(3, running, 5) == 3.0  # beyond every running one: the last of them
+    # in flight beyond the slots: the ones queued in the engine (latest to end) do not run,
+    # and a moved request goes ahead of them (priority)
+    assert slot_wait_s(2, (9.0, 1.0, 4.0, 8.0), 0) == 1.0
+    assert slot_wait_s(2, (9.0, 1.0, 4.0, 8.0), 1) == 4.0
+    assert slot_wait_s(0, (1.0,), 3) == 0.0  # slots unknown: no wait priced
+    assert slot_wait_s(2, (), 7) == 0.0  # only moved requests in its slots: unknown
+
+
+def test_the_wait_adds_to_either_method_and_does_not_change_which_is_cheaper() -> None:
+    for context in (64, 2048):
+        free = choose_migration(PM, context, FAST)
+        busy = choose_migration(PM, context, FAST, queue_wait_s=0.25)
+        assert busy.method == free.method
+        assert busy.pause_s == pytest.approx(free.pause_s + 0.25)
+    kv = PM.kv_transfer_s(2048, FAST.bandwidth_bytes_per_s, FAST.latency_s)
+    assert choose_migration(PM, 2048, FAST, 0.1) == MigrationChoice(
+        "kv" if kv < PM.prefill_s(2048) else "recompute", kv, PM.prefill_s(2048), 0.1
+    )
+    assert choose_migration(PM, 2048, None, 0.1).pause_s == PM.prefill_s(2048) + 0.1
+
+
+def dest(name: str, slots: int, remaining: tuple[float, ...]) -> Destination:
+    return Destination(name, PM, {"": FAST}, slots, remaining)  # from the source "" over FAST
+
+
+def test_moves_go_where_a_slot_is_free_and_each_takes_one() -> None:
+    full = dest("full", 2, (0.4, 0.9))  # both slots busy
+    roomy = dest("roomy", 3, (5.0,))  # two free slots
+    reqs = [MoveRequest(7, 3000), MoveRequest(5, 1000), MoveRequest(6, 2000)]
+    moves = plan_moves(reqs, [full, roomy])
+    base = {c: choose_migration(PM, c, FAST).pause_s for c in (1000, 2000, 3000)}
+    # shortest context first: 5 and 6 take roomy's two free slots; 7 then waits 0.4 s on
+    # `full` (its first request to end) rather than 5.0 s on roomy
+    assert [(m.id, m.destination) for m in moves] == [(5, "roomy"), (6, "roomy"), (7, "full")]
+    assert [m.choice.queue_wait_s for m in moves] == [0.0, 0.0, 0.4]
+    assert moves[2].choice.pause_s == pytest.approx(base[3000] + 0.4)
+    # 6 shares roomy's link with 5: it moves once 5's KV is across, pausing only for its own
+    kv_1000 = PM.kv_transfer_s(1000, FAST.bandwidth_bytes_per_s, FAST.latency_s)
+    assert [m.choice.method for m in moves] == ["kv", "kv", "kv"]
+    assert [m.at_s for m in moves] == [0.0, kv_1000, 0.0]
+    assert moves[1].choice.pause_s == base[2000]
+
+
+def test_a_move_prefers_a_busy_fast_link_only_when_the_wait_is_shorter_than_the_gain() -> None:
+    slow = Destination("slow", PM, {}, 4, ())  # free, but recompute only
+    fast_busy = dest("fast", 1, (0.001,))
+    moves = plan_moves([MoveRequest(1, 4000)], [slow, fast_busy])
+    kv = PM.kv_transfer_s(4000, FAST.bandwidth_bytes_per_s, FAST.latency_s)
+    assert kv + 0.001 < PM.prefill_s(4000)  # the premise: a KV move saves more than it waits
+    assert moves[0].destination == "fast" and moves[0].choice.method == "kv"
+    fast_busier = dest("fast", 1, (10.0,))
+    assert plan_moves([MoveRequest(1, 4000)], [slow, fast_busier])[0].destination == "slow"
+
+
+def test_no_destination_no_moves_and_ties_go_to_the_first() -> None:
+    assert plan_moves([MoveRequest(1, 100)], []) == []
+    a, b = dest("a", 4, ()), dest("b", 4, ())
+    assert [m.destination for m in plan_moves([MoveRequest(1, 100)], [a, b])] == ["a"]
+
+
+def test_recomputes_on_one_destination_go_one_after_another_within_the_horizon() -> None:
+    only = Destination("only", PM, {}, 8, ())  # recompute only, slots free
+    reqs = [MoveRequest(1, 1000), MoveRequest(2, 1000), MoveRequest(3, 1000)]
+    p = PM.prefill_s(1000)
+    moves = plan_moves(reqs, [only])
+    assert [m.at_s for m in moves] == [0.0, p, 2 * p]  # not all at once, each paused behind
+    assert all(m.choice.pause_s == p for m in moves)
+    # a second destination takes the next one at once rather than later
+    moves = plan_moves(reqs, [only, Destination("other", PM, {}, 8, ())])
+    assert [(m.destination, m.at_s) for m in moves] == [("only", 0.0), ("other", 0.0),
+                                                       ("only", p)]  # fmt: skip
+    # one slot, free in p/2: the first waits for it (paused p/2 + p), the next ones start
+    # when the lane is free; beyond the horizon they are ranked by when they resume
+    late = plan_moves(reqs, [Destination("only", PM, {}, 1, (p / 2,))], horizon_s=p / 4)
+    assert [m.choice.queue_wait_s for m in late] == [p / 2, 0.0, 0.0]
+    assert [m.at_s for m in late] == [0.0, pytest.approx(1.5 * p), pytest.approx(2.5 * p)]
+
+
+def test_what_outlives_the_drain_deadline_moves_at_once() -> None:
+    assert outlives(2000, 0.05, 4.0)  # 100 s left
+    assert not outlives(60, 0.05, 4.0)  # 3 s left: finishes in place
+    assert not outlives(80, 0.05, 4.0)  # exactly at the deadline: it may still finish
+
+
+def test_a_move_waits_unpaused_until_the_destination_has_prefilled_what_it_admitted() -> None:
+    flooded = Destination("flooded", PM, {}, 8, (), num_prefill_tokens=8192)
+    (move,) = plan_moves([MoveRequest(1, 1000)], [flooded])
+    assert move.at_s == PM.prefill_s(8192) and move.choice.pause_s == PM.prefill_s(1000)
+    # a quiet destination with a slower move wins while its pause is the smaller one
+    quiet = Destination("quiet", PM, {"": link_spec("eth25")}, 8, ())
+    (move,) = plan_moves([MoveRequest(1, 1000)], [flooded, quiet], horizon_s=0.1)
+    assert move.destination == "quiet"  # the flooded one could only start past the horizon
