@@ -177,7 +177,12 @@ class Controller:
             )
         self.efficiency = store.efficiency() if store is not None else None
         self.performance = GearLookup(store.points() if store is not None else [], self.efficiency)
-        self.policy = ShiftPolicy(cfg.shift, planner=self._planner, efficiency=self.efficiency)
+        # A shift is priced with the drain deadline the executor will keep (one fact, here).
+        shift = dataclasses.replace(
+            cfg.shift,
+            pricing=dataclasses.replace(cfg.shift.pricing, drain_deadline_s=cfg.drain_deadline_s),
+        )
+        self.policy = ShiftPolicy(shift, planner=self._planner, efficiency=self.efficiency)
         self.running: dict[str, LiveInstance] = {}
         self.history: list[ShiftRecord] = []
         self.samples: dict[str, list[Sample]] = {d.name: [] for d in cfg.demands}
