@@ -123,7 +123,7 @@ def test_snapshot_over_a_window_in_modelled_seconds() -> None:
     # e1 busy 10 modelled s of 20; e2 unreachable: the model's utilisation is e1's
     assert m.gpu_utilization == 0.5
     e1, e2 = snap.instances
-    assert (e1.health, e1.num_running, e1.num_waiting, e1.num_in_flight) == ("active", 4, 1, 5)
+    assert (e1.health, e1.num_running, e1.num_waiting, e1.num_in_flight) == ("ok", 4, 1, 5)
     assert (e1.max_num_seqs, e1.kv_usage, e1.prefix_hit_rate) == (8, 0.25, 0.3)
     assert (e2.health, e2.state, e2.num_running, e2.gpu_utilization) == (
         "unreachable", "rehearsing", None, None)  # fmt: skip
@@ -171,3 +171,13 @@ def test_tables_draw_exactly() -> None:
         _text(t) for t in (models_table(snap), instances_table(snap), gpus_table(snap))
     )
     assert drawn + "\n" == GOLDEN.read_text(encoding="utf-8")
+
+
+def test_health_is_the_gateways_routing_not_the_lifecycle() -> None:
+    from flexpipe.observe.snapshot import _health
+
+    assert _health(True, ("active", 1.0)) == "ok"
+    assert _health(True, ("active", 0.0)) == "ejected"  # active but failed its probes
+    assert _health(True, ("draining", 0.0)) == "ok"  # not routed by its lifecycle, healthy
+    assert _health(True, None) == "not routed"
+    assert _health(False, ("active", 1.0)) == "unreachable"

@@ -31,7 +31,7 @@ STATE_STYLE = {
     "draining": "magenta",
     "gone": "dim",
 }
-_HEALTH_STYLE = {"active": "green", "draining": "magenta", "ejected": "red", "unreachable": "red"}
+_HEALTH_STYLE = {"ok": "green", "ejected": "red", "unreachable": "red"}
 NONE = "—"
 
 

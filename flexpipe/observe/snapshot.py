@@ -66,7 +66,9 @@ class InstanceView:
     gpus: tuple[str, ...]
     url: str
     state: str  # lifecycle: starting, rehearsing, active, draining
-    health: str  # the gateway's view: active, draining, ejected; "unreachable"; "not routed"
+    health: (
+        str  # "ok"; "ejected" (active, failed the gateway's probes); "unreachable"; "not routed"
+    )
     num_running: int | None
     num_waiting: int | None
     num_in_flight: int | None  # open at the gateway
@@ -238,12 +240,23 @@ class _Window:
         return _delta(getattr(e, field), getattr(e0, field) if e0 is not None else None)
 
 
+def _health(reachable: bool, pool: tuple[str, float] | None) -> str:
+    """From the engine's scrape and the gateway's `flexpipe_instance_up{state}` (1 when routed:
+    active and healthy). Health is not the lifecycle: a draining instance is "ok"."""
+    if not reachable:
+        return "unreachable"
+    if pool is None:
+        return "not routed"
+    state, up = pool
+    return "ejected" if state == "active" and up < 1 else "ok"
+
+
 def _instance_view(
-    doc: Mapping[str, Any], w: _Window, pool_state: Mapping[str, str]
+    doc: Mapping[str, Any], w: _Window, pool: Mapping[str, tuple[str, float]]
 ) -> InstanceView:
     url = str(doc.get("url", ""))
     e, e0 = w.engines.get(url), w.engines0.get(url)
-    health = "unreachable" if e is None else pool_state.get(url, "not routed")
+    health = _health(e is not None, pool.get(url))
     util = None
     if e is not None and e0 is not None and w.modelled_s and e.busy_s is not None:
         util = min(1.0, (w.counted(url, "busy_s") or 0.0) / w.modelled_s)
@@ -341,9 +354,9 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
     """The snapshot of `now`, with rates over the window since `before`."""
     st = now.status
     w = _Window.of(now, before)
-    pool_state = {lab["instance"]: lab.get("state", "")
-                  for lab, _ in w.gw.get("flexpipe_instance_up", [])}  # fmt: skip
-    instances = [_instance_view(doc, w, pool_state) for doc in st.get("instances", [])]
+    pool = {lab["instance"]: (lab.get("state", ""), v)
+            for lab, v in w.gw.get("flexpipe_instance_up", [])}  # fmt: skip
+    instances = [_instance_view(doc, w, pool) for doc in st.get("instances", [])]
     num_gateway_queued = _int(_value(w.gw, "flexpipe_queued_requests")) or 0
     model_docs = [m for m in st.get("models", []) if isinstance(m, Mapping)]
     if not model_docs:  # a controller without the models part: what its instances serve
