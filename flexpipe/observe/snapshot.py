@@ -66,9 +66,7 @@ class InstanceView:
     gpus: tuple[str, ...]
     url: str
     state: str  # lifecycle: starting, rehearsing, active, draining
-    health: (
-        str  # "ok"; "ejected" (active, failed the gateway's probes); "unreachable"; "not routed"
-    )
+    health: str  # "ok"; "ejected" (active, failed its probes); "unreachable"; "not routed"
     num_running: int | None
     num_waiting: int | None
     num_in_flight: int | None  # open at the gateway
