@@ -52,6 +52,8 @@ _ROWS: tuple[tuple[str, str], ...] = (
 
 
 def _cell(value: Any) -> str:
+    if value is None:
+        return "never"
     if isinstance(value, float):
         return f"{value:,.3f}"
     return f"{value:,}" if isinstance(value, int) else str(value)
@@ -81,6 +83,10 @@ def compare_table(reports: list[dict[str, Any]]) -> Table:
         per = [r["models"][model] for r in reports]
         table.add_row(f"[bold]{model}[/]", *("" for _ in reports))
         table.add_row("  tokens/s", *(_cell(p["throughput_tokens_per_s"]) for p in per))
+        table.add_row(
+            "  tokens/s over the span",
+            *(_cell(p["span_throughput_tokens_per_s"]) for p in per),
+        )
         for metric in ("ttft_s", "tpot_s", "e2e_s"):
             for q in ("p50", "p90", "p99"):
                 table.add_row(f"  {metric[:-2]} {q} (s)", *(_cell(p[metric][q]) for p in per))

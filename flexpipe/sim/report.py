@@ -41,6 +41,20 @@ def _latency(values: list[float]) -> dict[str, float]:
     return {f"p{q}": _r(percentile(values, q)) for q in (50, 90, 99)}
 
 
+def _first_served(done: list[SimRequest]) -> float | None:
+    """When the first token of any request was served (None: never)."""
+    return _r(min(r.first_token_s for r in done)) if done else None
+
+
+def _span_throughput(done: list[SimRequest]) -> float:
+    """Output tokens over the span from the first arrival to the last completion: the
+    capacity a saturated run measures (`throughput_tokens_per_s` divides by the duration)."""
+    if not done:
+        return 0.0
+    span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
+    return sum(r.num_generated_tokens for r in done) / span if span > 0 else 0.0
+
+
 def _summary(
     reqs: list[SimRequest], duration_s: float, ttft_s: float, tpot_s: float
 ) -> dict[str, Any]:
@@ -57,10 +71,11 @@ def _summary(
         "goodput_requests_per_s": _r(len(good) / duration_s),
         "slo_attainment": _r(len(good) / len(reqs)) if reqs else 0.0,
         "throughput_tokens_per_s": _r(sum(r.num_generated_tokens for r in done) / duration_s),
+        "span_throughput_tokens_per_s": _r(_span_throughput(done)),
         "ttft_s": _latency([r.ttft_s for r in done]),
         "tpot_s": _latency([r.tpot_s for r in done]),
         "e2e_s": _latency([r.e2e_s for r in done]),
-        "first_served_s": _r(min((r.first_token_s for r in done), default=-1.0)),
+        "first_served_s": _first_served(done),
         "num_preemptions": sum(r.num_preemptions for r in done),
         "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in done),
     }
@@ -112,7 +127,7 @@ def report(result: SimResult) -> dict[str, Any]:
         "gpu_hours_reserved": _r(reserved / 3600),
         "gpu_hours_used": _r(busy / 3600),
         "utilisation": _r(busy / reserved) if reserved else 0.0,
-        "first_served_s": _r(min((r.first_token_s for r in done), default=-1.0)),
+        "first_served_s": _first_served(done),
         "reservation": {
             "peak_gpus": result.peak_gpus,
             "peak_gpu_hours": _r(peak_gpu_hours),
