@@ -114,9 +114,7 @@ def test_tenant_leaves_gpu1_an_in_place_shift_at_the_expected_time(tenant_leaves
     assert new.num_kv_blocks > old.num_kv_blocks  # the larger KV cache the tenant left
     # every request on a leaving instance finished there before the 30 s deadline
     assert set(shift["migrated"]) == {"finished_in_place"}
-    assert shift["finished_s"] == pytest.approx(
-        130 + sum(v for k, v in phases.items()), abs=1e-6
-    )
+    assert shift["finished_s"] == pytest.approx(130 + sum(v for k, v in phases.items()), abs=1e-6)
     rep = report(r)
     assert rep["num_failed"] == 0 and rep["num_completed"] == rep["num_requests"] > 1000
     assert rep["shifts_by_kind"] == {"plan": 1, "resource": 1}
@@ -147,11 +145,10 @@ def test_a_reclaim_with_notice_is_vacated_in_time_and_a_failure_loses_no_request
     assert rep["num_requests_moved"] == sum(r.failovers.values())
     # the static plan has the same GPUs taken away and nothing re-planned
     static = simulate(sc, "static")
-    died = {i.dep.name: i.died for i in static.instances if i.died}
-    assert died == {"llama-7b-2": "gpu3 taken by batch", "llama-7b-3": "gpu0 failed"} or all(
-        why in ("gpu3 taken by batch", "gpu0 failed") for why in died.values()
-    )
-    assert report(static)["shifts_by_kind"] == {}
+    died = sorted((i.dep.gpu_ids, i.died, i.released_s) for i in static.instances if i.died)
+    assert died == [(("gpu3",), "gpu3 taken by batch", 260.0)]  # no instance on gpu0 there
+    assert report(static)["shifts_by_kind"] == {} and report(static)["num_failed"] == 0
+    assert sum(static.failovers.values()) > 0
 
 
 def test_timeline_events_change_the_cluster_file() -> None:
@@ -283,9 +280,8 @@ def test_report_figures_against_hand_computed_values(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "report.json").read_text()) == rep
 
 
-def test_html_is_self_contained_and_has_the_plots(tmp_path: Path) -> None:
-    r = simulate(_seed(160, [{"at_s": 100, "release": ["gpu1"]}]), "flexpipe")
-    write_reports(r, tmp_path)
+def test_html_is_self_contained_and_has_the_plots(tenant_leaves: Any, tmp_path: Path) -> None:
+    write_reports(tenant_leaves, tmp_path)
     page = (tmp_path / "report.html").read_text()
     assert page.startswith("<!doctype html>")
     assert not re.search(r"(src|href)\s*=\s*[\"']?\s*(https?:)?//", page)
