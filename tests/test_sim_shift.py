@@ -318,3 +318,17 @@ def test_builtin_scenario_files_parse() -> None:
         doc = yaml.safe_load((ROOT / "flexpipe" / "sim" / "scenarios" / f"{name}.yaml")
                              .read_text())  # fmt: skip
         assert doc["name"] == name
+
+
+def test_each_workload_keeps_its_model() -> None:
+    """Several workloads merge in time order, each request labelled with its own model."""
+    from flexpipe.sim.simulator import generate_requests
+
+    base = {"name": "t", "duration_s": 60, "cluster": {"file": str(SEED_CLUSTER)},
+            "models": [{"name": "a", "model": "llama-2-7b"}, {"name": "b", "model": "mistral-7b"}],
+            "workloads": [{"model": "a", "arrivals": {"rate_per_s": 2}},
+                          {"model": "b", "arrivals": {"rate_per_s": 1, "start_s": 30}}]}  # fmt: skip
+    reqs = generate_requests(parse_scenario(base, ROOT))
+    assert {r.model for r in reqs} == {"a", "b"}
+    assert all(r.arrival_s >= 30 for r in reqs if r.model == "b")
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)

@@ -154,10 +154,11 @@ def report_html(rep: dict[str, Any]) -> str:
     )  # fmt: skip
     occ = _occupancy_map(rep["gpu_occupancy"], x_max, list(rep["models"]))
     res = rep["reservation"]
+    first = rep["first_served_s"]
     head = [
         ("requests", rep["num_requests"]), ("completed", rep["num_completed"]),
         ("failed", rep["num_failed"]), ("goodput (req/s)", rep["goodput_requests_per_s"]),
-        ("SLO attainment", rep["slo_attainment"]), ("first served (s)", "never" if rep["first_served_s"] is None else rep["first_served_s"]),
+        ("SLO attainment", rep["slo_attainment"]), ("first served (s)", "never" if first is None else first),
         ("GPU-hours reserved", rep["gpu_hours_reserved"]),
         ("GPU-hours used", rep["gpu_hours_used"]), ("utilisation", rep["utilisation"]),
         ("reservation / peak provisioning", res["share_of_peak"]),

@@ -85,6 +85,13 @@ class SimResult:
     wall_s: float = 0.0  # not in the byte-identical reports
 
 
+def _keyed(it: Iterator[Arrival], w: int) -> Iterator[tuple[float, int, int, Arrival]]:
+    """(time, workload, n, arrival): the merge key. A function, not a generator expression in
+    the loop, so that each stream keeps its own `w` (a generator expression reads it late)."""
+    for n, a in enumerate(it):
+        yield a[0], w, n, a
+
+
 def generate_requests(scenario: Scenario) -> list[SimRequest]:
     """Every workload's arrivals, merged in time order (ties: workload order)."""
     streams: list[Iterator[tuple[float, int, int, Arrival]]] = []
@@ -94,7 +101,7 @@ def generate_requests(scenario: Scenario) -> list[SimRequest]:
             it: Iterator[Arrival] = src.arrivals(scenario.duration_s)
         else:
             it = src.arrivals(random.Random(f"{scenario.seed}:{w}"), scenario.duration_s)
-        streams.append(((a[0], w, n, a) for n, a in enumerate(it)))
+        streams.append(_keyed(it, w))
     out: list[SimRequest] = []
     for t, w, _, (_, prompt, output, prefix) in heapq.merge(*streams):
         out.append(SimRequest(len(out), t, scenario.workloads[w].model, prompt, output, prefix))
