@@ -327,7 +327,8 @@ def test_each_workload_keeps_its_model() -> None:
     base = {"name": "t", "duration_s": 60, "cluster": {"file": str(SEED_CLUSTER)},
             "models": [{"name": "a", "model": "llama-2-7b"}, {"name": "b", "model": "mistral-7b"}],
             "workloads": [{"model": "a", "arrivals": {"rate_per_s": 2}},
-                          {"model": "b", "arrivals": {"rate_per_s": 1, "start_s": 30}}]}  # fmt: skip
+                          {"model": "b",
+                           "arrivals": {"rate_per_s": 1, "start_s": 30}}]}  # fmt: skip
     reqs = generate_requests(parse_scenario(base, ROOT))
     assert {r.model for r in reqs} == {"a", "b"}
     assert all(r.arrival_s >= 30 for r in reqs if r.model == "b")

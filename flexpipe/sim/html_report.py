@@ -158,7 +158,8 @@ def report_html(rep: dict[str, Any]) -> str:
     head = [
         ("requests", rep["num_requests"]), ("completed", rep["num_completed"]),
         ("failed", rep["num_failed"]), ("goodput (req/s)", rep["goodput_requests_per_s"]),
-        ("SLO attainment", rep["slo_attainment"]), ("first served (s)", "never" if first is None else first),
+        ("SLO attainment", rep["slo_attainment"]),
+        ("first served (s)", "never" if first is None else first),
         ("GPU-hours reserved", rep["gpu_hours_reserved"]),
         ("GPU-hours used", rep["gpu_hours_used"]), ("utilisation", rep["utilisation"]),
         ("reservation / peak provisioning", res["share_of_peak"]),
