@@ -333,3 +333,24 @@ def test_each_workload_keeps_its_model() -> None:
     assert {r.model for r in reqs} == {"a", "b"}
     assert all(r.arrival_s >= 30 for r in reqs if r.model == "b")
     assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+
+
+def test_wait_for_ideal_starts_when_four_identical_linked_gpus_join() -> None:
+    join = {"node": "node1", "links": [{"gpus": ["gpu1", "gpu2", "gpu4", "gpu5"],
+                                        "link": "nvlink3"}],
+            "gpus": [{"id": "gpu4", "type": "A100-80G-SXM", "index": 2},
+                     {"id": "gpu5", "type": "A100-80G-SXM", "index": 3}]}  # fmt: skip
+    sc = _seed(100, [{"at_s": 10, "release": ["gpu1"]}, {"at_s": 60, "join": join}])
+    r = simulate(sc, "wait-for-ideal")
+    (rec,) = r.instances
+    assert rec.launched_s == 60.0 and rec.dep.gear.tp == 4
+    assert set(rec.dep.gpu_ids) == {"gpu1", "gpu2", "gpu4", "gpu5"}
+    rep = report(r)
+    assert rep["first_served_s"] > rec.ready_s > 60
+    early = [q for q in r.requests if q.arrival_s < rec.ready_s]
+    assert early and all(q.failed.startswith("404") for q in early)
+    occ = {row["gpu"]: row["segments"] for row in rep["gpu_occupancy"]}
+    assert occ["gpu4"] == [{"start_s": 60.0, "end_s": 100.0, "holder": rec.dep.name,
+                            "model": "llama-7b"}]  # fmt: skip
+    with pytest.raises(ScenarioError, match="already in the cluster"):
+        _seed(10, [{"at_s": 1, "join": {"node": "node1", "gpus": [{"id": "gpu0", "type": "L4"}]}}])

@@ -40,7 +40,7 @@ def _line_plot(
 ) -> str:
     """Lines over time with vertical marks (time, colour, label)."""
     top = max((v for _, ys in series for v in ys), default=0.0) or 1.0
-    plot_w, plot_h = _W - _PAD_L - 10, _H - _PAD_B - _PAD_T
+    plot_w, plot_h = _W - _PAD_L - 30, _H - _PAD_B - _PAD_T
 
     def x(t: float) -> float:
         return _PAD_L + plot_w * (t / x_max if x_max else 0.0)
@@ -82,7 +82,7 @@ def _line_plot(
 def _occupancy_map(rows: Sequence[dict[str, Any]], x_max: float, models: Sequence[str]) -> str:
     row_h = 14 if len(rows) <= 64 else max(1, 900 // len(rows))
     label_w = 120 if row_h >= 10 else 10
-    plot_w = _W - label_w - 10
+    plot_w = _W - label_w - 30
     h = row_h * len(rows) + 40
     colours = {m: _PALETTE[i % len(_PALETTE)] for i, m in enumerate(models)}
     parts = [f'<svg class="occupancy" width="{_W}" height="{h}" viewBox="0 0 {_W} {h}" '

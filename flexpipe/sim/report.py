@@ -213,7 +213,6 @@ def occupancy(result: SimResult) -> list[dict[str, Any]]:
 
     sc = result.scenario
     end = sc.duration_s
-    tenants: dict[str, list[dict[str, Any]]] = {g: [] for g in sc.cluster.gpu_ids}
 
     def state(cluster: Any, gid: str) -> str:
         if gid not in set(cluster.gpu_ids):
@@ -227,14 +226,20 @@ def occupancy(result: SimResult) -> list[dict[str, Any]]:
     for e in sc.resources:
         cluster = apply_event(cluster, e)
         clusters.append(cluster)
-    for gid in sc.cluster.gpu_ids:
+    gpus = {g.id: g for c in clusters for g in c.gpus}  # every GPU the run saw, in order
+    tenants: dict[str, list[dict[str, Any]]] = {g: [] for g in gpus}
+    for gid in gpus:
         for i, (t, c) in enumerate(zip(times, clusters, strict=True)):
             who = state(c, gid)
             stop = times[i + 1] if i + 1 < len(times) else end
+            if gid not in sc.cluster.gpu_ids and all(
+                gid not in p.gpu_ids for p in clusters[: i + 1]
+            ):
+                who = ""  # not joined yet
             if who and stop > t:
                 tenants[gid].append({"start_s": _r(t), "end_s": _r(min(stop, end)), "holder": who})
     out = []
-    for gid in sc.cluster.gpu_ids:
+    for gid, gpu in gpus.items():
         segs = list(tenants[gid])
         for rec in result.instances:
             if gid in rec.dep.gpu_ids:
@@ -242,8 +247,7 @@ def occupancy(result: SimResult) -> list[dict[str, Any]]:
                 segs.append({"start_s": _r(rec.launched_s), "end_s": _r(min(stop, end)),
                              "holder": rec.dep.name, "model": rec.dep.model})  # fmt: skip
         segs.sort(key=lambda s: (s["start_s"], s["holder"]))
-        out.append({"gpu": gid, "node": sc.cluster.gpu(gid).node,
-                    "type": sc.cluster.gpu(gid).type, "segments": segs})  # fmt: skip
+        out.append({"gpu": gid, "node": gpu.node, "type": gpu.type, "segments": segs})
     return out
 
 

@@ -7,12 +7,16 @@ resources:
   - {at_s: 1200, reclaim: [gpu0], notice_s: 300}      # free only until 1500: vacate before
   - {at_s: 1800, fail: [gpu2]}                        # lost without notice
   - {at_s: 1800, fail_node: node2}                    # a whole node lost
+  - {at_s: 2400, join: {node: node1, gpus: [{id: gpu4, type: A100-80G-SXM, index: 2}],
+                        links: [{gpus: [gpu1, gpu2, gpu4], link: nvlink3}]}}
 ```
 
 Each event changes the cluster *file* (what `flexpipe controller` would read again), a pure
 `apply_event(cluster, event)`. A reclaim sets `free_until_s` on its GPUs and, at that time,
 the owner takes them whole (a follow-up `occupy` event). A failed GPU leaves the cluster:
-instances on it die at once and their requests continue elsewhere by recompute. The
+instances on it die at once and their requests continue elsewhere by recompute. `join` adds
+GPUs in the cluster file's syntax to a node (a new one when `node` is not in the cluster, then
+with its `network`); its `links` replace the node's. The
 simulator hands each new file to the controller's `Resources.file_changed`, the same path
 the live controller's file watch takes, so the policy sees the same events.
 """
@@ -28,8 +32,8 @@ from flexpipe.hardware import GiB
 
 __all__ = ["EventKind", "TimelineError", "TimelineEvent", "apply_event", "parse_timeline"]
 
-EventKind = Literal["occupy", "release", "reclaim", "fail"]
-_KINDS = ("occupy", "release", "reclaim", "fail", "fail_node")
+EventKind = Literal["occupy", "release", "reclaim", "fail", "join"]
+_KINDS = ("occupy", "release", "reclaim", "fail", "fail_node", "join")
 _KEYS = {"at_s", "owner", "used_gib", "notice_s", "note", *_KINDS}
 
 
@@ -46,6 +50,7 @@ class TimelineEvent:
     used_bytes: float | None = None  # occupy: bytes the owner holds (None: the whole GPU)
     notice_s: float = 0.0  # reclaim: the GPUs are free for this long more
     note: str = ""
+    join: dict[str, Any] | None = None  # join: {node, gpus, links?, network?} (file syntax)
 
     def describe(self) -> str:
         gpus = ",".join(self.gpus)
@@ -56,6 +61,8 @@ class TimelineEvent:
             return f"the other tenant leaves {gpus}"
         if self.kind == "reclaim":
             return f"{self.owner} reclaims {gpus} in {self.notice_s:g} s"
+        if self.kind == "join":
+            return f"{gpus} join"
         return f"{gpus} lost without notice"
 
     def to_dict(self) -> dict[str, Any]:
@@ -72,7 +79,9 @@ def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEv
         raise TimelineError(f"{where}: expected a list of events")
     out: list[TimelineEvent] = []
     known = set(cluster.gpu_ids)
-    for i, doc in enumerate(value):
+    order = sorted(range(len(value)), key=lambda i: _at(value[i]))
+    for i in order:
+        doc = value[i]
         place = f"{where}[{i}]"
         if not isinstance(doc, dict):
             raise TimelineError(f"{place}: expected a mapping")
@@ -86,7 +95,17 @@ def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEv
         if isinstance(at, bool) or not isinstance(at, int | float) or at < 0:
             raise TimelineError(f"{place}: at_s must be a number >= 0")
         kind = kinds[0]
-        if kind == "fail_node":
+        join: dict[str, Any] | None = None
+        if kind == "join":
+            join = doc[kind]
+            if not isinstance(join, dict) or "node" not in join or not join.get("gpus"):
+                raise TimelineError(f"{place}.join: give node and gpus (cluster-file syntax)")
+            gpus = tuple(str(g.get("id")) for g in join["gpus"] if isinstance(g, dict))
+            clash = sorted(set(gpus) & known)
+            if clash:
+                raise TimelineError(f"{place}.join: GPU(s) {clash} are already in the cluster")
+            known.update(gpus)
+        elif kind == "fail_node":
             try:
                 gpus = tuple(g.id for g in cluster.node(str(doc[kind])).gpus)
             except ClusterError as exc:
@@ -105,14 +124,39 @@ def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEv
             raise TimelineError(f"{place}: notice_s must be >= 0")
         ev = TimelineEvent(
             float(at), cast(EventKind, kind), gpus, owner,
-            None if used is None else float(used) * GiB, notice, str(doc.get("note", "")),
+            None if used is None else float(used) * GiB, notice, str(doc.get("note", "")), join,
         )  # fmt: skip
         out.append(ev)
         if kind == "reclaim":
             note = f"{owner} takes {','.join(gpus)} (reclaimed)"
             out.append(TimelineEvent(float(at) + notice, "occupy", gpus, owner, note=note))
     out.sort(key=lambda e: e.at_s)
+    check = cluster
+    for e in out:  # a join that does not make a valid cluster is an error now, not mid-run
+        check = apply_event(check, e)
     return tuple(out)
+
+
+def _at(doc: Any) -> float:
+    at = doc.get("at_s") if isinstance(doc, dict) else None
+    return float(at) if isinstance(at, int | float) and not isinstance(at, bool) else 0.0
+
+
+def _joined(cluster: Cluster, join: dict[str, Any]) -> Cluster:
+    doc = cluster.to_doc()
+    node = next((n for n in doc["nodes"] if n["name"] == join["node"]), None)
+    if node is None:
+        node = {"name": join["node"], "gpus": []}
+        if "network" in join:
+            node["network"] = join["network"]
+        doc["nodes"].append(node)
+    node["gpus"] = [*node["gpus"], *join["gpus"]]
+    if "links" in join:
+        node["links"] = join["links"]
+    try:
+        return parse_cluster(doc, cluster.source)
+    except ClusterError as exc:
+        raise TimelineError(f"join {join['node']}: {exc}") from None
 
 
 def _without(cluster: Cluster, gpus: Sequence[str]) -> Cluster:
@@ -145,6 +189,9 @@ def _without(cluster: Cluster, gpus: Sequence[str]) -> Cluster:
 
 def apply_event(cluster: Cluster, event: TimelineEvent) -> Cluster:
     """The cluster file after `event`. GPUs already gone are skipped."""
+    if event.kind == "join":
+        assert event.join is not None
+        return _joined(cluster, event.join)
     present = [g for g in event.gpus if g in set(cluster.gpu_ids)]
     if event.kind == "fail":
         return _without(cluster, present) if present else cluster
