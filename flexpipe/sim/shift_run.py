@@ -229,6 +229,16 @@ class ShiftRun:
         ready = max(r.ready_s for r in started)
         now = yield max(0.0, ready - t0)
         self.out.phases_s["warm" + suffix] = now - t0
+        dead = [r for r in started if r.released_s >= 0]  # its GPUs went while it loaded
+        if dead:
+            self.out.reason = "; ".join(f"instance {r.dep.name} died starting: {r.died}"
+                                        for r in dead)  # fmt: skip
+            started = [r for r in started if r.released_s < 0]
+            if self.all_or_nothing or not started:
+                for rec in started:
+                    world.release(rec, now)
+                self.out.succeeded = False
+                return []
         if self.do_rehearse:
             checks = [rehearse(r.planned, world.cluster, self.rehearsal_tolerance) for r in started]
             self.out.rehearsal.extend(checks)
