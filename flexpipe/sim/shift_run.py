@@ -180,14 +180,13 @@ class ShiftRun:
 
     # -------------------------------------------------------------------- the phases
     def _shift(self) -> Gen:
-        now = self.world.loop.now_s
         running_planned = [r.planned for r in self.running.values()]
         steps = plan_shift(running_planned, self.target)
         if steps.refusal:
             self.out.succeeded = False
             self.out.reason = steps.refusal
             return
-        by_key = {k: r for k, r in self.running.items()}
+        by_key = dict(self.running)
         started = yield from self._bring_up(steps.now_adds, "")
         if not self.out.succeeded:
             return
@@ -202,7 +201,6 @@ class ShiftRun:
             started += more
         rest = [by_key[instance_key(b)] for b in steps.rest]
         yield from self._retire(rest, "_rest" if steps.steps else "")
-        del now
 
     def _bring_up(
         self, adds: Sequence[PlannedInstance], suffix: str
@@ -315,7 +313,6 @@ class ShiftRun:
     def _roll_back(self, released: Sequence[Any], started: Sequence[Any]) -> Gen:
         """The in-place successor failed after the instances in its way were released: they
         start again (no rehearsal) and what the shift started leaves."""
-        world = self.world
         reason = self.out.reason
         self.out.succeeded = True
         rehearse_was, self.do_rehearse = self.do_rehearse, False
@@ -328,4 +325,3 @@ class ShiftRun:
         self.out.reason = reason
         gone = {r.key for r in started}
         self.out.started = [k for k in self.out.started if k not in gone]
-        del world
