@@ -83,12 +83,18 @@ class SimController:
         self._rates = RateWindow({d.name: d.request_rate_per_s for d in demands})
         self._done: dict[str, float] = {d.name: 0.0 for d in demands}
         self._shifting = False
+        self._shift_started_s = 0.0
         self._tick_version = 0
         self._decision: ShiftDecision | None = None
 
     @property
     def cluster(self) -> Cluster:
         return self.resources.effective
+
+    @property
+    def shifting_since(self) -> float | None:
+        """When the shift in progress started (None: none is)."""
+        return self._shift_started_s if self._shifting else None
 
     @staticmethod
     def _planner(cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0) -> Plan:
@@ -193,6 +199,7 @@ class SimController:
         all_or_nothing: bool = True,
     ) -> None:
         self._shifting = True
+        self._shift_started_s = now
         p = self.params
 
         def done(outcome: ShiftOutcome, end: float) -> None:

@@ -473,6 +473,10 @@ class _Run:
         if not self.records:
             self.notes.append(f"policy {self.policy.name} runs no instance on this cluster")
         ctl = self.controller
+        if ctl is not None and ctl.shifting_since is not None:
+            self.notes.append(
+                f"a shift started at {ctl.shifting_since:.1f} s was still in progress at the end"
+            )
         peak = plan(scenario.cluster, self.peaks, now_s=0.0)
         return SimResult(
             scenario, self.policy.name, self.routing, self.demands, self.requests,
