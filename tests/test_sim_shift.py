@@ -354,3 +354,27 @@ def test_wait_for_ideal_starts_when_four_identical_linked_gpus_join() -> None:
                             "model": "llama-7b"}]  # fmt: skip
     with pytest.raises(ScenarioError, match="already in the cluster"):
         _seed(10, [{"at_s": 1, "join": {"node": "node1", "gpus": [{"id": "gpu0", "type": "L4"}]}}])
+
+
+def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute() -> None:
+    """A 0.5 s drain deadline leaves requests running on the leaving instances: each one is
+    moved (KV over NVLink from gpu1 where that beats recomputing, else recomputed) and ends
+    with all its tokens; none fails."""
+    from flexpipe.sim.controller import ControllerParams
+
+    sc = _seed(220, [{"at_s": 100, "release": ["gpu1"]}])
+    r = simulate(replace(sc, controller=ControllerParams(drain_deadline_s=0.5)), "flexpipe")
+    rep = report(r)
+    shift = r.shifts[1]
+    assert shift["phases_s"]["drain_in_place"] == 0.5 and shift["phases_s"]["drain_rest"] == 0.5
+    moved = shift["migrated"]
+    assert moved.get("kv_moved", 0) > 0 and moved.get("recomputed", 0) > 0
+    # the in-place instance's KV crosses NVLink: its migrate phase is the longest transfer
+    assert 0 < shift["phases_s"]["migrate_in_place"] < 0.1
+    assert rep["num_failed"] == 0
+    assert rep["num_requests_moved"] == moved["kv_moved"] + moved["recomputed"] + moved.get(
+        "rerun", 0
+    )
+    for req in r.requests:
+        if r.num_moves.get(req.request_id):
+            assert req.completed and req.num_generated_tokens == req.num_output_tokens
