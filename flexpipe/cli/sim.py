@@ -44,6 +44,7 @@ _ROWS: tuple[tuple[str, str], ...] = (
     ("failed", "num_failed"),
     ("goodput req/s", "goodput_requests_per_s"),
     ("SLO attainment", "slo_attainment"),
+    ("first served (s)", "first_served_s"),
     ("GPU-h reserved", "gpu_hours_reserved"),
     ("GPU-h used", "gpu_hours_used"),
     ("utilisation", "utilisation"),
@@ -51,6 +52,8 @@ _ROWS: tuple[tuple[str, str], ...] = (
 
 
 def _cell(value: Any) -> str:
+    if value is None:
+        return "never"
     if isinstance(value, float):
         return f"{value:,.3f}"
     return f"{value:,}" if isinstance(value, int) else str(value)
@@ -64,10 +67,26 @@ def compare_table(reports: list[dict[str, Any]]) -> Table:
         table.add_column(f"{rep['policy']} ({rep['routing']})", justify="right")
     for label, key in _ROWS:
         table.add_row(label, *(_cell(r[key]) for r in reports))
+    table.add_row(
+        "reservation / peak", *(_cell(r["reservation"]["share_of_peak"]) for r in reports)
+    )
+    table.add_row(
+        "shifts by kind",
+        *(", ".join(f"{k} x{v}" for k, v in r["shifts_by_kind"].items()) or "-" for r in reports),
+    )
+    table.add_row(
+        "moved requests",
+        *(", ".join(f"{k} x{v}" for k, v in r["requests_migrated_by_method"].items()) or "-"
+          for r in reports),
+    )  # fmt: skip
     for model in reports[0]["models"]:
         per = [r["models"][model] for r in reports]
         table.add_row(f"[bold]{model}[/]", *("" for _ in reports))
         table.add_row("  tokens/s", *(_cell(p["throughput_tokens_per_s"]) for p in per))
+        table.add_row(
+            "  tokens/s over the span",
+            *(_cell(p["span_throughput_tokens_per_s"]) for p in per),
+        )
         for metric in ("ttft_s", "tpot_s", "e2e_s"):
             for q in ("p50", "p90", "p99"):
                 table.add_row(f"  {metric[:-2]} {q} (s)", *(_cell(p[metric][q]) for p in per))
@@ -92,13 +111,17 @@ def register(app: typer.Typer) -> None:
             str, typer.Argument(help="A scenario file, a built-in name, or `list`.")
         ],
         policy: Annotated[
-            str | None, typer.Option(help="flexpipe, round_robin, peak or wait-for-ideal.")
+            str | None,
+            typer.Option(
+                help="flexpipe, round_robin, static, peak, wait-for-ideal or a scenario plan."
+            ),
         ] = None,
         compare: Annotated[
             str | None, typer.Option(help="Several policies, comma-separated, side by side.")
         ] = None,
         out: Annotated[
-            Path | None, typer.Option(help="Write report.json, requests.csv, timeline.csv here.")
+            Path | None,
+            typer.Option(help="Write report.json/.html, requests/timeline/shifts.csv here."),
         ] = None,
         seed: Annotated[int | None, typer.Option(help="Override the scenario's seed.")] = None,
         duration_s: Annotated[
@@ -108,6 +131,7 @@ def register(app: typer.Typer) -> None:
         every_step: Annotated[
             bool, typer.Option(help="One event per engine step (no closed-form stretches).")
         ] = False,
+        quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     ) -> None:
         """Simulate a scenario on a virtual clock (see docs/simulator.md)."""
         console = make_console()
@@ -129,11 +153,13 @@ def register(app: typer.Typer) -> None:
                 sc = replace(sc, duration_s=duration_s)
             names = [p.strip() for p in (compare or policy or sc.policy).split(",") if p.strip()]
             for name in names:
-                create_policy(name)  # an unknown name is an error before anything runs
+                create_policy(name, sc)  # an unknown name is an error before anything runs
         reports = []
         for name in names:
             with Progress(
-                console=err_console, transient=True, disable=not err_console.is_terminal
+                console=err_console,
+                transient=True,
+                disable=quiet or not err_console.is_terminal,
             ) as bar:
                 task = bar.add_task(f"{sc.name} / {name}", total=sc.duration_s)
 

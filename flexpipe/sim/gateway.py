@@ -66,11 +66,14 @@ class SimGateway:
             self.log.append((now, event, detail))
 
     # --- instances -----------------------------------------------------------------------
-    def add_instance(self, inst: SimInstance, now: float) -> None:
-        """The engine answers /health: into the pool (scraped first, as the prober does)."""
+    def add_instance(self, inst: SimInstance, now: float, max_num_seqs: int = 0) -> None:
+        """The engine answers /health: into the pool (scraped first, as the prober does).
+        `max_num_seqs`: what the controller registers it with (its slots derive from it)."""
         self.instances[inst.url] = inst
         self._log(now, "ready", inst.dep.name)
-        record = self.pool.add(inst.url, model=inst.model, max_num_seqs=inst.max_num_seqs)
+        record = self.pool.add(
+            inst.url, model=inst.model, max_num_seqs=max_num_seqs or inst.max_num_seqs
+        )
         self._scrape_one(record, now)
         if not self._scraping:
             self._scraping = True
@@ -136,6 +139,26 @@ class SimGateway:
         self._calls[call.req.request_id] = call
         self._log(now, "route", f"{call.req.request_id} {engine.dep.name} {pick.reason}")
         engine.submit(call.req, now)
+
+    def detach(self, req: SimRequest, now: float) -> None:
+        """`req` leaves its instance (moved, or the engine died): slot and load released."""
+        call = self._calls.pop(req.request_id)
+        assert call.instance is not None
+        self.router.finish(call.instance, call.num_tokens, now)
+        self._wake(now)
+
+    def place(self, req: SimRequest, url: str, now: float) -> None:
+        """A moved request goes to the engine at `url` (the move names its target)."""
+        engine = self.instances[url]
+        record = self.pool.instances[url]
+        num_tokens = float(req.num_prompt_tokens + req.num_output_tokens)
+        routing = RoutingRequest(req.num_prompt_tokens, req.num_output_tokens, ())
+        call = _Call(req, routing, num_tokens, instance=record)
+        self.router.acquire(record, call.num_tokens)
+        req.instance = engine.dep.name
+        self._calls[req.request_id] = call
+        self._log(now, "place", f"{req.request_id} {engine.dep.name}")
+        engine.submit(req, now)
 
     def _timeout(self, call: _Call, now: float) -> None:
         if not call.queued:

@@ -96,6 +96,7 @@ class SimInstance:
             req.num_output_tokens,
             SIM_GEN_IDS,
         )
+        ereq.num_preloaded_tokens = min(req.num_kv_tokens, req.num_prompt_tokens - 1)
         self.requests[ereq.request_id] = req
         self.sync(now)
         self.core.add(ereq, now)
@@ -105,6 +106,22 @@ class SimInstance:
         elif self._stretch is not None:
             self._stretch = None  # the next step must see the new request
             self._schedule_end(self._first_end_s)
+
+    def take(self, req: SimRequest, now: float) -> EngineRequest | None:
+        """Take `req` off this engine at `now` (moved, or the engine died): aborted, its blocks
+        free; the step in progress ends as planned without it. None if it had ended."""
+        self.sync(now)
+        rid = str(req.request_id)
+        s = self.core.scheduler
+        ereq = next((r for r in (*s.running, *s.waiting) if r.request_id == rid), None)
+        if ereq is None or rid not in self.requests:
+            return None
+        if self._stretch is not None:  # the stretch assumed this request runs on
+            self._stretch = None
+            self._schedule_end(self._first_end_s)
+        self.core.abort(ereq, now)
+        del self.requests[rid]
+        return ereq
 
     # --- stepping ------------------------------------------------------------------------
     def sync(self, now: float) -> None:

@@ -7,12 +7,20 @@ static; the controller's shift policy (issue 9) plugs in here: a decide that ret
 changed plan, and the simulator carries the change out (new instances cold-start and join the
 pool when ready; instances no longer in the plan drain and leave when empty).
 
+The live flexpipe is not a `decide` of this kind: `ShiftingPolicy` marks a run where the
+controller's loop (`flexpipe.sim.controller`) drives the live shift policy instead.
+
 Registered by name (`create_policy`):
-- `flexpipe`: the planner's plan for the free GPUs at t = 0 (its default routing);
-- `round_robin`: the same plan, routed round robin;
-- `peak`: the planner's plan for the workload's peak rate (peak provisioning);
+- `flexpipe`: the live controller and shift policy (re-plans, shifts gears, reacts to the
+  resource timeline), the scenario's routing;
+- `round_robin`: the same, routed round robin;
+- `static`: the planner's plan for the free GPUs at t = 0, never changed (the best static
+  plan without shifts: what `flexpipe up` ran before the controller);
+- `peak`: the planner's plan for the workload's peak rate (peak provisioning), never changed;
 - `wait-for-ideal`: seed 000 §4.1's fixed template, tp=4 on four identical, fully free,
-  fast-linked GPUs; serves nothing when the cluster has no such four.
+  fast-linked GPUs, checked every minute on the cluster as it is then; serves nothing until
+  such four exist;
+- a scenario's own `plans:` (fixed deployments by name, e.g. the seed's forced 3-way).
 """
 
 from __future__ import annotations
@@ -20,18 +28,22 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from flexpipe.cluster import Cluster
 from flexpipe.gears.gear import Gear
 from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import ModelDemand, PlannerConfig, plan
+from flexpipe.sim.controller import ControllerParams
 from flexpipe.sim.deployment import Deployment
+
+if TYPE_CHECKING:
+    from flexpipe.sim.scenario import Scenario
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyView:
-    cluster: Cluster
+    cluster: Cluster  # the cluster file as the resource timeline has changed it by now
     demands: tuple[ModelDemand, ...]  # mean demand per model (what the planner is given)
     peak_demands: tuple[ModelDemand, ...]  # the same at each model's peak rate
     running: tuple[Deployment, ...]
@@ -48,10 +60,41 @@ class Policy(Protocol):
 
 
 @dataclass(slots=True)
-class PlannerPolicy:
-    """A static plan from `flexpipe.policies.planner.plan` (what `flexpipe up` runs)."""
+class ShiftingPolicy:
+    """The live controller and shift policy on the virtual clock (`params`: None, the
+    scenario's `controller:` section)."""
 
     name: str = "flexpipe"
+    routing: str | None = None
+    interval_s: float | None = None
+    params: ControllerParams | None = None
+
+    def decide(
+        self, view: PolicyView, now: float, rng: random.Random
+    ) -> Sequence[Deployment] | None:
+        raise TypeError("the simulator runs the controller for a ShiftingPolicy")
+
+
+@dataclass(slots=True)
+class FixedPlan:
+    """Fixed deployments (a scenario's `plans:` entry), launched at t = 0 and never changed."""
+
+    name: str
+    deployments: tuple[Deployment, ...]
+    routing: str | None = None
+    interval_s: float | None = None
+
+    def decide(
+        self, view: PolicyView, now: float, rng: random.Random
+    ) -> Sequence[Deployment] | None:
+        return None if view.running else list(self.deployments)
+
+
+@dataclass(slots=True)
+class PlannerPolicy:
+    """A static plan from `flexpipe.policies.planner.plan`, never changed."""
+
+    name: str = "static"
     routing: str | None = None
     interval_s: float | None = None
     at_peak: bool = False
@@ -73,7 +116,7 @@ class WaitForIdeal:
 
     name: str = "wait-for-ideal"
     routing: str | None = None
-    interval_s: float | None = None
+    interval_s: float | None = 60.0  # it checks again every minute (the seed's retries)
     num_gpus: int = 4
 
     def decide(
@@ -110,17 +153,22 @@ class WaitForIdeal:
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {
-    "flexpipe": PlannerPolicy,
-    "round_robin": lambda: PlannerPolicy(name="round_robin", routing="round_robin"),
+    "flexpipe": ShiftingPolicy,
+    "round_robin": lambda: ShiftingPolicy(name="round_robin", routing="round_robin"),
+    "static": lambda: PlannerPolicy(name="static"),
     "peak": lambda: PlannerPolicy(name="peak", at_peak=True),
     "wait-for-ideal": WaitForIdeal,
 }
 
 
-def create_policy(name: str) -> Policy:
+def create_policy(name: str, scenario: Scenario | None = None) -> Policy:
+    """A registered policy, or one of `scenario`'s fixed `plans`."""
+    if scenario is not None and name in scenario.plans:
+        return FixedPlan(name, scenario.plans[name])
     factory = POLICIES.get(name)
     if factory is None:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+        known = [*POLICIES, *(scenario.plans if scenario is not None else ())]
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(known)}")
     return factory()
 
 

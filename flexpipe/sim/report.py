@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flexpipe.policies.planner import Slo
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.simulator import SimResult
 
@@ -39,6 +41,20 @@ def _latency(values: list[float]) -> dict[str, float]:
     return {f"p{q}": _r(percentile(values, q)) for q in (50, 90, 99)}
 
 
+def _first_served(done: list[SimRequest]) -> float | None:
+    """When the first token of any request was served (None: never)."""
+    return _r(min(r.first_token_s for r in done)) if done else None
+
+
+def _span_throughput(done: list[SimRequest]) -> float:
+    """Output tokens over the span from the first arrival to the last completion: the
+    capacity a saturated run measures (`throughput_tokens_per_s` divides by the duration)."""
+    if not done:
+        return 0.0
+    span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
+    return sum(r.num_generated_tokens for r in done) / span if span > 0 else 0.0
+
+
 def _summary(
     reqs: list[SimRequest], duration_s: float, ttft_s: float, tpot_s: float
 ) -> dict[str, Any]:
@@ -55,10 +71,11 @@ def _summary(
         "goodput_requests_per_s": _r(len(good) / duration_s),
         "slo_attainment": _r(len(good) / len(reqs)) if reqs else 0.0,
         "throughput_tokens_per_s": _r(sum(r.num_generated_tokens for r in done) / duration_s),
+        "span_throughput_tokens_per_s": _r(_span_throughput(done)),
         "ttft_s": _latency([r.ttft_s for r in done]),
         "tpot_s": _latency([r.tpot_s for r in done]),
         "e2e_s": _latency([r.e2e_s for r in done]),
-        "first_served_s": _r(min((r.first_token_s for r in done), default=-1.0)),
+        "first_served_s": _first_served(done),
         "num_preemptions": sum(r.num_preemptions for r in done),
         "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in done),
     }
@@ -89,6 +106,12 @@ def report(result: SimResult) -> dict[str, Any]:
         for r in result.requests
         if r.failed
     ]
+    peak_gpu_hours = result.peak_gpus * d / 3600
+    migrated: Counter[str] = Counter()
+    for sh in result.shifts:
+        migrated.update(sh["migrated"])
+    for method, n in result.failovers.items():
+        migrated[f"failover_{method}"] += n
     return {
         "scenario": sc.name,
         "policy": result.policy,
@@ -104,6 +127,22 @@ def report(result: SimResult) -> dict[str, Any]:
         "gpu_hours_reserved": _r(reserved / 3600),
         "gpu_hours_used": _r(busy / 3600),
         "utilisation": _r(busy / reserved) if reserved else 0.0,
+        "first_served_s": _first_served(done),
+        "reservation": {
+            "peak_gpus": result.peak_gpus,
+            "peak_gpu_hours": _r(peak_gpu_hours),
+            "share_of_peak": _r(reserved / 3600 / peak_gpu_hours) if peak_gpu_hours else 0.0,
+        },
+        "shifts_by_kind": dict(sorted(Counter(s["trigger"] for s in result.shifts).items())),
+        "requests_migrated_by_method": dict(sorted(migrated.items())),
+        "num_requests_moved": len(result.num_moves),
+        "shifts": result.shifts,
+        "num_decisions": result.num_decisions,
+        "decisions": _distinct(result.decisions),
+        "resource_timeline": [e.to_dict() for e in sc.resources],
+        "resource_events": result.resource_events,
+        "phases": phase_rows(result),
+        "gpu_occupancy": occupancy(result),
         "num_events": result.num_events,
         "models": models,
         "instances": [
@@ -112,7 +151,10 @@ def report(result: SimResult) -> dict[str, Any]:
                 "model": rec.dep.model,
                 "gear": rec.dep.gear.key(),
                 "gpus": list(rec.dep.gpu_ids),
+                "launched_s": _r(rec.launched_s),
                 "ready_s": _r(rec.ready_s),
+                "released_s": _r(rec.released_s),
+                "died": rec.died,
                 "num_kv_blocks": rec.num_kv_blocks,
                 "max_model_len": rec.max_model_len,
                 "num_steps": rec.instance.num_steps if rec.instance else 0,
@@ -122,12 +164,96 @@ def report(result: SimResult) -> dict[str, Any]:
         ],
         "timeline": timeline_rows(result),
         "failures": failures[:100],
+        "failed_by_why": dict(Counter(r.failed for r in result.requests if r.failed).most_common()),
         "notes": result.notes,
     }
 
 
+def _distinct(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Decisions taken, and holds under a trigger when their reason changed (a hold repeated
+    every tick is one entry with its first time and count)."""
+    out: list[dict[str, Any]] = []
+    for d in decisions:
+        last = out[-1] if out else None
+        if d["action"] == "hold" and last is not None and last["reason"] == d["reason"]:
+            last["num_ticks"] += 1
+            continue
+        out.append({**d, "num_ticks": 1})
+    return out
+
+
+def _good(r: SimRequest, slos: dict[str, Slo]) -> bool:
+    slo = slos[r.model]
+    return r.completed and r.ttft_s <= slo.ttft_p99_s and r.tpot_s <= slo.tpot_p99_s
+
+
+def phase_rows(result: SimResult) -> list[dict[str, Any]]:
+    """Throughput per phase: the run cut at each resource-timeline event (before the other
+    tenant leaves, after, ...). Requests count in the phase they completed in."""
+    d = result.scenario.duration_s
+    slos = {m.name: m.slo for m in result.demands}
+    cuts = sorted({0.0, *(e.at_s for e in result.scenario.resources if 0 < e.at_s < d), d})
+    rows = []
+    for lo, hi in itertools.pairwise(cuts):
+        done = [r for r in result.requests if r.completed and lo <= r.finish_s < hi]
+        what = [e.note or e.describe() for e in result.scenario.resources if e.at_s == lo]
+        rows.append({
+            "start_s": _r(lo), "end_s": _r(hi), "after": "; ".join(what) or "start",
+            "completed": len(done),
+            "tokens_per_s": _r(sum(r.num_generated_tokens for r in done) / (hi - lo)),
+            "goodput_requests_per_s": _r(sum(1 for r in done if _good(r, slos)) / (hi - lo)),
+        })  # fmt: skip
+    return rows
+
+
+def occupancy(result: SimResult) -> list[dict[str, Any]]:
+    """Who holds each GPU over time: our instances (from launch to release) and the other
+    tenants (from the resource timeline), as segments per GPU in the cluster's order."""
+    from flexpipe.sim.timeline import apply_event
+
+    sc = result.scenario
+    end = sc.duration_s
+
+    def state(cluster: Any, gid: str) -> str:
+        if gid not in set(cluster.gpu_ids):
+            return "lost"
+        gpu = cluster.gpu(gid)
+        return f"tenant:{gpu.owner or 'another tenant'}" if gpu.used_bytes > 0 else ""
+
+    cluster = sc.cluster
+    times = [0.0, *(e.at_s for e in sc.resources)]
+    clusters = [cluster]
+    for e in sc.resources:
+        cluster = apply_event(cluster, e)
+        clusters.append(cluster)
+    gpus = {g.id: g for c in clusters for g in c.gpus}  # every GPU the run saw, in order
+    tenants: dict[str, list[dict[str, Any]]] = {g: [] for g in gpus}
+    for gid in gpus:
+        for i, (t, c) in enumerate(zip(times, clusters, strict=True)):
+            who = state(c, gid)
+            stop = times[i + 1] if i + 1 < len(times) else end
+            if gid not in sc.cluster.gpu_ids and all(
+                gid not in p.gpu_ids for p in clusters[: i + 1]
+            ):
+                who = ""  # not joined yet
+            if who and stop > t:
+                tenants[gid].append({"start_s": _r(t), "end_s": _r(min(stop, end)), "holder": who})
+    out = []
+    for gid, gpu in gpus.items():
+        segs = list(tenants[gid])
+        for rec in result.instances:
+            if gid in rec.dep.gpu_ids:
+                stop = rec.released_s if rec.released_s >= 0 else end
+                segs.append({"start_s": _r(rec.launched_s), "end_s": _r(min(stop, end)),
+                             "holder": rec.dep.name, "model": rec.dep.model})  # fmt: skip
+        segs.sort(key=lambda s: (s["start_s"], s["holder"]))
+        out.append({"gpu": gid, "node": gpu.node, "type": gpu.type, "segments": segs})
+    return out
+
+
 def timeline_rows(result: SimResult) -> list[dict[str, float]]:
     u = result.usage
+    slos = {m.name: m.slo for m in result.demands}
     step = u.interval_s
     ends: list[list[SimRequest]] = [[] for _ in u.reserved_gpu_s]  # completions per interval
     for r in result.requests:
@@ -145,6 +271,10 @@ def timeline_rows(result: SimResult) -> list[dict[str, float]]:
                 "completed": len(ends[i]),
                 "tokens_per_s": _r(sum(r.num_generated_tokens for r in ends[i]) / (hi - lo)),
                 "ttft_p50_s": _r(percentile([r.ttft_s for r in ends[i]], 50)),
+                "ttft_p99_s": _r(percentile([r.ttft_s for r in ends[i]], 99)),
+                "tpot_p50_s": _r(percentile([r.tpot_s for r in ends[i]], 50)),
+                "tpot_p99_s": _r(percentile([r.tpot_s for r in ends[i]], 99)),
+                "goodput_requests_per_s": _r(sum(1 for r in ends[i] if _good(r, slos)) / (hi - lo)),
             }
         )
     return rows
@@ -182,15 +312,39 @@ def timeline_csv(result: SimResult) -> str:
     return out.getvalue()
 
 
+SHIFT_FIELDS = ("at_s", "finished_s", "trigger", "succeeded", "score", "phases", "migrated",
+                "started", "stopped", "reason")  # fmt: skip
+
+
+def shifts_csv(rep: dict[str, Any]) -> str:
+    """One row per shift carried out (the first plan included)."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(SHIFT_FIELDS)
+    for s in rep["shifts"]:
+        w.writerow([
+            f"{s['at_s']:.6f}", f"{s['finished_s']:.6f}", s["trigger"], s["succeeded"], s["score"],
+            ";".join(f"{k}={v}" for k, v in s["phases_s"].items()),
+            ";".join(f"{k}={v}" for k, v in s["migrated"].items()),
+            ";".join(s["started"]), ";".join(s["stopped"]), s["reason"],
+        ])  # fmt: skip
+    return out.getvalue()
+
+
 def report_json(result: SimResult) -> str:
     return json.dumps(report(result), indent=2) + "\n"
 
 
 def write_reports(result: SimResult, out_dir: Path) -> list[Path]:
-    """report.json, requests.csv and timeline.csv in `out_dir` (created)."""
+    """report.json, report.html, requests.csv, timeline.csv and shifts.csv in `out_dir`."""
+    from flexpipe.sim.html_report import report_html
+
     out_dir.mkdir(parents=True, exist_ok=True)
+    rep = report(result)
     files = {
-        "report.json": report_json(result),
+        "report.json": json.dumps(rep, indent=2) + "\n",
+        "report.html": report_html(rep),
+        "shifts.csv": shifts_csv(rep),
         "requests.csv": requests_csv(result),
         "timeline.csv": timeline_csv(result),
     }

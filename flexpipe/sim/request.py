@@ -24,6 +24,7 @@ class SimRequest:
     num_prompt_tokens: int
     num_output_tokens: int  # max_tokens: the sim model talks until cut off
     prefix_ids: tuple[int, ...] = ()  # shared prompt blocks (see module docstring)
+    num_kv_tokens: int = 0  # a moved request's context whose KV arrived by transfer
     # outcome (set by the simulator)
     instance: str = ""
     first_token_s: float = -1.0

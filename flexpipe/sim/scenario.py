@@ -23,6 +23,15 @@ workloads:
     trace: {kind: azure, file: azure.csv, speedup: 1.0, offset_s: 0}     # or mooncake
 gateway: {routing: {policy: prefix_affinity}, max_queue: 1024}          # GatewayConfig
 report_interval_s: 60
+resources:                           # the resource timeline (flexpipe.sim.timeline)
+  - {at_s: 600, release: [gpu1]}
+  - {at_s: 900, reclaim: [gpu3], notice_s: 300}
+  - {at_s: 1200, fail: [gpu0]}
+controller: {tick_s: 10, drain_deadline_s: 30, min_instances_floor: 1,
+             shift: {triggers: {cooldown_s: 180}}}                 # docs/shift-policy.md
+plans:                               # fixed plans, run with --policy NAME
+  forced-3way:
+    - {model: llama-7b, gear: "pp=3", stages: [[gpu0], [gpu1], [gpu2]]}
 ```
 Paths are relative to the scenario file. Every mistake is one readable line (ScenarioError).
 """
@@ -38,7 +47,13 @@ import yaml
 from flexpipe.cluster import Cluster, ClusterError, load_cluster, parse_cluster
 from flexpipe.cluster.generate import generate_cluster
 from flexpipe.gateway.config import ConfigError, GatewayConfig, config_from_dict
+from flexpipe.gears.gear import Gear, GearError, parse_gear
+from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import ModelsFileError
+from flexpipe.policies.shift import ShiftParams
+from flexpipe.sim.controller import ControllerParams
+from flexpipe.sim.deployment import Deployment
+from flexpipe.sim.timeline import TimelineError, TimelineEvent, parse_timeline
 from flexpipe.sim.trace import TraceReplay
 from flexpipe.sim.workload import (
     Diurnal,
@@ -50,8 +65,10 @@ from flexpipe.sim.workload import (
 
 _KEYS = {
     "name", "description", "duration_s", "seed", "policy", "cluster", "models", "workloads",
-    "gateway", "report_interval_s",
+    "gateway", "report_interval_s", "resources", "controller", "plans",
 }  # fmt: skip
+_CONTROLLER_KEYS = {"tick_s", "drain_deadline_s", "rehearsal_tolerance", "min_instances_floor",
+                    "shift"}  # fmt: skip
 _WORKLOAD_KEYS = {
     "model", "arrivals", "diurnal", "prompt_tokens", "output_tokens", "shared_prefix", "trace",
 }  # fmt: skip
@@ -79,6 +96,9 @@ class Scenario:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     report_interval_s: float = 60.0
     description: str = ""
+    resources: tuple[TimelineEvent, ...] = ()
+    controller: ControllerParams = field(default_factory=ControllerParams)
+    plans: dict[str, tuple[Deployment, ...]] = field(default_factory=dict)
 
     @property
     def model_names(self) -> list[str]:
@@ -151,6 +171,53 @@ def _workload(value: Any, base: Path, where: str, models: list[str]) -> Workload
         raise ScenarioError(f"{where}: {exc}") from None
 
 
+def _controller(value: Any, where: str) -> ControllerParams:
+    doc = dict(_mapping(value or {}, where))
+    unknown = sorted(set(doc) - _CONTROLLER_KEYS)
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    try:
+        shift = ShiftParams.from_mapping(doc.pop("shift", {}) or {})
+        return ControllerParams(**{k: type(getattr(ControllerParams(), k))(v)
+                                   for k, v in doc.items()}, shift=shift)  # fmt: skip
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{where}: {exc}") from None
+
+
+def _plans(
+    value: Any, models: list[dict[str, Any]], where: str
+) -> dict[str, tuple[Deployment, ...]]:
+    ids = {str(m.get("name", m.get("model"))): str(m.get("model")) for m in models}
+    out: dict[str, tuple[Deployment, ...]] = {}
+    for name, deps in _mapping(value or {}, where).items():
+        place = f"{where}.{name}"
+        if not isinstance(deps, list) or not deps:
+            raise ScenarioError(f"{place}: expected a list of deployments")
+        built = []
+        for i, d in enumerate(deps):
+            d = _mapping(d, f"{place}[{i}]")
+            model = str(d.get("model", next(iter(ids))))
+            if model not in ids:
+                raise ScenarioError(f"{place}[{i}].model: {model!r} is not one of {list(ids)}")
+            stages = d.get("stages")
+            if not isinstance(stages, list) or not stages:
+                raise ScenarioError(f"{place}[{i}].stages: a list of GPU id lists")
+            try:
+                gear = parse_gear(str(d.get("gear", "")), Gear())
+            except GearError as exc:
+                raise ScenarioError(f"{place}[{i}].gear: {exc}") from None
+            try:
+                load_model_spec(ids[model])
+            except (KeyError, ValueError) as exc:
+                raise ScenarioError(f"{place}[{i}]: {exc}") from None
+            built.append(Deployment(
+                f"{model}-{name}-{i}", model, ids[model], gear,
+                tuple(tuple(str(g) for g in st) for st in stages),
+            ))  # fmt: skip
+        out[str(name)] = tuple(built)
+    return out
+
+
 def parse_scenario(doc: Any, base: Path, source: str = "<scenario>") -> Scenario:
     doc = _mapping(doc, source)
     unknown = sorted(set(doc) - _KEYS)
@@ -170,10 +237,18 @@ def parse_scenario(doc: Any, base: Path, source: str = "<scenario>") -> Scenario
         gateway = config_from_dict(_mapping(doc.get("gateway") or {}, f"{source}: gateway"))
     except ConfigError as exc:
         raise ScenarioError(f"{source}: gateway: {exc}") from None
+    cluster = _cluster(doc.get("cluster"), base, f"{source}: cluster")
+    try:
+        resources = parse_timeline(doc.get("resources"), cluster, f"{source}: resources")
+    except TimelineError as exc:
+        raise ScenarioError(str(exc)) from None
     return Scenario(
         name=str(doc.get("name", source)),
         description=str(doc.get("description", "")),
-        cluster=_cluster(doc.get("cluster"), base, f"{source}: cluster"),
+        cluster=cluster,
+        resources=resources,
+        controller=_controller(doc.get("controller"), f"{source}: controller"),
+        plans=_plans(doc.get("plans"), [dict(m) for m in models], f"{source}: plans"),
         models=[dict(m) for m in models],
         workloads=tuple(
             _workload(w, base, f"{source}: workloads[{i}]", names) for i, w in enumerate(workloads)

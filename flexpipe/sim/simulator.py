@@ -13,18 +13,30 @@ from __future__ import annotations
 import functools
 import heapq
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from flexpipe.policies.planner import ModelDemand, ModelsFileError, parse_models
+from flexpipe.cluster import Cluster
+from flexpipe.policies.planner import (
+    ModelDemand,
+    ModelsFileError,
+    PlannedInstance,
+    parse_models,
+    plan,
+)
+from flexpipe.policies.shift.snapshot import instance_key
+from flexpipe.sim.controller import SimController
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.engine_factory import engine_config
 from flexpipe.sim.gateway import SimGateway
 from flexpipe.sim.instance import SimInstance
 from flexpipe.sim.loop import ARRIVAL, CONTROL, EventLoop
-from flexpipe.sim.policy import Policy, PolicyView, at_rate, create_policy
+from flexpipe.sim.policy import Policy, PolicyView, ShiftingPolicy, at_rate, create_policy
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.scenario import Scenario, ScenarioError
+from flexpipe.sim.timeline import apply_event
 from flexpipe.sim.trace import TraceReplay
 from flexpipe.sim.usage import Usage
 from flexpipe.sim.workload import Arrival
@@ -42,6 +54,13 @@ class InstanceRecord:
     num_kv_blocks: int = 0
     max_model_len: int = 0
     instance: SimInstance | None = None
+    planned: PlannedInstance | None = None  # the controller's instances: what was planned
+    active: bool = False  # in the gateway's pool, taking requests
+    died: str = ""  # why its engine died with its GPUs ("" if it did not)
+
+    @property
+    def key(self) -> str:
+        return instance_key(self.planned) if self.planned is not None else self.dep.name
 
 
 @dataclass
@@ -56,6 +75,21 @@ class SimResult:
     end_s: float = 0.0
     num_events: int = 0
     notes: list[str] = field(default_factory=list)
+    shifts: list[dict[str, Any]] = field(default_factory=list)  # shifts carried out
+    decisions: list[dict[str, Any]] = field(default_factory=list)  # taken, or held on a trigger
+    num_decisions: int = 0
+    resource_events: list[dict[str, Any]] = field(default_factory=list)  # the controller's
+    failovers: dict[str, int] = field(default_factory=dict)  # requests moved off dead engines
+    num_moves: dict[int, int] = field(default_factory=dict)  # request id -> times moved
+    peak_gpus: int = 0  # GPUs of the plan sized for the peak (the peak-provisioning baseline)
+    wall_s: float = 0.0  # not in the byte-identical reports
+
+
+def _keyed(it: Iterator[Arrival], w: int) -> Iterator[tuple[float, int, int, Arrival]]:
+    """(time, workload, n, arrival): the merge key. A function, not a generator expression in
+    the loop, so that each stream keeps its own `w` (a generator expression reads it late)."""
+    for n, a in enumerate(it):
+        yield a[0], w, n, a
 
 
 def generate_requests(scenario: Scenario) -> list[SimRequest]:
@@ -67,7 +101,7 @@ def generate_requests(scenario: Scenario) -> list[SimRequest]:
             it: Iterator[Arrival] = src.arrivals(scenario.duration_s)
         else:
             it = src.arrivals(random.Random(f"{scenario.seed}:{w}"), scenario.duration_s)
-        streams.append(((a[0], w, n, a) for n, a in enumerate(it)))
+        streams.append(_keyed(it, w))
     out: list[SimRequest] = []
     for t, w, _, (_, prompt, output, prefix) in heapq.merge(*streams):
         out.append(SimRequest(len(out), t, scenario.workloads[w].model, prompt, output, prefix))
@@ -109,6 +143,9 @@ def model_demands(
     return demands, peak
 
 
+SEGMENT_ID_BASE = 1 << 40  # ids of a moved request's continuations (never an arrival's)
+
+
 class _Run:
     def __init__(
         self, scenario: Scenario, policy: Policy, stretches: bool, requests: list[SimRequest]
@@ -126,16 +163,33 @@ class _Run:
         self.requests = requests
         self.demands, self.peaks = model_demands(scenario, requests)
         self.usage = Usage(scenario.duration_s, scenario.report_interval_s)
+        self.file = scenario.cluster  # the cluster file as the timeline has changed it
         self.records: list[InstanceRecord] = []  # every instance launched, in order
         self.live: dict[str, InstanceRecord] = {}  # deployment name -> record, in the plan
         self.draining: list[InstanceRecord] = []
         self.notes: list[str] = []
         self.num_open = 0  # requests submitted and not ended
+        self.shifts: list[dict[str, Any]] = []
+        self.failovers: dict[str, int] = {}
+        self._names: set[str] = set()
+        self._root: dict[int, SimRequest] = {}  # continuation id -> the client's request
+        self._num_moves: dict[int, int] = {}
+        self._num_segments = 0
+        self._failed_over: set[int] = set()  # requests whose engine died under them
+        self._empty_waits: list[tuple[tuple[InstanceRecord, ...], Callable[[float], None]]] = []
+        self.controller: SimController | None = None
+        if isinstance(policy, ShiftingPolicy):
+            self.controller = SimController(
+                self, scenario.cluster, self.demands,
+                lambda: [i.as_dict() for i in self.gateway.pool.instances.values()],
+                lambda: self.gateway.num_waiting, policy.params or scenario.controller,
+                random.Random(f"{scenario.seed}:controller"), self.shifts.append,
+            )  # fmt: skip
 
-    # --- policy --------------------------------------------------------------------------
+    # --- the static policies ----------------------------------------------------------
     def _decide(self, now: float) -> None:
         running = tuple(r.dep for r in self.live.values())
-        view = PolicyView(self.scenario.cluster, self.demands, self.peaks, running)
+        view = PolicyView(self.file, self.demands, self.peaks, running)
         wanted = self.policy.decide(view, now, self.rng)
         if wanted is not None:
             self._apply_plan(list(wanted), now)
@@ -146,57 +200,238 @@ class _Run:
         names = {d.name for d in wanted}
         for name in [n for n in self.live if n not in names]:
             self._stop(self.live.pop(name), now)
-        max_len = {d.name: d.max_model_len for d in self.demands}
         for dep in wanted:
             if dep.name in self.live:
                 continue
-            try:
-                cfg = engine_config(dep, self.scenario.cluster, max_len.get(dep.model))
-            except ValueError as exc:
-                self.notes.append(f"{dep.name} cannot run: {exc}")
+            rec = self._new_record(dep, now)
+            if isinstance(rec, str):
+                self.notes.append(f"{dep.name} cannot run: {rec}")
                 continue
-            inst = SimInstance(
-                dep, cfg, self.loop, self.gateway.done, self._busy, stretches=self.stretches
-            )
-            rec = InstanceRecord(
-                dep, now, now + cfg.load_time_s, num_kv_blocks=cfg.num_kv_blocks,
-                max_model_len=cfg.max_model_len, instance=inst,
-            )  # fmt: skip
-            self.records.append(rec)
             self.live[dep.name] = rec
             self.loop.at(rec.ready_s, CONTROL, functools.partial(self._ready, rec))
 
+    def _new_record(
+        self, dep: Deployment, now: float, planned: PlannedInstance | None = None
+    ) -> InstanceRecord | str:
+        max_len = {d.name: d.max_model_len for d in self.demands}
+        try:
+            cfg = engine_config(dep, self.cluster, max_len.get(dep.model))
+        except ValueError as exc:
+            return str(exc)
+        inst = SimInstance(
+            dep, cfg, self.loop, self.gateway.done, self._busy, stretches=self.stretches
+        )
+        rec = InstanceRecord(
+            dep, now, now + cfg.load_time_s, num_kv_blocks=cfg.num_kv_blocks,
+            max_model_len=cfg.max_model_len, instance=inst, planned=planned,
+        )  # fmt: skip
+        self.records.append(rec)
+        self._names.add(dep.name)
+        return rec
+
     def _ready(self, rec: InstanceRecord, now: float) -> None:
-        if rec.stopped_s < 0:  # still wanted once loaded
+        if rec.stopped_s < 0 and rec.released_s < 0:  # still wanted once loaded
             assert rec.instance is not None
+            rec.active = True
             self.gateway.add_instance(rec.instance, now)
 
     def _stop(self, rec: InstanceRecord, now: float) -> None:
         """Drain: out of routing now; the GPUs are held until its last request ends."""
-        rec.stopped_s = now
+        self.stop_routing(rec, now)
         self.draining.append(rec)
-        inst = rec.instance
-        assert inst is not None
-        if inst.url in self.gateway.pool.instances:
-            self.gateway.drain_instance(inst.url)
         self._release_drained(now)
 
     def _release_drained(self, now: float) -> None:
         for rec in [r for r in self.draining if r.instance and not r.instance.requests]:
             self.draining.remove(rec)
-            rec.released_s = now
-            assert rec.instance is not None
-            if rec.instance.url in self.gateway.pool.instances:
-                self.gateway.remove_instance(rec.instance.url)
+            self.release(rec, now)
+
+    # --- the controller's world (shift_run.World) -------------------------------------
+    @property
+    def cluster(self) -> Cluster:
+        return self.controller.cluster if self.controller is not None else self.file
+
+    def launch(self, planned: PlannedInstance, now: float) -> InstanceRecord | str:
+        name, k = planned.name, 1
+        while name in self._names:
+            k += 1
+            name = f"{planned.name}.{k}"
+        dep = replace(Deployment.of(planned), name=name)
+        return self._new_record(dep, now, planned)
+
+    def activate(self, rec: InstanceRecord, now: float) -> None:
+        assert rec.instance is not None
+        rec.active = True
+        self.gateway.add_instance(rec.instance, now, rec.dep.gear.max_num_seqs)
+
+    def stop_routing(self, rec: InstanceRecord, now: float) -> list[SimRequest]:
+        rec.stopped_s = now
+        rec.active = False
+        assert rec.instance is not None
+        if rec.instance.url in self.gateway.pool.instances:
+            self.gateway.drain_instance(rec.instance.url)
+        return self.requests_on(rec)
+
+    def requests_on(self, rec: InstanceRecord) -> list[SimRequest]:
+        return list(rec.instance.requests.values()) if rec.instance is not None else []
+
+    def when_empty(self, recs: Sequence[InstanceRecord], callback: Callable[[float], None]) -> None:
+        self._empty_waits.append((tuple(recs), callback))
+
+    def release(self, rec: InstanceRecord, now: float) -> None:
+        if rec.released_s >= 0:
+            return
+        rec.released_s = now
+        rec.active = False
+        if rec.stopped_s < 0:
+            rec.stopped_s = now
+        assert rec.instance is not None
+        if rec.instance.url in self.gateway.pool.instances:
+            self.gateway.remove_instance(rec.instance.url)
+
+    def context_tokens(self, req: SimRequest, rec: InstanceRecord) -> tuple[int, int]:
+        """(prompt, output so far) of `req` on `rec`'s engine."""
+        assert rec.instance is not None
+        rec.instance.sync(self.loop.now_s)
+        rid = str(req.request_id)
+        s = rec.instance.core.scheduler
+        ereq = next((r for r in (*s.running, *s.waiting) if r.request_id == rid), None)
+        return req.num_prompt_tokens, 0 if ereq is None else ereq.num_output_tokens
+
+    def move(
+        self,
+        req: SimRequest,
+        source: InstanceRecord,
+        target: InstanceRecord | None,
+        method: str,
+        delay_s: float,
+        now: float,
+    ) -> None:
+        """Take `req` off `source` and continue it on `target` (None: wherever the gateway
+        routes it) by `method`: `kv_moved` (its context arrives as KV after `delay_s`),
+        `recomputed` (the target prefills prompt + output so far) or `rerun` (nothing was
+        answered yet: sent again)."""
+        assert source.instance is not None
+        ereq = source.instance.take(req, now)
+        if ereq is None:
+            return
+        self.gateway.detach(req, now)
+        root = self._root.pop(req.request_id, req)
+        self._num_moves[root.request_id] = self._num_moves.get(root.request_id, 0) + 1
+        n = ereq.num_output_tokens
+        if n:
+            if root.first_token_s < 0:
+                root.first_token_s = ereq.first_token_s
+            root.last_token_s = ereq.last_token_s
+            root.num_generated_tokens += n
+        root.num_cached_tokens += ereq.num_cached_tokens
+        root.num_preemptions += ereq.num_preemptions
+        self._num_segments += 1
+        seg = SimRequest(
+            SEGMENT_ID_BASE + self._num_segments,
+            root.arrival_s, root.model, req.num_prompt_tokens + n, req.num_output_tokens - n,
+            root.prefix_ids,
+        )  # fmt: skip
+        if method == "kv_moved":
+            seg.num_kv_tokens = seg.num_prompt_tokens
+        self._root[seg.request_id] = root
+        if target is None:
+            self.gateway.submit(seg, now)
+            return
+        url = target.instance.url if target.instance is not None else ""
+
+        def place(t: float) -> None:
+            if url in self.gateway.pool.instances and target.active:
+                self.gateway.place(seg, url, t)
+            else:
+                self.gateway.submit(seg, t)
+
+        if delay_s > 0:
+            self.loop.at(now + delay_s, CONTROL, place)
+        else:
+            place(now)
+
+    # --- the resource timeline ---------------------------------------------------------
+    def _resources(self, index: int, now: float) -> None:
+        event = self.scenario.resources[index]
+        self.file = apply_event(self.file, event)
+        if self.controller is not None:
+            self.controller.file_changed(self.file, now)
+        # engines on GPUs gone or taken whole die with them
+        for rec in self.records:
+            if rec.released_s >= 0 or rec.instance is None:
+                continue
+            why = self._lost(rec)
+            if why:
+                self._kill(rec, now, why)
+
+    def _lost(self, rec: InstanceRecord) -> str:
+        ids = set(self.file.gpu_ids)
+        for g in rec.dep.gpu_ids:
+            if g not in ids:
+                return f"{g} failed"
+            gpu = self.file.gpu(g)
+            if gpu.free_bytes <= 0:
+                return f"{g} taken by {gpu.owner or 'another tenant'}"
+        return ""
+
+    def _kill(self, rec: InstanceRecord, now: float, why: str) -> None:
+        """The engine died with its GPUs: the gateway continues its streams elsewhere by
+        recompute (or sends them again when nothing was answered yet)."""
+        rec.died = why
+        reqs = self.requests_on(rec)
+        assert rec.instance is not None
+        url = rec.instance.url
+        if url in self.gateway.pool.instances:
+            self.gateway.remove_instance(url)  # out of routing first: nothing new lands there
+        for req in reqs:
+            _, n = self.context_tokens(req, rec)
+            method = "recomputed" if n else "rerun"
+            self.failovers[method] = self.failovers.get(method, 0) + 1
+            self._failed_over.add((self._root.get(req.request_id, req)).request_id)
+            self.move(req, rec, None, method, 0.0, now)
+        self.release(rec, now)
+        self.live.pop(rec.dep.name, None)
+        if rec in self.draining:
+            self.draining.remove(rec)
+        if self.controller is not None:
+            self.controller.instance_died(rec, now)
+        self._check_empty(now)
 
     # --- work ----------------------------------------------------------------------------
     def _busy(self, inst: SimInstance, start_s: float, end_s: float) -> None:
         self.usage.busy(inst.dep.num_gpus, start_s, end_s)
 
     def _ended(self, req: SimRequest) -> None:
+        root = self._root.pop(req.request_id, None)
+        if root is not None:  # a continuation ended: so did the client's request
+            if root.first_token_s < 0 and req.first_token_s >= 0:
+                root.first_token_s = req.first_token_s
+            if req.num_generated_tokens:
+                root.last_token_s = req.last_token_s
+            root.num_generated_tokens += req.num_generated_tokens
+            root.num_cached_tokens += req.num_cached_tokens
+            root.num_preemptions += req.num_preemptions
+            root.finish_s = req.finish_s
+            root.instance = req.instance
+            if req.failed:
+                lost = " (its instance was lost)" if root.request_id in self._failed_over else ""
+                root.failed = f"{req.failed}{lost}"
+            req = root
         self.num_open -= 1
+        if self.controller is not None:
+            self.controller.request_ended(req)
         if self.draining:
             self._release_drained(req.finish_s)
+        if self._empty_waits:
+            self._check_empty(req.finish_s)
+
+    def _check_empty(self, now: float) -> None:
+        for wait in list(self._empty_waits):
+            recs, callback = wait
+            if all(r.instance is None or not r.instance.requests for r in recs):
+                self._empty_waits.remove(wait)
+                callback(now)
 
     def _arrive(self, index: int, now: float) -> None:
         req = self.requests[index]
@@ -208,7 +443,12 @@ class _Run:
 
     def run(self, progress: Callable[[float], None] | None) -> SimResult:
         scenario = self.scenario
-        self.loop.at(0.0, CONTROL, self._decide)
+        if self.controller is not None:
+            self.loop.at(0.0, CONTROL, self.controller.start)
+        else:
+            self.loop.at(0.0, CONTROL, self._decide)
+        for i, ev in enumerate(scenario.resources):
+            self.loop.at(ev.at_s, CONTROL, functools.partial(self._resources, i))
         if self.requests:
             first = self.requests[0].arrival_s
             self.loop.at(first, ARRIVAL, lambda t: self._arrive(0, t))
@@ -232,11 +472,20 @@ class _Run:
             self.usage.reserve(rec.dep.num_gpus, rec.launched_s, stop)
         if not self.records:
             self.notes.append(f"policy {self.policy.name} runs no instance on this cluster")
+        ctl = self.controller
+        if ctl is not None and ctl.shifting_since is not None:
+            self.notes.append(
+                f"a shift started at {ctl.shifting_since:.1f} s was still in progress at the end"
+            )
+        peak = plan(scenario.cluster, self.peaks, now_s=0.0)
         return SimResult(
             scenario, self.policy.name, self.routing, self.demands, self.requests,
             list(self.records), self.usage,
             max((r.finish_s for r in self.requests), default=0.0), self.loop.num_events,
-            self.notes,
+            self.notes, self.shifts, ctl.decisions if ctl else [],
+            ctl.num_decisions if ctl else 0, ctl.resource_events if ctl else [],
+            dict(sorted(self.failovers.items())), self._num_moves,
+            sum(i.num_gpus for i in peak.instances),
         )  # fmt: skip
 
 
@@ -252,11 +501,14 @@ def simulate(
     engine iteration as its own event (the reference the closed form is checked against).
     `log`: a list that receives the gateway's events (time, event, detail) in order."""
     pol = policy if policy is not None and not isinstance(policy, str) else None
-    pol = pol or create_policy(policy if isinstance(policy, str) else scenario.policy)
+    pol = pol or create_policy(policy if isinstance(policy, str) else scenario.policy, scenario)
     requests = generate_requests(scenario)
     run = _Run(scenario, pol, stretches, requests)
     run.gateway.log = log  # the gateway's events, in order, when a list is given
-    return run.run(progress)
+    t0 = time.perf_counter()
+    result = run.run(progress)
+    result.wall_s = time.perf_counter() - t0
+    return result
 
 
 __all__ = ["InstanceRecord", "SimResult", "generate_requests", "model_demands", "simulate"]

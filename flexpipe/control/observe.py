@@ -1,0 +1,67 @@
+"""What the controller tells the shift policy about a model, from its readings (pure).
+
+- `RateWindow`: the arrival rate as the controller measures it: finished requests per model
+  (the gateway's `flexpipe_requests_total`) over the last minute of readings, per modelled
+  second (`time_scale`: wall seconds per modelled second of sim engines);
+- `model_state`: the `ModelState` of one model from its demand, the rate measured now, its
+  recent samples and the floor under its minimum.
+
+The live controller and the simulator both call these, so the policy sees the same signals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from flexpipe.policies.planner import ModelDemand
+from flexpipe.policies.shift.signals import Sample
+from flexpipe.policies.shift.snapshot import ModelState
+
+__all__ = ["MAX_SAMPLES_GIVEN", "RATE_WINDOW_S", "RateWindow", "model_state"]
+
+RATE_WINDOW_S = 60.0
+MAX_SAMPLES_GIVEN = 20  # the newest samples handed to the policy (its window is 60 s)
+
+
+class RateWindow:
+    """Finished-request counters in, arrival rates out (see the module docstring)."""
+
+    def __init__(self, rates_per_s: Mapping[str, float], window_s: float = RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self.rates_per_s: dict[str, float] = dict(rates_per_s)  # model -> rate measured now
+        self._history: deque[tuple[float, dict[str, float]]] = deque()
+
+    def observe(
+        self, now_s: float, done: Mapping[str, float], models: Sequence[str], time_scale: float = 1
+    ) -> dict[str, float]:
+        """`done`: cumulative finished requests per model at `now_s`. Returns the rates."""
+        scale = time_scale if time_scale > 0 else 1.0
+        self._history.append((now_s, dict(done)))
+        while len(self._history) > 2 and now_s - self._history[0][0] > self.window_s:
+            self._history.popleft()
+        t0, first = self._history[0]
+        if now_s > t0:
+            for name in models:
+                finished = max(0.0, done.get(name, 0.0) - first.get(name, 0.0))
+                self.rates_per_s[name] = finished / (now_s - t0) * scale
+        return dict(self.rates_per_s)
+
+
+def model_state(
+    demand: ModelDemand,
+    rate_per_s: float | None,
+    samples: Sequence[Sample],
+    min_instances_floor: int,
+) -> ModelState:
+    """The policy's view of one model: the rate measured now (the configured demand until
+    there is a reading), the newest samples, the minimum at least `min_instances_floor`."""
+    rate = demand.request_rate_per_s if rate_per_s is None else rate_per_s
+    return ModelState(
+        dataclasses.replace(demand, request_rate_per_s=max(rate, 1e-3)),
+        tuple(samples[-MAX_SAMPLES_GIVEN:]),
+        priority=demand.priority,
+        min_instances=max(min_instances_floor, demand.min_instances),
+        expected_request_rate_per_s=None,
+    )

@@ -1,0 +1,246 @@
+"""The live controller's loop on the virtual clock (`flexpipe/control/controller.py`).
+
+Every `tick_s` (10 s), or at once when the GPUs change:
+
+1. GPU changes come from the scenario's resource timeline through the controller's own
+   `Resources.file_changed` (the same events the live file watch produces); an engine that
+   died with its GPUs is an emergency: out of the running plan, its GPUs re-planned;
+2. each model's `Sample` from what the gateway exposes — its pool records (`as_dict`, as
+   `GET /admin/instances` gives them) and its Prometheus text (a `GatewayMetrics` fed as the
+   gateway feeds it) — read by the controller's `Sampler`; arrival rates by `RateWindow`;
+3. `ShiftPolicy.decide(snapshot, now, rng)`, the live policy;
+4. a shift is carried out by `ShiftRun` (make-before-break, the executor's phases), during
+   which the controller does not tick (the live one awaits the shift inside its tick).
+
+Every decision taken, and every hold under a trigger, is kept for the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from flexpipe.cluster import Cluster
+from flexpipe.control.observe import RateWindow, model_state
+from flexpipe.control.resources import ResourceEvent, Resources
+from flexpipe.control.samples import Sampler
+from flexpipe.gateway.metrics import GatewayMetrics
+from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
+from flexpipe.policies.shift import ShiftParams, ShiftPolicy
+from flexpipe.policies.shift.decision import ShiftDecision
+from flexpipe.policies.shift.signals import Sample
+from flexpipe.policies.shift.snapshot import ShiftRecord, ShiftSnapshot
+from flexpipe.sim.loop import CONTROL
+from flexpipe.sim.request import SimRequest
+from flexpipe.sim.shift_run import ShiftOutcome, ShiftRun, World
+
+__all__ = ["ControllerParams", "SimController"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ControllerParams:
+    """`ControllerConfig`'s numbers that matter on a virtual clock."""
+
+    tick_s: float = 10.0
+    drain_deadline_s: float = 30.0
+    rehearsal_tolerance: float = 2.0
+    min_instances_floor: int = 1
+    shift: ShiftParams = dataclasses.field(default_factory=ShiftParams)
+
+
+class SimController:
+    def __init__(
+        self,
+        world: World,
+        cluster: Cluster,
+        demands: Sequence[ModelDemand],
+        gateway_pool: Callable[[], list[dict[str, Any]]],
+        num_queued: Callable[[], int],
+        params: ControllerParams,
+        rng: random.Random,
+        on_shift: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.world = world
+        self.demands = tuple(demands)
+        self.gateway_pool = gateway_pool
+        self.num_queued = num_queued
+        self.params = params
+        self.rng = rng
+        self.on_shift = on_shift  # a finished shift's record (for the report)
+        self.resources = Resources.of(cluster, 0.0)
+        self.policy = ShiftPolicy(params.shift, planner=self._planner)
+        self.metrics = GatewayMetrics()
+        self.running: dict[str, Any] = {}  # instance key -> record
+        self.history: list[ShiftRecord] = []
+        self.samples: dict[str, list[Sample]] = {d.name: [] for d in demands}
+        self.resources_changed_s: float | None = None
+        self.decisions: list[dict[str, Any]] = []  # shifts and holds under a trigger
+        self.num_decisions = 0
+        self.resource_events: list[dict[str, Any]] = []
+        self._sampler = Sampler()
+        self._rates = RateWindow({d.name: d.request_rate_per_s for d in demands})
+        self._done: dict[str, float] = {d.name: 0.0 for d in demands}
+        self._shifting = False
+        self._shift_started_s = 0.0
+        self._tick_version = 0
+        self._decision: ShiftDecision | None = None
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.resources.effective
+
+    @property
+    def shifting_since(self) -> float | None:
+        """When the shift in progress started (None: none is)."""
+        return self._shift_started_s if self._shifting else None
+
+    @staticmethod
+    def _planner(cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0) -> Plan:
+        """The controller's planner: planned fresh for the GPUs free now (no store: the
+        built-in gear table)."""
+        return plan(cluster, demands, now_s=now_s)
+
+    # ------------------------------------------------------------------ what the gateway sees
+    def request_ended(self, req: SimRequest) -> None:
+        """The gateway's metrics of a finished request (the controller reads them)."""
+        m = self.metrics
+        m.request_done(req.model, req.instance, "200" if req.completed else "error")
+        self._done[req.model] = self._done.get(req.model, 0.0) + 1
+        if req.completed:
+            m.observe("ttft", req.model, req.ttft_s)
+            if req.num_generated_tokens > 1:
+                m.observe("tpot", req.model, req.tpot_s)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, now: float) -> None:
+        first = self._planner(self.cluster, self.demands, now)
+        self.decisions.append({"at_s": now, "action": "shift", "trigger": "plan",
+                               "reason": "the first plan", "score": None,
+                               "target": [i.name for i in first.instances]})  # fmt: skip
+        self._carry_out(list(first.instances), now, None, rehearse=False, all_or_nothing=False)
+
+    def _schedule_tick(self, at_s: float) -> None:
+        self._tick_version += 1
+        version = self._tick_version
+        self.world.loop.at(at_s, CONTROL, lambda t: self._tick(t, version))
+
+    def file_changed(self, file: Cluster, now: float) -> list[ResourceEvent]:
+        """The cluster file changed (the timeline): events, and a tick at once."""
+        self.resources, events = self.resources.file_changed(file, now)
+        if events:
+            self.resources_changed_s = now
+            for e in events:
+                self.resource_events.append({"at_s": now, "gpu": e.gpu, "kind": e.kind.value,
+                                             "why": e.why})  # fmt: skip
+            if not self._shifting:
+                self._schedule_tick(now)
+        return events
+
+    def instance_died(self, rec: Any, now: float) -> None:
+        """`_reap_dead`: out of the running plan; its GPUs are re-planned."""
+        key = rec.key
+        if self.running.get(key) is rec:
+            del self.running[key]
+            self.resources_changed_s = now
+
+    # ------------------------------------------------------------------ one tick
+    def _tick(self, now: float, version: int) -> None:
+        if version != self._tick_version or self._shifting:
+            return
+        self.resources, events = self.resources.tick(now)
+        if events:
+            self.resources_changed_s = now
+        self._sample(now)
+        snapshot = ShiftSnapshot.of(
+            self.cluster,
+            [r.planned for r in self.running.values()],
+            [
+                model_state(
+                    d,
+                    self._rates.rates_per_s.get(d.name),
+                    self.samples[d.name],
+                    self.params.min_instances_floor,
+                )
+                for d in self.demands
+            ],
+            self.history,
+            self.resources_changed_s,
+        )
+        decision = self.policy.decide(snapshot, now, self.rng)
+        self.num_decisions += 1
+        if decision.action == "shift" and decision.target is not None:
+            self.decisions.append(_brief(decision))
+            self.history.append(decision.started(now))
+            self._decision = decision
+            self._carry_out(list(decision.target), now, decision)
+            return
+        if decision.trigger != "none":
+            self.decisions.append(_brief(decision))
+        self._schedule_tick(now + self.params.tick_s)
+
+    def _sample(self, now: float) -> None:
+        text = self.metrics.exposition().decode()
+        names = [d.name for d in self.demands]
+        pool = self.gateway_pool()
+        for name, sample in self._sampler.sample(now, names, pool, text, self.num_queued()).items():
+            self.samples[name].append(sample)
+            del self.samples[name][:-100]
+        self._rates.observe(now, self._done, names)
+
+    # ------------------------------------------------------------------ carrying out
+    def _carry_out(
+        self,
+        target: list[PlannedInstance],
+        now: float,
+        decision: ShiftDecision | None,
+        rehearse: bool = True,
+        all_or_nothing: bool = True,
+    ) -> None:
+        self._shifting = True
+        self._shift_started_s = now
+        p = self.params
+
+        def done(outcome: ShiftOutcome, end: float) -> None:
+            self._shifting = False
+            if decision is not None:
+                record = self.history[-1]
+                failed = tuple(c["instance"] for c in outcome.rehearsal if not c.get("passed"))
+                keys = failed if not outcome.succeeded and failed else record.target_keys
+                self.history[-1] = dataclasses.replace(
+                    record, finished_s=end, succeeded=outcome.succeeded, target_keys=keys
+                )
+            if outcome.succeeded:
+                self.resources_changed_s = None
+            self.on_shift({
+                "at_s": now, "finished_s": end,
+                "trigger": decision.trigger if decision is not None else "plan",
+                "reason": decision.reason if decision is not None else "the first plan",
+                "score": None if decision is None or decision.score is None
+                else round(decision.score, 3),
+                "succeeded": outcome.succeeded, "why_failed": outcome.reason,
+                "phases_s": {k: round(v, 6) for k, v in outcome.phases_s.items()},
+                "migrated": dict(sorted(outcome.migrated.items())),
+                "rehearsal": outcome.rehearsal,
+                "started": outcome.started, "stopped": outcome.stopped,
+            })  # fmt: skip
+            self._schedule_tick(end + p.tick_s)
+
+        run = ShiftRun(
+            self.world, self.running, target, done,
+            drain_deadline_s=p.drain_deadline_s, rehearsal_tolerance=p.rehearsal_tolerance,
+            rehearse=rehearse, all_or_nothing=all_or_nothing,
+        )  # fmt: skip
+        run.start(now)
+
+
+def _brief(d: ShiftDecision) -> dict[str, Any]:
+    return {
+        "at_s": d.at_s,
+        "action": d.action,
+        "trigger": d.trigger,
+        "reason": d.reason,
+        "score": None if d.score is None else round(d.score, 3),
+        "target": None if d.target is None else [i.name for i in d.target],
+    }

@@ -1,0 +1,380 @@
+"""The live controller and shift policy on the virtual clock: exact shift decisions and phases
+on the seed's cluster, the resource timeline (reclaim with notice, failure without), the
+step order shared with the executor, and the reports (figures by hand, HTML, CSV, compare)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from flexpipe.cli import app
+from flexpipe.cluster import load_cluster
+from flexpipe.control.observe import RateWindow
+from flexpipe.control.shift_plan import plan_shift, probe_tokens
+from flexpipe.gears.gear import Gear
+from flexpipe.policies.planner import plan
+from flexpipe.policies.shift import instance_key
+from flexpipe.sim import report, simulate
+from flexpipe.sim.deployment import Deployment
+from flexpipe.sim.engine_factory import engine_config
+from flexpipe.sim.report import write_reports
+from flexpipe.sim.scenario import ScenarioError, Workload, parse_scenario
+from flexpipe.sim.shift_run import rehearse
+from flexpipe.sim.timeline import TimelineEvent, apply_event
+from flexpipe.sim.workload import LengthDist, Synthetic
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sim_stretch import Fixed
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED_CLUSTER = ROOT / "examples" / "clusters" / "fragmented-4gpu.yaml"
+DATA = Path(__file__).parent / "data"
+
+
+def _seed(duration_s: float, resources: list[dict[str, Any]]) -> Any:
+    """The seed's cluster, llama-2-7b at 8 req/s (1024 in, 256 out) from t = 30 s."""
+    doc = {
+        "name": "seed-short", "duration_s": duration_s, "seed": 0, "report_interval_s": 30,
+        "cluster": {"file": str(SEED_CLUSTER)},
+        "models": [{"name": "llama-7b", "model": "llama-2-7b",
+                    "demand": {"request_rate_per_s": 8, "input_tokens": 1024,
+                               "output_tokens": 256},
+                    "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 60}, "dtypes": ["bf16", "fp8"]}],
+        "workloads": [{"model": "llama-7b", "arrivals": {"rate_per_s": 8, "start_s": 30},
+                       "prompt_tokens": {"dist": "lognormal", "mean": 1024, "cv": 0.5,
+                                         "max": 3072},
+                       "output_tokens": {"dist": "exponential", "mean": 256, "max": 1024}}],
+        "resources": resources,
+    }  # fmt: skip
+    return parse_scenario(doc, ROOT)
+
+
+@pytest.fixture(scope="module")
+def tenant_leaves() -> Any:
+    """The other tenant leaves gpu1 at t = 100 s (seed 000 §4.1)."""
+    return simulate(_seed(220, [{"at_s": 100, "release": ["gpu1"]}]), "flexpipe")
+
+
+def test_the_first_plan_is_the_planners_and_serves_once_loaded(tenant_leaves: Any) -> None:
+    r = tenant_leaves
+    first = r.shifts[0]
+    cluster = load_cluster(SEED_CLUSTER)
+    demand = r.demands[0]
+    planned = plan(cluster, (demand,), now_s=0.0).instances
+    assert first["trigger"] == "plan" and first["started"] == [instance_key(p) for p in planned]
+    # make-before-break for the first plan too: every instance joins once the slowest loaded
+    cold = max(engine_config(Deployment.of(p), cluster).load_time_s for p in planned)
+    assert first["phases_s"] == {"warm": round(cold, 6), "switch": 0.0}
+    assert first["finished_s"] == pytest.approx(cold)
+    assert report(r)["first_served_s"] > 30  # the first request arrives at 30 s
+
+
+def test_tenant_leaves_gpu1_an_in_place_shift_at_the_expected_time(tenant_leaves: Any) -> None:
+    r = tenant_leaves
+    assert [s["trigger"] for s in r.shifts] == ["plan", "resource"]
+    shift = r.shifts[1]
+    # the event wakes the controller at 100 s; the policy waits resource_settle_s (30 s), and
+    # the controller ticks every 10 s from the wake-up: 110, 120, 130
+    assert shift["at_s"] == 130.0
+    assert shift["succeeded"] and shift["why_failed"] == ""
+    assert "the GPUs free to us changed; replan" in shift["reason"] and shift["score"] > 0
+    # gpu1's half-memory instance is relaunched in place with the whole GPU; gpu3 is given back
+    assert shift["started"] == ["llama-7b|tp1-pp1-bf16-kvauto-s64|gpu1"]
+    assert shift["stopped"] == [
+        "llama-7b|tp1-pp1-bf16-kvauto-s32|gpu1",
+        "llama-7b|tp1-pp1-fp8-kvauto-s48|gpu3",
+    ]
+    phases = shift["phases_s"]
+    assert list(phases) == [
+        "drain_in_place", "migrate_in_place", "release_in_place",
+        "warm_in_place", "rehearse_in_place", "switch_in_place",
+        "drain_rest", "migrate_rest", "release_rest",
+    ]  # fmt: skip
+    new = next(i for i in r.instances if i.planned is not None and i.launched_s > 100)
+    old = next(i for i in r.instances if i.dep.gpu_ids == ("gpu1",) and i.launched_s == 0)
+    # in place: the new instance starts when the old one is released, and warms for its cold
+    # start (the performance model's), then rehearses for the probe's modelled time
+    assert new.launched_s == old.released_s == pytest.approx(130 + phases["drain_in_place"])
+    assert phases["warm_in_place"] == pytest.approx(new.ready_s - new.launched_s, abs=1e-6)
+    freed = load_cluster(SEED_CLUSTER).with_used("gpu1", 0.0)
+    cold_s = engine_config(new.dep, freed).load_time_s
+    assert new.ready_s - new.launched_s == pytest.approx(cold_s, rel=1e-12)
+    probe = rehearse(new.planned, load_cluster(SEED_CLUSTER).with_used("gpu1", 0.0), 2.0)
+    assert shift["rehearsal"] == [probe] and probe["passed"]
+    assert phases["rehearse_in_place"] == pytest.approx(probe["measured_s"], abs=1e-6)
+    assert 0 < phases["drain_in_place"] < 30 and 0 < phases["drain_rest"] < 30
+    assert new.num_kv_blocks > old.num_kv_blocks  # the larger KV cache the tenant left
+    # every request on a leaving instance finished there before the 30 s deadline
+    assert set(shift["migrated"]) == {"finished_in_place"}
+    assert shift["finished_s"] == pytest.approx(130 + sum(v for k, v in phases.items()), abs=1e-6)
+    rep = report(r)
+    assert rep["num_failed"] == 0 and rep["num_completed"] == rep["num_requests"] > 1000
+    assert rep["shifts_by_kind"] == {"plan": 1, "resource": 1}
+
+
+def test_a_reclaim_with_notice_is_vacated_in_time_and_a_failure_loses_no_request() -> None:
+    sc = _seed(300, [
+        {"at_s": 60, "reclaim": ["gpu3"], "notice_s": 200, "owner": "batch"},
+        {"at_s": 230, "fail": ["gpu0"]},
+    ])  # fmt: skip
+    r = simulate(sc, "flexpipe")
+    rep = report(r)
+    reclaim = r.shifts[1]
+    # reclaim_lead_s (120 s) before the lease ends at 260 s
+    assert reclaim["trigger"] == "reclaim" and reclaim["at_s"] == 140.0
+    on_gpu3 = next(i for i in r.instances if i.dep.gpu_ids == ("gpu3",))
+    assert on_gpu3.released_s < 260 and on_gpu3.died == ""
+    # the reclaim moved gpu3's model onto gpu0, which then fails without notice at 230 s
+    on_gpu0 = next(i for i in r.instances if i.dep.gpu_ids == ("gpu0",))
+    assert on_gpu0.launched_s == 140.0 and on_gpu0.died == "gpu0 failed"
+    assert on_gpu0.released_s == 230.0
+    assert rep["num_failed"] == 0
+    moved = rep["requests_migrated_by_method"]
+    assert moved.get("failover_recomputed", 0) + moved.get("failover_rerun", 0) > 0
+    # a moved request's tokens are its own: one answer of max_tokens, across both engines
+    for req in r.requests:
+        assert req.num_generated_tokens == req.num_output_tokens
+    assert rep["num_requests_moved"] == sum(r.failovers.values())
+    # the static plan has the same GPUs taken away and nothing re-planned
+    static = simulate(sc, "static")
+    died = sorted((i.dep.gpu_ids, i.died, i.released_s) for i in static.instances if i.died)
+    assert died == [(("gpu3",), "gpu3 taken by batch", 260.0)]  # no instance on gpu0 there
+    assert report(static)["shifts_by_kind"] == {} and report(static)["num_failed"] == 0
+    assert sum(static.failovers.values()) > 0
+
+
+def test_timeline_events_change_the_cluster_file() -> None:
+    cluster = load_cluster(SEED_CLUSTER)
+    freed = apply_event(cluster, TimelineEvent(5, "release", ("gpu1",)))
+    assert freed.gpu("gpu1").used_bytes == 0 and freed.gpu("gpu1").owner is None
+    taken = apply_event(freed, TimelineEvent(6, "occupy", ("gpu2",), owner="x"))
+    assert taken.gpu("gpu2").free_bytes == 0 and taken.gpu("gpu2").owner == "x"
+    lease = apply_event(cluster, TimelineEvent(7, "reclaim", ("gpu0",), notice_s=60))
+    assert lease.gpu("gpu0").free_until_s == 67
+    gone = apply_event(cluster, TimelineEvent(8, "fail", ("gpu2",)))
+    assert gone.gpu_ids == ("gpu0", "gpu1", "gpu3")
+    base = {"name": "t", "duration_s": 10, "cluster": {"file": str(SEED_CLUSTER)},
+            "models": [{"name": "m", "model": "llama-2-7b"}],
+            "workloads": [{"arrivals": {"rate_per_s": 1}}]}  # fmt: skip
+    sc = parse_scenario({**base, "resources": [{"at_s": 9, "reclaim": "gpu0", "notice_s": 5}]},
+                        ROOT)  # fmt: skip
+    assert [(e.at_s, e.kind) for e in sc.resources] == [(9, "reclaim"), (14, "occupy")]
+    for bad, msg in (
+        ([{"at_s": 1, "fail": ["gpu9"]}], "unknown GPU"),
+        ([{"at_s": 1, "fail": ["gpu0"], "release": ["gpu1"]}], "exactly one of"),
+        ([{"at_s": -1, "release": ["gpu1"]}], "at_s must be"),
+        ([{"at_s": 1, "fail_node": "node9"}], "node9"),
+    ):
+        with pytest.raises(ScenarioError, match=msg):
+            parse_scenario({**base, "resources": bad}, ROOT)
+
+
+def test_shift_steps_in_place_roll_and_a_whole_model_in_place_is_refused() -> None:
+    cluster = load_cluster(SEED_CLUSTER)
+    freed = cluster.with_used("gpu1", 0.0)
+    r = simulate(_seed(1, []), "static")
+    demand = r.demands[0]
+    running = plan(cluster, (demand,), now_s=0).instances
+    target = plan(freed, (demand,), now_s=0).instances
+    steps = plan_shift(running, target)
+    assert steps.refusal == "" and steps.now_adds == ()
+    ((blockers, adds),) = steps.steps
+    assert [b.gpu_ids for b in blockers] == [("gpu1",)] and [a.gpu_ids for a in adds] == [("gpu1",)]
+    keys = {instance_key(t) for t in target}
+    leaving = [i for i in running if instance_key(i) not in keys]
+    assert list(steps.leaving) == [*blockers, *(i for i in leaving if i not in blockers)]
+    # one instance replaced in place by one on the same GPU: serving would stop in between
+    alone = running[:1]
+    bigger = (replace(alone[0], gear=replace(alone[0].gear, max_num_seqs=8)),)
+    refused = plan_shift(alone, bigger)
+    assert "serving would stop in between" in refused.refusal
+    assert probe_tokens(0.1, 0.02, 0.0, 0.05) == 16
+    assert probe_tokens(0.1, 0.001, 1.0, 0.05) == 256
+    assert probe_tokens(0.1, 0.01, 1.0, 0.05) == 41  # (0.5 - 0.1) / 0.01 + 1
+
+
+def test_rate_window_is_the_rate_over_the_last_minute_of_readings() -> None:
+    w = RateWindow({"m": 5.0})
+    assert w.observe(0.0, {"m": 0}, ["m"]) == {"m": 5.0}
+    assert w.observe(10.0, {"m": 30}, ["m"]) == {"m": 3.0}
+    for t, n in ((20, 40), (30, 50), (40, 60), (50, 70), (60, 80), (70, 90)):
+        w.observe(float(t), {"m": n}, ["m"])
+    assert w.rates_per_s["m"] == pytest.approx((90 - 40) / (70 - 20))
+
+
+# -- reports ----------------------------------------------------------------------------------
+
+
+TWO = {"name": "a", "nodes": [{"name": "n0", "gpus": [
+    {"id": "g0", "type": "A100-80G-SXM"}, {"id": "g1", "type": "L4"}]}]}  # fmt: skip
+
+
+def _tiny() -> Any:
+    doc = {"name": "tiny", "duration_s": 40, "seed": 0, "report_interval_s": 10,
+           "cluster": {"inline": TWO},
+           "models": [{"name": "m", "model": "llama-2-7b",
+                       "slo": {"ttft_p99_ms": 200, "tpot_p99_ms": 30}}],
+           "workloads": [{"model": "m", "arrivals": {"rate_per_s": 1, "start_s": 30}}],
+           "resources": [{"at_s": 35, "occupy": ["g1"], "owner": "t2"}]}  # fmt: skip
+    sc = parse_scenario(doc, DATA)
+    # four requests by hand: 30, 31, 32, 33 s; 100 prompt tokens, 10 / 20 / 30 / 40 output
+    fixed = [(30.0 + i, 100, 10 * (i + 1)) for i in range(4)]
+
+    class Hand(Synthetic):
+        def arrivals(self, rng: Any, until_s: float) -> Any:
+            for t, p, o in fixed:
+                yield (t, p, o, ())
+
+    wl = Workload("m", Hand(1.0, prompt=LengthDist(), output=LengthDist()))
+    return replace(sc, workloads=(wl,))
+
+
+def test_report_figures_against_hand_computed_values(tmp_path: Path) -> None:
+    sc = _tiny()
+    dep = Deployment("a100", "m", "llama-2-7b", Gear(max_num_seqs=4), (("g0",),))
+    r = simulate(sc, Fixed((dep,)))
+    rep = report(r)
+    reqs = r.requests
+    assert [q.num_output_tokens for q in reqs] == [10, 20, 30, 40]
+    assert all(q.completed for q in reqs) and rep["num_failed"] == 0
+    good = [q for q in reqs if q.ttft_s <= 0.2 and q.tpot_s <= 0.03]
+    assert rep["goodput_requests_per_s"] == round(len(good) / 40, 6)
+    assert rep["slo_attainment"] == round(len(good) / 4, 6)
+    assert rep["models"]["m"]["throughput_tokens_per_s"] == round(100 / 40, 6)
+    span = max(q.finish_s for q in reqs) - 30.0
+    assert rep["models"]["m"]["span_throughput_tokens_per_s"] == round(100 / span, 6)
+    # one GPU held from 0 s to the end of the run (40 s): 40 GPU-seconds
+    assert rep["gpu_hours_reserved"] == round(40 / 3600, 6)
+    busy = sum(r.usage.busy_gpu_s)
+    assert rep["utilisation"] == round(busy / 40, 6)
+    # the peak-provisioned plan: the planner's for the busiest 10 s (4 requests: 0.4 req/s)
+    peak_gpus = rep["reservation"]["peak_gpus"]
+    assert peak_gpus >= 1
+    assert rep["reservation"]["share_of_peak"] == round(40 / (peak_gpus * 40), 6)
+    assert rep["first_served_s"] == round(reqs[0].first_token_s, 6)
+    # phases cut at the timeline's event (35 s): completions counted where they ended
+    p0, p1 = rep["phases"]
+    assert (p0["start_s"], p0["end_s"], p1["start_s"], p1["end_s"]) == (0, 35, 35, 40)
+    before = [q for q in reqs if q.finish_s < 35]
+    assert p0["completed"] == len(before)
+    assert p0["tokens_per_s"] == round(sum(q.num_generated_tokens for q in before) / 35, 6)
+    assert p1["after"] == "t2 takes g1 (whole)"
+    # occupancy: our instance on g0 the whole run; the tenant on g1 from 35 s
+    occ = {row["gpu"]: row["segments"] for row in rep["gpu_occupancy"]}
+    assert occ["g0"] == [{"start_s": 0.0, "end_s": 40.0, "holder": "a100", "model": "m"}]
+    assert occ["g1"] == [{"start_s": 35.0, "end_s": 40.0, "holder": "tenant:t2"}]
+    # timeline rows: interval 3 (30-40 s) holds every completion
+    row = rep["timeline"][3]
+    assert row["completed"] == 4 and row["tokens_per_s"] == round(100 / 10, 6)
+    paths = write_reports(r, tmp_path)
+    assert {p.name for p in paths} == {"report.json", "report.html", "requests.csv",
+                                       "timeline.csv", "shifts.csv"}  # fmt: skip
+    assert json.loads((tmp_path / "report.json").read_text()) == rep
+
+
+def test_html_is_self_contained_and_has_the_plots(tenant_leaves: Any, tmp_path: Path) -> None:
+    write_reports(tenant_leaves, tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    assert page.startswith("<!doctype html>")
+    assert not re.search(r"(src|href)\s*=\s*[\"']?\s*(https?:)?//", page)
+    assert "<script" not in page and "<link" not in page and "@import" not in page
+    assert page.count("<svg") == 4  # throughput, goodput, latency, occupancy
+    assert 'aria-label="GPU occupancy"' in page and "Throughput over time" in page
+    assert page.count('class="mark"') >= 2  # the shift and the tenant leaving, marked
+    for gpu in ("gpu0", "gpu1", "gpu2", "gpu3"):
+        assert f"{gpu} " in page
+    shifts = (tmp_path / "shifts.csv").read_text().splitlines()
+    assert shifts[0].startswith("at_s,finished_s,trigger") and len(shifts) == 3
+    assert shifts[2].split(",")[2] == "resource"
+
+
+def test_compare_table_and_scenario_plans() -> None:
+    runner = CliRunner()
+    out = runner.invoke(
+        app, ["sim", "seed-3way", "--compare", "tp2-fast-pair,forced-3way", "--duration-s", "35",
+              "--quiet"],
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "tp2-fast-pair" in out.output and "forced-3way" in out.output
+    assert "tokens/s over the span" in out.output and "reservation / peak" in out.output
+    out = runner.invoke(app, ["sim", "list"])
+    for name in ("seed-fragmented", "seed-3way", "bursty-serverless", "multi-model-diurnal",
+                 "cluster-1024"):  # fmt: skip
+        assert name in out.output
+    out = runner.invoke(app, ["sim", "seed-3way", "--policy", "nope"])
+    assert out.exit_code == 2 and "tp2-fast-pair" in out.output  # the scenario's plans listed
+
+
+def test_builtin_scenario_files_parse() -> None:
+    for name in ("bursty-serverless", "multi-model-diurnal", "cluster-1024", "seed-3way"):
+        doc = yaml.safe_load((ROOT / "flexpipe" / "sim" / "scenarios" / f"{name}.yaml")
+                             .read_text())  # fmt: skip
+        assert doc["name"] == name
+
+
+def test_each_workload_keeps_its_model() -> None:
+    """Several workloads merge in time order, each request labelled with its own model."""
+    from flexpipe.sim.simulator import generate_requests
+
+    base = {"name": "t", "duration_s": 60, "cluster": {"file": str(SEED_CLUSTER)},
+            "models": [{"name": "a", "model": "llama-2-7b"}, {"name": "b", "model": "mistral-7b"}],
+            "workloads": [{"model": "a", "arrivals": {"rate_per_s": 2}},
+                          {"model": "b",
+                           "arrivals": {"rate_per_s": 1, "start_s": 30}}]}  # fmt: skip
+    reqs = generate_requests(parse_scenario(base, ROOT))
+    assert {r.model for r in reqs} == {"a", "b"}
+    assert all(r.arrival_s >= 30 for r in reqs if r.model == "b")
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+
+
+def test_wait_for_ideal_starts_when_four_identical_linked_gpus_join() -> None:
+    join = {"node": "node1", "links": [{"gpus": ["gpu1", "gpu2", "gpu4", "gpu5"],
+                                        "link": "nvlink3"}],
+            "gpus": [{"id": "gpu4", "type": "A100-80G-SXM", "index": 2},
+                     {"id": "gpu5", "type": "A100-80G-SXM", "index": 3}]}  # fmt: skip
+    sc = _seed(100, [{"at_s": 10, "release": ["gpu1"]}, {"at_s": 60, "join": join}])
+    r = simulate(sc, "wait-for-ideal")
+    (rec,) = r.instances
+    assert rec.launched_s == 60.0 and rec.dep.gear.tp == 4
+    assert set(rec.dep.gpu_ids) == {"gpu1", "gpu2", "gpu4", "gpu5"}
+    rep = report(r)
+    assert rep["first_served_s"] > rec.ready_s > 60
+    early = [q for q in r.requests if q.arrival_s < rec.ready_s]
+    assert early and all(q.failed.startswith("404") for q in early)
+    occ = {row["gpu"]: row["segments"] for row in rep["gpu_occupancy"]}
+    assert occ["gpu4"] == [{"start_s": 60.0, "end_s": 100.0, "holder": rec.dep.name,
+                            "model": "llama-7b"}]  # fmt: skip
+    with pytest.raises(ScenarioError, match="already in the cluster"):
+        _seed(10, [{"at_s": 1, "join": {"node": "node1", "gpus": [{"id": "gpu0", "type": "L4"}]}}])
+
+
+def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute() -> None:
+    """A 0.5 s drain deadline leaves requests running on the leaving instances: each one is
+    moved (KV over NVLink from gpu1 where that beats recomputing, else recomputed) and ends
+    with all its tokens; none fails."""
+    from flexpipe.sim.controller import ControllerParams
+
+    sc = _seed(220, [{"at_s": 100, "release": ["gpu1"]}])
+    r = simulate(replace(sc, controller=ControllerParams(drain_deadline_s=0.5)), "flexpipe")
+    rep = report(r)
+    shift = r.shifts[1]
+    assert shift["phases_s"]["drain_in_place"] == 0.5 and shift["phases_s"]["drain_rest"] == 0.5
+    moved = shift["migrated"]
+    assert moved.get("kv_moved", 0) > 0 and moved.get("recomputed", 0) > 0
+    # the in-place instance's KV crosses NVLink: its migrate phase is the longest transfer
+    assert 0 < shift["phases_s"]["migrate_in_place"] < 0.1
+    assert rep["num_failed"] == 0
+    assert rep["num_requests_moved"] == moved["kv_moved"] + moved["recomputed"] + moved.get(
+        "rerun", 0
+    )
+    for req in r.requests:
+        if r.num_moves.get(req.request_id):
+            assert req.completed and req.num_generated_tokens == req.num_output_tokens
