@@ -105,7 +105,7 @@ def test_status_json_from_the_running_processes(up: Up) -> None:
     # the seed's plan: TP2 over the NVLinked pair, one instance on each lone GPU
     assert sorted("+".join(sorted(i["gpus"])) for i in instances) == ["gpu0", "gpu1+gpu2", "gpu3"]
     assert {(i["model"], i["state"], i["health"]) for i in instances} == {
-        (up.marker, "active", "active")
+        (up.marker, "active", "ok")
     }
     assert all(i["max_num_seqs"] and i["kv_usage"] is not None for i in instances)
     (model,) = snap["models"]
