@@ -11,18 +11,17 @@ them reach the cluster on 127.0.0.1 as well. A real multi-machine cluster needs 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from flexpipe.launch.process import free_port, stop_group
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,30 +34,15 @@ _NODE_MAIN = (
 DRIVER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class RayNodeProcess:
     name: str
     proc: subprocess.Popen[bytes]
     log_path: Path
 
-    def signal(self, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop the node and every process it started (its process group)."""
-        self.signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(grace_s)
-        self.signal(signal.SIGKILL)  # what is left of the group (raylet, workers)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5.0)
+        stop_group(self.proc, grace_s)
 
 
 class LocalRayCluster:
@@ -67,7 +51,7 @@ class LocalRayCluster:
     def __init__(self) -> None:
         # Short: Ray's unix sockets live under it (a path of at most 107 bytes).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="fpray-", dir="/tmp"))
-        self.port = _free_port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.nodes: dict[str, RayNodeProcess] = {}
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,13 +18,17 @@ import openai
 import pytest
 
 from flexpipe.gears.gear import parse_gear
+from flexpipe.http.client import ClientPool
 from flexpipe.launch import (
     EngineExited,
     EngineNotReady,
     EngineSpec,
     LocalLauncher,
+    free_port,
     vllm_flags,
 )
+from flexpipe.launch.health import health_ok
+from flexpipe.launch.process import stop_group
 
 SIM = (sys.executable, "-m", "flexpipe.engine.sim")
 
@@ -164,5 +171,54 @@ def test_stop_kills_the_whole_process_group(marker: str, tmp_path: Path) -> None
         assert len(processes_with(marker)) == 2
         await handle.stop()
         assert processes_with(marker) == []
+
+    asyncio.run(main())
+
+
+LEADER_EXITS_CHILD_STAYS = """
+import signal, subprocess, sys, time
+marker = sys.argv[1]
+subprocess.Popen([sys.executable, "-c",
+                  "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "time.sleep(600)", marker])
+time.sleep(600)  # SIGTERM ends it at once; its child ignores SIGTERM
+"""
+
+
+def test_stop_group_kills_what_outlives_a_leader_that_exits_in_time(
+    marker: str, tmp_path: Path
+) -> None:
+    """The Ray actor and the test Ray cluster stop their processes with it."""
+    script = tmp_path / "leader.py"
+    script.write_text(LEADER_EXITS_CHILD_STAYS)
+    proc = subprocess.Popen([sys.executable, str(script), marker], start_new_session=True)
+    for _ in range(100):
+        if len(processes_with(marker)) >= 2:
+            break
+        time.sleep(0.05)
+    assert len(processes_with(marker)) == 2
+    assert stop_group(proc, grace_s=5.0) == -signal.SIGTERM
+    for _ in range(40):  # SIGKILL is delivered, the child reaped by init, a moment later
+        if not processes_with(marker):
+            break
+        time.sleep(0.05)
+    assert processes_with(marker) == []
+
+
+def test_health_probe_is_false_when_nothing_listens_and_true_on_200(
+    marker: str, tmp_path: Path
+) -> None:
+    async def main() -> None:
+        pool = ClientPool()
+        try:
+            assert not await health_ok(pool, f"http://127.0.0.1:{free_port()}")
+            launcher = LocalLauncher("sim", time_scale=0.01, log_dir=tmp_path)
+            handle = await launcher.start(spec(marker))
+            try:
+                assert await health_ok(pool, handle.endpoint)
+            finally:
+                await handle.stop()
+        finally:
+            await pool.close()
 
     asyncio.run(main())

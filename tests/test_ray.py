@@ -32,6 +32,7 @@ from flexpipe.cluster import load_cluster, parse_cluster_yaml
 from flexpipe.cluster.ray_inventory import OTHER_RAY_WORK, read_ray_cluster
 from flexpipe.control.launching import engine_spec, load_models
 from flexpipe.gears.lookup import GearLookup
+from flexpipe.launch import free_port
 from flexpipe.launch.ray_launcher import RayLauncher
 from flexpipe.policies.planner import plan
 
@@ -202,18 +203,10 @@ def _child(parent_pid: int, word: str) -> int:
     raise AssertionError(f"no child {word!r} of {parent_pid}")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_up_on_three_ray_nodes_serves_loses_no_request_to_a_lost_node_and_cleans_up(
     ray_cluster: LocalRayCluster, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **DRIVER_ENV, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_cluster.address}
     argv = [sys.executable, "-m", "flexpipe", "up", "--ray", "auto", "--cluster", str(FRAGMENTED),
             "--port", str(port), "--sim-load-time-s", "0.2", "--tick-s", "2",

@@ -38,7 +38,7 @@ from flexpipe.demo import DemoRun, controller_args, demo_cluster, demo_shift_con
 from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.launch import ENGINES
-from flexpipe.launch.local import die_with_parent
+from flexpipe.launch.process import die_with_parent
 from flexpipe.policies.planner import Plan, plan
 from flexpipe.store import Store
 

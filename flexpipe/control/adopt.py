@@ -6,71 +6,42 @@ marked gone (and whatever is left of their process groups is stopped)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 
-from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
-from flexpipe.launch.local import signal_group
+from flexpipe.http.client import ClientPool, Timeouts
+from flexpipe.launch.base import HandleBase
+from flexpipe.launch.health import health_ok
+from flexpipe.launch.process import group_alive, signal_group
 from flexpipe.store.instance_registry import InstanceRecord
 
 __all__ = ["AdoptedEngine", "reachable"]
 
 
-class AdoptedEngine:
+class AdoptedEngine(HandleBase):
     """An engine another controller started (implements EngineHandle): known by its
     endpoint and process group, stopped by signalling the group."""
 
     def __init__(self, record: InstanceRecord, stop_grace_s: float = 10.0) -> None:
-        self._name = record.name
-        self._endpoint = record.endpoint
+        super().__init__(record.name, record.endpoint, record.cold_start_s or 0.0)
         self.pgid = record.pgid or record.pid or 0
-        self._cold_start_s = record.cold_start_s or 0.0
         self.stop_grace_s = stop_grace_s
-        self._stopped = False
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
 
     @property
     def pid(self) -> int:
         return self.pgid
 
     @property
-    def cold_start_s(self) -> float:
-        return self._cold_start_s
-
-    @property
     def returncode(self) -> int | None:
         """None while any process of its group lives (the exit status is not ours to see)."""
-        return None if _group_alive(self.pgid) else -1
+        return None if group_alive(self.pgid) else -1
 
-    async def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
+    async def _stop(self) -> None:
         signal_group(self.pgid, signal.SIGTERM)
         for _ in range(int(self.stop_grace_s / 0.05)):
-            if not _group_alive(self.pgid):
+            if not group_alive(self.pgid):
                 return
             await asyncio.sleep(0.05)
         signal_group(self.pgid, signal.SIGKILL)
-
-
-def _group_alive(pgid: int) -> bool:
-    if pgid <= 0:
-        return False
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def reachable(records: list[InstanceRecord], timeout_s: float = 3.0) -> set[int]:
@@ -78,17 +49,9 @@ async def reachable(records: list[InstanceRecord], timeout_s: float = 3.0) -> se
     pool = ClientPool(max_idle_per_backend=1)
 
     async def ok(rec: InstanceRecord) -> bool:
-        if not _group_alive(rec.pgid or rec.pid or 0):
+        if not group_alive(rec.pgid or rec.pid or 0):
             return False
-        try:
-            resp = await pool.request(
-                rec.endpoint, "GET", "/health", b"", None, Timeouts(timeout_s, timeout_s, 1.0)
-            )
-            await resp.read()
-            resp.release()
-        except UpstreamError:
-            return False
-        return resp.status == 200
+        return await health_ok(pool, rec.endpoint, Timeouts(timeout_s, timeout_s, 1.0))
 
     try:
         flags = await asyncio.gather(*(ok(r) for r in records))

@@ -1,5 +1,5 @@
 """Engine launchers: one interface (`Launcher.start(EngineSpec) -> EngineHandle`), a
-local-process implementation for the sim engine and vLLM, and a Ray one (launch/ray.py,
+local-process implementation for the sim engine and vLLM, and a Ray one (launch/ray_launcher.py,
 imported on its own: Ray is an optional extra)."""
 
 from flexpipe.launch.base import (
@@ -11,7 +11,9 @@ from flexpipe.launch.base import (
     Launcher,
     LaunchError,
 )
-from flexpipe.launch.local import ENGINES, LocalEngine, LocalLauncher, free_port, vllm_flags
+from flexpipe.launch.command import ENGINES, vllm_flags
+from flexpipe.launch.local import LocalEngine, LocalLauncher
+from flexpipe.launch.process import free_port
 
 __all__ = [
     "ENGINES",

@@ -93,6 +93,39 @@ class EngineHandle(Protocol):
         ...
 
 
+class HandleBase:
+    """What the EngineHandle implementations share: a name, an endpoint, the seconds the
+    engine took to become ready (set by its launcher) and a stop that runs once."""
+
+    def __init__(self, name: str, endpoint: str, cold_start_s: float = 0.0) -> None:
+        self._name = name
+        self._endpoint = endpoint
+        self._cold_start_s = cold_start_s
+        self._stopped = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def cold_start_s(self) -> float:
+        return self._cold_start_s
+
+    async def stop(self) -> None:
+        """Stop the engine and everything it started (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self._stop()
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+
 class Launcher(Protocol):
     async def start(self, spec: EngineSpec) -> EngineHandle:
         """Start an engine and return once it answers /health 200. Raises LaunchError

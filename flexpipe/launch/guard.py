@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 
-from flexpipe.launch.local import die_with_parent
+from flexpipe.launch.process import die_with_parent
 
 __all__ = ["guard_argv", "main"]
 

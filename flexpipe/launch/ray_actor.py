@@ -12,10 +12,8 @@ interpreter), `{host}`, `{port}`, `{topology}` (a file with the topology YAML).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from flexpipe.launch.guard import guard_argv
-from flexpipe.launch.local import free_port, signal_group
+from flexpipe.launch.process import free_port, log_tail, safe_name, stop_group
 
 __all__ = ["EngineProcess"]
 
@@ -52,7 +50,7 @@ class EngineProcess:
         self.name = name
         self.host = host or node_address()
         self.port = free_port(self.host)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"flexpipe-{_safe(name)}-"))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"flexpipe-{safe_name(name)}-"))
         self.log_path = self.dir / "engine.log"
         topology_path = self.dir / "topology.yaml"
         if topology is not None:
@@ -89,23 +87,8 @@ class EngineProcess:
         return self.proc.wait()
 
     def log_tail(self, num_lines: int = 8) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-num_lines:])
+        return log_tail(self.log_path, num_lines)
 
     def stop(self, grace_s: float) -> int:
-        """SIGTERM the engine's group, SIGKILL it after `grace_s`; its exit status."""
-        signal_group(self.proc.pid, signal.SIGTERM)
-        try:
-            return self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            signal_group(self.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5.0)
-            return self.proc.returncode if self.proc.returncode is not None else -9
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "engine"
+        """SIGTERM the engine's group, SIGKILL what is left after `grace_s`; its exit status."""
+        return stop_group(self.proc, grace_s)

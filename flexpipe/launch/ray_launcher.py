@@ -31,9 +31,9 @@ from collections.abc import Sequence
 
 from flexpipe import ray_client
 from flexpipe.cluster.ray_inventory import node_name, pg_name, pg_prefix
-from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
-from flexpipe.launch.base import EngineExited, EngineNotReady, EngineSpec, LaunchError
-from flexpipe.launch.local import ENGINES, VLLM_COMMAND, _stage_ids, vllm_flags
+from flexpipe.launch.base import EngineSpec, HandleBase, LaunchError
+from flexpipe.launch.command import VLLM_COMMAND, check_engine, engine_argv
+from flexpipe.launch.health import wait_ready
 from flexpipe.launch.ray_actor import EngineProcess
 
 __all__ = ["RayEngine", "RayLauncher"]
@@ -43,33 +43,18 @@ log = logging.getLogger("flexpipe.launch.ray")
 SIM_ARGV: tuple[str, ...] = ("{python}", "-m", "flexpipe.engine.sim")
 
 
-class RayEngine:
+class RayEngine(HandleBase):
     """An engine in a placement group (implements EngineHandle)."""
 
     def __init__(
         self, name: str, endpoint: str, actor: ray_client.ActorRef, pg_id: str, grace_s: float
     ) -> None:
-        self._name = name
-        self._endpoint = endpoint
+        super().__init__(name, endpoint)
         self.actor = actor
         self.pg_id = pg_id
         self.stop_grace_s = grace_s
-        self._cold_start_s = 0.0
         self._returncode: int | None = None
-        self._stopped = False
         self._watch: asyncio.Task[None] | None = None
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def endpoint(self) -> str:
-        return self._endpoint
-
-    @property
-    def cold_start_s(self) -> float:
-        return self._cold_start_s
 
     @property
     def returncode(self) -> int | None:
@@ -94,11 +79,21 @@ class RayEngine:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(ray_client.remove_placement_group, self.pg_id)
 
-    async def stop(self) -> None:
+    async def log_lines(self) -> str:
+        try:
+            tail = str(await asyncio.wait_for(self.actor.call("log_tail"), 5.0))
+        except Exception:
+            return ""
+        return f"; last log lines:\n{tail}" if tail else ""
+
+    async def exited_message(self) -> str:
+        return (
+            f"engine {self.name} ({self.endpoint}) exited ({self._returncode}) "
+            "before it became ready" + await self.log_lines()
+        )
+
+    async def _stop(self) -> None:
         """Stop the engine, then remove the placement group (and the actor with it)."""
-        if self._stopped:
-            return
-        self._stopped = True
         if self._returncode is None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(
@@ -130,8 +125,7 @@ class RayLauncher:
         env: dict[str, str] | None = None,
     ) -> None:
         """`engine_host`: the address engines bind (default: their node's Ray address)."""
-        if engine not in ENGINES:
-            raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+        check_engine(engine)
         self.address = address
         self.engine = engine
         self.deployment = deployment
@@ -165,20 +159,18 @@ class RayLauncher:
     def command(self, spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         """The engine's argv (with placeholders the actor fills on its node) and environment."""
         env = {**self.env, **dict(spec.env)}
-        flags = vllm_flags(spec, "{host}", 0)
-        flags[flags.index("--port") + 1] = "{port}"
-        if self.engine == "vllm":
-            return [*self.vllm_command, *flags], env
-        sim = ["--time-scale", repr(self.time_scale)]
-        if spec.topology is not None and spec.gpu_ids:
-            sim += ["--cluster", "{topology}", "--gpu-ids", _stage_ids(spec)]
-        else:
-            sim += ["--gpu-type", spec.gpu_type, "--link", spec.link]
-            if spec.pp_link:
-                sim += ["--pp-link", spec.pp_link]
-        if self.sim_load_time_s is not None:
-            sim += ["--load-time-s", repr(self.sim_load_time_s)]
-        return [*SIM_ARGV, *flags, *sim], env
+        argv = engine_argv(
+            self.engine,
+            spec,
+            "{host}",
+            "{port}",
+            sim_command=SIM_ARGV,
+            vllm_command=self.vllm_command,
+            cluster="{topology}" if spec.topology is not None else None,
+            time_scale=self.time_scale,
+            load_time_s=self.sim_load_time_s,
+        )
+        return argv, env
 
     async def start(self, spec: EngineSpec) -> RayEngine:
         if not spec.placement:
@@ -233,48 +225,6 @@ class RayLauncher:
             raise LaunchError(f"engine {spec.name}: its Ray actor did not start: {exc}") from None
         handle = RayEngine(spec.name, endpoint, actor, pg.pg_id, self.stop_grace_s)
         handle.watch()
-        try:
-            await _wait_healthy(handle, self.ready_timeout_s)
-        except BaseException:
-            await handle.stop()
-            raise
+        await wait_ready(handle, self.ready_timeout_s)
         handle._cold_start_s = time.monotonic() - started
         return handle
-
-
-async def _wait_healthy(handle: RayEngine, timeout_s: float, poll_s: float = 0.1) -> None:
-    """Poll GET /health until 200; raise if the engine exits or time runs out."""
-    pool = ClientPool()
-    deadline = time.monotonic() + timeout_s
-    timeouts = Timeouts(connect_s=1.0, ttfb_s=2.0, idle_s=2.0)
-    try:
-        while True:
-            if handle.returncode is not None:
-                tail = await _log_tail(handle)
-                raise EngineExited(
-                    f"engine {handle.name} ({handle.endpoint}) exited ({handle.returncode}) "
-                    "before it became ready" + (f"; last log lines:\n{tail}" if tail else ""),
-                    handle.returncode,
-                )
-            with contextlib.suppress(UpstreamError, OSError):
-                resp = await pool.request(handle.endpoint, "GET", "/health", timeouts=timeouts)
-                await resp.read()
-                resp.release()
-                if resp.status == 200:
-                    return
-            if time.monotonic() >= deadline:
-                tail = await _log_tail(handle)
-                raise EngineNotReady(
-                    f"engine {handle.name} did not become ready (GET /health 200) within "
-                    f"{timeout_s:g} s; stopped it" + (f"; last log lines:\n{tail}" if tail else "")
-                )
-            await asyncio.sleep(poll_s)
-    finally:
-        await pool.close()
-
-
-async def _log_tail(handle: RayEngine) -> str:
-    try:
-        return str(await asyncio.wait_for(handle.actor.call("log_tail"), 5.0))
-    except Exception:
-        return ""
