@@ -384,3 +384,89 @@ def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute() -> N
     for req in r.requests:
         if r.num_moves.get(req.request_id):
             assert req.completed and req.num_generated_tokens == req.num_output_tokens
+
+
+def _two_models(duration_s: float) -> Any:
+    """chat and code (llama-2-7b each, 1 req/s from 30 s) on the seed's cluster; chat's load
+    rises by 20 req/s at 60 s."""
+
+    def model(name: str) -> dict[str, Any]:
+        return {"name": name, "model": "llama-2-7b",
+                "demand": {"request_rate_per_s": 1, "input_tokens": 512, "output_tokens": 128},
+                "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 60}, "dtypes": ["bf16"]}  # fmt: skip
+
+    def workload(name: str, rate_per_s: float, start_s: float) -> dict[str, Any]:
+        return {"model": name, "arrivals": {"rate_per_s": rate_per_s, "start_s": start_s},
+                "prompt_tokens": {"dist": "fixed", "mean": 512},
+                "output_tokens": {"dist": "fixed", "mean": 128}}  # fmt: skip
+
+    doc = {
+        "name": "two-models", "duration_s": duration_s, "seed": 0, "report_interval_s": 30,
+        "cluster": {"file": str(SEED_CLUSTER)}, "models": [model("chat"), model("code")],
+        "workloads": [workload("chat", 1, 30), workload("code", 1, 30), workload("chat", 20, 60)],
+    }  # fmt: skip
+    return parse_scenario(doc, ROOT)
+
+
+def test_two_models_the_one_whose_load_rises_shifts_up() -> None:
+    """The controller reads each model's share of the gateway's wait queue
+    (`queued_by_model`): chat's requests wait there, not in its engine (it is registered with
+    its max_num_seqs), so without it chat's queue reads 0 and no up-shift ever comes."""
+    r = simulate(_two_models(120), "flexpipe")
+    assert [s["trigger"] for s in r.shifts] == ["plan", "up"]
+    first, up = r.shifts
+    assert first["started"] == ["chat|tp1-pp1-bf16-kvauto-s96|gpu2",
+                                "code|tp1-pp1-bf16-kvauto-s48|gpu3"]  # fmt: skip
+    assert up["at_s"] == pytest.approx(116.738415616, abs=1e-6)
+    assert up["outcome"] == "succeeded" and up["stopped"] == []
+    assert up["started"] == ["chat|tp1-pp1-bf16-kvauto-s64|gpu1"]  # chat gets a second one
+    decision = next(d for d in r.decisions if d["action"] == "shift" and d["trigger"] == "up")
+    assert decision["reason"].startswith("chat in the up zone 5 samples in a row")
+
+
+def test_a_shift_the_step_plan_refuses_is_recorded_refused_never_blacklisted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A target that replaces a model's only instance in place (`plan_shift` refuses it:
+    serving would stop in between) changes nothing, is recorded refused (the shift log's
+    `refused`, `ShiftRecord.refused`), and twice refused is not blacklisted (two failures
+    would be: `max_failures` 2)."""
+    from flexpipe.policies.shift import ShiftPolicy
+    from flexpipe.policies.shift.pricing import Price
+    from flexpipe.policies.shift.triggers import blacklist
+
+    real = ShiftPolicy.decide
+    seen: list[Any] = []  # the snapshots after the forced shifts
+
+    def decide(self: ShiftPolicy, snapshot: Any, now_s: float, rng: Any) -> Any:
+        decision = real(self, snapshot, now_s, rng)
+        if not snapshot.running:
+            return decision
+        forced = sum(1 for h in snapshot.history if h.started_s > 0)
+        if forced >= 2:
+            seen.append((snapshot, now_s, self.params.triggers))
+            return decision
+        (alone,) = (i for i in snapshot.running if i.gpu_ids == ("gpu2",))
+        bigger = replace(alone, gear=replace(alone.gear, max_num_seqs=8))
+        others = tuple(i for i in snapshot.running if i is not alone)
+        price = Price(1.0, 2.0, 1, 1, 600.0, 600.0, 0.0, 0.0, 0.0, 0.0,
+                      (instance_key(bigger),), (instance_key(alone),), ())  # fmt: skip
+        return replace(decision, action="shift", trigger="up", reason="forced: in place",
+                       target=(*others, bigger), price=price)  # fmt: skip
+
+    monkeypatch.setattr(ShiftPolicy, "decide", decide)
+    sc = replace(_two_models(70), workloads=_two_models(70).workloads[:2])
+    r = simulate(sc, "flexpipe")
+    refused = r.shifts[1:]
+    assert len(refused) == 2
+    for s in refused:
+        assert s["outcome"] == "refused" and s["refused"] and not s["succeeded"]
+        assert "serving would stop in between" in s["why_failed"]
+        assert s["phases_s"] == {} and s["started"] == [] and s["stopped"] == []
+    assert len(r.instances) == 2 and all(i.released_s < 0 for i in r.instances)
+    snapshot, now_s, params = seen[0]
+    records = [h for h in snapshot.history if h.started_s > 0]
+    assert [(h.refused, h.failed, h.succeeded) for h in records] == [(True, False, False)] * 2
+    assert blacklist(snapshot.history, now_s, params) == {}
+    failed = [replace(h, refused=False) for h in snapshot.history]
+    assert blacklist(failed, now_s, params)  # the same two as failures: blacklisted
