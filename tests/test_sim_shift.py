@@ -360,12 +360,25 @@ def test_wait_for_ideal_starts_when_four_identical_linked_gpus_join() -> None:
         _seed(10, [{"at_s": 1, "join": {"node": "node1", "gpus": [{"id": "gpu0", "type": "L4"}]}}])
 
 
-def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute() -> None:
+def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A 0.5 s drain deadline leaves requests running on the leaving instances: each one is
-    moved (KV over NVLink from gpu1 where that beats recomputing, else recomputed) and ends
+    moved (KV over NVLink from gpu1 where that beats recomputing, else recomputed), admitted
+    on its destination ahead of the queue (priority -1, as the gateway sends it), and ends
     with all its tokens; none fails."""
+    from flexpipe.gateway.relay import MOVE_PRIORITY
     from flexpipe.sim.controller import ControllerParams
+    from flexpipe.sim.gateway import SimGateway
 
+    placed: list[int] = []  # the priority of each request a move placed
+    place = SimGateway.place
+
+    def spy_place(self: SimGateway, req: Any, url: str, now: float) -> None:
+        placed.append(req.priority)
+        place(self, req, url, now)
+
+    monkeypatch.setattr(SimGateway, "place", spy_place)
     sc = _seed(220, [{"at_s": 100, "release": ["gpu1"]}])
     r = simulate(replace(sc, controller=ControllerParams(drain_deadline_s=0.5)), "flexpipe")
     rep = report(r)
@@ -384,6 +397,7 @@ def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute() -> N
     for req in r.requests:
         if r.num_moves.get(req.request_id):
             assert req.completed and req.num_generated_tokens == req.num_output_tokens
+    assert placed == [MOVE_PRIORITY] * rep["num_requests_moved"]
 
 
 def _two_models(duration_s: float) -> Any:
@@ -470,3 +484,62 @@ def test_a_shift_the_step_plan_refuses_is_recorded_refused_never_blacklisted(
     assert blacklist(snapshot.history, now_s, params) == {}
     failed = [replace(h, refused=False) for h in snapshot.history]
     assert blacklist(failed, now_s, params)  # the same two as failures: blacklisted
+
+
+def test_instances_go_through_the_pool_lifecycle_as_the_executor_tells_the_gateway(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every state the gateway's pool holds, per instance, in order: the first plan's join
+    starting and go active (nothing to rehearse against); the in-place shift's new instance
+    is starting (loaded), rehearsing, active; the ones it replaces drain and are gone. Every
+    change is checked by the pool against the one lifecycle (an illegal one would raise)."""
+    from flexpipe.gateway.pool import Pool
+    from flexpipe.lifecycle import State
+
+    states: dict[str, list[str]] = {}
+    add, set_state, remove = Pool.add, Pool.set_state, Pool.remove
+
+    def spy_add(self: Pool, url: str, *args: Any, **kw: Any) -> Any:
+        inst = add(self, url, *args, **kw)
+        states.setdefault(url, []).append(inst.state.value)
+        return inst
+
+    def spy_set_state(self: Pool, url: str, state: State) -> Any:
+        inst = set_state(self, url, state)
+        if states[url][-1] != inst.state.value:
+            states[url].append(inst.state.value)
+        return inst
+
+    def spy_remove(self: Pool, url: str) -> Any:
+        inst = remove(self, url)
+        states[url].append(inst.state.value)
+        return inst
+
+    monkeypatch.setattr(Pool, "add", spy_add)
+    monkeypatch.setattr(Pool, "set_state", spy_set_state)
+    monkeypatch.setattr(Pool, "remove", spy_remove)
+    r = simulate(_seed(220, [{"at_s": 100, "release": ["gpu1"]}]), "flexpipe")
+    shift = r.shifts[1]
+    url_of = {rec.key: rec.instance.url for rec in r.instances}
+    first = r.shifts[0]["started"]
+    for key in first:
+        assert states[url_of[key]] == (
+            ["starting", "active", "draining", "gone"] if key in shift["stopped"]
+            else ["starting", "active"]
+        )  # fmt: skip
+    (new,) = shift["started"]
+    assert states[url_of[new]] == ["starting", "rehearsing", "active"]
+    assert len(states) == len(r.instances) == len(first) + 1
+
+
+def test_sim_engines_schedule_as_the_launcher_starts_them() -> None:
+    """The sim's engine cores take the scheduling policy `flexpipe up` launches engines with
+    (a moved request's priority -1 admits it ahead of the queue only under "priority")."""
+    from flexpipe.engine.args import parse_engine_args
+    from flexpipe.launch.base import EngineSpec
+    from flexpipe.launch.local import vllm_flags
+
+    launched = parse_engine_args(vllm_flags(EngineSpec("llama-2-7b"), "127.0.0.1", 8000))
+    dep = Deployment("a", "m", "llama-2-7b", Gear(max_num_seqs=4), (("gpu2",),))
+    sim = engine_config(dep, load_cluster(SEED_CLUSTER))
+    assert sim.scheduling_policy == launched.scheduling_policy == "priority"
