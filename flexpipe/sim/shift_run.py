@@ -270,16 +270,9 @@ class ShiftRun:
         ready = max(r.ready_s for r in started)
         now = yield max(0.0, ready - t0)
         self.out.phases_s["warm" + suffix] = now - t0
-        dead = [r for r in started if r.released_s >= 0]  # its GPUs went while it loaded
-        if dead:
-            self.out.reason = "; ".join(f"instance {r.dep.name} died starting: {r.died}"
-                                        for r in dead)  # fmt: skip
-            started = [r for r in started if r.released_s < 0]
-            if self.all_or_nothing or not started:
-                for rec in started:
-                    world.release(rec, now)
-                self.out.succeeded = False
-                return []
+        started = self._alive(started, now)  # its GPUs may have gone while it loaded
+        if not self.out.succeeded:
+            return []
         for rec in started:  # loaded: in the gateway's pool, not routed
             world.set_state(rec, State.STARTING, now)
         if self.do_rehearse:
@@ -297,12 +290,32 @@ class ShiftRun:
                 self.out.succeeded = False
                 self.out.reason = "rehearsal missed: " + "; ".join(c["why"] for c in missed)
                 return []
+            started = self._alive(started, now)  # or while it rehearsed
+            if not self.out.succeeded:
+                return []
         for rec in started:
             world.set_state(rec, State.ACTIVE, now)
             self.running[rec.key] = rec
             self.out.started.append(rec.key)
         self.out.phases_s["switch" + suffix] = 0.0
         return started
+
+    def _alive(self, started: list[Any], now: float) -> list[Any]:
+        """The started instances whose engines did not die with their GPUs; when one did and
+        the shift is all or nothing (or none is left), the others are released too and the
+        shift fails."""
+        dead = [r for r in started if r.released_s >= 0]
+        if not dead:
+            return started
+        self.out.reason = "; ".join(f"instance {r.dep.name} died starting: {r.died}"
+                                    for r in dead)  # fmt: skip
+        alive = [r for r in started if r.released_s < 0]
+        if self.all_or_nothing or not alive:
+            for rec in alive:
+                self.world.release(rec, now)
+            self.out.succeeded = False
+            return []
+        return alive
 
     def _retire(self, leaving: Sequence[Any], suffix: str) -> Gen:
         """The executor's `_retire`: draining (no new requests); what would outlive the drain
