@@ -414,7 +414,7 @@ class ShiftRun:
         world = self.world
         end_s = now
         for m, src, dst, req in wave:
-            if req not in world.requests_on(src):
+            if not any(r is req for r in world.requests_on(src)):
                 continue  # it ended meanwhile (the gateway's "not_running")
             num_prompt, num_out = world.context_tokens(req, src)
             delay_s = 0.0
