@@ -142,7 +142,11 @@ def test_a_reclaim_with_notice_is_vacated_in_time_and_a_failure_loses_no_request
     # a moved request's tokens are its own: one answer of max_tokens, across both engines
     for req in r.requests:
         assert req.num_generated_tokens == req.num_output_tokens
-    assert rep["num_requests_moved"] == sum(r.failovers.values())
+    # the failovers, and what the reclaim moved at once (it would have outlived the deadline)
+    by_shift = sum(
+        n for s in r.shifts for k, n in s["migrated"].items() if k != "finished_in_place"
+    )
+    assert rep["num_requests_moved"] == sum(r.failovers.values()) + by_shift
     # the static plan has the same GPUs taken away and nothing re-planned
     static = simulate(sc, "static")
     died = sorted((i.dep.gpu_ids, i.died, i.released_s) for i in static.instances if i.died)
@@ -356,17 +360,32 @@ def test_wait_for_ideal_starts_when_four_identical_linked_gpus_join() -> None:
         _seed(10, [{"at_s": 1, "join": {"node": "node1", "gpus": [{"id": "gpu0", "type": "L4"}]}}])
 
 
-def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute() -> None:
+def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A 0.5 s drain deadline leaves requests running on the leaving instances: each one is
-    moved (KV over NVLink from gpu1 where that beats recomputing, else recomputed) and ends
+    moved (KV over NVLink from gpu1 where that beats recomputing, else recomputed), admitted
+    on its destination ahead of the queue (priority -1, as the gateway sends it), and ends
     with all its tokens; none fails."""
+    from flexpipe.gateway.relay import MOVE_PRIORITY
     from flexpipe.sim.controller import ControllerParams
+    from flexpipe.sim.gateway import SimGateway
 
+    placed: list[int] = []  # the priority of each request a move placed
+    place = SimGateway.place
+
+    def spy_place(self: SimGateway, req: Any, url: str, now: float) -> None:
+        placed.append(req.priority)
+        place(self, req, url, now)
+
+    monkeypatch.setattr(SimGateway, "place", spy_place)
     sc = _seed(220, [{"at_s": 100, "release": ["gpu1"]}])
     r = simulate(replace(sc, controller=ControllerParams(drain_deadline_s=0.5)), "flexpipe")
     rep = report(r)
     shift = r.shifts[1]
-    assert shift["phases_s"]["drain_in_place"] == 0.5 and shift["phases_s"]["drain_rest"] == 0.5
+    # what would outlive the deadline moves at once (`plan_moves` waves): the in-place
+    # instance empties before its deadline; on the other, requests are still left at it
+    assert 0 < shift["phases_s"]["drain_in_place"] < 0.5 and shift["phases_s"]["drain_rest"] == 0.5
     moved = shift["migrated"]
     assert moved.get("kv_moved", 0) > 0 and moved.get("recomputed", 0) > 0
     # the in-place instance's KV crosses NVLink: its migrate phase is the longest transfer
@@ -378,3 +397,149 @@ def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute() -> N
     for req in r.requests:
         if r.num_moves.get(req.request_id):
             assert req.completed and req.num_generated_tokens == req.num_output_tokens
+    assert placed == [MOVE_PRIORITY] * rep["num_requests_moved"]
+
+
+def _two_models(duration_s: float) -> Any:
+    """chat and code (llama-2-7b each, 1 req/s from 30 s) on the seed's cluster; chat's load
+    rises by 20 req/s at 60 s."""
+
+    def model(name: str) -> dict[str, Any]:
+        return {"name": name, "model": "llama-2-7b",
+                "demand": {"request_rate_per_s": 1, "input_tokens": 512, "output_tokens": 128},
+                "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 60}, "dtypes": ["bf16"]}  # fmt: skip
+
+    def workload(name: str, rate_per_s: float, start_s: float) -> dict[str, Any]:
+        return {"model": name, "arrivals": {"rate_per_s": rate_per_s, "start_s": start_s},
+                "prompt_tokens": {"dist": "fixed", "mean": 512},
+                "output_tokens": {"dist": "fixed", "mean": 128}}  # fmt: skip
+
+    doc = {
+        "name": "two-models", "duration_s": duration_s, "seed": 0, "report_interval_s": 30,
+        "cluster": {"file": str(SEED_CLUSTER)}, "models": [model("chat"), model("code")],
+        "workloads": [workload("chat", 1, 30), workload("code", 1, 30), workload("chat", 20, 60)],
+    }  # fmt: skip
+    return parse_scenario(doc, ROOT)
+
+
+def test_two_models_the_one_whose_load_rises_shifts_up() -> None:
+    """The controller reads each model's share of the gateway's wait queue
+    (`queued_by_model`): chat's requests wait there, not in its engine (it is registered with
+    its max_num_seqs), so without it chat's queue reads 0 and no up-shift ever comes."""
+    r = simulate(_two_models(120), "flexpipe")
+    assert [s["trigger"] for s in r.shifts] == ["plan", "up"]
+    first, up = r.shifts
+    assert first["started"] == ["chat|tp1-pp1-bf16-kvauto-s96|gpu2",
+                                "code|tp1-pp1-bf16-kvauto-s48|gpu3"]  # fmt: skip
+    assert up["at_s"] == pytest.approx(116.738415616, abs=1e-6)
+    assert up["outcome"] == "succeeded" and up["stopped"] == []
+    assert up["started"] == ["chat|tp1-pp1-bf16-kvauto-s64|gpu1"]  # chat gets a second one
+    decision = next(d for d in r.decisions if d["action"] == "shift" and d["trigger"] == "up")
+    assert decision["reason"].startswith("chat in the up zone 5 samples in a row")
+
+
+def test_a_shift_the_step_plan_refuses_is_recorded_refused_never_blacklisted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A target that replaces a model's only instance in place (`plan_shift` refuses it:
+    serving would stop in between) changes nothing, is recorded refused (the shift log's
+    `refused`, `ShiftRecord.refused`), and twice refused is not blacklisted (two failures
+    would be: `max_failures` 2)."""
+    from flexpipe.policies.shift import ShiftPolicy
+    from flexpipe.policies.shift.pricing import Price
+    from flexpipe.policies.shift.triggers import blacklist
+
+    real = ShiftPolicy.decide
+    seen: list[Any] = []  # the snapshots after the forced shifts
+
+    def decide(self: ShiftPolicy, snapshot: Any, now_s: float, rng: Any) -> Any:
+        decision = real(self, snapshot, now_s, rng)
+        if not snapshot.running:
+            return decision
+        forced = sum(1 for h in snapshot.history if h.started_s > 0)
+        if forced >= 2:
+            seen.append((snapshot, now_s, self.params.triggers))
+            return decision
+        (alone,) = (i for i in snapshot.running if i.gpu_ids == ("gpu2",))
+        bigger = replace(alone, gear=replace(alone.gear, max_num_seqs=8))
+        others = tuple(i for i in snapshot.running if i is not alone)
+        price = Price(1.0, 2.0, 1, 1, 600.0, 600.0, 0.0, 0.0, 0.0, 0.0,
+                      (instance_key(bigger),), (instance_key(alone),), ())  # fmt: skip
+        return replace(decision, action="shift", trigger="up", reason="forced: in place",
+                       target=(*others, bigger), price=price)  # fmt: skip
+
+    monkeypatch.setattr(ShiftPolicy, "decide", decide)
+    sc = replace(_two_models(70), workloads=_two_models(70).workloads[:2])
+    r = simulate(sc, "flexpipe")
+    refused = r.shifts[1:]
+    assert len(refused) == 2
+    for s in refused:
+        assert s["outcome"] == "refused" and s["refused"] and not s["succeeded"]
+        assert "serving would stop in between" in s["why_failed"]
+        assert s["phases_s"] == {} and s["started"] == [] and s["stopped"] == []
+    assert len(r.instances) == 2 and all(i.released_s < 0 for i in r.instances)
+    snapshot, now_s, params = seen[0]
+    records = [h for h in snapshot.history if h.started_s > 0]
+    assert [(h.refused, h.failed, h.succeeded) for h in records] == [(True, False, False)] * 2
+    assert blacklist(snapshot.history, now_s, params) == {}
+    failed = [replace(h, refused=False) for h in snapshot.history]
+    assert blacklist(failed, now_s, params)  # the same two as failures: blacklisted
+
+
+def test_instances_go_through_the_pool_lifecycle_as_the_executor_tells_the_gateway(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every state the gateway's pool holds, per instance, in order: the first plan's join
+    starting and go active (nothing to rehearse against); the in-place shift's new instance
+    is starting (loaded), rehearsing, active; the ones it replaces drain and are gone. Every
+    change is checked by the pool against the one lifecycle (an illegal one would raise)."""
+    from flexpipe.gateway.pool import Pool
+    from flexpipe.lifecycle import State
+
+    states: dict[str, list[str]] = {}
+    add, set_state, remove = Pool.add, Pool.set_state, Pool.remove
+
+    def spy_add(self: Pool, url: str, *args: Any, **kw: Any) -> Any:
+        inst = add(self, url, *args, **kw)
+        states.setdefault(url, []).append(inst.state.value)
+        return inst
+
+    def spy_set_state(self: Pool, url: str, state: State) -> Any:
+        inst = set_state(self, url, state)
+        if states[url][-1] != inst.state.value:
+            states[url].append(inst.state.value)
+        return inst
+
+    def spy_remove(self: Pool, url: str) -> Any:
+        inst = remove(self, url)
+        states[url].append(inst.state.value)
+        return inst
+
+    monkeypatch.setattr(Pool, "add", spy_add)
+    monkeypatch.setattr(Pool, "set_state", spy_set_state)
+    monkeypatch.setattr(Pool, "remove", spy_remove)
+    r = simulate(_seed(220, [{"at_s": 100, "release": ["gpu1"]}]), "flexpipe")
+    shift = r.shifts[1]
+    url_of = {rec.key: rec.instance.url for rec in r.instances}
+    first = r.shifts[0]["started"]
+    for key in first:
+        assert states[url_of[key]] == (
+            ["starting", "active", "draining", "gone"] if key in shift["stopped"]
+            else ["starting", "active"]
+        )  # fmt: skip
+    (new,) = shift["started"]
+    assert states[url_of[new]] == ["starting", "rehearsing", "active"]
+    assert len(states) == len(r.instances) == len(first) + 1
+
+
+def test_sim_engines_schedule_as_the_launcher_starts_them() -> None:
+    """The sim's engine cores take the scheduling policy `flexpipe up` launches engines with
+    (a moved request's priority -1 admits it ahead of the queue only under "priority")."""
+    from flexpipe.engine.args import parse_engine_args
+    from flexpipe.launch.base import EngineSpec
+    from flexpipe.launch.local import vllm_flags
+
+    launched = parse_engine_args(vllm_flags(EngineSpec("llama-2-7b"), "127.0.0.1", 8000))
+    dep = Deployment("a", "m", "llama-2-7b", Gear(max_num_seqs=4), (("gpu2",),))
+    sim = engine_config(dep, load_cluster(SEED_CLUSTER))
+    assert sim.scheduling_policy == launched.scheduling_policy == "priority"

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flexpipe.cluster import Cluster
+from flexpipe.control.controller import finished_record
 from flexpipe.control.observe import RateWindow, model_state
 from flexpipe.control.resources import ResourceEvent, Resources
 from flexpipe.control.samples import Sampler
@@ -58,6 +59,7 @@ class SimController:
         demands: Sequence[ModelDemand],
         gateway_pool: Callable[[], list[dict[str, Any]]],
         num_queued: Callable[[], int],
+        queued_by_model: Callable[[], dict[str, int]],
         params: ControllerParams,
         rng: random.Random,
         on_shift: Callable[[dict[str, Any]], None],
@@ -66,6 +68,7 @@ class SimController:
         self.demands = tuple(demands)
         self.gateway_pool = gateway_pool
         self.num_queued = num_queued
+        self.queued_by_model = queued_by_model  # the gateway's wait queue by model
         self.params = params
         self.rng = rng
         self.on_shift = on_shift  # a finished shift's record (for the report)
@@ -184,7 +187,10 @@ class SimController:
         text = self.metrics.exposition().decode()
         names = [d.name for d in self.demands]
         pool = self.gateway_pool()
-        for name, sample in self._sampler.sample(now, names, pool, text, self.num_queued()).items():
+        readings = self._sampler.sample(
+            now, names, pool, text, self.num_queued(), self.queued_by_model()
+        )
+        for name, sample in readings.items():
             self.samples[name].append(sample)
             del self.samples[name][:-100]
         self._rates.observe(now, self._done, names)
@@ -204,13 +210,8 @@ class SimController:
 
         def done(outcome: ShiftOutcome, end: float) -> None:
             self._shifting = False
-            if decision is not None:
-                record = self.history[-1]
-                failed = tuple(c["instance"] for c in outcome.rehearsal if not c.get("passed"))
-                keys = failed if not outcome.succeeded and failed else record.target_keys
-                self.history[-1] = dataclasses.replace(
-                    record, finished_s=end, succeeded=outcome.succeeded, target_keys=keys
-                )
+            if decision is not None:  # refused: no failure of the target (no blacklist)
+                self.history[-1] = finished_record(self.history[-1], outcome, end)
             if outcome.succeeded:
                 self.resources_changed_s = None
             self.on_shift({
@@ -219,7 +220,8 @@ class SimController:
                 "reason": decision.reason if decision is not None else "the first plan",
                 "score": None if decision is None or decision.score is None
                 else round(decision.score, 3),
-                "succeeded": outcome.succeeded, "why_failed": outcome.reason,
+                "succeeded": outcome.succeeded, "refused": outcome.refused,
+                "outcome": _outcome(outcome), "why_failed": outcome.reason,
                 "phases_s": {k: round(v, 6) for k, v in outcome.phases_s.items()},
                 "migrated": dict(sorted(outcome.migrated.items())),
                 "rehearsal": outcome.rehearsal,
@@ -233,6 +235,11 @@ class SimController:
             rehearse=rehearse, all_or_nothing=all_or_nothing,
         )  # fmt: skip
         run.start(now)
+
+
+def _outcome(out: ShiftOutcome) -> str:
+    """The shift log's outcome of a finished shift (`Controller._finish_entry`'s words)."""
+    return "succeeded" if out.succeeded else "refused" if out.refused else "rolled_back"
 
 
 def _brief(d: ShiftDecision) -> dict[str, Any]:

@@ -19,6 +19,9 @@ from flexpipe.perf import PerfModel
 from flexpipe.sim.deployment import Deployment
 
 GPU_MEMORY_UTILIZATION = 0.9  # EngineSpec's default, what `flexpipe up` launches with
+# what `vllm_flags` (flexpipe/launch/local.py) passes as --scheduling-policy: a request the
+# controller moves comes with a negative priority and takes the next free slot
+SCHEDULING_POLICY = "priority"
 
 
 def engine_config(
@@ -44,6 +47,7 @@ def engine_config(
         max_model_len=pm.memory.max_model_len,
         num_kv_blocks=pm.memory.num_kv_blocks,
         enable_chunked_prefill=True,
+        scheduling_policy=SCHEDULING_POLICY,
         gpu_memory_utilization=gpu_memory_utilization,
         api_key=None,
         admin_token=None,
@@ -57,4 +61,4 @@ def engine_config(
     )
 
 
-__all__ = ["GPU_MEMORY_UTILIZATION", "engine_config", "engine_core"]
+__all__ = ["GPU_MEMORY_UTILIZATION", "SCHEDULING_POLICY", "engine_config", "engine_core"]

@@ -27,6 +27,7 @@ from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import apply_engine_metrics
 from flexpipe.gateway.router import NoInstance, Router
+from flexpipe.lifecycle import State
 from flexpipe.policies.routing import RoutingRequest, prompt_block_hashes
 from flexpipe.sim.instance import SimInstance
 from flexpipe.sim.loop import ARRIVAL, SCRAPE, EventLoop
@@ -66,22 +67,34 @@ class SimGateway:
             self.log.append((now, event, detail))
 
     # --- instances -----------------------------------------------------------------------
-    def add_instance(self, inst: SimInstance, now: float, max_num_seqs: int = 0) -> None:
+    def add_instance(
+        self, inst: SimInstance, now: float, max_num_seqs: int = 0, state: State = State.ACTIVE
+    ) -> None:
         """The engine answers /health: into the pool (scraped first, as the prober does).
-        `max_num_seqs`: what the controller registers it with (its slots derive from it)."""
+        `max_num_seqs`: what the controller registers it with (its slots derive from it);
+        `state`: starting for one the controller is still bringing up (not routed)."""
         self.instances[inst.url] = inst
         self._log(now, "ready", inst.dep.name)
         record = self.pool.add(
-            inst.url, model=inst.model, max_num_seqs=max_num_seqs or inst.max_num_seqs
-        )
+            inst.url, model=inst.model, max_num_seqs=max_num_seqs or inst.max_num_seqs,
+            state=state,
+        )  # fmt: skip
         self._scrape_one(record, now)
         if not self._scraping:
             self._scraping = True
             self.loop.at(now + self.cfg.scrape_interval_s, SCRAPE, self._scrape)
-        self._wake(now)
+        if state is State.ACTIVE:
+            self._wake(now)
 
     def drain_instance(self, url: str) -> None:
         self.pool.drain(url)
+
+    def set_state(self, url: str, state: State, now: float) -> None:
+        """The admin API's change of state (`Pool.set_state`); one that became active may
+        take a waiting request."""
+        self.pool.set_state(url, state)
+        if state is State.ACTIVE:
+            self._wake(now)
 
     def remove_instance(self, url: str) -> None:
         """Out of the pool (the admin API's removal: the pool, then what routing kept)."""
@@ -207,6 +220,13 @@ class SimGateway:
     @property
     def num_waiting(self) -> int:
         return len(self._waiters)
+
+    def queued_by_model(self) -> dict[str, int]:
+        """The wait queue by model (the live gateway's `flexpipe_model_queued_requests`)."""
+        out: dict[str, int] = {}
+        for call in self._waiters:
+            out[call.req.model] = out.get(call.req.model, 0) + 1
+        return out
 
     # --- metrics scrape ------------------------------------------------------------------
     def _scrape(self, now: float) -> None:

@@ -173,7 +173,8 @@ def report_html(rep: dict[str, Any]) -> str:
         for name, m in rep["models"].items()
     ]  # fmt: skip
     shifts = [
-        (f"{s['at_s']:.1f}", s["trigger"], "yes" if s["succeeded"] else f"no: {s['why_failed']}",
+        (f"{s['at_s']:.1f}", s["trigger"], "yes" if s["succeeded"]
+         else f"{'refused' if s['refused'] else 'no'}: {s['why_failed']}",
          ", ".join(f"{k} {v:.1f}s" for k, v in s["phases_s"].items()),
          ", ".join(f"{k} {v}" for k, v in s["migrated"].items()) or "-", s["reason"])
         for s in rep["shifts"]

@@ -97,6 +97,7 @@ class SimInstance:
             SIM_GEN_IDS,
         )
         ereq.num_preloaded_tokens = min(req.num_kv_tokens, req.num_prompt_tokens - 1)
+        ereq.priority = req.priority
         self.requests[ereq.request_id] = req
         self.sync(now)
         self.core.add(ereq, now)

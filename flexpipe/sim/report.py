@@ -312,8 +312,8 @@ def timeline_csv(result: SimResult) -> str:
     return out.getvalue()
 
 
-SHIFT_FIELDS = ("at_s", "finished_s", "trigger", "succeeded", "score", "phases", "migrated",
-                "started", "stopped", "reason")  # fmt: skip
+SHIFT_FIELDS = ("at_s", "finished_s", "trigger", "succeeded", "outcome", "score", "phases",
+                "migrated", "started", "stopped", "reason")  # fmt: skip
 
 
 def shifts_csv(rep: dict[str, Any]) -> str:
@@ -323,7 +323,8 @@ def shifts_csv(rep: dict[str, Any]) -> str:
     w.writerow(SHIFT_FIELDS)
     for s in rep["shifts"]:
         w.writerow([
-            f"{s['at_s']:.6f}", f"{s['finished_s']:.6f}", s["trigger"], s["succeeded"], s["score"],
+            f"{s['at_s']:.6f}", f"{s['finished_s']:.6f}", s["trigger"], s["succeeded"],
+            s["outcome"], s["score"],
             ";".join(f"{k}={v}" for k, v in s["phases_s"].items()),
             ";".join(f"{k}={v}" for k, v in s["migrated"].items()),
             ";".join(s["started"]), ";".join(s["stopped"]), s["reason"],

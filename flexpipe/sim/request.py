@@ -25,6 +25,7 @@ class SimRequest:
     num_output_tokens: int  # max_tokens: the sim model talks until cut off
     prefix_ids: tuple[int, ...] = ()  # shared prompt blocks (see module docstring)
     num_kv_tokens: int = 0  # a moved request's context whose KV arrived by transfer
+    priority: int = 0  # the engine's admission order (a controller's move: MOVE_PRIORITY)
     # outcome (set by the simulator)
     instance: str = ""
     first_token_s: float = -1.0

@@ -7,11 +7,15 @@
    against the gear table's prediction (`Estimate`), a miss beyond `rehearsal_tolerance`
    rolls the shift back;
 3. switch: the new instances join the gateway's pool;
-4. drain the leaving instances for at most `drain_deadline_s`; each request still running at
-   the deadline is moved to a live instance of its model — its KV cache when
-   `choose_migration` says moving it beats recomputing its context, else by recompute; one
+4. drain the leaving instances for at most `drain_deadline_s`; the requests that would still
+   run at the deadline move at once, and what still runs at the deadline moves then, each
+   planned by the executor's `plan_moves` (destination, KV move or recompute, and when: in
+   waves) from the same inputs, and admitted there ahead of the queue (`MOVE_PRIORITY`); one
    not answered yet is sent again (`rerun`);
 5. release: their GPUs are free.
+
+The instances go through the gateway's pool as the executor tells the admin API: starting
+(loaded), rehearsing, active, draining, gone.
 
 The order of the steps comes from `flexpipe.control.shift_plan.plan_shift` (new instances on
 free GPUs first, then rolling in-place replacements, then the rest retire). A shift is a
@@ -21,22 +25,34 @@ the event loop.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flexpipe.cluster import Cluster
+from flexpipe.control.executor import ShiftOutcome, _context, _interval_s, _tokens_left
 from flexpipe.control.shift_plan import plan_shift, probe_tokens
 from flexpipe.engine.request import EngineRequest, SamplingParams
+from flexpipe.lifecycle import State
 from flexpipe.policies.planner import PlannedInstance
-from flexpipe.policies.shift.migration import choose_migration, link_between, perf_model_of
+from flexpipe.policies.shift.migration import (
+    Destination,
+    MoveRequest,
+    PlannedMove,
+    link_between,
+    outlives,
+    perf_model_of,
+    plan_moves,
+)
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.sim.engine_factory import engine_core
 from flexpipe.sim.loop import CONTROL, EventLoop
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.stretch import SIM_GEN_IDS
 
-__all__ = ["DrainWait", "ShiftOutcome", "ShiftRun", "World", "rehearse"]
+__all__ = ["DrainWait", "ShiftOutcome", "ShiftRun", "World", "destination_of", "rehearse"]
 
 PROBE_PROMPT_TOKENS = 64  # "rehearsal " * 32, as the executor sends it
 PROBE_OVERHEAD_S = 0.05  # the executor's HTTP allowance (no HTTP here: time scale 1)
@@ -52,7 +68,7 @@ class World(Protocol):
 
     def launch(self, planned: PlannedInstance, now: float) -> Any: ...  # record, or str: why not
 
-    def activate(self, rec: Any, now: float) -> None: ...
+    def set_state(self, rec: Any, state: State, now: float) -> None: ...  # the admin API's
 
     def stop_routing(self, rec: Any, now: float) -> list[SimRequest]: ...
 
@@ -75,21 +91,46 @@ class DrainWait:
     deadline_s: float
 
 
-@dataclass
-class ShiftOutcome:
-    """What the shift log records of carrying a shift out (the executor's `ShiftOutcome`)."""
+def _count(out: ShiftOutcome, method: str, n: int = 1) -> None:
+    if n:
+        out.migrated[method] = out.migrated.get(method, 0) + n
 
-    succeeded: bool = True
-    reason: str = ""
-    phases_s: dict[str, float] = field(default_factory=dict)
-    migrated: dict[str, int] = field(default_factory=dict)  # method -> requests
-    rehearsal: list[dict[str, Any]] = field(default_factory=list)
-    started: list[str] = field(default_factory=list)  # instance keys
-    stopped: list[str] = field(default_factory=list)
 
-    def count(self, method: str, n: int = 1) -> None:
-        if n:
-            self.migrated[method] = self.migrated.get(method, 0) + n
+def _as_gateway(req: SimRequest, num_prompt: int, num_out: int) -> dict[str, Any]:
+    """`req` as the gateway's `GET /admin/requests` lists it (what the executor reads)."""
+    return {"id": req.request_id, "num_prompt_tokens": num_prompt,
+            "num_output_tokens": num_out, "max_tokens": req.num_output_tokens}  # fmt: skip
+
+
+def destination_of(
+    cluster: Cluster,
+    sources: Sequence[tuple[str, PlannedInstance]],
+    name: str,
+    target: PlannedInstance,
+    reqs: Sequence[dict[str, Any]],
+) -> Destination:
+    """`Executor._destination` on the requests `target` serves (gateway records): its slots,
+    the time left of each and the link from each source (url, planned)."""
+    interval_s = _interval_s(cluster, target, reqs)
+    slots = target.gear.max_num_seqs
+    decoding = sum(1 for r in reqs if int(r["num_output_tokens"]) > 0)
+    fresh = [int(r["num_prompt_tokens"]) for r in reqs if int(r["num_output_tokens"]) == 0]
+    return Destination(
+        name,
+        perf_model_of(cluster, target),
+        {url: link_between(cluster, p, target) for url, p in sources},
+        slots,
+        tuple(_tokens_left(r) * interval_s for r in reqs),
+        sum(fresh[: max(0, slots - decoding)]),
+    )
+
+
+Move = tuple[PlannedMove, Any, Any, SimRequest]  # (planned, source, destination, request)
+
+
+class _Drain:
+    over = False  # the drain ended (empty, or its deadline): no early wave starts after
+    kv_across_s = 0.0  # when the last KV moved before the deadline is across
 
 
 def rehearse(planned: PlannedInstance, cluster: Cluster, tolerance: float) -> dict[str, Any]:
@@ -149,7 +190,8 @@ class ShiftRun:
         self.rehearsal_tolerance = rehearsal_tolerance
         self.do_rehearse = rehearse
         self.all_or_nothing = all_or_nothing
-        self.out = ShiftOutcome()
+        self.out = ShiftOutcome(succeeded=True)
+        self._num_moved = 0  # requests moved (or left with nowhere to go) in this retire
         self._gen = self._shift()
         self._primed = False
         self._token = 0
@@ -182,8 +224,9 @@ class ShiftRun:
     def _shift(self) -> Gen:
         running_planned = [r.planned for r in self.running.values()]
         steps = plan_shift(running_planned, self.target)
-        if steps.refusal:
+        if steps.refusal:  # before anything changed: refused, not failed
             self.out.succeeded = False
+            self.out.refused = True
             self.out.reason = steps.refusal
             return
         by_key = dict(self.running)
@@ -227,17 +270,14 @@ class ShiftRun:
         ready = max(r.ready_s for r in started)
         now = yield max(0.0, ready - t0)
         self.out.phases_s["warm" + suffix] = now - t0
-        dead = [r for r in started if r.released_s >= 0]  # its GPUs went while it loaded
-        if dead:
-            self.out.reason = "; ".join(f"instance {r.dep.name} died starting: {r.died}"
-                                        for r in dead)  # fmt: skip
-            started = [r for r in started if r.released_s < 0]
-            if self.all_or_nothing or not started:
-                for rec in started:
-                    world.release(rec, now)
-                self.out.succeeded = False
-                return []
+        started = self._alive(started, now)  # its GPUs may have gone while it loaded
+        if not self.out.succeeded:
+            return []
+        for rec in started:  # loaded: in the gateway's pool, not routed
+            world.set_state(rec, State.STARTING, now)
         if self.do_rehearse:
+            for rec in started:
+                world.set_state(rec, State.REHEARSING, now)
             checks = [rehearse(r.planned, world.cluster, self.rehearsal_tolerance) for r in started]
             self.out.rehearsal.extend(checks)
             t1 = now
@@ -250,65 +290,150 @@ class ShiftRun:
                 self.out.succeeded = False
                 self.out.reason = "rehearsal missed: " + "; ".join(c["why"] for c in missed)
                 return []
+            started = self._alive(started, now)  # or while it rehearsed
+            if not self.out.succeeded:
+                return []
         for rec in started:
-            world.activate(rec, now)
+            world.set_state(rec, State.ACTIVE, now)
             self.running[rec.key] = rec
             self.out.started.append(rec.key)
         self.out.phases_s["switch" + suffix] = 0.0
         return started
 
+    def _alive(self, started: list[Any], now: float) -> list[Any]:
+        """The started instances whose engines did not die with their GPUs; when one did and
+        the shift is all or nothing (or none is left), the others are released too and the
+        shift fails."""
+        dead = [r for r in started if r.released_s >= 0]
+        if not dead:
+            return started
+        self.out.reason = "; ".join(f"instance {r.dep.name} died starting: {r.died}"
+                                    for r in dead)  # fmt: skip
+        alive = [r for r in started if r.released_s < 0]
+        if self.all_or_nothing or not alive:
+            for rec in alive:
+                self.world.release(rec, now)
+            self.out.succeeded = False
+            return []
+        return alive
+
     def _retire(self, leaving: Sequence[Any], suffix: str) -> Gen:
+        """The executor's `_retire`: draining (no new requests); what would outlive the drain
+        deadline moves at once, in the planned waves, while the deadline lasts; what still
+        runs at the deadline moves then; the GPUs are released when the last KV is across."""
         if not leaving:
             return
         world = self.world
         t0 = world.loop.now_s
-        in_flight = [len(world.stop_routing(rec, t0)) for rec in leaving]
+        in_flight = sum(len(world.stop_routing(rec, t0)) for rec in leaving)
+        self._num_moved = 0
+        drain = _Drain()
+        early = self._plan(leaving, leaving, self.drain_deadline_s)
+        for at_s, wave in _waves(early):
+            world.loop.at(t0 + at_s, CONTROL, functools.partial(self._early, drain, wave))
         if any(world.requests_on(r) for r in leaving):
             yield DrainWait(tuple(leaving), t0 + self.drain_deadline_s)
+        drain.over = True
         now = world.loop.now_s
         self.out.phases_s["drain" + suffix] = now - t0
-        longest_s = 0.0
-        for rec, num in zip(leaving, in_flight, strict=True):
-            left = world.requests_on(rec)
-            if left:
-                longest_s = max(longest_s, self._move_off(rec, left, now))
-            self.out.count("finished_in_place", max(0, num - len(left)))
-        if longest_s > 0:  # the source holds the KV until it is across
-            now = yield longest_s
-        self.out.phases_s["migrate" + suffix] = now - t0 - self.out.phases_s["drain" + suffix]
+        left = [r for r in leaving if world.requests_on(r)]
+        end_s = max(now, drain.kv_across_s)
+        for at_s, wave in _waves(self._plan(left, leaving, None)):
+            if now + at_s > world.loop.now_s:
+                yield now + at_s - world.loop.now_s
+            end_s = max(end_s, self._carry(wave, world.loop.now_s))
+        if end_s > world.loop.now_s:  # the source holds the KV until it is across
+            yield end_s - world.loop.now_s
+        _count(self.out, "finished_in_place", max(0, in_flight - self._num_moved))
+        done_s = world.loop.now_s
+        self.out.phases_s["migrate" + suffix] = done_s - now
         for rec in leaving:
-            world.release(rec, now)
+            world.release(rec, done_s)
             self.running.pop(rec.key, None)
             self.out.stopped.append(rec.key)
         self.out.phases_s["release" + suffix] = 0.0
 
-    def _move_off(self, source: Any, reqs: Sequence[SimRequest], now: float) -> float:
-        """Move `reqs` to live instances of their model; returns the longest KV transfer."""
+    def _plan(
+        self, sources: Sequence[Any], leaving: Sequence[Any], outliving_s: float | None
+    ) -> list[Move]:
+        """The executor's `_move_off` planning: per model, what runs on `sources` (with
+        `outliving_s`: only what would still run that long from now) to the active
+        instances of the model that stay, by `plan_moves`. A request with nowhere to go at
+        the deadline is continued by the gateway wherever it can (counted as recomputed)."""
         world = self.world
-        model = source.planned.model
-        targets = [r for r in self.running.values() if r.planned.model == model and r.active]
-        longest = 0.0
-        for n, req in enumerate(reqs):
-            if not targets:  # nowhere to go: the gateway continues it when the engine stops
-                world.move(req, source, None, "recomputed", 0.0, now)
-                self.out.count("recomputed")
+        cluster = world.cluster
+        now = world.loop.now_s
+        gone = {r.key for r in leaving}
+        horizon_s = math.inf if outliving_s is None else outliving_s
+        urls = [(r.instance.url, r.planned) for r in sources]
+        planned: list[Move] = []
+        for model in sorted({r.planned.model for r in sources}):
+            reqs: list[MoveRequest] = []
+            where: dict[int, tuple[Any, SimRequest]] = {}
+            for src in sources:
+                if src.planned.model != model:
+                    continue
+                mine = [(q, _as_gateway(q, *world.context_tokens(q, src)))
+                        for q in world.requests_on(src)]  # fmt: skip
+                if outliving_s is not None:
+                    interval_s = _interval_s(cluster, src.planned, [d for _, d in mine])
+                    mine = [(q, d) for q, d in mine
+                            if outlives(_tokens_left(d), interval_s, outliving_s)]  # fmt: skip
+                for q, d in mine:
+                    reqs.append(MoveRequest(q.request_id, _context(d), src.instance.url))
+                    where[q.request_id] = (src, q)
+            targets = [r for k, r in self.running.items()
+                       if r.planned.model == model and r.active and k not in gone]  # fmt: skip
+            if not targets:
+                if outliving_s is None:  # the gateway continues them when the engine stops
+                    for src, q in where.values():
+                        world.move(q, src, None, "recomputed", 0.0, now)
+                        _count(self.out, "recomputed")
+                        self._num_moved += 1
                 continue
-            target = targets[n % len(targets)]
-            num_prompt, num_out = world.context_tokens(req, source)
+            destinations = [
+                destination_of(cluster, urls, t.instance.url, t.planned,
+                               [_as_gateway(q, *world.context_tokens(q, t))
+                                for q in world.requests_on(t)])
+                for t in targets
+            ]  # fmt: skip
+            by_url = {t.instance.url: t for t in targets}
+            for m in plan_moves(reqs, destinations, horizon_s):
+                src, q = where[m.id]
+                planned.append((m, src, by_url[m.destination], q))
+        return planned
+
+    def _early(self, drain: _Drain, wave: Sequence[Move], now: float) -> None:
+        if not drain.over:  # no wave starts after the deadline (what is left moves then)
+            drain.kv_across_s = max(drain.kv_across_s, self._carry(wave, now))
+
+    def _carry(self, wave: Sequence[Move], now: float) -> float:
+        """One wave of moves (the gateway's `move`): each request still running on its
+        source continues on its destination, ahead of its queue; returns when the last KV of
+        the wave is across."""
+        world = self.world
+        end_s = now
+        for m, src, dst, req in wave:
+            if not any(r is req for r in world.requests_on(src)):
+                continue  # it ended meanwhile (the gateway's "not_running")
+            num_prompt, num_out = world.context_tokens(req, src)
+            delay_s = 0.0
             if num_out == 0:
-                world.move(req, source, target, "rerun", 0.0, now)
-                self.out.count("rerun")
-                continue
-            cluster = world.cluster
-            link = link_between(cluster, source.planned, target.planned)
-            choice = choose_migration(perf_model_of(cluster, target.planned), num_prompt + num_out,
-                                      link)  # fmt: skip
-            method = "kv_moved" if choice.method == "kv" else "recomputed"
-            delay = choice.pause_s if method == "kv_moved" else 0.0
-            world.move(req, source, target, method, delay, now)
-            self.out.count(method)
-            longest = max(longest, delay)
-        return longest
+                method = "rerun"
+            elif m.choice.method == "kv":
+                method = "kv_moved"
+                link = link_between(world.cluster, src.planned, dst.planned)
+                if link is not None:  # the engine imports what the context is now
+                    delay_s = perf_model_of(world.cluster, dst.planned).kv_transfer_s(
+                        num_prompt + num_out, link.bandwidth_bytes_per_s, link.latency_s
+                    )
+            else:
+                method = "recomputed"
+            world.move(req, src, dst, method, delay_s, now)
+            _count(self.out, method)
+            self._num_moved += 1
+            end_s = max(end_s, now + delay_s)
+        return end_s
 
     def _roll_back(self, released: Sequence[Any], started: Sequence[Any]) -> Gen:
         """The in-place successor failed after the instances in its way were released: they
@@ -325,3 +450,11 @@ class ShiftRun:
         self.out.reason = reason
         gone = {r.key for r in started}
         self.out.started = [k for k in self.out.started if k not in gone]
+
+
+def _waves(moves: Sequence[Move]) -> list[tuple[float, list[Move]]]:
+    """Moves planned within 10 ms of each other go together (the executor's waves)."""
+    waves: dict[float, list[Move]] = {}
+    for item in moves:
+        waves.setdefault(round(item[0].at_s, 2), []).append(item)
+    return sorted(waves.items())

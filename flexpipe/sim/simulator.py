@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flexpipe.cluster import Cluster
+from flexpipe.gateway.relay import MOVE_PRIORITY
+from flexpipe.lifecycle import State
 from flexpipe.policies.planner import (
     ModelDemand,
     ModelsFileError,
@@ -182,7 +184,8 @@ class _Run:
             self.controller = SimController(
                 self, scenario.cluster, self.demands,
                 lambda: [i.as_dict() for i in self.gateway.pool.instances.values()],
-                lambda: self.gateway.num_waiting, policy.params or scenario.controller,
+                lambda: self.gateway.num_waiting, self.gateway.queued_by_model,
+                policy.params or scenario.controller,
                 random.Random(f"{scenario.seed}:controller"), self.shifts.append,
             )  # fmt: skip
 
@@ -259,10 +262,21 @@ class _Run:
         dep = replace(Deployment.of(planned), name=name)
         return self._new_record(dep, now, planned)
 
-    def activate(self, rec: InstanceRecord, now: float) -> None:
+    def set_state(self, rec: InstanceRecord, state: State, now: float) -> None:
+        """The executor's word to the gateway's admin API: starting registers the loaded
+        engine (with its gear's max_num_seqs, not routed), then rehearsing, active."""
         assert rec.instance is not None
-        rec.active = True
-        self.gateway.add_instance(rec.instance, now, rec.dep.gear.max_num_seqs)
+        url = rec.instance.url
+        if state is State.STARTING:
+            self.gateway.add_instance(rec.instance, now, rec.dep.gear.max_num_seqs, state)
+            return
+        if state is State.DRAINING:
+            self.stop_routing(rec, now)
+        elif state is State.GONE:
+            self.release(rec, now)
+        else:
+            rec.active = state is State.ACTIVE
+            self.gateway.set_state(url, state, now)
 
     def stop_routing(self, rec: InstanceRecord, now: float) -> list[SimRequest]:
         rec.stopped_s = now
@@ -335,9 +349,12 @@ class _Run:
         if method == "kv_moved":
             seg.num_kv_tokens = seg.num_prompt_tokens
         self._root[seg.request_id] = root
+        if not source.instance.requests:  # a drain waiting for it to empty goes on
+            self.loop.at(now, CONTROL, self._check_empty)
         if target is None:
             self.gateway.submit(seg, now)
             return
+        seg.priority = MOVE_PRIORITY  # the controller's move: ahead of the target's queue
         url = target.instance.url if target.instance is not None else ""
 
         def place(t: float) -> None:
