@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from flexpipe.control.observe import model_state
+from flexpipe.control.observe import model_state, model_states
 from flexpipe.policies.planner import parse_models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,3 +22,10 @@ def test_an_idle_model_keeps_a_rate_only_while_its_minimum_is_above_zero() -> No
     # no reading yet: the configured demand
     first = model_state(DEMAND, None, [], min_instances_floor=1)
     assert first.demand.request_rate_per_s == DEMAND.request_rate_per_s
+
+
+def test_model_states_take_each_models_rate_and_samples() -> None:
+    other = replace(DEMAND, name="other")
+    states = model_states([DEMAND, other], {"other": 2.5}, {}, min_instances_floor=1)
+    assert [s.demand.request_rate_per_s for s in states] == [DEMAND.request_rate_per_s, 2.5]
+    assert [s.samples for s in states] == [(), ()]

@@ -49,7 +49,7 @@ from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.control.metrics import ControllerMetrics
-from flexpipe.control.observe import RateWindow, model_state
+from flexpipe.control.observe import RateWindow, model_states
 from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
 from flexpipe.control.samples import Sampler
 from flexpipe.control.shift_outcome import ShiftOutcome
@@ -489,15 +489,12 @@ class Controller:
         snapshot = ShiftSnapshot.of(
             self.cluster,
             [i.planned for i in self.running.values()],
-            [
-                model_state(
-                    d,
-                    self._rates.rates_per_s.get(d.name),
-                    self.samples[d.name],
-                    self.cfg.min_instances_floor,
-                )
-                for d in self.cfg.demands
-            ],
+            model_states(
+                self.cfg.demands,
+                self._rates.rates_per_s,
+                self.samples,
+                self.cfg.min_instances_floor,
+            ),
             self.history,
             self.resources_changed_s,
         )

@@ -20,7 +20,7 @@ from flexpipe.policies.planner import ModelDemand
 from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import ModelState
 
-__all__ = ["MAX_SAMPLES_GIVEN", "RATE_WINDOW_S", "RateWindow", "model_state"]
+__all__ = ["MAX_SAMPLES_GIVEN", "RATE_WINDOW_S", "RateWindow", "model_state", "model_states"]
 
 RATE_WINDOW_S = 60.0
 MAX_SAMPLES_GIVEN = 20  # the newest samples handed to the policy (its window is 60 s)
@@ -69,3 +69,17 @@ def model_state(
         min_instances=min_instances,
         expected_request_rate_per_s=None,
     )
+
+
+def model_states(
+    demands: Sequence[ModelDemand],
+    rates_per_s: Mapping[str, float],
+    samples: Mapping[str, Sequence[Sample]],
+    min_instances_floor: int,
+) -> list[ModelState]:
+    """`model_state` of each demand, from the rates measured (`RateWindow.rates_per_s`) and
+    each model's samples."""
+    return [
+        model_state(d, rates_per_s.get(d.name), samples.get(d.name, ()), min_instances_floor)
+        for d in demands
+    ]
