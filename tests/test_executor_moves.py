@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from flexpipe.cluster import load_cluster
-from flexpipe.control.executor import Executor, LiveInstance, ShiftOutcome
+from flexpipe.control.executor import Executor, LiveInstance
+from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.policies.planner import parse_models, plan
 from flexpipe.policies.shift.snapshot import instance_key
 

@@ -9,7 +9,8 @@ from typing import Any
 import yaml
 
 from flexpipe.cluster import load_cluster
-from flexpipe.control.executor import LiveInstance, _rolling_steps
+from flexpipe.control.executor import LiveInstance
+from flexpipe.control.shift_plan import plan_shift, rolling_steps
 from flexpipe.policies.planner import PlannedInstance, parse_models, plan
 from flexpipe.policies.shift.snapshot import instance_key
 
@@ -29,20 +30,28 @@ def relaunched(p: PlannedInstance) -> PlannedInstance:
 
 
 def test_every_instance_replaced_in_place_goes_one_group_at_a_time() -> None:
-    running = {instance_key(p): live(p) for p in plan(CLUSTER, [DEMAND]).instances}
-    by_gpus = {tuple(sorted(i.planned.gpu_ids)): i for i in running.values()}
+    running = plan(CLUSTER, [DEMAND]).instances
+    by_gpus = {tuple(sorted(p.gpu_ids)): p for p in running}
     pair, l40s, l4 = by_gpus[("gpu1", "gpu2")], by_gpus[("gpu3",)], by_gpus[("gpu0",)]
-    new_pair, new_l40s = relaunched(pair.planned), relaunched(l40s.planned)
-    steps = _rolling_steps(running, [pair, l40s], [], [new_pair, new_l40s])
-    assert steps == [([pair], [new_pair]), ([l40s], [new_l40s])]
+    new_pair, new_l40s = relaunched(pair), relaunched(l40s)
+    steps = rolling_steps(running, [pair, l40s], [new_pair, new_l40s])
+    assert steps == [((pair,), (new_pair,)), ((l40s,), (new_l40s,))]
     # the L4 alone is replaced in place while the others serve
-    assert _rolling_steps(running, [l4], [], [relaunched(l4.planned)]) is not None
+    assert rolling_steps(running, [l4], [relaunched(l4)]) is not None
 
 
 def test_a_model_with_nothing_else_serving_is_not_replaced_in_place() -> None:
     (only,) = [p for p in plan(CLUSTER, [DEMAND]).instances if p.num_gpus == 2]
-    running = {instance_key(only): live(only)}
-    assert _rolling_steps(running, [running[instance_key(only)]], [], [relaunched(only)]) is None
+    assert rolling_steps([only], [only], [relaunched(only)]) is None
+
+
+def test_a_model_left_out_of_the_target_scales_to_zero_only_when_asked() -> None:
+    """The live executor scales a model the target has none of to zero (its gateway holds
+    the requests); without `scale_to_zero` that is a gap and the shift is refused."""
+    running = plan(CLUSTER, [DEMAND]).instances
+    assert "serving would stop" in plan_shift(running, []).refusal
+    to_zero = plan_shift(running, [], scale_to_zero=True)
+    assert to_zero.refusal == "" and to_zero.steps == () and to_zero.rest == tuple(running)
 
 
 class Recorder:

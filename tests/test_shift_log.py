@@ -619,7 +619,6 @@ def test_shifts_command_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None
 
 
 def test_public_api() -> None:
-    import flexpipe.control.lifecycle as old_lifecycle
     import flexpipe.control.metrics as metrics
     import flexpipe.lifecycle as lifecycle
     import flexpipe.store.instance_registry as registry
@@ -629,9 +628,6 @@ def test_public_api() -> None:
 
     for module in (lifecycle, metrics, registry, migrate, shift_entry, shift_log):
         assert all(hasattr(module, name) for name in module.__all__), module.__name__
-    # the old home re-exports the very same objects
-    assert old_lifecycle.__all__ == lifecycle.__all__
-    assert all(getattr(old_lifecycle, n) is getattr(lifecycle, n) for n in lifecycle.__all__)
     assert set(shift_log.__all__) == {"SHIFT_KINDS", "ShiftLog", "ShiftLogError", "ShiftLogRow"}
     assert set(registry.__all__) == {
         "InstanceRecord",

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from flexpipe.cluster import Cluster, ClusterError, parse_cluster_yaml
-from flexpipe.control.resources import ResourceEvent, diff
+from flexpipe.control.poller import Change, changed, check_interval, poll_changes, report_once
 
 __all__ = ["ClusterWatch"]
 
@@ -53,10 +53,8 @@ class ClusterWatch:
         clock: Callable[[], float] = time.time,
         report: Callable[[str], None] = _log_warning,
     ) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s:g}")
         self.path = Path(path)
-        self.interval_s = interval_s
+        self.interval_s = check_interval(interval_s)
         self._sleep = sleep
         self._clock = clock
         self._report = report
@@ -93,16 +91,14 @@ class ClusterWatch:
 
     def _fail(self, exc: ClusterError) -> None:
         line = "; ".join(exc.errors) + " (keeping the last good cluster)"
-        if line != self.error:
-            self.error = line
-            self._report(line)
+        self.error = report_once(self.error, line, self._report)
 
     def _recovered(self) -> None:
         if self.error is not None:
             log.info("%s: readable and valid again", self.path)
             self.error = None
 
-    def poll(self, now_s: float) -> tuple[Cluster, list[ResourceEvent]] | None:
+    def poll(self, now_s: float) -> Change | None:
         """Look at the file once. Returns the new cluster and `diff(last good, new, now_s)`
         when the content changed into a good cluster that differs from the last good one;
         None otherwise (unchanged stamp, same content, same cluster, or a bad file)."""
@@ -135,16 +131,10 @@ class ClusterWatch:
             return None
         self._content_ok = True
         self._recovered()
-        if cluster == self.cluster:
-            return None
-        events = diff(self.cluster, cluster, now_s)
+        change = changed(self.cluster, cluster, now_s)
         self.cluster = cluster
-        return cluster, events
+        return change
 
-    async def changes(self) -> AsyncIterator[tuple[Cluster, list[ResourceEvent]]]:
-        """Poll forever; yield each change (cancel the consuming task to stop)."""
-        while True:
-            await self._sleep(self.interval_s)
-            change = await asyncio.to_thread(self.poll, self._clock())
-            if change is not None:
-                yield change
+    def changes(self) -> AsyncIterator[Change]:
+        """`poll` every `interval_s`; each change (cancel the consuming task to stop)."""
+        return poll_changes(self.poll, self.interval_s, self._sleep, self._clock)

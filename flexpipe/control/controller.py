@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -47,11 +46,13 @@ from flexpipe.control.client import (
 )
 from flexpipe.control.cluster_watch import ClusterWatch
 from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
-from flexpipe.control.executor import Executor, LiveInstance, ShiftOutcome
+from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.control.metrics import ControllerMetrics
+from flexpipe.control.observe import RateWindow, model_states
 from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
 from flexpipe.control.samples import Sampler
+from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.control.targets import SD_PATH, http_sd_targets
 from flexpipe.control.ui_api import UiApi
 from flexpipe.gears.gear import parse_gear
@@ -72,7 +73,6 @@ from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import (
-    ModelState,
     ShiftRecord,
     ShiftSnapshot,
     instance_key,
@@ -190,8 +190,7 @@ class Controller:
         self.last_decision: ShiftDecision | None = None
         self.last_outcome: ShiftOutcome | None = None
         self._sampler = Sampler()
-        self._done_history: deque[tuple[float, dict[str, float]]] = deque()
-        self._rate_per_s: dict[str, float] = {d.name: d.request_rate_per_s for d in cfg.demands}
+        self._rates = RateWindow({d.name: d.request_rate_per_s for d in cfg.demands})
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
         self._standby: set[str] = set()  # models held in the gateway with no instance
@@ -390,7 +389,7 @@ class Controller:
                     "name": d.name,
                     "model": d.model,
                     "slo": {"ttft_p99_s": d.slo.ttft_p99_s, "tpot_p99_s": d.slo.tpot_p99_s},
-                    "request_rate_per_s": self._rate_per_s.get(d.name, d.request_rate_per_s),
+                    "request_rate_per_s": self._rates.rates_per_s.get(d.name, d.request_rate_per_s),
                 }
                 for d in self.cfg.demands
             ],
@@ -490,7 +489,12 @@ class Controller:
         snapshot = ShiftSnapshot.of(
             self.cluster,
             [i.planned for i in self.running.values()],
-            [self._model_state(d) for d in self.cfg.demands],
+            model_states(
+                self.cfg.demands,
+                self._rates.rates_per_s,
+                self.samples,
+                self.cfg.min_instances_floor,
+            ),
             self.history,
             self.resources_changed_s,
         )
@@ -544,19 +548,6 @@ class Controller:
             rehearsal=tuple(RehearsalCheck.from_probe(c, tol) for c in outcome.rehearsal),
         )
         self.metrics.observe_finished(done)
-
-    def _model_state(self, demand: ModelDemand) -> ModelState:
-        rate = self._rate_per_s.get(demand.name, demand.request_rate_per_s)
-        min_instances = max(self.cfg.min_instances_floor, demand.min_instances)
-        if min_instances > 0:  # planned for some load, however idle
-            rate = max(rate, 1e-3)
-        return ModelState(
-            dataclasses.replace(demand, request_rate_per_s=rate),
-            tuple(self.samples[demand.name][-20:]),
-            priority=demand.priority,
-            min_instances=min_instances,
-            expected_request_rate_per_s=None,
-        )
 
     def _standby_models(self) -> list[str]:
         """Models with no instance running (scaled to zero)."""
@@ -628,15 +619,7 @@ class Controller:
                 )
             )
             del self.samples[name][:-100]
-        # the arrival rate over the last minute of readings, per modelled second
-        self._done_history.append((now_s, done))
-        while len(self._done_history) > 2 and now_s - self._done_history[0][0] > 60.0:
-            self._done_history.popleft()
-        t0, first = self._done_history[0]
-        if now_s > t0:
-            for name in names:
-                finished = max(0.0, done.get(name, 0.0) - first.get(name, 0.0))
-                self._rate_per_s[name] = finished / (now_s - t0) * scale
+        self._rates.observe(now_s, done, names, self.cfg.time_scale)
 
     async def _register_missing(self, instances: Sequence[dict[str, Any]]) -> None:
         """A gateway that restarted has lost its pool: give it the running instances back.

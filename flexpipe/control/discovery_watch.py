@@ -32,7 +32,7 @@ from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.cluster.nvml import Inventory, read_inventory
-from flexpipe.control.resources import ResourceEvent, diff
+from flexpipe.control.poller import Change, changed, check_interval, poll_changes, report_once
 from flexpipe.hardware import GiB
 
 __all__ = ["DISCOVERED_MARK", "DiscoveryWatch", "merge", "own_usage_bytes"]
@@ -128,10 +128,8 @@ class DiscoveryWatch:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s:g}")
         self.cluster = base
-        self.interval_s = interval_s
+        self.interval_s = check_interval(interval_s)
         self._nvml = nvml
         self._own_pgids = own_pgids
         self._read = read or (lambda: read_inventory(self._nvml, node or _node_of(base)))
@@ -144,7 +142,7 @@ class DiscoveryWatch:
         """The cluster file changed too: discovery folds into that from now on."""
         self.cluster = cluster
 
-    def poll(self, now_s: float) -> tuple[Cluster, list[ResourceEvent]] | None:
+    def poll(self, now_s: float) -> Change | None:
         """Ask NVML once. The new cluster and `diff(last, new, now_s)` when it differs;
         None when nothing changed or NVML could not be read (the last cluster stands)."""
         self.num_polls += 1
@@ -153,30 +151,22 @@ class DiscoveryWatch:
             own = own_usage_bytes(self._nvml_module(), self._own_pgids())
         except Exception as exc:  # DiscoverError, or an NVML error (not one class)
             line = f"GPU discovery failed (keeping the last cluster): {exc}"
-            if line != self.error:
-                self.error = line
-                log.warning("%s", line)
+            self.error = report_once(self.error, line, log.warning)
             return None
         self.error = None
         new = merge(self.cluster, inv, own)
-        if new == self.cluster:
-            return None
-        events = diff(self.cluster, new, now_s)
+        change = changed(self.cluster, new, now_s)
         self.cluster = new
-        return new, events
+        return change
 
     def _nvml_module(self) -> Any:
         if self._nvml is None:
             self._nvml = importlib.import_module("pynvml")
         return self._nvml
 
-    async def changes(self) -> AsyncIterator[tuple[Cluster, list[ResourceEvent]]]:
-        """Poll forever; yield each change (cancel the consuming task to stop)."""
-        while True:
-            await self._sleep(self.interval_s)
-            change = await asyncio.to_thread(self.poll, self._clock())
-            if change is not None:
-                yield change
+    def changes(self) -> AsyncIterator[Change]:
+        """`poll` every `interval_s`; each change (cancel the consuming task to stop)."""
+        return poll_changes(self.poll, self.interval_s, self._sleep, self._clock)
 
 
 def _node_of(cluster: Cluster) -> str | None:

@@ -27,13 +27,15 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.shift_outcome import ShiftOutcome
+from flexpipe.control.shift_plan import plan_shift, probe_tokens
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher
 from flexpipe.policies.planner import PlannedInstance
@@ -48,13 +50,9 @@ from flexpipe.policies.shift.migration import (
 )
 from flexpipe.policies.shift.snapshot import instance_key
 
-__all__ = ["Executor", "LiveInstance", "ShiftOutcome"]
+__all__ = ["Executor", "LiveInstance"]
 
 log = logging.getLogger("flexpipe.control")
-
-MIN_PROBE_TOKENS = 16
-MAX_PROBE_TOKENS = 256
-PROBE_MIN_OVERHEADS = 10.0  # the probe's predicted wall time over the HTTP allowance
 
 
 @dataclass
@@ -73,31 +71,6 @@ class LiveInstance:
     @property
     def url(self) -> str:
         return self.handle.endpoint
-
-
-@dataclass
-class ShiftOutcome:
-    succeeded: bool
-    reason: str = ""
-    phases_s: dict[str, float] = field(default_factory=dict)
-    migrated: dict[str, int] = field(default_factory=dict)  # method -> requests
-    rehearsal: list[dict[str, Any]] = field(default_factory=list)
-    started: list[str] = field(default_factory=list)  # instance keys
-    stopped: list[str] = field(default_factory=list)
-    # refused before anything changed (the target was not tried: no failure of it)
-    refused: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "succeeded": self.succeeded,
-            "refused": self.refused,
-            "reason": self.reason,
-            "phases_s": {k: round(v, 3) for k, v in self.phases_s.items()},
-            "migrated": dict(self.migrated),
-            "rehearsal": self.rehearsal,
-            "started": self.started,
-            "stopped": self.stopped,
-        }
 
 
 def _print_line(line: str) -> None:
@@ -160,37 +133,23 @@ class Executor:
         """Move from `running` (updated in place) to `target`. `all_or_nothing` False (the
         first plan): instances that start serve even when others could not."""
         out = ShiftOutcome(succeeded=True)
-        target_keys = {instance_key(p): p for p in target}
-        leaving = [i for k, i in running.items() if k not in target_keys]
-        adding = [p for k, p in target_keys.items() if k not in running]
-        leaving_gpus = {g for i in leaving for g in i.planned.gpu_ids}
-        now_adds = [p for p in adding if not set(p.gpu_ids) & leaving_gpus]
-        later_adds = [p for p in adding if set(p.gpu_ids) & leaving_gpus]
-        later_gpus = {g for p in later_adds for g in p.gpu_ids}
-        in_way = [i for i in leaving if set(i.planned.gpu_ids) & later_gpus]
-        rest = [i for i in leaving if not set(i.planned.gpu_ids) & later_gpus]
-        replaced_models = {p.model for p in later_adds}
-        kept_models = {p.model for p in target}  # a model not in it scales to zero
-        without = [i for i in leaving if i.planned.model not in replaced_models]
-        why_not = self._capacity_gap(running, without, now_adds, kept_models)
-        steps = _rolling_steps(running, in_way, now_adds, later_adds)
-        if steps is None:
-            why_not = self._capacity_gap(running, leaving, now_adds, kept_models) or (
-                "no order of in-place replacements keeps every model serving"
-            )
-        if why_not:
-            return ShiftOutcome(False, why_not, refused=True)
-        assert steps is not None
-        for model in sorted({i.planned.model for i in leaving} - kept_models):
+        # a model the target has no instance of scales to zero
+        plan = plan_shift([i.planned for i in running.values()], target, scale_to_zero=True)
+        if plan.refusal:
+            return ShiftOutcome(False, plan.refusal, refused=True)
+        kept_models = {p.model for p in target}
+        for model in sorted({p.model for p in plan.leaving} - kept_models):
             try:  # to zero: its requests from now on wait for a cold start, not a 404
                 await self.gateway.hold(model, self.standby_hold_s)
             except GatewayError as exc:
                 return ShiftOutcome(False, f"{model}: cannot hold it at zero: {exc}", refused=True)
-        started = await self._bring_up(now_adds, running, out, rehearse, all_or_nothing)
+        rest = [running[instance_key(i)] for i in plan.rest]
+        started = await self._bring_up(plan.now_adds, running, out, rehearse, all_or_nothing)
         if not out.succeeded:
             return out
-        for n, (blockers, adds) in enumerate(steps):
-            suffix = "_in_place" if len(steps) == 1 else f"_in_place{n + 1}"
+        for n, (planned_blockers, adds) in enumerate(plan.steps):
+            suffix = "_in_place" if len(plan.steps) == 1 else f"_in_place{n + 1}"
+            blockers = [running[instance_key(b)] for b in planned_blockers]
             held = await self._hold(adds, blockers)
             try:
                 await self._retire(cluster, blockers, running, started, out, suffix)
@@ -202,7 +161,7 @@ class Executor:
                 for model in held:
                     with contextlib.suppress(GatewayError):
                         await self.gateway.hold(model, 0)
-        await self._retire(cluster, rest, running, started, out, "_rest" if later_adds else "")
+        await self._retire(cluster, rest, running, started, out, "_rest" if plan.steps else "")
         return out
 
     async def _hold(
@@ -243,23 +202,6 @@ class Executor:
             out.reason += f"; rollback: {failed.reason or 'not every instance came back'}"
         await self._retire(cluster, list(started), running, back, out, "_rollback")
         out.started = [k for k in out.started if k not in {i.key for i in started}]
-
-    def _capacity_gap(
-        self,
-        running: dict[str, LiveInstance],
-        leaving: Sequence[LiveInstance],
-        now_adds: Sequence[PlannedInstance],
-        kept_models: set[str],
-    ) -> str:
-        gone = {i.key for i in leaving}
-        for model in {i.planned.model for i in leaving} & kept_models:
-            staying = [i for k, i in running.items() if i.planned.model == model and k not in gone]
-            if not staying and not any(p.model == model for p in now_adds):
-                return (
-                    f"{model}: every instance leaves and its replacement needs their GPUs; "
-                    "serving would stop in between"
-                )
-        return ""
 
     async def _bring_up(
         self,
@@ -323,28 +265,16 @@ class Executor:
         out.phases_s["switch" + phase_suffix] = self.clock() - t0
         return started
 
-    def _probe_tokens(self, inst: LiveInstance) -> int:
-        """Tokens the probe asks for: at least 16, and enough that its predicted wall time is
-        `PROBE_MIN_OVERHEADS` times the HTTP allowance (at most `MAX_PROBE_TOKENS`). With a
-        fixed 16 tokens, a sim engine at time scale 0.05 answered in ~30 ms of wall time,
-        less than the 50 ms allowed for HTTP: the measured time was clamped to 0 and every
-        rehearsal passed, whatever the tolerance."""
-        est = inst.planned.estimate
-        if self.time_scale <= 0 or est.tpot_s <= 0:
-            return MIN_PROBE_TOKENS
-        want_s = PROBE_MIN_OVERHEADS * self.probe_overhead_s / self.time_scale  # modelled
-        n = math.ceil((want_s - est.ttft_s) / est.tpot_s) + 1
-        return max(MIN_PROBE_TOKENS, min(MAX_PROBE_TOKENS, n))
-
     async def _rehearse(self, inst: LiveInstance) -> dict[str, Any]:
         """One probe through the engine, its time against the gear table's prediction for
         the probe (TTFT + TPOT per further token, at the gear's full batch: an upper bound
         for a lone probe), with `probe_overhead_s` of wall time allowed for HTTP."""
+        est = inst.planned.estimate
+        num_probe_tokens = probe_tokens(est.ttft_s, est.tpot_s, self.time_scale,
+                                        self.probe_overhead_s)  # fmt: skip
         body = orjson.dumps({"model": inst.planned.model, "prompt": "rehearsal " * 32,
-                             "max_tokens": self._probe_tokens(inst),
-                             "ignore_eos": True})  # fmt: skip
+                             "max_tokens": num_probe_tokens, "ignore_eos": True})  # fmt: skip
         headers = {"content-type": "application/json"}
-        predicted_tpot_s = inst.planned.estimate.tpot_s
         t0 = time.monotonic()
         try:
             resp = await self._probe_pool.request(
@@ -360,7 +290,7 @@ class Executor:
             return {"instance": inst.key, "passed": False, "why": why}
         usage = orjson.loads(data).get("usage") or {}
         num_tokens = max(1, int(usage.get("completion_tokens", 16)))
-        predicted_s = inst.planned.estimate.ttft_s + predicted_tpot_s * (num_tokens - 1)
+        predicted_s = est.ttft_s + est.tpot_s * (num_tokens - 1)
         if self.time_scale <= 0:  # no modelled time passes: nothing to compare
             return {"instance": inst.key, "passed": True, "why": "", "skipped": "time scale 0"}
         measured_s = max(0.0, wall_s - self.probe_overhead_s) / self.time_scale
@@ -412,11 +342,7 @@ class Executor:
         left = [i for i, ok in zip(leaving, drained, strict=True) if ok is not True]
         num_moved += await self._move_off(cluster, left, running, leaving, out)
         await asyncio.gather(*(self._drain(i, 10.0) for i in leaving))  # moved ones leave at once
-        num_finished = sum(in_flight) - num_moved
-        if num_finished > 0:
-            out.migrated["finished_in_place"] = (
-                out.migrated.get("finished_in_place", 0) + num_finished
-            )
+        out.count("finished_in_place", max(0, sum(in_flight) - num_moved))
         out.phases_s["migrate" + phase_suffix] = self.clock() - t0
         t0 = self.clock()
         await self._stop(list(leaving))  # and out of the gateway's pool: gone
@@ -542,7 +468,7 @@ class Executor:
             outcome = str(r.get("outcome"))
             if outcome == "not_running":
                 continue
-            out.migrated[outcome] = out.migrated.get(outcome, 0) + 1
+            out.count(outcome)
             counts, ids = by_source.setdefault(source_of[int(r["id"])], ({}, []))
             counts[outcome] = counts.get(outcome, 0) + 1
             call_id = int(r["id"])  # stream id, and the pause the move was priced at
@@ -613,56 +539,3 @@ def _interval_s(
     batch = max(1, len(reqs))
     context = sum(_context(r) for r in reqs) // batch if reqs else 1
     return perf_model_of(cluster, instance).decode_interval_s(batch, max(1, context))
-
-
-Step = tuple[list[LiveInstance], list[PlannedInstance]]
-
-
-def _rolling_steps(
-    running: dict[str, LiveInstance],
-    in_way: Sequence[LiveInstance],
-    now_adds: Sequence[PlannedInstance],
-    later_adds: Sequence[PlannedInstance],
-) -> list[Step] | None:
-    """The order of in-place replacements: each step retires the leaving instances whose GPUs
-    a group of new instances needs, then starts that group, and is taken only while another
-    instance of each of the group's models serves (one still running, or started before).
-    None when no order keeps every model serving. Pure: plans on sets, changes nothing."""
-    serving = [i.planned for i in running.values()] + list(now_adds)
-    blockers_left = list(in_way)
-    remaining = list(later_adds)
-    steps: list[Step] = []
-
-    def overlaps(a: Sequence[str], b: Sequence[str]) -> bool:
-        return bool(set(a) & set(b))
-
-    while remaining:
-        for first in remaining:
-            adds = [first]
-            blockers: list[LiveInstance] = []
-            grown = True
-            while grown:  # close the group over shared GPUs
-                grown = False
-                for b in blockers_left:
-                    if b not in blockers and any(
-                        overlaps(b.planned.gpu_ids, a.gpu_ids) for a in adds
-                    ):
-                        blockers.append(b)
-                        grown = True
-                for a in remaining:
-                    if a not in adds and any(
-                        overlaps(a.gpu_ids, b.planned.gpu_ids) for b in blockers
-                    ):
-                        adds.append(a)
-                        grown = True
-            gone = {instance_key(b.planned) for b in blockers}
-            staying = [p for p in serving if instance_key(p) not in gone]
-            if all(any(p.model == a.model for p in staying) for a in adds):
-                break
-        else:
-            return None
-        steps.append((blockers, adds))
-        serving = [p for p in serving if instance_key(p) not in gone] + adds
-        blockers_left = [b for b in blockers_left if b not in blockers]
-        remaining = [a for a in remaining if a not in adds]
-    return steps

@@ -4,7 +4,8 @@
   (the gateway's `flexpipe_requests_total`) over the last minute of readings, per modelled
   second (`time_scale`: wall seconds per modelled second of sim engines);
 - `model_state`: the `ModelState` of one model from its demand, the rate measured now, its
-  recent samples and the floor under its minimum.
+  recent samples and the floor under its minimum (a model whose minimum is 0 may be idle at
+  rate 0, and so scale to zero).
 
 The live controller and the simulator both call these, so the policy sees the same signals.
 """
@@ -19,7 +20,7 @@ from flexpipe.policies.planner import ModelDemand
 from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import ModelState
 
-__all__ = ["MAX_SAMPLES_GIVEN", "RATE_WINDOW_S", "RateWindow", "model_state"]
+__all__ = ["MAX_SAMPLES_GIVEN", "RATE_WINDOW_S", "RateWindow", "model_state", "model_states"]
 
 RATE_WINDOW_S = 60.0
 MAX_SAMPLES_GIVEN = 20  # the newest samples handed to the policy (its window is 60 s)
@@ -58,10 +59,27 @@ def model_state(
     """The policy's view of one model: the rate measured now (the configured demand until
     there is a reading), the newest samples, the minimum at least `min_instances_floor`."""
     rate = demand.request_rate_per_s if rate_per_s is None else rate_per_s
+    min_instances = max(min_instances_floor, demand.min_instances)
+    if min_instances > 0:  # planned for some load, however idle
+        rate = max(rate, 1e-3)
     return ModelState(
-        dataclasses.replace(demand, request_rate_per_s=max(rate, 1e-3)),
+        dataclasses.replace(demand, request_rate_per_s=rate),
         tuple(samples[-MAX_SAMPLES_GIVEN:]),
         priority=demand.priority,
-        min_instances=max(min_instances_floor, demand.min_instances),
+        min_instances=min_instances,
         expected_request_rate_per_s=None,
     )
+
+
+def model_states(
+    demands: Sequence[ModelDemand],
+    rates_per_s: Mapping[str, float],
+    samples: Mapping[str, Sequence[Sample]],
+    min_instances_floor: int,
+) -> list[ModelState]:
+    """`model_state` of each demand, from the rates measured (`RateWindow.rates_per_s`) and
+    each model's samples."""
+    return [
+        model_state(d, rates_per_s.get(d.name), samples.get(d.name, ()), min_instances_floor)
+        for d in demands
+    ]

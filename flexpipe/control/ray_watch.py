@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from flexpipe.cluster import Cluster, ClusterError
-from flexpipe.control.resources import ResourceEvent, diff
+from flexpipe.control.poller import Change, changed, check_interval, poll_changes, report_once
 
 __all__ = ["RayWatch"]
 
@@ -48,10 +48,8 @@ class RayWatch:
     ) -> None:
         """`read`: one inventory read (`lambda: read_ray_cluster(address, overlay)`); the
         first must succeed."""
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s:g}")
         self._read = read
-        self.interval_s = interval_s
+        self.interval_s = check_interval(interval_s)
         self._sleep = sleep
         self._clock = clock
         self._report = report
@@ -60,16 +58,14 @@ class RayWatch:
         self.cluster: Cluster = read()
         self._pending: Cluster | None = None  # a usage change seen once, not yet counted
 
-    def poll(self, now_s: float) -> tuple[Cluster, list[ResourceEvent]] | None:
+    def poll(self, now_s: float) -> Change | None:
         """Read once; the new cluster and its events when it changed, else None."""
         self.num_polls += 1
         try:
             new = self._read()
         except (ClusterError, RuntimeError, OSError) as exc:
             line = f"ray inventory: {exc} (keeping the last cluster)"
-            if line != self.error:
-                self.error = line
-                self._report(line)
+            self.error = report_once(self.error, line, self._report)
             return None
         self.error = None
         if new == self.cluster:
@@ -79,14 +75,10 @@ class RayWatch:
             self._pending = new  # only usage changed: count it when the next poll agrees
             return None
         self._pending = None
-        events = diff(self.cluster, new, now_s)
+        change = changed(self.cluster, new, now_s)
         self.cluster = new
-        return new, events
+        return change
 
-    async def changes(self) -> AsyncIterator[tuple[Cluster, list[ResourceEvent]]]:
-        """Poll forever; yield each change (cancel the consuming task to stop)."""
-        while True:
-            await self._sleep(self.interval_s)
-            change = await asyncio.to_thread(self.poll, self._clock())
-            if change is not None:
-                yield change
+    def changes(self) -> AsyncIterator[Change]:
+        """`poll` every `interval_s`; each change (cancel the consuming task to stop)."""
+        return poll_changes(self.poll, self.interval_s, self._sleep, self._clock)

@@ -10,14 +10,16 @@ shift out in this order, make-before-break:
    only while another instance of each of the group's models serves;
 3. `rest`: the leaving instances nobody needs the GPUs of retire last.
 
-`refusal` is non-empty when no order keeps every model serving (the shift is refused).
-Instances are matched by `instance_key` (model, gear, GPUs per stage).
+`refusal` is non-empty when no order keeps every model serving (the shift is refused). With
+`scale_to_zero`, a model the target has no instance of leaves on purpose (the live gateway holds
+its requests for a cold start), not a gap. Instances are matched by `instance_key` (model, gear,
+GPUs per stage).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from flexpipe.policies.planner import PlannedInstance
@@ -63,10 +65,12 @@ def capacity_gap(
     running: Sequence[PlannedInstance],
     leaving: Sequence[PlannedInstance],
     now_adds: Sequence[PlannedInstance],
+    to_zero: Collection[str] = (),
 ) -> str:
-    """Why retiring `leaving` would leave a model with no instance serving ("" if none)."""
+    """Why retiring `leaving` would leave a model with no instance serving ("" if none);
+    models in `to_zero` scale to zero on purpose."""
     gone = {instance_key(i) for i in leaving}
-    for model in sorted({i.model for i in leaving}):
+    for model in sorted({i.model for i in leaving} - set(to_zero)):
         staying = [i for i in running if i.model == model and instance_key(i) not in gone]
         if not staying and not any(p.model == model for p in now_adds):
             return (
@@ -116,7 +120,12 @@ def rolling_steps(
     return steps
 
 
-def plan_shift(running: Sequence[PlannedInstance], target: Sequence[PlannedInstance]) -> ShiftSteps:
+def plan_shift(
+    running: Sequence[PlannedInstance],
+    target: Sequence[PlannedInstance],
+    *,
+    scale_to_zero: bool = False,
+) -> ShiftSteps:
     """The steps from `running` to `target` (module docstring)."""
     target_keys = {instance_key(p): p for p in target}
     running_keys = {instance_key(i) for i in running}
@@ -129,11 +138,12 @@ def plan_shift(running: Sequence[PlannedInstance], target: Sequence[PlannedInsta
     in_way = [i for i in leaving if set(i.gpu_ids) & later_gpus]
     rest = [i for i in leaving if not set(i.gpu_ids) & later_gpus]
     replaced_models = {p.model for p in later_adds}
+    to_zero = {i.model for i in leaving} - {p.model for p in target} if scale_to_zero else set()
     without = [i for i in leaving if i.model not in replaced_models]
-    why_not = capacity_gap(running, without, now_adds)
+    why_not = capacity_gap(running, without, now_adds, to_zero)
     steps = rolling_steps([*running, *now_adds], in_way, later_adds)
     if steps is None:
-        why_not = capacity_gap(running, leaving, now_adds) or (
+        why_not = capacity_gap(running, leaving, now_adds, to_zero) or (
             "no order of in-place replacements keeps every model serving"
         )
     return ShiftSteps(tuple(now_adds), tuple(steps or ()), tuple(rest), why_not)
@@ -142,7 +152,9 @@ def plan_shift(running: Sequence[PlannedInstance], target: Sequence[PlannedInsta
 def probe_tokens(ttft_s: float, tpot_s: float, time_scale: float, overhead_s: float) -> int:
     """Tokens a rehearsal probe asks for: at least 16, and enough that its predicted time
     (`ttft_s` + `tpot_s` per further token, in modelled seconds) is `PROBE_MIN_OVERHEADS`
-    times the HTTP allowance `overhead_s` of wall time at `time_scale` (at most 256)."""
+    times the HTTP allowance `overhead_s` of wall time at `time_scale` (at most 256). With a
+    fixed 16 tokens, a sim engine at time scale 0.05 answered in ~30 ms of wall time, less than
+    a 50 ms allowance: the measured time was clamped to 0 and every rehearsal passed."""
     if time_scale <= 0 or tpot_s <= 0:
         return MIN_PROBE_TOKENS
     want_s = PROBE_MIN_OVERHEADS * overhead_s / time_scale  # modelled

@@ -1,4 +1,4 @@
-"""Instances in the store, one lifecycle each (flexpipe/control/lifecycle.py), so that a
+"""Instances in the store, one lifecycle each (flexpipe/lifecycle.py), so that a
 controller that crashed can adopt the engines still running.
 
 The controller registers an instance *before* it launches the engine (so nothing runs that the

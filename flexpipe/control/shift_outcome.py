@@ -1,0 +1,39 @@
+"""What carrying out one shift did (plain data): what the shift log records, from the live
+executor (`control/executor.py`) and the simulator (`sim/shift_run.py`) alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ShiftOutcome"]
+
+
+@dataclass
+class ShiftOutcome:
+    succeeded: bool = True
+    reason: str = ""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    migrated: dict[str, int] = field(default_factory=dict)  # method -> requests
+    rehearsal: list[dict[str, Any]] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)  # instance keys
+    stopped: list[str] = field(default_factory=list)
+    # refused before anything changed (the target was not tried: no failure of it)
+    refused: bool = False
+
+    def count(self, method: str, n: int = 1) -> None:
+        """`n` more requests that left their instance by `method` (none recorded for 0)."""
+        if n:
+            self.migrated[method] = self.migrated.get(method, 0) + n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "succeeded": self.succeeded,
+            "refused": self.refused,
+            "reason": self.reason,
+            "phases_s": {k: round(v, 3) for k, v in self.phases_s.items()},
+            "migrated": dict(self.migrated),
+            "rehearsal": self.rehearsal,
+            "started": self.started,
+            "stopped": self.stopped,
+        }
