@@ -537,7 +537,7 @@ def test_sim_engines_schedule_as_the_launcher_starts_them() -> None:
     (a moved request's priority -1 admits it ahead of the queue only under "priority")."""
     from flexpipe.engine.args import parse_engine_args
     from flexpipe.launch.base import EngineSpec
-    from flexpipe.launch.local import vllm_flags
+    from flexpipe.launch.command import vllm_flags
 
     launched = parse_engine_args(vllm_flags(EngineSpec("llama-2-7b"), "127.0.0.1", 8000))
     dep = Deployment("a", "m", "llama-2-7b", Gear(max_num_seqs=4), (("gpu2",),))

@@ -34,6 +34,12 @@ import orjson
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.move_inputs import (
+    context_tokens,
+    decode_interval_s,
+    destination_of,
+    tokens_left,
+)
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.control.shift_plan import plan_shift, probe_tokens
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
@@ -45,7 +51,6 @@ from flexpipe.policies.shift.migration import (
     PlannedMove,
     link_between,
     outlives,
-    perf_model_of,
     plan_moves,
 )
 from flexpipe.policies.shift.snapshot import instance_key
@@ -398,11 +403,11 @@ class Executor:
                 if src.planned.model != model:
                     continue
                 if outliving_s is not None:
-                    interval_s = _interval_s(cluster, src.planned, src_reqs)
+                    interval_s = decode_interval_s(cluster, src.planned, src_reqs)
                     src_reqs = [r for r in src_reqs
-                                if outlives(_tokens_left(r), interval_s, outliving_s)]  # fmt: skip
+                                if outlives(tokens_left(r), interval_s, outliving_s)]  # fmt: skip
                 for r in src_reqs:
-                    reqs.append(MoveRequest(int(r["id"]), _context(r), src.url))
+                    reqs.append(MoveRequest(int(r["id"]), context_tokens(r), src.url))
                     from_url[int(r["id"])] = src
                     stream_ids[int(r["id"])] = r.get("request_id")
             targets = [
@@ -493,18 +498,8 @@ class Executor:
         """`target` as a move destination: its slots, the time left of what it serves and
         the link from each source."""
         reqs = await self._requests_on(target)
-        interval_s = _interval_s(cluster, target.planned, reqs)
-        slots = target.planned.gear.max_num_seqs
-        decoding = sum(1 for r in reqs if int(r["num_output_tokens"]) > 0)
-        fresh = [int(r["num_prompt_tokens"]) for r in reqs if int(r["num_output_tokens"]) == 0]
-        return Destination(
-            target.url,
-            perf_model_of(cluster, target.planned),
-            {s.url: link_between(cluster, s.planned, target.planned) for s in sources},
-            slots,
-            tuple(_tokens_left(r) * interval_s for r in reqs),
-            sum(fresh[: max(0, slots - decoding)]),  # in its slots: the rest waits behind
-        )
+        sources_of = [(src.url, src.planned) for src in sources]
+        return destination_of(cluster, sources_of, target.url, target.planned, reqs)
 
     async def _tell(self, inst: LiveInstance, state: str) -> None:
         """The gateway's pool follows the instance's lifecycle (a gateway that lost it, or is
@@ -520,22 +515,3 @@ class Executor:
             with contextlib.suppress(GatewayError):  # out of the pool (if it is there)
                 await self.gateway.remove(inst.url)
             self._set(inst, "gone")
-
-
-def _context(req: dict[str, Any]) -> int:
-    """A gateway request's context: prompt + tokens sent so far."""
-    return int(req["num_prompt_tokens"]) + int(req["num_output_tokens"])
-
-
-def _tokens_left(req: dict[str, Any]) -> int:
-    return max(0, int(req.get("max_tokens") or 0) - int(req["num_output_tokens"]))
-
-
-def _interval_s(
-    cluster: Cluster, instance: PlannedInstance, reqs: Sequence[dict[str, Any]]
-) -> float:
-    """Modelled time between two tokens of a request on `instance` at its current batch and
-    mean context (the performance model's)."""
-    batch = max(1, len(reqs))
-    context = sum(_context(r) for r in reqs) // batch if reqs else 1
-    return perf_model_of(cluster, instance).decode_interval_s(batch, max(1, context))

@@ -24,7 +24,7 @@ from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.controller import finished_record
-from flexpipe.control.observe import RateWindow, model_state
+from flexpipe.control.observe import RateWindow, model_states
 from flexpipe.control.resources import ResourceEvent, Resources
 from flexpipe.control.samples import Sampler
 from flexpipe.gateway.metrics import GatewayMetrics
@@ -159,15 +159,12 @@ class SimController:
         snapshot = ShiftSnapshot.of(
             self.cluster,
             [r.planned for r in self.running.values()],
-            [
-                model_state(
-                    d,
-                    self._rates.rates_per_s.get(d.name),
-                    self.samples[d.name],
-                    self.params.min_instances_floor,
-                )
-                for d in self.demands
-            ],
+            model_states(
+                self.demands,
+                self._rates.rates_per_s,
+                self.samples,
+                self.params.min_instances_floor,
+            ),
             self.history,
             self.resources_changed_s,
         )

@@ -32,13 +32,18 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.executor import ShiftOutcome, _context, _interval_s, _tokens_left
+from flexpipe.control.move_inputs import (
+    context_tokens,
+    decode_interval_s,
+    destination_of,
+    tokens_left,
+)
+from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.control.shift_plan import plan_shift, probe_tokens
 from flexpipe.engine.request import EngineRequest, SamplingParams
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import (
-    Destination,
     MoveRequest,
     PlannedMove,
     link_between,
@@ -52,7 +57,7 @@ from flexpipe.sim.loop import CONTROL, EventLoop
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.stretch import SIM_GEN_IDS
 
-__all__ = ["DrainWait", "ShiftOutcome", "ShiftRun", "World", "destination_of", "rehearse"]
+__all__ = ["DrainWait", "ShiftOutcome", "ShiftRun", "World", "rehearse"]
 
 PROBE_PROMPT_TOKENS = 64  # "rehearsal " * 32, as the executor sends it
 PROBE_OVERHEAD_S = 0.05  # the executor's HTTP allowance (no HTTP here: time scale 1)
@@ -91,38 +96,10 @@ class DrainWait:
     deadline_s: float
 
 
-def _count(out: ShiftOutcome, method: str, n: int = 1) -> None:
-    if n:
-        out.migrated[method] = out.migrated.get(method, 0) + n
-
-
 def _as_gateway(req: SimRequest, num_prompt: int, num_out: int) -> dict[str, Any]:
     """`req` as the gateway's `GET /admin/requests` lists it (what the executor reads)."""
     return {"id": req.request_id, "num_prompt_tokens": num_prompt,
             "num_output_tokens": num_out, "max_tokens": req.num_output_tokens}  # fmt: skip
-
-
-def destination_of(
-    cluster: Cluster,
-    sources: Sequence[tuple[str, PlannedInstance]],
-    name: str,
-    target: PlannedInstance,
-    reqs: Sequence[dict[str, Any]],
-) -> Destination:
-    """`Executor._destination` on the requests `target` serves (gateway records): its slots,
-    the time left of each and the link from each source (url, planned)."""
-    interval_s = _interval_s(cluster, target, reqs)
-    slots = target.gear.max_num_seqs
-    decoding = sum(1 for r in reqs if int(r["num_output_tokens"]) > 0)
-    fresh = [int(r["num_prompt_tokens"]) for r in reqs if int(r["num_output_tokens"]) == 0]
-    return Destination(
-        name,
-        perf_model_of(cluster, target),
-        {url: link_between(cluster, p, target) for url, p in sources},
-        slots,
-        tuple(_tokens_left(r) * interval_s for r in reqs),
-        sum(fresh[: max(0, slots - decoding)]),
-    )
 
 
 Move = tuple[PlannedMove, Any, Any, SimRequest]  # (planned, source, destination, request)
@@ -344,7 +321,7 @@ class ShiftRun:
             end_s = max(end_s, self._carry(wave, world.loop.now_s))
         if end_s > world.loop.now_s:  # the source holds the KV until it is across
             yield end_s - world.loop.now_s
-        _count(self.out, "finished_in_place", max(0, in_flight - self._num_moved))
+        self.out.count("finished_in_place", max(0, in_flight - self._num_moved))
         done_s = world.loop.now_s
         self.out.phases_s["migrate" + suffix] = done_s - now
         for rec in leaving:
@@ -376,11 +353,11 @@ class ShiftRun:
                 mine = [(q, _as_gateway(q, *world.context_tokens(q, src)))
                         for q in world.requests_on(src)]  # fmt: skip
                 if outliving_s is not None:
-                    interval_s = _interval_s(cluster, src.planned, [d for _, d in mine])
+                    interval_s = decode_interval_s(cluster, src.planned, [d for _, d in mine])
                     mine = [(q, d) for q, d in mine
-                            if outlives(_tokens_left(d), interval_s, outliving_s)]  # fmt: skip
+                            if outlives(tokens_left(d), interval_s, outliving_s)]  # fmt: skip
                 for q, d in mine:
-                    reqs.append(MoveRequest(q.request_id, _context(d), src.instance.url))
+                    reqs.append(MoveRequest(q.request_id, context_tokens(d), src.instance.url))
                     where[q.request_id] = (src, q)
             targets = [r for k, r in self.running.items()
                        if r.planned.model == model and r.active and k not in gone]  # fmt: skip
@@ -388,7 +365,7 @@ class ShiftRun:
                 if outliving_s is None:  # the gateway continues them when the engine stops
                     for src, q in where.values():
                         world.move(q, src, None, "recomputed", 0.0, now)
-                        _count(self.out, "recomputed")
+                        self.out.count("recomputed")
                         self._num_moved += 1
                 continue
             destinations = [
@@ -430,7 +407,7 @@ class ShiftRun:
             else:
                 method = "recomputed"
             world.move(req, src, dst, method, delay_s, now)
-            _count(self.out, method)
+            self.out.count(method)
             self._num_moved += 1
             end_s = max(end_s, now + delay_s)
         return end_s

@@ -1,0 +1,61 @@
+"""What a move is planned on, from the gateway's request records (pure).
+
+The executor reads `GET /admin/instances/requests` for each instance a shift drains or moves
+requests to; the simulator builds the same records from its own requests. Both turn them into
+`plan_moves`' inputs here, so that live and simulated moves are planned on the same numbers.
+A record: {"id", "num_prompt_tokens", "num_output_tokens", "max_tokens"}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flexpipe.cluster import Cluster
+from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.migration import Destination, link_between, perf_model_of
+
+__all__ = ["context_tokens", "decode_interval_s", "destination_of", "tokens_left"]
+
+Record = Mapping[str, Any]
+
+
+def context_tokens(req: Record) -> int:
+    """A request's context: prompt + tokens sent so far."""
+    return int(req["num_prompt_tokens"]) + int(req["num_output_tokens"])
+
+
+def tokens_left(req: Record) -> int:
+    return max(0, int(req.get("max_tokens") or 0) - int(req["num_output_tokens"]))
+
+
+def decode_interval_s(cluster: Cluster, instance: PlannedInstance, reqs: Sequence[Record]) -> float:
+    """Modelled time between two tokens of a request on `instance` at its current batch and
+    mean context (the performance model's)."""
+    batch = max(1, len(reqs))
+    context = sum(context_tokens(r) for r in reqs) // batch if reqs else 1
+    return perf_model_of(cluster, instance).decode_interval_s(batch, max(1, context))
+
+
+def destination_of(
+    cluster: Cluster,
+    sources: Sequence[tuple[str, PlannedInstance]],
+    name: str,
+    target: PlannedInstance,
+    reqs: Sequence[Record],
+) -> Destination:
+    """`target` (called `name`) as a move destination, from the requests it serves: its
+    slots, the time left of each, the prompts it admitted and has not prefilled yet (the rest
+    waits behind them), and the link from each source (url, planned)."""
+    interval_s = decode_interval_s(cluster, target, reqs)
+    slots = target.gear.max_num_seqs
+    decoding = sum(1 for r in reqs if int(r["num_output_tokens"]) > 0)
+    fresh = [int(r["num_prompt_tokens"]) for r in reqs if int(r["num_output_tokens"]) == 0]
+    return Destination(
+        name,
+        perf_model_of(cluster, target),
+        {url: link_between(cluster, p, target) for url, p in sources},
+        slots,
+        tuple(tokens_left(r) * interval_s for r in reqs),
+        sum(fresh[: max(0, slots - decoding)]),
+    )
