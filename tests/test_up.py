@@ -4,10 +4,12 @@ drains and stops everything it started."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -179,3 +181,49 @@ def test_engines_die_with_a_killed_up(marker: str, tmp_path: Path) -> None:  # n
             proc.wait()
         for pid in processes_with(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_request_sent_while_the_engines_load_waits_for_them(
+    marker: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """While the first plan's engines load, the gateway holds their model: a request sent
+    then waits for the cold start and is served, instead of a 404."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "flexpipe", "up", "--port", str(port), "--time-scale", "0.2",
+        "--models", str(write_models(tmp_path, marker)),
+    ]  # fmt: skip
+    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0, timeout=120)  # fmt: skip
+        deadline = time.monotonic() + 60
+        listed: list[str] = []
+        while time.monotonic() < deadline and not listed:
+            with contextlib.suppress(openai.APIConnectionError):
+                listed = [m.id for m in client.models.list().data]
+            time.sleep(0.05)
+        assert listed == [marker], "".join(lines)  # held: listed before any engine is ready
+        num_ready_at_send = sum(" ready at " in line for line in lines)
+        t0 = time.monotonic()
+        out = client.completions.create(model=marker, prompt="hello there", max_tokens=5)
+        waited_s = time.monotonic() - t0
+        assert out.usage is not None and out.usage.completion_tokens == 5
+        assert num_ready_at_send == 0, "".join(lines)  # it was sent during the cold start
+        assert waited_s > 1.0  # ~25 modelled s of engine load at time scale 0.2
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    assert proc.returncode == 0, "".join(lines)[-3000:]
+    assert processes_with(marker) == []

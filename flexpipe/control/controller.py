@@ -418,9 +418,18 @@ class Controller:
                   for g in p.gpu_ids}  # fmt: skip
         in_way = [r for r in leftovers if wanted & set(r.gpu_ids)]
         await self._retire_leftovers(in_way)
-        outcome = await self.executor.shift(
-            self.cluster, self.running, first.instances, rehearse=False, all_or_nothing=False
-        )
+        # While the first engines load, the gateway queues their models' requests instead of
+        # answering 404 (a newcomer's first request waits for the cold start, then is served).
+        cold = sorted({p.model for p in first.instances}
+                      - {i.planned.model for i in self.running.values()})  # fmt: skip
+        held = await self._hold_all(cold, self.cfg.standby_hold_s)
+        try:
+            outcome = await self.executor.shift(
+                self.cluster, self.running, first.instances, rehearse=False,
+                all_or_nothing=False,
+            )  # fmt: skip
+        finally:
+            await self._hold_all(held, 0)
         self._sweep_spawned()
         await self._retire_leftovers([r for r in leftovers if r not in in_way])
         self._note("plan", "the first plan", [outcome.reason] if outcome.reason else [],
@@ -430,6 +439,17 @@ class Controller:
         if not self.running:
             raise RuntimeError("no instance started; see the errors above")
         self.say(f"controller: {len(self.running)} instance(s) serving")
+
+    async def _hold_all(self, models: Sequence[str], seconds: float) -> list[str]:
+        """Hold `models` in the gateway for `seconds` (0: release); the models it took."""
+        done = []
+        for model in models:
+            try:
+                await self.gateway.hold(model, seconds)
+                done.append(model)
+            except GatewayError as exc:
+                log.warning("gateway: hold %s: %s", model, exc)
+        return done
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick until `stop` is set."""
