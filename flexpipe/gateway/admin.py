@@ -142,10 +142,7 @@ class AdminApi:
             raise HttpError(400, "`model` must be a non-empty string", param="model")
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
             raise HttpError(400, "`seconds` must be a number >= 0", param="seconds")
-        if seconds > 0:
-            self.gw.holds[model] = self.gw.clock() + min(float(seconds), 3600.0)
-        else:
-            self.gw.holds.pop(model, None)
+        self.gw.holds.hold(model, float(seconds), self.gw.clock())
         return json_response({"model": model, "seconds": seconds})
 
     async def demand(self, req: Request) -> Response:

@@ -28,6 +28,7 @@ import orjson
 from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
+from flexpipe.gateway.holds import Holds
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
@@ -58,7 +59,6 @@ _ADMIN_BODY_BYTES = 1 << 20  # every route but the two that carry prompts
 _DEAD = ("connect", "closed", "protocol")  # the instance failed before a response head
 _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
-MAX_HELD_WAIT_S = 900.0  # the longest a request of a held model waits in the queue
 
 
 class Gateway:
@@ -80,7 +80,7 @@ class Gateway:
         self.queued_by_model: dict[str, int] = {}  # model -> requests in the wait queue
         self._demand_waiters: list[asyncio.Future[None]] = []  # woken when one queues
         # model -> clock time until which queued requests wait (a shift re-launching capacity)
-        self.holds: dict[str, float] = {}
+        self.holds = Holds()
         self.relays: set[PushRelay] = set()  # streams being relayed by push
         self.shutting_down = False  # new requests are refused
         self._grace_over = False  # and, past the grace period, queued ones too
@@ -124,7 +124,7 @@ class Gateway:
     # ---------------------------------------------------------------- plain endpoints
     async def _models(self, req: Request) -> Response:
         del req
-        held = {m for m in self.holds if self.held(m)}  # scaled to zero: still served
+        held = self.holds.models(self.clock())  # scaled to zero: still served
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "flexpipe"}
             for m in sorted(set(self.pool.models()) | held)
@@ -384,9 +384,8 @@ class Gateway:
                 deadline = now + self.cfg.max_queue_wait_s
             # a planned shift takes capacity away for a while (or the model is scaled to
             # zero and an instance cold-starts): wait it out, don't refuse — though never
-            # longer than MAX_HELD_WAIT_S from arrival, however often the hold is renewed
-            held_until = min(self.holds.get(call.model, 0.0), call.t0 + MAX_HELD_WAIT_S)
-            deadline = max(deadline, held_until)
+            # longer than MAX_HELD_WAIT_S (holds.py) from arrival, however often renewed
+            deadline = self.holds.wait_deadline(call.model, deadline, call.t0)
             left = deadline - now
             if left <= 0:
                 self.metrics.rejected.labels("queue_timeout").inc()
@@ -412,7 +411,7 @@ class Gateway:
     def held(self, model: str) -> bool:
         """A hold is on for `model` (POST /admin/models/hold): its requests wait in the queue
         for capacity, even while it has no instance at all (scaled to zero)."""
-        return self.holds.get(model, 0.0) > self.clock()
+        return self.holds.held(model, self.clock())
 
     def _demand_changed(self) -> None:
         waiters, self._demand_waiters = self._demand_waiters, []

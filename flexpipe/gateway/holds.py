@@ -1,0 +1,38 @@
+"""Holds (pure): a model whose requests wait in the queue for capacity instead of being
+refused — while the controller's first engines load, while an in-place shift replaces an
+instance, and while a model scaled to zero cold-starts one (`POST /admin/models/hold`).
+
+The live gateway and the simulator's gateway keep one `Holds` each and ask it the same
+questions with their own clock's `now`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MAX_HELD_WAIT_S", "MAX_HOLD_S", "Holds"]
+
+MAX_HELD_WAIT_S = 900.0  # the longest a request of a held model waits, from its arrival
+MAX_HOLD_S = 3600.0  # the longest one hold lasts (the controller renews what it keeps)
+
+
+class Holds:
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}  # model -> end of its hold
+
+    def hold(self, model: str, seconds: float, now: float) -> None:
+        """Hold `model` for `seconds` from `now` (at most MAX_HOLD_S); 0 ends the hold."""
+        if seconds > 0:
+            self._until[model] = now + min(seconds, MAX_HOLD_S)
+        else:
+            self._until.pop(model, None)
+
+    def held(self, model: str, now: float) -> bool:
+        return self._until.get(model, 0.0) > now
+
+    def models(self, now: float) -> set[str]:
+        """The models held now (listed by /v1/models even with no instance)."""
+        return {m for m, until in self._until.items() if until > now}
+
+    def wait_deadline(self, model: str, deadline: float, arrival_s: float) -> float:
+        """A queued request's deadline: the queue's own, or as long as its model is held,
+        though never more than MAX_HELD_WAIT_S after it arrived (however often renewed)."""
+        return max(deadline, min(self._until.get(model, 0.0), arrival_s + MAX_HELD_WAIT_S))
