@@ -331,7 +331,8 @@ async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> boo
     the destination's prefix cache holds the context's full blocks (a finished request's
     blocks stay cached, evictable), and the real continuation prefills only the few tokens
     generated meanwhile: the client's pause is about one engine step, not one prefill.
-    True when the warm-up finished within `timeout_s`; else the move cuts over unwarmed."""
+    True when the warm-up finished within `timeout_s`; else (or when the destination has no
+    free slot, where the warm-up would only queue) the move cuts over unwarmed."""
     relay = call.relay
     if relay is not None:
         state = sse.summarize(b"".join(relay.sent), call.chat)
@@ -346,8 +347,8 @@ async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> boo
         inst = gw.pool.get(target)
     except PoolError:
         return False
-    if body is None:
-        return False
+    if body is None or (inst.num_slots and inst.num_in_flight >= inst.num_slots):
+        return False  # full: it would only wait there (the move itself goes ahead of its queue)
     for key in ("max_completion_tokens", "max_tokens"):
         if key in body:
             body[key] = 1
