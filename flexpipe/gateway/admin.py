@@ -13,7 +13,9 @@ POST /admin/instances/drain           {"url", "wait_s"?}: with wait_s, answers o
 POST /admin/instances/weight          {"url", "weight"}
 GET  /admin/instances/requests?url=U  the requests U serves now (what a move is priced on)
 POST /admin/requests/move             {"moves": [{"id", "method": "kv"|"recompute",
-                                       "target"?, "bandwidth_bytes_per_s"?, "latency_s"?}]}
+                                       "target"?, "bandwidth_bytes_per_s"?, "latency_s"?,
+                                       "warm_timeout_s"? (recompute: the warm-up's bound)}]}
+                                      answers {"results": [{"id", "outcome", "warmed"}]}
 POST /admin/models/hold               {"model", "seconds"}: for that long, requests of the
                                       model wait in the queue for capacity (a shift that
                                       re-launches it, or one scaled to zero: the model
@@ -175,7 +177,8 @@ class AdminApi:
         # together: each KV move first asks its engine for an export; one at a time, the
         # last request of a batch paused for every export before its own
         outcomes = await asyncio.gather(*(self.gw.move_request(i, m) for i, m in parsed))
-        results = [{"id": i, "outcome": o} for (i, _), o in zip(parsed, outcomes, strict=True)]
+        results = [{"id": i, "outcome": o, "warmed": w}
+                   for (i, _), (o, w) in zip(parsed, outcomes, strict=True)]  # fmt: skip
         return json_response({"results": results})
 
     async def activate(self, req: Request) -> Response:
@@ -238,7 +241,7 @@ def _parse_move(m: Any, i: int) -> tuple[int, Move]:
     if target is not None and not isinstance(target, str):
         raise HttpError(400, f"{where}.target: must be a URL", param=f"{where}.target")
     numbers = {}
-    for name in ("bandwidth_bytes_per_s", "latency_s"):
+    for name in ("bandwidth_bytes_per_s", "latency_s", "warm_timeout_s"):
         v = m.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
             raise HttpError(400, f"{where}.{name}: must be a number >= 0", param=f"{where}.{name}")
@@ -248,4 +251,5 @@ def _parse_move(m: Any, i: int) -> tuple[int, Move]:
         target.rstrip("/") if target else None,
         numbers["bandwidth_bytes_per_s"],
         numbers["latency_s"] or 0.0,
+        numbers["warm_timeout_s"],
     )

@@ -26,6 +26,10 @@ class Move:
     target: str | None = None
     bandwidth_bytes_per_s: float | None = None  # the link between the two instances (kv)
     latency_s: float = 0.0
+    # recompute: how long the destination may take to pre-fill its prefix cache with the
+    # context before the stream is cut over (`relay.warm_up`); None: the gateway's default,
+    # 0: no warm-up (cut over at once)
+    warm_timeout_s: float | None = None
 
 
 @dataclass(slots=True, eq=False)

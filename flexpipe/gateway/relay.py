@@ -19,7 +19,7 @@ import orjson
 
 from flexpipe.gateway import sse
 from flexpipe.gateway.call import Call, Move
-from flexpipe.gateway.pool import Instance
+from flexpipe.gateway.pool import Instance, PoolError
 from flexpipe.http.client import UpstreamError, UpstreamResponse
 from flexpipe.http.server import ChunkWriter, HttpError
 
@@ -33,6 +33,9 @@ log = logging.getLogger("flexpipe.gateway")
 # waited once, and the pause it sees is what a shift costs the client.
 MOVE_PRIORITY = -1
 _NO_PRIORITY = "Priority scheduling is not enabled"
+# How long a recompute move waits, by default, for its warm-up (`warm_up`) before cutting
+# over anyway: a few prefills of a long context (the controller may give its own bound).
+WARM_TIMEOUT_S = 2.0
 
 
 class PushRelay:
@@ -318,6 +321,77 @@ def move_relayed(call: Call, move: Move) -> str:
     call.relayed = None
     resp.release()  # the pump's next read fails: a move, not a failure (call.move is set)
     return move.method
+
+
+async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> bool:
+    """Pre-copy for a recompute move (as a live VM migration pre-copies memory): send the
+    destination the continuation the move will send (the prompt and the text generated so
+    far, through the same body builder, so the same tokens), for one token, not streamed,
+    ahead of its queue, while the stream keeps generating on the source. When it returns,
+    the destination's prefix cache holds the context's full blocks (a finished request's
+    blocks stay cached, evictable), and the real continuation prefills only the few tokens
+    generated meanwhile: the client's pause is about one engine step, not one prefill.
+    True when the warm-up finished within `timeout_s`; else (or when the destination has no
+    free slot, where the warm-up would only queue) the move cuts over unwarmed."""
+    relay = call.relay
+    if relay is not None:
+        state = sse.summarize(b"".join(relay.sent), call.chat)
+    elif call.stream_state is not None:
+        state = call.stream_state
+    else:
+        return False
+    if state.finished or timeout_s <= 0:
+        return False
+    body = sse.continuation_body(call.body, state, call.chat, gw.cfg.default_expected_output_tokens)
+    try:
+        inst = gw.pool.get(target)
+    except PoolError:
+        return False
+    if body is None or (inst.num_slots and inst.num_in_flight >= inst.num_slots):
+        return False  # full: it would only wait there (the move itself goes ahead of its queue)
+    for key in ("max_completion_tokens", "max_tokens"):
+        if key in body:
+            body[key] = 1
+    body.setdefault("max_tokens", 1)
+    for key in ("stream_options", "min_tokens", "n", "logprobs", "top_logprobs"):
+        body.pop(key, None)
+    body["stream"] = False
+    body["priority"] = MOVE_PRIORITY
+    headers = {"content-type": "application/json"}
+    if inst.api_key:
+        headers["authorization"] = f"Bearer {inst.api_key}"
+    t0 = gw.clock()
+    try:
+        ok = await asyncio.wait_for(
+            _send_warm_up(gw, inst.url, call.path, body, headers), timeout_s
+        )
+    except TimeoutError:
+        ok = False
+    took_s = gw.clock() - t0
+    log.info("warm-up of a move to %s: %s in %.3f s", inst.url, "done" if ok else "failed", took_s)
+    return ok
+
+
+async def _send_warm_up(
+    gw: Gateway, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> bool:
+    while True:
+        try:
+            resp = await gw.client.request(
+                url, "POST", path, orjson.dumps(body), headers, gw.timeouts
+            )
+        except UpstreamError:
+            return False
+        try:
+            detail = await _safe_read(resp)
+        finally:
+            resp.release()  # cancelled at the bound: aborts the warm-up on the engine
+        if resp.status == 200:
+            return True
+        if resp.status == 400 and _NO_PRIORITY.encode() in detail and "priority" in body:
+            del body["priority"]  # an engine not started with the priority policy
+            continue
+        return False
 
 
 async def migrate(
