@@ -497,7 +497,7 @@ def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # `controller: moved 3 request(s) off http://127.0.0.1:4321 at the deadline (kv 1,
-# recompute 2) in 0.012 s: id1 id2 id3` (flexpipe/control/executor.py)
+# recompute 2; "warmed N": recomputes pre-copied) in 0.012 s: id1 id2 id3` (control/executor.py)
 _MOVED = re.compile(r"controller: moved \d+ request\(s\) off (?P<url>\S+) (?P<when>.+?) "
                     r"\((?P<methods>[^)]*)\)(?: at (?P<at>[\d.]+))? in (?P<took>[\d.]+) s: "
                     r"(?P<ids>.*)$")  # fmt: skip

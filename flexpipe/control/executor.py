@@ -453,6 +453,8 @@ class Executor:
         moves = []
         for m, src, dst in wave:
             move: dict[str, Any] = {"id": m.id, "method": m.choice.method, "target": dst.url}
+            if m.choice.method == "recompute":  # the gateway's pre-copy: bounded, in wall s
+                move["warm_timeout_s"] = max(0.2, 2 * m.choice.pause_s * self.time_scale)
             link = link_between(cluster, src.planned, dst.planned)
             if link is not None:
                 move["bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
@@ -476,6 +478,8 @@ class Executor:
             out.count(outcome)
             counts, ids = by_source.setdefault(source_of[int(r["id"])], ({}, []))
             counts[outcome] = counts.get(outcome, 0) + 1
+            if r.get("warmed"):
+                counts["warmed"] = counts.get("warmed", 0) + 1
             call_id = int(r["id"])  # stream id, and the pause the move was priced at
             ids.append(f"{stream_ids.get(call_id) or '-'}={priced_s[call_id] * 1e3:.0f}ms")
         for url, (counts, ids) in by_source.items():
