@@ -55,6 +55,7 @@ from flexpipe.control.samples import Sampler
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.control.targets import SD_PATH, http_sd_targets
 from flexpipe.control.ui_api import UiApi
+from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gears.gear import parse_gear
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
@@ -129,7 +130,7 @@ class ControllerConfig:
     min_instances_floor: int = 1
     # How long (wall s) a model with no instance stays held in the gateway: renewed every
     # tick, so it only has to outlast a cold start and a rehearsal.
-    standby_hold_s: float = 600.0
+    standby_hold_s: float = STANDBY_HOLD_S
     shift: ShiftParams = field(default_factory=ShiftParams)
     seed: int = 0
     # GPUs another tenant holds from the start, as if `flexpipe cluster occupy` had taken them

@@ -8,10 +8,13 @@ questions with their own clock's `now`.
 
 from __future__ import annotations
 
-__all__ = ["MAX_HELD_WAIT_S", "MAX_HOLD_S", "Holds"]
+__all__ = ["MAX_HELD_WAIT_S", "MAX_HOLD_S", "STANDBY_HOLD_S", "Holds"]
 
 MAX_HELD_WAIT_S = 900.0  # the longest a request of a held model waits, from its arrival
 MAX_HOLD_S = 3600.0  # the longest one hold lasts (the controller renews what it keeps)
+# What the controller asks for while a model has no instance serving yet (its first engines
+# loading, or scaled to zero): renewed every tick, so it only outlasts a cold start.
+STANDBY_HOLD_S = 600.0
 
 
 class Holds:

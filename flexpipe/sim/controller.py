@@ -27,6 +27,7 @@ from flexpipe.control.controller import finished_record
 from flexpipe.control.observe import RateWindow, model_states
 from flexpipe.control.resources import ResourceEvent, Resources
 from flexpipe.control.samples import Sampler
+from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
@@ -122,7 +123,12 @@ class SimController:
         self.decisions.append({"at_s": now, "action": "shift", "trigger": "plan",
                                "reason": "the first plan", "score": None,
                                "target": [i.name for i in first.instances]})  # fmt: skip
-        self._carry_out(list(first.instances), now, None, rehearse=False, all_or_nothing=False)
+        # as live: the first plan's models are held while their engines load (queued, not 404)
+        held = sorted({p.model for p in first.instances})
+        for model in held:
+            self.world.hold(model, STANDBY_HOLD_S, now)
+        self._carry_out(list(first.instances), now, None, rehearse=False, all_or_nothing=False,
+                        release=held)  # fmt: skip
 
     def _schedule_tick(self, at_s: float) -> None:
         self._tick_version += 1
@@ -200,13 +206,17 @@ class SimController:
         decision: ShiftDecision | None,
         rehearse: bool = True,
         all_or_nothing: bool = True,
+        release: Sequence[str] = (),
     ) -> None:
+        """`release`: models held for this shift, released when it ends."""
         self._shifting = True
         self._shift_started_s = now
         p = self.params
 
         def done(outcome: ShiftOutcome, end: float) -> None:
             self._shifting = False
+            for model in release:
+                self.world.hold(model, 0.0, end)
             if decision is not None:  # refused: no failure of the target (no blacklist)
                 self.history[-1] = finished_record(self.history[-1], outcome, end)
             if outcome.succeeded:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from flexpipe.engine.request import EngineRequest
 from flexpipe.gateway.config import GatewayConfig
+from flexpipe.gateway.holds import Holds
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import apply_engine_metrics
 from flexpipe.gateway.router import NoInstance, Router
@@ -44,6 +45,7 @@ class _Call:
     deadline_s: float = -1.0
     instance: Instance | None = None
     queued: bool = False
+    timeout_s: float = -1.0  # when its queue timeout is scheduled (a hold may extend it)
 
 
 class SimGateway:
@@ -61,6 +63,7 @@ class SimGateway:
         self.num_queued_total = 0
         self._scraping = False
         self.log: list[tuple[float, str, str]] | None = None  # (time, event, detail) if kept
+        self.holds = Holds()  # the admin API's holds (flexpipe.gateway.holds, as live)
 
     def _log(self, now: float, event: str, detail: str) -> None:
         if self.log is not None:
@@ -96,6 +99,13 @@ class SimGateway:
         if state is State.ACTIVE:
             self._wake(now)
 
+    def hold(self, model: str, seconds: float, now: float) -> None:
+        """`POST /admin/models/hold`: `model`'s requests wait for capacity, even with no
+        instance; 0 ends the hold."""
+        self.holds.hold(model, seconds, now)
+        if seconds <= 0:  # what waited only for the hold meets its own deadline again
+            self._wake(now)
+
     def remove_instance(self, url: str) -> None:
         """Out of the pool (the admin API's removal: the pool, then what routing kept)."""
         self.pool.remove(url)
@@ -104,7 +114,7 @@ class SimGateway:
     # --- requests ------------------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> None:
         self._log(now, "arrive", f"{req.request_id} {req.model}")
-        if not self.pool.has_model(req.model):
+        if not self.pool.has_model(req.model) and not self.holds.held(req.model, now):
             self._fail(req, now, f"404: no instance serves model {req.model!r} (yet)")
             return
         prompt = req.prompt_bytes()
@@ -117,11 +127,14 @@ class SimGateway:
         self._route(call, now)
 
     def _route(self, call: _Call, now: float) -> None:
+        model = call.req.model
         try:
-            pick = self.router.pick(call.req.model, call.routing, now)
+            pick = self.router.pick(model, call.routing, now)
         except NoInstance as exc:
-            self._fail(call.req, now, f"503: {exc}")
-            return
+            if not self.holds.held(model, now):
+                self._fail(call.req, now, f"503: {exc}")
+                return
+            pick = None  # held (the first plan loading, scaled to zero, in place): wait
         if pick is None:
             if call.deadline_s < 0:
                 if len(self._waiters) >= self.cfg.max_queue:
@@ -129,10 +142,13 @@ class SimGateway:
                     return
                 call.deadline_s = now + self.cfg.max_queue_wait_s
                 self.num_queued_total += 1
-                self.loop.at(call.deadline_s, ARRIVAL, lambda t: self._timeout(call, t))
-            elif now >= call.deadline_s:
+            deadline = self.holds.wait_deadline(model, call.deadline_s, call.req.arrival_s)
+            if now >= deadline:
                 self._fail(call.req, now, "429: all instances stayed busy")
                 return
+            if call.timeout_s != deadline:
+                call.timeout_s = deadline
+                self.loop.at(deadline, ARRIVAL, lambda t: self._timeout(call, t))
             call.queued = True
             self._waiters.append(call)
             self._log(now, "queue", str(call.req.request_id))

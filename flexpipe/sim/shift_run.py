@@ -87,6 +87,8 @@ class World(Protocol):
 
     def release(self, rec: Any, now: float) -> None: ...
 
+    def hold(self, model: str, seconds: float, now: float) -> None: ...  # the admin API's
+
     def context_tokens(self, req: SimRequest, rec: Any) -> tuple[int, int]: ...
 
 

@@ -278,6 +278,9 @@ class _Run:
             rec.active = state is State.ACTIVE
             self.gateway.set_state(url, state, now)
 
+    def hold(self, model: str, seconds: float, now: float) -> None:
+        self.gateway.hold(model, seconds, now)
+
     def stop_routing(self, rec: InstanceRecord, now: float) -> list[SimRequest]:
         rec.stopped_s = now
         rec.active = False
