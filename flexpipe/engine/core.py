@@ -93,7 +93,7 @@ class EngineCore:
         itl = events.itl_s
         done = Status.FINISHED
         for req in out:
-            if len(req.token_ids) - len(req.prompt_token_ids) == 1:
+            if len(req.token_ids) - req._num_prompt == 1:
                 req.first_token_s = now
                 first.append(req)
             else:

@@ -146,8 +146,14 @@ class Scheduler:
         chunked = cfg.enable_chunked_prefill
         allocate = bm.allocate
         bs = bm.block_size
+        append = scheduled.append
+        # the batch shape, summed as requests are scheduled (see `_batch_shape`)
+        num_decode = 0
+        decode_context = 0
+        reshape = False  # (priority) a scheduled request was preempted: sum again at the end
+        num_running = len(running)
         i = 0
-        while i < len(running) and budget > 0:
+        while i < num_running and budget > 0:
             req = running[i]
             before = req.num_computed_tokens
             num_new = len(req.token_ids) - before
@@ -170,12 +176,14 @@ class Scheduler:
                 ok = True
                 while not allocate(kv, total):
                     victim, pos = self._pop_victim()
+                    num_running -= 1
                     if pos < i:  # (priority) already looked at in this step: undo its share
                         i -= 1
                         for n, (r, num, _) in enumerate(scheduled):
                             if r is victim:
                                 del scheduled[n]
                                 budget += num
+                                reshape = True
                                 break
                     self._preempt(victim)
                     plan.preempted.append(victim)
@@ -184,10 +192,14 @@ class Scheduler:
                         break
                 if not ok:
                     break
-            scheduled.append((req, num_new, before))
+            append((req, num_new, before))
             budget -= num_new
+            if num_new == 1 and before >= req._num_prompt:
+                num_decode += 1
+                decode_context += total
             i += 1
 
+        num_ran = len(scheduled)
         if not plan.preempted:
             self._admit(plan, budget)
         if not scheduled and not running and self.waiting:
@@ -202,7 +214,10 @@ class Scheduler:
                     f"{bm.num_blocks * bm.block_size}"
                 )
                 plan.rejected.append(head)
-        plan.batch = _batch_shape(scheduled)
+        if reshape or num_decode != num_ran:
+            plan.batch = _batch_shape(scheduled)  # prefill chunks (or an undone share) in it
+        else:  # decodes only, then the admitted requests' first chunks
+            plan.batch = _batch_shape(scheduled, num_ran, num_decode, decode_context)
         return plan
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
@@ -256,10 +271,19 @@ class Scheduler:
             if caching and computed >= (kv.num_cached_blocks + 1) * bs:
                 bm.cache_full_blocks(kv, computed)
             token_ids = req.token_ids
-            if computed < len(token_ids):
-                continue  # a prefill chunk: nothing sampled yet
-            req.sample()
             num_tokens = len(token_ids)
+            if computed < num_tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            plain = req._plain_token
+            n_out = num_tokens - req._num_prompt + 1  # (`sample`'s count, this token included)
+            if plain >= 0 and n_out < req._natural_len:
+                # `req.sample()` of a one-token vocabulary before its natural end, inline
+                token_ids.append(plain)
+                if n_out >= req.max_output_tokens and req.finish_reason is None:
+                    req.finish_reason = "length"
+            else:
+                req.sample()
+            num_tokens += 1
             if caching and num_tokens % bs == 0:
                 bm.update_hashes(kv, token_ids)
             if num_tokens >= max_model_len and req.finish_reason is None:
@@ -280,14 +304,20 @@ def _undo_query(bm: BlockManager, num_tokens: int, num_hit_blocks: int) -> None:
     bm.stats.num_hit_tokens -= num_hit_blocks * bm.block_size
 
 
-def _batch_shape(scheduled: list[tuple[EngineRequest, int, int]]) -> BatchShape:
+def _batch_shape(
+    scheduled: list[tuple[EngineRequest, int, int]],
+    start: int = 0,
+    num_decode: int = 0,
+    decode_context: int = 0,
+) -> BatchShape:
+    """The shape of `scheduled[start:]` plus `num_decode` decodes of `decode_context` tokens
+    already counted (`schedule` counts the running decodes as it schedules them)."""
     num_prefill_tokens = 0
     prefill_attention = 0.0
     num_prefill_seqs = 0
-    num_decode = 0
-    decode_context = 0
-    for req, n, before in scheduled:
-        if n == 1 and before >= len(req.prompt_token_ids):
+    for n_i in range(start, len(scheduled)):
+        req, n, before = scheduled[n_i]
+        if n == 1 and before >= req._num_prompt:
             num_decode += 1
             decode_context += before + 1
         else:
