@@ -58,6 +58,18 @@ class StepPlan:
         return not self.scheduled
 
 
+@dataclass(slots=True)
+class TokenStamps:
+    """Where `finish_step` stamps the step's tokens at `now_s` when given one (the engine
+    core's `StepEvents` lists, filled in the same pass over the batch): `first_token_s` or
+    an inter-token gap, `last_token_s`, and `finished_s` of the requests that finished."""
+
+    now_s: float
+    first_token: list[EngineRequest] = field(default_factory=list)
+    finished: list[EngineRequest] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -251,9 +263,10 @@ class Scheduler:
             plan.scheduled.append((req, num_new, num_computed))
             budget -= num_new
 
-    def finish_step(self, plan: StepPlan) -> list[EngineRequest]:
+    def finish_step(self, plan: StepPlan, stamps: TokenStamps | None = None) -> list[EngineRequest]:
         """Apply a step the GPU has finished. Returns the requests that got a new token
-        (finished ones included, with finish_reason set and blocks freed)."""
+        (finished ones included, with finish_reason set and blocks freed); with `stamps`,
+        also stamps their token times (see `TokenStamps`)."""
         bm = self.bm
         bs = bm.block_size
         caching = bm.enable_caching
@@ -288,10 +301,21 @@ class Scheduler:
                 bm.update_hashes(kv, token_ids)
             if num_tokens >= max_model_len and req.finish_reason is None:
                 req.finish_reason = "length"
+            if stamps is not None:
+                now = stamps.now_s
+                if num_tokens - req._num_prompt == 1:
+                    req.first_token_s = now
+                    stamps.first_token.append(req)
+                else:
+                    stamps.itl_s.append(now - req.last_token_s)
+                req.last_token_s = now
             if req.finish_reason is not None:
                 req.status = Status.FINISHED
                 bm.free(kv)
                 any_finished = True
+                if stamps is not None:
+                    req.finished_s = stamps.now_s
+                    stamps.finished.append(req)
             out.append(req)
         if any_finished:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
