@@ -273,7 +273,15 @@ class Scheduler:
         max_model_len = self.config.max_model_len
         running_status = Status.RUNNING
         out: list[EngineRequest] = []
+        out_append = out.append
         any_finished = False
+        stamping = stamps is not None
+        if stamps is None:
+            stamps = TokenStamps(0.0)  # (not filled: only the caller's are)
+        now = stamps.now_s
+        first_append = stamps.first_token.append
+        itl_append = stamps.itl_s.append
+        finished_append = stamps.finished.append
         for req, num_new, before in plan.scheduled:
             if req.status is not running_status or req.num_computed_tokens != before:
                 continue  # aborted or preempted since the plan
@@ -301,22 +309,21 @@ class Scheduler:
                 bm.update_hashes(kv, token_ids)
             if num_tokens >= max_model_len and req.finish_reason is None:
                 req.finish_reason = "length"
-            if stamps is not None:
-                now = stamps.now_s
-                if num_tokens - req._num_prompt == 1:
+            if stamping:
+                if n_out == 1:  # (this token is the first)
                     req.first_token_s = now
-                    stamps.first_token.append(req)
+                    first_append(req)
                 else:
-                    stamps.itl_s.append(now - req.last_token_s)
+                    itl_append(now - req.last_token_s)
                 req.last_token_s = now
             if req.finish_reason is not None:
                 req.status = Status.FINISHED
                 bm.free(kv)
                 any_finished = True
-                if stamps is not None:
-                    req.finished_s = stamps.now_s
-                    stamps.finished.append(req)
-            out.append(req)
+                if stamping:
+                    req.finished_s = now
+                    finished_append(req)
+            out_append(req)
         if any_finished:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return out
