@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flexpipe.engine.request import EngineRequest, Status
-from flexpipe.engine.scheduler import Scheduler, StepPlan
+from flexpipe.engine.scheduler import Scheduler, StepPlan, TokenStamps
 from flexpipe.perf import BatchShape
 
 
@@ -86,23 +86,9 @@ class EngineCore:
         """Apply `plan` as finished at `now`: computed tokens advance, requests that caught up
         get a token (stamped `now`), finished ones free their blocks. Requests aborted or
         preempted since the plan get nothing."""
-        out = self.scheduler.finish_step(plan)
-        events = StepEvents(now, plan, out)
-        first = events.first_token
-        finished = events.finished
-        itl = events.itl_s
-        done = Status.FINISHED
-        for req in out:
-            if len(req.token_ids) - len(req.prompt_token_ids) == 1:
-                req.first_token_s = now
-                first.append(req)
-            else:
-                itl.append(now - req.last_token_s)
-            req.last_token_s = now
-            if req.status is done:
-                req.finished_s = now
-                finished.append(req)
-        return events
+        stamps = TokenStamps(now)
+        out = self.scheduler.finish_step(plan, stamps)
+        return StepEvents(now, plan, out, stamps.first_token, stamps.finished, stamps.itl_s)
 
 
 __all__ = ["EngineCore", "StepEvents"]

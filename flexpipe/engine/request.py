@@ -86,6 +86,9 @@ class EngineRequest:
     _text_tail: str = ""
     _num_prompt: int = 0  # len(prompt_token_ids), read once per step by `sample`
     _fixed_token: int = -1  # the token of a one-token vocabulary (nothing to draw), else -1
+    # `_fixed_token` when sampling it can only end the request by length (not EOS, not a stop
+    # token, no stop strings): the scheduler then appends it inline (see `sample`), else -1
+    _plain_token: int = -1
     # timing: set by EngineCore from the `now` it is given (a wall clock or a virtual one)
     scheduled_s: float = 0.0  # first admitted (queue time ends)
     first_token_s: float = 0.0
@@ -100,6 +103,14 @@ class EngineRequest:
             self.token_ids = list(self.prompt_token_ids)
         self._num_prompt = len(self.prompt_token_ids)
         self._fixed_token = self.gen_ids[0] if len(self.gen_ids) == 1 else -1
+        params = self.params
+        if (
+            self._fixed_token >= 0
+            and self._fixed_token != EOS_ID
+            and self._fixed_token not in params.stop_token_ids
+            and not (params.stop and self.fragments is not None)
+        ):
+            self._plain_token = self._fixed_token
         if self.params.max_tokens is None and not self.params.ignore_eos:
             lo, hi = NATURAL_LEN_RANGE
             self._natural_len = max(self._new_rng().randint(lo, hi), self.params.min_tokens)

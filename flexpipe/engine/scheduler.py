@@ -58,6 +58,18 @@ class StepPlan:
         return not self.scheduled
 
 
+@dataclass(slots=True)
+class TokenStamps:
+    """Where `finish_step` stamps the step's tokens at `now_s` when given one (the engine
+    core's `StepEvents` lists, filled in the same pass over the batch): `first_token_s` or
+    an inter-token gap, `last_token_s`, and `finished_s` of the requests that finished."""
+
+    now_s: float
+    first_token: list[EngineRequest] = field(default_factory=list)
+    finished: list[EngineRequest] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -146,8 +158,14 @@ class Scheduler:
         chunked = cfg.enable_chunked_prefill
         allocate = bm.allocate
         bs = bm.block_size
+        append = scheduled.append
+        # the batch shape, summed as requests are scheduled (see `_batch_shape`)
+        num_decode = 0
+        decode_context = 0
+        reshape = False  # (priority) a scheduled request was preempted: sum again at the end
+        num_running = len(running)
         i = 0
-        while i < len(running) and budget > 0:
+        while i < num_running and budget > 0:
             req = running[i]
             before = req.num_computed_tokens
             num_new = len(req.token_ids) - before
@@ -170,12 +188,14 @@ class Scheduler:
                 ok = True
                 while not allocate(kv, total):
                     victim, pos = self._pop_victim()
+                    num_running -= 1
                     if pos < i:  # (priority) already looked at in this step: undo its share
                         i -= 1
                         for n, (r, num, _) in enumerate(scheduled):
                             if r is victim:
                                 del scheduled[n]
                                 budget += num
+                                reshape = True
                                 break
                     self._preempt(victim)
                     plan.preempted.append(victim)
@@ -184,10 +204,14 @@ class Scheduler:
                         break
                 if not ok:
                     break
-            scheduled.append((req, num_new, before))
+            append((req, num_new, before))
             budget -= num_new
+            if num_new == 1 and before >= req._num_prompt:
+                num_decode += 1
+                decode_context += total
             i += 1
 
+        num_ran = len(scheduled)
         if not plan.preempted:
             self._admit(plan, budget)
         if not scheduled and not running and self.waiting:
@@ -202,7 +226,10 @@ class Scheduler:
                     f"{bm.num_blocks * bm.block_size}"
                 )
                 plan.rejected.append(head)
-        plan.batch = _batch_shape(scheduled)
+        if reshape or num_decode != num_ran:
+            plan.batch = _batch_shape(scheduled)  # prefill chunks (or an undone share) in it
+        else:  # decodes only, then the admitted requests' first chunks
+            plan.batch = _batch_shape(scheduled, num_ran, num_decode, decode_context)
         return plan
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
@@ -236,16 +263,25 @@ class Scheduler:
             plan.scheduled.append((req, num_new, num_computed))
             budget -= num_new
 
-    def finish_step(self, plan: StepPlan) -> list[EngineRequest]:
+    def finish_step(self, plan: StepPlan, stamps: TokenStamps | None = None) -> list[EngineRequest]:
         """Apply a step the GPU has finished. Returns the requests that got a new token
-        (finished ones included, with finish_reason set and blocks freed)."""
+        (finished ones included, with finish_reason set and blocks freed); with `stamps`,
+        also stamps their token times (see `TokenStamps`)."""
         bm = self.bm
         bs = bm.block_size
         caching = bm.enable_caching
         max_model_len = self.config.max_model_len
         running_status = Status.RUNNING
         out: list[EngineRequest] = []
+        out_append = out.append
         any_finished = False
+        stamping = stamps is not None
+        if stamps is None:
+            stamps = TokenStamps(0.0)  # (not filled: only the caller's are)
+        now = stamps.now_s
+        first_append = stamps.first_token.append
+        itl_append = stamps.itl_s.append
+        finished_append = stamps.finished.append
         for req, num_new, before in plan.scheduled:
             if req.status is not running_status or req.num_computed_tokens != before:
                 continue  # aborted or preempted since the plan
@@ -256,19 +292,38 @@ class Scheduler:
             if caching and computed >= (kv.num_cached_blocks + 1) * bs:
                 bm.cache_full_blocks(kv, computed)
             token_ids = req.token_ids
-            if computed < len(token_ids):
-                continue  # a prefill chunk: nothing sampled yet
-            req.sample()
             num_tokens = len(token_ids)
+            if computed < num_tokens:
+                continue  # a prefill chunk: nothing sampled yet
+            plain = req._plain_token
+            n_out = num_tokens - req._num_prompt + 1  # (`sample`'s count, this token included)
+            if plain >= 0 and n_out < req._natural_len:
+                # `req.sample()` of a one-token vocabulary before its natural end, inline
+                token_ids.append(plain)
+                if n_out >= req.max_output_tokens and req.finish_reason is None:
+                    req.finish_reason = "length"
+            else:
+                req.sample()
+            num_tokens += 1
             if caching and num_tokens % bs == 0:
                 bm.update_hashes(kv, token_ids)
             if num_tokens >= max_model_len and req.finish_reason is None:
                 req.finish_reason = "length"
+            if stamping:
+                if n_out == 1:  # (this token is the first)
+                    req.first_token_s = now
+                    first_append(req)
+                else:
+                    itl_append(now - req.last_token_s)
+                req.last_token_s = now
             if req.finish_reason is not None:
                 req.status = Status.FINISHED
                 bm.free(kv)
                 any_finished = True
-            out.append(req)
+                if stamping:
+                    req.finished_s = now
+                    finished_append(req)
+            out_append(req)
         if any_finished:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
         return out
@@ -280,14 +335,20 @@ def _undo_query(bm: BlockManager, num_tokens: int, num_hit_blocks: int) -> None:
     bm.stats.num_hit_tokens -= num_hit_blocks * bm.block_size
 
 
-def _batch_shape(scheduled: list[tuple[EngineRequest, int, int]]) -> BatchShape:
+def _batch_shape(
+    scheduled: list[tuple[EngineRequest, int, int]],
+    start: int = 0,
+    num_decode: int = 0,
+    decode_context: int = 0,
+) -> BatchShape:
+    """The shape of `scheduled[start:]` plus `num_decode` decodes of `decode_context` tokens
+    already counted (`schedule` counts the running decodes as it schedules them)."""
     num_prefill_tokens = 0
     prefill_attention = 0.0
     num_prefill_seqs = 0
-    num_decode = 0
-    decode_context = 0
-    for req, n, before in scheduled:
-        if n == 1 and before >= len(req.prompt_token_ids):
+    for n_i in range(start, len(scheduled)):
+        req, n, before = scheduled[n_i]
+        if n == 1 and before >= req._num_prompt:
             num_decode += 1
             decode_context += before + 1
         else:
