@@ -5,6 +5,7 @@ endpoint". gear_bench, `flexpipe up` and the controller all go through it: local
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -93,7 +94,7 @@ class EngineHandle(Protocol):
         ...
 
 
-class HandleBase:
+class HandleBase(abc.ABC):
     """What the EngineHandle implementations share: a name, an endpoint, the seconds the
     engine took to become ready (set by its launcher) and a stop that runs once."""
 
@@ -122,8 +123,9 @@ class HandleBase:
         self._stopped = True
         await self._stop()
 
+    @abc.abstractmethod
     async def _stop(self) -> None:
-        raise NotImplementedError
+        """Stop this kind of engine (called once)."""
 
 
 class Launcher(Protocol):
