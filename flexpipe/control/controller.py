@@ -34,37 +34,24 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from flexpipe.cluster import Cluster
+from flexpipe.control.admin_api import ControllerApi
 from flexpipe.control.adopt import AdoptedEngine, reachable, stop_group
-from flexpipe.control.client import (
-    OCCUPY_PATH,
-    RELEASE_PATH,
-    STATUS_PATH,
-    OccupyRequest,
-    ReleaseRequest,
-    admin_answer,
-    bearer_ok,
-)
 from flexpipe.control.cluster_watch import ClusterWatch
 from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.observe import RateWindow, model_states
-from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
+from flexpipe.control.resources import ResourceEvent, Resources
 from flexpipe.control.samples import Sampler
 from flexpipe.control.shift_outcome import ShiftOutcome
-from flexpipe.control.targets import SD_PATH, http_sd_targets
 from flexpipe.control.ui_api import UiApi
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gears.gear import parse_gear
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
     App,
-    HttpError,
     HttpServer,
-    Request,
-    Response,
-    json_response,
     serve,
 )
 from flexpipe.launch import EngineSpec, Launcher
@@ -725,65 +712,18 @@ class Controller:
     # ------------------------------------------------------------------ admin API
     def _app(self) -> App:
         app = App()
-        app.add_route("POST", OCCUPY_PATH, self._occupy)
-        app.add_route("POST", RELEASE_PATH, self._release)
-        app.add_route("GET", STATUS_PATH, self._status)
-        app.add_route("GET", "/health", self._health)
-        app.add_route("GET", "/metrics", self._metrics)
-        app.add_route("GET", SD_PATH, self._targets)
+        ControllerApi(self).add_routes(app)
         UiApi(self).add_routes(app)  # read-only views for the dashboard
         return app
 
-    def _auth(self, req: Request) -> None:
-        if not bearer_ok(req.headers.get("authorization"), self.cfg.token):
-            raise HttpError(401, "admin API: missing or wrong bearer token")
-
-    def _change(self, call: Callable[[], tuple[Resources, list[ResourceEvent]]],
-                gpus: Sequence[str]) -> Response:  # fmt: skip
-        try:
-            resources, events = call()
-        except UnknownGpuError as exc:
-            raise HttpError(404, str(exc)) from None
-        except ResourceError as exc:
-            raise HttpError(400, str(exc)) from None
+    def change_resources(
+        self, call: Callable[[], tuple[Resources, list[ResourceEvent]]]
+    ) -> list[ResourceEvent]:
+        """An admin occupation or release: the new resources and their events, as if the
+        cluster file had changed (a tick follows at once)."""
+        resources, events = call()
         self._resource_events(resources, events, self.clock())
-        return json_response(admin_answer(gpus, events))
-
-    async def _occupy(self, req: Request) -> Response:
-        self._auth(req)
-        try:
-            body = OccupyRequest.from_json(req.json())
-        except ResourceError as exc:
-            raise HttpError(400, str(exc)) from None
-        now = self.wall()
-        return self._change(
-            lambda: self.resources.occupy(body.gpus, body.owner, body.until_s, now), body.gpus
-        )
-
-    async def _release(self, req: Request) -> Response:
-        self._auth(req)
-        try:
-            body = ReleaseRequest.from_json(req.json())
-        except ResourceError as exc:
-            raise HttpError(400, str(exc)) from None
-        now = self.wall()
-        return self._change(lambda: self.resources.release(body.gpus, now), body.gpus)
-
-    async def _status(self, req: Request) -> Response:
-        self._auth(req)
-        return json_response(self.status())
-
-    async def _targets(self, req: Request) -> Response:
-        self._auth(req)
-        return json_response(http_sd_targets(self.status()["instances"]))
-
-    async def _health(self, req: Request) -> Response:
-        del req
-        return Response(b"")
-
-    async def _metrics(self, req: Request) -> Response:
-        del req
-        return Response(self.metrics.render(), content_type="text/plain; version=0.0.4")
+        return events
 
 
 def finished_record(record: ShiftRecord, outcome: ShiftOutcome, now_s: float) -> ShiftRecord:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flexpipe.cluster import Cluster
+from flexpipe.control.admin_api import authorize
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, LinkSpec
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
 from flexpipe.launch import EngineSpec
@@ -144,7 +145,7 @@ class UiApi:
         app.add_route("GET", SHIFTS_PATH, self.shifts)
 
     async def topology(self, req: Request) -> Response:
-        self.c._auth(req)
+        authorize(req, self.c.cfg.token)
         instances = [
             UiInstance(*_names(i.key, i.planned), i.url, i.state) for i in self.c.running.values()
         ]
@@ -153,7 +154,7 @@ class UiApi:
         )
 
     async def shifts(self, req: Request) -> Response:
-        self.c._auth(req)
+        authorize(req, self.c.cfg.token)
         raw = (req.query_params().get("limit") or ["100"])[0]
         try:
             limit = int(raw)
