@@ -217,12 +217,38 @@ class Executor:
         all_or_nothing: bool = True,
         phase_suffix: str = "",
     ) -> list[LiveInstance]:
+        """Start, rehearse and activate `adds`. Cancelled part-way (the controller stops
+        while engines load), every engine it launched that is not yet in `running` is
+        stopped before the cancellation goes on: nothing is left for PR_SET_PDEATHSIG."""
         if not adds:
             return []
+        starts = [asyncio.ensure_future(self.launcher.start(self.spec_of(p))) for p in adds]
+        launched: list[LiveInstance] = []
+        try:
+            return await self._bring_up_started(
+                adds, starts, launched, running, out, rehearse, all_or_nothing, phase_suffix
+            )
+        except BaseException:
+            ready = [LiveInstance(p, t.result()) for p, t in zip(adds, starts, strict=True)
+                     if t.done() and not t.cancelled() and t.exception() is None]  # fmt: skip
+            urls = {i.url for i in running.values()}
+            orphans = {i.url: i for i in [*launched, *ready] if i.url not in urls}
+            await self._stop(list(orphans.values()))
+            raise
+
+    async def _bring_up_started(
+        self,
+        adds: Sequence[PlannedInstance],
+        starts: Sequence[asyncio.Future[EngineHandle]],
+        launched: list[LiveInstance],
+        running: dict[str, LiveInstance],
+        out: ShiftOutcome,
+        rehearse: bool,
+        all_or_nothing: bool,
+        phase_suffix: str,
+    ) -> list[LiveInstance]:
         t0 = self.clock()
-        results = await asyncio.gather(
-            *(self.launcher.start(self.spec_of(p)) for p in adds), return_exceptions=True
-        )
+        results = await asyncio.gather(*starts, return_exceptions=True)
         started: list[LiveInstance] = []
         failures = []
         for p, r in zip(adds, results, strict=True):
@@ -230,6 +256,7 @@ class Executor:
                 failures.append(f"instance {p.name} did not start: {r}")
                 continue
             inst = LiveInstance(p, r)
+            launched.append(inst)
             self._set(inst, "starting")
             started.append(inst)
             try:  # in the gateway's pool from now on, not routed until active
