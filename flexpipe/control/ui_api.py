@@ -21,7 +21,7 @@ from flexpipe.control.admin_api import authorize
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, LinkSpec
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
 from flexpipe.launch import EngineSpec
-from flexpipe.perf.memory import _budget_bytes as engine_budget_bytes
+from flexpipe.perf.memory import engine_budget_bytes
 from flexpipe.policies.planner import ModelDemand, PlannedInstance
 from flexpipe.store.shift_entry import KINDS
 

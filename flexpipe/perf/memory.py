@@ -127,7 +127,7 @@ def memory_plan(
             weights += embed  # lm_head
         kv_per_token = stage.num_layers * 2 * kv_heads * model.head_dim * kv_elem_bytes
         for slot in stage.gpus:
-            budget = _budget_bytes(slot, gpu_memory_utilization)
+            budget = engine_budget_bytes(slot, gpu_memory_utilization)
             per_gpu.append(
                 GpuMemory(
                     name=slot.name,
@@ -171,6 +171,6 @@ def memory_plan(
     )
 
 
-def _budget_bytes(slot: GpuSlot, gpu_memory_utilization: float) -> float:
+def engine_budget_bytes(slot: GpuSlot, gpu_memory_utilization: float) -> float:
     """vLLM may use `utilization x capacity`, but never more than what other tenants left."""
     return min(slot.spec.memory_bytes * gpu_memory_utilization, slot.free_bytes)
