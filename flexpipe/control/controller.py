@@ -177,7 +177,9 @@ class Controller:
         self.last_decision: ShiftDecision | None = None
         self.last_outcome: ShiftOutcome | None = None
         self._sampler = Sampler()
-        self._rates = RateWindow({d.name: d.request_rate_per_s for d in cfg.demands})
+        self._rates = RateWindow(
+            {d.name: d.request_rate_per_s for d in cfg.demands}, keep_s=cfg.shift.forecast.keep_s
+        )
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
         self._standby: set[str] = set()  # models held in the gateway with no instance
@@ -395,6 +397,7 @@ class Controller:
                 self._rates.rates_per_s,
                 self.samples,
                 self.cfg.min_instances_floor,
+                self._rates.expected_rates_per_s(now_s, self.cfg.shift.forecast),
             ),
             self.history,
             self.resources_changed_s,
