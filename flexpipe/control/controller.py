@@ -25,11 +25,9 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -39,10 +37,11 @@ from flexpipe.control.cluster_watch import ClusterWatch
 from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.journal import Journal
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.observe import RateWindow, model_states
 from flexpipe.control.resources import ResourceEvent, Resources
-from flexpipe.control.samples import Sampler
+from flexpipe.control.samples import Sampler, gateway_totals
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.control.takeover import Takeover, stub
 from flexpipe.control.ui_api import UiApi
@@ -66,14 +65,6 @@ from flexpipe.policies.shift.snapshot import (
 )
 from flexpipe.store import Store
 from flexpipe.store.instance_registry import InstanceRegistry
-from flexpipe.store.shift_entry import (
-    Migrated,
-    Outcome,
-    Phases,
-    PlanInstance,
-    RehearsalCheck,
-    ShiftEntry,
-)
 from flexpipe.store.shift_log import ShiftLog
 
 __all__ = ["Controller", "ControllerConfig"]
@@ -189,6 +180,7 @@ class Controller:
         self.registry = InstanceRegistry(store) if store is not None else None
         self.metrics = ControllerMetrics()
         self.metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
+        self.journal = Journal(self.shift_log, self.metrics, cfg.rehearsal_tolerance)
         self._gone: list[tuple[str, State]] = []  # (model, gone) for the instance gauge
         self.takeover = Takeover(self.registry, self.shift_log, gateway, cfg.engine_kind,
                                  cfg.engine_admin_token, cfg.drain_deadline_s, say)  # fmt: skip
@@ -405,7 +397,7 @@ class Controller:
         decision = self.policy.decide(snapshot, now_s, self.rng)
         self.last_decision = decision
         if decision.action != "shift" or decision.target is None:
-            self._append(ShiftEntry.from_decision(decision, _utc_now(), snapshot.running))
+            self.journal.decision(decision, snapshot.running)
             return decision
         await self._carry_out(decision, now_s)
         return decision
@@ -413,7 +405,7 @@ class Controller:
     async def _carry_out(self, decision: ShiftDecision, now_s: float) -> None:
         async with self._lock:
             running = [i.planned for i in self.running.values()]
-            entry = self._append(ShiftEntry.from_decision(decision, _utc_now(), running))
+            entry = self.journal.decision(decision, running)
             record = decision.started(now_s)
             self.history.append(record)
             self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
@@ -424,34 +416,12 @@ class Controller:
             self.last_outcome = outcome
             if outcome.succeeded:
                 self.resources_changed_s = None
-            self._finish_entry(entry, outcome)
+            self.journal.finish(entry, outcome)
             self.say(
                 f"controller: shift {_said(outcome)} "
                 f"{outcome.reason} phases "
                 + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
             )
-
-    def _append(self, entry: ShiftEntry) -> ShiftEntry | None:
-        if entry.kind == "hold" or entry.outcome == "pending":
-            self.metrics.observe_decision(entry)
-        if self.shift_log is None:
-            return None
-        return self.shift_log.append(entry)
-
-    def _finish_entry(self, entry: ShiftEntry | None, outcome: ShiftOutcome) -> None:
-        if entry is None or entry.id is None or self.shift_log is None:
-            return
-        tol = self.cfg.rehearsal_tolerance
-        result: Outcome = "succeeded" if outcome.succeeded else "rolled_back"
-        done = self.shift_log.update_outcome(
-            entry.id,
-            outcome="refused" if outcome.refused else result,
-            error=outcome.reason or None,
-            phases=Phases.from_seconds(outcome.phases_s),
-            migrated=Migrated.from_counts(outcome.migrated),
-            rehearsal=tuple(RehearsalCheck.from_probe(c, tol) for c in outcome.rehearsal),
-        )
-        self.metrics.observe_finished(done)
 
     def _standby_models(self) -> list[str]:
         """Models with no instance running (scaled to zero)."""
@@ -497,22 +467,12 @@ class Controller:
         instances = await self.gateway.instances()
         await self._register_missing(instances)
         text = await self.gateway.metrics()
-        queued = 0
-        by_model: dict[str, int] | None = None
-        done: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            if family.name == "flexpipe_queued_requests":
-                queued = int(sum(s.value for s in family.samples))
-            elif family.name == "flexpipe_model_queued_requests":
-                by_model = {s.labels["model"]: int(s.value) for s in family.samples}
-            elif family.name == "flexpipe_requests":
-                for s in family.samples:
-                    if s.name.endswith("_total"):
-                        m = s.labels.get("model", "")
-                        done[m] = done.get(m, 0.0) + s.value
+        totals = gateway_totals(text)
         names = [d.name for d in self.cfg.demands]
         scale = self.cfg.time_scale if self.cfg.time_scale > 0 else 1.0
-        readings = self._sampler.sample(now_s, names, instances, text, queued, by_model)
+        readings = self._sampler.sample(
+            now_s, names, instances, text, totals.num_queued, totals.queued_by_model
+        )
         for name, sample in readings.items():
             # sim engines at a time scale: latencies in the model's seconds, as SLOs are
             self.samples[name].append(
@@ -523,7 +483,7 @@ class Controller:
                 )
             )
             del self.samples[name][:-100]
-        self._rates.observe(now_s, done, names, self.cfg.time_scale)
+        self._rates.observe(now_s, totals.done_by_model, names, self.cfg.time_scale)
 
     async def _register_missing(self, instances: Sequence[dict[str, Any]]) -> None:
         """A gateway that restarted has lost its pool: give it the running instances back.
@@ -583,27 +543,15 @@ class Controller:
             *self.resources.file_changed(cluster, self.wall()), self.clock()
         )
 
+    def _note(
+        self, kind: Any, reason: str, notes: Sequence[str] = (), outcome: Any = "noted"
+    ) -> None:
+        self.journal.note(kind, reason, [i.planned for i in self.running.values()], notes, outcome)
+
     def _own_pgids(self) -> set[int]:
         """The process groups of our engines (their GPU memory is not another tenant's)."""
         pids = (getattr(i.handle, "pid", None) for i in self.running.values())
         return {p for p in pids if isinstance(p, int) and p > 0}
-
-    def _note(
-        self, kind: Any, reason: str, notes: Sequence[str] = (), outcome: Any = "noted"
-    ) -> None:
-        """A shift log entry that is not a policy decision (resources, emergency, plan)."""
-        running = [i.planned for i in self.running.values()]
-        entry = ShiftEntry(
-            at=_utc_now(),
-            kind=kind,
-            reason=reason,
-            current=tuple(PlanInstance.from_planned(p) for p in running),
-            notes=tuple(notes),
-            outcome=outcome,
-            finished_at=_utc_now() if outcome != "noted" else None,
-        )
-        if self.shift_log is not None:
-            self.shift_log.append(entry)
 
     # ------------------------------------------------------------------ admin API
     def _app(self) -> App:
@@ -643,7 +591,3 @@ def _shareable(url: str) -> str | None:
         return None if make_url(url).password is not None else url
     except ArgumentError:
         return None
-
-
-def _utc_now() -> datetime:
-    return datetime.now(UTC)
