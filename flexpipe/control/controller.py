@@ -168,6 +168,7 @@ class Controller:
         self.last_decision: ShiftDecision | None = None
         self.last_outcome: ShiftOutcome | None = None
         self._sampler = Sampler()
+        self.expected_rates_per_s: dict[str, float] = {}  # model -> forecast (the last tick's)
         self._rates = RateWindow(
             {d.name: d.request_rate_per_s for d in cfg.demands}, keep_s=cfg.shift.forecast.keep_s
         )
@@ -260,6 +261,8 @@ class Controller:
                     "model": d.model,
                     "slo": {"ttft_p99_s": d.slo.ttft_p99_s, "tpot_p99_s": d.slo.tpot_p99_s},
                     "request_rate_per_s": self._rates.rates_per_s.get(d.name, d.request_rate_per_s),
+                    # the forecast over the next horizon (None: too little history yet)
+                    "expected_request_rate_per_s": self.expected_rates_per_s.get(d.name),
                 }
                 for d in self.cfg.demands
             ],
@@ -381,6 +384,7 @@ class Controller:
         except GatewayError as exc:
             log.warning("no sample this tick: %s", exc)
             return None
+        self.expected_rates_per_s = self._rates.expected_rates_per_s(now_s, self.cfg.shift.forecast)
         snapshot = ShiftSnapshot.of(
             self.cluster,
             [i.planned for i in self.running.values()],
@@ -389,7 +393,7 @@ class Controller:
                 self._rates.rates_per_s,
                 self.samples,
                 self.cfg.min_instances_floor,
-                self._rates.expected_rates_per_s(now_s, self.cfg.shift.forecast),
+                self.expected_rates_per_s,
             ),
             self.history,
             self.resources_changed_s,
