@@ -4,7 +4,8 @@ healthy) carry a model's slots and load."""
 
 from __future__ import annotations
 
-from flexpipe.control.samples import Sampler
+from flexpipe.control.samples import GatewayTotals, Sampler, gateway_totals
+from flexpipe.gateway.metrics import GatewayMetrics
 
 
 def inst(model: str, state: str = "active", healthy: bool = True, **load: int) -> dict[str, object]:
@@ -30,3 +31,17 @@ def test_queue_by_model_and_only_serving_instances_count() -> None:
     assert lone["a"].queue_depth == 1 + 7
     both = Sampler().sample(10.0, ["a", "b"], instances, "", 7)
     assert (both["a"].queue_depth, both["b"].queue_depth) == (1, 0)
+
+
+def test_gateway_totals_read_the_gateways_own_metrics() -> None:
+    m = GatewayMetrics()
+    for model, instance, status in (("a", "i1", "200"), ("a", "i2", "error"), ("b", "i3", "200")):
+        m.request_done(model, instance, status)
+    m.request_done("a", "i1", "200")
+    m.queued.set(5)
+    m.queued_by_model.labels("a").set(2)
+    m.queued_by_model.labels("b").set(3)
+    got = gateway_totals(m.exposition().decode())
+    assert got == GatewayTotals(5, {"a": 2, "b": 3}, {"a": 3.0, "b": 1.0})
+    # a gateway that does not give the queue by model: None, not {}
+    assert gateway_totals("") == GatewayTotals(0, None, {})

@@ -25,29 +25,27 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.admin_api import ControllerApi
-from flexpipe.control.adopt import AdoptedEngine, reachable, stop_group
 from flexpipe.control.cluster_watch import ClusterWatch
 from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.journal import Journal
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.observe import RateWindow, model_states
 from flexpipe.control.resources import ResourceEvent, Resources
-from flexpipe.control.samples import Sampler
+from flexpipe.control.samples import Sampler, gateway_totals
 from flexpipe.control.shift_outcome import ShiftOutcome
+from flexpipe.control.takeover import Takeover, stub
 from flexpipe.control.ui_api import UiApi
 from flexpipe.gateway.holds import STANDBY_HOLD_S
-from flexpipe.gears.gear import parse_gear
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
     App,
@@ -66,15 +64,7 @@ from flexpipe.policies.shift.snapshot import (
     instance_key,
 )
 from flexpipe.store import Store
-from flexpipe.store.instance_registry import InstanceRecord, InstanceRegistry
-from flexpipe.store.shift_entry import (
-    Migrated,
-    Outcome,
-    Phases,
-    PlanInstance,
-    RehearsalCheck,
-    ShiftEntry,
-)
+from flexpipe.store.instance_registry import InstanceRegistry
 from flexpipe.store.shift_log import ShiftLog
 
 __all__ = ["Controller", "ControllerConfig"]
@@ -178,7 +168,10 @@ class Controller:
         self.last_decision: ShiftDecision | None = None
         self.last_outcome: ShiftOutcome | None = None
         self._sampler = Sampler()
-        self._rates = RateWindow({d.name: d.request_rate_per_s for d in cfg.demands})
+        self.expected_rates_per_s: dict[str, float] = {}  # model -> forecast (the last tick's)
+        self._rates = RateWindow(
+            {d.name: d.request_rate_per_s for d in cfg.demands}, keep_s=cfg.shift.forecast.keep_s
+        )
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
         self._standby: set[str] = set()  # models held in the gateway with no instance
@@ -188,10 +181,13 @@ class Controller:
         self.registry = InstanceRegistry(store) if store is not None else None
         self.metrics = ControllerMetrics()
         self.metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
+        self.journal = Journal(self.shift_log, self.metrics, cfg.rehearsal_tolerance)
         self._gone: list[tuple[str, State]] = []  # (model, gone) for the instance gauge
-        self._spawned_ids: dict[str, int] = {}  # endpoint -> registry id, not yet claimed
+        self.takeover = Takeover(self.registry, self.shift_log, gateway, cfg.engine_kind,
+                                 cfg.engine_admin_token, cfg.drain_deadline_s, say)  # fmt: skip
         if self.registry is not None and hasattr(launcher, "on_spawn"):
-            launcher.on_spawn = self._spawned  # (the local launcher's hook; not in the Protocol)
+            # (the local launcher's hook; not in the Protocol)
+            launcher.on_spawn = self.takeover.spawned
         self.executor = Executor(
             launcher,
             gateway,
@@ -222,27 +218,6 @@ class Controller:
         that pays only at the expected load (the seed's freed gpu1) is still found."""
         return plan(cluster, demands, self.performance, now_s=now_s, efficiency=self.efficiency)
 
-    def _spawned(self, spec: EngineSpec, pid: int, endpoint: str) -> None:
-        """An engine process exists (not ready yet): in the store from now on, so that a
-        controller killed during its cold start leaves no engine unknown to its successor
-        (which finds it unreachable or not in its plan, and stops it)."""
-        assert self.registry is not None
-        model = spec.served_model_name or spec.model
-        record = self.registry.register(
-            spec.name, model, str(spec.gear), spec.gpu_ids, endpoint, self.cfg.engine_kind
-        )
-        self.registry.set_process(record.id, pid, pid, endpoint)
-        self._spawned_ids[endpoint] = record.id
-
-    def _sweep_spawned(self) -> None:
-        """Engines spawned that never became an instance (did not get ready, stopped): gone."""
-        if self.registry is None:
-            return
-        for endpoint, record_id in list(self._spawned_ids.items()):
-            del self._spawned_ids[endpoint]
-            if self.registry.get(record_id).live:
-                self.registry.mark_gone(record_id, "the engine did not start")
-
     def _on_state(self, inst: LiveInstance, state: str) -> None:
         p = inst.planned
         if state == "active":
@@ -253,99 +228,7 @@ class Controller:
         if state == "gone":
             self._gone.append((p.model, State.GONE))
         self._gauge()
-        if self.registry is None:
-            return
-        if inst.store_id is None and inst.url in self._spawned_ids:
-            inst.store_id = self._spawned_ids.pop(inst.url)
-            pid = getattr(inst.handle, "pid", None)
-            self.registry.set_process(inst.store_id, pid, pid, None, inst.handle.cold_start_s)
-            if state == "starting":
-                return
-        if inst.store_id is None:
-            record = self.registry.register(
-                p.name, p.model, str(p.gear), p.gpu_ids, inst.url, self.cfg.engine_kind
-            )
-            inst.store_id = record.id
-            pid = getattr(inst.handle, "pid", None)
-            self.registry.set_process(record.id, pid, pid, inst.url, inst.handle.cold_start_s)
-            if state == "starting":
-                return
-        if self.registry.get(inst.store_id).state != state:
-            self.registry.transition(inst.store_id, state)
-
-    async def _survivors(self) -> list[InstanceRecord]:
-        """After a restart: changes the previous controller left pending are closed as
-        aborted, the policy gets the shift history back (cooldown and blacklist survive),
-        and the live instances of the store's registry whose process group lives and whose
-        engine answers /health are returned; the others are gone (their processes stopped,
-        out of the gateway)."""
-        if self.registry is None or self.shift_log is None:
-            return []
-        for entry in self.shift_log.pending():
-            assert entry.id is not None
-            self.shift_log.update_outcome(
-                entry.id, outcome="aborted", error="the controller restarted mid-change"
-            )
-        self.history = list(self.shift_log.history())
-        records = self.registry.live_instances()
-        if not records:
-            return []
-        ok = await reachable(records)
-        adopted, gone = self.registry.reconcile(ok, "not reachable after a controller restart")
-        if gone:
-            urls = {i["url"] for i in await self.gateway.instances()}
-            for rec in gone:  # e.g. an engine killed with its controller mid cold start
-                stop_group(rec)
-                if rec.endpoint in urls:
-                    with contextlib.suppress(GatewayError):
-                        await self.gateway.remove(rec.endpoint)
-        return adopted
-
-    async def _adopt(
-        self, planned: Sequence[PlannedInstance], adopted: Sequence[InstanceRecord]
-    ) -> list[InstanceRecord]:
-        """Take over the surviving instances that the plan has (they serve: a shift cut
-        short left them starting, rehearsing or draining). Returns those it lacks: drained
-        and stopped once the plan serves (`_retire_leftovers`)."""
-        if self.registry is None or not adopted:
-            return []
-        gateway = {i["url"]: str(i.get("state")) for i in await self.gateway.instances()}
-        by_key = {_flat_key(p.model, p.gear.key(), p.gpu_ids): p for p in planned}
-        leaving = []
-        for rec in adopted:
-            p = by_key.get(_flat_key(rec.model, parse_gear(rec.gear).key(), rec.gpu_ids))
-            if p is None:
-                leaving.append(rec)
-                continue
-            handle = AdoptedEngine(rec)
-            inst = LiveInstance(p, handle, rec.state.value, rec.id)
-            self.running[instance_key(p)] = inst
-            if rec.endpoint not in gateway:
-                await self.gateway.add(rec.endpoint, p.model, p.gear.max_num_seqs,
-                                       admin_token=self.cfg.engine_admin_token)  # fmt: skip
-            elif gateway[rec.endpoint] != State.ACTIVE.value:
-                # cut short mid-shift (starting, rehearsing or draining): it serves again
-                await self.gateway.set_state(rec.endpoint, State.ACTIVE.value)
-            if rec.state is not State.ACTIVE:
-                self.registry.transition(rec.id, State.ACTIVE, reason="adopted")
-                inst.state = "active"
-        if self.running:
-            self.say(f"controller: adopted {len(self.running)} running instance(s)")
-        self._gauge()
-        return leaving
-
-    async def _retire_leftovers(self, leaving: Sequence[InstanceRecord]) -> None:
-        """Live instances of the previous controller that today's plan lacks: drained and
-        stopped after the plan serves (make before break, as a shift)."""
-        assert self.registry is not None or not leaving
-        for rec in leaving:
-            with contextlib.suppress(GatewayError):
-                await self.gateway.drain(rec.endpoint, self.cfg.drain_deadline_s)
-            with contextlib.suppress(GatewayError):
-                await self.gateway.remove(rec.endpoint)
-            await AdoptedEngine(rec).stop()
-            if self.registry is not None:
-                self.registry.mark_gone(rec.id, "not in the plan after a controller restart")
+        self.takeover.record_state(inst, state)
 
     def _gauge(self) -> None:
         live = [(i.planned.model, State(i.state)) for i in self.running.values()]
@@ -378,6 +261,8 @@ class Controller:
                     "model": d.model,
                     "slo": {"ttft_p99_s": d.slo.ttft_p99_s, "tpot_p99_s": d.slo.tpot_p99_s},
                     "request_rate_per_s": self._rates.rates_per_s.get(d.name, d.request_rate_per_s),
+                    # the forecast over the next horizon (None: too little history yet)
+                    "expected_request_rate_per_s": self.expected_rates_per_s.get(d.name),
                 }
                 for d in self.cfg.demands
             ],
@@ -394,18 +279,23 @@ class Controller:
         first = self._planner(self.cluster, self.cfg.demands, self.clock())
         if not first.instances:
             raise RuntimeError("the planner found nothing to run on the free GPUs")
-        survivors = await self._survivors()
+        resumed = self.takeover.resume_history()
+        if resumed is not None:
+            self.history = resumed
+        survivors = await self.takeover.survivors()
         if survivors:  # what a previous controller left serving stays, where it still pays
-            stubs = [_stub(r, first.instances) for r in survivors]
+            stubs = [stub(r, first.instances) for r in survivors]
             first = plan(self.cluster, self.cfg.demands, self.performance,
                          running=[s for s in stubs if s is not None], now_s=self.clock(),
                          efficiency=self.efficiency)  # fmt: skip
-        leftovers = await self._adopt(first.instances, survivors)
+        leftovers = await self.takeover.adopt(first.instances, survivors, self.running)
+        if survivors:
+            self._gauge()
         # what a new instance needs the GPUs of goes first; the rest once the plan serves
         wanted = {g for p in first.instances if instance_key(p) not in self.running
                   for g in p.gpu_ids}  # fmt: skip
         in_way = [r for r in leftovers if wanted & set(r.gpu_ids)]
-        await self._retire_leftovers(in_way)
+        await self.takeover.retire(in_way)
         # While the first engines load, the gateway queues their models' requests instead of
         # answering 404 (a newcomer's first request waits for the cold start, then is served).
         cold = sorted({p.model for p in first.instances}
@@ -418,8 +308,8 @@ class Controller:
             )  # fmt: skip
         finally:
             await self._hold_all(held, 0)
-        self._sweep_spawned()
-        await self._retire_leftovers([r for r in leftovers if r not in in_way])
+        self.takeover.sweep_spawned()
+        await self.takeover.retire([r for r in leftovers if r not in in_way])
         self._note("plan", "the first plan", [outcome.reason] if outcome.reason else [],
                    outcome="succeeded" if self.running else "failed")  # fmt: skip
         if outcome.reason:
@@ -494,6 +384,7 @@ class Controller:
         except GatewayError as exc:
             log.warning("no sample this tick: %s", exc)
             return None
+        self.expected_rates_per_s = self._rates.expected_rates_per_s(now_s, self.cfg.shift.forecast)
         snapshot = ShiftSnapshot.of(
             self.cluster,
             [i.planned for i in self.running.values()],
@@ -502,6 +393,7 @@ class Controller:
                 self._rates.rates_per_s,
                 self.samples,
                 self.cfg.min_instances_floor,
+                self.expected_rates_per_s,
             ),
             self.history,
             self.resources_changed_s,
@@ -509,7 +401,7 @@ class Controller:
         decision = self.policy.decide(snapshot, now_s, self.rng)
         self.last_decision = decision
         if decision.action != "shift" or decision.target is None:
-            self._append(ShiftEntry.from_decision(decision, _utc_now(), snapshot.running))
+            self.journal.decision(decision, snapshot.running)
             return decision
         await self._carry_out(decision, now_s)
         return decision
@@ -517,45 +409,23 @@ class Controller:
     async def _carry_out(self, decision: ShiftDecision, now_s: float) -> None:
         async with self._lock:
             running = [i.planned for i in self.running.values()]
-            entry = self._append(ShiftEntry.from_decision(decision, _utc_now(), running))
+            entry = self.journal.decision(decision, running)
             record = decision.started(now_s)
             self.history.append(record)
             self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
             assert decision.target is not None
             outcome = await self.executor.shift(self.cluster, self.running, decision.target)
-            self._sweep_spawned()
+            self.takeover.sweep_spawned()
             self.history[-1] = finished_record(record, outcome, self.clock())
             self.last_outcome = outcome
             if outcome.succeeded:
                 self.resources_changed_s = None
-            self._finish_entry(entry, outcome)
+            self.journal.finish(entry, outcome)
             self.say(
                 f"controller: shift {_said(outcome)} "
                 f"{outcome.reason} phases "
                 + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
             )
-
-    def _append(self, entry: ShiftEntry) -> ShiftEntry | None:
-        if entry.kind == "hold" or entry.outcome == "pending":
-            self.metrics.observe_decision(entry)
-        if self.shift_log is None:
-            return None
-        return self.shift_log.append(entry)
-
-    def _finish_entry(self, entry: ShiftEntry | None, outcome: ShiftOutcome) -> None:
-        if entry is None or entry.id is None or self.shift_log is None:
-            return
-        tol = self.cfg.rehearsal_tolerance
-        result: Outcome = "succeeded" if outcome.succeeded else "rolled_back"
-        done = self.shift_log.update_outcome(
-            entry.id,
-            outcome="refused" if outcome.refused else result,
-            error=outcome.reason or None,
-            phases=Phases.from_seconds(outcome.phases_s),
-            migrated=Migrated.from_counts(outcome.migrated),
-            rehearsal=tuple(RehearsalCheck.from_probe(c, tol) for c in outcome.rehearsal),
-        )
-        self.metrics.observe_finished(done)
 
     def _standby_models(self) -> list[str]:
         """Models with no instance running (scaled to zero)."""
@@ -601,22 +471,12 @@ class Controller:
         instances = await self.gateway.instances()
         await self._register_missing(instances)
         text = await self.gateway.metrics()
-        queued = 0
-        by_model: dict[str, int] | None = None
-        done: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            if family.name == "flexpipe_queued_requests":
-                queued = int(sum(s.value for s in family.samples))
-            elif family.name == "flexpipe_model_queued_requests":
-                by_model = {s.labels["model"]: int(s.value) for s in family.samples}
-            elif family.name == "flexpipe_requests":
-                for s in family.samples:
-                    if s.name.endswith("_total"):
-                        m = s.labels.get("model", "")
-                        done[m] = done.get(m, 0.0) + s.value
+        totals = gateway_totals(text)
         names = [d.name for d in self.cfg.demands]
         scale = self.cfg.time_scale if self.cfg.time_scale > 0 else 1.0
-        readings = self._sampler.sample(now_s, names, instances, text, queued, by_model)
+        readings = self._sampler.sample(
+            now_s, names, instances, text, totals.num_queued, totals.queued_by_model
+        )
         for name, sample in readings.items():
             # sim engines at a time scale: latencies in the model's seconds, as SLOs are
             self.samples[name].append(
@@ -627,7 +487,7 @@ class Controller:
                 )
             )
             del self.samples[name][:-100]
-        self._rates.observe(now_s, done, names, self.cfg.time_scale)
+        self._rates.observe(now_s, totals.done_by_model, names, self.cfg.time_scale)
 
     async def _register_missing(self, instances: Sequence[dict[str, Any]]) -> None:
         """A gateway that restarted has lost its pool: give it the running instances back.
@@ -687,27 +547,15 @@ class Controller:
             *self.resources.file_changed(cluster, self.wall()), self.clock()
         )
 
+    def _note(
+        self, kind: Any, reason: str, notes: Sequence[str] = (), outcome: Any = "noted"
+    ) -> None:
+        self.journal.note(kind, reason, [i.planned for i in self.running.values()], notes, outcome)
+
     def _own_pgids(self) -> set[int]:
         """The process groups of our engines (their GPU memory is not another tenant's)."""
         pids = (getattr(i.handle, "pid", None) for i in self.running.values())
         return {p for p in pids if isinstance(p, int) and p > 0}
-
-    def _note(
-        self, kind: Any, reason: str, notes: Sequence[str] = (), outcome: Any = "noted"
-    ) -> None:
-        """A shift log entry that is not a policy decision (resources, emergency, plan)."""
-        running = [i.planned for i in self.running.values()]
-        entry = ShiftEntry(
-            at=_utc_now(),
-            kind=kind,
-            reason=reason,
-            current=tuple(PlanInstance.from_planned(p) for p in running),
-            notes=tuple(notes),
-            outcome=outcome,
-            finished_at=_utc_now() if outcome != "noted" else None,
-        )
-        if self.shift_log is not None:
-            self.shift_log.append(entry)
 
     # ------------------------------------------------------------------ admin API
     def _app(self) -> App:
@@ -741,36 +589,9 @@ def _said(outcome: ShiftOutcome) -> str:
     return "done" if outcome.succeeded else "refused" if outcome.refused else "rolled back"
 
 
-def _stub(record: InstanceRecord, like: Sequence[PlannedInstance]) -> PlannedInstance | None:
-    """A surviving instance as the planner's `running` input: its model, gear and GPUs (the
-    planner re-evaluates it as it runs; the rest is copied from an instance of the same model
-    in `like`). None for a model no longer planned. Stages: the GPUs in order, `tp` each;
-    layers split evenly (as the sim engine does)."""
-    template = next((p for p in like if p.model == record.model), None)
-    if template is None:
-        return None
-    gear = parse_gear(record.gear)
-    ids = record.gpu_ids
-    stages = tuple(tuple(ids[i : i + gear.tp]) for i in range(0, len(ids), gear.tp))
-    num_layers = sum(template.layers_per_stage)
-    base, extra = divmod(num_layers, max(1, len(stages)))
-    layers = tuple(base + (1 if i < extra else 0) for i in range(len(stages)))
-    return dataclasses.replace(template, name=record.name, gear=gear, stages=stages,
-                               layers_per_stage=layers)  # fmt: skip
-
-
-def _flat_key(model: str, gear_key: str, gpu_ids: Sequence[str]) -> str:
-    """Model, gear and GPUs in order: what a registry record and a planned instance share."""
-    return f"{model}|{gear_key}|{','.join(gpu_ids)}"
-
-
 def _shareable(url: str) -> str | None:
     """A store URL safe to hand out over the admin API: None when it holds a password."""
     try:
         return None if make_url(url).password is not None else url
     except ArgumentError:
         return None
-
-
-def _utc_now() -> datetime:
-    return datetime.now(UTC)

@@ -18,7 +18,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flexpipe.policies.shift.signals import Sample
 
-__all__ = ["Buckets", "Sampler", "bucket_delta", "bucket_quantile", "parse_histograms"]
+__all__ = [
+    "Buckets",
+    "GatewayTotals",
+    "Sampler",
+    "bucket_delta",
+    "bucket_quantile",
+    "gateway_totals",
+    "parse_histograms",
+]
 
 _TTFT = "flexpipe_time_to_first_token_seconds"
 _TPOT = "flexpipe_time_per_output_token_seconds"
@@ -38,6 +46,32 @@ def parse_histograms(text: str, names: Iterable[str]) -> dict[tuple[str, str], B
                 key = (family.name, s.labels.get("model", ""))
                 out.setdefault(key, []).append((float(s.labels["le"]), float(s.value)))
     return {k: tuple(sorted(v)) for k, v in out.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayTotals:
+    """The gateway's queue and its finished requests, from its Prometheus text."""
+
+    num_queued: int  # requests waiting, every model
+    queued_by_model: dict[str, int] | None  # None: a gateway that does not say
+    done_by_model: dict[str, float]  # cumulative finished requests (any status)
+
+
+def gateway_totals(text: str) -> GatewayTotals:
+    queued = 0
+    by_model: dict[str, int] | None = None
+    done: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "flexpipe_queued_requests":
+            queued = int(sum(s.value for s in family.samples))
+        elif family.name == "flexpipe_model_queued_requests":
+            by_model = {s.labels["model"]: int(s.value) for s in family.samples}
+        elif family.name == "flexpipe_requests":
+            for s in family.samples:
+                if s.name.endswith("_total"):
+                    m = s.labels.get("model", "")
+                    done[m] = done.get(m, 0.0) + s.value
+    return GatewayTotals(queued, by_model, done)
 
 
 def bucket_quantile(q: float, buckets: Buckets) -> float | None:

@@ -84,7 +84,9 @@ class SimController:
         self.num_decisions = 0
         self.resource_events: list[dict[str, Any]] = []
         self._sampler = Sampler()
-        self._rates = RateWindow({d.name: d.request_rate_per_s for d in demands})
+        self._rates = RateWindow(
+            {d.name: d.request_rate_per_s for d in demands}, keep_s=params.shift.forecast.keep_s
+        )
         self._done: dict[str, float] = {d.name: 0.0 for d in demands}
         self._shifting = False
         self._shift_started_s = 0.0
@@ -170,6 +172,7 @@ class SimController:
                 self._rates.rates_per_s,
                 self.samples,
                 self.params.min_instances_floor,
+                self._rates.expected_rates_per_s(now, self.params.shift.forecast),
             ),
             self.history,
             self.resources_changed_s,

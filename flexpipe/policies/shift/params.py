@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from flexpipe.policies.shift.forecast import ForecastParams
 from flexpipe.policies.shift.pricing import PricingParams
 from flexpipe.policies.shift.signals import Thresholds
 from flexpipe.policies.shift.triggers import TriggerParams
@@ -23,6 +24,9 @@ class ShiftParams:
 
     triggers: TriggerParams = field(default_factory=TriggerParams)
     pricing: PricingParams = field(default_factory=PricingParams)
+    # The expected load a shift is priced at (forecast.py); computed by the caller (the
+    # controller's and the simulator's `RateWindow`) into `ModelState`, not by the policy.
+    forecast: ForecastParams = field(default_factory=ForecastParams)
     # A model woken from zero instances is planned for at least this rate.
     wake_request_rate_per_s: float = 0.1
 
@@ -39,7 +43,8 @@ class ShiftParams:
                 raise ValueError(
                     f"{place}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}"
                 )
-            nested = {"triggers": TriggerParams, "pricing": PricingParams, "thresholds": Thresholds}
+            nested = {"triggers": TriggerParams, "pricing": PricingParams,
+                      "thresholds": Thresholds, "forecast": ForecastParams}  # fmt: skip
             kwargs = {
                 k: build(nested[k], v, f"{place}.{k}") if k in nested else v
                 for k, v in values.items()
