@@ -332,7 +332,8 @@ class Scheduler:
         step = self.num_steps
         lazy = self.lazy
         # lazy requests that finish this step, merged into the batch order by place in `running`
-        due = self._due(self._finish_due, step + 1) if self._num_lazy else []
+        fin = self._finish_due
+        due = self._due(fin, step + 1) if fin and fin[0][0] <= step else []
         num_due = len(due)
         n_due = 0
         due_seq = due[0]._run_seq if due else 1 << 62
@@ -387,10 +388,12 @@ class Scheduler:
         while n_due < num_due:
             self._finish_lazy(due[n_due], step, out, stamps if stamping else None)
             n_due += 1
-        if num_due:
-            any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
+        elif num_due:  # (only lazy requests finished: fewer than a pass over `running`)
+            for req in due:
+                if req.status is Status.FINISHED:
+                    self.running.remove(req)
         self.num_steps = step + 1
         if stamping:
             self._last_now_s = now
@@ -460,11 +463,12 @@ class Scheduler:
 
     def _new_block(self, req: EngineRequest, step: int) -> None:
         """A lazy request's new block at `step` (`schedule`'s allocate for its decode)."""
-        n = len(req.token_ids) + step - req._lazy_step  # its tokens at `step`
         kv = req.kv
-        ok = self.bm.allocate(kv, n)
+        ok = self.bm.append_block(kv)
         assert ok, "a lazy decode ran out of blocks (the step's check must prevent it)"
-        nxt = len(kv.block_ids) * self.bm.block_size - n + step + 1
+        # its tokens at `step` filled the blocks it held, plus one: the next block is due
+        # once those fill too
+        nxt = step + self.bm.block_size
         req._next_block_step = nxt
         heappush(self._block_due, (nxt, req._run_seq, req._lazy_gen, req))
 
@@ -503,7 +507,8 @@ class Scheduler:
         running = self.running
         num_lazy = self._num_lazy
         budget = self.config.max_num_batched_tokens - num_lazy
-        new_block = self._due(self._block_due, step + 1)  # in place order
+        due = self._block_due
+        new_block = self._due(due, step + 1) if due and due[0][0] <= step else []
         num_need = len(new_block)
         eager: list[EngineRequest] = []
         if num_lazy < len(running):
