@@ -30,14 +30,16 @@ def _core(lazy: bool, num_blocks: int, policy: str, caching: bool = True) -> Eng
 
 
 def _requests(seed: int) -> list[tuple[int, EngineRequest]]:
-    """(arrival step, request): prompts from 4 shared prefixes, some outputs reaching
-    max_model_len, a few without max_tokens' one-token fast path (a stop token)."""
+    """(arrival step, request): prompts from 4 shared prefixes, some longer than a step's
+    token budget (chunked while others decode), some outputs reaching max_model_len, a few
+    without max_tokens' one-token fast path (a stop token)."""
     rng = random.Random(seed)
     out = []
     for i in range(90):
         prefix = list(range(1000 * rng.randrange(4), 1000 * rng.randrange(4) + 40))
+        num_unique = rng.randrange(1, 200) if i % 6 else rng.randrange(400, 600)  # > budget
         prompt = prefix[: rng.randrange(0, 41)] + [rng.randrange(5, 900) for _ in range(
-            rng.randrange(1, 200))]  # fmt: skip
+            num_unique)]  # fmt: skip
         max_out = rng.choice([1, 2, 9, 40, 150, 600])
         max_out = min(max_out, 700 - len(prompt))
         stop = (7,) if i % 11 == 0 else ()
@@ -92,10 +94,6 @@ def test_lazy_decodes_equal_per_step_decodes(
             _, req = todo.pop(0)
             eager.add(req, t)
             lazy.add(twins[req.request_id], t)
-        if step % 37 == 5 and eager.scheduler.running:  # abort a running request mid-step
-            victim = rng.choice(eager.scheduler.running).request_id
-        else:
-            victim = ""
         pe, pl = eager.step(t), lazy.step(t)
         assert pe.batch == pl.batch
         assert pe.duration_s == pl.duration_s
@@ -103,7 +101,8 @@ def test_lazy_decodes_equal_per_step_decodes(
         assert [r.request_id for r in pe.admitted] == [r.request_id for r in pl.admitted]
         num_lazy_steps += pl.num_lazy > 0
         num_preempted += len(pe.preempted)
-        if victim:
+        if step % 37 == 5 and eager.scheduler.running:  # abort a running request mid-step
+            victim = rng.choice(eager.scheduler.running).request_id
             for core in (eager, lazy):
                 core.abort(next(r for r in core.scheduler.running if r.request_id == victim), t)
         t += pe.duration_s
@@ -122,5 +121,6 @@ def test_lazy_decodes_equal_per_step_decodes(
             break
     assert not todo and not eager.has_work and not lazy.has_work
     assert num_lazy_steps > 100
+    assert lazy.scheduler.num_steps == eager.scheduler.num_steps
     if num_blocks < 100:
         assert num_preempted > 0
