@@ -97,9 +97,12 @@ def test_stretches_equal_stepping_with_two_instances_and_routing() -> None:
     assert any(r.num_generated_tokens == 1 for r in fast.requests if r.completed)
 
 
-def _core(num_blocks: int = 200, block_size: int = 16, max_len: int = 4096) -> EngineCore:
+def _core(
+    num_blocks: int = 200, block_size: int = 16, max_len: int = 4096, lazy: bool = False
+) -> EngineCore:
     pm = perf_model_for("llama-2-7b")
-    sched = Scheduler(SchedulerConfig(max_model_len=max_len), BlockManager(num_blocks, block_size))
+    sched = Scheduler(SchedulerConfig(max_model_len=max_len), BlockManager(num_blocks, block_size),
+                      lazy)  # fmt: skip
     return EngineCore(sched, pm.step_time_s)
 
 
@@ -108,8 +111,9 @@ def _req(rid: str, prompt: int, out: int) -> EngineRequest:
                          SamplingParams(max_tokens=out), out, SIM_GEN_IDS)  # fmt: skip
 
 
-def test_a_stretch_stops_before_the_first_finish_and_before_blocks_run_out() -> None:
-    core = _core(num_blocks=20)
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_stretch_stops_before_the_first_finish_and_before_blocks_run_out(lazy: bool) -> None:
+    core = _core(num_blocks=20, lazy=lazy)
     a, b = _req("1", 20, 50), _req("2", 30, 9)
     t = 0.0
     for r in (a, b):
@@ -122,7 +126,7 @@ def test_a_stretch_stops_before_the_first_finish_and_before_blocks_run_out() -> 
     assert plan.batch.num_decode_seqs == 2
     assert plan_stretch(core, plan, 1 << 20, False) == 9 - 1 - 2
     assert plan_stretch(core, plan, 3, False) == 3
-    tight = _core(num_blocks=6)
+    tight = _core(num_blocks=6, lazy=lazy)
     c, d = _req("3", 31, 100), _req("4", 31, 100)
     for r in (c, d):
         tight.add(r, 0)
@@ -135,9 +139,11 @@ def test_a_stretch_stops_before_the_first_finish_and_before_blocks_run_out() -> 
     assert plan_stretch(tight, p, 1 << 20, False) == 16
 
 
-def test_fast_forward_equals_stepping_on_one_core() -> None:
-    """Same engine, two copies: one stepped, one fast-forwarded; equal state afterwards."""
-    cores = [_core(num_blocks=300), _core(num_blocks=300)]
+@pytest.mark.parametrize("lazy", [False, True])
+def test_fast_forward_equals_stepping_on_one_core(lazy: bool) -> None:
+    """Same engine, two copies: one stepped, one fast-forwarded (with lazy decodes: its
+    scheduler's `advance`); equal state afterwards."""
+    cores = [_core(num_blocks=300, lazy=lazy), _core(num_blocks=300)]
     for core in cores:
         for i, (p, o) in enumerate(((40, 200), (100, 150), (17, 90)), start=1):
             core.add(_req(str(i), p, o), 0.0)
@@ -165,10 +171,12 @@ def test_fast_forward_equals_stepping_on_one_core() -> None:
                 t_end += p.duration_s
                 core.complete(p, t_end)
         sched = core.scheduler
+        for r in sched.running:
+            sched.materialize(r)
         states.append((
             t_end,
             [(r.request_id, r.num_tokens, r.num_computed_tokens, list(r.kv.block_ids),
-              list(r.kv.block_hashes), r.kv.num_cached_blocks, r.token_ids[-3:],
+              list(r.kv.block_hashes), None if lazy else r.kv.num_cached_blocks, r.token_ids[-3:],
               r.last_token_s) for r in sched.running],
             list(sched.bm.free_queue), dict(sched.bm.cached), list(sched.bm.ref_counts),
         ))  # fmt: skip

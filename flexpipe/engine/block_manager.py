@@ -74,11 +74,17 @@ class BlockManager:
         bs = self.block_size
         n_full = len(token_ids) // bs
         hashes = kv.block_hashes
-        while len(hashes) < n_full:
-            i = len(hashes)
-            hashes.append(
-                hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs])
-            )
+        i = len(hashes)
+        if i >= n_full:
+            return
+        # `hash_block` over each next full block, its tuple cut by zip (once per prompt block
+        # of every request: the simulator's most frequent hashing)
+        h = hashes[-1] if hashes else None
+        append = hashes.append
+        it = iter(token_ids[i * bs : n_full * bs])
+        for block in zip(*[it] * bs, strict=False):
+            h = hash((h, block))
+            append(h)
 
     def computed_blocks(self, kv: KVState, num_tokens: int) -> list[int]:
         """The longest run of cached blocks matching the request's prefix. At least one token
@@ -136,16 +142,33 @@ class BlockManager:
             return True
         refs = self.ref_counts
         block_hash = self.block_hash
+        cached = self.cached
         pop = free.popitem
-        for _ in range(need):
-            b = pop(last=False)[0]
+        new = [pop(False)[0] for _ in range(need)]
+        for b in new:
             old = block_hash[b]
             if old is not None:  # evict the least recently freed cached block
-                if self.cached.get(old) == b:
-                    del self.cached[old]
+                if cached.get(old) == b:
+                    del cached[old]
                 block_hash[b] = None
             refs[b] = 1
-            block_ids.append(b)
+        block_ids += new
+        return True
+
+    def append_block(self, kv: KVState) -> bool:
+        """One more block for `kv` (a decode that filled its last block): `allocate`'s
+        new-block case for one block, without the token count. False if none is free."""
+        free = self.free_queue
+        if not free:
+            return False
+        b = free.popitem(False)[0]
+        old = self.block_hash[b]
+        if old is not None:  # evict the least recently freed cached block
+            if self.cached.get(old) == b:
+                del self.cached[old]
+            self.block_hash[b] = None
+        self.ref_counts[b] = 1
+        kv.block_ids.append(b)
         return True
 
     def cache_full_blocks(self, kv: KVState, num_computed_tokens: int) -> None:
@@ -153,23 +176,25 @@ class BlockManager:
         if not self.enable_caching:
             return
         n_full = min(num_computed_tokens // self.block_size, len(kv.block_hashes))
-        if n_full <= kv.num_cached_blocks:
+        start = kv.num_cached_blocks
+        if n_full <= start:
             return
-        for i in range(kv.num_cached_blocks, n_full):
-            b = kv.block_ids[i]
-            h = kv.block_hashes[i]
-            if self.block_hash[b] is None and h not in self.cached:
-                self.block_hash[b] = h
-                self.cached[h] = b
-        kv.num_cached_blocks = max(kv.num_cached_blocks, n_full)
+        block_hash = self.block_hash
+        cached = self.cached
+        for b, h in zip(kv.block_ids[start:n_full], kv.block_hashes[start:n_full], strict=True):
+            if block_hash[b] is None and h not in cached:
+                block_hash[b] = h
+                cached[h] = b
+        kv.num_cached_blocks = n_full
 
     def free(self, kv: KVState) -> None:
         """Drop the request's references, tail first (so prefixes are evicted last)."""
         refs = self.ref_counts
         free = self.free_queue
         for b in reversed(kv.block_ids):
-            refs[b] -= 1
-            if refs[b] == 0:
+            n = refs[b] - 1
+            refs[b] = n
+            if not n:
                 free[b] = None
         kv.block_ids.clear()
         kv.num_cached_blocks = 0

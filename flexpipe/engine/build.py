@@ -13,7 +13,9 @@ from flexpipe.engine.core import EngineCore
 from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
 
 
-def engine_core(cfg: EngineConfig) -> EngineCore:
+def engine_core(cfg: EngineConfig, lazy_decodes: bool = False) -> EngineCore:
+    """`lazy_decodes`: see flexpipe.engine.scheduler (the simulator's; the live engine
+    streams every token of every request, step by step)."""
     gear = cfg.gear
     block_manager = BlockManager(cfg.num_kv_blocks, gear.block_size, gear.enable_prefix_caching)
     scheduler = Scheduler(
@@ -25,6 +27,7 @@ def engine_core(cfg: EngineConfig) -> EngineCore:
             policy=cfg.scheduling_policy,
         ),
         block_manager,
+        lazy_decodes,
     )
     return EngineCore(scheduler, cfg.pm.step_time_s)
 

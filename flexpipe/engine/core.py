@@ -76,7 +76,7 @@ class EngineCore:
         plan = self.scheduler.schedule()
         for req in plan.rejected:
             req.finished_s = now
-        if plan.scheduled:
+        if not plan.is_empty:
             for req in plan.admitted:
                 req.scheduled_s = now
             plan.duration_s = self.step_time_s(plan.batch)

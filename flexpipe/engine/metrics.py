@@ -274,7 +274,7 @@ class EngineMetrics:
         """A planned step: its modelled time, the queue time of its first admissions."""
         for req in plan.rejected:
             self.observe_finished(req)
-        if not plan.scheduled:
+        if plan.is_empty:
             return
         self.num_steps += 1
         self.busy_s += plan.duration_s

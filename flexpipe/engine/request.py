@@ -5,6 +5,11 @@ it does, the "model" samples one more token (as vLLM V1 does). Chunked prefill, 
 hits, preemption by recompute and transferred KV are all just different values of
 `num_computed_tokens`.
 
+Under a lazy scheduler (`Scheduler(..., lazy_decodes=True)`, the simulator's), a request that
+decodes a known token every step is advanced without being touched: its `token_ids`,
+`num_computed_tokens` and `last_token_s` lag until the scheduler materialises it
+(`Scheduler.materialize`; done for you when it finishes, is aborted or preempted).
+
 Generated tokens are deterministic: a `random.Random` seeded from (seed, prompt token ids)
 draws from the tokenizer's generation vocabulary. When the client gives max_tokens, the sim
 "model" talks until it is cut off (finish_reason "length"); without max_tokens it stops by
@@ -89,6 +94,14 @@ class EngineRequest:
     # `_fixed_token` when sampling it can only end the request by length (not EOS, not a stop
     # token, no stop strings): the scheduler then appends it inline (see `sample`), else -1
     _plain_token: int = -1
+    # a lazy scheduler's (see flexpipe.engine.scheduler, "Lazy decodes"): the step from which
+    # this request decodes one `_plain_token` a step without being touched (-1: it is not),
+    # the generation of its entries in the scheduler's heaps, its place in `running` (a
+    # counter of admissions), and the step at which it needs its next KV block
+    _lazy_step: int = -1
+    _lazy_gen: int = 0
+    _run_seq: int = 0
+    _next_block_step: int = 0
     # timing: set by EngineCore from the `now` it is given (a wall clock or a virtual one)
     scheduled_s: float = 0.0  # first admitted (queue time ends)
     first_token_s: float = 0.0

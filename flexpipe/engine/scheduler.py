@@ -20,6 +20,24 @@ Policy (vLLM V1's, with V0's admission watermark):
   largest (priority, arrival) instead of the last admitted. flexpipe's gateway sends a request
   it moves off a drained instance with a negative priority, so that it takes the next free
   slot ahead of the queue (and is the last to be preempted).
+
+Lazy decodes (`lazy_decodes=True`, the simulator's engines): a running request that decodes
+a known token every step (a one-token vocabulary that can only end it by length, see
+`EngineRequest._plain_token`) costs nothing per step. It keeps the step it went lazy at and
+its token count then; its true state is a function of the step counter (`num_steps`). What
+happens at a particular step sits in two heaps keyed by (step, place in `running`): it needs
+a new KV block (`schedule`), it finishes by max_tokens / max_model_len (`finish_step`). The
+step's `BatchShape` comes from running sums, as a decode step's context is affine in the
+step. A step then does O(changes) work, with the block manager called in exactly the order
+the per-step path calls it (allocations in `running` order, then admissions; frees in batch
+order), so every block id, free-queue position and prefix-cache entry is the same. A decode
+never registers a block in the prefix cache (`schedule` marks every block it holds as
+registered before `finish_step` could; so block size >= 2 is required), and a decode's block
+hashes are a pure function of its tokens, so both wait until the request is materialised.
+A step whose budget or free blocks do not cover every running request (chunking, preemption)
+materialises all of them and runs the per-step path; they go lazy again when it ends.
+`StepPlan.scheduled` and `finish_step`'s result then list only the requests not decoding
+lazily (`plan.num_lazy` counts the others), plus those that finish.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 
 from flexpipe.engine.block_manager import BlockManager
 from flexpipe.engine.request import EngineRequest, Status
@@ -52,10 +71,11 @@ class StepPlan:
     rejected: list[EngineRequest] = field(default_factory=list)  # can never fit: errored
     admitted: list[EngineRequest] = field(default_factory=list)  # first admissions this step
     duration_s: float = 0.0  # the performance model's time for `batch` (set by EngineCore)
+    num_lazy: int = 0  # running requests decoding lazily this step (not in `scheduled`)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.num_lazy
 
 
 @dataclass(slots=True)
@@ -70,14 +90,30 @@ class TokenStamps:
     itl_s: list[float] = field(default_factory=list)
 
 
+# (step, place in `running`, generation, request): an entry whose generation is not the
+# request's current one is stale (the request stopped decoding lazily since)
+_Due = tuple[int, int, int, EngineRequest]
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, lazy_decodes: bool = False
+    ) -> None:
         self.config = config
         self.bm = block_manager
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.num_preemptions = 0
         self._num_watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        self.num_steps = 0  # steps finished (`finish_step` calls)
+        self._num_admissions = 0  # -> EngineRequest._run_seq
+        # lazy decodes (see the module docstring)
+        self.lazy = lazy_decodes and block_manager.block_size >= 2
+        self._last_now_s = 0.0  # the last stamped step's `now`
+        self._num_lazy = 0
+        self._lazy_context = 0  # sum of len(token_ids) - _lazy_step over lazy requests
+        self._block_due: list[_Due] = []  # a lazy request needs a new block at step
+        self._finish_due: list[_Due] = []  # a lazy request finishes at step
 
     # --- queue changes -------------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -101,6 +137,8 @@ class Scheduler:
         """Drop a request wherever it is and free its blocks at once."""
         if req.status is Status.FINISHED:
             return
+        if req._lazy_step >= 0:
+            self._unlazy(req)
         if req.status is Status.WAITING:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
@@ -126,6 +164,8 @@ class Scheduler:
 
     # --- one step ------------------------------------------------------------------------
     def _preempt(self, req: EngineRequest) -> None:
+        if req._lazy_step >= 0:
+            self._unlazy(req)
         self.bm.free(req.kv)
         req.status = Status.WAITING
         req.num_computed_tokens = 0
@@ -148,6 +188,10 @@ class Scheduler:
         return victim, pos
 
     def schedule(self) -> StepPlan:
+        if self._num_lazy:
+            lazy_plan = self._schedule_lazy()
+            if lazy_plan is not None:
+                return lazy_plan
         cfg = self.config
         bm = self.bm
         plan = StepPlan()
@@ -254,6 +298,8 @@ class Scheduler:
                 break
             waiting.popleft()
             running.append(req)
+            self._num_admissions += 1
+            req._run_seq = self._num_admissions
             req.status = Status.RUNNING
             if not req.admitted:
                 req.admitted = True
@@ -265,8 +311,9 @@ class Scheduler:
 
     def finish_step(self, plan: StepPlan, stamps: TokenStamps | None = None) -> list[EngineRequest]:
         """Apply a step the GPU has finished. Returns the requests that got a new token
-        (finished ones included, with finish_reason set and blocks freed); with `stamps`,
-        also stamps their token times (see `TokenStamps`)."""
+        (finished ones included, with finish_reason set and blocks freed; of the lazy ones,
+        only those that finished); with `stamps`, also stamps their token times (see
+        `TokenStamps`)."""
         bm = self.bm
         bs = bm.block_size
         caching = bm.enable_caching
@@ -282,7 +329,19 @@ class Scheduler:
         first_append = stamps.first_token.append
         itl_append = stamps.itl_s.append
         finished_append = stamps.finished.append
+        step = self.num_steps
+        lazy = self.lazy
+        # lazy requests that finish this step, merged into the batch order by place in `running`
+        fin = self._finish_due
+        due = self._due(fin, step + 1) if fin and fin[0][0] <= step else []
+        num_due = len(due)
+        n_due = 0
+        due_seq = due[0]._run_seq if due else 1 << 62
         for req, num_new, before in plan.scheduled:
+            while due_seq < req._run_seq:
+                self._finish_lazy(due[n_due], step, out, stamps if stamping else None)
+                n_due += 1
+                due_seq = due[n_due]._run_seq if n_due < num_due else 1 << 62
             if req.status is not running_status or req.num_computed_tokens != before:
                 continue  # aborted or preempted since the plan
             computed = before + num_new
@@ -323,10 +382,200 @@ class Scheduler:
                 if stamping:
                     req.finished_s = now
                     finished_append(req)
+            elif lazy and plain >= 0:
+                self._lazify(req, step + 1)
             out_append(req)
+        while n_due < num_due:
+            self._finish_lazy(due[n_due], step, out, stamps if stamping else None)
+            n_due += 1
         if any_finished:
             self.running = [r for r in self.running if r.status is Status.RUNNING]
+        elif num_due:  # (only lazy requests finished: fewer than a pass over `running`)
+            for req in due:
+                if req.status is Status.FINISHED:
+                    self.running.remove(req)
+        self.num_steps = step + 1
+        if stamping:
+            self._last_now_s = now
         return out
+
+    # --- lazy decodes (see the module docstring) -----------------------------------------
+    def materialize(self, req: EngineRequest) -> None:
+        """Bring a lazily decoding request's tokens, computed count, last token time and
+        block hashes up to date (it stays lazy). A no-op for any other request."""
+        if req._lazy_step < 0:
+            return
+        k = self.num_steps - req._lazy_step
+        if k <= 0:
+            return
+        token_ids = req.token_ids
+        token_ids.extend([req._plain_token] * k)
+        req.num_computed_tokens = len(token_ids) - 1
+        req.last_token_s = self._last_now_s
+        req._lazy_step = self.num_steps
+        if self.bm.enable_caching:
+            self.bm.update_hashes(req.kv, token_ids)
+
+    def _lazify(self, req: EngineRequest, step: int) -> None:
+        """From `step` on, `req` (which just got a token and is not finished) decodes lazily,
+        if it can only end by length before any natural end."""
+        n = len(req.token_ids)
+        prompt = req._num_prompt
+        limit = min(prompt + req.max_output_tokens, self.config.max_model_len)
+        if limit - prompt >= req._natural_len:
+            return
+        req._lazy_step = step
+        self._num_lazy += 1
+        self._lazy_context += n - step
+        gen = req._lazy_gen
+        seq = req._run_seq
+        heappush(self._finish_due, (limit - 1 - n + step, seq, gen, req))
+        # the step whose token count first exceeds the blocks it holds
+        nxt = len(req.kv.block_ids) * self.bm.block_size - n + step + 1
+        req._next_block_step = nxt
+        heappush(self._block_due, (nxt, seq, gen, req))
+
+    def _unlazy(self, req: EngineRequest) -> None:
+        """Materialise `req` and track it step by step from now on."""
+        self.materialize(req)
+        self._num_lazy -= 1
+        self._lazy_context -= len(req.token_ids) - req._lazy_step
+        req._lazy_step = -1
+        req._lazy_gen += 1
+
+    def _unlazy_all(self) -> None:
+        for req in self.running:
+            if req._lazy_step >= 0:
+                self._unlazy(req)
+        assert self._num_lazy == 0 and self._lazy_context == 0
+        self._block_due.clear()
+        self._finish_due.clear()
+
+    @staticmethod
+    def _due(heap: list[_Due], end: int) -> list[EngineRequest]:
+        """Pop the live entries due before step `end`, in (step, place in `running`) order."""
+        out: list[EngineRequest] = []
+        while heap and heap[0][0] < end:
+            _, _, gen, req = heappop(heap)
+            if gen == req._lazy_gen and req._lazy_step >= 0:
+                out.append(req)
+        return out
+
+    def _new_block(self, req: EngineRequest, step: int) -> None:
+        """A lazy request's new block at `step` (`schedule`'s allocate for its decode)."""
+        kv = req.kv
+        ok = self.bm.append_block(kv)
+        assert ok, "a lazy decode ran out of blocks (the step's check must prevent it)"
+        # its tokens at `step` filled the blocks it held, plus one: the next block is due
+        # once those fill too
+        nxt = step + self.bm.block_size
+        req._next_block_step = nxt
+        heappush(self._block_due, (nxt, req._run_seq, req._lazy_gen, req))
+
+    def _finish_lazy(
+        self, req: EngineRequest, step: int, out: list[EngineRequest], stamps: TokenStamps | None
+    ) -> None:
+        """A lazy request's last token, at `step`: materialised, finished, blocks freed."""
+        if req.status is not Status.RUNNING:
+            return
+        n = len(req.token_ids)
+        k = step - req._lazy_step  # tokens at `step`: n + k
+        self._num_lazy -= 1
+        self._lazy_context -= n - req._lazy_step
+        req._lazy_step = -1
+        req._lazy_gen += 1
+        req.token_ids.extend([req._plain_token] * (k + 1))
+        req.num_computed_tokens = n + k
+        req.finish_reason = "length"
+        req.status = Status.FINISHED
+        self.bm.free(req.kv)
+        if stamps is not None:
+            now = stamps.now_s
+            stamps.itl_s.append(now - self._last_now_s)  # (its previous token's step)
+            req.last_token_s = now
+            req.finished_s = now
+            stamps.finished.append(req)
+        out.append(req)
+
+    def _schedule_lazy(self) -> StepPlan | None:
+        """`schedule` when some running requests decode lazily; None (and every request
+        materialised) when the step's budget or free blocks do not cover every running
+        request: the per-step path then decides who is chunked or preempted."""
+        step = self.num_steps
+        bm = self.bm
+        bs = bm.block_size
+        running = self.running
+        num_lazy = self._num_lazy
+        budget = self.config.max_num_batched_tokens - num_lazy
+        due = self._block_due
+        new_block = self._due(due, step + 1) if due and due[0][0] <= step else []
+        num_need = len(new_block)
+        eager: list[EngineRequest] = []
+        if num_lazy < len(running):
+            eager = [r for r in running if r._lazy_step < 0]
+            for req in eager:
+                num_new = len(req.token_ids) - req.num_computed_tokens
+                if num_new > 0:
+                    budget -= num_new
+                    total = req.num_computed_tokens + num_new
+                    num_need += max(0, -(-total // bs) - len(req.kv.block_ids))
+        if budget < 0 or num_need > len(bm.free_queue):
+            self._unlazy_all()
+            return None
+        plan = StepPlan()
+        scheduled = plan.scheduled
+        n_new = 0
+        for req in eager:  # in `running` order, merged with the lazy requests' new blocks
+            seq = req._run_seq
+            while n_new < len(new_block) and new_block[n_new]._run_seq < seq:
+                self._new_block(new_block[n_new], step)
+                n_new += 1
+            before = req.num_computed_tokens
+            num_new = len(req.token_ids) - before
+            if num_new <= 0:
+                continue
+            total = before + num_new
+            kv = req.kv
+            if total <= len(kv.block_ids) * bs:
+                if kv.num_cached_blocks < len(kv.block_ids):
+                    kv.num_cached_blocks = len(kv.block_ids)
+            else:
+                ok = bm.allocate(kv, total)
+                assert ok
+            scheduled.append((req, num_new, before))
+        for n_i in range(n_new, len(new_block)):
+            self._new_block(new_block[n_i], step)
+        self._admit(plan, budget)
+        plan.num_lazy = num_lazy
+        context = self._lazy_context + num_lazy * step  # the lazy decodes' tokens at `step`
+        plan.batch = _batch_shape(scheduled, 0, num_lazy, context)
+        return plan
+
+    def advance(self, num_steps: int, now: float) -> None:
+        """Apply `num_steps` decode steps of a batch that only decodes lazily, with nothing
+        admitted and nothing finishing (a simulator's closed-form stretch); the last ends at
+        `now`. Their new blocks are allocated in the per-step order."""
+        if num_steps <= 0:
+            return
+        end = self.num_steps + num_steps
+        heap = self._block_due
+        while heap and heap[0][0] < end:
+            step, _, gen, req = heappop(heap)
+            if gen == req._lazy_gen and req._lazy_step >= 0:
+                self._new_block(req, step)
+        assert self.first_lazy_finish_step() >= end, "a lazy request finishes in the stretch"
+        self.num_steps = end
+        self._last_now_s = now
+
+    def first_lazy_finish_step(self) -> int:
+        """The first step at which a lazy request finishes (huge when none does)."""
+        heap = self._finish_due
+        while heap:
+            _, _, gen, req = heap[0]
+            if gen == req._lazy_gen and req._lazy_step >= 0:
+                return heap[0][0]
+            heappop(heap)
+        return 1 << 62
 
 
 def _undo_query(bm: BlockManager, num_tokens: int, num_hit_blocks: int) -> None:

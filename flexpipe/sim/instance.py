@@ -50,7 +50,7 @@ class SimInstance:
         self.dep = dep
         self.cfg = cfg
         self.url = f"sim://{dep.name}"
-        self.core: EngineCore = engine_core(cfg)
+        self.core: EngineCore = engine_core(cfg, lazy_decodes=True)
         self.loop = loop
         self.on_done = on_done  # a request finished (completed or errored) at `now`
         self.on_busy = on_busy  # the engine computed from `start` to `end`
@@ -144,9 +144,9 @@ class SimInstance:
         while True:
             plan = core.step(now)
             ended += plan.rejected
-            if plan.scheduled or not plan.rejected:
+            if not plan.is_empty or not plan.rejected:
                 break
-        if plan.scheduled:
+        if not plan.is_empty:
             self._plan = plan
             self._start_s = now
             self._first_end_s = now + plan.duration_s

@@ -313,7 +313,10 @@ class _Run:
         rid = str(req.request_id)
         s = rec.instance.core.scheduler
         ereq = next((r for r in (*s.running, *s.waiting) if r.request_id == rid), None)
-        return req.num_prompt_tokens, 0 if ereq is None else ereq.num_output_tokens
+        if ereq is None:
+            return req.num_prompt_tokens, 0
+        s.materialize(ereq)
+        return req.num_prompt_tokens, ereq.num_output_tokens
 
     def move(
         self,

@@ -13,6 +13,8 @@ to the engine's state as `core.step` + `core.complete` would have, one by one:
   `update_hashes`) are made in the same global order (step, then schedule before finish,
   then batch order), but only at the steps where one of them can change something: a new
   block, a full block to register, a block hash to add; and at the last step;
+- a lazy scheduler's batch (flexpipe.engine.scheduler) advances by `Scheduler.advance`,
+  which makes the same block-manager calls from its heaps;
 - time: a decode step's time is affine in the batch's context length (the roofline's
   attention term is linear in it; weights, communication and overhead depend on the batch
   size only), so the durations of consecutive steps form an arithmetic progression priced by
@@ -81,7 +83,7 @@ def plan_stretch(core: EngineCore, plan: StepPlan, max_steps: int, decode_regist
     could start hitting them, so with a queue the stretch stops before the first one)."""
     if (
         max_steps <= 0
-        or not plan.scheduled
+        or plan.is_empty
         or plan.preempted
         or plan.admitted
         or plan.rejected
@@ -89,6 +91,8 @@ def plan_stretch(core: EngineCore, plan: StepPlan, max_steps: int, decode_regist
     ):
         return 0
     sched = core.scheduler
+    if plan.num_lazy:
+        return _plan_lazy_stretch(core, plan, max_steps, decode_registers)
     if len(plan.scheduled) != len(sched.running):
         return 0
     bm = sched.bm
@@ -112,10 +116,16 @@ def plan_stretch(core: EngineCore, plan: StepPlan, max_steps: int, decode_regist
     if len(reqs) * (cap // bs + 1) <= free:
         return cap  # even a new block per request every block_size steps fits
     # the first virtual step that needs a new block, per request (tokens after the planned step)
-    firsts = [_first_new_block_step(len(r.token_ids) + 1, bs) for r in reqs]
+    return _most_steps_fitting([_first_new_block_step(len(r.token_ids) + 1, bs) for r in reqs],
+                               bs, free, cap)  # fmt: skip
+
+
+def _most_steps_fitting(firsts: list[int], block_size: int, free: int, cap: int) -> int:
+    """The most virtual steps (<= cap) whose new blocks fit in `free`, given the first
+    virtual step at which each request needs one."""
 
     def fits(m: int) -> bool:
-        return sum(_num_new_blocks(f, bs, m) for f in firsts) <= free
+        return sum(_num_new_blocks(f, block_size, m) for f in firsts) <= free
 
     if fits(cap):
         return cap
@@ -127,6 +137,33 @@ def plan_stretch(core: EngineCore, plan: StepPlan, max_steps: int, decode_regist
         else:
             hi = mid - 1
     return lo
+
+
+def _plan_lazy_stretch(
+    core: EngineCore, plan: StepPlan, max_steps: int, decode_registers: bool
+) -> int:
+    """`plan_stretch` of a batch that decodes lazily (flexpipe.engine.scheduler): the same
+    bounds, from the scheduler's heaps instead of a pass over the batch."""
+    sched = core.scheduler
+    running = sched.running
+    if plan.scheduled or plan.num_lazy != len(running):
+        return 0
+    step = sched.num_steps  # the planned step's
+    bm = sched.bm
+    bs = bm.block_size
+    # virtual steps end before the first finish
+    cap = min(max_steps, sched.first_lazy_finish_step() - step - 1)
+    if cap > 0 and decode_registers and bm.enable_caching and sched.waiting:
+        for r in running:
+            sched.materialize(r)
+        cap = min(cap, min(((-len(r.token_ids)) % bs or bs) - 1 for r in running))
+    if cap <= 0:
+        return 0
+    free = bm.num_free_blocks
+    if len(running) * (cap // bs + 1) <= free:
+        return cap
+    # (a lazy request's next block is due at an absolute step: virtual step i is step + i)
+    return _most_steps_fitting([r._next_block_step - step for r in running], bs, free, cap)
 
 
 def price(core: EngineCore, plan: StepPlan, num_steps: int) -> Stretch:
@@ -144,8 +181,11 @@ def price(core: EngineCore, plan: StepPlan, num_steps: int) -> Stretch:
 
 def fast_forward(core: EngineCore, reqs: list[EngineRequest], num_steps: int, now: float) -> None:
     """Apply `num_steps` virtual decode steps to `reqs` (the batch, in batch order, each just
-    past the planned step); the last one ends at `now`."""
+    past the planned step; empty when it decodes lazily); the last one ends at `now`."""
     if num_steps <= 0:
+        return
+    if not reqs:
+        core.scheduler.advance(num_steps, now)
         return
     bm = core.scheduler.bm
     bs = bm.block_size
