@@ -186,8 +186,9 @@ class RayLauncher:
             for rec in records:
                 for pg_id in created.pop(pg_name(self.deployment, rec.name, rec.gpu_ids), []):
                     handle = await self._reattach(rec, pg_id)
-                    if handle is not None and rec.id not in handles:
+                    if handle is not None:
                         handles[rec.id] = handle
+                        break
             kept = {h.pg_id for h in handles.values() if isinstance(h, RayEngine)}
             await self._remove_leftovers(keep=kept)
             self._connected = True
