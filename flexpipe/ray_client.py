@@ -28,6 +28,7 @@ __all__ = [
     "RayUnavailable",
     "connect",
     "create_placement_group",
+    "get_actor",
     "nodes",
     "placement_groups",
     "remove_placement_group",
@@ -235,6 +236,16 @@ async def _await_ref(ref: Any) -> Any:
         return await ref
     except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
         raise ActorDied(str(exc).strip().splitlines()[0] if str(exc).strip() else "dead") from None
+
+
+def get_actor(name: str, namespace: str = NAMESPACE) -> ActorRef | None:
+    """A named (detached) actor another driver started, e.g. a controller before its restart;
+    None when there is none by that name (it died, or its placement group was removed)."""
+    ray = _ray()
+    try:
+        return ActorRef(ray.get_actor(name, namespace=namespace))
+    except ValueError:
+        return None
 
 
 def start_actor(

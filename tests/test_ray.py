@@ -9,6 +9,8 @@ node1 (two A100s, NVLink from the cluster file), node2 (an L40S). One cluster fo
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import os
 import re
 import signal
@@ -33,8 +35,10 @@ from flexpipe.cluster.ray_inventory import OTHER_RAY_WORK, read_ray_cluster
 from flexpipe.control.launching import engine_spec, load_models
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.launch import free_port
-from flexpipe.launch.ray_launcher import RayLauncher
+from flexpipe.launch.ray_launcher import RayEngine, RayLauncher, actor_name
 from flexpipe.policies.planner import plan
+from flexpipe.store import Store
+from flexpipe.store.instance_registry import InstanceRegistry
 
 FRAGMENTED = ROOT / "examples" / "clusters" / "fragmented-4gpu.yaml"
 MODELS = ROOT / "examples" / "models" / "llama-7b.yaml"
@@ -152,40 +156,75 @@ def test_an_instance_is_a_placement_group_on_its_planned_gpus(
 
 
 _CRASHING_CONTROLLER = """
-import asyncio, os, sys
+import asyncio, json, os, sys
 from flexpipe.launch import EngineSpec, GpuPlace
 from flexpipe.launch.ray_launcher import RayLauncher
 
 async def main():
-    spec = EngineSpec(model="llama-2-7b", name="crashy", gpu_type="L40S",
-                      placement=(GpuPlace("gpu3", "node2", 0, "L40S"),))
     launcher = RayLauncher(sys.argv[1], deployment="t-crash", sim_load_time_s=0.2,
                            ready_timeout_s=120)
-    handle = await launcher.start(spec)
-    print(handle.endpoint, flush=True)
+    specs = [EngineSpec(model="llama-2-7b", name="kept", gpu_type="L40S", gpu_ids=("gpu3",),
+                        placement=(GpuPlace("gpu3", "node2", 0, "L40S"),)),
+             EngineSpec(model="llama-2-7b", name="stray", gpu_type="L4", gpu_ids=("gpu0",),
+                        placement=(GpuPlace("gpu0", "node0", 0, "L4"),))]
+    handles = await asyncio.gather(*(launcher.start(s) for s in specs))
+    print(json.dumps({h.name: [h.endpoint, h.pg_id] for h in handles}), flush=True)
     os._exit(9)  # a crash: nothing is stopped
 
 asyncio.run(main())
 """
 
 
-def test_a_restarted_controller_removes_what_a_crashed_one_left(
-    ray_cluster: LocalRayCluster,
+def test_a_restarted_controller_adopts_what_the_store_knows_and_removes_the_rest(
+    ray_cluster: LocalRayCluster, tmp_path: Path
 ) -> None:
+    """A crashed controller left two engines serving in Ray; the store knows one of them
+    (`kept`; the other, `stray`, was mid cold start) and one whose engine is gone (`ghost`).
+    The restarted launcher adopts `kept` as it runs, removes `stray`, and the adopted handle
+    reports its engine's death as a launched one does."""
     env = {**os.environ, **DRIVER_ENV, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-c", _CRASHING_CONTROLLER, ray_cluster.address],
         capture_output=True, text=True, env=env, timeout=240,
     )  # fmt: skip
     assert out.returncode == 9, out.stderr[-2000:]
-    endpoint = out.stdout.strip().splitlines()[-1]
-    assert len(_live_pgs("flexpipe:t-crash:")) == 1
-    assert _health(endpoint) == 200  # detached: it serves on after the crash
-    restarted = RayLauncher(ray_cluster.address, deployment="t-crash")
-    asyncio.run(restarted.connect())
-    assert restarted.num_leftovers_removed == 1
-    assert _live_pgs("flexpipe:t-crash:") == []
-    _until(lambda: _health(endpoint) is None, 30, "the left engine to stop")
+    left = json.loads(out.stdout.strip().splitlines()[-1])
+    (kept_url, kept_pg), (stray_url, stray_pg) = left["kept"], left["stray"]
+    assert {p.pg_id for p in _live_pgs("flexpipe:t-crash:")} == {kept_pg, stray_pg}
+    assert _health(kept_url) == _health(stray_url) == 200  # detached: they serve on
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
+    registry = InstanceRegistry(store)
+    kept = registry.register("kept", "llama-2-7b", "tp1", ["gpu3"], kept_url, "sim")
+    registry.register("ghost", "llama-2-7b", "tp1", ["gpu1"], "http://127.0.0.1:9", "sim")
+    restarted = RayLauncher(ray_cluster.address, deployment="t-crash", stop_grace_s=5)
+
+    async def run() -> None:
+        handles = await restarted.adopt(registry.live_instances())
+        assert list(handles) == [kept.id]
+        handle = handles[kept.id]
+        assert isinstance(handle, RayEngine)
+        assert (handle.endpoint, handle.pg_id, handle.returncode) == (kept_url, kept_pg, None)
+        assert restarted.num_leftovers_removed == 1
+        assert [p.pg_id for p in _live_pgs("flexpipe:t-crash:")] == [kept_pg]
+        assert _health(kept_url) == 200
+        await restarted.connect()  # what start() calls first: the adopted group stays
+        assert [p.pg_id for p in _live_pgs("flexpipe:t-crash:")] == [kept_pg]
+        actor = ray_client.get_actor(actor_name(kept_pg))
+        assert actor is not None
+        actor.kill()  # as when its node is lost
+        for _ in range(300):
+            if handle.returncode is not None and not _live_pgs("flexpipe:t-crash:"):
+                break
+            await asyncio.sleep(0.1)
+        assert handle.returncode == -1
+        assert _live_pgs("flexpipe:t-crash:") == []
+
+    try:
+        asyncio.run(run())
+    finally:
+        store.close()
+    _until(lambda: _health(kept_url) is None and _health(stray_url) is None, 30,
+           "the engines to stop")  # fmt: skip
 
 
 def _child(parent_pid: int, word: str) -> int:
@@ -208,9 +247,10 @@ def test_up_on_three_ray_nodes_serves_loses_no_request_to_a_lost_node_and_cleans
 ) -> None:
     port = free_port()
     env = {**os.environ, **DRIVER_ENV, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_cluster.address}
+    store = Store(f"sqlite:///{tmp_path / 'store.db'}")
     argv = [sys.executable, "-m", "flexpipe", "up", "--ray", "auto", "--cluster", str(FRAGMENTED),
             "--port", str(port), "--sim-load-time-s", "0.2", "--tick-s", "2",
-            "--store", f"sqlite:///{tmp_path / 'store.db'}"]  # fmt: skip
+            "--store", store.url]  # fmt: skip
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                           text=True, start_new_session=True)  # fmt: skip
     lines: list[str] = []
@@ -257,15 +297,29 @@ def test_up_on_three_ray_nodes_serves_loses_no_request_to_a_lost_node_and_cleans
         _until(lambda: any(re.search(r"llama-7b-\d exited", ln) for ln in lines), 60,
                "the controller to notice the lost instance")  # fmt: skip
 
-        # the controller crashes; `up` restarts it, and it starts clean: what its predecessor
-        # left in Ray is removed, the plan is brought up again in new placement groups
+        # the controller crashes (kill -9); the engines serve on; `up` restarts it, and it
+        # adopts what the store says its predecessor left serving in Ray: the same engines
+        # in the same placement groups, nothing launched
+        registry = InstanceRegistry(store)
+        _until(lambda: len(registry.live_instances()) == 2, 30, "the lost one gone in the store")
+        live = {r.id: r.endpoint for r in registry.live_instances()}
+        num_records = len(registry.instances())
         before = {p.pg_id for p in _live_pgs("flexpipe:default:")}
-        num_serving = sum("instance(s) serving" in ln for ln in lines)
+        assert len(before) == 2
+        num_lines = len(lines)
         os.kill(_child(up.pid, "controller"), signal.SIGKILL)
-        _until(lambda: sum("instance(s) serving" in ln for ln in lines) > num_serving, 180,
+        killed = time.monotonic()
+        answer = client.completions.create(model="llama-7b", prompt="anyone?", max_tokens=8)
+        assert answer.choices[0].finish_reason == "length"  # served with no controller
+        _until(lambda: any("instance(s) serving" in ln for ln in lines[num_lines:]), 180,
                "the restarted controller to serve")  # fmt: skip
-        after = {p.pg_id for p in _live_pgs("flexpipe:default:")}
-        assert after and not after & before
+        print(f"ray: restarted controller serving {time.monotonic() - killed:.1f} s after kill -9")
+        since = "".join(lines[num_lines:])
+        assert "adopted 2 running instance(s)" in since, since
+        assert " ready at " not in since  # nothing launched
+        assert {p.pg_id for p in _live_pgs("flexpipe:default:")} == before
+        assert {r.id: r.endpoint for r in registry.live_instances()} == live
+        assert len(registry.instances()) == num_records
         answer = client.completions.create(model="llama-7b", prompt="again", max_tokens=8)
         assert answer.choices[0].finish_reason == "length"
     finally:
@@ -277,5 +331,23 @@ def test_up_on_three_ray_nodes_serves_loses_no_request_to_a_lost_node_and_cleans
                 os.killpg(up.pid, signal.SIGKILL)
                 up.wait(10)
             reader.join(10)
+            store.close()
     assert up.returncode == 0, "".join(lines[-40:])
     assert _live_pgs("flexpipe:default:") == []
+    ports = [url.rsplit(":", 1)[1] for url in live.values()]
+    _until(lambda: not _engines_on(ports), 30, "the adopted engines to stop")
+
+
+def _engines_on(ports: list[str]) -> list[int]:
+    """The pids of sim engines listening on one of `ports` (by their command lines)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "flexpipe.engine.sim" in argv and any(
+            a == "--port" and b in ports for a, b in itertools.pairwise(argv)
+        ):
+            found.append(int(entry.name))
+    return found

@@ -22,7 +22,7 @@ from flexpipe.cli.common import err_console, user_errors
 
 if TYPE_CHECKING:
     from flexpipe.control.ray_watch import RayWatch
-    from flexpipe.launch import Launcher
+    from flexpipe.launch import AdoptingLauncher
 
 
 def _secret(value: str | None, path: Path | None, env: str) -> str | None:
@@ -192,7 +192,7 @@ def controller(
             occupied_owner=occupy_owner,
         )
         st = Store(store)
-    launcher: Launcher = LocalLauncher(
+    launcher: AdoptingLauncher = LocalLauncher(
         engine,
         time_scale=time_scale,
         sim_load_time_s=sim_load_time_s,

@@ -52,7 +52,7 @@ from flexpipe.http.server import (
     HttpServer,
     serve,
 )
-from flexpipe.launch import EngineSpec, Launcher
+from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
@@ -120,7 +120,7 @@ class Controller:
     def __init__(
         self,
         cfg: ControllerConfig,
-        launcher: Launcher,
+        launcher: AdoptingLauncher,
         gateway: GatewayClient,
         spec_of: Callable[[PlannedInstance, Cluster], EngineSpec],
         store: Store | None = None,
@@ -183,7 +183,7 @@ class Controller:
         self.metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
         self.journal = Journal(self.shift_log, self.metrics, cfg.rehearsal_tolerance)
         self._gone: list[tuple[str, State]] = []  # (model, gone) for the instance gauge
-        self.takeover = Takeover(self.registry, self.shift_log, gateway, cfg.engine_kind,
+        self.takeover = Takeover(self.registry, self.shift_log, launcher, gateway, cfg.engine_kind,
                                  cfg.engine_admin_token, cfg.drain_deadline_s, say)  # fmt: skip
         if self.registry is not None and hasattr(launcher, "on_spawn"):
             # (the local launcher's hook; not in the Protocol)

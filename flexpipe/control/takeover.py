@@ -1,25 +1,28 @@
 """What one controller leaves to the next (issue 9 §7), apart from the Controller class.
 
-While it runs, every engine is in the store's instance registry from its spawn on (the
-launcher's `on_spawn` hook, before the engine is ready) and follows its lifecycle there, so a
-controller killed at any moment leaves no engine its successor does not know of. After a
-restart, the successor closes the shift log's pending changes as aborted, takes the policy's
-shift history back, probes the registry's live instances (adopt.py: process group alive and
-/health 200), adopts those today's plan keeps — no duplicate launch —, and drains and stops
-the others once the plan serves (make before break, as a shift).
+While it runs, every engine is in the store's instance registry from its spawn on (the local
+launcher's `on_spawn` hook, before the engine is ready; the Ray launcher's engines from when
+they are ready: its `adopt` removes placement groups the store does not know) and follows its
+lifecycle there, so a controller killed at any moment leaves no engine its successor does not
+know of. After a restart, the successor closes the shift log's pending changes as aborted,
+takes the policy's shift history back, asks the launcher which of the registry's live
+instances still run (`AdoptingLauncher.adopt`: a handle on each) and probes their /health
+(adopt.py), adopts those today's plan keeps — no duplicate launch —, and drains and stops the
+others once the plan serves (make before break, as a shift). One path for every launcher.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable, MutableMapping, Sequence
 
-from flexpipe.control.adopt import AdoptedEngine, reachable, stop_group
+from flexpipe.control.adopt import healthy
 from flexpipe.control.executor import LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.gears.gear import parse_gear
-from flexpipe.launch import EngineSpec
+from flexpipe.launch import AdoptingLauncher, EngineHandle, EngineSpec
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.snapshot import ShiftRecord, instance_key
@@ -38,6 +41,7 @@ class Takeover:
         self,
         registry: InstanceRegistry | None,
         shift_log: ShiftLog | None,
+        launcher: AdoptingLauncher,
         gateway: GatewayClient,
         engine_kind: str,
         engine_admin_token: str | None,
@@ -46,12 +50,14 @@ class Takeover:
     ) -> None:
         self.registry = registry
         self.shift_log = shift_log
+        self.launcher = launcher
         self.gateway = gateway
         self.engine_kind = engine_kind
         self.engine_admin_token = engine_admin_token
         self.drain_deadline_s = drain_deadline_s
         self.say = say
         self._spawned_ids: dict[str, int] = {}  # endpoint -> registry id, not yet claimed
+        self._handles: dict[int, EngineHandle] = {}  # registry id -> survivor's handle
 
     # ------------------------------------------------------------------ while running
     def spawned(self, spec: EngineSpec, pid: int, endpoint: str) -> None:
@@ -113,20 +119,21 @@ class Takeover:
         return list(self.shift_log.history())
 
     async def survivors(self) -> list[InstanceRecord]:
-        """The live instances of the store's registry whose process group lives and whose
-        engine answers /health; the others are gone (their processes stopped, out of the
-        gateway). Call after `resume_history`."""
+        """The live instances of the store's registry that the launcher still runs and whose
+        engine answers /health; the others are gone (what is left of them stopped, out of the
+        gateway). The launcher removes what else of its own a previous controller left. Call
+        after `resume_history`, before launching anything."""
         if self.registry is None or self.shift_log is None:
             return []
-        records = self.registry.live_instances()
-        if not records:
-            return []
-        ok = await reachable(records)
+        handles = await self.launcher.adopt(self.registry.live_instances())
+        ok = await healthy(handles)
+        # e.g. an engine killed with its controller mid cold start
+        await asyncio.gather(*(h.stop() for i, h in handles.items() if i not in ok))
         adopted, gone = self.registry.reconcile(ok, "not reachable after a controller restart")
+        self._handles = {i: handles[i] for i in ok}
         if gone:
             urls = {i["url"] for i in await self.gateway.instances()}
-            for rec in gone:  # e.g. an engine killed with its controller mid cold start
-                stop_group(rec)
+            for rec in gone:
                 if rec.endpoint in urls:
                     with contextlib.suppress(GatewayError):
                         await self.gateway.remove(rec.endpoint)
@@ -151,8 +158,7 @@ class Takeover:
             if p is None:
                 leaving.append(rec)
                 continue
-            handle = AdoptedEngine(rec)
-            inst = LiveInstance(p, handle, rec.state.value, rec.id)
+            inst = LiveInstance(p, self._handles.pop(rec.id), rec.state.value, rec.id)
             running[instance_key(p)] = inst
             if rec.endpoint not in gateway:
                 await self.gateway.add(rec.endpoint, p.model, p.gear.max_num_seqs,
@@ -176,7 +182,9 @@ class Takeover:
                 await self.gateway.drain(rec.endpoint, self.drain_deadline_s)
             with contextlib.suppress(GatewayError):
                 await self.gateway.remove(rec.endpoint)
-            await AdoptedEngine(rec).stop()
+            handle = self._handles.pop(rec.id, None)
+            if handle is not None:
+                await handle.stop()
             if self.registry is not None:
                 self.registry.mark_gone(rec.id, "not in the plan after a controller restart")
 

@@ -3,6 +3,7 @@ local-process implementation for the sim engine and vLLM, and a Ray one (launch/
 imported on its own: Ray is an optional extra)."""
 
 from flexpipe.launch.base import (
+    AdoptingLauncher,
     EngineExited,
     EngineHandle,
     EngineNotReady,
@@ -12,11 +13,13 @@ from flexpipe.launch.base import (
     LaunchError,
 )
 from flexpipe.launch.command import ENGINES, vllm_flags
-from flexpipe.launch.local import LocalEngine, LocalLauncher
+from flexpipe.launch.local import AdoptedEngine, LocalEngine, LocalLauncher
 from flexpipe.launch.process import free_port
 
 __all__ = [
     "ENGINES",
+    "AdoptedEngine",
+    "AdoptingLauncher",
     "EngineExited",
     "EngineHandle",
     "EngineNotReady",

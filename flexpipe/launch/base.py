@@ -6,10 +6,14 @@ endpoint". gear_bench, `flexpipe up` and the controller all go through it: local
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from flexpipe.gears.gear import Gear
+
+if TYPE_CHECKING:
+    from flexpipe.store.instance_registry import InstanceRecord
 
 
 class LaunchError(RuntimeError):
@@ -132,4 +136,15 @@ class Launcher(Protocol):
     async def start(self, spec: EngineSpec) -> EngineHandle:
         """Start an engine and return once it answers /health 200. Raises LaunchError
         (EngineNotReady, EngineExited), leaving nothing running."""
+        ...
+
+
+class AdoptingLauncher(Launcher, Protocol):
+    """A launcher whose engines may outlive the controller that started them (the
+    controller's takeover after a restart, control/takeover.py, asks it for them)."""
+
+    async def adopt(self, records: Sequence[InstanceRecord]) -> Mapping[int, EngineHandle]:
+        """Handles on the engines of `records` (the store's live instances after a
+        controller restart) that still run, by record id; their /health is the caller's
+        to ask. Whatever else of this launcher's a previous controller left, it removes."""
         ...

@@ -7,7 +7,8 @@ engine, which accepts the same flags, so the vLLM path is exercised without GPUs
 
 Stopping sends SIGTERM to the whole process group (vLLM forks workers), waits `stop_grace_s`,
 then SIGKILLs the group. Ready means GET /health answers 200; the engine's output goes to a
-log file whose last lines are quoted when it fails.
+log file whose last lines are quoted when it fails. After a controller restart, `adopt` takes
+back the engines of the store whose process group still lives (`AdoptedEngine`).
 """
 
 from __future__ import annotations
@@ -18,19 +19,24 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from flexpipe.launch.base import EngineSpec, HandleBase, LaunchError
+from flexpipe.launch.base import EngineHandle, EngineSpec, HandleBase, LaunchError
 from flexpipe.launch.command import SIM_COMMAND, VLLM_COMMAND, check_engine, engine_argv
 from flexpipe.launch.health import wait_ready
 from flexpipe.launch.process import (
     die_with_parent,
     free_port,
+    group_alive,
     log_tail,
     safe_name,
     signal_group,
 )
+
+if TYPE_CHECKING:
+    from flexpipe.store.instance_registry import InstanceRecord
 
 
 class LocalEngine(HandleBase):
@@ -87,6 +93,33 @@ class LocalEngine(HandleBase):
             await asyncio.wait_for(self.proc.wait(), 5.0)
 
 
+class AdoptedEngine(HandleBase):
+    """An engine another controller started (implements EngineHandle): known by its
+    endpoint and process group, stopped by signalling the group."""
+
+    def __init__(self, record: InstanceRecord, stop_grace_s: float = 10.0) -> None:
+        super().__init__(record.name, record.endpoint, record.cold_start_s or 0.0)
+        self.pgid = record.pgid or record.pid or 0
+        self.stop_grace_s = stop_grace_s
+
+    @property
+    def pid(self) -> int:
+        return self.pgid
+
+    @property
+    def returncode(self) -> int | None:
+        """None while any process of its group lives (the exit status is not ours to see)."""
+        return None if group_alive(self.pgid) else -1
+
+    async def _stop(self) -> None:
+        signal_group(self.pgid, signal.SIGTERM)
+        for _ in range(int(self.stop_grace_s / 0.05)):
+            if not group_alive(self.pgid):
+                return
+            await asyncio.sleep(0.05)
+        signal_group(self.pgid, signal.SIGKILL)
+
+
 class LocalLauncher:
     """Implements Launcher with local child processes."""
 
@@ -124,6 +157,16 @@ class LocalLauncher:
         self.vllm_command = tuple(vllm_command)
         self.env = env or {}
         self.supervisor_pid = supervisor_pid
+
+    async def adopt(self, records: Sequence[InstanceRecord]) -> Mapping[int, EngineHandle]:
+        """After a controller restart: the engines of `records` whose process group lives
+        (their /health is the caller's to ask). Nothing else of ours can be left: every
+        engine is in the store from its spawn on (`on_spawn`)."""
+        return {
+            r.id: AdoptedEngine(r, self.stop_grace_s)
+            for r in records
+            if group_alive(r.pgid or r.pid or 0)
+        }
 
     def command(self, spec: EngineSpec, port: int) -> tuple[list[str], dict[str, str]]:
         """The argv and environment for a spec (public so users can see what runs)."""

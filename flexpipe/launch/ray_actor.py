@@ -82,9 +82,15 @@ class EngineProcess:
     def poll(self) -> int | None:
         return self.proc.poll()
 
-    def wait(self) -> int:
-        """Block until the engine exits; its exit status."""
-        return self.proc.wait()
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        """Block until the engine exits (its exit status) or `timeout_s` passes (None). The
+        launcher asks again and again rather than once for ever: a call its controller left
+        when it crashed would hold one of the actor's threads until the engine exits, and
+        each restart (which asks anew) would take one more."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     def log_tail(self, num_lines: int = 8) -> str:
         return log_tail(self.log_path, num_lines)

@@ -7,10 +7,16 @@ actor in it that runs the engine (implements `Launcher`).
 - Which GPUs: the engine's CUDA_VISIBLE_DEVICES is the plan's device indices on the node (the
   planner chose them for their links); Ray's bundles keep other Ray work off that many GPUs.
 - The placement group is named `flexpipe:<deployment>:<instance>:<gpu ids>` and detached: it
-  outlives a controller that crashes. The launcher's first call removes what a previous
-  controller of the same deployment left, so a restarted controller starts clean.
-- The actor (launch/ray_actor.py) sits in bundle 0, starts the engine on its node and says
-  where it listens; the launcher waits for GET /health 200 from here.
+  outlives a controller that crashes. The actor (launch/ray_actor.py) sits in bundle 0, is
+  detached and named after its placement group's id (`flexpipe-engine:<pg id>`), starts the
+  engine on its node and says where it listens; the launcher waits for GET /health 200 from
+  here.
+- After a controller restart, `adopt(records)` takes back the engines the store says were
+  live whose placement group is whole and whose actor lives at the recorded endpoint (the
+  controller's takeover then asks their /health); every other placement group of the
+  deployment a previous controller left is removed (not in the store: a crash mid cold start;
+  a group being re-placed after its node was lost; an actor gone). Without a store, the first
+  `start()` removes them all, so a restarted controller starts clean.
 - `stop()` stops the engine and removes the placement group. An actor that dies (its node
   lost) turns `returncode` to -1 and its placement group is removed (Ray would otherwise
   re-place it, holding GPUs for nothing): the controller's engine-death path takes it from
@@ -27,20 +33,30 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from flexpipe import ray_client
 from flexpipe.cluster.ray_inventory import node_name, pg_name, pg_prefix
-from flexpipe.launch.base import EngineSpec, HandleBase, LaunchError
+from flexpipe.launch.base import EngineHandle, EngineSpec, HandleBase, LaunchError
 from flexpipe.launch.command import VLLM_COMMAND, check_engine, engine_argv
 from flexpipe.launch.health import wait_ready
 from flexpipe.launch.ray_actor import EngineProcess
 
-__all__ = ["RayEngine", "RayLauncher"]
+if TYPE_CHECKING:
+    from flexpipe.store.instance_registry import InstanceRecord
+
+__all__ = ["RayEngine", "RayLauncher", "actor_name"]
 
 log = logging.getLogger("flexpipe.launch.ray")
 
 SIM_ARGV: tuple[str, ...] = ("{python}", "-m", "flexpipe.engine.sim")
+WAIT_POLL_S = 5.0  # how long one `wait` call on the actor blocks (see EngineProcess.wait)
+
+
+def actor_name(pg_id: str) -> str:
+    """The engine actor's name: a restarted controller finds it from its placement group."""
+    return f"flexpipe-engine:{pg_id}"
 
 
 class RayEngine(HandleBase):
@@ -68,7 +84,9 @@ class RayEngine(HandleBase):
 
     async def _wait(self) -> None:
         try:
-            code = await self.actor.call("wait")
+            code = None
+            while code is None:
+                code = await self.actor.call("wait", WAIT_POLL_S)
             self._returncode = int(code)
         except ray_client.ActorDied:
             self._returncode = -1
@@ -143,18 +161,64 @@ class RayLauncher:
 
     async def connect(self) -> None:
         """Join the Ray cluster and remove the placement groups a previous controller of this
-        deployment left (it crashed: nothing else leaves them)."""
+        deployment left (it crashed: nothing else leaves them), unless `adopt` took them."""
         async with self._lock:
             if self._connected:
                 return
             await asyncio.to_thread(ray_client.connect, self.address)
-            prefix = pg_prefix(self.deployment)
-            for pg in await asyncio.to_thread(ray_client.placement_groups):
-                if pg.name.startswith(prefix) and pg.state != "REMOVED":
-                    log.warning("removing placement group %s left by a previous run", pg.name)
-                    await asyncio.to_thread(ray_client.remove_placement_group, pg.pg_id)
-                    self.num_leftovers_removed += 1
+            await self._remove_leftovers(keep=())
             self._connected = True
+
+    async def adopt(self, records: Sequence[InstanceRecord]) -> Mapping[int, EngineHandle]:
+        """After a controller restart, before anything is launched: the engines of `records`
+        (the store's live instances) that still run, by record id — their placement group
+        (named after the instance and its GPUs) created, its actor alive and listening at the
+        recorded endpoint; their /health is for the caller to ask. Every other placement
+        group of this deployment is removed."""
+        async with self._lock:
+            await asyncio.to_thread(ray_client.connect, self.address)
+            prefix = pg_prefix(self.deployment)
+            created: dict[str, list[str]] = {}  # placement group name -> ids of live ones
+            for pg in await asyncio.to_thread(ray_client.placement_groups):
+                if pg.name.startswith(prefix) and pg.state == "CREATED":
+                    created.setdefault(pg.name, []).append(pg.pg_id)
+            handles: dict[int, EngineHandle] = {}
+            for rec in records:
+                for pg_id in created.pop(pg_name(self.deployment, rec.name, rec.gpu_ids), []):
+                    handle = await self._reattach(rec, pg_id)
+                    if handle is not None:
+                        handles[rec.id] = handle
+                        break
+            kept = {h.pg_id for h in handles.values() if isinstance(h, RayEngine)}
+            await self._remove_leftovers(keep=kept)
+            self._connected = True
+        return handles
+
+    async def _reattach(self, rec: InstanceRecord, pg_id: str) -> RayEngine | None:
+        """A handle on the engine in placement group `pg_id` if its actor lives and listens
+        where the store says (it reports the engine's death from now on, as at launch)."""
+        actor = await asyncio.to_thread(ray_client.get_actor, actor_name(pg_id))
+        if actor is None:
+            return None
+        try:
+            endpoint = str(await asyncio.wait_for(actor.call("endpoint"), 10.0))
+        except (ray_client.ActorDied, TimeoutError):
+            return None
+        if endpoint != rec.endpoint:
+            return None
+        handle = RayEngine(rec.name, endpoint, actor, pg_id, self.stop_grace_s)
+        handle._cold_start_s = rec.cold_start_s or 0.0
+        handle.watch()
+        return handle
+
+    async def _remove_leftovers(self, keep: Collection[str]) -> None:
+        """Remove this deployment's placement groups but those in `keep` (ids)."""
+        prefix = pg_prefix(self.deployment)
+        for pg in await asyncio.to_thread(ray_client.placement_groups):
+            if pg.name.startswith(prefix) and pg.state != "REMOVED" and pg.pg_id not in keep:
+                log.warning("removing placement group %s left by a previous run", pg.name)
+                await asyncio.to_thread(ray_client.remove_placement_group, pg.pg_id)
+                self.num_leftovers_removed += 1
 
     def command(self, spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         """The engine's argv (with placeholders the actor fills on its node) and environment."""
@@ -218,6 +282,7 @@ class RayLauncher:
                 pg,
                 0,
                 1.0,
+                actor_name(pg.pg_id),
             )
             endpoint = str(await asyncio.wait_for(actor.call("endpoint"), self.ready_timeout_s))
         except (ray_client.ActorDied, TimeoutError) as exc:
