@@ -99,11 +99,42 @@ def run_cancelled(block_activation: bool) -> tuple[Launcher, Gateway, dict[str, 
     return launcher, gateway, running
 
 
-def test_cancelled_while_engines_load_stops_the_ready_ones_too() -> None:
-    """One engine is ready (its start returned), the others still load: all are stopped."""
+def test_cancelled_while_engines_load_stops_those_still_loading() -> None:
+    """One engine is ready and serves (the first plan activates each as it is ready), the
+    others still load: those are stopped; the serving one is the controller's to stop."""
     launcher, _, running = run_cancelled(block_activation=False)
-    assert running == {}
-    assert all(h.stopped for h in launcher.handles.values()), launcher.handles
+    first = plan(CLUSTER, [DEMAND]).instances
+    assert [i.planned.name for i in running.values()] == [first[0].name]
+    assert not launcher.handles[first[0].name].stopped
+    assert all(h.stopped for n, h in launcher.handles.items() if n != first[0].name)
+
+
+def test_the_first_plan_serves_each_instance_as_soon_as_it_is_ready() -> None:
+    """Held requests wait for the fastest engine, not the slowest."""
+    first = plan(CLUSTER, [DEMAND]).instances
+    launcher, gateway = Launcher(), Gateway()
+    running: dict[str, LiveInstance] = {}
+
+    async def go() -> None:
+        executor = Executor(launcher, gateway, lambda p: p)  # type: ignore[arg-type,return-value]
+        shift = asyncio.ensure_future(
+            executor.shift(CLUSTER, running, first, rehearse=False, all_or_nothing=False)
+        )
+        while len(launcher.handles) < len(first):
+            await asyncio.sleep(0)
+        last = first[-1].name
+        launcher.ready.setdefault(last, asyncio.Event()).set()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert [i.planned.name for i in running.values()] == [last]  # the others still load
+        assert not shift.done()
+        for p in first:
+            launcher.ready.setdefault(p.name, asyncio.Event()).set()
+        out = await shift
+        assert out.succeeded and out.reason == ""
+        assert sorted(out.started) == sorted(running) and len(running) == len(first)
+
+    asyncio.run(go())
 
 
 def test_cancelled_during_the_switch_stops_what_is_not_serving_yet() -> None:

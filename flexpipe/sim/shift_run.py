@@ -246,6 +246,8 @@ class ShiftRun:
                     world.release(rec, t0)
                 self.out.succeeded = False
                 return []
+        if not self.do_rehearse and not self.all_or_nothing:  # the first plan, a rollback
+            return (yield from self._serve_each_when_ready(started, t0, suffix))
         ready = max(r.ready_s for r in started)
         now = yield max(0.0, ready - t0)
         self.out.phases_s["warm" + suffix] = now - t0
@@ -278,6 +280,32 @@ class ShiftRun:
             self.out.started.append(rec.key)
         self.out.phases_s["switch" + suffix] = 0.0
         return started
+
+    def _serve_each_when_ready(
+        self, started: list[Any], t0: float, suffix: str
+    ) -> Generator[Wait, float, list[Any]]:
+        """The executor's `_serve_each_when_ready`: no rehearsal, and some may fail, so each
+        instance serves as soon as its engine is loaded."""
+        world = self.world
+        served: list[Any] = []
+        now = t0
+        for ready_s in sorted({r.ready_s for r in started}):
+            now = yield max(0.0, ready_s - now)
+            for rec in started:
+                if rec.ready_s == ready_s and rec.released_s < 0:  # not dead with its GPUs
+                    world.set_state(rec, State.STARTING, now)
+                    world.set_state(rec, State.ACTIVE, now)
+                    self.running[rec.key] = rec
+                    self.out.started.append(rec.key)
+                    served.append(rec)
+        self.out.phases_s["warm" + suffix] = now - t0
+        self.out.phases_s["switch" + suffix] = 0.0
+        dead = [r for r in started if r not in served]
+        if dead:
+            why = "; ".join(f"instance {r.dep.name} died starting: {r.died}" for r in dead)
+            self.out.reason = f"{self.out.reason}; {why}" if self.out.reason else why
+            self.out.succeeded = bool(served)
+        return served
 
     def _alive(self, started: list[Any], now: float) -> list[Any]:
         """The started instances whose engines did not die with their GPUs; when one did and
