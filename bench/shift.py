@@ -530,7 +530,8 @@ def why_paused(row: dict[str, Any]) -> str:
     """What a moved request's pause was, in one phrase, for a pause of one prefill or more:
     its move (a KV move; a recompute whose warm-up was not done), a context so short that one
     step where it went is longer than its prefill (no move pauses less than a step), a stall
-    the requests not moved saw too (the machine), or none of these."""
+    the requests not moved saw too (the machine), new requests whose prefill ran on its
+    destination in the same steps (their first token came during its gap), or none of these."""
     if row["pause_over_prefill"] < 1.0:
         return "within one prefill"
     if row["method"] == "kv":
@@ -541,6 +542,8 @@ def why_paused(row: dict[str, Any]) -> str:
         return "short context: its prefill is under one step where it went"
     if row["unmoved_gap_ms"] >= 0.5 * row["pause_ms"]:
         return "machine stall: the requests not moved saw it too"
+    if row.get("other_prefill_tokens"):
+        return "new requests' prefills on its destination in its gap (continuous batching)"
     return "unexplained"
 
 
@@ -587,6 +590,11 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
             gap_s, num_before = gap
             cadence_s = rec.median_gap_before(num_before) or 0.0
             after_s = rec.median_gap_after(num_before)
+            # requests whose head went to its destination and whose first token came in its
+            # gap (to a few ms after: the same step's end): their prefill shared its steps
+            gap_start_s, gap_end_s = rec.token_s[num_before - 1], rec.token_s[num_before]
+            others = [r for r in records if r is not rec and r.instance == word["to"] and r.token_s
+                      and gap_start_s < r.token_s[0] <= gap_end_s + 0.005]  # fmt: skip
             context = (rec.prompt_tokens or 0) + num_before
             prefill_s = pm.prefill_s(context)
             row = {
@@ -599,6 +607,8 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
                 # its median gap where it went: about one step of that instance's batch
                 "step_after_ms": None if after_s is None else round(after_s / scale * 1e3, 1),
                 "priced_ms": word["priced_ms"],
+                "other_prefill_tokens": sum(r.prompt_tokens or 0 for r in others),
+                "gap_end_s": round(gap_end_s - run.t0, 3),  # after `up` started, wall
                 "unmoved_gap_ms": round(control_s / scale * 1e3, 1),
                 "excess_ms": round(max(0.0, gap_s - control_s) / scale * 1e3, 1),
                 "excess_over_prefill": round(max(0.0, gap_s - control_s) / scale / prefill_s, 2),
@@ -701,7 +711,8 @@ def print_report(s: dict[str, Any]) -> None:
             print(f"    moved: request {r['index']} off {r['from']} {r['when']} to {r['to']} by "
                   f"{r['method']}{'/' + r['warm'] if r['warm'] else ''}: pause {r['pause_ms']} ms "
                   f"(stall {r['stall_ms']}), context {r['context_tokens']}, prefill "
-                  f"{r['prefill_ms']} ms, step after {r['step_after_ms']} ms, priced "
+                  f"{r['prefill_ms']} ms, step after {r['step_after_ms']} ms, others' prefill "
+                  f"there {r['other_prefill_tokens']} tokens, priced "
                   f"{r['priced_ms']} ms, unmoved {r['unmoved_gap_ms']} ms: {r['why']}")  # fmt: skip
     if "throughput" in s:
         tcols = ("window_modelled_s", "output_tokens_per_s", "requests_per_s", "ttft_p50_ms",

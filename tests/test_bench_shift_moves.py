@@ -40,4 +40,5 @@ def test_why_a_moved_request_paused_one_prefill_or_more() -> None:
     assert why_paused(row(warm="skipped")) == "recompute, warm-up skipped"
     assert why_paused(row(prefill_ms=20.0, step_after_ms=25.0)).startswith("short context")
     assert why_paused(row(unmoved_gap_ms=70.0)).startswith("machine stall")
+    assert why_paused(row(other_prefill_tokens=1800)).startswith("new requests' prefills")
     assert why_paused(row()) == "unexplained"
