@@ -34,11 +34,13 @@ the sim engines run `--time-scale` wall seconds per modelled second, and the ben
   machine the whole system stalls now and then, e.g. while the controller re-plans).
 
 Each moved request's row also says how it moved (KV or recompute, the warm-up's outcome,
-where to), its cadence where it went (about one step there) and, at or past one prefill, why
-(`why_paused`: a KV move, a recompute not warmed, a context whose prefill is under one step
-where it went, a stall the requests not moved saw too, or unexplained). Beside the target,
-and not replacing it, the pause over one step or one prefill, whichever is longer (no move
-pauses less than a step).
+where to), its cadence before and after (about one step of each instance), the cut-over's
+floor (half a step where it was, as the client's gap starts at its last token there, plus
+the step in progress and one more where it went: no move pauses less) and, at or past one
+prefill, why (`why_paused`: a KV move, a recompute not warmed, a context whose prefill is
+under the floor, a stall the requests not moved saw too, new requests' prefills on its
+destination in its gap, or unexplained). Beside the target, and not replacing it, the pause
+over one prefill or the floor, whichever is longer.
 
 Verdict: "ok" when the shift succeeded, no request failed, and the p99 of pause / prefill
 of the moved requests is below 1. The table prints; JSON (summary) and CSV (one row per
@@ -528,8 +530,8 @@ def _move_word(word: str) -> dict[str, Any]:
 
 def why_paused(row: dict[str, Any]) -> str:
     """What a moved request's pause was, in one phrase, for a pause of one prefill or more:
-    its move (a KV move; a recompute whose warm-up was not done), a context so short that one
-    step where it went is longer than its prefill (no move pauses less than a step), a stall
+    its move (a KV move; a recompute whose warm-up was not done), a context so short that its
+    prefill is under a cut-over's floor (`floor_ms`: no move pauses less than that), a stall
     the requests not moved saw too (the machine), new requests whose prefill ran on its
     destination in the same steps (their first token came during its gap), or none of these."""
     if row["pause_over_prefill"] < 1.0:
@@ -538,8 +540,8 @@ def why_paused(row: dict[str, Any]) -> str:
         return "KV move"
     if row["method"] == "recompute" and row["warm"] != "warmed":
         return f"recompute, warm-up {row['warm'] or 'unknown'}"
-    if row["step_after_ms"] is not None and row["prefill_ms"] <= row["step_after_ms"]:
-        return "short context: its prefill is under one step where it went"
+    if row["floor_ms"] is not None and row["prefill_ms"] <= row["floor_ms"]:
+        return "short context: its prefill is under a cut-over's floor"
     if row["unmoved_gap_ms"] >= 0.5 * row["pause_ms"]:
         return "machine stall: the requests not moved saw it too"
     if row.get("other_prefill_tokens"):
@@ -604,8 +606,14 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
                 "pause_ms": round(gap_s / scale * 1e3, 1),
                 "stall_ms": round(max(0.0, gap_s - cadence_s) / scale * 1e3, 1),
                 "prefill_ms": round(prefill_s * 1e3, 1),
-                # its median gap where it went: about one step of that instance's batch
+                # its median gap where it was and where it went: about one step of each batch
+                "cadence_before_ms": round(cadence_s / scale * 1e3, 1),
                 "step_after_ms": None if after_s is None else round(after_s / scale * 1e3, 1),
+                # the least a cut-over costs, on average: the client's gap starts at its last
+                # token where it was (half a step there before the cut), then the step in
+                # progress where it goes (half a step) and the one that prefills the rest
+                "floor_ms": None if after_s is None
+                else round((cadence_s / 2 + 1.5 * after_s) / scale * 1e3, 1),
                 "priced_ms": word["priced_ms"],
                 "other_prefill_tokens": sum(r.prompt_tokens or 0 for r in others),
                 "gap_end_s": round(gap_end_s - run.t0, 3),  # after `up` started, wall
@@ -614,11 +622,10 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
                 "excess_over_prefill": round(max(0.0, gap_s - control_s) / scale / prefill_s, 2),
                 "pause_over_prefill": round(gap_s / scale / prefill_s, 2),
                 "stall_over_prefill": round(max(0.0, gap_s - cadence_s) / scale / prefill_s, 2),
-                # not the target: the pause over the least any move costs it, one prefill or
-                # one step where it went, whichever is longer
-                "pause_over_step_or_prefill": round(
-                    gap_s / scale / max(prefill_s, (after_s or 0.0) / scale), 2
-                ),
+                # not the target: the pause over one prefill or the cut-over's floor, whichever
+                # is longer (no move pauses less than the floor)
+                "pause_over_floor_or_prefill": round(gap_s / scale / max(
+                    prefill_s, (cadence_s / 2 + 1.5 * (after_s or 0.0)) / scale), 2),
                 "failed": rec.failure,
             }  # fmt: skip
             row["why"] = why_paused(row)
@@ -634,7 +641,7 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
         "stall_over_prefill_{}": "stall_over_prefill",
         "unmoved_gap_{}_ms": "unmoved_gap_ms", "excess_{}_ms": "excess_ms",
         "excess_over_prefill_{}": "excess_over_prefill",
-        "pause_over_step_or_prefill_{}": "pause_over_step_or_prefill",
+        "pause_over_floor_or_prefill_{}": "pause_over_floor_or_prefill",
     }  # fmt: skip
     for name, key in columns.items() if rows else ():
         for q in (50, 99):
@@ -704,14 +711,15 @@ def print_report(s: dict[str, Any]) -> None:
               )  # fmt: skip
         print(f"  by method: {m.get('by_method')}; at or past one prefill: "
               f"{m.get('over_one_prefill_by_why')}")  # fmt: skip
-        print(f"  not the target: pause over one step where it went or one prefill, whichever "
-              f"is longer, p50/p99 {m.get('pause_over_step_or_prefill_p50')}/"
-              f"{m.get('pause_over_step_or_prefill_p99')}")  # fmt: skip
+        print(f"  not the target: pause over one prefill or a cut-over's floor (half a step "
+              f"where it was + 1.5 steps where it went), whichever is longer, p50/p99 "
+              f"{m.get('pause_over_floor_or_prefill_p50')}/"
+              f"{m.get('pause_over_floor_or_prefill_p99')}")  # fmt: skip
         for r in s["moved"]["requests"]:
             print(f"    moved: request {r['index']} off {r['from']} {r['when']} to {r['to']} by "
                   f"{r['method']}{'/' + r['warm'] if r['warm'] else ''}: pause {r['pause_ms']} ms "
                   f"(stall {r['stall_ms']}), context {r['context_tokens']}, prefill "
-                  f"{r['prefill_ms']} ms, step after {r['step_after_ms']} ms, others' prefill "
+                  f"{r['prefill_ms']} ms, floor {r['floor_ms']} ms, others' prefill "
                   f"there {r['other_prefill_tokens']} tokens, priced "
                   f"{r['priced_ms']} ms, unmoved {r['unmoved_gap_ms']} ms: {r['why']}")  # fmt: skip
     if "throughput" in s:
