@@ -193,3 +193,20 @@ def test_a_full_destination_prices_its_moves_unwarmed() -> None:
     (move,) = plan_moves([MoveRequest(1, 2050, "src", SOURCE_S)], [full, free], warm=True)
     assert move.destination == "free" and move.choice.warmed
     assert move.choice.pause_s == warmed_recompute_s(PM, 2050, STEP_S, SOURCE_S)[1]
+
+
+def test_moves_spread_over_equal_destinations_as_each_one_placed_grows_the_step() -> None:
+    # "a" steps a hair faster now; each move placed there adds what one more sequence costs
+    per_move_s = PM.decode_interval_s(17, 1500) - PM.decode_interval_s(16, 1500)
+    a = Destination("a", PM, {}, 32, (), step_s=STEP_S - 0.0002, step_per_move_s=per_move_s)
+    b = Destination("b", PM, {}, 32, (), step_s=STEP_S, step_per_move_s=per_move_s)
+    reqs = [MoveRequest(n, 2050, "src", SOURCE_S) for n in range(4)]
+    moves = plan_moves(reqs, [a, b], warm=True)
+    assert [m.destination for m in moves] == ["a", "b", "a", "b"]
+    assert [m.at_s for m in moves[:2]] == [0.0, 0.0]  # in parallel, not one lane
+    pause = [warmed_recompute_s(PM, 2050, s, SOURCE_S)[1]
+             for s in (STEP_S - 0.0002, STEP_S, STEP_S - 0.0002 + per_move_s)]  # fmt: skip
+    assert [m.choice.pause_s for m in moves[:3]] == pause
+    # without the growth, the faster one takes all four, one after another
+    still = [Destination(d.name, PM, {}, 32, (), step_s=d.step_s) for d in (a, b)]
+    assert {m.destination for m in plan_moves(reqs, still, warm=True)} == {"a"}

@@ -177,6 +177,7 @@ class Destination:
     # moved request's first token comes at the end of a step, and these fill the steps first
     num_prefill_tokens: int = 0
     step_s: float = 0.0  # one decode step at its batch (a warmed recompute waits about two)
+    step_per_move_s: float = 0.0  # what each request moved in adds to that step
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +216,11 @@ def plan_moves(
     them while paused — until then it keeps generating where it is. Its pause is then its own
     move plus what is left of the wait for a slot (`slot_wait_s`, counted from now). With
     `warm` (the gateway pre-copies recomputes) a recompute onto a free slot pauses for the
-    cut-over only (`warmed_recompute_s`), and its warm-up holds the destination's lane
-    before it (the warm-up's prefill would stall a cut-over sharing its step). Among the
+    cut-over only (`warmed_recompute_s`) at the destination's step with the moves placed there
+    before it (`step_per_move_s` each: without it, the destination whose step is a hair
+    shorter would take every move, one after another, its batch growing), and its warm-up
+    holds the destination's lane before it (the warm-up's prefill would stall a cut-over
+    sharing its step). Among the
     options that start within `horizon_s` (the drain deadline: after it the source is gone)
     the smallest pause wins, then the earliest start; with none, the earliest resumption.
     Shortest context first: its budget (one prefill of its context) is the smallest. Ties go
@@ -243,7 +247,7 @@ def plan_moves(
                     link,
                     wait_s,
                     warm=warm,
-                    step_s=d.step_s,
+                    step_s=d.step_s + placed[n] * d.step_per_move_s,
                     source_interval_s=req.interval_s,
                 )
                 choice = replace(priced, method=method)
