@@ -7,6 +7,7 @@ Pure; exact expectations."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -133,6 +134,14 @@ SOURCE_S = 0.02  # the moved request's token interval on its source
 PCIE = link_spec("pcie4")
 
 
+def busy(
+    name: str, slots: int, remaining: tuple[float, ...] = (), num: int = 16, **kw: Any
+) -> Destination:
+    """A destination decoding `num` requests of 1,500 tokens each."""
+    return Destination(name, PM, kw.pop("links", {}), slots, remaining, num_decoding=num,
+                       decode_context_tokens=num * 1500, **kw)  # fmt: skip
+
+
 def test_a_warmed_recompute_pauses_for_a_step_and_the_tokens_generated_during_the_warm_up() -> None:
     warm_up_s, pause_s = warmed_recompute_s(PM, 2050, STEP_S, SOURCE_S)
     assert warm_up_s == STEP_S + PM.prefill_s(2050)  # the whole context, not paused
@@ -165,48 +174,53 @@ def test_the_pre_copy_turns_a_kv_move_over_a_middling_link_into_a_recompute() ->
     assert nv.method == "kv" and nv.pause_s == nv.kv_move_s
 
 
+def test_a_destination_s_step_grows_with_each_request_moved_in() -> None:
+    d = busy("d", 32)
+    assert d.step_s() == STEP_S
+    assert d.step_s(2, 2 * 3000) == PM.decode_interval_s(18, (16 * 1500 + 6000) // 18)
+    assert busy("idle", 32, num=0).step_s() == PM.decode_interval_s(1, 1)
+
+
 def test_warmed_recomputes_on_one_destination_go_one_after_another_warm_up_included() -> None:
-    only = Destination("only", PM, {"src": PCIE}, 8, (), step_s=STEP_S)
+    only = busy("only", 32, links={"src": PCIE})
     reqs = [MoveRequest(n, 2050, "src", SOURCE_S) for n in (1, 2, 3)]
     cold = plan_moves(reqs, [only])  # no pre-copy: KV over the link, one after another
     assert [m.choice.method for m in cold] == ["kv"] * 3
     moves = plan_moves(reqs, [only], warm=True)
-    warm_up_s, pause_s = warmed_recompute_s(PM, 2050, STEP_S, SOURCE_S)
-    assert [m.choice for m in moves] == [
-        MigrationChoice("recompute", moves[0].choice.kv_move_s, pause_s, 0.0, warm_up_s)
-    ] * 3
-    # each cut-over stays out of the next warm-up's prefill step: the lane is held for both
-    done_s = warm_up_s + pause_s
-    assert [m.at_s for m in moves] == [0.0, pytest.approx(done_s), pytest.approx(2 * done_s)]
-    # within a horizon shorter than that, the rest take the link (their pause is bigger, but
+    kv_s = PM.kv_transfer_s(2050, PCIE.bandwidth_bytes_per_s, PCIE.latency_s)
+    at_s = 0.0
+    for k, m in enumerate(moves):  # each at the step with the ones before it moved in
+        warm_up_s, pause_s = warmed_recompute_s(PM, 2050, only.step_s(k, k * 2050), SOURCE_S)
+        assert m.choice == MigrationChoice("recompute", kv_s, pause_s, 0.0, warm_up_s)
+        # each cut-over stays out of the next warm-up's prefill step: the lane is held for both
+        assert m.at_s == pytest.approx(at_s)
+        at_s += warm_up_s + pause_s
+    # within a horizon shorter than one, the rest take the link (their pause is bigger, but
     # they start before the source is gone)
-    near = plan_moves(reqs, [only], horizon_s=done_s / 2, warm=True)
+    near = plan_moves(reqs, [only], horizon_s=moves[1].at_s / 2, warm=True)
     assert [m.choice.method for m in near] == ["recompute", "kv", "kv"]
 
 
 def test_a_full_destination_prices_its_moves_unwarmed() -> None:
-    full = Destination("full", PM, {}, 1, (0.5,), step_s=STEP_S)  # its one slot frees in 0.5 s
+    full = busy("full", 1, (0.5,))  # its one slot frees in 0.5 s
     (move,) = plan_moves([MoveRequest(1, 2050, "src", SOURCE_S)], [full], warm=True)
     assert move.choice == MigrationChoice("recompute", None, PM.prefill_s(2050), 0.5)
     # a free one next to it takes the move, warmed, at a fraction of the pause
-    free = Destination("free", PM, {}, 4, (), step_s=STEP_S)
-    (move,) = plan_moves([MoveRequest(1, 2050, "src", SOURCE_S)], [full, free], warm=True)
+    (move,) = plan_moves([MoveRequest(1, 2050, "src", SOURCE_S)], [full, busy("free", 32)],
+                         warm=True)  # fmt: skip
     assert move.destination == "free" and move.choice.warmed
     assert move.choice.pause_s == warmed_recompute_s(PM, 2050, STEP_S, SOURCE_S)[1]
 
 
 def test_moves_spread_over_equal_destinations_as_each_one_placed_grows_the_step() -> None:
-    # "a" steps a hair faster now; each move placed there adds what one more sequence costs
-    per_move_s = PM.decode_interval_s(17, 1500) - PM.decode_interval_s(16, 1500)
-    a = Destination("a", PM, {}, 32, (), step_s=STEP_S - 0.0002, step_per_move_s=per_move_s)
-    b = Destination("b", PM, {}, 32, (), step_s=STEP_S, step_per_move_s=per_move_s)
+    # "a" decodes one request fewer: its step is a hair shorter, until a move lands there
+    a, b = busy("a", 32, num=15), busy("b", 32)
+    assert a.step_s() < b.step_s() < a.step_s(1, 2050)
     reqs = [MoveRequest(n, 2050, "src", SOURCE_S) for n in range(4)]
     moves = plan_moves(reqs, [a, b], warm=True)
     assert [m.destination for m in moves] == ["a", "b", "a", "b"]
     assert [m.at_s for m in moves[:2]] == [0.0, 0.0]  # in parallel, not one lane
-    pause = [warmed_recompute_s(PM, 2050, s, SOURCE_S)[1]
-             for s in (STEP_S - 0.0002, STEP_S, STEP_S - 0.0002 + per_move_s)]  # fmt: skip
-    assert [m.choice.pause_s for m in moves[:3]] == pause
-    # without the growth, the faster one takes all four, one after another
-    still = [Destination(d.name, PM, {}, 32, (), step_s=d.step_s) for d in (a, b)]
-    assert {m.destination for m in plan_moves(reqs, still, warm=True)} == {"a"}
+    steps = (a.step_s(), b.step_s(), a.step_s(1, 2050), b.step_s(1, 2050))
+    assert [m.choice.pause_s for m in moves] == [
+        warmed_recompute_s(PM, 2050, s, SOURCE_S)[1] for s in steps
+    ]

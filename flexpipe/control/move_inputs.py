@@ -46,22 +46,19 @@ def destination_of(
 ) -> Destination:
     """`target` (called `name`) as a move destination, from the requests it serves: its
     slots, the time left of each, the prompts it admitted and has not prefilled yet (the rest
-    waits behind them), the link from each source (url, planned), its step at this batch
-    (what a warmed recompute's cut-over waits for) and what one more request adds to it."""
-    batch = max(1, len(reqs))
-    context = max(1, sum(context_tokens(r) for r in reqs) // batch if reqs else 1)
-    perf = perf_model_of(cluster, target)
-    interval_s = perf.decode_interval_s(batch, context)  # as `decode_interval_s` says
+    waits behind them), the link from each source (url, planned) and its batch (what a warmed
+    recompute's cut-over waits for a step of)."""
+    interval_s = decode_interval_s(cluster, target, reqs)
     slots = target.gear.max_num_seqs
     decoding = sum(1 for r in reqs if int(r["num_output_tokens"]) > 0)
     fresh = [int(r["num_prompt_tokens"]) for r in reqs if int(r["num_output_tokens"]) == 0]
     return Destination(
         name,
-        perf,
+        perf_model_of(cluster, target),
         {url: link_between(cluster, p, target) for url, p in sources},
         slots,
         tuple(tokens_left(r) * interval_s for r in reqs),
         sum(fresh[: max(0, slots - decoding)]),
-        interval_s,
-        perf.decode_interval_s(batch + 1, context) - interval_s,
+        len(reqs),  # its batch as `decode_interval_s` counts it
+        sum(context_tokens(r) for r in reqs),
     )

@@ -176,8 +176,17 @@ class Destination:
     # prompt tokens it is still prefilling (requests in its slots without a token yet): a
     # moved request's first token comes at the end of a step, and these fill the steps first
     num_prefill_tokens: int = 0
-    step_s: float = 0.0  # one decode step at its batch (a warmed recompute waits about two)
-    step_per_move_s: float = 0.0  # what each request moved in adds to that step
+    # the requests in its batch and their contexts, summed: its decode step (what a warmed
+    # recompute's cut-over waits for), which every request moved in grows
+    num_decoding: int = 0
+    decode_context_tokens: int = 0
+
+    def step_s(self, num_moved: int = 0, moved_context_tokens: int = 0) -> float:
+        """One decode step at its batch with `num_moved` requests of `moved_context_tokens`
+        (summed) moved in."""
+        batch = self.num_decoding + num_moved
+        context = (self.decode_context_tokens + moved_context_tokens) // max(1, batch)
+        return self.perf.decode_interval_s(max(1, batch), max(1, context))
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +226,7 @@ def plan_moves(
     move plus what is left of the wait for a slot (`slot_wait_s`, counted from now). With
     `warm` (the gateway pre-copies recomputes) a recompute onto a free slot pauses for the
     cut-over only (`warmed_recompute_s`) at the destination's step with the moves placed there
-    before it (`step_per_move_s` each: without it, the destination whose step is a hair
+    before it (`Destination.step_s`: without them, the destination whose step is a hair
     shorter would take every move, one after another, its batch growing), and its warm-up
     holds the destination's lane before it (the warm-up's prefill would stall a cut-over
     sharing its step). Among the
@@ -226,6 +235,7 @@ def plan_moves(
     Shortest context first: its budget (one prefill of its context) is the smallest. Ties go
     to the earlier destination. Pure; empty when there is nowhere to go."""
     placed = [0] * len(destinations)
+    placed_context = [0] * len(destinations)  # the contexts of those, summed
     lane_free_s: dict[tuple[int, str], float] = {}  # (destination, lane) -> free from
     busy_s = [d.perf.prefill_s(d.num_prefill_tokens) if d.num_prefill_tokens else 0.0
               for d in destinations]  # fmt: skip
@@ -247,7 +257,7 @@ def plan_moves(
                     link,
                     wait_s,
                     warm=warm,
-                    step_s=d.step_s + placed[n] * d.step_per_move_s,
+                    step_s=d.step_s(placed[n], placed_context[n]) if warm else 0.0,
                     source_interval_s=req.interval_s,
                 )
                 choice = replace(priced, method=method)
@@ -262,6 +272,7 @@ def plan_moves(
         lane = "prefill" if move.choice.method == "recompute" else f"link:{req.source}"
         lane_free_s[(n, lane)] = move.at_s + move.choice.done_s
         placed[n] += 1
+        placed_context[n] += req.context_tokens
         out.append(move)
     return out
 
