@@ -547,10 +547,24 @@ class Gateway:
         if move.method == "recompute" and move.target is not None:
             timeout_s = WARM_TIMEOUT_S if move.warm_timeout_s is None else move.warm_timeout_s
             warm = await warm_up(self, call, move.target, timeout_s)
+            if warm == "warmed":
+                await self._between_prefills(move.target, timeout_s)
         if call.relay is not relay or call.relayed is not relayed:
             return "not_running", warm  # ended (or failed over) meanwhile
         outcome = relay.move(move) if relay is not None else move_relayed(call, move)
         return outcome, warm
+
+    async def _between_prefills(self, url: str, bound_s: float) -> bool:
+        """Wait, at most `bound_s`, until no stream on `url` awaits its first token: a warmed
+        cut-over is one short step there, unless it shares that step with (or waits for) a
+        new request's prefill, up to a whole prompt's. The moved stream keeps generating on
+        its source meanwhile, so the wait pauses nothing. True when `url` had none."""
+        deadline_s = self.clock() + bound_s
+        while any(c.instance == url and c.awaits_first_token for c in self._calls.values()):
+            if self.clock() >= deadline_s:
+                return False
+            await asyncio.sleep(0.005)
+        return True
 
     async def _export(self, url: str, request_id: str | None) -> dict[str, Any] | None:
         """The engine's state of a request (its KV export), or None when it cannot tell."""
