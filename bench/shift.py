@@ -531,7 +531,8 @@ def _move_word(word: str) -> dict[str, Any]:
 def why_paused(row: dict[str, Any]) -> str:
     """What a moved request's pause was, in one phrase, for a pause of one prefill or more:
     its move (a KV move; a recompute whose warm-up was not done), a context so short that its
-    prefill is under a cut-over's floor (`floor_ms`: no move pauses less than that), a stall
+    prefill is under a cut-over's floor (`floor_ms`: no move pauses less than that; and its
+    pause within the floor's worst case), a stall
     the requests not moved saw too (the machine), new requests whose prefill ran on its
     destination in the same steps (their first token came during its gap), or none of these."""
     if row["pause_over_prefill"] < 1.0:
@@ -540,7 +541,12 @@ def why_paused(row: dict[str, Any]) -> str:
         return "KV move"
     if row["method"] == "recompute" and row["warm"] != "warmed":
         return f"recompute, warm-up {row['warm'] or 'unknown'}"
-    if row["floor_ms"] is not None and row["prefill_ms"] <= row["floor_ms"]:
+    # the floor explains a pause up to its worst case: a whole step where it was, the whole
+    # step in progress where it went and one more
+    worst_ms = None if row["step_after_ms"] is None else (
+        row["cadence_before_ms"] + 2 * row["step_after_ms"])  # fmt: skip
+    if (row["floor_ms"] is not None and worst_ms is not None
+            and row["prefill_ms"] <= row["floor_ms"] and row["pause_ms"] <= worst_ms):  # fmt: skip
         return "short context: its prefill is under a cut-over's floor"
     if row["unmoved_gap_ms"] >= 0.5 * row["pause_ms"]:
         return "machine stall: the requests not moved saw it too"

@@ -30,6 +30,7 @@ def test_the_move_line_parses_into_each_request_s_price_method_warm_up_and_desti
 def row(**kw: Any) -> dict[str, Any]:
     base = {"pause_over_prefill": 2.0, "method": "recompute", "warm": "warmed",
             "prefill_ms": 60.0, "floor_ms": 40.0, "pause_ms": 120.0,
+            "cadence_before_ms": 20.0, "step_after_ms": 20.0,
             "unmoved_gap_ms": 20.0}  # fmt: skip
     return {**base, **kw}
 
@@ -38,7 +39,9 @@ def test_why_a_moved_request_paused_one_prefill_or_more() -> None:
     assert why_paused(row(pause_over_prefill=0.9)) == "within one prefill"
     assert why_paused(row(method="kv", warm=None)) == "KV move"
     assert why_paused(row(warm="skipped")) == "recompute, warm-up skipped"
-    assert why_paused(row(prefill_ms=40.0)).startswith("short context")
+    # under the floor (40 ms), and within its worst case (20 + 2 x 20 ms): the floor
+    assert why_paused(row(prefill_ms=40.0, pause_ms=60.0)).startswith("short context")
+    assert why_paused(row(prefill_ms=40.0, pause_ms=61.0)) == "unexplained"
     assert why_paused(row(unmoved_gap_ms=70.0)).startswith("machine stall")
     assert why_paused(row(other_prefill_tokens=1800)).startswith("new requests' prefills")
     assert why_paused(row()) == "unexplained"
