@@ -90,6 +90,12 @@ class RequestRecord:
         gaps = [b - a for a, b in itertools.pairwise(self.token_s[:num_tokens])]
         return statistics.median(gaps) if gaps else None
 
+    def median_gap_after(self, num_tokens: int) -> float | None:
+        """The median gap between the chunks that came after the first `num_tokens` (after a
+        move that cut in there): the request's cadence where it went."""
+        gaps = [b - a for a, b in itertools.pairwise(self.token_s[num_tokens:])]
+        return statistics.median(gaps) if gaps else None
+
 
 def _engine_id(stream_id: str) -> str:
     """The engine's request id in an OpenAI stream id (what the controller's move lines name)."""

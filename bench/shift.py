@@ -33,6 +33,15 @@ the sim engines run `--time-scale` wall seconds per modelled second, and the ben
   and the gap that the requests not moved saw at the same moment (on this shared 2-core
   machine the whole system stalls now and then, e.g. while the controller re-plans).
 
+Each moved request's row also says how it moved (KV or recompute, the warm-up's outcome,
+where to), its cadence before and after (about one step of each instance), the cut-over's
+floor (half a step where it was, as the client's gap starts at its last token there, plus
+the step in progress and one more where it went: no move pauses less) and, at or past one
+prefill, why (`why_paused`: a KV move, a recompute not warmed, a context whose prefill is
+under the floor, a stall the requests not moved saw too, new requests' prefills on its
+destination in its gap, or unexplained). Beside the target, and not replacing it, the pause
+over one prefill or the floor, whichever is longer.
+
 Verdict: "ok" when the shift succeeded, no request failed, and the p99 of pause / prefill
 of the moved requests is below 1. The table prints; JSON (summary) and CSV (one row per
 request) go to bench/results/shift-<UTC time>.{json,csv}. Everything it starts is stopped
@@ -497,10 +506,53 @@ def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # `controller: moved 3 request(s) off http://127.0.0.1:4321 at the deadline (kv 1,
-# recompute 2; "warmed N": recomputes pre-copied) in 0.012 s: id1 id2 id3` (control/executor.py)
+# recompute 2, warmed 2) at 1796147073.479 in 0.012 s: id1=42ms:kv@URL id2=20ms:recompute:warmed@URL
+# ...` (control/executor.py: per request the priced pause, how it moved, the warm-up's
+# outcome for a recompute, and where it went; older lines have only `id=42ms` or `id`)
 _MOVED = re.compile(r"controller: moved \d+ request\(s\) off (?P<url>\S+) (?P<when>.+?) "
                     r"\((?P<methods>[^)]*)\)(?: at (?P<at>[\d.]+))? in (?P<took>[\d.]+) s: "
                     r"(?P<ids>.*)$")  # fmt: skip
+
+
+def _move_word(word: str) -> dict[str, Any]:
+    """`id=42ms:recompute:warmed@URL` -> its parts (absent ones None)."""
+    rid, _, rest = word.partition("=")
+    rest, _, target = rest.partition("@")
+    fields = rest.split(":") if rest else []
+    return {
+        "id": rid,
+        "priced_ms": float(fields[0].removesuffix("ms")) if fields else None,
+        "method": fields[1] if len(fields) > 1 else None,
+        "warm": fields[2] if len(fields) > 2 else None,
+        "to": target or None,
+    }
+
+
+def why_paused(row: dict[str, Any]) -> str:
+    """What a moved request's pause was, in one phrase, for a pause of one prefill or more:
+    its move (a KV move; a recompute whose warm-up was not done), a context so short that its
+    prefill is under a cut-over's floor (`floor_ms`: no move pauses less than that; and its
+    pause within the floor's worst case), a stall
+    the requests not moved saw too (the machine), new requests whose prefill ran on its
+    destination in the same steps (their first token came during its gap), or none of these."""
+    if row["pause_over_prefill"] < 1.0:
+        return "within one prefill"
+    if row["method"] == "kv":
+        return "KV move"
+    if row["method"] == "recompute" and row["warm"] != "warmed":
+        return f"recompute, warm-up {row['warm'] or 'unknown'}"
+    # the floor explains a pause up to its worst case: a whole step where it was, the whole
+    # step in progress where it went and one more
+    worst_ms = None if row["step_after_ms"] is None else (
+        row["cadence_before_ms"] + 2 * row["step_after_ms"])  # fmt: skip
+    if (row["floor_ms"] is not None and worst_ms is not None
+            and row["prefill_ms"] <= row["floor_ms"] and row["pause_ms"] <= worst_ms):  # fmt: skip
+        return "short context: its prefill is under a cut-over's floor"
+    if row["unmoved_gap_ms"] >= 0.5 * row["pause_ms"]:
+        return "machine stall: the requests not moved saw it too"
+    if row.get("other_prefill_tokens"):
+        return "new requests' prefills on its destination in its gap (continuous batching)"
+    return "unexplained"
 
 
 def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
@@ -509,7 +561,9 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
     requests and how long the move call took), against one prefill of its context on the
     instance it left; the same gap less the request's own median gap before it (its
     cadence, which it would have seen anyway); and the median of the same measure over the
-    requests that were not moved (a stall of the whole machine shows there too)."""
+    requests that were not moved (a stall of the whole machine shows there too). Each row
+    says how it moved (method, warm-up, destination) and, past one prefill, why
+    (`why_paused`)."""
     scale = run.args.time_scale
     by_id = {r.stream_id: r for r in (run.load.records if run.load else []) if r.stream_id}
     perf: dict[str, PerfModel] = {}
@@ -527,15 +581,14 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
             end_s = start_s + float(m["took"])
         else:  # when the line arrived: later than the move by the pipe's delay
             start_s, end_s = t - float(m["took"]) - 0.01, t
-        words = m["ids"].split()  # stream id[=priced pause, e.g. 123ms]
-        moved_here = {w.partition("=")[0] for w in words}
+        words = [_move_word(w) for w in m["ids"].split()]
+        moved_here = {w["id"] for w in words}
         # the control: the same measure, same moment, for the requests that were not moved
         control = [g[0] for r in records if r.stream_id not in moved_here
                    and (g := r.gap_over(start_s, end_s)) is not None]  # fmt: skip
         control_s = statistics.median(control) if control else 0.0
         for word in words:
-            rid, _, priced = word.partition("=")
-            rec = by_id.get(rid)
+            rec = by_id.get(word["id"])
             pm = perf.get(m["url"])
             if rec is None or pm is None:
                 continue
@@ -544,22 +597,45 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
                 continue
             gap_s, num_before = gap
             cadence_s = rec.median_gap_before(num_before) or 0.0
+            after_s = rec.median_gap_after(num_before)
+            # requests whose head went to its destination and whose first token came in its
+            # gap (to a few ms after: the same step's end): their prefill shared its steps
+            gap_start_s, gap_end_s = rec.token_s[num_before - 1], rec.token_s[num_before]
+            others = [r for r in records if r is not rec and r.instance == word["to"] and r.token_s
+                      and gap_start_s < r.token_s[0] <= gap_end_s + 0.005]  # fmt: skip
             context = (rec.prompt_tokens or 0) + num_before
             prefill_s = pm.prefill_s(context)
-            rows.append({
-                "index": rec.index, "from": m["url"], "when": m["when"],
+            row = {
+                "index": rec.index, "from": m["url"], "to": word["to"], "when": m["when"],
+                "method": word["method"], "warm": word["warm"],
                 "methods_of_batch": m["methods"], "context_tokens": context,
                 "pause_ms": round(gap_s / scale * 1e3, 1),
                 "stall_ms": round(max(0.0, gap_s - cadence_s) / scale * 1e3, 1),
                 "prefill_ms": round(prefill_s * 1e3, 1),
-                "priced_ms": float(priced.removesuffix("ms")) if priced else None,
+                # its median gap where it was and where it went: about one step of each batch
+                "cadence_before_ms": round(cadence_s / scale * 1e3, 1),
+                "step_after_ms": None if after_s is None else round(after_s / scale * 1e3, 1),
+                # the least a cut-over costs, on average: the client's gap starts at its last
+                # token where it was (half a step there before the cut), then the step in
+                # progress where it goes (half a step) and the one that prefills the rest
+                "floor_ms": None if after_s is None
+                else round((cadence_s / 2 + 1.5 * after_s) / scale * 1e3, 1),
+                "priced_ms": word["priced_ms"],
+                "other_prefill_tokens": sum(r.prompt_tokens or 0 for r in others),
+                "gap_end_s": round(gap_end_s - run.t0, 3),  # after `up` started, wall
                 "unmoved_gap_ms": round(control_s / scale * 1e3, 1),
                 "excess_ms": round(max(0.0, gap_s - control_s) / scale * 1e3, 1),
                 "excess_over_prefill": round(max(0.0, gap_s - control_s) / scale / prefill_s, 2),
                 "pause_over_prefill": round(gap_s / scale / prefill_s, 2),
                 "stall_over_prefill": round(max(0.0, gap_s - cadence_s) / scale / prefill_s, 2),
+                # not the target: the pause over one prefill or the cut-over's floor, whichever
+                # is longer (no move pauses less than the floor)
+                "pause_over_floor_or_prefill": round(gap_s / scale / max(
+                    prefill_s, (cadence_s / 2 + 1.5 * (after_s or 0.0)) / scale), 2),
                 "failed": rec.failure,
-            })  # fmt: skip
+            }  # fmt: skip
+            row["why"] = why_paused(row)
+            rows.append(row)
     summary: dict[str, Any] = {"num": len(rows)}
     summary["move_lines"] = [  # when (s after `up` started, wall) and what the controller said
         [round(t - run.t0, 3), line] for t, line in (run.out.lines if run.out else ())
@@ -571,6 +647,7 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
         "stall_over_prefill_{}": "stall_over_prefill",
         "unmoved_gap_{}_ms": "unmoved_gap_ms", "excess_{}_ms": "excess_ms",
         "excess_over_prefill_{}": "excess_over_prefill",
+        "pause_over_floor_or_prefill_{}": "pause_over_floor_or_prefill",
     }  # fmt: skip
     for name, key in columns.items() if rows else ():
         for q in (50, 99):
@@ -581,6 +658,17 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
             summary[f"priced_p{q}_ms"] = _pct([p for _, p in priced], q)
             summary[f"pause_over_priced_p{q}"] = round(_pct([g / p for g, p in priced], q) or 0, 2)
     summary["num_failed"] = sum(1 for r in rows if r["failed"])
+    # how they moved, and what each one at or past one prefill was
+    how: dict[str, int] = {}
+    for r in rows:
+        key = str(r["method"]) + (f" ({r['warm']})" if r["warm"] else "")
+        how[key] = how.get(key, 0) + 1
+    summary["by_method"] = dict(sorted(how.items()))
+    why: dict[str, int] = {}
+    for r in rows:
+        if r["why"] != "within one prefill":
+            why[r["why"]] = why.get(r["why"], 0) + 1
+    summary["over_one_prefill_by_why"] = dict(sorted(why.items(), key=lambda kv: -kv[1]))
     return {"summary": summary, "requests": rows}
 
 
@@ -627,11 +715,19 @@ def print_report(s: dict[str, Any]) -> None:
               f"{m.get('excess_p50_ms')}/{m.get('excess_p99_ms')} ms more = "
               f"{m.get('excess_over_prefill_p50')}/{m.get('excess_over_prefill_p99')} x"
               )  # fmt: skip
+        print(f"  by method: {m.get('by_method')}; at or past one prefill: "
+              f"{m.get('over_one_prefill_by_why')}")  # fmt: skip
+        print(f"  not the target: pause over one prefill or a cut-over's floor (half a step "
+              f"where it was + 1.5 steps where it went), whichever is longer, p50/p99 "
+              f"{m.get('pause_over_floor_or_prefill_p50')}/"
+              f"{m.get('pause_over_floor_or_prefill_p99')}")  # fmt: skip
         for r in s["moved"]["requests"]:
-            print(f"    moved: request {r['index']} off {r['from']} {r['when']}: pause "
-                  f"{r['pause_ms']} ms (stall {r['stall_ms']}), context {r['context_tokens']}, "
-                  f"prefill {r['prefill_ms']} ms, priced {r['priced_ms']} ms, unmoved "
-                  f"{r['unmoved_gap_ms']} ms")  # fmt: skip
+            print(f"    moved: request {r['index']} off {r['from']} {r['when']} to {r['to']} by "
+                  f"{r['method']}{'/' + r['warm'] if r['warm'] else ''}: pause {r['pause_ms']} ms "
+                  f"(stall {r['stall_ms']}), context {r['context_tokens']}, prefill "
+                  f"{r['prefill_ms']} ms, floor {r['floor_ms']} ms, others' prefill "
+                  f"there {r['other_prefill_tokens']} tokens, priced "
+                  f"{r['priced_ms']} ms, unmoved {r['unmoved_gap_ms']} ms: {r['why']}")  # fmt: skip
     if "throughput" in s:
         tcols = ("window_modelled_s", "output_tokens_per_s", "requests_per_s", "ttft_p50_ms",
                 "ttft_p99_ms")  # fmt: skip

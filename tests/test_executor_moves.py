@@ -6,6 +6,7 @@ of moves is reported with the stream ids the clients see."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,8 +15,10 @@ import yaml
 
 from flexpipe.cluster import load_cluster
 from flexpipe.control.executor import Executor, LiveInstance
+from flexpipe.control.move_inputs import decode_interval_s
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.policies.planner import parse_models, plan
+from flexpipe.policies.shift.migration import perf_model_of, warmed_recompute_s
 from flexpipe.policies.shift.snapshot import instance_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +38,9 @@ class FakeGateway:
 
     async def move(self, moves: list[dict[str, Any]]) -> list[dict[str, Any]]:
         self.moves += moves
-        return [{"id": m["id"], "outcome": m["method"]} for m in moves]
+        return [{"id": m["id"], "outcome": m["method"], "warmed": m["method"] == "recompute",
+                 "warm": "warmed" if m["method"] == "recompute" else None}
+                for m in moves]  # fmt: skip
 
 
 def req(call_id: int, output: int, max_tokens: int, prompt: int = 1000) -> dict[str, Any]:
@@ -43,7 +48,7 @@ def req(call_id: int, output: int, max_tokens: int, prompt: int = 1000) -> dict[
             "max_tokens": max_tokens, "request_id": f"r{call_id}"}  # fmt: skip
 
 
-def setup(requests: dict[str, list[dict[str, Any]]]) -> tuple[Any, ...]:
+def setup(requests: dict[str, list[dict[str, Any]]], warm_moves: bool = True) -> tuple[Any, ...]:
     running: dict[str, LiveInstance] = {}
     for p in plan(CLUSTER, [DEMAND]).instances:
         inst = LiveInstance(p, SimpleNamespace(endpoint=f"http://{'+'.join(p.gpu_ids)}"))  # type: ignore[arg-type]
@@ -55,7 +60,8 @@ def setup(requests: dict[str, list[dict[str, Any]]]) -> tuple[Any, ...]:
     gateway = FakeGateway({{"source": source, "l40s": l40s, "l4": l4}[k].url: v
                            for k, v in requests.items()})  # fmt: skip
     lines: list[str] = []
-    ex = Executor(None, gateway, lambda p: None, on_moves=lines.append)  # type: ignore[arg-type]
+    ex = Executor(None, gateway, lambda p: None, on_moves=lines.append,  # type: ignore[arg-type]
+                  warm_moves=warm_moves)  # fmt: skip
     return ex, gateway, running, source, l40s, l4, lines
 
 
@@ -72,10 +78,13 @@ def test_moves_land_on_the_instance_with_free_slots_not_the_full_one() -> None:
     assert num == 2
     assert sorted((m["id"], m["target"]) for m in gw.moves) == [(1, l40s.url), (2, l40s.url)]
     assert sum(out.migrated.values()) == 2
-    # the link to the L40S is slow: two recomputes there, one after the other
-    said = f"controller: moved 1 request(s) off {source.url} at the deadline (recompute 1)"
+    # the link to the L40S is slow: two recomputes there, pre-copied, one after the other;
+    # each request's priced pause, method, warm-up and destination in the line
+    said = (f"controller: moved 1 request(s) off {source.url} at the deadline (recompute 1, "
+            "warmed 1)")  # fmt: skip
     assert len(lines) == 2 and all(line.startswith(said) for line in lines)
-    assert ": r1=" in lines[0] and ": r2=" in lines[1] and lines[0].endswith("ms")
+    assert re.search(rf": r1=\d+ms:recompute:warmed@{re.escape(l40s.url)}$", lines[0])
+    assert re.search(rf": r2=\d+ms:recompute:warmed@{re.escape(l40s.url)}$", lines[1])
 
 
 def test_before_the_deadline_only_what_would_outlive_it_moves() -> None:
@@ -101,3 +110,27 @@ def test_and_the_other_way_round_when_the_big_instance_is_full() -> None:
     out = ShiftOutcome(succeeded=True)
     assert asyncio.run(ex._move_off(CLUSTER, [source], running, [source], out)) == 1
     assert [m["target"] for m in gw.moves] == [l4.url]
+
+
+def test_a_warmed_move_is_priced_at_its_cut_over_and_its_warm_up_bounded_by_both() -> None:
+    requests = {"source": [req(1, 10, 2000, prompt=1900)]}
+    moved = {}
+    for warm in (True, False):
+        ex, gw, running, source, l40s, _, lines = setup(requests, warm_moves=warm)
+        asyncio.run(ex._move_off(CLUSTER, [source], running, [source], ShiftOutcome(True)))
+        ((m,),) = [gw.moves]
+        priced_ms = int(re.search(r": r1=(\d+)ms", lines[0])[1])  # type: ignore[index]
+        moved[warm] = (m, priced_ms)
+    (warm_move, warm_ms), (cold_move, cold_ms) = moved[True], moved[False]
+    assert warm_move["method"] == cold_move["method"] == "recompute"
+    assert cold_move["warm_timeout_s"] == 0.0  # no pre-copy asked for
+    # the pre-copy's bound: twice the warm-up and the cut-over (>= the cold pause, in wall s)
+    assert warm_move["warm_timeout_s"] >= 2 * cold_ms / 1e3
+    # priced as the policy prices it: the L40S's step (empty), the 1,910-token context
+    # warmed while the request generates on the source at its interval there
+    step_s = decode_interval_s(CLUSTER, l40s.planned, [])
+    interval_s = decode_interval_s(CLUSTER, source.planned, requests["source"])
+    pm = perf_model_of(CLUSTER, l40s.planned)
+    assert cold_ms == round(pm.prefill_s(1910) * 1e3)
+    assert warm_ms == round(warmed_recompute_s(pm, 1910, step_s, interval_s)[1] * 1e3)
+    assert warm_ms < cold_ms / 2

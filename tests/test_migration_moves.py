@@ -1,8 +1,13 @@
 """Where and how a request moves when its instance is drained (policies/shift/migration.py):
 the wait for a free slot on the destination is part of the price, every move takes a slot,
-and what outlives the drain deadline moves at once. Pure; exact expectations."""
+what outlives the drain deadline moves at once, and a recompute the gateway pre-copies is
+priced at its cut-over (a step and the tokens generated meanwhile), not the whole prefill.
+Pure; exact expectations."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import pytest
 
@@ -16,6 +21,7 @@ from flexpipe.policies.shift.migration import (
     outlives,
     plan_moves,
     slot_wait_s,
+    warmed_recompute_s,
 )
 
 PM = perf_model_for("llama-2-7b", "tp=1")
@@ -121,3 +127,100 @@ def test_a_move_waits_unpaused_until_the_destination_has_prefilled_what_it_admit
     quiet = Destination("quiet", PM, {"": link_spec("eth25")}, 8, ())
     (move,) = plan_moves([MoveRequest(1, 1000)], [flooded, quiet], horizon_s=0.1)
     assert move.destination == "quiet"  # the flooded one could only start past the horizon
+
+
+STEP_S = PM.decode_interval_s(16, 1500)  # the destination's step at a batch of 16
+SOURCE_S = 0.02  # the moved request's token interval on its source
+PCIE = link_spec("pcie4")
+
+
+def busy(
+    name: str, slots: int, remaining: tuple[float, ...] = (), num: int = 16, **kw: Any
+) -> Destination:
+    """A destination decoding `num` requests of 1,500 tokens each."""
+    return Destination(name, PM, kw.pop("links", {}), slots, remaining, num_decoding=num,
+                       decode_context_tokens=num * 1500, **kw)  # fmt: skip
+
+
+def test_a_warmed_recompute_pauses_for_a_step_and_the_tokens_generated_during_the_warm_up() -> None:
+    warm_up_s, pause_s = warmed_recompute_s(PM, 2050, STEP_S, SOURCE_S)
+    assert warm_up_s == STEP_S + PM.prefill_s(2050)  # the whole context, not paused
+    num_new = math.ceil(warm_up_s / SOURCE_S)  # generated on the source meanwhile
+    assert num_new == 8
+    # 2,048 tokens were cached (128 full blocks); the 2 of the last block and the 8 new ones
+    # are prefilled, after the step in progress
+    assert pause_s == STEP_S + PM.prefill_s(2050 + 8, 2048)
+    assert pause_s < 0.25 * PM.prefill_s(2050)
+    # the source's interval unknown: no token counted
+    assert warmed_recompute_s(PM, 2050, STEP_S, 0.0)[1] == STEP_S + PM.prefill_s(2050, 2048)
+    warm = choose_migration(PM, 2050, None, warm=True, step_s=STEP_S, source_interval_s=SOURCE_S)
+    assert warm == MigrationChoice("recompute", None, pause_s, 0.0, warm_up_s)
+    assert warm.warmed and warm.pause_s == pause_s and warm.done_s == warm_up_s + pause_s
+    # onto a full destination the gateway does not warm: the whole prefill, after the wait
+    full = choose_migration(PM, 2050, None, 0.1, warm=True, step_s=STEP_S)
+    assert full == MigrationChoice("recompute", None, PM.prefill_s(2050), 0.1)
+    assert not full.warmed and full.done_s == full.pause_s
+
+
+def test_the_pre_copy_turns_a_kv_move_over_a_middling_link_into_a_recompute() -> None:
+    kv_s = PM.kv_transfer_s(2050, PCIE.bandwidth_bytes_per_s, PCIE.latency_s)
+    warm_up_s, pause_s = warmed_recompute_s(PM, 2050, STEP_S, SOURCE_S)
+    assert pause_s < kv_s < PM.prefill_s(2050)  # the premise: KV beats only a cold recompute
+    assert choose_migration(PM, 2050, PCIE).method == "kv"
+    warm = choose_migration(PM, 2050, PCIE, warm=True, step_s=STEP_S, source_interval_s=SOURCE_S)
+    assert warm == MigrationChoice("recompute", kv_s, pause_s, 0.0, warm_up_s)
+    # over NVLink the KV move is still the shorter pause
+    nv = choose_migration(PM, 2050, FAST, warm=True, step_s=STEP_S, source_interval_s=SOURCE_S)
+    assert nv.method == "kv" and nv.pause_s == nv.kv_move_s
+
+
+def test_a_destination_s_step_grows_with_each_request_moved_in() -> None:
+    d = busy("d", 32)
+    assert d.step_s() == STEP_S
+    assert d.step_s(2, 2 * 3000) == PM.decode_interval_s(18, (16 * 1500 + 6000) // 18)
+    assert busy("idle", 32, num=0).step_s() == PM.decode_interval_s(1, 1)
+
+
+def test_warmed_recomputes_on_one_destination_go_one_after_another_warm_up_included() -> None:
+    only = busy("only", 32, links={"src": PCIE})
+    reqs = [MoveRequest(n, 2050, "src", SOURCE_S) for n in (1, 2, 3)]
+    cold = plan_moves(reqs, [only])  # no pre-copy: KV over the link, one after another
+    assert [m.choice.method for m in cold] == ["kv"] * 3
+    moves = plan_moves(reqs, [only], warm=True)
+    kv_s = PM.kv_transfer_s(2050, PCIE.bandwidth_bytes_per_s, PCIE.latency_s)
+    at_s = 0.0
+    for k, m in enumerate(moves):  # each at the step with the ones before it moved in
+        warm_up_s, pause_s = warmed_recompute_s(PM, 2050, only.step_s(k, k * 2050), SOURCE_S)
+        assert m.choice == MigrationChoice("recompute", kv_s, pause_s, 0.0, warm_up_s)
+        # each cut-over stays out of the next warm-up's prefill step: the lane is held for both
+        assert m.at_s == pytest.approx(at_s)
+        at_s += warm_up_s + pause_s
+    # within a horizon shorter than one, the rest take the link (their pause is bigger, but
+    # they start before the source is gone)
+    near = plan_moves(reqs, [only], horizon_s=moves[1].at_s / 2, warm=True)
+    assert [m.choice.method for m in near] == ["recompute", "kv", "kv"]
+
+
+def test_a_full_destination_prices_its_moves_unwarmed() -> None:
+    full = busy("full", 1, (0.5,))  # its one slot frees in 0.5 s
+    (move,) = plan_moves([MoveRequest(1, 2050, "src", SOURCE_S)], [full], warm=True)
+    assert move.choice == MigrationChoice("recompute", None, PM.prefill_s(2050), 0.5)
+    # a free one next to it takes the move, warmed, at a fraction of the pause
+    (move,) = plan_moves([MoveRequest(1, 2050, "src", SOURCE_S)], [full, busy("free", 32)],
+                         warm=True)  # fmt: skip
+    assert move.destination == "free" and move.choice.warmed
+    assert move.choice.pause_s == warmed_recompute_s(PM, 2050, STEP_S, SOURCE_S)[1]
+
+
+def test_moves_spread_over_equal_destinations_as_each_one_placed_grows_the_step() -> None:
+    # "a" decodes one request fewer: its step is a hair shorter, until a move lands there
+    a, b = busy("a", 32, num=15), busy("b", 32)
+    assert a.step_s() < b.step_s() < a.step_s(1, 2050)
+    reqs = [MoveRequest(n, 2050, "src", SOURCE_S) for n in range(4)]
+    moves = plan_moves(reqs, [a, b], warm=True)
+    assert [m.destination for m in moves] == ["a", "b", "a", "b"]
+    assert [m.at_s for m in moves[:2]] == [0.0, 0.0]  # in parallel, not one lane
+    steps = (a.step_s(), b.step_s(), a.step_s(1, 2050), b.step_s(1, 2050))
+    assert [m.choice.pause_s for m in moves] == [
+        warmed_recompute_s(PM, 2050, s, SOURCE_S)[1] for s in steps
+    ]

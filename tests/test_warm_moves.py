@@ -115,6 +115,13 @@ def test_a_warmed_recompute_move_pauses_for_a_step_not_a_prefill(
         hits_tokens = engine_metric(target, "vllm:prefix_cache_hits_total") - hits0
         assert [x["outcome"] for x in results] == ["recompute"]
         assert results[0]["warmed"] is warm
+        # the outcome in the answer and counted in the gateway's /metrics (bound 0: skipped)
+        outcome = "warmed" if warm else "skipped"
+        assert results[0]["warm"] == outcome
+        status, _, raw = r.http("GET", "/metrics")
+        counted = re.findall(r'^flexpipe_move_warm_ups_total\{outcome="(\w+)"\} (\S+)$',
+                             raw.decode(), re.M)  # fmt: skip
+        assert status == 200 and [(o, float(n)) for o, n in counted] == [(outcome, 1.0)]
         # seamless: every token once, the same text as unmoved up to the move
         assert len(pieces) == MAX_TOKENS == len(reference)
         assert pieces[:NUM_BEFORE] == reference[:NUM_BEFORE]

@@ -99,6 +99,7 @@ class Executor:
         rehearsal_tolerance: float = 2.0,
         probe_overhead_s: float = 0.05,
         standby_hold_s: float = 600.0,
+        warm_moves: bool = True,
         on_state: OnState | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_moves: Callable[[str], None] | None = None,
@@ -112,6 +113,8 @@ class Executor:
         self.rehearsal_tolerance = rehearsal_tolerance
         self.probe_overhead_s = probe_overhead_s
         self.standby_hold_s = standby_hold_s
+        # the gateway pre-copies recompute moves (relay.warm_up): priced so, and bounded
+        self.warm_moves = warm_moves
         self.on_state = on_state or (lambda inst, state: None)
         self.clock = clock
         # one line per batch of moves (which requests left which instance, how): the
@@ -483,12 +486,12 @@ class Executor:
             for src, src_reqs in zip(sources, found, strict=True):
                 if src.planned.model != model:
                     continue
+                interval_s = decode_interval_s(cluster, src.planned, src_reqs)
                 if outliving_s is not None:
-                    interval_s = decode_interval_s(cluster, src.planned, src_reqs)
                     src_reqs = [r for r in src_reqs
                                 if outlives(tokens_left(r), interval_s, outliving_s)]  # fmt: skip
                 for r in src_reqs:
-                    reqs.append(MoveRequest(int(r["id"]), context_tokens(r), src.url))
+                    reqs.append(MoveRequest(int(r["id"]), context_tokens(r), src.url, interval_s))
                     from_url[int(r["id"])] = src
                     stream_ids[int(r["id"])] = r.get("request_id")
             targets = [
@@ -502,7 +505,7 @@ class Executor:
                 *(self._destination(cluster, sources, t) for t in targets)
             )
             by_url = {t.url: t for t in targets}
-            for m in plan_moves(reqs, destinations, horizon_s):
+            for m in plan_moves(reqs, destinations, horizon_s, warm=self.warm_moves):
                 planned.append((m, from_url[m.id], by_url[m.destination]))
         num_moved = 0
         t0 = self.clock()
@@ -530,12 +533,17 @@ class Executor:
         out: ShiftOutcome,
         when: str,
     ) -> int:
-        """One batch of moves through the gateway; one line per source says what moved."""
+        """One batch of moves through the gateway; one line per source says what moved, and
+        per request (by the stream id its client sees) the pause it was priced at, how it
+        moved, the warm-up's outcome for a recompute and where it went:
+        `chatcmpl-1=42ms:recompute:warmed@http://127.0.0.1:4321`."""
         moves = []
         for m, src, dst in wave:
             move: dict[str, Any] = {"id": m.id, "method": m.choice.method, "target": dst.url}
             if m.choice.method == "recompute":  # the gateway's pre-copy: bounded, in wall s
-                move["warm_timeout_s"] = max(0.2, 2 * m.choice.pause_s * self.time_scale)
+                move["warm_timeout_s"] = (
+                    max(0.2, 2 * m.choice.done_s * self.time_scale) if self.warm_moves else 0.0
+                )
             link = link_between(cluster, src.planned, dst.planned)
             if link is not None:
                 move["bandwidth_bytes_per_s"] = link.bandwidth_bytes_per_s
@@ -551,6 +559,7 @@ class Executor:
         took_s = self.clock() - t0
         source_of = {m.id: src.url for m, src, _ in wave}
         priced_s = {m.id: m.choice.pause_s for m, _, _ in wave}
+        target_of = {m.id: dst.url for m, _, dst in wave}
         by_source: dict[str, tuple[dict[str, int], list[str]]] = {}
         for r in results:
             outcome = str(r.get("outcome"))
@@ -561,8 +570,10 @@ class Executor:
             counts[outcome] = counts.get(outcome, 0) + 1
             if r.get("warmed"):
                 counts["warmed"] = counts.get("warmed", 0) + 1
-            call_id = int(r["id"])  # stream id, and the pause the move was priced at
-            ids.append(f"{stream_ids.get(call_id) or '-'}={priced_s[call_id] * 1e3:.0f}ms")
+            call_id = int(r["id"])
+            how = outcome if r.get("warm") is None else f"{outcome}:{r['warm']}"
+            ids.append(f"{stream_ids.get(call_id) or '-'}={priced_s[call_id] * 1e3:.0f}ms:"
+                       f"{how}@{target_of[call_id]}")  # fmt: skip
         for url, (counts, ids) in by_source.items():
             self.on_moves(
                 f"controller: moved {len(ids)} request(s) off {url} {when} "

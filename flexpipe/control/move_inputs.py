@@ -46,7 +46,8 @@ def destination_of(
 ) -> Destination:
     """`target` (called `name`) as a move destination, from the requests it serves: its
     slots, the time left of each, the prompts it admitted and has not prefilled yet (the rest
-    waits behind them), and the link from each source (url, planned)."""
+    waits behind them), the link from each source (url, planned) and its batch (what a warmed
+    recompute's cut-over waits for a step of)."""
     interval_s = decode_interval_s(cluster, target, reqs)
     slots = target.gear.max_num_seqs
     decoding = sum(1 for r in reqs if int(r["num_output_tokens"]) > 0)
@@ -58,4 +59,6 @@ def destination_of(
         slots,
         tuple(tokens_left(r) * interval_s for r in reqs),
         sum(fresh[: max(0, slots - decoding)]),
+        len(reqs),  # its batch as `decode_interval_s` counts it
+        sum(context_tokens(r) for r in reqs),
     )

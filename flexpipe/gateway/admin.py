@@ -15,7 +15,9 @@ GET  /admin/instances/requests?url=U  the requests U serves now (what a move is 
 POST /admin/requests/move             {"moves": [{"id", "method": "kv"|"recompute",
                                        "target"?, "bandwidth_bytes_per_s"?, "latency_s"?,
                                        "warm_timeout_s"? (recompute: the warm-up's bound)}]}
-                                      answers {"results": [{"id", "outcome", "warmed"}]}
+                                      answers {"results": [{"id", "outcome", "warmed",
+                                       "warm": the warm-up's outcome (warmed | skipped |
+                                       timed_out | failed; null: none tried)}]}
 POST /admin/models/hold               {"model", "seconds"}: for that long, requests of the
                                       model wait in the queue for capacity (a shift that
                                       re-launches it, or one scaled to zero: the model
@@ -177,8 +179,10 @@ class AdminApi:
         # together: each KV move first asks its engine for an export; one at a time, the
         # last request of a batch paused for every export before its own
         outcomes = await asyncio.gather(*(self.gw.move_request(i, m) for i, m in parsed))
-        results = [{"id": i, "outcome": o, "warmed": w}
-                   for (i, _), (o, w) in zip(parsed, outcomes, strict=True)]  # fmt: skip
+        results = [
+            {"id": i, "outcome": o, "warmed": o == "recompute" and w == "warmed", "warm": w}
+            for (i, _), (o, w) in zip(parsed, outcomes, strict=True)
+        ]
         return json_response({"results": results})
 
     async def activate(self, req: Request) -> Response:

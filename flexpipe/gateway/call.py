@@ -66,6 +66,16 @@ class Call:
     export: dict[str, Any] | None = None  # the engine's exported state for a "kv" move
     moved_by: list[str] = field(default_factory=list)  # methods of the moves done
 
+    @property
+    def awaits_first_token(self) -> bool:
+        """A stream on an instance that has sent it nothing yet: its prompt is being prefilled
+        there (or waits to be)."""
+        if not self.stream or self.instance is None:
+            return False
+        if self.relay is not None:
+            return self.relay.num_tokens_sent == 0
+        return self.stream_state is None
+
     def describe(self) -> dict[str, Any]:
         """What the controller needs to price a move of this request."""
         sent = self.relay.num_tokens_sent if self.relay is not None else 0

@@ -73,6 +73,14 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.warm_ups = Counter(
+            "flexpipe_move_warm_ups",
+            "Pre-copies of recompute moves (relay.warm_up), by outcome: warmed (done in time), "
+            "skipped (no free slot on the destination, or not asked for), timed_out (cut over "
+            "unwarmed at its bound), failed (the destination refused or broke it).",
+            ["outcome"],
+            registry=r,
+        )
         self.ejections = Counter(
             "flexpipe_ejections", "Instances ejected as unhealthy.", ["instance"], registry=r
         )

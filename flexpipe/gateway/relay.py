@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
@@ -36,6 +36,9 @@ _NO_PRIORITY = "Priority scheduling is not enabled"
 # How long a recompute move waits, by default, for its warm-up (`warm_up`) before cutting
 # over anyway: a few prefills of a long context (the controller may give its own bound).
 WARM_TIMEOUT_S = 2.0
+# What became of a warm-up: done in time; not sent (no free slot on the destination, nothing to
+# continue, or a bound of 0); cut off at its bound; refused or broken by the destination.
+WarmOutcome = Literal["warmed", "skipped", "timed_out", "failed"]
 
 
 class PushRelay:
@@ -323,7 +326,7 @@ def move_relayed(call: Call, move: Move) -> str:
     return move.method
 
 
-async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> bool:
+async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> WarmOutcome:
     """Pre-copy for a recompute move (as a live VM migration pre-copies memory): send the
     destination the continuation the move will send (the prompt and the text generated so
     far, through the same body builder, so the same tokens), for one token, not streamed,
@@ -331,24 +334,31 @@ async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> boo
     the destination's prefix cache holds the context's full blocks (a finished request's
     blocks stay cached, evictable), and the real continuation prefills only the few tokens
     generated meanwhile: the client's pause is about one engine step, not one prefill.
-    True when the warm-up finished within `timeout_s`; else (or when the destination has no
-    free slot, where the warm-up would only queue) the move cuts over unwarmed."""
+    "warmed" when the warm-up finished within `timeout_s`; else (or "skipped" when the
+    destination has no free slot, where the warm-up would only queue) the move cuts over
+    unwarmed. Each outcome is counted (`flexpipe_move_warm_ups_total`)."""
+    outcome = await _warm_up(gw, call, target, timeout_s)
+    gw.metrics.warm_ups.labels(outcome).inc()
+    return outcome
+
+
+async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> WarmOutcome:
     relay = call.relay
     if relay is not None:
         state = sse.summarize(b"".join(relay.sent), call.chat)
     elif call.stream_state is not None:
         state = call.stream_state
     else:
-        return False
+        return "skipped"
     if state.finished or timeout_s <= 0:
-        return False
+        return "skipped"
     body = sse.continuation_body(call.body, state, call.chat, gw.cfg.default_expected_output_tokens)
     try:
         inst = gw.pool.get(target)
     except PoolError:
-        return False
+        return "skipped"
     if body is None or (inst.num_slots and inst.num_in_flight >= inst.num_slots):
-        return False  # full: it would only wait there (the move itself goes ahead of its queue)
+        return "skipped"  # full: it would only wait there (the move goes ahead of its queue)
     for key in ("max_completion_tokens", "max_tokens"):
         if key in body:
             body[key] = 1
@@ -361,15 +371,17 @@ async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> boo
     if inst.api_key:
         headers["authorization"] = f"Bearer {inst.api_key}"
     t0 = gw.clock()
+    outcome: WarmOutcome
     try:
         ok = await asyncio.wait_for(
             _send_warm_up(gw, inst.url, call.path, body, headers), timeout_s
         )
+        outcome = "warmed" if ok else "failed"
     except TimeoutError:
-        ok = False
+        outcome = "timed_out"
     took_s = gw.clock() - t0
-    log.info("warm-up of a move to %s: %s in %.3f s", inst.url, "done" if ok else "failed", took_s)
-    return ok
+    log.info("warm-up of a move to %s: %s in %.3f s", inst.url, outcome, took_s)
+    return outcome
 
 
 async def _send_warm_up(
