@@ -167,8 +167,8 @@ class PrefixAffinity(PolicyHooks):
         for k in range(len(points)):
             name = owners[(start + k) % len(points)]
             if name in usable and in_flight[name] < math.ceil(num_balls * caps[name] / total_cap):
-                rest = [n for n in by_load.ranked if n != name]
-                return Decision((name, *rest), "hash")
+                others = [n for n in by_load.ranked if n != name]
+                return Decision((name, *others), "hash")
         return Decision(by_load.ranked, "hash_overflow")
 
 
