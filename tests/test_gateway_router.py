@@ -87,3 +87,23 @@ def test_retry_after_follows_the_measured_drain_rate() -> None:
         r.acquire(inst, 1)
         r.finish(inst, 1, i / 10)
     assert r.retry_after_s(49, 200.0) == pytest.approx(5.0, rel=0.01)
+
+
+def test_an_instance_view_carries_each_field_under_its_own_name() -> None:
+    # Instance.view builds the view positionally (the routing path's hottest allocation).
+    pool = Pool(256)
+    inst = pool.add("http://a", model="m", max_num_seqs=48)
+    inst.weight, inst.num_in_flight, inst.num_running, inst.num_waiting = 2.5, 7, 5, 3
+    inst.kv_usage, inst.speed_tokens_per_s, inst.scraped_at_s = 0.25, 41.0, 12.5
+    inst.num_scraped_tokens, inst.num_tokens_sent_since_scrape = 900.0, 100.0
+    v = inst.view(9)
+    assert (v.name, v.weight, v.num_in_flight, v.max_concurrency, v.num_slots) == (
+        "http://a",
+        2.5,
+        7,
+        inst.max_concurrency,
+        48,
+    )
+    assert (v.num_running, v.num_waiting, v.kv_usage, v.num_queued_tokens) == (5, 3, 0.25, 1000.0)
+    assert (v.speed_tokens_per_s, v.scraped_at_s, v.num_prefix_blocks_matched) == (41.0, 12.5, 9)
+    assert inst.max_concurrency not in (48, 0, 256)  # max_num_seqs + its allowance: distinct

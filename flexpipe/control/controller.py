@@ -55,6 +55,7 @@ from flexpipe.http.server import (
 from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
+from flexpipe.policies.planner.memo import EvaluationMemo
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.signals import Sample
@@ -155,6 +156,7 @@ class Controller:
             )
         self.efficiency = store.efficiency() if store is not None else None
         self.performance = GearLookup(store.points() if store is not None else [], self.efficiency)
+        self._memo = EvaluationMemo()  # the planner's evaluations, kept across re-plans
         # A shift is priced with the drain deadline the executor will keep (one fact, here).
         shift = dataclasses.replace(
             cfg.shift,
@@ -216,7 +218,10 @@ class Controller:
         margin at the demand as measured): the shift policy prices each candidate against
         the running plan itself, at the current and the expected load, so a bigger KV cache
         that pays only at the expected load (the seed's freed gpu1) is still found."""
-        return plan(cluster, demands, self.performance, now_s=now_s, efficiency=self.efficiency)
+        return plan(
+            cluster, demands, self.performance, now_s=now_s, efficiency=self.efficiency,
+            memo=self._memo,
+        )  # fmt: skip
 
     def _on_state(self, inst: LiveInstance, state: str) -> None:
         p = inst.planned

@@ -121,19 +121,21 @@ class Instance:
         )
 
     def view(self, num_prefix_blocks_matched: int = 0) -> InstanceView:
+        # Positional, in InstanceView's field order (tests/test_gateway_router.py checks it):
+        # built for every candidate of every request, and keywords cost twice as much.
         return InstanceView(
-            name=self.url,
-            weight=self.weight,
-            num_in_flight=self.num_in_flight,
-            max_concurrency=self.max_concurrency,
-            num_slots=self.num_slots,
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            kv_usage=self.kv_usage,
-            num_queued_tokens=self.num_queued_tokens,
-            speed_tokens_per_s=self.speed_tokens_per_s,
-            scraped_at_s=self.scraped_at_s,
-            num_prefix_blocks_matched=num_prefix_blocks_matched,
+            self.url,  # name
+            self.weight,
+            self.num_in_flight,
+            self.max_concurrency,
+            self.num_slots,
+            self.num_running,
+            self.num_waiting,
+            self.kv_usage,
+            self.num_queued_tokens,
+            self.speed_tokens_per_s,
+            self.scraped_at_s,
+            num_prefix_blocks_matched,
         )
 
     def as_dict(self) -> dict[str, object]:

@@ -84,19 +84,23 @@ class Router:
                     index.insert(inst.url, hashes)
                 return Pick(inst, "moved", len(hashes), matched)
         if hashes:
-            views = tuple(i.view(index.match(i.url, hashes)) for i in cands)
+            match = index.match
+            views = tuple([i.view(match(i.url, hashes)) for i in cands])
         else:
-            views = tuple(i.view() for i in cands)
+            views = tuple([i.view() for i in cands])
         snapshot = RoutingSnapshot(views, request, self.cfg.max_metrics_age_s)
         decision = self.policy.choose(snapshot, now, self.rng)
-        by_name = {i.url: i for i in cands}
+        by_name = {v.name: (i, v) for i, v in zip(cands, views, strict=True)}
         for pos, name in enumerate(decision.ranked):
-            inst = by_name.get(name)
-            if inst is None or inst.num_in_flight >= inst.max_concurrency:
+            found = by_name.get(name)
+            if found is None:
+                continue
+            inst, view = found
+            if inst.num_in_flight >= inst.max_concurrency:
                 continue
             matched = 0
             if hashes:
-                matched = next(v.num_prefix_blocks_matched for v in views if v.name == name)
+                matched = view.num_prefix_blocks_matched
                 index.insert(name, hashes)
             reason = decision.reason if pos == 0 else "next_ranked"
             return Pick(inst, reason, len(hashes), matched)

@@ -29,7 +29,9 @@ from flexpipe.control.resources import ResourceEvent, Resources
 from flexpipe.control.samples import Sampler
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gateway.metrics import GatewayMetrics
+from flexpipe.gears.lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
+from flexpipe.policies.planner.memo import EvaluationMemo
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.signals import Sample
@@ -74,6 +76,9 @@ class SimController:
         self.rng = rng
         self.on_shift = on_shift  # a finished shift's record (for the report)
         self.resources = Resources.of(cluster, 0.0)
+        # the built-in gear table (no store), and the planner's evaluations across re-plans
+        self._performance = GearLookup()
+        self._memo = EvaluationMemo()
         self.policy = ShiftPolicy(params.shift, planner=self._planner)
         self.metrics = GatewayMetrics()
         self.running: dict[str, Any] = {}  # instance key -> record
@@ -102,11 +107,13 @@ class SimController:
         """When the shift in progress started (None: none is)."""
         return self._shift_started_s if self._shifting else None
 
-    @staticmethod
-    def _planner(cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0) -> Plan:
+    def _planner(
+        self, cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0
+    ) -> Plan:
         """The controller's planner: planned fresh for the GPUs free now (no store: the
-        built-in gear table)."""
-        return plan(cluster, demands, now_s=now_s)
+        built-in gear table), as the live controller's, with one lookup and one memo of
+        evaluations for the whole run."""
+        return plan(cluster, demands, self._performance, now_s=now_s, memo=self._memo)
 
     # ------------------------------------------------------------------ what the gateway sees
     def request_ended(self, req: SimRequest) -> None:

@@ -19,6 +19,7 @@ from flexpipe.model_spec import ModelSpec
 from flexpipe.perf import BatchShape, Efficiency, InfeasibleGear, PerfModel, memory_plan
 from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY
 from flexpipe.policies.partition import InfeasiblePartition, StageCost, partition_layers
+from flexpipe.policies.planner.memo import EvaluationMemo
 from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.types import ModelDemand, PlannerConfig
 
@@ -70,7 +71,8 @@ def describe(stages: tuple[tuple[str, ...], ...], gear: Gear) -> str:
 
 
 class Evaluator:
-    """Evaluates candidates for a cluster snapshot; caches what repeats across nodes."""
+    """Evaluates candidates for a cluster snapshot; caches what repeats across nodes, and
+    (`memo`) across the plans of one controller."""
 
     def __init__(
         self,
@@ -80,6 +82,7 @@ class Evaluator:
         performance: GearPerformance,
         config: PlannerConfig,
         efficiency: Efficiency | None = None,
+        memo: EvaluationMemo | None = None,
     ) -> None:
         self.cluster = cluster
         self.demands = demands
@@ -87,6 +90,9 @@ class Evaluator:
         self.performance = performance
         self.config = config
         self.efficiency = efficiency or DEFAULT_EFFICIENCY
+        self.memo = memo
+        if memo is not None:
+            memo.bind(performance, config, self.efficiency)
         self._ladder = tuple(sorted(set(config.batch_ladder)))
         # (model index, dtype, stage hardware, free bytes) -> stage costs for the partitioner
         self._stage_costs: dict[tuple[object, ...], list[StageCost] | str] = {}
@@ -176,15 +182,37 @@ class Evaluator:
         else:
             # The result depends on the hardware only (types, free memory, links), and a large
             # cluster repeats the same few shapes: evaluate a shape once, rebind it to GPU ids.
-            sig = (m, dtype, self.hardware(stages))
+            hardware = self.hardware(stages)
+            sig = (m, dtype, hardware)
             hit = self._by_hardware.get(sig)
             if hit is None:
-                result = self._by_hardware[sig] = self._evaluate(m, stages, dtype)
+                result = self._by_hardware[sig] = self._first_of_shape(m, stages, dtype, hardware)
             elif isinstance(hit, Candidate) or not any(g in hit.reason for g in hit.gpu_ids):
                 result = replace(hit, stages=stages)
             else:  # the reason names the GPUs it was about
                 result = self._evaluate(m, stages, dtype)
         self._results[key] = result
+        return result
+
+    def _first_of_shape(
+        self, m: int, stages: tuple[tuple[str, ...], ...], dtype: str, hardware: tuple[object, ...]
+    ) -> Candidate | Rejection:
+        """`_evaluate` of the first GPUs of a hardware shape in this plan, or the memo's
+        evaluation of that shape (an earlier plan's) rebound to these GPUs and this model
+        index, unless its reason names the GPUs it was about."""
+        memo = self.memo
+        if memo is None:
+            return self._evaluate(m, stages, dtype)
+        d = self.demands[m]
+        key: tuple[object, ...] = (self.specs[m], d.max_model_len, d.input_tokens)
+        key += (d.output_tokens, d.slo, dtype, hardware)
+        hit = memo.get(key)
+        if hit is not None and (
+            isinstance(hit, Candidate) or not any(g in hit.reason for g in hit.gpu_ids)
+        ):
+            return replace(hit, model_index=m, stages=stages)
+        result = self._evaluate(m, stages, dtype)
+        memo.put(key, result)
         return result
 
     def hardware(self, stages: tuple[tuple[str, ...], ...]) -> tuple[object, ...]:

@@ -34,6 +34,7 @@ from flexpipe.perf import Efficiency
 from flexpipe.policies.planner.baselines import baselines
 from flexpipe.policies.planner.candidates import Candidate, Evaluator
 from flexpipe.policies.planner.greedy import GreedyPlanner, usable_gpus
+from flexpipe.policies.planner.memo import EvaluationMemo
 from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.relaxation import Relaxation, solve_relaxation
 from flexpipe.policies.planner.sticky import keep_running, switch_where_it_pays
@@ -101,19 +102,21 @@ def plan(
     config: PlannerConfig | None = None,
     now_s: float = 0.0,
     efficiency: Efficiency | None = None,
+    memo: EvaluationMemo | None = None,
 ) -> Plan:
     """Plan instances for `demands` on `cluster`'s free GPUs at time `now_s`. With `running`
     (the plan the cluster runs now, or its instances; `cluster` shows its GPUs as free to
     us), instances of it that still fit are kept unless replacing them gains more than
     `config.replace_margin`, and the plan's `changes` say per instance whether it is kept, new
-    or stopped."""
+    or stopped. `memo`: candidate evaluations kept across the plans of one caller (memo.py;
+    the same plan either way, made faster when the hardware repeats)."""
     config = config or PlannerConfig()
     demands = tuple(demands)
     names = [d.name for d in demands]
     if len(set(names)) != len(names):
         raise ValueError(f"model names must be unique; got {names}")
     performance = performance or GearLookup(efficiency=efficiency)
-    planner, chosen, notes = _fresh(cluster, demands, performance, config, now_s, efficiency)
+    planner, chosen, notes = _fresh(cluster, demands, performance, config, now_s, efficiency, memo)
     if running is None:
         return _assemble(planner, chosen, notes, {}, {}, [])
     if not isinstance(running, Plan):
@@ -130,6 +133,7 @@ def _fresh(
     config: PlannerConfig,
     now_s: float,
     efficiency: Efficiency | None,
+    memo: EvaluationMemo | None = None,
 ) -> tuple[GreedyPlanner, _Chosen, list[str]]:
     """The best plan from scratch: price rounds of the greedy, then the LP round when demand
     is short."""
@@ -144,7 +148,7 @@ def _fresh(
     rounds: list[str] = []
     for r in range(config.price_rounds):
         planner = GreedyPlanner(
-            cluster, demands, performance, config, now_s, efficiency, evaluator, prices
+            cluster, demands, performance, config, now_s, efficiency, evaluator, prices, memo
         )
         evaluator = planner.evaluator
         chosen = planner.run()

@@ -15,6 +15,7 @@ from flexpipe.hardware import GB
 from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import Efficiency
 from flexpipe.policies.planner.candidates import Candidate, Evaluator, Rejection, describe
+from flexpipe.policies.planner.memo import EvaluationMemo
 from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.types import (
     Alternative,
@@ -71,13 +72,14 @@ class GreedyPlanner:
         efficiency: Efficiency | None,
         evaluator: Evaluator | None = None,
         prices: Sequence[float] | None = None,
+        memo: EvaluationMemo | None = None,
     ) -> None:
         self.cluster = cluster
         self.demands = demands
         self.config = config
         self.specs: tuple[ModelSpec, ...] = tuple(load_model_spec(d.model) for d in demands)
         self.evaluator = evaluator or Evaluator(
-            cluster, demands, self.specs, performance, config, efficiency
+            cluster, demands, self.specs, performance, config, efficiency, memo
         )
         # model index -> price of one of its tokens/s in the greedy's order (1: at face value)
         self.prices = list(prices) if prices is not None else [1.0] * len(demands)

@@ -39,9 +39,10 @@ MAX_KV_USAGE = 0.95  # above this (fresh) KV usage the engine has no room for on
 def num_slots(v: InstanceView) -> int:
     """Sequences the instance runs at once: max_num_seqs if known (capped by the gateway's
     limit), else that limit, else 1."""
-    if v.num_slots > 0:
-        return min(v.num_slots, v.max_concurrency) if v.max_concurrency > 0 else v.num_slots
-    return v.max_concurrency if v.max_concurrency > 0 else 1
+    n, cap = v.num_slots, v.max_concurrency
+    if n > 0:
+        return cap if 0 < cap < n else n  # min(n, cap) under a cap
+    return cap if cap > 0 else 1
 
 
 def capacity(v: InstanceView) -> float:
@@ -83,11 +84,15 @@ def rank(
 ) -> tuple[str, ...]:
     """Names by tier, then (tier 1) shortest wait, then highest score; ties by the RNG."""
     views = snapshot.instances
-    default = mean_speed(views)
+    default: float | None = None  # the mean speed, once an instance would queue
     keyed = []
     for v, s in zip(views, scores, strict=True):
         t = tier(v, snapshot, now)
-        wait = queue_wait(v, default) if t == 1 else 0.0
+        wait = 0.0
+        if t == 1:
+            if default is None:
+                default = mean_speed(views)
+            wait = queue_wait(v, default)
         keyed.append((t, wait, -s, rng.random(), v.name))
     keyed.sort()
-    return tuple(k[4] for k in keyed)
+    return tuple([k[4] for k in keyed])

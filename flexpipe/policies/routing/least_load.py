@@ -39,14 +39,18 @@ def instance_costs(
     """Seconds to drain each instance's work, this request included, at full batch
     (inf = stale metrics)."""
     req = snapshot.request
-    default_speed = mean_speed(snapshot.instances)
+    default_speed: float | None = None  # the mean speed, once an instance has none measured
     extra = req.num_prompt_tokens + output_weight * req.num_expected_output_tokens
     costs = []
     for v in snapshot.instances:
         if snapshot.is_stale(v, now):
             costs.append(math.inf)
             continue
-        speed = v.speed_tokens_per_s if v.speed_tokens_per_s > 0 else default_speed
+        speed = v.speed_tokens_per_s
+        if not speed > 0:
+            if default_speed is None:
+                default_speed = mean_speed(snapshot.instances)
+            speed = default_speed
         costs.append((v.num_queued_tokens + extra) / (speed * capacity(v)))
     return costs
 

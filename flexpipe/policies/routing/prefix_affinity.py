@@ -81,6 +81,9 @@ class PrefixAffinity(PolicyHooks):
         self._least_load = LeastLoad(output_weight)
         # (instance, num points) per instance -> the ring
         self._rings: dict[tuple[tuple[str, int], ...], tuple[list[int], list[str]]] = {}
+        # (instance, capacity) per instance, in view order -> the ring
+        self._rings_by_caps: dict[tuple[tuple[str, float], ...], tuple[list[int], list[str]]]
+        self._rings_by_caps = {}
 
     def _ring(self, vnodes: tuple[tuple[str, int], ...]) -> tuple[list[int], list[str]]:
         ring = self._rings.get(vnodes)
@@ -90,6 +93,25 @@ class PrefixAffinity(PolicyHooks):
             if len(self._rings) > 64:  # pools change rarely; keep the memo small
                 self._rings.clear()
             self._rings[vnodes] = ring
+        return ring
+
+    def _ring_of(self, caps: dict[str, float]) -> tuple[list[int], list[str]]:
+        """The ring of instances of these capacities: each has `num_virtual_nodes` x its
+        share of the largest capacity points (at least one). Memoised on the capacities,
+        which change as rarely as the pool."""
+        key = tuple(caps.items())
+        ring = self._rings_by_caps.get(key)
+        if ring is None:
+            top = max(caps.values())
+            vnodes = tuple(
+                sorted(
+                    (n, max(1, round(self.num_virtual_nodes * c / top))) for n, c in caps.items()
+                )
+            )
+            ring = self._ring(vnodes)
+            if len(self._rings_by_caps) > 64:
+                self._rings_by_caps.clear()
+            self._rings_by_caps[key] = ring
         return ring
 
     def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision:
@@ -102,12 +124,13 @@ class PrefixAffinity(PolicyHooks):
         if not hashes:
             return Decision(by_load.ranked, "no_prefix")
         free = [has_free_slot(v, snapshot, now) for v in views]
-        best_i = max(
-            range(len(views)),
-            key=lambda i: (views[i].num_prefix_blocks_matched, -costs[i], views[i].name),
-        )
-        best = views[best_i]
-        if best.num_prefix_blocks_matched >= max(1.0, self.min_match_ratio * len(hashes)):
+        min_match = max(1.0, self.min_match_ratio * len(hashes))
+        if max([v.num_prefix_blocks_matched for v in views]) >= min_match:
+            best_i = max(
+                range(len(views)),
+                key=lambda i: (views[i].num_prefix_blocks_matched, -costs[i], views[i].name),
+            )
+            best = views[best_i]
             if not free[best_i]:  # it would queue there: the shortest wait decides
                 return Decision(by_load.ranked, "spill")
             # the guard weighs work per sequence (cost x slots): what each batch has to get
@@ -129,11 +152,7 @@ class PrefixAffinity(PolicyHooks):
             return Decision((best.name, *rest), "prefix_hit")
         # Unseen prefix: bounded-load consistent hashing on the first block, by capacity.
         caps = {v.name: capacity(v) for v in views}
-        top = max(caps.values())
-        vnodes = tuple(
-            sorted((n, max(1, round(self.num_virtual_nodes * c / top))) for n, c in caps.items())
-        )
-        points, owners = self._ring(vnodes)
+        points, owners = self._ring_of(caps)
         in_flight = {v.name: v.num_in_flight for v in views}
         usable = {
             v.name for v, f in zip(views, free, strict=True) if f and not snapshot.is_stale(v, now)
@@ -148,8 +167,8 @@ class PrefixAffinity(PolicyHooks):
         for k in range(len(points)):
             name = owners[(start + k) % len(points)]
             if name in usable and in_flight[name] < math.ceil(num_balls * caps[name] / total_cap):
-                rest = tuple(n for n in by_load.ranked if n != name)
-                return Decision((name, *rest), "hash")
+                others = [n for n in by_load.ranked if n != name]
+                return Decision((name, *others), "hash")
         return Decision(by_load.ranked, "hash_overflow")
 
 
