@@ -6,6 +6,8 @@ Exact values: the run is deterministic."""
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,9 @@ from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.sim import report, shift_run, simulate
 from flexpipe.sim.controller import ControllerParams
 from flexpipe.sim.scenario import parse_scenario
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sim_trust import _check_conservation
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,10 +97,10 @@ def test_a_recompute_move_is_priced_warm_and_pre_copied_on_the_destinations_engi
     # the warm-up is no client request: every request ends once, with all its tokens
     assert rep["num_failed"] == 0 and rep["num_requests"] == len(r.requests)
     assert all(q.num_generated_tokens == q.num_output_tokens for q in r.requests)
-    for rec in r.instances:  # the warm-up's blocks are free (cached, evictable), none left
-        assert rec.instance is not None and not rec.instance.requests
-        bm = rec.instance.core.scheduler.bm
-        assert bm.num_free_blocks == bm.num_blocks and not any(bm.ref_counts)
+    _check_conservation(sc, r)  # and every engine empty, all its KV blocks free
+    # deterministic: the same scenario, the same report bytes
+    again = report(simulate(sc, "flexpipe"))
+    assert json.dumps(again, sort_keys=True) == json.dumps(rep, sort_keys=True)
 
 
 def test_without_a_free_slot_or_bound_the_move_cuts_over_unwarmed(
