@@ -492,7 +492,7 @@ class ShiftRun:
         the cut-over; the request generates on its source all the while."""
         self._num_pre_copying += 1
         world = self.world
-        bound = {"s": 0.0}
+        bound_s = 0.0  # warmed: until when it waits for no prefill on the destination
 
         def cut_over(warm: str, t: float) -> None:
             if any(r is req for r in world.requests_on(src)):  # else it ended meanwhile
@@ -505,14 +505,15 @@ class ShiftRun:
                 world.loop.at(t, CONTROL, waiter)
 
         def between_prefills(t: float) -> None:
-            if world.awaits_first_token(dst) and t < bound["s"]:
+            if world.awaits_first_token(dst) and t < bound_s:
                 world.loop.at(t + WARM_POLL_S, CONTROL, between_prefills)
             else:
                 cut_over("warmed", t)
 
         def warmed(outcome: str, t: float) -> None:
+            nonlocal bound_s
             if outcome == "warmed":
-                bound["s"] = t + timeout_s
+                bound_s = t + timeout_s
                 between_prefills(t)
             else:
                 cut_over(outcome, t)
