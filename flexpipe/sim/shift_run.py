@@ -10,8 +10,10 @@
 4. drain the leaving instances for at most `drain_deadline_s`; the requests that would still
    run at the deadline move at once, and what still runs at the deadline moves then, each
    planned by the executor's `plan_moves` (destination, KV move or recompute, and when: in
-   waves) from the same inputs, and admitted there ahead of the queue (`MOVE_PRIORITY`); one
-   not answered yet is sent again (`rerun`);
+   waves, `warm=True` as the executor plans) from the same inputs, and admitted there ahead
+   of the queue (`MOVE_PRIORITY`); a recompute is pre-copied first as the gateway does
+   (`_pre_copy`: a one-token warm-up of its context on the destination's engine, the request
+   generating on its source meanwhile); one not answered yet is sent again (`rerun`);
 5. release: their GPUs are free.
 
 The instances go through the gateway's pool as the executor tells the admin API: starting
