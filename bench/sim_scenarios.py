@@ -49,13 +49,14 @@ def _row(rep: dict[str, Any], cpu_s: float) -> list[str]:
         f"{rep['reservation']['share_of_peak']:.2f}",
         ", ".join(f"{k} {v}" for k, v in rep["shifts_by_kind"].items()) or "-",
         ", ".join(f"{k} {v}" for k, v in rep["requests_migrated_by_method"].items()) or "-",
+        ", ".join(f"{k} {v}" for k, v in rep.get("move_warm_ups", {}).items()) or "-",
         f"{cpu_s:.0f}",
     ]
 
 
 HEAD = ["policy", "requests", "failed", "goodput req/s", "SLO att.", "first served s",
         "tok/s", "tok/s (span)", "GPU-h reserved", "of peak", "shifts", "moved",
-        "CPU s"]  # fmt: skip
+        "warm-ups", "CPU s"]  # fmt: skip
 
 
 def main(argv: Sequence[str] = ()) -> int:

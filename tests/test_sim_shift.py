@@ -389,7 +389,10 @@ def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute(
     shift = r.shifts[1]
     # what would outlive the deadline moves at once (`plan_moves` waves): the in-place
     # instance empties before its deadline; on the other, requests are still left at it
-    assert 0 < shift["phases_s"]["drain_in_place"] < 0.5 and shift["phases_s"]["drain_rest"] == 0.5
+    # (the drain ends once the early recompute moves, pre-copied, have cut over, as the
+    # executor awaits them: at most their warm-up's bound and as long again)
+    assert 0 < shift["phases_s"]["drain_in_place"] < 0.5
+    assert 0.5 <= shift["phases_s"]["drain_rest"] < 0.6
     moved = shift["migrated"]
     assert moved.get("kv_moved", 0) > 0 and moved.get("recomputed", 0) > 0
     # the in-place instance's KV crosses NVLink: its migrate phase is the longest transfer

@@ -39,6 +39,7 @@ from flexpipe.control.move_inputs import (
     decode_interval_s,
     destination_of,
     tokens_left,
+    warm_timeout_s,
 )
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.control.shift_plan import plan_shift, probe_tokens
@@ -541,8 +542,8 @@ class Executor:
         for m, src, dst in wave:
             move: dict[str, Any] = {"id": m.id, "method": m.choice.method, "target": dst.url}
             if m.choice.method == "recompute":  # the gateway's pre-copy: bounded, in wall s
-                move["warm_timeout_s"] = (
-                    max(0.2, 2 * m.choice.done_s * self.time_scale) if self.warm_moves else 0.0
+                move["warm_timeout_s"] = warm_timeout_s(
+                    m.choice.done_s, self.time_scale, self.warm_moves
                 )
             link = link_between(cluster, src.planned, dst.planned)
             if link is not None:

@@ -15,7 +15,13 @@ from flexpipe.cluster import Cluster
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import Destination, link_between, perf_model_of
 
-__all__ = ["context_tokens", "decode_interval_s", "destination_of", "tokens_left"]
+__all__ = [
+    "context_tokens",
+    "decode_interval_s",
+    "destination_of",
+    "tokens_left",
+    "warm_timeout_s",
+]
 
 Record = Mapping[str, Any]
 
@@ -62,3 +68,12 @@ def destination_of(
         len(reqs),  # its batch as `decode_interval_s` counts it
         sum(context_tokens(r) for r in reqs),
     )
+
+
+def warm_timeout_s(done_s: float, time_scale: float, warm: bool) -> float:
+    """How long the gateway may pre-copy a recompute move (`relay.warm_up`) before cutting it
+    over anyway, in wall seconds: twice the move's planned time to run on its destination
+    (`MigrationChoice.done_s`, modelled seconds, scaled), at least 0.2 s; 0 (no warm-up)
+    when moves are not warmed. The executor sends it with each recompute; the simulator
+    bounds its warm-ups by it (time scale 1)."""
+    return max(0.2, 2 * done_s * time_scale) if warm else 0.0

@@ -33,6 +33,7 @@ from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import (
+    WARM_POLL_S,
     WARM_TIMEOUT_S,
     PushRelay,
     WarmOutcome,
@@ -563,7 +564,7 @@ class Gateway:
         while any(c.instance == url and c.awaits_first_token for c in self._calls.values()):
             if self.clock() >= deadline_s:
                 return False
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(WARM_POLL_S)
         return True
 
     async def _export(self, url: str, request_id: str | None) -> dict[str, Any] | None:

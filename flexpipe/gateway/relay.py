@@ -36,6 +36,9 @@ _NO_PRIORITY = "Priority scheduling is not enabled"
 # How long a recompute move waits, by default, for its warm-up (`warm_up`) before cutting
 # over anyway: a few prefills of a long context (the controller may give its own bound).
 WARM_TIMEOUT_S = 2.0
+# How often a warmed move looks again for a prefill on its destination before cutting over
+# (`Gateway._between_prefills`; the simulator polls its virtual clock as often).
+WARM_POLL_S = 0.005
 # What became of a warm-up: done in time; not sent (no free slot on the destination, nothing to
 # continue, or a bound of 0); cut off at its bound; refused or broken by the destination.
 WarmOutcome = Literal["warmed", "skipped", "timed_out", "failed"]
@@ -342,6 +345,13 @@ async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> War
     return outcome
 
 
+def warms(timeout_s: float, num_slots: int, num_in_flight: int) -> bool:
+    """Whether a recompute move's destination is pre-copied (`warm_up`): a bound above 0 and
+    a free slot there (full, the warm-up would only wait: the move goes ahead of its queue).
+    `num_slots` 0: unbounded. The gateway and the simulator decide by it."""
+    return timeout_s > 0 and not (num_slots and num_in_flight >= num_slots)
+
+
 async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> WarmOutcome:
     relay = call.relay
     if relay is not None:
@@ -357,8 +367,8 @@ async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> Wa
         inst = gw.pool.get(target)
     except PoolError:
         return "skipped"
-    if body is None or (inst.num_slots and inst.num_in_flight >= inst.num_slots):
-        return "skipped"  # full: it would only wait there (the move goes ahead of its queue)
+    if body is None or not warms(timeout_s, inst.num_slots, inst.num_in_flight):
+        return "skipped"
     for key in ("max_completion_tokens", "max_tokens"):
         if key in body:
             body[key] = 1

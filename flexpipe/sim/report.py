@@ -136,6 +136,7 @@ def report(result: SimResult) -> dict[str, Any]:
         "shifts_by_kind": dict(sorted(Counter(s["trigger"] for s in result.shifts).items())),
         "requests_migrated_by_method": dict(sorted(migrated.items())),
         "num_requests_moved": len(result.num_moves),
+        "move_warm_ups": dict(result.warm_ups),  # outcome -> pre-copies of recompute moves
         "shifts": result.shifts,
         "num_decisions": result.num_decisions,
         "decisions": _distinct(result.decisions),

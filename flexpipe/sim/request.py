@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 PREFIX_BLOCK_TOKENS = 512  # tokens per shared block id (the Mooncake trace's block)
 _BYTES_PER_TOKEN = 4  # the gateway estimates a token per 4 bytes of prompt
+GENERATED_TOKEN_ID = 100  # the sim model's one-token vocabulary (`stretch.SIM_GEN_IDS`)
 _UNIQUE_BASE = 1 << 40  # token ids of unique prompt parts start here (shared blocks: below)
 
 
@@ -26,6 +27,10 @@ class SimRequest:
     prefix_ids: tuple[int, ...] = ()  # shared prompt blocks (see module docstring)
     num_kv_tokens: int = 0  # a moved request's context whose KV arrived by transfer
     priority: int = 0  # the engine's admission order (a controller's move: MOVE_PRIORITY)
+    # a continuation (or its warm-up): its prompt is this client request's prompt followed by
+    # the tokens generated so far, as the gateway's continuation body sends it (so a warm-up
+    # and the cut-over after it share their leading blocks); None: a client request
+    context_of: SimRequest | None = None
     # outcome (set by the simulator)
     instance: str = ""
     first_token_s: float = -1.0
@@ -55,6 +60,9 @@ class SimRequest:
 
     def prompt_token_ids(self) -> list[int]:
         n = self.num_prompt_tokens
+        if self.context_of is not None:
+            ids = self.context_of.prompt_token_ids()
+            return ids + [GENERATED_TOKEN_ID] * (n - len(ids))
         out: list[int] = []
         for block in self.prefix_ids:
             start = block * PREFIX_BLOCK_TOKENS

@@ -10,8 +10,10 @@
 4. drain the leaving instances for at most `drain_deadline_s`; the requests that would still
    run at the deadline move at once, and what still runs at the deadline moves then, each
    planned by the executor's `plan_moves` (destination, KV move or recompute, and when: in
-   waves) from the same inputs, and admitted there ahead of the queue (`MOVE_PRIORITY`); one
-   not answered yet is sent again (`rerun`);
+   waves, `warm=True` as the executor plans) from the same inputs, and admitted there ahead
+   of the queue (`MOVE_PRIORITY`); a recompute is pre-copied first as the gateway does
+   (`_pre_copy`: a one-token warm-up of its context on the destination's engine, the request
+   generating on its source meanwhile); one not answered yet is sent again (`rerun`);
 5. release: their GPUs are free.
 
 The instances go through the gateway's pool as the executor tells the admin API: starting
@@ -37,10 +39,12 @@ from flexpipe.control.move_inputs import (
     decode_interval_s,
     destination_of,
     tokens_left,
+    warm_timeout_s,
 )
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.control.shift_plan import plan_shift, probe_tokens
 from flexpipe.engine.request import EngineRequest, SamplingParams
+from flexpipe.gateway.relay import WARM_POLL_S
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import (
@@ -82,8 +86,27 @@ class World(Protocol):
     def when_empty(self, recs: Sequence[Any], callback: Callable[[float], None]) -> None: ...
 
     def move(
-        self, req: SimRequest, source: Any, target: Any, method: str, delay_s: float, now: float
+        self,
+        req: SimRequest,
+        source: Any,
+        target: Any,
+        method: str,
+        delay_s: float,
+        now: float,
+        warm: str | None = None,
     ) -> None: ...
+
+    def warm_up(
+        self,
+        req: SimRequest,
+        source: Any,
+        target: Any,
+        timeout_s: float,
+        now: float,
+        done: Callable[[str, float], None],
+    ) -> None: ...  # the gateway's pre-copy of a recompute move (`relay.warm_up`)
+
+    def awaits_first_token(self, rec: Any) -> bool: ...
 
     def release(self, rec: Any, now: float) -> None: ...
 
@@ -96,6 +119,12 @@ class World(Protocol):
 class DrainWait:
     recs: tuple[Any, ...]
     deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class MovesWait:
+    """Until every pre-copied move carried out so far has cut over (the executor awaits its
+    gateway calls, which return after the warm-up)."""
 
 
 def _as_gateway(req: SimRequest, num_prompt: int, num_out: int) -> dict[str, Any]:
@@ -142,7 +171,7 @@ def rehearse(planned: PlannedInstance, cluster: Cluster, tolerance: float) -> di
             "measured_s": round(measured_s, 4), "ratio": round(ratio, 3)}  # fmt: skip
 
 
-Wait = float | DrainWait
+Wait = float | DrainWait | MovesWait
 Gen = Generator[Wait, float, None]
 
 
@@ -160,6 +189,7 @@ class ShiftRun:
         rehearsal_tolerance: float = 2.0,
         rehearse: bool = True,
         all_or_nothing: bool = True,
+        warm_moves: bool = True,
     ) -> None:
         self.world = world
         self.running = running
@@ -169,7 +199,10 @@ class ShiftRun:
         self.rehearsal_tolerance = rehearsal_tolerance
         self.do_rehearse = rehearse
         self.all_or_nothing = all_or_nothing
+        self.warm_moves = warm_moves  # the executor's: recompute moves pre-copied, priced so
         self.out = ShiftOutcome(succeeded=True)
+        self._num_pre_copying = 0  # moves carried out, warming up, not cut over yet
+        self._moves_waiter: Callable[[float], None] | None = None
         self._num_moved = 0  # requests moved (or left with nowhere to go) in this retire
         self._gen = self._shift()
         self._primed = False
@@ -196,6 +229,11 @@ class ShiftRun:
         if isinstance(wait, DrainWait):
             self.world.when_empty(wait.recs, lambda t: self._resume(t, tok))
             loop.at(wait.deadline_s, CONTROL, lambda t: self._resume(t, tok))
+        elif isinstance(wait, MovesWait):
+            if self._num_pre_copying:
+                self._moves_waiter = lambda t: self._resume(t, tok)
+            else:
+                loop.at(loop.now_s, CONTROL, lambda t: self._resume(t, tok))
         else:
             loop.at(loop.now_s + wait, CONTROL, lambda t: self._resume(t, tok))
 
@@ -341,6 +379,8 @@ class ShiftRun:
         if any(world.requests_on(r) for r in leaving):
             yield DrainWait(tuple(leaving), t0 + self.drain_deadline_s)
         drain.over = True
+        if self._num_pre_copying:  # the early moves under way cut over first
+            yield MovesWait()
         now = world.loop.now_s
         self.out.phases_s["drain" + suffix] = now - t0
         left = [r for r in leaving if world.requests_on(r)]
@@ -349,6 +389,8 @@ class ShiftRun:
             if now + at_s > world.loop.now_s:
                 yield now + at_s - world.loop.now_s
             end_s = max(end_s, self._carry(wave, world.loop.now_s))
+            if self._num_pre_copying:  # the gateway answers the wave once it cut over
+                yield MovesWait()
         if end_s > world.loop.now_s:  # the source holds the KV until it is across
             yield end_s - world.loop.now_s
         self.out.count("finished_in_place", max(0, in_flight - self._num_moved))
@@ -382,12 +424,13 @@ class ShiftRun:
                     continue
                 mine = [(q, _as_gateway(q, *world.context_tokens(q, src)))
                         for q in world.requests_on(src)]  # fmt: skip
+                interval_s = decode_interval_s(cluster, src.planned, [d for _, d in mine])
                 if outliving_s is not None:
-                    interval_s = decode_interval_s(cluster, src.planned, [d for _, d in mine])
                     mine = [(q, d) for q, d in mine
                             if outlives(tokens_left(d), interval_s, outliving_s)]  # fmt: skip
                 for q, d in mine:
-                    reqs.append(MoveRequest(q.request_id, context_tokens(d), src.instance.url))
+                    reqs.append(MoveRequest(q.request_id, context_tokens(d), src.instance.url,
+                                            interval_s))  # fmt: skip
                     where[q.request_id] = (src, q)
             targets = [r for k, r in self.running.items()
                        if r.planned.model == model and r.active and k not in gone]  # fmt: skip
@@ -405,7 +448,7 @@ class ShiftRun:
                 for t in targets
             ]  # fmt: skip
             by_url = {t.instance.url: t for t in targets}
-            for m in plan_moves(reqs, destinations, horizon_s):
+            for m in plan_moves(reqs, destinations, horizon_s, warm=self.warm_moves):
                 src, q = where[m.id]
                 planned.append((m, src, by_url[m.destination], q))
         return planned
@@ -435,12 +478,49 @@ class ShiftRun:
                         num_prompt + num_out, link.bandwidth_bytes_per_s, link.latency_s
                     )
             else:
-                method = "recomputed"
+                timeout_s = warm_timeout_s(m.choice.done_s, 1.0, self.warm_moves)
+                self._pre_copy(req, src, dst, timeout_s, now)
+                continue
             world.move(req, src, dst, method, delay_s, now)
             self.out.count(method)
             self._num_moved += 1
             end_s = max(end_s, now + delay_s)
         return end_s
+
+    def _pre_copy(self, req: SimRequest, src: Any, dst: Any, timeout_s: float, now: float) -> None:
+        """The gateway's recompute move (`Gateway.move_request`): the destination warmed with
+        the context (`World.warm_up`), then, warmed, at most `timeout_s` more until no stream
+        there awaits its first token (`_between_prefills`, polled as the gateway does), then
+        the cut-over; the request generates on its source all the while."""
+        self._num_pre_copying += 1
+        world = self.world
+        bound_s = 0.0  # warmed: until when it waits for no prefill on the destination
+
+        def cut_over(warm: str, t: float) -> None:
+            if any(r is req for r in world.requests_on(src)):  # else it ended meanwhile
+                world.move(req, src, dst, "recomputed", 0.0, t, warm)
+                self.out.count("recomputed")
+                self._num_moved += 1
+            self._num_pre_copying -= 1
+            if not self._num_pre_copying and self._moves_waiter is not None:
+                waiter, self._moves_waiter = self._moves_waiter, None
+                world.loop.at(t, CONTROL, waiter)
+
+        def between_prefills(t: float) -> None:
+            if world.awaits_first_token(dst) and t < bound_s:
+                world.loop.at(t + WARM_POLL_S, CONTROL, between_prefills)
+            else:
+                cut_over("warmed", t)
+
+        def warmed(outcome: str, t: float) -> None:
+            nonlocal bound_s
+            if outcome == "warmed":
+                bound_s = t + timeout_s
+                between_prefills(t)
+            else:
+                cut_over(outcome, t)
+
+        world.warm_up(req, src, dst, timeout_s, now, warmed)
 
     def _roll_back(self, released: Sequence[Any], started: Sequence[Any]) -> Gen:
         """The in-place successor failed after the instances in its way were released: they

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flexpipe.cluster import Cluster
-from flexpipe.gateway.relay import MOVE_PRIORITY
+from flexpipe.engine.request import EngineRequest
+from flexpipe.gateway.relay import MOVE_PRIORITY, warms
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import (
     ModelDemand,
@@ -85,6 +86,8 @@ class SimResult:
     num_moves: dict[int, int] = field(default_factory=dict)  # request id -> times moved
     peak_gpus: int = 0  # GPUs of the plan sized for the peak (the peak-provisioning baseline)
     wall_s: float = 0.0  # not in the byte-identical reports
+    warm_ups: dict[str, int] = field(default_factory=dict)  # outcome -> pre-copies of moves
+    moves: list[MoveRecord] = field(default_factory=list)  # in the order they cut over
 
 
 def _keyed(it: Iterator[Arrival], w: int) -> Iterator[tuple[float, int, int, Arrival]]:
@@ -146,6 +149,27 @@ def model_demands(
 
 
 SEGMENT_ID_BASE = 1 << 40  # ids of a moved request's continuations (never an arrival's)
+WARM_UP_ID_BASE = 1 << 41  # ids of the warm-ups of recompute moves (never a client's)
+
+
+@dataclass(frozen=True, slots=True)
+class MoveRecord:
+    """One move of a client request off its instance: how, the warm-up's outcome (None: none
+    tried), when it was cut over, the last token its source gave, and the continuation (its
+    first token, prefix-cache hit, ... once it ran)."""
+
+    request_id: int
+    method: str
+    warm: str | None
+    at_s: float
+    last_token_s: float
+    continuation: SimRequest
+
+    @property
+    def pause_s(self) -> float:
+        """From the source's last token to the destination's first (-1: none there)."""
+        first_s = self.continuation.first_token_s
+        return first_s - self.last_token_s if first_s >= 0 else -1.0
 
 
 class _Run:
@@ -178,6 +202,12 @@ class _Run:
         self._num_moves: dict[int, int] = {}
         self._num_segments = 0
         self._failed_over: set[int] = set()  # requests whose engine died under them
+        # engine request id -> (destination, warm-up, its move's callback): pre-copies running
+        self._warm_ups: dict[str, tuple[InstanceRecord, SimRequest, Callable[[str, float], None]]]
+        self._warm_ups = {}
+        self._num_warm_ups = 0
+        self.warm_ups: dict[str, int] = {}  # outcome -> warm-ups (`relay.warm_up`'s outcomes)
+        self.move_log: list[MoveRecord] = []
         self._empty_waits: list[tuple[tuple[InstanceRecord, ...], Callable[[float], None]]] = []
         self.controller: SimController | None = None
         if isinstance(policy, ShiftingPolicy):
@@ -222,7 +252,7 @@ class _Run:
         except ValueError as exc:
             return str(exc)
         inst = SimInstance(
-            dep, cfg, self.loop, self.gateway.done, self._busy, stretches=self.stretches
+            dep, cfg, self.loop, self._engine_done, self._busy, stretches=self.stretches
         )
         rec = InstanceRecord(
             dep, now, now + cfg.load_time_s, num_kv_blocks=cfg.num_kv_blocks,
@@ -290,7 +320,94 @@ class _Run:
         return self.requests_on(rec)
 
     def requests_on(self, rec: InstanceRecord) -> list[SimRequest]:
-        return list(rec.instance.requests.values()) if rec.instance is not None else []
+        """The requests `rec`'s engine serves for the gateway (its warm-ups are not)."""
+        if rec.instance is None:
+            return []
+        reqs = rec.instance.requests
+        if self._warm_ups:
+            return [r for k, r in reqs.items() if k not in self._warm_ups]
+        return list(reqs.values())
+
+    def warm_up(
+        self,
+        req: SimRequest,
+        source: InstanceRecord,
+        target: InstanceRecord,
+        timeout_s: float,
+        now: float,
+        done: Callable[[str, float], None],
+    ) -> None:
+        """The gateway's pre-copy of a recompute move (`relay.warm_up`): `target`'s engine
+        gets the continuation the move will send (prompt + tokens generated so far), for one
+        token, ahead of its queue, while `req` keeps generating on `source`; its blocks stay
+        in the target's prefix cache when it ends. `done(outcome, t)`: "warmed" when it ended
+        within `timeout_s`, "timed_out" (aborted then), "failed" (refused, or the engine
+        died), "skipped" (no free slot there, nothing generated yet, no bound): then."""
+        inst = target.instance
+        src = source.instance
+        assert inst is not None and src is not None
+        rid = str(req.request_id)
+        ereq = next((r for r in (*src.core.scheduler.running, *src.core.scheduler.waiting)
+                     if r.request_id == rid), None)  # fmt: skip
+        record = self.gateway.pool.instances.get(inst.url)
+        fits = record is not None and warms(timeout_s, record.num_slots, record.num_in_flight)
+        if ereq is None or not fits:
+            self._warmed("skipped", done, now)
+            return
+        src.core.scheduler.materialize(ereq)
+        n = ereq.num_output_tokens
+        if n == 0 or n >= req.num_output_tokens:
+            self._warmed("skipped", done, now)
+            return
+        root = self._root.get(req.request_id, req)
+        self._num_warm_ups += 1
+        warm = SimRequest(
+            WARM_UP_ID_BASE + self._num_warm_ups, now, root.model, req.num_prompt_tokens + n, 1,
+            root.prefix_ids, priority=MOVE_PRIORITY, context_of=root,
+        )  # fmt: skip
+        if inst.refusal(warm):
+            self._warmed("failed", done, now)
+            return
+        self._warm_ups[str(warm.request_id)] = (target, warm, done)
+        inst.submit(warm, now)
+        self.loop.at(now + timeout_s, CONTROL, functools.partial(self._warm_up_bound, warm))
+
+    def _warm_up_bound(self, warm: SimRequest, now: float) -> None:
+        """The warm-up's bound passed: aborted on the engine if it still runs."""
+        entry = self._warm_ups.pop(str(warm.request_id), None)
+        if entry is None:
+            return
+        target, _, done = entry
+        if target.instance is not None:
+            target.instance.take(warm, now)
+        self._warmed("timed_out", done, now)
+
+    def _warmed(self, outcome: str, done: Callable[[str, float], None], now: float) -> None:
+        self.warm_ups[outcome] = self.warm_ups.get(outcome, 0) + 1
+        done(outcome, now)
+
+    def awaits_first_token(self, rec: InstanceRecord) -> bool:
+        """Whether a request on `rec` (not a warm-up) has not had its first token yet: its
+        prompt is being prefilled there, or waits to be (the gateway's `_between_prefills`)."""
+        inst = rec.instance
+        if inst is None:
+            return False
+        inst.sync(self.loop.now_s)
+        s = inst.core.scheduler
+        return any(r.num_output_tokens == 0 and r.request_id not in self._warm_ups
+                   for r in (*s.running, *s.waiting))  # fmt: skip
+
+    def _engine_done(
+        self, inst: SimInstance, req: SimRequest, ereq: EngineRequest, now: float
+    ) -> None:
+        """An engine ended a request: a warm-up's end goes to its move, the rest to the
+        gateway."""
+        entry = self._warm_ups.pop(ereq.request_id, None)
+        if entry is None:
+            self.gateway.done(inst, req, ereq, now)
+            return
+        _, _, done = entry
+        self._warmed("failed" if ereq.finish_reason == "error" else "warmed", done, now)
 
     def when_empty(self, recs: Sequence[InstanceRecord], callback: Callable[[float], None]) -> None:
         self._empty_waits.append((tuple(recs), callback))
@@ -326,11 +443,13 @@ class _Run:
         method: str,
         delay_s: float,
         now: float,
+        warm: str | None = None,
     ) -> None:
         """Take `req` off `source` and continue it on `target` (None: wherever the gateway
         routes it) by `method`: `kv_moved` (its context arrives as KV after `delay_s`),
         `recomputed` (the target prefills prompt + output so far) or `rerun` (nothing was
-        answered yet: sent again)."""
+        answered yet: sent again). `warm`: what became of a recompute's warm-up (None: none
+        was tried), for the move log."""
         assert source.instance is not None
         ereq = source.instance.take(req, now)
         if ereq is None:
@@ -350,8 +469,9 @@ class _Run:
         seg = SimRequest(
             SEGMENT_ID_BASE + self._num_segments,
             root.arrival_s, root.model, req.num_prompt_tokens + n, req.num_output_tokens - n,
-            root.prefix_ids,
+            root.prefix_ids, context_of=root,
         )  # fmt: skip
+        self.move_log.append(MoveRecord(root.request_id, method, warm, now, ereq.last_token_s, seg))
         if method == "kv_moved":
             seg.num_kv_tokens = seg.num_prompt_tokens
         self._root[seg.request_id] = root
@@ -413,6 +533,11 @@ class _Run:
             self.failovers[method] = self.failovers.get(method, 0) + 1
             self._failed_over.add((self._root.get(req.request_id, req)).request_id)
             self.move(req, rec, None, method, 0.0, now)
+        for key, (target, warm, done) in list(self._warm_ups.items()):
+            if target is rec:  # the pre-copy dies with its destination
+                del self._warm_ups[key]
+                rec.instance.take(warm, now)
+                self._warmed("failed", done, now)
         self.release(rec, now)
         self.live.pop(rec.dep.name, None)
         if rec in self.draining:
@@ -452,7 +577,7 @@ class _Run:
     def _check_empty(self, now: float) -> None:
         for wait in list(self._empty_waits):
             recs, callback = wait
-            if all(r.instance is None or not r.instance.requests for r in recs):
+            if all(not self.requests_on(r) for r in recs):
                 self._empty_waits.remove(wait)
                 callback(now)
 
@@ -509,6 +634,7 @@ class _Run:
             ctl.num_decisions if ctl else 0, ctl.resource_events if ctl else [],
             dict(sorted(self.failovers.items())), self._num_moves,
             sum(i.num_gpus for i in peak.instances),
+            warm_ups=dict(sorted(self.warm_ups.items())), moves=self.move_log,
         )  # fmt: skip
 
 

@@ -31,8 +31,9 @@ from flexpipe.engine.core import EngineCore
 from flexpipe.engine.request import EngineRequest
 from flexpipe.engine.scheduler import StepPlan
 from flexpipe.perf import BatchShape
+from flexpipe.sim.request import GENERATED_TOKEN_ID
 
-SIM_GEN_IDS: tuple[int, ...] = (100,)  # the simulated model's one-token vocabulary
+SIM_GEN_IDS: tuple[int, ...] = (GENERATED_TOKEN_ID,)  # the simulated model's one-token vocabulary
 
 
 @dataclass(slots=True)
