@@ -30,9 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from flexpipe.cluster import Cluster
+from flexpipe.control import rehearsal
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.control.move_inputs import (
     context_tokens,
@@ -42,8 +41,8 @@ from flexpipe.control.move_inputs import (
     warm_timeout_s,
 )
 from flexpipe.control.shift_outcome import ShiftOutcome
-from flexpipe.control.shift_plan import plan_shift, probe_tokens
-from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
+from flexpipe.control.shift_plan import plan_shift
+from flexpipe.http.client import ClientPool
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import (
@@ -271,16 +270,8 @@ class Executor:
                 if exc is not None:
                     failures.append(f"instance {p.name} did not start: {exc}")
                     continue
-                inst = LiveInstance(p, task.result())
-                launched.append(inst)
-                self._set(inst, "starting")
-                try:
-                    await self.gateway.add(inst.url, p.model, p.gear.max_num_seqs,
-                                           admin_token=self.engine_admin_token,
-                                           state="starting")  # fmt: skip
-                except GatewayError as exc2:
-                    failures.append(f"instance {p.name}: the gateway refused it: {exc2}")
-                    await self._stop([inst])
+                inst = await self._join_pool(p, task.result(), launched, failures)
+                if inst is None:
                     continue
                 await self._tell(inst, "active")
                 running[inst.key] = inst
@@ -293,6 +284,28 @@ class Executor:
             out.reason = "; ".join(failures)
             out.succeeded = bool(served)
         return served
+
+    async def _join_pool(
+        self,
+        p: PlannedInstance,
+        handle: EngineHandle,
+        launched: list[LiveInstance],
+        failures: list[str],
+    ) -> LiveInstance | None:
+        """A started engine into the gateway's pool as `starting` (not routed until active);
+        None, with the reason in `failures` and the engine stopped, when the gateway refuses."""
+        inst = LiveInstance(p, handle)
+        launched.append(inst)
+        self._set(inst, "starting")
+        try:
+            await self.gateway.add(inst.url, p.model, p.gear.max_num_seqs,
+                                   admin_token=self.engine_admin_token,
+                                   state="starting")  # fmt: skip
+        except GatewayError as exc:
+            failures.append(f"instance {p.name}: the gateway refused it: {exc}")
+            await self._stop([inst])
+            return None
+        return inst
 
     async def _bring_up_started(
         self,
@@ -313,18 +326,9 @@ class Executor:
             if isinstance(r, BaseException):
                 failures.append(f"instance {p.name} did not start: {r}")
                 continue
-            inst = LiveInstance(p, r)
-            launched.append(inst)
-            self._set(inst, "starting")
-            started.append(inst)
-            try:  # in the gateway's pool from now on, not routed until active
-                await self.gateway.add(inst.url, p.model, p.gear.max_num_seqs,
-                                       admin_token=self.engine_admin_token,
-                                       state="starting")  # fmt: skip
-            except GatewayError as exc:
-                failures.append(f"instance {p.name}: the gateway refused it: {exc}")
-                started.pop()
-                await self._stop([inst])
+            inst = await self._join_pool(p, r, launched, failures)
+            if inst is not None:
+                started.append(inst)
         out.phases_s["warm" + phase_suffix] = self.clock() - t0
         if failures:
             out.reason = "; ".join(failures)
@@ -337,7 +341,11 @@ class Executor:
             for inst in started:
                 await self._tell(inst, "rehearsing")
                 self._set(inst, "rehearsing")
-            checks = await asyncio.gather(*(self._rehearse(i) for i in started))
+            checks = await asyncio.gather(*(
+                rehearsal.rehearse(self._probe_pool, i.planned, i.url, self.time_scale,
+                                   self.probe_overhead_s, self.rehearsal_tolerance)
+                for i in started
+            ))  # fmt: skip
             out.rehearsal.extend(checks)
             out.phases_s["rehearse" + phase_suffix] = self.clock() - t0
             missed = [c for c in checks if not c["passed"]]
@@ -354,47 +362,6 @@ class Executor:
             self._set(inst, "active")
         out.phases_s["switch" + phase_suffix] = self.clock() - t0
         return started
-
-    async def _rehearse(self, inst: LiveInstance) -> dict[str, Any]:
-        """One probe through the engine, its time against the gear table's prediction for
-        the probe (TTFT + TPOT per further token, at the gear's full batch: an upper bound
-        for a lone probe), with `probe_overhead_s` of wall time allowed for HTTP."""
-        est = inst.planned.estimate
-        num_probe_tokens = probe_tokens(est.ttft_s, est.tpot_s, self.time_scale,
-                                        self.probe_overhead_s)  # fmt: skip
-        body = orjson.dumps({"model": inst.planned.model, "prompt": "rehearsal " * 32,
-                             "max_tokens": num_probe_tokens, "ignore_eos": True})  # fmt: skip
-        headers = {"content-type": "application/json"}
-        t0 = time.monotonic()
-        try:
-            resp = await self._probe_pool.request(
-                inst.url, "POST", "/v1/completions", body, headers, Timeouts(3.0, 120.0, 60.0)
-            )
-            data = await resp.read()
-            resp.release()
-        except UpstreamError as exc:
-            return {"instance": inst.key, "passed": False, "why": f"{inst.key}: probe {exc}"}
-        wall_s = time.monotonic() - t0
-        if resp.status != 200:
-            why = f"{inst.key}: probe answered {resp.status}"
-            return {"instance": inst.key, "passed": False, "why": why}
-        usage = orjson.loads(data).get("usage") or {}
-        num_tokens = max(1, int(usage.get("completion_tokens", 16)))
-        predicted_s = est.ttft_s + est.tpot_s * (num_tokens - 1)
-        if self.time_scale <= 0:  # no modelled time passes: nothing to compare
-            return {"instance": inst.key, "passed": True, "why": "", "skipped": "time scale 0"}
-        measured_s = max(0.0, wall_s - self.probe_overhead_s) / self.time_scale
-        ratio = measured_s / predicted_s if predicted_s > 0 else 1.0
-        passed = ratio <= self.rehearsal_tolerance
-        why = ""
-        if not passed:
-            why = (
-                f"{inst.key}: probe took {measured_s:.3f} s against {predicted_s:.3f} s "
-                f"predicted (x{ratio:.2f}, tolerance x{self.rehearsal_tolerance:g})"
-            )
-        return {"instance": inst.key, "passed": passed, "why": why,
-                "predicted_s": round(predicted_s, 4), "measured_s": round(measured_s, 4),
-                "ratio": round(ratio, 3)}  # fmt: skip
 
     async def _retire(
         self,
