@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 from flexpipe.gateway.app import Gateway
 from flexpipe.gateway.config import config_from_dict
+from flexpipe.gateway.moves import between_prefills
 
 
 def test_a_cut_over_waits_until_no_stream_on_its_destination_awaits_its_first_token() -> None:
@@ -20,7 +21,7 @@ def test_a_cut_over_waits_until_no_stream_on_its_destination_awaits_its_first_to
     gw._calls = {1: prefilling, 2: elsewhere}  # type: ignore[dict-item]
 
     async def first_token_after(delay_s: float) -> bool:
-        task = asyncio.create_task(gw._between_prefills("http://b", 5.0))
+        task = asyncio.create_task(between_prefills(gw, "http://b", 5.0))
         await asyncio.sleep(delay_s)
         assert not task.done()  # still prefilling there: no cut-over yet
         prefilling.awaits_first_token = False  # its first token came
@@ -28,7 +29,7 @@ def test_a_cut_over_waits_until_no_stream_on_its_destination_awaits_its_first_to
 
     assert asyncio.run(first_token_after(0.05)) is True
     # another destination's prefills do not hold it
-    assert asyncio.run(gw._between_prefills("http://b", 0.0)) is True
+    assert asyncio.run(between_prefills(gw, "http://b", 0.0)) is True
     # one that never ends: cut over at the bound anyway
     prefilling.awaits_first_token = True
-    assert asyncio.run(gw._between_prefills("http://b", 0.05)) is False
+    assert asyncio.run(between_prefills(gw, "http://b", 0.05)) is False

@@ -7,7 +7,8 @@ forwarded unchanged on a pooled keep-alive connection, and the upstream's SSE by
 as they arrive, cut only at event boundaries (so a failure never leaves half an event at the
 client). Streams are relayed by push (relay.py); events are parsed only when a stream has to
 be continued elsewhere. Routing and load accounting are the synchronous `Router`'s
-(router.py); the admin API is admin.py. This module is the I/O around them.
+(router.py); the admin API is admin.py; moving a request between instances is moves.py. This
+module is the I/O around them.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from typing import Any
 
 import orjson
 
+from flexpipe.gateway import moves
 from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
@@ -32,14 +33,7 @@ from flexpipe.gateway.holds import Holds
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
-from flexpipe.gateway.relay import (
-    WARM_POLL_S,
-    WARM_TIMEOUT_S,
-    PushRelay,
-    WarmOutcome,
-    move_relayed,
-    warm_up,
-)
+from flexpipe.gateway.relay import PushRelay, WarmOutcome
 from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.gateway.tenants import Tenants
 from flexpipe.gateway.ui_routes import UiRoutes
@@ -517,73 +511,13 @@ class Gateway:
         """The requests an instance is serving now."""
         return [c for c in self._calls.values() if c.instance == url]
 
+    def call(self, call_id: int) -> Call | None:
+        """An accepted request not yet ended, by id."""
+        return self._calls.get(call_id)
+
     async def move_request(self, call_id: int, move: Move) -> tuple[str, WarmOutcome | None]:
-        """Move an in-flight request off its instance (a shift's drain deadline): a stream
-        continues on `move.target` with its KV cache ("kv", the engines' export/import
-        hooks) or by recompute, after warming the target's prefix cache with its context
-        (`warm_up`); a non-streamed request, of which nothing was sent yet, is re-run there.
-        Returns what was done ("kv", "recompute", "rerun") or why not, and what became of
-        the warm-up of a recompute (None: none was tried)."""
-        call = self._calls.get(call_id)
-        if call is None or call.instance is None:
-            return "not_running", None
-        if call.sending is not None:  # the engine has not answered: nothing was sent yet
-            call.move = Move("recompute", move.target)
-            call.sending.cancel()  # aborts the upstream request; sent again to the target
-            return "rerun", None
-        if not call.stream:
-            if call.upstream is None:
-                return "not_running", None
-            call.move = Move("recompute", move.target)
-            call.upstream.release()  # its reader sees the break and re-runs it on the target
-            return "rerun", None
-        relay, relayed = call.relay, call.relayed  # relayed: continued after a move
-        if relay is None and relayed is None:
-            return "not_running", None  # being continued elsewhere right now
-        if move.method == "kv":
-            call.export = await self._export(call.instance, call.upstream_request_id)
-            if call.export is None:
-                move = Move("recompute", move.target, warm_timeout_s=move.warm_timeout_s)
-        warm: WarmOutcome | None = None
-        if move.method == "recompute" and move.target is not None:
-            timeout_s = WARM_TIMEOUT_S if move.warm_timeout_s is None else move.warm_timeout_s
-            warm = await warm_up(self, call, move.target, timeout_s)
-            if warm == "warmed":
-                await self._between_prefills(move.target, timeout_s)
-        if call.relay is not relay or call.relayed is not relayed:
-            return "not_running", warm  # ended (or failed over) meanwhile
-        outcome = relay.move(move) if relay is not None else move_relayed(call, move)
-        return outcome, warm
-
-    async def _between_prefills(self, url: str, bound_s: float) -> bool:
-        """Wait, at most `bound_s`, until no stream on `url` awaits its first token: a warmed
-        cut-over is one short step there, unless it shares that step with (or waits for) a
-        new request's prefill, up to a whole prompt's. The moved stream keeps generating on
-        its source meanwhile, so the wait pauses nothing. True when `url` had none."""
-        deadline_s = self.clock() + bound_s
-        while any(c.instance == url and c.awaits_first_token for c in self._calls.values()):
-            if self.clock() >= deadline_s:
-                return False
-            await asyncio.sleep(WARM_POLL_S)
-        return True
-
-    async def _export(self, url: str, request_id: str | None) -> dict[str, Any] | None:
-        """The engine's state of a request (its KV export), or None when it cannot tell."""
-        token = self.engine_admin_tokens.get(url)
-        if request_id is None or token is None:
-            return None
-        headers = {**_JSON_HEADERS, "authorization": f"Bearer {token}"}
-        body = orjson.dumps({"request_id": request_id})
-        try:
-            resp = await self.client.request(url, "POST", "/admin/export", body, headers)
-            data = await resp.read()
-            resp.release()
-        except UpstreamError:
-            return None
-        if resp.status != 200:
-            return None
-        obj = orjson.loads(data)
-        return obj if isinstance(obj, dict) else None
+        """Move an in-flight request off its instance (a shift's drain deadline): moves.py."""
+        return await moves.move_request(self, call_id, move)
 
     async def drained(self, url: str, timeout_s: float) -> bool:
         """Wait until `url` serves no request (True) or `timeout_s` passed (False): woken by

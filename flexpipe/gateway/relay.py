@@ -37,7 +37,7 @@ _NO_PRIORITY = "Priority scheduling is not enabled"
 # over anyway: a few prefills of a long context (the controller may give its own bound).
 WARM_TIMEOUT_S = 2.0
 # How often a warmed move looks again for a prefill on its destination before cutting over
-# (`Gateway._between_prefills`; the simulator polls its virtual clock as often).
+# (moves.py's `between_prefills`; the simulator polls its virtual clock as often).
 WARM_POLL_S = 0.005
 # What became of a warm-up: done in time; not sent (no free slot on the destination, nothing to
 # continue, or a bound of 0); cut off at its bound; refused or broken by the destination.

@@ -1,0 +1,89 @@
+"""Moving an in-flight request off its instance (a shift's drain deadline, POST
+/admin/requests/move): a stream continues on the target with its KV cache (the engines'
+export/import hooks) or by recompute after warming the target's prefix cache; a request of
+which nothing was sent yet is re-run there. Functions of the gateway, as relay.py's `warm_up`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from flexpipe.gateway.call import Move
+from flexpipe.gateway.relay import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome, move_relayed, warm_up
+from flexpipe.http.client import UpstreamError
+
+if TYPE_CHECKING:
+    from flexpipe.gateway.app import Gateway
+
+
+async def move_request(gw: Gateway, call_id: int, move: Move) -> tuple[str, WarmOutcome | None]:
+    """Move an in-flight request off its instance: a stream continues on `move.target` with
+    its KV cache ("kv") or by recompute, after warming the target's prefix cache with its
+    context (`warm_up`); a non-streamed request, of which nothing was sent yet, is re-run
+    there. Returns what was done ("kv", "recompute", "rerun") or why not, and what became of
+    the warm-up of a recompute (None: none was tried)."""
+    call = gw.call(call_id)
+    if call is None or call.instance is None:
+        return "not_running", None
+    if call.sending is not None:  # the engine has not answered: nothing was sent yet
+        call.move = Move("recompute", move.target)
+        call.sending.cancel()  # aborts the upstream request; sent again to the target
+        return "rerun", None
+    if not call.stream:
+        if call.upstream is None:
+            return "not_running", None
+        call.move = Move("recompute", move.target)
+        call.upstream.release()  # its reader sees the break and re-runs it on the target
+        return "rerun", None
+    relay, relayed = call.relay, call.relayed  # relayed: continued after a move
+    if relay is None and relayed is None:
+        return "not_running", None  # being continued elsewhere right now
+    if move.method == "kv":
+        call.export = await export_state(gw, call.instance, call.upstream_request_id)
+        if call.export is None:
+            move = Move("recompute", move.target, warm_timeout_s=move.warm_timeout_s)
+    warm: WarmOutcome | None = None
+    if move.method == "recompute" and move.target is not None:
+        timeout_s = WARM_TIMEOUT_S if move.warm_timeout_s is None else move.warm_timeout_s
+        warm = await warm_up(gw, call, move.target, timeout_s)
+        if warm == "warmed":
+            await between_prefills(gw, move.target, timeout_s)
+    if call.relay is not relay or call.relayed is not relayed:
+        return "not_running", warm  # ended (or failed over) meanwhile
+    outcome = relay.move(move) if relay is not None else move_relayed(call, move)
+    return outcome, warm
+
+
+async def between_prefills(gw: Gateway, url: str, bound_s: float) -> bool:
+    """Wait, at most `bound_s`, until no stream on `url` awaits its first token: a warmed
+    cut-over is one short step there, unless it shares that step with (or waits for) a
+    new request's prefill, up to a whole prompt's. The moved stream keeps generating on
+    its source meanwhile, so the wait pauses nothing. True when `url` had none."""
+    deadline_s = gw.clock() + bound_s
+    while any(c.awaits_first_token for c in gw.calls_on(url)):
+        if gw.clock() >= deadline_s:
+            return False
+        await asyncio.sleep(WARM_POLL_S)
+    return True
+
+
+async def export_state(gw: Gateway, url: str, request_id: str | None) -> dict[str, Any] | None:
+    """The engine's state of a request (its KV export), or None when it cannot tell."""
+    token = gw.engine_admin_tokens.get(url)
+    if request_id is None or token is None:
+        return None
+    headers = {"content-type": "application/json", "authorization": f"Bearer {token}"}
+    body = orjson.dumps({"request_id": request_id})
+    try:
+        resp = await gw.client.request(url, "POST", "/admin/export", body, headers)
+        data = await resp.read()
+        resp.release()
+    except UpstreamError:
+        return None
+    if resp.status != 200:
+        return None
+    obj = orjson.loads(data)
+    return obj if isinstance(obj, dict) else None
