@@ -20,7 +20,6 @@ from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.engine.request import EngineRequest
-from flexpipe.gateway.relay import MOVE_PRIORITY, warms
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import (
     ModelDemand,
@@ -36,6 +35,7 @@ from flexpipe.sim.engine_factory import engine_config
 from flexpipe.sim.gateway import SimGateway
 from flexpipe.sim.instance import SimInstance
 from flexpipe.sim.loop import ARRIVAL, CONTROL, EventLoop
+from flexpipe.sim.moves import MoveRecord, Moves
 from flexpipe.sim.policy import Policy, PolicyView, ShiftingPolicy, at_rate, create_policy
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.scenario import Scenario, ScenarioError
@@ -148,30 +148,6 @@ def model_demands(
     return demands, peak
 
 
-SEGMENT_ID_BASE = 1 << 40  # ids of a moved request's continuations (never an arrival's)
-WARM_UP_ID_BASE = 1 << 41  # ids of the warm-ups of recompute moves (never a client's)
-
-
-@dataclass(frozen=True, slots=True)
-class MoveRecord:
-    """One move of a client request off its instance: how, the warm-up's outcome (None: none
-    tried), when it was cut over, the last token its source gave, and the continuation (its
-    first token, prefix-cache hit, ... once it ran)."""
-
-    request_id: int
-    method: str
-    warm: str | None
-    at_s: float
-    last_token_s: float
-    continuation: SimRequest
-
-    @property
-    def pause_s(self) -> float:
-        """From the source's last token to the destination's first (-1: none there)."""
-        first_s = self.continuation.first_token_s
-        return first_s - self.last_token_s if first_s >= 0 else -1.0
-
-
 class _Run:
     def __init__(
         self, scenario: Scenario, policy: Policy, stretches: bool, requests: list[SimRequest]
@@ -198,16 +174,8 @@ class _Run:
         self.shifts: list[dict[str, Any]] = []
         self.failovers: dict[str, int] = {}
         self._names: set[str] = set()
-        self._root: dict[int, SimRequest] = {}  # continuation id -> the client's request
-        self._num_moves: dict[int, int] = {}
-        self._num_segments = 0
         self._failed_over: set[int] = set()  # requests whose engine died under them
-        # engine request id -> (destination, warm-up, its move's callback): pre-copies running
-        self._warm_ups: dict[str, tuple[InstanceRecord, SimRequest, Callable[[str, float], None]]]
-        self._warm_ups = {}
-        self._num_warm_ups = 0
-        self.warm_ups: dict[str, int] = {}  # outcome -> warm-ups (`relay.warm_up`'s outcomes)
-        self.move_log: list[MoveRecord] = []
+        self.moves = Moves(self.loop, self.gateway, self._check_empty)
         self._empty_waits: list[tuple[tuple[InstanceRecord, ...], Callable[[float], None]]] = []
         self.controller: SimController | None = None
         if isinstance(policy, ShiftingPolicy):
@@ -324,8 +292,9 @@ class _Run:
         if rec.instance is None:
             return []
         reqs = rec.instance.requests
-        if self._warm_ups:
-            return [r for k, r in reqs.items() if k not in self._warm_ups]
+        warming = self.moves.warming
+        if warming:
+            return [r for k, r in reqs.items() if k not in warming]
         return list(reqs.values())
 
     def warm_up(
@@ -337,77 +306,18 @@ class _Run:
         now: float,
         done: Callable[[str, float], None],
     ) -> None:
-        """The gateway's pre-copy of a recompute move (`relay.warm_up`): `target`'s engine
-        gets the continuation the move will send (prompt + tokens generated so far), for one
-        token, ahead of its queue, while `req` keeps generating on `source`; its blocks stay
-        in the target's prefix cache when it ends. `done(outcome, t)`: "warmed" when it ended
-        within `timeout_s`, "timed_out" (aborted then), "failed" (refused, or the engine
-        died), "skipped" (no free slot there, nothing generated yet, no bound): then."""
-        inst = target.instance
-        src = source.instance
-        assert inst is not None and src is not None
-        rid = str(req.request_id)
-        ereq = next((r for r in (*src.core.scheduler.running, *src.core.scheduler.waiting)
-                     if r.request_id == rid), None)  # fmt: skip
-        record = self.gateway.pool.instances.get(inst.url)
-        fits = record is not None and warms(timeout_s, record.num_slots, record.num_in_flight)
-        if ereq is None or not fits:
-            self._warmed("skipped", done, now)
-            return
-        src.core.scheduler.materialize(ereq)
-        n = ereq.num_output_tokens
-        if n == 0 or n >= req.num_output_tokens:
-            self._warmed("skipped", done, now)
-            return
-        root = self._root.get(req.request_id, req)
-        self._num_warm_ups += 1
-        warm = SimRequest(
-            WARM_UP_ID_BASE + self._num_warm_ups, now, root.model, req.num_prompt_tokens + n, 1,
-            root.prefix_ids, priority=MOVE_PRIORITY, context_of=root,
-        )  # fmt: skip
-        if inst.refusal(warm):
-            self._warmed("failed", done, now)
-            return
-        self._warm_ups[str(warm.request_id)] = (target, warm, done)
-        inst.submit(warm, now)
-        self.loop.at(now + timeout_s, CONTROL, functools.partial(self._warm_up_bound, warm))
-
-    def _warm_up_bound(self, warm: SimRequest, now: float) -> None:
-        """The warm-up's bound passed: aborted on the engine if it still runs."""
-        entry = self._warm_ups.pop(str(warm.request_id), None)
-        if entry is None:
-            return
-        target, _, done = entry
-        if target.instance is not None:
-            target.instance.take(warm, now)
-        self._warmed("timed_out", done, now)
-
-    def _warmed(self, outcome: str, done: Callable[[str, float], None], now: float) -> None:
-        self.warm_ups[outcome] = self.warm_ups.get(outcome, 0) + 1
-        done(outcome, now)
+        self.moves.warm_up(req, source, target, timeout_s, now, done)
 
     def awaits_first_token(self, rec: InstanceRecord) -> bool:
-        """Whether a request on `rec` (not a warm-up) has not had its first token yet: its
-        prompt is being prefilled there, or waits to be (the gateway's `_between_prefills`)."""
-        inst = rec.instance
-        if inst is None:
-            return False
-        inst.sync(self.loop.now_s)
-        s = inst.core.scheduler
-        return any(r.num_output_tokens == 0 and r.request_id not in self._warm_ups
-                   for r in (*s.running, *s.waiting))  # fmt: skip
+        return self.moves.awaits_first_token(rec)
 
     def _engine_done(
         self, inst: SimInstance, req: SimRequest, ereq: EngineRequest, now: float
     ) -> None:
         """An engine ended a request: a warm-up's end goes to its move, the rest to the
         gateway."""
-        entry = self._warm_ups.pop(ereq.request_id, None)
-        if entry is None:
+        if not self.moves.warm_up_ended(ereq, now):
             self.gateway.done(inst, req, ereq, now)
-            return
-        _, _, done = entry
-        self._warmed("failed" if ereq.finish_reason == "error" else "warmed", done, now)
 
     def when_empty(self, recs: Sequence[InstanceRecord], callback: Callable[[float], None]) -> None:
         self._empty_waits.append((tuple(recs), callback))
@@ -445,54 +355,7 @@ class _Run:
         now: float,
         warm: str | None = None,
     ) -> None:
-        """Take `req` off `source` and continue it on `target` (None: wherever the gateway
-        routes it) by `method`: `kv_moved` (its context arrives as KV after `delay_s`),
-        `recomputed` (the target prefills prompt + output so far) or `rerun` (nothing was
-        answered yet: sent again). `warm`: what became of a recompute's warm-up (None: none
-        was tried), for the move log."""
-        assert source.instance is not None
-        ereq = source.instance.take(req, now)
-        if ereq is None:
-            return
-        self.gateway.detach(req, now)
-        root = self._root.pop(req.request_id, req)
-        self._num_moves[root.request_id] = self._num_moves.get(root.request_id, 0) + 1
-        n = ereq.num_output_tokens
-        if n:
-            if root.first_token_s < 0:
-                root.first_token_s = ereq.first_token_s
-            root.last_token_s = ereq.last_token_s
-            root.num_generated_tokens += n
-        root.num_cached_tokens += ereq.num_cached_tokens
-        root.num_preemptions += ereq.num_preemptions
-        self._num_segments += 1
-        seg = SimRequest(
-            SEGMENT_ID_BASE + self._num_segments,
-            root.arrival_s, root.model, req.num_prompt_tokens + n, req.num_output_tokens - n,
-            root.prefix_ids, context_of=root,
-        )  # fmt: skip
-        self.move_log.append(MoveRecord(root.request_id, method, warm, now, ereq.last_token_s, seg))
-        if method == "kv_moved":
-            seg.num_kv_tokens = seg.num_prompt_tokens
-        self._root[seg.request_id] = root
-        if not source.instance.requests:  # a drain waiting for it to empty goes on
-            self.loop.at(now, CONTROL, self._check_empty)
-        if target is None:
-            self.gateway.submit(seg, now)
-            return
-        seg.priority = MOVE_PRIORITY  # the controller's move: ahead of the target's queue
-        url = target.instance.url if target.instance is not None else ""
-
-        def place(t: float) -> None:
-            if url in self.gateway.pool.instances and target.active:
-                self.gateway.place(seg, url, t)
-            else:
-                self.gateway.submit(seg, t)
-
-        if delay_s > 0:
-            self.loop.at(now + delay_s, CONTROL, place)
-        else:
-            place(now)
+        self.moves.move(req, source, target, method, delay_s, now, warm)
 
     # --- the resource timeline ---------------------------------------------------------
     def _resources(self, index: int, now: float) -> None:
@@ -531,13 +394,9 @@ class _Run:
             _, n = self.context_tokens(req, rec)
             method = "recomputed" if n else "rerun"
             self.failovers[method] = self.failovers.get(method, 0) + 1
-            self._failed_over.add((self._root.get(req.request_id, req)).request_id)
+            self._failed_over.add((self.moves.roots.get(req.request_id, req)).request_id)
             self.move(req, rec, None, method, 0.0, now)
-        for key, (target, warm, done) in list(self._warm_ups.items()):
-            if target is rec:  # the pre-copy dies with its destination
-                del self._warm_ups[key]
-                rec.instance.take(warm, now)
-                self._warmed("failed", done, now)
+        self.moves.target_died(rec, now)
         self.release(rec, now)
         self.live.pop(rec.dep.name, None)
         if rec in self.draining:
@@ -551,7 +410,7 @@ class _Run:
         self.usage.busy(inst.dep.num_gpus, start_s, end_s)
 
     def _ended(self, req: SimRequest) -> None:
-        root = self._root.pop(req.request_id, None)
+        root = self.moves.roots.pop(req.request_id, None)
         if root is not None:  # a continuation ended: so did the client's request
             if root.first_token_s < 0 and req.first_token_s >= 0:
                 root.first_token_s = req.first_token_s
@@ -632,9 +491,9 @@ class _Run:
             max((r.finish_s for r in self.requests), default=0.0), self.loop.num_events,
             self.notes, self.shifts, ctl.decisions if ctl else [],
             ctl.num_decisions if ctl else 0, ctl.resource_events if ctl else [],
-            dict(sorted(self.failovers.items())), self._num_moves,
+            dict(sorted(self.failovers.items())), self.moves.num_moves,
             sum(i.num_gpus for i in peak.instances),
-            warm_ups=dict(sorted(self.warm_ups.items())), moves=self.move_log,
+            warm_ups=dict(sorted(self.moves.warm_ups.items())), moves=self.moves.log,
         )  # fmt: skip
 
 
