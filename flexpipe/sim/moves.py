@@ -141,7 +141,8 @@ class Moves:
 
     def awaits_first_token(self, rec: InstanceRecord) -> bool:
         """Whether a request on `rec` (not a warm-up) has not had its first token yet: its
-        prompt is being prefilled there, or waits to be (the gateway's `_between_prefills`)."""
+        prompt is being prefilled there, or waits to be (the gateway's
+        `gateway.moves.between_prefills`)."""
         inst = rec.instance
         if inst is None:
             return False

@@ -488,10 +488,11 @@ class ShiftRun:
         return end_s
 
     def _pre_copy(self, req: SimRequest, src: Any, dst: Any, timeout_s: float, now: float) -> None:
-        """The gateway's recompute move (`Gateway.move_request`): the destination warmed with
-        the context (`World.warm_up`), then, warmed, at most `timeout_s` more until no stream
-        there awaits its first token (`_between_prefills`, polled as the gateway does), then
-        the cut-over; the request generates on its source all the while."""
+        """The gateway's recompute move (`gateway.moves.move_request`): the destination
+        warmed with the context (`World.warm_up`), then, warmed, at most `timeout_s` more
+        until no stream there awaits its first token (`gateway.moves.between_prefills`,
+        polled as the gateway does), then the cut-over; the request generates on its source
+        all the while."""
         self._num_pre_copying += 1
         world = self.world
         bound_s = 0.0  # warmed: until when it waits for no prefill on the destination
