@@ -32,6 +32,7 @@ from test_up import engines_with
 
 from flexpipe.lifecycle import State
 from flexpipe.store.instance_registry import InstanceRegistry
+from flexpipe.store.shift_entry import ShiftEntry
 
 MIN_ZERO = """
 models:
@@ -81,7 +82,14 @@ def test_an_idle_model_scales_to_zero_and_its_next_request_cold_starts_one(
                 ttft_s = time.monotonic() - t0
             text += chunk.choices[0].text if chunk.choices else ""
         assert ttft_s is not None and len(text.split()) >= 12, text
-        woken = [e for e in finished(up.entries("shift")) if e.trigger == "wake"]
+
+        # the request is served once the new instance is active; the shift is logged as
+        # finished a moment later (after its last step), so wait for that record
+        def woken_shifts() -> list[ShiftEntry]:
+            return [e for e in finished(up.entries("shift")) if e.trigger == "wake"]
+
+        up.wait_until("the wake shift logged as finished", woken_shifts, 30)
+        woken = woken_shifts()
         assert woken and woken[0].outcome == "succeeded", up.out.text[-3000:]
         assert "requests wait for" in up.out.text
         live = InstanceRegistry(up.store).live_instances()
