@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -408,10 +409,17 @@ def test_a_target_that_fails_rehearsal_is_rolled_back_then_blacklisted(tmp_path:
         )
         assert blacklisted
         time.sleep(3)  # six more ticks
-        # the failed target is never tried again (another plan without it may be)
-        failed_keys = {c.instance for e in both for c in e.rehearsal if not c.passed}
+        # what failed twice is never tried again (another plan without it may be). The
+        # blacklist counts the instances each failed shift started: under load the two tries
+        # may differ (the measured rate moves the gear), and a key tried once may come back.
+        tried = [e for e in up.entries("shift")[:num_shifts] if e.outcome == "rolled_back"]
+        num_failures = Counter(i.key for e in tried for i in e.target or () if i.key not in before)
+        banned = {key for key, n in num_failures.items() if n >= 2}
+        assert banned, num_failures
         later = up.entries("shift")[num_shifts:]
-        assert all(not failed_keys & {i.key for i in e.target or ()} for e in later)
+        assert all(not banned & {i.key for i in e.target or ()} for e in later), [
+            (e.trigger, e.outcome, e.reason, [i.key for i in e.target or ()], banned) for e in later
+        ]
         if not later:
             # the old plan serves again: the target is in place (TP2 s64 on the GPUs of TP2
             # s48), so the old instance was released before the rehearsal and started again
