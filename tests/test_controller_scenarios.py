@@ -410,10 +410,11 @@ def test_a_target_that_fails_rehearsal_is_rolled_back_then_blacklisted(tmp_path:
         assert blacklisted
         time.sleep(3)  # six more ticks
         # what failed twice is never tried again (another plan without it may be). The
-        # blacklist counts the instances each failed shift started: under load the two tries
-        # may differ (the measured rate moves the gear), and a key tried once may come back.
+        # blacklist counts the instances whose rehearsal missed (`finished_record`): under
+        # load the two tries may differ (the measured rate moves the gear), and a key that
+        # failed once may come back.
         tried = [e for e in up.entries("shift")[:num_shifts] if e.outcome == "rolled_back"]
-        num_failures = Counter(i.key for e in tried for i in e.target or () if i.key not in before)
+        num_failures = Counter(c.instance for e in tried for c in e.rehearsal if not c.passed)
         banned = {key for key, n in num_failures.items() if n >= 2}
         assert banned, num_failures
         later = up.entries("shift")[num_shifts:]

@@ -74,8 +74,8 @@ def test_a_refused_shift_changes_nothing_and_says_it_was_refused() -> None:
     of the target: the controller records it so and the blacklist ignores it)."""
     import asyncio
 
-    from flexpipe.control.controller import finished_record
     from flexpipe.control.executor import Executor
+    from flexpipe.control.shift_outcome import finished_record
     from flexpipe.policies.shift.snapshot import ShiftRecord
 
     (only,) = [p for p in plan(CLUSTER, [DEMAND]).instances if p.num_gpus == 2]

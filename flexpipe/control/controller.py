@@ -42,7 +42,7 @@ from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.observe import RateWindow, model_states
 from flexpipe.control.resources import ResourceEvent, Resources
 from flexpipe.control.samples import Sampler, gateway_totals
-from flexpipe.control.shift_outcome import ShiftOutcome
+from flexpipe.control.shift_outcome import ShiftOutcome, finished_record
 from flexpipe.control.takeover import Takeover, stub
 from flexpipe.control.ui_api import UiApi
 from flexpipe.gateway.holds import STANDBY_HOLD_S
@@ -577,17 +577,6 @@ class Controller:
         resources, events = call()
         self._resource_events(resources, events, self.clock())
         return events
-
-
-def finished_record(record: ShiftRecord, outcome: ShiftOutcome, now_s: float) -> ShiftRecord:
-    """The policy's record of a shift once the executor is done with it. A failed shift
-    blacklists the instances that failed (their rehearsal), not every one it added; a shift
-    the executor refused before changing anything is recorded as refused, never as a failure
-    of its target."""
-    failed = tuple(c["instance"] for c in outcome.rehearsal if not c.get("passed"))
-    keys = failed if not outcome.succeeded and failed else record.target_keys
-    return dataclasses.replace(record, finished_s=now_s, succeeded=outcome.succeeded,
-                               target_keys=keys, refused=outcome.refused)  # fmt: skip
 
 
 def _said(outcome: ShiftOutcome) -> str:

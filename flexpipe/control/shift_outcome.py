@@ -3,10 +3,13 @@ executor (`control/executor.py`) and the simulator (`sim/shift_run.py`) alike.""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ShiftOutcome"]
+from flexpipe.policies.shift.snapshot import ShiftRecord
+
+__all__ = ["ShiftOutcome", "finished_record"]
 
 
 @dataclass
@@ -37,3 +40,14 @@ class ShiftOutcome:
             "started": self.started,
             "stopped": self.stopped,
         }
+
+
+def finished_record(record: ShiftRecord, outcome: ShiftOutcome, now_s: float) -> ShiftRecord:
+    """The policy's record of a shift once the executor is done with it. A failed shift
+    blacklists the instances that failed (their rehearsal), not every one it added; a shift
+    the executor refused before changing anything is recorded as refused, never as a failure
+    of its target."""
+    failed = tuple(c["instance"] for c in outcome.rehearsal if not c.get("passed"))
+    keys = failed if not outcome.succeeded and failed else record.target_keys
+    return dataclasses.replace(record, finished_s=now_s, succeeded=outcome.succeeded,
+                               target_keys=keys, refused=outcome.refused)  # fmt: skip

@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.controller import finished_record
 from flexpipe.control.observe import RateWindow, model_states
 from flexpipe.control.resources import ResourceEvent, Resources
 from flexpipe.control.samples import Sampler
+from flexpipe.control.shift_outcome import finished_record
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gears.lookup import GearLookup
