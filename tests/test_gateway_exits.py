@@ -88,6 +88,51 @@ def test_a_stream_queued_at_the_gateway_leaves_no_trace_when_its_client_goes(
         r.close()
 
 
+def test_a_queued_client_that_leaves_as_it_is_woken_is_gone_from_the_queue(
+    lt: LoopThread,
+) -> None:
+    """A slot frees (the queued request is woken) in the same loop pass as its client leaves:
+    the leaving must win. (asyncio.wait_for on Python 3.11 returned the wake-up and swallowed
+    the cancellation: the request went on queued for nobody, then ran on the engine.)"""
+    engine = FakeEngine(token_delay_s=0.05)
+    r = Running(lt, [engine], max_concurrency_per_instance=1, max_queue=4)
+    try:
+        first = r.client().completions.create(
+            model="fake-model", prompt="x", max_tokens=40, stream=True
+        )
+        it = iter(first)
+        next(it)  # holds the only slot
+        server = r.gw.server
+        assert server is not None
+        (holder,) = server._connections
+
+        async def queued() -> None:
+            host, port = r.url.removeprefix("http://").split(":")
+            _, writer = await asyncio.open_connection(host, int(port))
+            body = orjson.dumps({"model": "fake-model", "prompt": "y", "max_tokens": 200})
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+                b"\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+            )
+            await writer.drain()
+            while not r.gw.num_waiting:
+                await asyncio.sleep(0.005)
+            (conn,) = server._connections - {holder}
+            assert conn.transport is not None
+            conn.transport.abort()  # the client leaves (connection_lost comes next pass) ...
+            r.gw._wake_one()  # ... as a slot frees
+            writer.close()
+
+        lt.run(queued())
+        wait_for(lambda: not r.gw.num_waiting, 2)
+        rest = [c.choices[0].text for c in it if c.choices]
+        assert len(rest) == 39
+        wait_for(lambda: idle(r), 5)
+        assert engine.num_requests == 1  # the one that left never reached the engine
+    finally:
+        r.close()
+
+
 def test_disconnect_while_the_request_body_is_still_arriving(lt: LoopThread) -> None:
     r = Running(lt, [FakeEngine()])
     try:
@@ -99,6 +144,51 @@ def test_disconnect_while_the_request_body_is_still_arriving(lt: LoopThread) -> 
                     b'application/json\r\ncontent-length: 1000\r\n\r\n{"model": '
                 )
         wait_for(lambda: idle(r), 5)
+        assert r.client().completions.create(model="fake-model", prompt="x", max_tokens=2)
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_as_the_engine_answers_releases_the_slot(
+    lt: LoopThread, stream: bool
+) -> None:
+    """The race CI found (one slot held for good, the engine generating for nobody): the
+    engine's response head arrives, the send task is done, and the client's disconnect
+    cancels the handler before it resumes — asyncio then drops the send's result, with the
+    slot and the open upstream response in it. Here the disconnect is timed into exactly that
+    window: scheduled by the send as it returns, it runs before the handler wakes."""
+    engine = FakeEngine(token_delay_s=0.05)
+    r = Running(lt, [engine], max_concurrency_per_instance=4)
+    real_send = r.gw.send
+
+    async def send_then_the_client_leaves(*args: Any, **kw: Any) -> Any:
+        result = await real_send(*args, **kw)
+        server = r.gw.server
+        assert server is not None
+        (conn,) = server._connections  # the test's one client connection
+        task, transport = conn._task, conn.transport
+        assert task is not None and transport is not None
+
+        def leave() -> None:  # what connection_lost does, before the handler's wake-up
+            task.cancel()
+            transport.abort()
+
+        asyncio.get_running_loop().call_soon(leave)
+        return result
+
+    r.gw.send = send_then_the_client_leaves  # type: ignore[method-assign]
+    try:
+        with pytest.raises(openai.APIConnectionError):
+            if stream:
+                list(r.client().completions.create(
+                    model="fake-model", prompt="x", max_tokens=200, stream=True
+                ))  # fmt: skip
+            else:
+                r.client().completions.create(model="fake-model", prompt="x", max_tokens=200)
+        wait_for(lambda: idle(r), 5)
+        wait_for(lambda: engine.num_active == 0, 5)  # the engine's work was aborted
+        r.gw.send = real_send  # type: ignore[method-assign]
         assert r.client().completions.create(model="fake-model", prompt="x", max_tokens=2)
     finally:
         r.close()

@@ -347,7 +347,8 @@ class Controller:
                 self._changed.clear()
                 await self.tick()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wait_any(stop), self.cfg.tick_s)
+                    async with asyncio.timeout(self.cfg.tick_s):
+                        await self._wait_any(stop)
         finally:
             for w in watches:
                 w.cancel()

@@ -484,7 +484,8 @@ class Executor:
             wait_s = at_s * self.time_scale - (self.clock() - t0)
             if stop is not None and wait_s > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait_s)
+                    async with asyncio.timeout(wait_s):
+                        await stop.wait()
             elif wait_s > 0:
                 await asyncio.sleep(wait_s)
             if stop is not None and stop.is_set():

@@ -250,7 +250,13 @@ class Gateway:
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if call.move is None or (current is not None and current.cancelling()):
-                    raise  # the client left (or the gateway is stopping)
+                    # the client left (or the gateway is stopping); when it left just as
+                    # the send finished, the result is ours to release: asyncio drops it
+                    if task.done() and not task.cancelled() and task.exception() is None:
+                        inst, resp = task.result()
+                        resp.release()  # aborts the upstream request
+                        self.finish(inst, call, "cancelled")
+                    raise
                 call.moved_by.append("rerun")
                 self.metrics.migrations.labels("moved").inc()
             finally:
@@ -397,9 +403,16 @@ class Gateway:
             self.queued_by_model[call.model] = self.queued_by_model.get(call.model, 0) + 1
             self._demand_changed()
             try:
-                await asyncio.wait_for(fut, left)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
+                # that comes as the future completes, and the client's leaving is lost
+                async with asyncio.timeout(left):
+                    await fut
             except TimeoutError:
                 pass
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self._wake_one()  # woken as it left: the freed slot goes to the next one
+                raise
             finally:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(fut)
@@ -433,7 +446,8 @@ class Gateway:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._demand_waiters.append(fut)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fut, left)
+                async with asyncio.timeout(left):
+                    await fut
 
     def _wake_one(self) -> None:
         while self._waiters:
@@ -530,7 +544,8 @@ class Gateway:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._drain_waiters.append(fut)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fut, left)
+                async with asyncio.timeout(left):
+                    await fut
         return True
 
     # ---------------------------------------------------------------- shutdown
@@ -546,7 +561,8 @@ class Gateway:
         if not self._calls:
             idle.set()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(idle.wait(), grace_s)
+            async with asyncio.timeout(grace_s):
+                await idle.wait()
         self._grace_over = True
         if self._calls:
             log.warning("shutdown: ending %d request(s) still in flight", len(self._calls))
@@ -561,7 +577,8 @@ class Gateway:
                 if call.upstream is not None:
                     call.upstream.release()  # its reader gets an error and answers 503
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(idle.wait(), 2.0)
+                async with asyncio.timeout(2.0):
+                    await idle.wait()
         await self.close()
 
 

@@ -383,9 +383,8 @@ async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> Wa
     t0 = gw.clock()
     outcome: WarmOutcome
     try:
-        ok = await asyncio.wait_for(
-            _send_warm_up(gw, inst.url, call.path, body, headers), timeout_s
-        )
+        async with asyncio.timeout(timeout_s):
+            ok = await _send_warm_up(gw, inst.url, call.path, body, headers)
         outcome = "warmed" if ok else "failed"
     except TimeoutError:
         outcome = "timed_out"

@@ -254,7 +254,8 @@ async def _scrape_kv(
                     value = float(line.rsplit(" ", 1)[1])
                     result.peak_kv_usage = max(result.peak_kv_usage or 0.0, value)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.05)
+            async with asyncio.timeout(0.05):
+                await stop.wait()
 
 
 async def run_load(

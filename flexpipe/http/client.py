@@ -373,9 +373,12 @@ class ClientPool:
         host, port, _ = self._addr(backend)
         loop = asyncio.get_running_loop()
         try:
-            _, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(self.max_head_bytes), host, port), timeout_s
-            )
+            # asyncio.timeout, not wait_for: on 3.11 wait_for returns a connection made as
+            # the caller is cancelled, swallowing the cancellation (the client's leaving)
+            async with asyncio.timeout(timeout_s):
+                _, proto = await loop.create_connection(
+                    lambda: _Conn(self.max_head_bytes), host, port
+                )
         except TimeoutError:
             raise UpstreamError("connect", f"connect to {backend} timed out") from None
         except OSError as exc:

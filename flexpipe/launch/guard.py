@@ -49,7 +49,8 @@ async def _run(supervisor_pid: int, argv: list[str]) -> int:
     if not done.done():  # the supervisor died: so does the engine
         _forward(proc, signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), 10)
+            async with asyncio.timeout(10):
+                await proc.wait()
         except TimeoutError:
             _forward(proc, signal.SIGKILL)
             await proc.wait()

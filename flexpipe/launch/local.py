@@ -86,11 +86,13 @@ class LocalEngine(HandleBase):
         pgid = self.proc.pid  # start_new_session: the group id is the child's pid
         signal_group(pgid, signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.proc.wait(), self.stop_grace_s)
+            async with asyncio.timeout(self.stop_grace_s):
+                await self.proc.wait()
         # Children the engine forked may outlive it: kill what is left of the group.
         signal_group(pgid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
-            await asyncio.wait_for(self.proc.wait(), 5.0)
+            async with asyncio.timeout(5.0):
+                await self.proc.wait()
 
 
 class AdoptedEngine(HandleBase):
