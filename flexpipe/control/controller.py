@@ -40,6 +40,7 @@ from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.control.journal import Journal
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.observe import RateWindow, model_states
+from flexpipe.control.rate_memory import RateMemory
 from flexpipe.control.resources import ResourceEvent, Resources
 from flexpipe.control.samples import Sampler, gateway_totals
 from flexpipe.control.shift_outcome import ShiftOutcome, finished_record
@@ -174,6 +175,9 @@ class Controller:
         self._rates = RateWindow(
             {d.name: d.request_rate_per_s for d in cfg.demands}, keep_s=cfg.shift.forecast.keep_s
         )
+        self.rate_memory = RateMemory.of(store, cfg.shift.forecast.keep_s)  # for a restart
+        if self.rate_memory is not None:  # self.samples: keyed by the models served
+            self.rate_memory.restore(self._rates, self.samples, clock(), wall(), say)
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
         self._standby: set[str] = set()  # models held in the gateway with no instance
@@ -390,6 +394,8 @@ class Controller:
         except GatewayError as exc:
             log.warning("no sample this tick: %s", exc)
             return None
+        if self.rate_memory is not None:
+            self.rate_memory.keep(self._rates, now_s, self.wall())
         self.expected_rates_per_s = self._rates.expected_rates_per_s(now_s, self.cfg.shift.forecast)
         snapshot = ShiftSnapshot.of(
             self.cluster,

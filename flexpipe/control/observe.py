@@ -4,7 +4,8 @@
   (the gateway's `flexpipe_requests_total`) over the last minute of readings, per modelled
   second (`time_scale`: wall seconds per modelled second of sim engines); it keeps each
   model's rates for `keep_s` (a day and a horizon by default) and forecasts the rate
-  expected over the next horizon from them (`expected_rates_per_s`: policies/shift/forecast.py);
+  expected over the next horizon from them (`expected_rates_per_s`: policies/shift/forecast.py;
+  `restore` takes back what an earlier run kept in the store, control/rate_memory.py);
 - `model_state`: the `ModelState` of one model from its demand, the rate measured now, the
   rate expected, its recent samples and the floor under its minimum (a model whose minimum
   is 0 may be idle at rate 0, and so scale to zero).
@@ -15,6 +16,7 @@ The live controller and the simulator both call these, so the policy sees the sa
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -66,6 +68,17 @@ class RateWindow:
                     while now_s - series[0][0] > self.keep_s:
                         series.popleft()
         return dict(self.rates_per_s)
+
+    def restore(self, name: str, samples: Sequence[tuple[float, float]]) -> int:
+        """Put an earlier run's rates of `name` (time s in this window's clock, oldest first)
+        before those measured since; returns how many were taken."""
+        if self.keep_s <= 0:
+            return 0
+        series = self.series.setdefault(name, deque())
+        first_s = series[0][0] if series else math.inf
+        older = [(t, r) for t, r in samples if t < first_s]
+        series.extendleft(reversed(older))
+        return len(older)
 
     def expected_rates_per_s(self, now_s: float, params: ForecastParams) -> dict[str, float]:
         """Each model's forecast rate over the next horizon, for those that have one."""
