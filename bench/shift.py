@@ -533,9 +533,8 @@ def pause_measures(moved: dict[str, Any]) -> str:
     words = []
     for name, value in (("raw pause", raw), ("excess pause", excess)):
         if value is not None:
-            met = "meets" if value < 1.0 else "misses"
-            words.append(f"{name} p99 {value:.2f}x one prefill {met} the target")
-    return " (" + "; ".join(words) + ")"
+            words.append(f"{name} {value:.2f}x {'MET' if value < 1.0 else 'MISSED'}")
+    return " | target, moved requests' pause p99 below one prefill: " + ", ".join(words)
 
 
 # `controller: moved 3 request(s) off http://127.0.0.1:4321 at the deadline (kv 1,

@@ -66,6 +66,6 @@ def test_the_excess_pause_is_the_gap_beyond_the_stream_s_usual_gap_just_before()
 
 def test_the_verdict_names_both_measures_and_which_meets_the_target() -> None:
     text = pause_measures({"pause_over_prefill_p99": 2.6, "excess_over_prefill_p99": 0.8})
-    assert text == (" (raw pause p99 2.60x one prefill misses the target; "
-                    "excess pause p99 0.80x one prefill meets the target)")  # fmt: skip
+    assert text == (" | target, moved requests' pause p99 below one prefill: "
+                    "raw pause 2.60x MISSED, excess pause 0.80x MET")  # fmt: skip
     assert pause_measures({}) == ""
