@@ -151,7 +151,8 @@ class PushRelay:
         assert writer is not None
         if error is not None:
             self._flush()
-            self._hand_over(error)
+            if not self.done:  # (else a move waiting for the last token took the stream)
+                self._hand_over(error)
             return
         out = self._complete_events()
         self.done = True
