@@ -21,7 +21,18 @@ from dataclasses import dataclass, field
 import openai
 from openai.types.chat import ChatCompletionStreamOptionsParam, ChatCompletionUserMessageParam
 
-__all__ = ["LoadMix", "PoissonLoad", "RequestRecord"]
+__all__ = ["USUAL_NUM_GAPS", "LoadMix", "PoissonLoad", "RequestRecord", "excess_pause_s"]
+
+# How many of a stream's gaps just before a pause make its usual rhythm (`usual_gap`): a few
+# steps of the batch it was in, not the whole stream (its batch changes over its life).
+USUAL_NUM_GAPS = 5
+
+
+def excess_pause_s(gap_s: float, usual_gap_s: float) -> float:
+    """The interruption a pause caused beyond the stream's normal rhythm: the gap less the
+    stream's usual gap there (what the client would have waited for the next token anyway),
+    never below 0."""
+    return max(0.0, gap_s - usual_gap_s)
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,16 @@ class RequestRecord:
         """The median gap between the first `num_tokens` chunks: the request's own cadence."""
         gaps = [b - a for a, b in itertools.pairwise(self.token_s[:num_tokens])]
         return statistics.median(gaps) if gaps else None
+
+    def usual_gap(self, num_tokens: int, num_gaps: int = USUAL_NUM_GAPS) -> float | None:
+        """The stream's usual rhythm at its gap after the first `num_tokens` chunks: the median
+        of its last `num_gaps` gaps before it (where it was); for a gap that is its first,
+        of its first `num_gaps` after it. None with no other gap."""
+        before = [b - a for a, b in itertools.pairwise(self.token_s[:num_tokens])]
+        if before:
+            return statistics.median(before[-num_gaps:])
+        after = [b - a for a, b in itertools.pairwise(self.token_s[num_tokens:])]
+        return statistics.median(after[:num_gaps]) if after else None
 
     def median_gap_after(self, num_tokens: int) -> float | None:
         """The median gap between the chunks that came after the first `num_tokens` (after a

@@ -36,14 +36,26 @@ the sim engines run `--time-scale` wall seconds per modelled second, and the ben
 Each moved request's row also says how it moved (KV or recompute, the warm-up's outcome,
 where to), its cadence before and after (about one step of each instance), the cut-over's
 floor (half a step where it was, as the client's gap starts at its last token there, plus
-the step in progress and one more where it went: no move pauses less) and, at or past one
+the step in progress and one more where it went: no move pauses less; a gateway that cuts
+over at the source's next token, flexpipe.gateway.cut_over, saves the half step where it
+was, so there the floor is generous by that much) and, at or past one
 prefill, why (`why_paused`: a KV move, a recompute not warmed, a context whose prefill is
 under the floor, a stall the requests not moved saw too, new requests' prefills on its
 destination in its gap, or unexplained). Beside the target, and not replacing it, the pause
 over one prefill or the floor, whichever is longer.
 
-Verdict: "ok" when the shift succeeded, no request failed, and the p99 of pause / prefill
-of the moved requests is below 1. The table prints; JSON (summary) and CSV (one row per
+Beside the raw pause, never replacing it, each moved request's *excess pause*: its largest
+gap overlapping the move less its own usual gap on the source just before the move (the
+median of its last 5 gaps there, `RequestRecord.usual_gap`; for a gap that is its
+first, of its first few after), never below 0: the interruption the move caused beyond the
+stream's normal rhythm (the client waits about one step for every token anyway). p50/p99 in
+ms and over one prefill; the same for each request's largest gap in the steady period before
+(`baseline_before`), where it is the machine's and the batches' own jitter.
+
+Verdict: "ok" when the shift succeeded, no request failed, and the p99 of the RAW pause /
+prefill of the moved requests is below 1 (issue 9's target as written; the exit status goes
+by it). The verdict line then names both measures' p99 over one prefill and which one meets
+the target. The table prints; JSON (summary) and CSV (one row per
 request) go to bench/results/shift-<UTC time>.{json,csv}. Everything it starts is stopped
 at the end (SIGTERM to `up`, then SIGKILL of its process group), and the whole run is
 bounded by `--max-wall-s`.
@@ -73,7 +85,7 @@ from typing import Any
 
 import openai
 
-from bench._shift_load import LoadMix, PoissonLoad, RequestRecord
+from bench._shift_load import LoadMix, PoissonLoad, RequestRecord, excess_pause_s
 from flexpipe.cluster import load_cluster, placement_on
 from flexpipe.control.launching import load_models
 from flexpipe.gears.gear import parse_gear
@@ -441,25 +453,32 @@ def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
     summary["pause_budget_instance"] = _gpus(left)
 
     def pauses(group: Sequence[RequestRecord]) -> dict[str, Any]:
-        rows = []
+        rows = []  # (largest gap, its excess over the stream's usual gap, prefill), modelled
         for r in group:
             gap = r.max_gap()
             if gap is None or r.prompt_tokens is None:
                 continue
             gap_s, num_before = gap
             prefill_s = pm.prefill_s(r.prompt_tokens + num_before)
-            rows.append((gap_s / scale, prefill_s))
+            usual_s = r.usual_gap(num_before)
+            excess_s = None if usual_s is None else excess_pause_s(gap_s, usual_s) / scale
+            rows.append((gap_s / scale, excess_s, prefill_s))
         if not rows:
             return {"num": 0}
-        ratios = [g / p for g, p in rows]
-        return {
+        ratios = [g / p for g, _, p in rows]
+        out: dict[str, Any] = {
             "num": len(rows),
-            "pause_p50_ms": round(_pct([g for g, _ in rows], 50) * 1e3),  # type: ignore[operator]
-            "pause_p99_ms": round(_pct([g for g, _ in rows], 99) * 1e3),  # type: ignore[operator]
-            "prefill_p50_ms": round(statistics.median(p for _, p in rows) * 1e3),
+            "pause_p50_ms": round(_pct([g for g, _, _ in rows], 50) * 1e3),  # type: ignore[operator]
+            "pause_p99_ms": round(_pct([g for g, _, _ in rows], 99) * 1e3),  # type: ignore[operator]
+            "prefill_p50_ms": round(statistics.median(p for _, _, p in rows) * 1e3),
             "pause_over_prefill_p50": round(_pct(ratios, 50), 2),  # type: ignore[arg-type]
             "pause_over_prefill_p99": round(_pct(ratios, 99), 2),  # type: ignore[arg-type]
         }
+        excess = [(e, p) for _, e, p in rows if e is not None]
+        for q in (50, 99) if excess else ():
+            out[f"excess_p{q}_ms"] = round(_pct([e for e, _ in excess], q) * 1e3)  # type: ignore[operator]
+            out[f"excess_over_prefill_p{q}"] = round(_pct([e / p for e, p in excess], q), 2)  # type: ignore[arg-type]
+        return out
 
     steady = [r for r in before if r.sent_s >= ev.get("load_start", 0) + 1.0]
     urls = run.instance_urls(left)
@@ -500,9 +519,24 @@ def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
     if p99_ratio is None:
         problems.append("no request was moved: the pause target was not exercised")
     elif p99_ratio >= 1.0:
-        problems.append(f"moved requests' pause p99 is {p99_ratio:.2f}x one prefill")
-    summary["verdict"] = "ok" if not problems else "MISSED: " + "; ".join(problems)
+        problems.append(f"moved requests' raw pause p99 is {p99_ratio:.2f}x one prefill")
+    verdict = "ok" if not problems else "MISSED: " + "; ".join(problems)
+    summary["verdict"] = verdict + pause_measures(moved)
     return summary
+
+
+def pause_measures(moved: dict[str, Any]) -> str:
+    """Both measures of the moved requests' pause against the target (p99 below one prefill),
+    for the verdict line: the raw pause (the target as issue 9 states it, which the verdict
+    goes by) and the excess pause (beyond each stream's own rhythm), each met or missed."""
+    raw, excess = moved.get("pause_over_prefill_p99"), moved.get("excess_over_prefill_p99")
+    if raw is None:
+        return ""
+    words = []
+    for name, value in (("raw pause", raw), ("excess pause", excess)):
+        if value is not None:
+            words.append(f"{name} {value:.2f}x {'MET' if value < 1.0 else 'MISSED'}")
+    return " | target, moved requests' pause p99 below one prefill: " + ", ".join(words)
 
 
 # `controller: moved 3 request(s) off http://127.0.0.1:4321 at the deadline (kv 1,
@@ -597,6 +631,8 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
                 continue
             gap_s, num_before = gap
             cadence_s = rec.median_gap_before(num_before) or 0.0
+            usual_s = rec.usual_gap(num_before)
+            excess_s = None if usual_s is None else excess_pause_s(gap_s, usual_s) / scale
             after_s = rec.median_gap_after(num_before)
             # requests whose head went to its destination and whose first token came in its
             # gap (to a few ms after: the same step's end): their prefill shared its steps
@@ -610,7 +646,9 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
                 "method": word["method"], "warm": word["warm"],
                 "methods_of_batch": m["methods"], "context_tokens": context,
                 "pause_ms": round(gap_s / scale * 1e3, 1),
-                "stall_ms": round(max(0.0, gap_s - cadence_s) / scale * 1e3, 1),
+                # its usual gap just before the move (`usual_gap`) and what the move added
+                "usual_gap_ms": None if usual_s is None else round(usual_s / scale * 1e3, 1),
+                "excess_pause_ms": None if excess_s is None else round(excess_s * 1e3, 1),
                 "prefill_ms": round(prefill_s * 1e3, 1),
                 # its median gap where it was and where it went: about one step of each batch
                 "cadence_before_ms": round(cadence_s / scale * 1e3, 1),
@@ -624,10 +662,12 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
                 "other_prefill_tokens": sum(r.prompt_tokens or 0 for r in others),
                 "gap_end_s": round(gap_end_s - run.t0, 3),  # after `up` started, wall
                 "unmoved_gap_ms": round(control_s / scale * 1e3, 1),
-                "excess_ms": round(max(0.0, gap_s - control_s) / scale * 1e3, 1),
-                "excess_over_prefill": round(max(0.0, gap_s - control_s) / scale / prefill_s, 2),
+                "beyond_unmoved_ms": round(max(0.0, gap_s - control_s) / scale * 1e3, 1),
+                "beyond_unmoved_over_prefill": round(
+                    max(0.0, gap_s - control_s) / scale / prefill_s, 2),
                 "pause_over_prefill": round(gap_s / scale / prefill_s, 2),
-                "stall_over_prefill": round(max(0.0, gap_s - cadence_s) / scale / prefill_s, 2),
+                "excess_pause_over_prefill": None if excess_s is None
+                else round(excess_s / prefill_s, 2),
                 # not the target: the pause over one prefill or the cut-over's floor, whichever
                 # is longer (no move pauses less than the floor)
                 "pause_over_floor_or_prefill": round(gap_s / scale / max(
@@ -642,16 +682,18 @@ def moved_pauses(run: Run, shift: dict[str, Any], s0: float) -> dict[str, Any]:
         if _MOVED.search(line)
     ]  # fmt: skip
     columns = {  # summary name -> row key
-        "pause_{}_ms": "pause_ms", "stall_{}_ms": "stall_ms", "prefill_{}_ms": "prefill_ms",
-        "pause_over_prefill_{}": "pause_over_prefill",
-        "stall_over_prefill_{}": "stall_over_prefill",
-        "unmoved_gap_{}_ms": "unmoved_gap_ms", "excess_{}_ms": "excess_ms",
-        "excess_over_prefill_{}": "excess_over_prefill",
+        "pause_{}_ms": "pause_ms", "excess_{}_ms": "excess_pause_ms",
+        "prefill_{}_ms": "prefill_ms", "pause_over_prefill_{}": "pause_over_prefill",
+        "excess_over_prefill_{}": "excess_pause_over_prefill",
+        "unmoved_gap_{}_ms": "unmoved_gap_ms", "beyond_unmoved_{}_ms": "beyond_unmoved_ms",
+        "beyond_unmoved_over_prefill_{}": "beyond_unmoved_over_prefill",
         "pause_over_floor_or_prefill_{}": "pause_over_floor_or_prefill",
     }  # fmt: skip
     for name, key in columns.items() if rows else ():
-        for q in (50, 99):
-            summary[name.format(f"p{q}")] = _pct([float(r[key]) for r in rows], q)
+        values = [float(r[key]) for r in rows if r[key] is not None]
+        for q in (50, 99) if values else ():
+            summary[name.format(f"p{q}")] = _pct(values, q)
+    summary["num_excess"] = sum(1 for r in rows if r["excess_pause_ms"] is not None)
     priced = [(float(r["pause_ms"]), float(r["priced_ms"])) for r in rows if r["priced_ms"]]
     if priced:  # the move's own price, from the performance model (its floor in the sim)
         for q in (50, 99):
@@ -693,7 +735,8 @@ def print_report(s: dict[str, Any]) -> None:
     if "pause" in s:
         print(f"pause budget: one prefill of the context on {s['pause_budget_instance']}")
         cols = ("num", "pause_p50_ms", "pause_p99_ms", "prefill_p50_ms", "pause_over_prefill_p50",
-                "pause_over_prefill_p99")  # fmt: skip
+                "pause_over_prefill_p99", "excess_p50_ms", "excess_p99_ms",
+                "excess_over_prefill_p50", "excess_over_prefill_p99")  # fmt: skip
         print(f"  {'requests':<20}" + "".join(f"{c:>24}" for c in cols))
         for name, row in s["pause"].items():
             print(f"  {name:<20}" + "".join(f"{row.get(c, '-')!s:>24}" for c in cols))
@@ -706,14 +749,16 @@ def print_report(s: dict[str, Any]) -> None:
         print(f"moved requests: {m['num']}; pause p50/p99 {m.get('pause_p50_ms')}/"
               f"{m.get('pause_p99_ms')} ms = {m.get('pause_over_prefill_p50')}/"
               f"{m.get('pause_over_prefill_p99')} x one prefill (p50 {m.get('prefill_p50_ms')} "
-              f"ms); beyond their own cadence {m.get('stall_p50_ms')}/{m.get('stall_p99_ms')} "
-              f"ms = {m.get('stall_over_prefill_p50')}/{m.get('stall_over_prefill_p99')} x; "
+              f"ms); excess pause (beyond their usual gap just before) {m.get('excess_p50_ms')}/"
+              f"{m.get('excess_p99_ms')} ms = {m.get('excess_over_prefill_p50')}/"
+              f"{m.get('excess_over_prefill_p99')} x one prefill; "
               f"priced {m.get('priced_p50_ms')}/{m.get('priced_p99_ms')} ms (pause/price "
               f"{m.get('pause_over_priced_p50')}/{m.get('pause_over_priced_p99')}); "
               f"requests not moved saw {m.get('unmoved_gap_p50_ms')}/"
               f"{m.get('unmoved_gap_p99_ms')} ms at the same moments, the moved ones "
-              f"{m.get('excess_p50_ms')}/{m.get('excess_p99_ms')} ms more = "
-              f"{m.get('excess_over_prefill_p50')}/{m.get('excess_over_prefill_p99')} x"
+              f"{m.get('beyond_unmoved_p50_ms')}/{m.get('beyond_unmoved_p99_ms')} ms more = "
+              f"{m.get('beyond_unmoved_over_prefill_p50')}/"
+              f"{m.get('beyond_unmoved_over_prefill_p99')} x"
               )  # fmt: skip
         print(f"  by method: {m.get('by_method')}; at or past one prefill: "
               f"{m.get('over_one_prefill_by_why')}")  # fmt: skip
@@ -724,7 +769,8 @@ def print_report(s: dict[str, Any]) -> None:
         for r in s["moved"]["requests"]:
             print(f"    moved: request {r['index']} off {r['from']} {r['when']} to {r['to']} by "
                   f"{r['method']}{'/' + r['warm'] if r['warm'] else ''}: pause {r['pause_ms']} ms "
-                  f"(stall {r['stall_ms']}), context {r['context_tokens']}, prefill "
+                  f"(usual gap {r['usual_gap_ms']}, excess {r['excess_pause_ms']}), context "
+                  f"{r['context_tokens']}, prefill "
                   f"{r['prefill_ms']} ms, floor {r['floor_ms']} ms, others' prefill "
                   f"there {r['other_prefill_tokens']} tokens, priced "
                   f"{r['priced_ms']} ms, unmoved {r['unmoved_gap_ms']} ms: {r['why']}")  # fmt: skip

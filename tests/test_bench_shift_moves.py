@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.shift import _MOVED, _move_word, why_paused
+from bench._shift_load import RequestRecord, excess_pause_s
+from bench.shift import _MOVED, _move_word, pause_measures, why_paused
 
 
 def test_the_move_line_parses_into_each_request_s_price_method_warm_up_and_destination() -> None:
@@ -45,3 +46,26 @@ def test_why_a_moved_request_paused_one_prefill_or_more() -> None:
     assert why_paused(row(unmoved_gap_ms=70.0)).startswith("machine stall")
     assert why_paused(row(other_prefill_tokens=1800)).startswith("new requests' prefills")
     assert why_paused(row()) == "unexplained"
+
+
+def test_the_excess_pause_is_the_gap_beyond_the_stream_s_usual_gap_just_before() -> None:
+    # tokens every 20 ms, then 25 ms, then a 90 ms gap (the move), then 30 ms
+    token_s = [0.0, 0.02, 0.04, 0.06, 0.08, 0.10, 0.125, 0.215, 0.245]
+    rec = RequestRecord(0, "chat", 10, 0.0, token_s=token_s)
+    gap_s, num_before = rec.max_gap() or (0.0, 0)
+    assert num_before == 7 and abs(gap_s - 0.09) < 1e-9
+    # the last 5 gaps before it: 20, 20, 20, 20, 25 ms -> median 20 ms (the first one is out)
+    assert abs((rec.usual_gap(num_before, 5) or 0) - 0.02) < 1e-9
+    assert abs(excess_pause_s(gap_s, 0.02) - 0.07) < 1e-9
+    assert excess_pause_s(0.015, 0.02) == 0.0  # never below 0
+    # a gap that is the stream's first: its usual gap is that of the first ones after
+    first = RequestRecord(1, "chat", 10, 0.0, token_s=[0.0, 0.1, 0.12, 0.15, 0.17])
+    assert abs((first.usual_gap(1, 2) or 0) - 0.025) < 1e-9
+    assert RequestRecord(2, "chat", 10, 0.0, token_s=[0.0, 0.1]).usual_gap(1) is None
+
+
+def test_the_verdict_names_both_measures_and_which_meets_the_target() -> None:
+    text = pause_measures({"pause_over_prefill_p99": 2.6, "excess_over_prefill_p99": 0.8})
+    assert text == (" | target, moved requests' pause p99 below one prefill: "
+                    "raw pause 2.60x MISSED, excess pause 0.80x MET")  # fmt: skip
+    assert pause_measures({}) == ""

@@ -83,17 +83,20 @@ def test_a_recompute_move_is_priced_warm_and_pre_copied_on_the_destinations_engi
     assert (move.request_id, move.warm) == (21, "warmed")
     # the destination's prefix cache held the context's full blocks: the cut-over computes
     # only the last partial block and the tokens generated during the warm-up
-    assert (seg.num_prompt_tokens, seg.num_cached_tokens) == (1962, 1952)
+    # (and the token its source gave right before the cut-over: 1962 + 1)
+    assert (seg.num_prompt_tokens, seg.num_cached_tokens) == (1963, 1952)
     dst = next(i for i in r.instances if i.dep.name == seg.instance)
     assert dst.planned is not None
     model = perf_model_of(sc.cluster, dst.planned)
     full_prefill_s = model.prefill_s(seg.num_prompt_tokens)
-    assert full_prefill_s == pytest.approx(0.1324, abs=1e-4)
-    # its pause: the source's last step, then the destination's step in progress and the
-    # cut-over's short step; a third of the prefill an unwarmed recompute would pause for
-    assert move.at_s - move.last_token_s == pytest.approx(0.0108, abs=1e-4)
-    assert seg.first_token_s - move.at_s == pytest.approx(0.0317, abs=1e-4)
-    assert move.pause_s == pytest.approx(0.0425, abs=1e-4) and move.pause_s < full_prefill_s / 3
+    assert full_prefill_s == pytest.approx(0.1325, abs=1e-4)
+    # it cut over right at its source's next token (gateway.cut_over: 3.7 ms after it was
+    # ready; cut at once, its gap began 10.8 ms before, at the token before, and paused
+    # 42.5 ms), so its pause is the destination's step in progress and the cut-over's short
+    # step: about a fifth of the prefill an unwarmed recompute would pause for
+    assert move.at_s == move.last_token_s
+    assert seg.first_token_s - move.at_s == pytest.approx(0.0280, abs=1e-4)
+    assert move.pause_s == pytest.approx(0.0280, abs=1e-4) and move.pause_s < full_prefill_s / 4
     # the warm-up is no client request: every request ends once, with all its tokens
     assert rep["num_failed"] == 0 and rep["num_requests"] == len(r.requests)
     assert all(q.num_generated_tokens == q.num_output_tokens for q in r.requests)

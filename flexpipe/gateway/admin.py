@@ -245,7 +245,7 @@ def _parse_move(m: Any, i: int) -> tuple[int, Move]:
     if target is not None and not isinstance(target, str):
         raise HttpError(400, f"{where}.target: must be a URL", param=f"{where}.target")
     numbers = {}
-    for name in ("bandwidth_bytes_per_s", "latency_s", "warm_timeout_s"):
+    for name in ("bandwidth_bytes_per_s", "latency_s", "warm_timeout_s", "max_token_wait_s"):
         v = m.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
             raise HttpError(400, f"{where}.{name}: must be a number >= 0", param=f"{where}.{name}")
@@ -256,4 +256,5 @@ def _parse_move(m: Any, i: int) -> tuple[int, Move]:
         numbers["bandwidth_bytes_per_s"],
         numbers["latency_s"] or 0.0,
         numbers["warm_timeout_s"],
+        numbers["max_token_wait_s"],
     )

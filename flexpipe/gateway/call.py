@@ -4,6 +4,7 @@ instances failed it. Plain data shared by the proxy (`app`) and the stream relay
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,9 @@ class Move:
     # context before the stream is cut over (`relay.warm_up`); None: the gateway's default,
     # 0: no warm-up (cut over at once)
     warm_timeout_s: float | None = None
+    # recompute: the longest it waits for its source's next token before cutting over
+    # (`cut_over.token_wait_s`); None: the gateway's default, 0: cut over at once
+    max_token_wait_s: float | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +69,9 @@ class Call:
     sending: asyncio.Task[Any] | None = None  # waiting for the engine's response head
     export: dict[str, Any] | None = None  # the engine's exported state for a "kv" move
     moved_by: list[str] = field(default_factory=list)  # methods of the moves done
+    # a move waiting for its source's next token (`gateway.moves.at_next_token`): called
+    # right after the relay hands the client an event from the source
+    cut: Callable[[], None] | None = None
 
     @property
     def awaits_first_token(self) -> bool:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from flexpipe.gateway.call import Move
+from flexpipe.gateway.call import Call, Move
+from flexpipe.gateway.cut_over import MAX_TOKEN_WAIT_S, mean_gap_s, token_wait_s
 from flexpipe.gateway.relay import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome, move_relayed, warm_up
 from flexpipe.http.client import UpstreamError
 
@@ -44,7 +45,8 @@ async def move_request(gw: Gateway, call_id: int, move: Move) -> tuple[str, Warm
     if move.method == "kv":
         call.export = await export_state(gw, call.instance, call.upstream_request_id)
         if call.export is None:
-            move = Move("recompute", move.target, warm_timeout_s=move.warm_timeout_s)
+            move = Move("recompute", move.target, warm_timeout_s=move.warm_timeout_s,
+                        max_token_wait_s=move.max_token_wait_s)  # fmt: skip
     warm: WarmOutcome | None = None
     if move.method == "recompute" and move.target is not None:
         timeout_s = WARM_TIMEOUT_S if move.warm_timeout_s is None else move.warm_timeout_s
@@ -53,8 +55,50 @@ async def move_request(gw: Gateway, call_id: int, move: Move) -> tuple[str, Warm
             await between_prefills(gw, move.target, timeout_s)
     if call.relay is not relay or call.relayed is not relayed:
         return "not_running", warm  # ended (or failed over) meanwhile
+    # a recompute cuts over at its source's next token; a KV move where its export was taken
+    if move.method == "recompute" and move.max_token_wait_s != 0:
+        return await at_next_token(call, move), warm
     outcome = relay.move(move) if relay is not None else move_relayed(call, move)
     return outcome, warm
+
+
+async def at_next_token(call: Call, move: Move) -> str:
+    """Carry out `move` right after the stream's source delivers its next token: the relay
+    hands the client that event, then calls `call.cut`, which cuts the stream over at once
+    (the continuation includes the token; the source is aborted). The client's gap then
+    starts at a fresh token, not somewhere inside the source's step (flexpipe.gateway
+    .cut_over); the stream keeps flowing meanwhile. Bounded by `cut_over.token_wait_s` of
+    the stream's gap: past it, the move cuts over anyway. Returns what `PushRelay.move` /
+    `move_relayed` return ("not_running" when the stream ended or failed over meanwhile)."""
+    relay, relayed = call.relay, call.relayed
+    gap_s = None
+    if relay is not None:
+        gap_s = mean_gap_s(relay.t_first, relay.t_last, relay.num_tokens_sent)
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[str] = loop.create_future()
+
+    def cut() -> None:
+        if call.cut is cut:
+            call.cut = None
+        timer.cancel()
+        if outcome.done():
+            return
+        if call.relay is not relay or call.relayed is not relayed:
+            outcome.set_result("not_running")  # ended, failed over or moved meanwhile
+        elif relay is not None:
+            outcome.set_result(relay.move(move))
+        else:
+            outcome.set_result(move_relayed(call, move))
+
+    max_wait_s = MAX_TOKEN_WAIT_S if move.max_token_wait_s is None else move.max_token_wait_s
+    timer = loop.call_later(token_wait_s(gap_s, max_wait_s), cut)
+    call.cut = cut
+    try:
+        return await outcome
+    finally:
+        if call.cut is cut:  # cancelled (the gateway is stopping)
+            call.cut = None
+            timer.cancel()
 
 
 async def between_prefills(gw: Gateway, url: str, bound_s: float) -> bool:

@@ -113,6 +113,9 @@ class PushRelay:
             writer.write(out)
             if not writer.writable:
                 self.resp.pause_reading()
+            cut = self.call.cut
+            if cut is not None and self.call.relay is self:
+                cut()  # a move waited for this token: it cuts over now
 
     def _complete_events(self) -> bytes:
         """The complete events received so far and not yet written (the rest stays in
@@ -148,7 +151,8 @@ class PushRelay:
         assert writer is not None
         if error is not None:
             self._flush()
-            self._hand_over(error)
+            if not self.done:  # (else a move waiting for the last token took the stream)
+                self._hand_over(error)
             return
         out = self._complete_events()
         self.done = True
@@ -305,6 +309,8 @@ async def relay_after_failure(
                         parts.append(ev)
                 if parts:
                     yield b"".join(parts)
+            if call.cut is not None and call.relayed is resp:
+                call.cut()  # a move waited for this token: it cuts over now
         resp.release()
         num_tokens = max(0, num_events - 2) if state is None else state.num_tokens
         gw.stream_done(call, inst, t_first, t_last, num_tokens, state is None)

@@ -124,6 +124,12 @@ class SimInstance:
         del self.requests[rid]
         return ereq
 
+    def step_end_s(self, now: float) -> float | None:
+        """When the step in progress at `now` ends: its running requests' next tokens come
+        then. None when idle."""
+        self.sync(now)
+        return None if self._plan is None else self._first_end_s
+
     # --- stepping ------------------------------------------------------------------------
     def sync(self, now: float) -> None:
         """Bring the engine's state to `now` inside a stretch (see the module docstring)."""

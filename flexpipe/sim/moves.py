@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flexpipe.engine.request import EngineRequest
+from flexpipe.gateway.cut_over import cut_over_s, mean_gap_s
 from flexpipe.gateway.relay import MOVE_PRIORITY, warms
 from flexpipe.sim.gateway import SimGateway
 from flexpipe.sim.loop import CONTROL, EventLoop
@@ -209,3 +210,26 @@ class Moves:
             self.loop.at(now + delay_s, CONTROL, place)
         else:
             place(now)
+
+
+def cut_over_at_s(req: SimRequest, source: InstanceRecord, now: float) -> float:
+    """When the gateway cuts a recompute move of `req`, asked at `now`, over
+    (`gateway.moves.at_next_token`, by `gateway.cut_over.cut_over_s`): at the end of its
+    source's step in progress, where its next token comes, if that is within the wait
+    (`TOKEN_WAIT_GAPS` of its mean gap between tokens); else at the end of the wait. A
+    continuation of an earlier move has no gap known (the gateway's failover pump keeps
+    none): the wait's cap. A request not running there gets no token: the end of the wait."""
+    inst = source.instance
+    if inst is None:
+        return now
+    end_s = inst.step_end_s(now)
+    s = inst.core.scheduler
+    rid = str(req.request_id)
+    ereq = next((r for r in s.running if r.request_id == rid), None)
+    if ereq is None:
+        return cut_over_s(now, None, None)
+    s.materialize(ereq)
+    gap_s = None
+    if req.context_of is None:
+        gap_s = mean_gap_s(ereq.first_token_s, ereq.last_token_s, ereq.num_output_tokens)
+    return cut_over_s(now, end_s, gap_s)

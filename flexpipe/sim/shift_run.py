@@ -13,7 +13,9 @@
    waves, `warm=True` as the executor plans) from the same inputs, and admitted there ahead
    of the queue (`MOVE_PRIORITY`); a recompute is pre-copied first as the gateway does
    (`_pre_copy`: a one-token warm-up of its context on the destination's engine, the request
-   generating on its source meanwhile); one not answered yet is sent again (`rerun`);
+   generating on its source meanwhile), then cut over at its source's next token
+   (`sim.moves.cut_over_at_s`, the gateway's rule); one not answered yet is sent again
+   (`rerun`);
 5. release: their GPUs are free.
 
 The instances go through the gateway's pool as the executor tells the admin API: starting
@@ -58,6 +60,7 @@ from flexpipe.policies.shift.migration import (
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.sim.engine_factory import engine_core
 from flexpipe.sim.loop import CONTROL, EventLoop
+from flexpipe.sim.moves import cut_over_at_s
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.stretch import SIM_GEN_IDS
 
@@ -498,6 +501,15 @@ class ShiftRun:
         bound_s = 0.0  # warmed: until when it waits for no prefill on the destination
 
         def cut_over(warm: str, t: float) -> None:
+            """At its source's next token (`sim.moves.cut_over_at_s`), as the gateway does."""
+            ran = any(r is req for r in world.requests_on(src))
+            at_s = cut_over_at_s(req, src, t) if ran else t
+            if at_s > t:
+                world.loop.at(at_s, CONTROL, functools.partial(carried_out, warm))
+            else:
+                carried_out(warm, t)
+
+        def carried_out(warm: str, t: float) -> None:
             if any(r is req for r in world.requests_on(src)):  # else it ended meanwhile
                 world.move(req, src, dst, "recomputed", 0.0, t, warm)
                 self.out.count("recomputed")

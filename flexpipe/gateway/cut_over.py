@@ -1,0 +1,58 @@
+"""When a recompute move cuts its stream over: right after the source's next token.
+
+A stream's client waits about one engine step for every token anyway. Cut at a random
+moment, a move throws away the source's step in progress: the client's gap starts at the
+last token it got there, so it pays on average half a source step on top of the
+destination's (the step in progress there and the one that prefills the rest). Cut right
+after the source delivers a token (relayed to the client, and included in the
+continuation), that half step is gone; the stream keeps flowing while the move waits, so the
+wait costs the client nothing. The wait is bounded (a stream that stalls or ends must not
+hold a drain): `TOKEN_WAIT_GAPS` of the stream's own gap between tokens, at most
+`MAX_TOKEN_WAIT_S`; past it the move cuts over at once, as it did before.
+
+Pure rules, shared by the gateway (`gateway.moves.move_request`) and the simulator
+(`sim.shift_run`), so that the two cut over at the same moments.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MAX_TOKEN_WAIT_S", "TOKEN_WAIT_GAPS", "cut_over_s", "mean_gap_s", "token_wait_s"]
+
+# How long a move waits for the source's next token: this many of the stream's gaps (its
+# next token comes within one, unless its batch grew or the machine stalls) ...
+TOKEN_WAIT_GAPS = 1.5
+# ... and never longer than this (also the bound when the gap is not known yet: fewer than
+# two tokens, or a stream already continued elsewhere).
+MAX_TOKEN_WAIT_S = 0.25
+
+
+def mean_gap_s(first_token_s: float, last_token_s: float, num_tokens: int) -> float | None:
+    """A stream's mean gap between tokens from its first to its last (`num_tokens` of them);
+    None with fewer than two."""
+    if num_tokens < 2:
+        return None
+    return max(0.0, last_token_s - first_token_s) / (num_tokens - 1)
+
+
+def token_wait_s(gap_s: float | None, max_wait_s: float = MAX_TOKEN_WAIT_S) -> float:
+    """How long a move waits for its source's next token before cutting over anyway:
+    `TOKEN_WAIT_GAPS` of the stream's gap `gap_s`, at most `max_wait_s` (the bound when
+    the gap is unknown)."""
+    if gap_s is None:
+        return max_wait_s
+    return min(TOKEN_WAIT_GAPS * gap_s, max_wait_s)
+
+
+def cut_over_s(
+    now_s: float,
+    next_token_s: float | None,
+    gap_s: float | None,
+    max_wait_s: float = MAX_TOKEN_WAIT_S,
+) -> float:
+    """When a move asked for at `now_s` cuts over: at its source's next token
+    (`next_token_s`, None: none known to come) if that comes within the wait
+    (`token_wait_s`), else at the end of the wait (what the gateway's timer does)."""
+    deadline_s = now_s + token_wait_s(gap_s, max_wait_s)
+    if next_token_s is not None and now_s <= next_token_s <= deadline_s:
+        return next_token_s
+    return deadline_s
