@@ -113,7 +113,8 @@ class SimGateway:
 
     # --- requests ------------------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> None:
-        self._log(now, "arrive", f"{req.request_id} {req.model}")
+        if self.log is not None:  # (the detail costs a format per request)
+            self._log(now, "arrive", f"{req.request_id} {req.model}")
         if not self.pool.has_model(req.model) and not self.holds.held(req.model, now):
             self._fail(req, now, f"404: no instance serves model {req.model!r} (yet)")
             return
@@ -166,7 +167,8 @@ class SimGateway:
             self._wake(now)
             return
         self._calls[call.req.request_id] = call
-        self._log(now, "route", f"{call.req.request_id} {engine.dep.name} {pick.reason}")
+        if self.log is not None:  # (the detail costs a format per request)
+            self._log(now, "route", f"{call.req.request_id} {engine.dep.name} {pick.reason}")
         engine.submit(call.req, now)
 
     def detach(self, req: SimRequest, now: float) -> None:
@@ -223,7 +225,8 @@ class SimGateway:
             if tpot is not None:  # as Gateway.stream_done
                 inst.observe_tpot(tpot)
             self.router.succeeded(inst)
-            self._log(now, "done", f"{req.request_id} {n} tokens")
+            if self.log is not None:  # (the detail costs a format per request)
+                self._log(now, "done", f"{req.request_id} {n} tokens")
             self.on_end(req)
         self._wake(now)
 

@@ -63,6 +63,9 @@ class SimRequest:
         if self.context_of is not None:
             ids = self.context_of.prompt_token_ids()
             return ids + [GENERATED_TOKEN_ID] * (n - len(ids))
+        unique = _UNIQUE_BASE + self.request_id * (1 << 22)
+        if not self.prefix_ids:
+            return list(range(unique, unique + n))
         out: list[int] = []
         for block in self.prefix_ids:
             start = block * PREFIX_BLOCK_TOKENS
@@ -70,8 +73,7 @@ class SimRequest:
             if len(out) >= n:
                 del out[n:]
                 return out
-        start = _UNIQUE_BASE + self.request_id * (1 << 22)
-        out.extend(range(start, start + n - len(out)))
+        out.extend(range(unique, unique + n - len(out)))
         return out
 
     def prompt_bytes(self) -> bytes:
