@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from flexpipe.engine.block_manager import BlockManager, KVState
 from flexpipe.policies.routing import prompt_block_hashes
 from flexpipe.sim.loop import ARRIVAL, SCRAPE, STEP_END, EventLoop
 from flexpipe.sim.request import PREFIX_BLOCK_TOKENS, SimRequest
@@ -139,6 +140,15 @@ def test_unique_prompts_share_nothing() -> None:
     reqs = [SimRequest(i, a[0], "m", a[1], a[2], a[3]) for i, a in enumerate(arr)]
     assert len(reqs) >= 2
     x, y = reqs[0].prompt_token_ids(), reqs[1].prompt_token_ids()
-    assert x[:512] == y[:512] and not set(x[512:]) & set(y[512:])
-    solo = [SimRequest(i, 0, "m", 100, 1) for i in range(2)]
-    assert not set(solo[0].prompt_token_ids()) & set(solo[1].prompt_token_ids())
+    assert x[:512] == y[:512] and x[512] != y[512]
+    # what the engine's prefix cache sees: 16-token blocks, hashed in a chain
+    hx, hy = _engine_block_hashes(x), _engine_block_hashes(y)
+    assert len(hx) == 700 // 16 and hx[:32] == hy[:32] and not set(hx[32:]) & set(hy[32:])
+    solo = [_engine_block_hashes(SimRequest(i, 0, "m", 100, 1).prompt_token_ids()) for i in (0, 1)]
+    assert len(solo[0]) == 6 and not set(solo[0]) & set(solo[1])
+
+
+def _engine_block_hashes(token_ids: list[int]) -> list[int]:
+    kv = KVState()
+    BlockManager(1, 16).update_hashes(kv, token_ids)
+    return kv.block_hashes

@@ -5,6 +5,12 @@ requests that share leading ids share that prefix), each `prefix_block_tokens` l
 of the prompt is unique to the request. Token ids and the prompt bytes the gateway hashes are
 both derived from those ids, so prefix caching (engine) and prefix-aware routing (gateway)
 see the same sharing as a real prompt would give them.
+
+The unique part's first token id is the request's own (`_UNIQUE_BASE` + its id, above every
+shared block's ids); the rest count 1, 2, 3, ... in every request. The engine's block hashes
+are chained (each covers every token before it), so no block of it matches another
+request's, as with ids unique throughout; and the ids are the same few int objects in every
+prompt, not a new one per token of every request (the simulator's most frequent allocation).
 """
 
 from __future__ import annotations
@@ -14,7 +20,15 @@ from dataclasses import dataclass
 PREFIX_BLOCK_TOKENS = 512  # tokens per shared block id (the Mooncake trace's block)
 _BYTES_PER_TOKEN = 4  # the gateway estimates a token per 4 bytes of prompt
 GENERATED_TOKEN_ID = 100  # the sim model's one-token vocabulary (`stretch.SIM_GEN_IDS`)
-_UNIQUE_BASE = 1 << 40  # token ids of unique prompt parts start here (shared blocks: below)
+_UNIQUE_BASE = 1 << 40  # + request id: a unique prompt part's first token (shared blocks: below)
+_COUNT: list[int] = [0]  # 0, 1, 2, ...: a unique part's other tokens (grown on demand)
+
+
+def _count_to(n: int) -> list[int]:
+    """[0, 1, ..., n - 1] (shared: copy what you take)."""
+    if len(_COUNT) < n:
+        _COUNT.extend(range(len(_COUNT), n))
+    return _COUNT
 
 
 @dataclass(slots=True)
@@ -63,9 +77,6 @@ class SimRequest:
         if self.context_of is not None:
             ids = self.context_of.prompt_token_ids()
             return ids + [GENERATED_TOKEN_ID] * (n - len(ids))
-        unique = _UNIQUE_BASE + self.request_id * (1 << 22)
-        if not self.prefix_ids:
-            return list(range(unique, unique + n))
         out: list[int] = []
         for block in self.prefix_ids:
             start = block * PREFIX_BLOCK_TOKENS
@@ -73,7 +84,8 @@ class SimRequest:
             if len(out) >= n:
                 del out[n:]
                 return out
-        out.extend(range(unique, unique + n - len(out)))
+        out.append(_UNIQUE_BASE + self.request_id)
+        out += _count_to(n)[1 : n - len(out) + 1]
         return out
 
     def prompt_bytes(self) -> bytes:
