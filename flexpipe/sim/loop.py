@@ -33,7 +33,9 @@ class EventLoop:
     def at(self, time_s: float, priority: int, action: Action) -> None:
         """Run `action(time_s)` at `time_s` (never earlier than now)."""
         self._seq += 1
-        heapq.heappush(self._heap, (max(time_s, self.now_s), priority, self._seq, action))
+        if time_s < self.now_s:
+            time_s = self.now_s
+        heapq.heappush(self._heap, (time_s, priority, self._seq, action))
 
     def run(self, until_s: float) -> None:
         """Run every action due at or before `until_s`; the clock ends at `until_s`."""
