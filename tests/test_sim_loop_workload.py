@@ -152,3 +152,21 @@ def _engine_block_hashes(token_ids: list[int]) -> list[int]:
     kv = KVState()
     BlockManager(1, 16).update_hashes(kv, token_ids)
     return kv.block_hashes
+
+
+def test_prompt_block_hashes_without_the_bytes() -> None:
+    """The gateway's prefix hashes of a simulated prompt, from its runs of equal blocks, are
+    those of its bytes: shared blocks, a prompt ending inside one, the unique part, and
+    block sizes the runs do not fit (from the bytes then)."""
+    rng = random.Random(3)
+    reqs = [SimRequest(0, 0.0, "m", 1, 1), SimRequest(1, 0.0, "m", 17, 1, (5,)),
+            SimRequest(2, 0.0, "m", PREFIX_BLOCK_TOKENS, 1, (5, 6)),
+            SimRequest(3, 0.0, "m", PREFIX_BLOCK_TOKENS * 2 + 3, 1, (5, 6))]  # fmt: skip
+    for i in range(4, 200):
+        prefix = tuple(rng.randrange(1 << 20) for _ in range(rng.randrange(4)))
+        reqs.append(SimRequest(i, 0.0, "m", rng.randrange(1, 3000), 1, prefix))
+    for req in reqs:
+        assert req.num_prompt_bytes == len(req.prompt_bytes())
+        for block_chars in (8, 16, 64, 128, 2048, 4096, 48, 100):
+            expected = prompt_block_hashes(req.prompt_bytes(), block_chars)
+            assert req.prompt_block_hashes(block_chars) == expected, (req, block_chars)

@@ -19,16 +19,26 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterable
 
 
 def prompt_block_hashes(text: bytes, block_chars: int = 64) -> tuple[int, ...]:
     """Chained hashes of the full `block_chars`-sized blocks of `text` (a partial tail is
     not hashed: engines only cache full blocks)."""
-    hashes = []
+    bc = block_chars
+    return chain_block_hashes([text[i : i + bc] for i in range(0, len(text) // bc * bc, bc)])
+
+
+def chain_block_hashes(blocks: Iterable[bytes]) -> tuple[int, ...]:
+    """The chained hashes of a text's full blocks, given the blocks (`prompt_block_hashes`;
+    the simulator's prompts are runs of equal blocks, given without building the text)."""
+    crc = zlib.crc32
+    hashes: list[int] = []
+    append = hashes.append
     h = 0
-    for i in range(len(text) // block_chars):
-        h = zlib.crc32(text[i * block_chars : (i + 1) * block_chars], h)
-        hashes.append((i << 32) | h)
+    for i, block in enumerate(blocks):
+        h = crc(block, h)
+        append((i << 32) | h)
     return tuple(hashes)
 
 
