@@ -153,19 +153,23 @@ class BlockManager:
         block_ids += new
         return True
 
-    def append_block(self, kv: KVState) -> bool:
-        """One more block for `kv` (a decode that filled its last block): `allocate`'s
-        new-block case for one block, without the token count. False if none is free."""
+    def append_blocks(self, kvs: Sequence[KVState]) -> bool:
+        """One more block for each of `kvs`, in order (decodes that filled their last block):
+        `allocate`'s new-block case for one block each, without the token counts. False, and
+        nothing changed, if too few are free."""
         free = self.free_queue
-        if not free:
+        if len(free) < len(kvs):
             return False
-        b = free.pop_one()
-        old = self.block_hash[b]
-        if old is not None:  # evict the least recently freed cached block
-            del self.cached[old]
-            self.block_hash[b] = None
-        self.ref_counts[b] = 1
-        kv.block_ids.append(b)
+        block_hash = self.block_hash
+        cached = self.cached
+        refs = self.ref_counts
+        for kv, b in zip(kvs, free.pop(len(kvs)), strict=True):
+            old = block_hash[b]
+            if old is not None:  # evict the least recently freed cached block
+                del cached[old]
+                block_hash[b] = None
+            refs[b] = 1
+            kv.block_ids.append(b)
         return True
 
     def cache_full_blocks(self, kv: KVState, num_computed_tokens: int) -> None:

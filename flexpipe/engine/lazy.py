@@ -137,16 +137,22 @@ class LazyDecodes:
                 out.append(req)
         return out
 
-    def _new_block(self, req: EngineRequest, step: int) -> None:
-        """A lazy request's new block at `step` (`schedule`'s allocate for its decode)."""
-        kv = req.kv
-        ok = self.bm.append_block(kv)
+    def _new_blocks(self, reqs: list[EngineRequest], step: int) -> None:
+        """Lazy requests' new blocks at `step`, in this order (`schedule`'s allocations for
+        their decodes)."""
+        if not reqs:
+            return
+        ok = self.bm.append_blocks([req.kv for req in reqs])
         assert ok, "a lazy decode ran out of blocks (the step's check must prevent it)"
-        # its tokens at `step` filled the blocks it held, plus one: the next block is due
+        # their tokens at `step` filled the blocks they held, plus one: the next block is due
         # once those fill too
         nxt = step + self.bm.block_size
-        req._next_block_step = nxt
-        self._due_at(nxt, (req._run_seq, req._lazy_gen, req))
+        entries = self._block_due.get(nxt)
+        if entries is None:
+            entries = self._block_due[nxt] = []
+        for req in reqs:
+            req._next_block_step = nxt
+            entries.append((req._run_seq, req._lazy_gen, req))
 
     def _finish_lazy(
         self, req: EngineRequest, step: int, out: list[EngineRequest], stamps: TokenStamps | None
@@ -185,8 +191,7 @@ class LazyDecodes:
         due = self._block_due
         for step in range(self.num_steps, end):
             if due:
-                for req in self._blocks_due(step):
-                    self._new_block(req, step)
+                self._new_blocks(self._blocks_due(step), step)
         assert self.first_lazy_finish_step() >= end, "a lazy request finishes in the stretch"
         self.num_steps = end
         self._last_now_s = now

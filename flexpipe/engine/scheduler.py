@@ -406,9 +406,10 @@ class Scheduler(LazyDecodes):
         n_new = 0
         for req in eager:  # in `running` order, merged with the lazy requests' new blocks
             seq = req._run_seq
+            n_before = n_new
             while n_new < len(new_block) and new_block[n_new]._run_seq < seq:
-                self._new_block(new_block[n_new], step)
                 n_new += 1
+            self._new_blocks(new_block[n_before:n_new], step)
             before = req.num_computed_tokens
             num_new = len(req.token_ids) - before
             if num_new <= 0:
@@ -422,8 +423,7 @@ class Scheduler(LazyDecodes):
                 ok = bm.allocate(kv, total)
                 assert ok
             scheduled.append((req, num_new, before))
-        for n_i in range(n_new, len(new_block)):
-            self._new_block(new_block[n_i], step)
+        self._new_blocks(new_block[n_new:] if n_new else new_block, step)
         self._admit(plan, budget)
         plan.num_lazy = num_lazy
         context = self._lazy_context + num_lazy * step  # the lazy decodes' tokens at `step`
