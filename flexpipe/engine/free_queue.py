@@ -5,7 +5,8 @@ on a free block).
 A `deque` of block ids with lazy removal: removing a block only counts it in `_skip[block]`;
 the entry stays in the deque and is dropped when it reaches the head. A block has at most one
 live entry, its latest (it is appended only once its last reference is dropped, which cannot
-happen while it is free), so every skipped entry of a block comes before its live one. A
+happen while it is free), so every skipped entry of a block comes before its live one; when
+there are more skipped entries than blocks, the deque is rebuilt without them. A
 deque's `popleft`/`append` are several times cheaper than an `OrderedDict`'s `popitem` and
 insertion, and allocating and freeing a request's blocks is the simulator's most frequent
 bookkeeping (every prompt block of every request, twice).
@@ -48,6 +49,16 @@ class FreeQueue:
         self._skip[block] += 1
         self._num_skipped += 1
         self._num_free -= 1
+        if self._num_skipped > len(self._skip):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop every skipped entry (more of them than blocks: hits on free blocks outpaced
+        the pops that drop them at the head), so the deque stays within twice the blocks."""
+        live = deque(iter(self))
+        self._queue = live
+        self._skip = [0] * len(self._skip)
+        self._num_skipped = 0
 
     def pop(self, num: int) -> list[int]:
         """The `num` oldest free blocks, oldest first (the caller checked there are as many)."""
