@@ -15,9 +15,10 @@ Each instance's set is an LRU (O(1) touch and eviction), bounded by
 `max_blocks_per_instance`, standing in for the engine's finite KV cache: a dict of the blocks
 held and a deque of them in use order, where touching a block appends it again and counts
 its earlier entry as stale (skipped when it reaches the head; a block's live entry is its
-last). Per block it keeps a dict slot and a deque slot, not an `OrderedDict`'s linked node
-too: at 50,000 blocks an instance the index outgrows the CPU caches, and every insertion and
-eviction of a node was a cache miss (the simulator inserts and evicts ~30 blocks a request).
+last; the deque is rebuilt when it is mostly stale). Per block it keeps a dict slot and a
+deque slot, not an `OrderedDict`'s linked node too: at 50,000 blocks an instance the index
+outgrows the CPU caches, and every insertion and eviction of a node was a cache miss (the
+simulator inserts and evicts ~30 blocks a request).
 """
 
 from __future__ import annotations
@@ -56,6 +57,20 @@ class _LRU:
         self.blocks: dict[int, None] = {}  # the blocks held
         self.order: deque[int] = deque()  # least recently used first, with stale entries
         self.stale: dict[int, int] = {}  # block -> its stale entries in `order`
+
+
+def _compact(lru: _LRU) -> None:
+    """`lru.order` without its stale entries (the same use order)."""
+    stale = lru.stale
+    live: deque[int] = deque()
+    for h in lru.order:
+        n = stale.get(h, 0)
+        if n:
+            stale[h] = n - 1
+        else:
+            live.append(h)
+    lru.order = live
+    lru.stale = {}
 
 
 class PrefixIndex:
@@ -100,6 +115,8 @@ class PrefixIndex:
             append(h)
         if len(blocks) > self.max_blocks_per_instance:
             self._evict(lru)
+        if len(lru.order) > 2 * len(blocks) + 64:  # mostly stale (blocks touched again)
+            _compact(lru)
 
     def _evict(self, lru: _LRU) -> None:
         """Drop least recently used blocks down to the bound."""
