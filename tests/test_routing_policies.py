@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 
 import pytest
 
@@ -135,6 +136,36 @@ def test_prefix_index_lru_and_chain() -> None:
     idx.insert("a", other)  # 5 distinct blocks > 4: the least recently used one goes
     assert idx.num_blocks("a") == 4
     assert idx.match("a", h) == 1  # h[1] evicted; the chain stops there
+
+
+def test_prefix_index_is_an_exact_lru() -> None:
+    """Against an `OrderedDict` LRU: prompts that share, repeat and extend each other's
+    blocks, over a small bound (many evictions) and a large one (none: blocks touched again
+    and again, the use order rebuilt without its stale entries)."""
+    rng = random.Random(7)
+    for bound, span in ((20, 40), (200, 60)):
+        idx, ref = PrefixIndex(max_blocks_per_instance=bound), OrderedDict[int, None]()
+        for _ in range(3000):
+            start = rng.randrange(span)
+            hashes = tuple(range(start, start + rng.randrange(1, 12)))
+            assert idx.match("a", hashes) == next(
+                (n for n, h in enumerate(hashes) if h not in ref), len(hashes)
+            )
+            idx.insert("a", hashes)
+            for h in hashes:
+                ref[h] = None
+                ref.move_to_end(h)
+            while len(ref) > bound:
+                ref.popitem(last=False)
+            assert idx.num_blocks("a") == len(ref)
+            assert all(idx.match("a", (h,)) == 1 for h in ref)
+            assert len(idx._lrus["a"].order) <= 2 * len(ref) + 64 + 12
+        if bound > span:  # no eviction so far: evict all but the 10 most recent, in order
+            idx.max_blocks_per_instance = 10
+            idx.insert("a", ())
+            assert [idx.match("a", (h,)) for h in ref] == [0] * (len(ref) - 10) + [1] * 10
+        idx.remove_instance("a")
+        assert idx.num_blocks("a") == 0 and idx.instances() == []
 
 
 def test_prefix_affinity_prefers_longest_match() -> None:

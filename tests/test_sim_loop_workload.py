@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from flexpipe.engine.block_manager import BlockManager, KVState
 from flexpipe.policies.routing import prompt_block_hashes
 from flexpipe.sim.loop import ARRIVAL, SCRAPE, STEP_END, EventLoop
 from flexpipe.sim.request import PREFIX_BLOCK_TOKENS, SimRequest
@@ -139,6 +140,33 @@ def test_unique_prompts_share_nothing() -> None:
     reqs = [SimRequest(i, a[0], "m", a[1], a[2], a[3]) for i, a in enumerate(arr)]
     assert len(reqs) >= 2
     x, y = reqs[0].prompt_token_ids(), reqs[1].prompt_token_ids()
-    assert x[:512] == y[:512] and not set(x[512:]) & set(y[512:])
-    solo = [SimRequest(i, 0, "m", 100, 1) for i in range(2)]
-    assert not set(solo[0].prompt_token_ids()) & set(solo[1].prompt_token_ids())
+    assert x[:512] == y[:512] and x[512] != y[512]
+    # what the engine's prefix cache sees: 16-token blocks, hashed in a chain
+    hx, hy = _engine_block_hashes(x), _engine_block_hashes(y)
+    assert len(hx) == 700 // 16 and hx[:32] == hy[:32] and not set(hx[32:]) & set(hy[32:])
+    solo = [_engine_block_hashes(SimRequest(i, 0, "m", 100, 1).prompt_token_ids()) for i in (0, 1)]
+    assert len(solo[0]) == 6 and not set(solo[0]) & set(solo[1])
+
+
+def _engine_block_hashes(token_ids: list[int]) -> list[int]:
+    kv = KVState()
+    BlockManager(1, 16).update_hashes(kv, token_ids)
+    return kv.block_hashes
+
+
+def test_prompt_block_hashes_without_the_bytes() -> None:
+    """The gateway's prefix hashes of a simulated prompt, from its runs of equal blocks, are
+    those of its bytes: shared blocks, a prompt ending inside one, the unique part, and
+    block sizes the runs do not fit (from the bytes then)."""
+    rng = random.Random(3)
+    reqs = [SimRequest(0, 0.0, "m", 1, 1), SimRequest(1, 0.0, "m", 17, 1, (5,)),
+            SimRequest(2, 0.0, "m", PREFIX_BLOCK_TOKENS, 1, (5, 6)),
+            SimRequest(3, 0.0, "m", PREFIX_BLOCK_TOKENS * 2 + 3, 1, (5, 6))]  # fmt: skip
+    for i in range(4, 200):
+        prefix = tuple(rng.randrange(1 << 20) for _ in range(rng.randrange(4)))
+        reqs.append(SimRequest(i, 0.0, "m", rng.randrange(1, 3000), 1, prefix))
+    for req in reqs:
+        assert req.num_prompt_bytes == len(req.prompt_bytes())
+        for block_chars in (8, 16, 64, 128, 2048, 4096, 48, 100):
+            expected = prompt_block_hashes(req.prompt_bytes(), block_chars)
+            assert req.prompt_block_hashes(block_chars) == expected, (req, block_chars)

@@ -22,22 +22,7 @@ Policy (vLLM V1's, with V0's admission watermark):
   slot ahead of the queue (and is the last to be preempted).
 
 Lazy decodes (`lazy_decodes=True`, the simulator's engines): a running request that decodes
-a known token every step (a one-token vocabulary that can only end it by length, see
-`EngineRequest._plain_token`) costs nothing per step. It keeps the step it went lazy at and
-its token count then; its true state is a function of the step counter (`num_steps`). What
-happens at a particular step sits in two heaps keyed by (step, place in `running`): it needs
-a new KV block (`schedule`), it finishes by max_tokens / max_model_len (`finish_step`). The
-step's `BatchShape` comes from running sums, as a decode step's context is affine in the
-step. A step then does O(changes) work, with the block manager called in exactly the order
-the per-step path calls it (allocations in `running` order, then admissions; frees in batch
-order), so every block id, free-queue position and prefix-cache entry is the same. A decode
-never registers a block in the prefix cache (`schedule` marks every block it holds as
-registered before `finish_step` could; so block size >= 2 is required), and a decode's block
-hashes are a pure function of its tokens, so both wait until the request is materialised.
-A step whose budget or free blocks do not cover every running request (chunking, preemption)
-materialises all of them and runs the per-step path; they go lazy again when it ends.
-`StepPlan.scheduled` and `finish_step`'s result then list only the requests not decoding
-lazily (`plan.num_lazy` counts the others), plus those that finish.
+a known token every step costs nothing per step (flexpipe.engine.lazy, `LazyDecodes`).
 """
 
 from __future__ import annotations
@@ -45,9 +30,9 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from dataclasses import dataclass, field
-from heapq import heappop, heappush
 
 from flexpipe.engine.block_manager import BlockManager
+from flexpipe.engine.lazy import LazyDecodes
 from flexpipe.engine.request import EngineRequest, Status
 from flexpipe.perf import BatchShape
 
@@ -62,11 +47,14 @@ class SchedulerConfig:
     policy: str = "fcfs"  # "fcfs" | "priority" (vLLM's --scheduling-policy)
 
 
+_NO_BATCH = BatchShape()
+
+
 @dataclass(slots=True)
 class StepPlan:
     # (request, tokens scheduled this step, tokens already computed before the step)
     scheduled: list[tuple[EngineRequest, int, int]] = field(default_factory=list)
-    batch: BatchShape = field(default_factory=BatchShape)
+    batch: BatchShape = _NO_BATCH  # (immutable: one shared, not one per step)
     preempted: list[EngineRequest] = field(default_factory=list)
     rejected: list[EngineRequest] = field(default_factory=list)  # can never fit: errored
     admitted: list[EngineRequest] = field(default_factory=list)  # first admissions this step
@@ -90,12 +78,7 @@ class TokenStamps:
     itl_s: list[float] = field(default_factory=list)
 
 
-# (step, place in `running`, generation, request): an entry whose generation is not the
-# request's current one is stale (the request stopped decoding lazily since)
-_Due = tuple[int, int, int, EngineRequest]
-
-
-class Scheduler:
+class Scheduler(LazyDecodes):
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, lazy_decodes: bool = False
     ) -> None:
@@ -107,13 +90,7 @@ class Scheduler:
         self._num_watermark_blocks = int(config.watermark * block_manager.num_blocks)
         self.num_steps = 0  # steps finished (`finish_step` calls)
         self._num_admissions = 0  # -> EngineRequest._run_seq
-        # lazy decodes (see the module docstring)
-        self.lazy = lazy_decodes and block_manager.block_size >= 2
-        self._last_now_s = 0.0  # the last stamped step's `now`
-        self._num_lazy = 0
-        self._lazy_context = 0  # sum of len(token_ids) - _lazy_step over lazy requests
-        self._block_due: list[_Due] = []  # a lazy request needs a new block at step
-        self._finish_due: list[_Due] = []  # a lazy request finishes at step
+        self._init_lazy(lazy_decodes)
 
     # --- queue changes -------------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
@@ -399,104 +376,7 @@ class Scheduler:
             self._last_now_s = now
         return out
 
-    # --- lazy decodes (see the module docstring) -----------------------------------------
-    def materialize(self, req: EngineRequest) -> None:
-        """Bring a lazily decoding request's tokens, computed count, last token time and
-        block hashes up to date (it stays lazy). A no-op for any other request."""
-        if req._lazy_step < 0:
-            return
-        k = self.num_steps - req._lazy_step
-        if k <= 0:
-            return
-        token_ids = req.token_ids
-        token_ids.extend([req._plain_token] * k)
-        req.num_computed_tokens = len(token_ids) - 1
-        req.last_token_s = self._last_now_s
-        req._lazy_step = self.num_steps
-        if self.bm.enable_caching:
-            self.bm.update_hashes(req.kv, token_ids)
-
-    def _lazify(self, req: EngineRequest, step: int) -> None:
-        """From `step` on, `req` (which just got a token and is not finished) decodes lazily,
-        if it can only end by length before any natural end."""
-        n = len(req.token_ids)
-        prompt = req._num_prompt
-        limit = min(prompt + req.max_output_tokens, self.config.max_model_len)
-        if limit - prompt >= req._natural_len:
-            return
-        req._lazy_step = step
-        self._num_lazy += 1
-        self._lazy_context += n - step
-        gen = req._lazy_gen
-        seq = req._run_seq
-        heappush(self._finish_due, (limit - 1 - n + step, seq, gen, req))
-        # the step whose token count first exceeds the blocks it holds
-        nxt = len(req.kv.block_ids) * self.bm.block_size - n + step + 1
-        req._next_block_step = nxt
-        heappush(self._block_due, (nxt, seq, gen, req))
-
-    def _unlazy(self, req: EngineRequest) -> None:
-        """Materialise `req` and track it step by step from now on."""
-        self.materialize(req)
-        self._num_lazy -= 1
-        self._lazy_context -= len(req.token_ids) - req._lazy_step
-        req._lazy_step = -1
-        req._lazy_gen += 1
-
-    def _unlazy_all(self) -> None:
-        for req in self.running:
-            if req._lazy_step >= 0:
-                self._unlazy(req)
-        assert self._num_lazy == 0 and self._lazy_context == 0
-        self._block_due.clear()
-        self._finish_due.clear()
-
-    @staticmethod
-    def _due(heap: list[_Due], end: int) -> list[EngineRequest]:
-        """Pop the live entries due before step `end`, in (step, place in `running`) order."""
-        out: list[EngineRequest] = []
-        while heap and heap[0][0] < end:
-            _, _, gen, req = heappop(heap)
-            if gen == req._lazy_gen and req._lazy_step >= 0:
-                out.append(req)
-        return out
-
-    def _new_block(self, req: EngineRequest, step: int) -> None:
-        """A lazy request's new block at `step` (`schedule`'s allocate for its decode)."""
-        kv = req.kv
-        ok = self.bm.append_block(kv)
-        assert ok, "a lazy decode ran out of blocks (the step's check must prevent it)"
-        # its tokens at `step` filled the blocks it held, plus one: the next block is due
-        # once those fill too
-        nxt = step + self.bm.block_size
-        req._next_block_step = nxt
-        heappush(self._block_due, (nxt, req._run_seq, req._lazy_gen, req))
-
-    def _finish_lazy(
-        self, req: EngineRequest, step: int, out: list[EngineRequest], stamps: TokenStamps | None
-    ) -> None:
-        """A lazy request's last token, at `step`: materialised, finished, blocks freed."""
-        if req.status is not Status.RUNNING:
-            return
-        n = len(req.token_ids)
-        k = step - req._lazy_step  # tokens at `step`: n + k
-        self._num_lazy -= 1
-        self._lazy_context -= n - req._lazy_step
-        req._lazy_step = -1
-        req._lazy_gen += 1
-        req.token_ids.extend([req._plain_token] * (k + 1))
-        req.num_computed_tokens = n + k
-        req.finish_reason = "length"
-        req.status = Status.FINISHED
-        self.bm.free(req.kv)
-        if stamps is not None:
-            now = stamps.now_s
-            stamps.itl_s.append(now - self._last_now_s)  # (its previous token's step)
-            req.last_token_s = now
-            req.finished_s = now
-            stamps.finished.append(req)
-        out.append(req)
-
+    # --- lazy decodes (flexpipe.engine.lazy) ---------------------------------------------
     def _schedule_lazy(self) -> StepPlan | None:
         """`schedule` when some running requests decode lazily; None (and every request
         materialised) when the step's budget or free blocks do not cover every running
@@ -507,8 +387,7 @@ class Scheduler:
         running = self.running
         num_lazy = self._num_lazy
         budget = self.config.max_num_batched_tokens - num_lazy
-        due = self._block_due
-        new_block = self._due(due, step + 1) if due and due[0][0] <= step else []
+        new_block = self._blocks_due(step) if self._block_due else []
         num_need = len(new_block)
         eager: list[EngineRequest] = []
         if num_lazy < len(running):
@@ -527,9 +406,10 @@ class Scheduler:
         n_new = 0
         for req in eager:  # in `running` order, merged with the lazy requests' new blocks
             seq = req._run_seq
+            n_before = n_new
             while n_new < len(new_block) and new_block[n_new]._run_seq < seq:
-                self._new_block(new_block[n_new], step)
                 n_new += 1
+            self._new_blocks(new_block[n_before:n_new], step)
             before = req.num_computed_tokens
             num_new = len(req.token_ids) - before
             if num_new <= 0:
@@ -543,39 +423,12 @@ class Scheduler:
                 ok = bm.allocate(kv, total)
                 assert ok
             scheduled.append((req, num_new, before))
-        for n_i in range(n_new, len(new_block)):
-            self._new_block(new_block[n_i], step)
+        self._new_blocks(new_block[n_new:] if n_new else new_block, step)
         self._admit(plan, budget)
         plan.num_lazy = num_lazy
         context = self._lazy_context + num_lazy * step  # the lazy decodes' tokens at `step`
         plan.batch = _batch_shape(scheduled, 0, num_lazy, context)
         return plan
-
-    def advance(self, num_steps: int, now: float) -> None:
-        """Apply `num_steps` decode steps of a batch that only decodes lazily, with nothing
-        admitted and nothing finishing (a simulator's closed-form stretch); the last ends at
-        `now`. Their new blocks are allocated in the per-step order."""
-        if num_steps <= 0:
-            return
-        end = self.num_steps + num_steps
-        heap = self._block_due
-        while heap and heap[0][0] < end:
-            step, _, gen, req = heappop(heap)
-            if gen == req._lazy_gen and req._lazy_step >= 0:
-                self._new_block(req, step)
-        assert self.first_lazy_finish_step() >= end, "a lazy request finishes in the stretch"
-        self.num_steps = end
-        self._last_now_s = now
-
-    def first_lazy_finish_step(self) -> int:
-        """The first step at which a lazy request finishes (huge when none does)."""
-        heap = self._finish_due
-        while heap:
-            _, _, gen, req = heap[0]
-            if gen == req._lazy_gen and req._lazy_step >= 0:
-                return heap[0][0]
-            heappop(heap)
-        return 1 << 62
 
 
 def _undo_query(bm: BlockManager, num_tokens: int, num_hit_blocks: int) -> None:

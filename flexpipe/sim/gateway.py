@@ -29,7 +29,7 @@ from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import apply_engine_metrics
 from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.lifecycle import State
-from flexpipe.policies.routing import RoutingRequest, prompt_block_hashes
+from flexpipe.policies.routing import RoutingRequest
 from flexpipe.sim.instance import SimInstance
 from flexpipe.sim.loop import ARRIVAL, SCRAPE, EventLoop
 from flexpipe.sim.request import SimRequest
@@ -113,16 +113,15 @@ class SimGateway:
 
     # --- requests ------------------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> None:
-        self._log(now, "arrive", f"{req.request_id} {req.model}")
+        if self.log is not None:  # (the detail costs a format per request)
+            self._log(now, "arrive", f"{req.request_id} {req.model}")
         if not self.pool.has_model(req.model) and not self.holds.held(req.model, now):
             self._fail(req, now, f"404: no instance serves model {req.model!r} (yet)")
             return
-        prompt = req.prompt_bytes()
-        num_prompt = len(prompt) // 4 + 1
+        num_prompt = req.num_prompt_bytes // 4 + 1
         num_out = req.num_output_tokens
-        routing = RoutingRequest(
-            num_prompt, num_out, prompt_block_hashes(prompt, self.cfg.block_chars)
-        )
+        # (= prompt_block_hashes(req.prompt_bytes(), ...), the live gateway's, without the bytes)
+        routing = RoutingRequest(num_prompt, num_out, req.prompt_block_hashes(self.cfg.block_chars))
         call = _Call(req, routing, float(num_prompt + num_out))
         self._route(call, now)
 
@@ -166,7 +165,8 @@ class SimGateway:
             self._wake(now)
             return
         self._calls[call.req.request_id] = call
-        self._log(now, "route", f"{call.req.request_id} {engine.dep.name} {pick.reason}")
+        if self.log is not None:  # (the detail costs a format per request)
+            self._log(now, "route", f"{call.req.request_id} {engine.dep.name} {pick.reason}")
         engine.submit(call.req, now)
 
     def detach(self, req: SimRequest, now: float) -> None:
@@ -223,7 +223,8 @@ class SimGateway:
             if tpot is not None:  # as Gateway.stream_done
                 inst.observe_tpot(tpot)
             self.router.succeeded(inst)
-            self._log(now, "done", f"{req.request_id} {n} tokens")
+            if self.log is not None:  # (the detail costs a format per request)
+                self._log(now, "done", f"{req.request_id} {n} tokens")
             self.on_end(req)
         self._wake(now)
 

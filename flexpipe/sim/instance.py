@@ -57,6 +57,7 @@ class SimInstance:
         self.max_stretch_steps = MAX_STRETCH_STEPS if stretches else 0
         self._decode_registers = decode_registers_blocks(self.core)
         self.requests: dict[str, SimRequest] = {}  # engine request id -> its sim request
+        self._params_by_max_tokens: dict[int, SamplingParams] = {}
         self.num_steps = 0  # steps applied (planned and virtual)
         self.num_events = 0  # step-end events (one per stretch)
         self.busy_s = 0.0
@@ -92,7 +93,7 @@ class SimInstance:
         ereq = EngineRequest(
             str(req.request_id),
             req.prompt_token_ids(),
-            SamplingParams(max_tokens=req.num_output_tokens),
+            self._params(req.num_output_tokens),
             req.num_output_tokens,
             SIM_GEN_IDS,
         )
@@ -107,6 +108,13 @@ class SimInstance:
         elif self._stretch is not None:
             self._stretch = None  # the next step must see the new request
             self._schedule_end(self._first_end_s)
+
+    def _params(self, max_tokens: int) -> SamplingParams:
+        """The sampling parameters of a request of `max_tokens` (immutable: one per count)."""
+        params = self._params_by_max_tokens.get(max_tokens)
+        if params is None:
+            params = self._params_by_max_tokens[max_tokens] = SamplingParams(max_tokens=max_tokens)
+        return params
 
     def take(self, req: SimRequest, now: float) -> EngineRequest | None:
         """Take `req` off this engine at `now` (moved, or the engine died): aborted, its blocks

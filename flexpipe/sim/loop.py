@@ -8,8 +8,10 @@ time and may schedule follow-ups. Nothing here reads a wall clock.
 
 from __future__ import annotations
 
+import gc
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 Action = Callable[[float], None]
 
@@ -31,7 +33,9 @@ class EventLoop:
     def at(self, time_s: float, priority: int, action: Action) -> None:
         """Run `action(time_s)` at `time_s` (never earlier than now)."""
         self._seq += 1
-        heapq.heappush(self._heap, (max(time_s, self.now_s), priority, self._seq, action))
+        if time_s < self.now_s:
+            time_s = self.now_s
+        heapq.heappush(self._heap, (time_s, priority, self._seq, action))
 
     def run(self, until_s: float) -> None:
         """Run every action due at or before `until_s`; the clock ends at `until_s`."""
@@ -47,3 +51,26 @@ class EventLoop:
     @property
     def num_pending(self) -> int:
         return len(self._heap)
+
+
+# the collector's thresholds while a simulation runs (CPython's defaults: 700, 10, 10)
+_RUN_GC_THRESHOLDS = (20_000, 20, 20)
+
+
+@contextmanager
+def relaxed_gc() -> Iterator[None]:
+    """Collect garbage less often while a simulation runs, and never look at what exists
+    when it starts (the scenario's requests, all generated up front): a run allocates a few
+    short-lived objects per event, few of them in cycles, and the collector's passes over
+    them were ~4% of a run's CPU time. The process's settings are restored afterwards."""
+    thresholds = gc.get_threshold()
+    freeze = gc.get_freeze_count() == 0  # (leave a caller's frozen objects frozen)
+    if freeze:
+        gc.freeze()
+    gc.set_threshold(*_RUN_GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        if freeze:
+            gc.unfreeze()

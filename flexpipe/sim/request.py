@@ -5,16 +5,33 @@ requests that share leading ids share that prefix), each `prefix_block_tokens` l
 of the prompt is unique to the request. Token ids and the prompt bytes the gateway hashes are
 both derived from those ids, so prefix caching (engine) and prefix-aware routing (gateway)
 see the same sharing as a real prompt would give them.
+
+The unique part's first token id is the request's own (`_UNIQUE_BASE` + its id, above every
+shared block's ids); the rest count 1, 2, 3, ... in every request. The engine's block hashes
+are chained (each covers every token before it), so no block of it matches another
+request's, as with ids unique throughout; and the ids are the same few int objects in every
+prompt, not a new one per token of every request (the simulator's most frequent allocation).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain, repeat
+
+from flexpipe.policies.routing.prefix_index import chain_block_hashes, prompt_block_hashes
 
 PREFIX_BLOCK_TOKENS = 512  # tokens per shared block id (the Mooncake trace's block)
 _BYTES_PER_TOKEN = 4  # the gateway estimates a token per 4 bytes of prompt
 GENERATED_TOKEN_ID = 100  # the sim model's one-token vocabulary (`stretch.SIM_GEN_IDS`)
-_UNIQUE_BASE = 1 << 40  # token ids of unique prompt parts start here (shared blocks: below)
+_UNIQUE_BASE = 1 << 40  # + request id: a unique prompt part's first token (shared blocks: below)
+_COUNT: list[int] = [0]  # 0, 1, 2, ...: a unique part's other tokens (grown on demand)
+
+
+def _count_to(n: int) -> list[int]:
+    """[0, 1, ..., n - 1] (shared: copy what you take)."""
+    if len(_COUNT) < n:
+        _COUNT.extend(range(len(_COUNT), n))
+    return _COUNT
 
 
 @dataclass(slots=True)
@@ -70,9 +87,35 @@ class SimRequest:
             if len(out) >= n:
                 del out[n:]
                 return out
-        start = _UNIQUE_BASE + self.request_id * (1 << 22)
-        out.extend(range(start, start + n - len(out)))
+        out.append(_UNIQUE_BASE + self.request_id)
+        out += _count_to(n)[1 : n - len(out) + 1]
         return out
+
+    @property
+    def num_prompt_bytes(self) -> int:
+        return self.num_prompt_tokens * _BYTES_PER_TOKEN  # (len(self.prompt_bytes()))
+
+    def prompt_block_hashes(self, block_chars: int) -> tuple[int, ...]:
+        """`prompt_block_hashes(self.prompt_bytes(), block_chars)`, without the bytes: each
+        shared block's bytes, and the unique part's, are 8 bytes repeated, so every full
+        block of them is the same (when `block_chars` divides a shared block's bytes and is a
+        multiple of 8; else from the bytes)."""
+        shared_bytes = PREFIX_BLOCK_TOKENS * _BYTES_PER_TOKEN
+        if block_chars % 8 or shared_bytes % block_chars:
+            return prompt_block_hashes(self.prompt_bytes(), block_chars)
+        runs: list[repeat[bytes]] = []
+        left = self.num_prompt_tokens
+        for block in self.prefix_ids:
+            if left <= 0:
+                break
+            take = min(left, PREFIX_BLOCK_TOKENS)  # (less: the prompt ends in this block)
+            data = block.to_bytes(8, "little") * (block_chars // 8)
+            runs.append(repeat(data, take * _BYTES_PER_TOKEN // block_chars))
+            left -= take
+        if left > 0:
+            data = (self.request_id | (1 << 62)).to_bytes(8, "little") * (block_chars // 8)
+            runs.append(repeat(data, left * _BYTES_PER_TOKEN // block_chars))
+        return chain_block_hashes(chain.from_iterable(runs))
 
     def prompt_bytes(self) -> bytes:
         """Stand-in prompt text for the gateway's prefix hashes: shared blocks give shared

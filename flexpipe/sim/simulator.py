@@ -34,7 +34,7 @@ from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.engine_factory import engine_config
 from flexpipe.sim.gateway import SimGateway
 from flexpipe.sim.instance import SimInstance
-from flexpipe.sim.loop import ARRIVAL, CONTROL, EventLoop
+from flexpipe.sim.loop import ARRIVAL, CONTROL, EventLoop, relaxed_gc
 from flexpipe.sim.moves import MoveRecord, Moves
 from flexpipe.sim.policy import Policy, PolicyView, ShiftingPolicy, at_rate, create_policy
 from flexpipe.sim.request import SimRequest
@@ -514,7 +514,8 @@ def simulate(
     run = _Run(scenario, pol, stretches, requests)
     run.gateway.log = log  # the gateway's events, in order, when a list is given
     t0 = time.perf_counter()
-    result = run.run(progress)
+    with relaxed_gc():
+        result = run.run(progress)
     result.wall_s = time.perf_counter() - t0
     return result
 

@@ -20,6 +20,9 @@ class Usage:
             return
         step = self.interval_s
         i = int(start_s // step)
+        if end_s <= (i + 1) * step and i < len(buckets):  # within one interval (most steps)
+            buckets[i] += num_gpus * (end_s - start_s)
+            return
         while start_s < end_s and i < len(buckets):
             edge = min(end_s, (i + 1) * step)
             buckets[i] += num_gpus * (edge - start_s)
