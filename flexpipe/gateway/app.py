@@ -23,8 +23,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 
-import orjson
-
 from flexpipe.gateway import moves
 from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
@@ -35,7 +33,7 @@ from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay, WarmOutcome
 from flexpipe.gateway.router import NoInstance, Router
-from flexpipe.gateway.tenants import Tenants
+from flexpipe.gateway.tenants import Tenants, completion_tokens
 from flexpipe.gateway.ui_routes import UiRoutes
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError, UpstreamResponse
 from flexpipe.http.server import (
@@ -306,7 +304,7 @@ class Gateway:
         if resp.status < 500:
             self.success(inst)
         if call.tenant is not None and resp.status == 200:
-            call.num_output_tokens = _completion_tokens(body)
+            call.num_output_tokens = completion_tokens(body)
         return Response(
             body,
             resp.status,
@@ -592,13 +590,3 @@ def _too_many(message: str, retry_after_s: float) -> Response:
     resp = error_response(429, message)
     resp.headers = {"retry-after": str(max(1, math.ceil(retry_after_s)))}
     return resp
-
-
-def _completion_tokens(body: bytes) -> int | None:
-    """`usage.completion_tokens` of a non-streamed response, if it says."""
-    try:
-        usage = orjson.loads(body).get("usage") or {}
-    except (orjson.JSONDecodeError, AttributeError):
-        return None
-    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return n if isinstance(n, int) else None

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import orjson
+
 from flexpipe.gateway.config import TenantConfig
 
 
@@ -115,3 +117,14 @@ class Tenants:
         if not authorization or not authorization.lower().startswith("bearer "):
             return None
         return self._by_key.get(authorization[7:].strip())
+
+
+def completion_tokens(body: bytes) -> int | None:
+    """`usage.completion_tokens` of a non-streamed response, if it says (what a tenant's
+    request used, settled against its token budget)."""
+    try:
+        usage = orjson.loads(body).get("usage") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) else None
