@@ -16,15 +16,6 @@ from test_gateway_fakes import FakeEngine, LoopThread
 from flexpipe.gateway import Gateway, config_from_dict
 
 
-@pytest.fixture
-def lt() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    try:
-        yield loop
-    finally:
-        loop.stop()
-
-
 class Running:
     def __init__(self, lt: LoopThread, engines: list[FakeEngine], **cfg: Any) -> None:
         self.lt = lt

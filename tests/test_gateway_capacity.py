@@ -8,11 +8,9 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import openai
-import pytest
 from test_gateway_api import Running
 from test_gateway_fakes import LoopThread
 
@@ -22,15 +20,6 @@ from flexpipe.gateway.prober import parse_engine_metrics
 
 MODEL = "llama-2-7b"
 ADMIN = "s3cret"
-
-
-@pytest.fixture
-def lt() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    try:
-        yield loop
-    finally:
-        loop.stop()
 
 
 def test_cap_is_configured_else_slots_plus_a_small_queue_else_the_default() -> None:

@@ -8,7 +8,6 @@ import asyncio
 import re
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -18,15 +17,6 @@ from test_gateway_api import Running
 from test_gateway_fakes import FakeEngine, LoopThread
 
 from flexpipe.gateway.tenants import TokenBucket
-
-
-@pytest.fixture
-def lt() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    try:
-        yield loop
-    finally:
-        loop.stop()
 
 
 def wait_for(cond: Any, timeout_s: float = 10.0) -> None:

@@ -22,15 +22,6 @@ from test_gateway_fakes import FakeEngine, LoopThread, free_port, wait_http
 MODEL = "llama-2-7b"
 
 
-@pytest.fixture
-def lt() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    try:
-        yield loop
-    finally:
-        loop.stop()
-
-
 def metric(r: Running, needle: str) -> float:
     with urllib.request.urlopen(r.url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()

@@ -31,15 +31,6 @@ def engines() -> Iterator[list[EngineProc]]:
         yield [stack.enter_context(sim_engine(args)) for _ in range(2)]
 
 
-@pytest.fixture
-def lt() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    try:
-        yield loop
-    finally:
-        loop.stop()
-
-
 def gateway(lt: LoopThread, engines: list[EngineProc]) -> Running:
     r = Running(lt, [], admin_token="gw-admin", routing={"policy": "round_robin"})
     for e in engines:

@@ -34,15 +34,6 @@ def engines() -> Iterator[list[EngineProc]]:
         yield [source, one_slot, other]
 
 
-@pytest.fixture
-def lt() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    try:
-        yield loop
-    finally:
-        loop.stop()
-
-
 def register(r: Any, url: str, max_num_seqs: int = 0) -> None:
     body = {"url": url, "model": MODEL, "admin_token": ADMIN, "max_num_seqs": max_num_seqs}
     assert r.http("POST", "/admin/instances", orjson.dumps(body), AUTH)[0] == 200

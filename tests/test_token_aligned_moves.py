@@ -43,15 +43,6 @@ def engines() -> Iterator[list[EngineProc]]:
         yield [stack.enter_context(sim_engine(slow)), stack.enter_context(sim_engine(BASE))]
 
 
-@pytest.fixture
-def lt() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    try:
-        yield loop
-    finally:
-        loop.stop()
-
-
 def prompt_tokens(url: str) -> float:
     return engine_metric(url, "vllm:prompt_tokens_total")
 

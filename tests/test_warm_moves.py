@@ -38,15 +38,6 @@ def engines() -> Iterator[list[EngineProc]]:
         yield [stack.enter_context(sim_engine(BASE)) for _ in range(2)]
 
 
-@pytest.fixture
-def lt() -> Iterator[LoopThread]:
-    loop = LoopThread()
-    try:
-        yield loop
-    finally:
-        loop.stop()
-
-
 def engine_metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
