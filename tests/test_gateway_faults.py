@@ -303,7 +303,9 @@ def test_full_pool_queues_then_answers_429_with_retry_after(lt: LoopThread) -> N
 
 
 def test_slow_engine_receives_less_traffic_under_least_load(lt: LoopThread) -> None:
-    fast, slow = FakeEngine(token_delay_s=0.002), FakeEngine(token_delay_s=0.02)
+    # 40x apart, so the gateway's and client's own time per request on a loaded 2-core
+    # machine (tens of ms) cannot close the gap the assertion measures
+    fast, slow = FakeEngine(token_delay_s=0.002), FakeEngine(token_delay_s=0.08)
     r = Running(lt, [fast, slow], routing={"policy": "least_load"}, scrape_interval_s=0.1)
 
     async def load() -> None:
