@@ -550,3 +550,38 @@ def test_sim_engines_schedule_as_the_launcher_starts_them() -> None:
     dep = Deployment("a", "m", "llama-2-7b", Gear(max_num_seqs=4), (("gpu2",),))
     sim = engine_config(dep, load_cluster(SEED_CLUSTER))
     assert sim.scheduling_policy == launched.scheduling_policy == "priority"
+
+
+def test_the_controller_sees_each_ttft_when_the_first_token_comes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the live gateway observes TTFT when a stream's first token reaches its client (not
+    when the request ends), so does the simulated one the controller reads: once a client
+    request, warm-ups and continuations not counted."""
+    from flexpipe.sim.controller import ControllerParams, SimController
+
+    seen: list[tuple[str, float, float]] = []  # model, TTFT, virtual time observed
+    original = SimController.first_token
+
+    def spy(self: SimController, model: str, ttft_s: float) -> None:
+        seen.append((model, ttft_s, self.world.loop.now_s))
+        original(self, model, ttft_s)
+
+    monkeypatch.setattr(SimController, "first_token", spy)
+    # the tenant leaves gpu1 at 100 s: an in-place shift with a 1 s drain deadline moves
+    # requests (warm-ups, continuations)
+    sc = _seed(220, [{"at_s": 100, "release": ["gpu1"]}])
+    result = simulate(replace(sc, controller=ControllerParams(drain_deadline_s=1.0)), "flexpipe")
+    assert result.num_moves and result.warm_ups
+    served = sorted(
+        (r for r in result.requests if r.first_token_s >= 0), key=lambda r: r.first_token_s
+    )
+    assert len(served) > 50
+    assert len(seen) == len(served)
+    for (model, ttft_s, at_s), r in zip(sorted(seen, key=lambda s: s[2]), served, strict=True):
+        assert model == r.model
+        assert ttft_s == pytest.approx(r.ttft_s, abs=1e-9)
+        assert at_s == pytest.approx(r.first_token_s, abs=1e-9)
+    # seen well before the end: the window the shift policy reads does not lag by a decode
+    long = [r for r in served if r.completed and r.num_generated_tokens > 100]
+    assert long and all(r.first_token_s < r.finish_s - 1.0 for r in long)

@@ -116,15 +116,17 @@ class SimController:
         return plan(cluster, demands, self._performance, now_s=now_s, memo=self._memo)
 
     # ------------------------------------------------------------------ what the gateway sees
+    def first_token(self, model: str, ttft_s: float) -> None:
+        """The gateway's TTFT of a request whose first token just reached its client."""
+        self.metrics.observe("ttft", model, ttft_s)
+
     def request_ended(self, req: SimRequest) -> None:
         """The gateway's metrics of a finished request (the controller reads them)."""
         m = self.metrics
         m.request_done(req.model, req.instance, "200" if req.completed else "error")
         self._done[req.model] = self._done.get(req.model, 0.0) + 1
-        if req.completed:
-            m.observe("ttft", req.model, req.ttft_s)
-            if req.num_generated_tokens > 1:
-                m.observe("tpot", req.model, req.tpot_s)
+        if req.completed and req.num_generated_tokens > 1:
+            m.observe("tpot", req.model, req.tpot_s)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, now: float) -> None:

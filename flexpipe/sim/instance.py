@@ -46,6 +46,7 @@ class SimInstance:
         on_done: Done,
         on_busy: Busy,
         stretches: bool = True,
+        on_first_token: Done | None = None,
     ) -> None:
         self.dep = dep
         self.cfg = cfg
@@ -54,6 +55,7 @@ class SimInstance:
         self.loop = loop
         self.on_done = on_done  # a request finished (completed or errored) at `now`
         self.on_busy = on_busy  # the engine computed from `start` to `end`
+        self.on_first_token = on_first_token  # a request's first token came at `now`
         self.max_stretch_steps = MAX_STRETCH_STEPS if stretches else 0
         self._decode_registers = decode_registers_blocks(self.core)
         self.requests: dict[str, SimRequest] = {}  # engine request id -> its sim request
@@ -192,6 +194,9 @@ class SimInstance:
         plan = self._plan
         assert plan is not None
         events: StepEvents = self.core.complete(plan, self._first_end_s)
+        if events.first_token and self.on_first_token is not None:
+            for ereq in events.first_token:  # (a stretch only decodes: no first token in it)
+                self.on_first_token(self, self.requests[ereq.request_id], ereq, events.now_s)
         if num_virtual:
             reqs = [r for r, _, _ in plan.scheduled]
             fast_forward(self.core, reqs, num_virtual, end_s)

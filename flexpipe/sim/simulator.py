@@ -220,8 +220,9 @@ class _Run:
         except ValueError as exc:
             return str(exc)
         inst = SimInstance(
-            dep, cfg, self.loop, self._engine_done, self._busy, stretches=self.stretches
-        )
+            dep, cfg, self.loop, self._engine_done, self._busy, stretches=self.stretches,
+            on_first_token=self._first_token,
+        )  # fmt: skip
         rec = InstanceRecord(
             dep, now, now + cfg.load_time_s, num_kv_blocks=cfg.num_kv_blocks,
             max_model_len=cfg.max_model_len, instance=inst, planned=planned,
@@ -318,6 +319,19 @@ class _Run:
         gateway."""
         if not self.moves.warm_up_ended(ereq, now):
             self.gateway.done(inst, req, ereq, now)
+
+    def _first_token(
+        self, inst: SimInstance, req: SimRequest, ereq: EngineRequest, now: float
+    ) -> None:
+        """A first token: the client's TTFT, observed now, as the live gateway observes it
+        when the token streams out (not when the request ends: the controller's latency
+        window would lag by the request's decode). Not a warm-up's, nor a continuation's
+        when its client had a token before the move."""
+        if self.controller is None or ereq.request_id in self.moves.warming:
+            return
+        root = self.moves.roots.get(req.request_id, req)
+        if root.first_token_s < 0:
+            self.controller.first_token(root.model, now - root.arrival_s)
 
     def when_empty(self, recs: Sequence[InstanceRecord], callback: Callable[[float], None]) -> None:
         self._empty_waits.append((tuple(recs), callback))
