@@ -115,11 +115,13 @@ def test_conservation_every_request_ends_and_tokens_add_up() -> None:
     assert reasons == {"404", "400", "429"}  # cold start, too long for 4096, queue full/timeout
     rep = report(result)
     assert rep["num_completed"] + rep["num_failed"] == len(reqs)
-    # GPU-seconds add up: the timeline's reserved and busy GPU time are the totals
+    # GPU-seconds add up: the timeline's reserved and busy GPU time are the totals, to the
+    # run's end (the last request ended after the 60 s of arrivals: its GPU time is billed)
     u = result.usage
-    assert sum(u.reserved_gpu_s) == pytest.approx(2 * sc.duration_s)
+    assert u.end_s == result.end_s > sc.duration_s
+    assert sum(u.reserved_gpu_s) == pytest.approx(2 * u.end_s)
     busy = sum(rec.instance.busy_s for rec in result.instances if rec.instance)
-    assert sum(u.busy_gpu_s) <= busy + 1e-9  # busy time after the end is not in the window
+    assert sum(u.busy_gpu_s) == pytest.approx(busy)
     assert rep["utilisation"] == pytest.approx(sum(u.busy_gpu_s) / sum(u.reserved_gpu_s), abs=1e-6)
 
 
@@ -128,7 +130,11 @@ def test_wait_for_ideal_serves_nothing_on_the_fragmented_cluster() -> None:
     rep = report(simulate(sc, "wait-for-ideal"))
     assert rep["num_completed"] == 0 and rep["gpu_hours_reserved"] == 0
     assert rep["models"]["llama-7b"]["failed_by_reason"] == {"404": rep["num_requests"]}
-    assert "runs no instance" in rep["notes"][0]
+    # each failure says why: the model was never placed, and the note says why not
+    assert {r["why"] for r in rep["failures"]} == {
+        "404: no instance of model 'llama-7b' was ever placed (the notes say why)"
+    }
+    assert rep["notes"][0].startswith("llama-7b (llama-2-7b): policy wait-for-ideal never placed")
 
 
 def test_wait_for_ideal_runs_tp4_when_four_identical_gpus_exist() -> None:
@@ -244,8 +250,8 @@ def test_a_policy_that_changes_the_plan_launches_and_drains() -> None:
     # (503 while the draining a100 is still in the pool, 404 once it has left)
     gap = [r for r in result.requests if 40 < r.arrival_s < l4.ready_s]
     assert gap and {r.failed[:3] for r in gap} == {"503", "404"}
-    reserved = sum(result.usage.reserved_gpu_s)
-    assert reserved == pytest.approx(a100.released_s + (120 - 40))
+    reserved = sum(result.usage.reserved_gpu_s)  # l4 held to the run's end
+    assert reserved == pytest.approx(a100.released_s + (result.usage.end_s - 40))
 
 
 def test_public_api() -> None:
@@ -287,3 +293,42 @@ def test_the_gateway_queue_serves_in_order_and_times_out() -> None:
     assert third.finish_s == pytest.approx(third.arrival_s + 0.4)
     assert fourth.failed == "429: all instances are busy and the queue is full"
     assert fourth.finish_s == fourth.arrival_s
+
+
+def test_failure_reasons_group_without_their_numbers_and_instance() -> None:
+    from flexpipe.sim.report import why_class
+
+    a = "400: the context is 9000 tokens, over 8192 (a100-0)"
+    b = "400: the context is 8500 tokens, over 8192 (l4-1)"
+    assert why_class(a) == why_class(b) == "400: the context is N tokens, over N"
+    lost = "503: no healthy instance serves model `m` right now (its instance was lost)"
+    assert why_class(lost) == lost  # an explanation in parentheses stays
+
+
+def test_a_model_never_placed_is_explained_and_one_without_requests_has_no_latency() -> None:
+    """llama-2-7b on one L4 with 1,000-token prompts within a 2 s TTFT: the planner places
+    nothing. Each failure and a note say so (the gateway alone could only say "not yet");
+    the model with no request reports no latency, not a latency of 0."""
+    doc = {
+        "name": "unplaced", "duration_s": 20, "seed": 1, "report_interval_s": 10,
+        "cluster": {"inline": {"name": "t", "nodes": [
+            {"name": "n0", "gpus": [{"id": "g0", "type": "L4", "index": 0}]}]}},
+        "models": [{"name": "m7", "model": "llama-2-7b",
+                    "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 60}},
+                   {"name": "idle", "model": "llama-2-7b",
+                    "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 60}}],
+        "workloads": [{"model": "m7", "arrivals": {"rate_per_s": 1},
+                       "prompt_tokens": {"dist": "fixed", "mean": 1000},
+                       "output_tokens": {"dist": "fixed", "mean": 64}}],
+    }  # fmt: skip
+    rep = report(simulate(parse_scenario(doc, DATA), "flexpipe"))
+    assert rep["num_requests"] > 5 and rep["num_completed"] == 0
+    assert rep["failed_by_why"] == {
+        "404: no instance of model 'm7' was ever placed (the notes say why)": rep["num_requests"]
+    }
+    (note,) = [n for n in rep["notes"] if n.startswith("m7 ")]
+    assert "never placed an instance" in note and "1000 tokens in / 64 out" in note
+    assert "g0: no model's gear fits it within the SLOs" in note
+    assert rep["models"]["idle"]["num_requests"] == 0
+    assert rep["models"]["idle"]["ttft_s"] == {"p50": None, "p90": None, "p99": None}
+    assert all(row["ttft_p50_s"] is None for row in rep["timeline"])

@@ -358,7 +358,10 @@ def test_wait_for_ideal_starts_when_four_identical_linked_gpus_join() -> None:
     early = [q for q in r.requests if q.arrival_s < rec.ready_s]
     assert early and all(q.failed.startswith("404") for q in early)
     occ = {row["gpu"]: row["segments"] for row in rep["gpu_occupancy"]}
-    assert occ["gpu4"] == [{"start_s": 60.0, "end_s": 100.0, "holder": rec.dep.name,
+    # held to the run's end: the drain after the 100 s of arrivals, until the last request
+    end = rep["run_end_s"]
+    assert end == pytest.approx(max(q.finish_s for q in r.requests), abs=1e-6) and end > 100
+    assert occ["gpu4"] == [{"start_s": 60.0, "end_s": end, "holder": rec.dep.name,
                             "model": "llama-7b"}]  # fmt: skip
     with pytest.raises(ScenarioError, match="already in the cluster"):
         _seed(10, [{"at_s": 1, "join": {"node": "node1", "gpus": [{"id": "gpu0", "type": "L4"}]}}])

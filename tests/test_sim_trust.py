@@ -78,22 +78,25 @@ def _check_conservation(sc: Scenario, result: SimResult) -> None:
         assert not sched.has_work
         assert sched.bm.num_free_blocks == sched.bm.num_blocks
         assert all(c == 0 for c in sched.bm.ref_counts)
-    # GPU-seconds: reserved per interval = each instance's GPUs x its held time in it; busy
-    # = each engine's computing time; never busy beyond reserved in any interval
+    # GPU-seconds, over the whole run (the duration and the drain after it, to the last
+    # request's end or release): reserved per interval = each instance's GPUs x its held time in it;
+    # busy = each engine's computing time, all of it; never busy beyond reserved anywhere
     u = result.usage
+    assert u.end_s >= max(sc.duration_s, result.end_s)
+    assert u.end_s == pytest.approx(rep["run_end_s"], abs=1e-6)
     held = sum(
         rec.dep.num_gpus
-        * (min(rec.released_s if rec.released_s >= 0 else sc.duration_s, sc.duration_s)
-           - rec.launched_s)
+        * ((rec.released_s if rec.released_s >= 0 else u.end_s) - rec.launched_s)
         for rec in result.instances
     )  # fmt: skip
     assert sum(u.reserved_gpu_s) == pytest.approx(held, rel=1e-9)
     busy = sum(rec.dep.num_gpus * rec.instance.busy_s for rec in result.instances if rec.instance)
-    assert sum(u.busy_gpu_s) <= busy * (1 + 1e-9)
-    if result.end_s <= sc.duration_s:  # nothing computed after the window: all of it counted
-        assert sum(u.busy_gpu_s) == pytest.approx(busy, rel=1e-9)
+    assert sum(u.busy_gpu_s) == pytest.approx(busy, rel=1e-9)
     assert all(b <= r * (1 + 1e-9) for b, r in zip(u.busy_gpu_s, u.reserved_gpu_s, strict=True))
     assert rep["gpu_hours_used"] == pytest.approx(sum(u.busy_gpu_s) / 3600, abs=1e-6)
+    # the timeline and the phases count every completion once
+    assert sum(row["completed"] for row in rep["timeline"]) == len(done)
+    assert sum(row["completed"] for row in rep["phases"]) == len(done)
 
 
 def test_conservation_over_scenarios() -> None:

@@ -33,13 +33,13 @@ def _fmt(v: float) -> str:
 def _line_plot(
     title: str,
     xs: Sequence[float],
-    series: Sequence[tuple[str, Sequence[float]]],
+    series: Sequence[tuple[str, Sequence[float | None]]],
     marks: Sequence[tuple[float, str, str]],
     x_max: float,
     unit: str,
 ) -> str:
     """Lines over time with vertical marks (time, colour, label)."""
-    top = max((v for _, ys in series for v in ys), default=0.0) or 1.0
+    top = max((v for _, ys in series for v in ys if v is not None), default=0.0) or 1.0
     plot_w, plot_h = _W - _PAD_L - 30, _H - _PAD_B - _PAD_T
 
     def x(t: float) -> float:
@@ -70,9 +70,17 @@ def _line_plot(
                      f'<title>{_esc(label)}</title></line>')  # fmt: skip
     for i, (name, ys) in enumerate(series):
         colour = _PALETTE[i % len(_PALETTE)]
-        pts = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in zip(xs, ys, strict=True))
-        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.8" '
-                     f'points="{pts}"><title>{_esc(name)}</title></polyline>')  # fmt: skip
+        # one polyline per run of values: an interval with none (no request completed in
+        # it: no latency) is a gap, not a drop to 0
+        runs: list[list[str]] = [[]]
+        for t, value in zip(xs, ys, strict=True):
+            if value is None:
+                runs.append([])
+            else:
+                runs[-1].append(f"{x(t):.1f},{y(value):.1f}")
+        for pts in (" ".join(r) for r in runs if r):
+            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.8" '
+                         f'points="{pts}"><title>{_esc(name)}</title></polyline>')  # fmt: skip
         parts.append(f'<text x="{_PAD_L + 8 + 150 * i}" y="{_PAD_T + 12}" font-size="11" '
                      f'fill="{colour}">{_esc(name)}</text>')  # fmt: skip
     parts.append("</svg>")
@@ -124,7 +132,10 @@ def _occupancy_map(rows: Sequence[dict[str, Any]], x_max: float, models: Sequenc
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     th = "".join(f"<th>{_esc(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{'–' if c is None else _esc(c)}</td>" for c in r) + "</tr>"
+        for r in rows
+    )
     return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -132,7 +143,7 @@ def report_html(rep: dict[str, Any]) -> str:
     """The page for one report (`report.report(result)`)."""
     tl = rep["timeline"]
     xs = [row["start_s"] for row in tl]
-    x_max = float(rep["duration_s"])
+    x_max = float(rep.get("run_end_s", rep["duration_s"]))  # the drain after the arrivals too
     marks = [(float(s["at_s"]), "#e15759", f"shift ({s['trigger']}) at {s['at_s']:.0f} s")
              for s in rep["shifts"] if s["trigger"] != "plan"]  # fmt: skip
     marks += [(float(e["at_s"]), "#888888", f"{e['what']} at {e['at_s']:.0f} s")
@@ -193,7 +204,8 @@ th {{ background: #f3f3f3; }}
 h2 {{ margin-top: 28px; font-size: 17px; }}
 </style></head><body>
 <h1>{_esc(title)}</h1>
-<p>{_esc(rep["duration_s"])} s simulated, routing {_esc(rep["routing"])};
+<p>{_esc(rep["duration_s"])} s of arrivals simulated, the last request ended at
+{_esc(rep.get("run_end_s", rep["duration_s"]))} s; routing {_esc(rep["routing"])};
 dashed lines: red = shifts, grey = resource timeline events.</p>
 {_table(["", "value"], head)}
 <h2>Throughput over time</h2>

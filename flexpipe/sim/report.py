@@ -4,8 +4,13 @@ one per interval). Only virtual-clock quantities go in, so the same scenario and
 byte-identical files.
 
 goodput: completed requests that met both their model's TTFT and TPOT SLOs (each request
-against the SLO thresholds), per second of the scenario's duration. SLO attainment: the
-share of all requests (failed ones included) that did.
+against the SLO thresholds), per second of the scenario's duration (the arrivals' window).
+SLO attainment: the share of all requests (failed ones included) that did.
+
+GPU time, the timeline, the phases and the occupancy map cover the whole run: the duration
+and the drain after it, until the last accepted request ended (`run_end_s`), so what the
+requests counted here cost is billed and the timeline's and the phases' completions add up
+to `num_completed`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import csv
 import io
 import itertools
 import json
+import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +31,7 @@ from flexpipe.sim.simulator import SimResult
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
+    """Nearest-rank percentile (0 for no values: see `_latency` for the report's)."""
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -37,8 +43,21 @@ def _r(x: float) -> float:
     return round(x, 6)
 
 
-def _latency(values: list[float]) -> dict[str, float]:
-    return {f"p{q}": _r(percentile(values, q)) for q in (50, 90, 99)}
+def _latency(values: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99; None without a value (no completed request: not a latency of 0)."""
+    return {f"p{q}": _r(percentile(values, q)) if values else None for q in (50, 90, 99)}
+
+
+def _pct_or_none(values: list[float], q: float) -> float | None:
+    return _r(percentile(values, q)) if values else None
+
+
+def why_class(why: str) -> str:
+    """A failure's reason without its numbers and instance (`failed_by_why` groups by it):
+    "400: ... 8192 tokens ... (a100-0)" -> "400: ... N tokens ..."."""
+    why = re.sub(r" \([^()\s]*\)$", "", why)  # the instance the engine named (no space)
+    code, sep, rest = why.partition(": ")  # (the status code stays)
+    return code + sep + re.sub(r"\b\d+(\.\d+)?\b", "N", rest)
 
 
 def _first_served(done: list[SimRequest]) -> float | None:
@@ -101,12 +120,13 @@ def report(result: SimResult) -> dict[str, Any]:
     u = result.usage
     reserved = sum(u.reserved_gpu_s)
     busy = sum(u.busy_gpu_s)
+    run_end_s = u.end_s
     failures = [
         {"request_id": r.request_id, "model": r.model, "at_s": _r(r.arrival_s), "why": r.failed}
         for r in result.requests
         if r.failed
     ]
-    peak_gpu_hours = result.peak_gpus * d / 3600
+    peak_gpu_hours = result.peak_gpus * run_end_s / 3600  # held as long as ours were
     migrated: Counter[str] = Counter()
     for sh in result.shifts:
         migrated.update(sh["migrated"])
@@ -119,6 +139,7 @@ def report(result: SimResult) -> dict[str, Any]:
         "seed": sc.seed,
         "duration_s": d,
         "end_s": _r(result.end_s),
+        "run_end_s": _r(run_end_s),
         "num_requests": len(result.requests),
         "num_completed": len(done),
         "num_failed": len(result.requests) - len(done),
@@ -165,7 +186,9 @@ def report(result: SimResult) -> dict[str, Any]:
         ],
         "timeline": timeline_rows(result),
         "failures": failures[:100],
-        "failed_by_why": dict(Counter(r.failed for r in result.requests if r.failed).most_common()),
+        "failed_by_why": dict(
+            Counter(why_class(r.failed) for r in result.requests if r.failed).most_common()
+        ),
         "notes": result.notes,
     }
 
@@ -191,12 +214,16 @@ def _good(r: SimRequest, slos: dict[str, Slo]) -> bool:
 def phase_rows(result: SimResult) -> list[dict[str, Any]]:
     """Throughput per phase: the run cut at each resource-timeline event (before the other
     tenant leaves, after, ...). Requests count in the phase they completed in."""
-    d = result.scenario.duration_s
+    end = result.usage.end_s
     slos = {m.name: m.slo for m in result.demands}
-    cuts = sorted({0.0, *(e.at_s for e in result.scenario.resources if 0 < e.at_s < d), d})
+    cuts = sorted({0.0, *(e.at_s for e in result.scenario.resources if 0 < e.at_s < end), end})
     rows = []
     for lo, hi in itertools.pairwise(cuts):
-        done = [r for r in result.requests if r.completed and lo <= r.finish_s < hi]
+        last = hi == end  # (the run's last completion ends it)
+        done = [
+            r for r in result.requests
+            if r.completed and lo <= r.finish_s and (r.finish_s < hi or last)
+        ]  # fmt: skip
         what = [e.note or e.describe() for e in result.scenario.resources if e.at_s == lo]
         rows.append({
             "start_s": _r(lo), "end_s": _r(hi), "after": "; ".join(what) or "start",
@@ -213,7 +240,7 @@ def occupancy(result: SimResult) -> list[dict[str, Any]]:
     from flexpipe.sim.timeline import apply_event
 
     sc = result.scenario
-    end = sc.duration_s
+    end = result.usage.end_s
 
     def state(cluster: Any, gid: str) -> str:
         if gid not in set(cluster.gpu_ids):
@@ -252,30 +279,32 @@ def occupancy(result: SimResult) -> list[dict[str, Any]]:
     return out
 
 
-def timeline_rows(result: SimResult) -> list[dict[str, float]]:
+def timeline_rows(result: SimResult) -> list[dict[str, float | None]]:
     u = result.usage
     slos = {m.name: m.slo for m in result.demands}
     step = u.interval_s
+    last = len(u.reserved_gpu_s) - 1
     ends: list[list[SimRequest]] = [[] for _ in u.reserved_gpu_s]  # completions per interval
     for r in result.requests:
-        i = int(r.finish_s // step)
-        if r.completed and i < len(ends):
-            ends[i].append(r)
-    rows = []
+        if r.completed:  # (one ending exactly at the run's end is in the last interval)
+            ends[min(int(r.finish_s // step), last)].append(r)
+    rows: list[dict[str, float | None]] = []
     for i, (res, busy) in enumerate(zip(u.reserved_gpu_s, u.busy_gpu_s, strict=True)):
-        lo, hi = i * step, min((i + 1) * step, u.duration_s)
+        span = u.interval_s_at(i)
+        ttfts = [r.ttft_s for r in ends[i]]
+        tpots = [r.tpot_s for r in ends[i]]
         rows.append(
             {
-                "start_s": _r(lo),
-                "gpus_reserved": _r(res / (hi - lo)),
+                "start_s": _r(i * step),
+                "gpus_reserved": _r(res / span),
                 "utilisation": _r(busy / res) if res else 0.0,
                 "completed": len(ends[i]),
-                "tokens_per_s": _r(sum(r.num_generated_tokens for r in ends[i]) / (hi - lo)),
-                "ttft_p50_s": _r(percentile([r.ttft_s for r in ends[i]], 50)),
-                "ttft_p99_s": _r(percentile([r.ttft_s for r in ends[i]], 99)),
-                "tpot_p50_s": _r(percentile([r.tpot_s for r in ends[i]], 50)),
-                "tpot_p99_s": _r(percentile([r.tpot_s for r in ends[i]], 99)),
-                "goodput_requests_per_s": _r(sum(1 for r in ends[i] if _good(r, slos)) / (hi - lo)),
+                "tokens_per_s": _r(sum(r.num_generated_tokens for r in ends[i]) / span),
+                "ttft_p50_s": _pct_or_none(ttfts, 50),
+                "ttft_p99_s": _pct_or_none(ttfts, 99),
+                "tpot_p50_s": _pct_or_none(tpots, 50),
+                "tpot_p99_s": _pct_or_none(tpots, 99),
+                "goodput_requests_per_s": _r(sum(1 for r in ends[i] if _good(r, slos)) / span),
             }
         )
     return rows

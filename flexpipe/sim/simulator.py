@@ -24,6 +24,7 @@ from flexpipe.lifecycle import State
 from flexpipe.policies.planner import (
     ModelDemand,
     ModelsFileError,
+    Plan,
     PlannedInstance,
     parse_models,
     plan,
@@ -186,6 +187,24 @@ class _Run:
                 policy.params or scenario.controller,
                 random.Random(f"{scenario.seed}:controller"), self.shifts.append,
             )  # fmt: skip
+
+    def _explain_unplaced(self, peak: Plan) -> None:
+        """Each model asked for that never had an instance: why, in a note, and in each of
+        its requests that failed for it (the gateway's 404 could only say "not yet")."""
+        placed = {r.dep.model for r in self.records}
+        for demand in self.demands:
+            asked = [r for r in self.requests if r.model == demand.name]
+            if demand.name in placed or not asked:
+                continue
+            self.notes.append(_unplaced_note(self.policy.name, demand, peak))
+            for r in asked:
+                if r.failed.startswith("404"):
+                    r.failed = (
+                        f"404: no instance of model {demand.name!r} was ever placed "
+                        "(the notes say why)"
+                    )
+        if not self.records and not self.notes:
+            self.notes.append(f"policy {self.policy.name} runs no instance on this cluster")
 
     # --- the static policies ----------------------------------------------------------
     def _decide(self, now: float) -> None:
@@ -488,17 +507,24 @@ class _Run:
             if req.finish_s < 0:
                 req.failed = "unfinished: still running when the run ended"
                 req.finish_s = end
+        # the run ends with the last thing that happened in it (the last request's end, a
+        # release, a step), at the duration at the earliest: GPUs held until then are
+        # billed, as is every step computed
+        run_end_s = max(
+            [scenario.duration_s, self.usage.last_busy_s, *(r.finish_s for r in self.requests),
+             *(r.released_s for r in self.records)]
+        )  # fmt: skip
         for rec in self.records:
-            stop = rec.released_s if rec.released_s >= 0 else scenario.duration_s
+            stop = rec.released_s if rec.released_s >= 0 else run_end_s
             self.usage.reserve(rec.dep.num_gpus, rec.launched_s, stop)
-        if not self.records:
-            self.notes.append(f"policy {self.policy.name} runs no instance on this cluster")
+        self.usage.close(run_end_s)
         ctl = self.controller
         if ctl is not None and ctl.shifting_since is not None:
             self.notes.append(
                 f"a shift started at {ctl.shifting_since:.1f} s was still in progress at the end"
             )
         peak = plan(scenario.cluster, self.peaks, now_s=0.0)
+        self._explain_unplaced(peak)
         return SimResult(
             scenario, self.policy.name, self.routing, self.demands, self.requests,
             list(self.records), self.usage,
@@ -509,6 +535,23 @@ class _Run:
             sum(i.num_gpus for i in peak.instances),
             warm_ups=dict(sorted(self.moves.warm_ups.items())), moves=self.moves.log,
         )  # fmt: skip
+
+
+def _unplaced_note(policy: str, demand: ModelDemand, peak: Plan) -> str:
+    """Why a model never had an instance: its shape and SLOs, and what the planner said of
+    the GPUs it left unused on this cluster."""
+    slo = demand.slo
+    why = (
+        f"{demand.name} ({demand.model}): policy {policy} never placed an instance of it; "
+        f"it asks {demand.input_tokens} tokens in / {demand.output_tokens} out at "
+        f"{demand.request_rate_per_s:.3g} req/s within TTFT p99 {slo.ttft_p99_s * 1e3:.0f} ms "
+        f"and TPOT p99 {slo.tpot_p99_s * 1e3:.0f} ms"
+    )
+    mine = [i for i in peak.instances if i.model == demand.name]
+    if mine:
+        return f"{why}; the planner would place {len(mine)} at the peak rate"
+    reasons = sorted({f"{u.gpu_id}: {u.reason}" for u in peak.unused})
+    return f"{why}; the planner, for this cluster: " + ("; ".join(reasons) or "no GPU is free")
 
 
 def simulate(

@@ -1,5 +1,9 @@
 """GPU time by interval: reserved (an instance holds its GPUs, loading or serving) and busy
-(its engine is computing a step), in GPU-seconds per report interval."""
+(its engine is computing a step), in GPU-seconds per report interval.
+
+The intervals cover the whole run: the scenario's duration (arrivals) and the drain after
+it, until the last accepted request ended, so every GPU-second spent on a request the report
+counts is billed (`close` pads the series to the run's end)."""
 
 from __future__ import annotations
 
@@ -8,14 +12,14 @@ import math
 
 class Usage:
     def __init__(self, duration_s: float, interval_s: float) -> None:
-        self.duration_s = duration_s
         self.interval_s = interval_s
         n = max(1, math.ceil(duration_s / interval_s))
         self.reserved_gpu_s = [0.0] * n
         self.busy_gpu_s = [0.0] * n
+        self.end_s = duration_s  # the run's end (`close`)
+        self.last_busy_s = 0.0  # when the last step computed ended
 
     def _add(self, buckets: list[float], num_gpus: int, start_s: float, end_s: float) -> None:
-        end_s = min(end_s, self.duration_s)
         if end_s <= start_s:
             return
         step = self.interval_s
@@ -23,14 +27,32 @@ class Usage:
         if end_s <= (i + 1) * step and i < len(buckets):  # within one interval (most steps)
             buckets[i] += num_gpus * (end_s - start_s)
             return
-        while start_s < end_s and i < len(buckets):
+        self._grow(math.ceil(end_s / step))
+        while start_s < end_s:
             edge = min(end_s, (i + 1) * step)
             buckets[i] += num_gpus * (edge - start_s)
             start_s = edge
             i += 1
 
+    def _grow(self, num_intervals: int) -> None:
+        for series in (self.reserved_gpu_s, self.busy_gpu_s):
+            if len(series) < num_intervals:
+                series.extend([0.0] * (num_intervals - len(series)))
+
     def reserve(self, num_gpus: int, start_s: float, end_s: float) -> None:
         self._add(self.reserved_gpu_s, num_gpus, start_s, end_s)
 
     def busy(self, num_gpus: int, start_s: float, end_s: float) -> None:
+        if end_s > self.last_busy_s:
+            self.last_busy_s = end_s
         self._add(self.busy_gpu_s, num_gpus, start_s, end_s)
+
+    def close(self, end_s: float) -> None:
+        """The run ended at `end_s` (at least the duration): the series reach it."""
+        self.end_s = max(self.end_s, end_s)
+        self._grow(math.ceil(self.end_s / self.interval_s))
+
+    def interval_s_at(self, i: int) -> float:
+        """The length of interval `i` (the last one may be cut by the run's end)."""
+        lo = i * self.interval_s
+        return min(lo + self.interval_s, self.end_s) - lo

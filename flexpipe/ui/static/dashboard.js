@@ -405,7 +405,7 @@ function fromReport(doc) {
     const rows = list(d.timeline);
     series = rows.map((r, i) => {
       const next = rows[i + 1];
-      const dt = next ? num(next.start_s) - num(r.start_s) : (num(d.duration_s) || 0) - (num(r.start_s) || 0);
+      const dt = next ? num(next.start_s) - num(r.start_s) : (num(d.run_end_s) ?? num(d.duration_s) ?? 0) - (num(r.start_s) || 0);
       const fig = {
         request_rate_per_s: dt > 0 ? (num(r.completed) || 0) / dt : null,
         tokens_per_s: num(r.tokens_per_s), ttft_s: { p50: num(r.ttft_p50_s), p95: num(r.ttft_p95_s), p99: num(r.ttft_p99_s) },
