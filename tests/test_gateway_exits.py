@@ -311,7 +311,47 @@ def test_a_hold_keeps_requests_queued_while_capacity_is_relaunched(lt: LoopThrea
         assert asyncio.run(burst()) == [20, 20, 20, 20]
         assert r.http("POST", "/admin/models/hold", b'{"model": "fake-model", "seconds": 0}',
                       auth)[0] == 200  # fmt: skip
-        assert r.gw.holds.models(0.0) == set()
+        assert r.gw.holds.models(r.gw.clock()) == set()
+    finally:
+        r.close()
+
+
+def test_a_hold_that_ends_with_no_instance_left_refuses_its_queue_at_once(
+    lt: LoopThread,
+) -> None:
+    """Requests queued through a long hold (a model held for a cold start that will not
+    come): when the controller ends the hold they are refused at once with the reason, not
+    after the wait the hold gave them."""
+    r = Running(lt, [], max_queue_wait_s=0.2, admin_token="t")
+    auth = {"authorization": "Bearer t", "content-type": "application/json"}
+    hold = b'{"model": "fake-model", "seconds": 300}'
+    try:
+        assert r.http("POST", "/admin/models/hold", hold, auth)[0] == 200
+
+        async def scenario() -> tuple[list[BaseException | None], float]:
+            client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+            try:
+                tasks = [
+                    asyncio.create_task(
+                        client.completions.create(model="fake-model", prompt="x", max_tokens=2)
+                    )
+                    for _ in range(3)
+                ]
+                await asyncio.sleep(0.6)  # past max_queue_wait_s: held, still queued
+                assert not any(t.done() for t in tasks)
+                t0 = time.monotonic()
+                end = b'{"model": "fake-model", "seconds": 0}'
+                status = await asyncio.to_thread(r.http, "POST", "/admin/models/hold", end, auth)
+                assert status[0] == 200
+                await asyncio.wait(tasks, timeout=10)
+                return [t.exception() for t in tasks], time.monotonic() - t0
+            finally:
+                await client.close()
+
+        errors, took_s = asyncio.run(scenario())
+        assert all(isinstance(e, openai.APIStatusError) and e.status_code == 503 for e in errors)
+        assert took_s < 3.0  # at once (before: the hold's 300 s)
+        assert idle(r)
     finally:
         r.close()
 

@@ -332,3 +332,28 @@ def test_a_model_never_placed_is_explained_and_one_without_requests_has_no_laten
     assert rep["models"]["idle"]["num_requests"] == 0
     assert rep["models"]["idle"]["ttft_s"] == {"p50": None, "p90": None, "p99": None}
     assert all(row["ttft_p50_s"] is None for row in rep["timeline"])
+
+
+def test_requests_queued_through_the_cold_start_do_not_wait_out_the_whole_hold() -> None:
+    """The first plan's models are held while their engines load (600 s, renewed). Requests
+    queued then wait, once the hold ends, the queue's own wait, no longer: when every
+    instance is lost at 45 s, nothing sits in the queue until the hold's old end."""
+    doc = {
+        "name": "lost", "duration_s": 90, "seed": 1,
+        "cluster": {"generate": {"nodes": 1, "gpus_per_node": 4, "seed": 0}},
+        "models": [{"name": "m7", "model": "llama-2-7b",
+                    "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 60}}],
+        "workloads": [{"model": "m7", "arrivals": {"rate_per_s": 6},
+                       "prompt_tokens": {"dist": "fixed", "mean": 512},
+                       "output_tokens": {"dist": "fixed", "mean": 64}}],
+        "resources": [{"at_s": 45, "fail": ["a10g-000/gpu1", "a10g-000/gpu2", "a10g-000/gpu3"]}],
+    }  # fmt: skip
+    result = simulate(parse_scenario(doc, DATA), "flexpipe")
+    queue_wait_s = result.scenario.gateway.max_queue_wait_s
+    # the hold ends when the first plan's engines are ready (before the loss at 45 s); no
+    # failed request waited longer than to the loss and one queue wait after it (before:
+    # one queued at the start waited until the hold's end, 600 s)
+    hold_end_s = max(r.ready_s for r in result.instances if r.launched_s == 0.0)
+    assert hold_end_s < 45
+    waited = [r.finish_s - r.arrival_s for r in result.requests if r.failed]
+    assert waited and max(waited) <= 45 + queue_wait_s + 1e-6

@@ -146,7 +146,7 @@ class AdminApi:
             raise HttpError(400, "`model` must be a non-empty string", param="model")
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
             raise HttpError(400, "`seconds` must be a number >= 0", param="seconds")
-        self.gw.holds.hold(model, float(seconds), self.gw.clock())
+        self.gw.set_hold(model, float(seconds))
         return json_response({"model": model, "seconds": seconds})
 
     async def demand(self, req: Request) -> Response:

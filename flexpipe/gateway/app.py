@@ -360,7 +360,7 @@ class Gateway:
     async def _pick(self, call: Call) -> Instance:
         """The router's pick; while every instance is at its limit, a place in a bounded
         FIFO queue until a slot frees (or 429 when the queue is full or the wait too long)."""
-        deadline: float | None = None
+        own_deadline: float | None = None  # the queue's own wait, from the first refusal
         while True:
             if self._grace_over:
                 raise HttpError(503, "the gateway is shutting down")
@@ -385,12 +385,14 @@ class Gateway:
                 self.metrics.rejected.labels("queue_full").inc()
                 wait_s = self.router.retry_after_s(len(self._waiters), now)
                 raise _TooMany("all instances are busy and the wait queue is full", wait_s)
-            if deadline is None:
-                deadline = now + self.cfg.max_queue_wait_s
+            wait_s = self.cfg.max_queue_wait_s
+            if own_deadline is None:
+                own_deadline = now + wait_s
             # a planned shift takes capacity away for a while (or the model is scaled to
             # zero and an instance cold-starts): wait it out, don't refuse — though never
-            # longer than MAX_HELD_WAIT_S (holds.py) from arrival, however often renewed
-            deadline = self.holds.wait_deadline(call.model, deadline, call.t0)
+            # longer than MAX_HELD_WAIT_S (holds.py) from arrival, however often renewed;
+            # once the hold is over, the queue's wait from its end (`set_hold` wakes us)
+            deadline = self.holds.wait_deadline(call.model, own_deadline, call.t0, wait_s)
             left = deadline - now
             if left <= 0:
                 self.metrics.rejected.labels("queue_timeout").inc()
@@ -446,6 +448,14 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await fut
+
+    def set_hold(self, model: str, seconds: float) -> None:
+        """`POST /admin/models/hold`. A hold that ends wakes the queue: what waited for it
+        looks again now (served, refused if no instance is left, or waiting the queue's time
+        from here), not at the end of the wait the hold gave it."""
+        self.holds.hold(model, seconds, self.clock())
+        if seconds <= 0:
+            self._wake_all()
 
     def _wake_one(self) -> None:
         while self._waiters:

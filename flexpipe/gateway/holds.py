@@ -22,11 +22,9 @@ class Holds:
         self._until: dict[str, float] = {}  # model -> end of its hold
 
     def hold(self, model: str, seconds: float, now: float) -> None:
-        """Hold `model` for `seconds` from `now` (at most MAX_HOLD_S); 0 ends the hold."""
-        if seconds > 0:
-            self._until[model] = now + min(seconds, MAX_HOLD_S)
-        else:
-            self._until.pop(model, None)
+        """Hold `model` for `seconds` from `now` (at most MAX_HOLD_S); 0 ends the hold (its
+        end is kept: what was queued through it waits the queue's time from then)."""
+        self._until[model] = now + min(max(seconds, 0.0), MAX_HOLD_S)
 
     def held(self, model: str, now: float) -> bool:
         return self._until.get(model, 0.0) > now
@@ -35,7 +33,17 @@ class Holds:
         """The models held now (listed by /v1/models even with no instance)."""
         return {m for m, until in self._until.items() if until > now}
 
-    def wait_deadline(self, model: str, deadline: float, arrival_s: float) -> float:
-        """A queued request's deadline: the queue's own, or as long as its model is held,
-        though never more than MAX_HELD_WAIT_S after it arrived (however often renewed)."""
-        return max(deadline, min(self._until.get(model, 0.0), arrival_s + MAX_HELD_WAIT_S))
+    def wait_deadline(
+        self, model: str, deadline: float, arrival_s: float, queue_wait_s: float = 0.0
+    ) -> float:
+        """A queued request's deadline: the queue's own (`deadline`); for a model held in
+        the request's life, the hold's end and then `queue_wait_s`, the queue's wait (it
+        waited out a cold start or an in-place shift: once the hold is over it waits for a
+        slot as any request would, no longer: not the hold's whole length again, and not
+        a 429 for the time the hold took); never more than MAX_HELD_WAIT_S after it arrived,
+        however often the hold is renewed. The caller passes the queue's own deadline each
+        time, not a deadline this returned before."""
+        until = self._until.get(model)
+        if until is None or until <= arrival_s:  # no hold in this request's life
+            return deadline
+        return max(deadline, min(until + queue_wait_s, arrival_s + MAX_HELD_WAIT_S))

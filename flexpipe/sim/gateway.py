@@ -103,8 +103,12 @@ class SimGateway:
         """`POST /admin/models/hold`: `model`'s requests wait for capacity, even with no
         instance; 0 ends the hold."""
         self.holds.hold(model, seconds, now)
-        if seconds <= 0:  # what waited only for the hold meets its own deadline again
-            self._wake(now)
+        if seconds <= 0:  # as `Gateway.set_hold`: the queue looks again, in its order
+            waiters = list(self._waiters)
+            self._waiters.clear()
+            for call in waiters:
+                call.queued = False
+                self._route(call, now)
 
     def remove_instance(self, url: str) -> None:
         """Out of the pool (the admin API's removal: the pool, then what routing kept)."""
@@ -141,7 +145,9 @@ class SimGateway:
                     return
                 call.deadline_s = now + self.cfg.max_queue_wait_s
                 self.num_queued_total += 1
-            deadline = self.holds.wait_deadline(model, call.deadline_s, call.req.arrival_s)
+            deadline = self.holds.wait_deadline(
+                model, call.deadline_s, call.req.arrival_s, self.cfg.max_queue_wait_s
+            )
             if now >= deadline:
                 self._fail(call.req, now, "429: all instances stayed busy")
                 return
