@@ -38,10 +38,12 @@ from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.control.journal import Journal
+from flexpipe.control.lease import Lease
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.observe import RateWindow, model_states
+from flexpipe.control.occupation_memory import OccupationMemory
 from flexpipe.control.rate_memory import RateMemory
-from flexpipe.control.resources import ResourceEvent, Resources
+from flexpipe.control.resources import Occupation, ResourceEvent, Resources
 from flexpipe.control.samples import Sampler, gateway_totals
 from flexpipe.control.shift_outcome import ShiftOutcome, finished_record
 from flexpipe.control.takeover import Takeover, stub
@@ -116,6 +118,10 @@ class ControllerConfig:
     # (until released through the admin API): the demo's tenant on gpu1 (flexpipe/demo.py)
     occupied: tuple[str, ...] = ()
     occupied_owner: str = "another tenant"
+    # What the store's instances, shift log, occupations and lease belong to: one id per
+    # deployment (two `flexpipe up` on one store never adopt each other's engines). None: the
+    # URL of the gateway it serves.
+    deployment_id: str | None = None
 
 
 class Controller:
@@ -141,11 +147,17 @@ class Controller:
         self.say = say
         self.rng = random.Random(cfg.seed)
         self.watch = watch or ClusterWatch(cfg.cluster_path, cfg.watch_interval_s)
-        self.resources = Resources.of(self.watch.cluster, wall())
+        self.deployment = cfg.deployment_id or gateway.url
+        # the admin's occupations from before a restart, before anything is planned
+        self.occupation_memory = OccupationMemory.of(store, self.deployment)
+        saved = self.occupation_memory.restore(wall(), say) if self.occupation_memory else None
+        self.resources = Resources.of(self.watch.cluster, wall(), saved)
+        self._pinned: dict[str, Occupation] = {}  # --occupy's (the command line's, not kept)
         if cfg.occupied:
             self.resources, _ = self.resources.occupy(
                 cfg.occupied, cfg.occupied_owner, None, wall()
             )
+            self._pinned = {g: self.resources.overrides.occupied[g] for g in cfg.occupied}
         self.discovery: DiscoveryWatch | None = None
         interval_s = cfg.discover_interval_s
         if interval_s is None:
@@ -183,8 +195,9 @@ class Controller:
         self._standby: set[str] = set()  # models held in the gateway with no instance
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
-        self.shift_log = ShiftLog(store) if store is not None else None
-        self.registry = InstanceRegistry(store) if store is not None else None
+        self.shift_log = ShiftLog(store, self.deployment) if store is not None else None
+        self.registry = InstanceRegistry(store, self.deployment) if store is not None else None
+        self.lease = Lease.of(store, self.deployment, say)
         self.metrics = ControllerMetrics()
         self.metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
         self.journal = Journal(self.shift_log, self.metrics, cfg.rehearsal_tolerance)
@@ -283,7 +296,11 @@ class Controller:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Serve the admin API, adopt what a previous controller left running, plan for the
-        free GPUs and bring up what the plan lacks."""
+        free GPUs and bring up what the plan lacks. A second live controller of the same
+        deployment on the same store is refused (RuntimeError, one line)."""
+        if self.lease is not None:
+            self.lease.acquire(self.wall)  # before anything of the store is touched
+        self._keep_occupations()  # those that ran out while stopped are gone from the store
         self.server = await serve(self._app(), self.cfg.host, self.cfg.port)
         first = self._planner(self.cluster, self.cfg.demands, self.clock())
         if not first.instances:
@@ -382,6 +399,8 @@ class Controller:
         await self.gateway.close()
         if self.server is not None:
             await self.server.close()
+        if self.lease is not None:
+            await self.lease.release()
 
     # ------------------------------------------------------------------ one tick
     async def tick(self) -> ShiftDecision | None:
@@ -532,10 +551,15 @@ class Controller:
             self._note("emergency", why, outcome="succeeded")
             self.say(f"controller: instance {inst.planned.name} exited; re-planning")
 
+    def _keep_occupations(self) -> None:
+        if self.occupation_memory is not None:
+            self.occupation_memory.keep(self.resources.overrides, self._pinned)
+
     def _resource_events(
         self, resources: Resources, events: list[ResourceEvent], now_s: float
     ) -> list[ResourceEvent]:
         self.resources = resources
+        self._keep_occupations()
         if events:
             self.resources_changed_s = now_s
             self._note("resources", "; ".join(e.why for e in events), notes=[e.why for e in events])
