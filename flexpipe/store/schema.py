@@ -99,7 +99,7 @@ class InstanceRow(Base):
     gone_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     # the deployment whose controller owns it (InstanceRegistry(store, deployment)); NULL:
     # written before deployments were recorded, owned by none
-    deployment: Mapped[str | None] = mapped_column(String(300), nullable=True, index=True)
+    deployment: Mapped[str | None] = mapped_column(String(300), nullable=True)
 
 
 class ShiftRow(Base):
