@@ -1,21 +1,32 @@
 """What a restarted controller keeps of the one before it (kill -9; `flexpipe up` starts it
 again): the admin's GPU occupations (control/occupation_memory.py), read back from a real
 SQLite store before the first plan, those that ran out while it was stopped dropped; and its
-first log entry says what it adopted."""
+first log entry says what it adopted. Also what the controller's log says: an engine lost has
+a trigger, a shift lists what it started and stopped, waiting requests are said once."""
 
 from __future__ import annotations
 
+import asyncio
+from datetime import UTC, datetime
 from pathlib import Path
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.controller import Controller, ControllerConfig
+from flexpipe.control.controller import Controller, ControllerConfig, first_plan_note
+from flexpipe.control.executor import LiveInstance
 from flexpipe.control.gateway_client import GatewayClient
 from flexpipe.control.occupation_memory import persisted, restored
 from flexpipe.control.resources import Occupation, Overrides
+from flexpipe.control.shift_outcome import ShiftOutcome
+from flexpipe.control.wait_notice import WaitNotice
 from flexpipe.launch import LocalLauncher
+from flexpipe.lifecycle import State
 from flexpipe.policies.planner import ModelDemand, Slo, plan
+from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.store import Store
 from flexpipe.store.gpu_occupations import GpuOccupations
+from flexpipe.store.instance_registry import InstanceRecord
+from flexpipe.store.shift_entry import ShiftEntry
+from flexpipe.store.shift_log import ShiftLog
 
 ROOT = Path(__file__).resolve().parent.parent
 T0_S = 1_790_000_000.0  # unix seconds: the controller's wall clock
@@ -105,3 +116,70 @@ def test_occupations_belong_to_a_deployment_and_the_flags_are_not_kept(tmp_path:
         assert other.resources.overrides.occupied == {}
         again = _controller(store, T0_S + 2, occupied=("gpu1",), deployment_id="a")
         assert set(again.resources.overrides.active(T0_S + 2)) == {"gpu1", "gpu3"}
+
+
+# -- what the log says -----------------------------------------------------------------------
+
+
+class _Dead:
+    """An engine handle whose process exited (kill -9)."""
+
+    endpoint = "http://127.0.0.1:9"
+    returncode = -9
+    cold_start_s = 1.0
+
+
+def test_an_engine_that_died_is_logged_as_lost_and_a_shift_lists_what_it_changed(
+    tmp_path: Path,
+) -> None:
+    with Store(f"sqlite:///{tmp_path / 'fp.db'}") as store:
+        ctl = _controller(store, T0_S)
+        (p,) = ctl._planner(ctl.cluster, (DEMAND,), T0_S).instances
+        ctl.running[instance_key(p)] = LiveInstance(p, _Dead(), "active")  # type: ignore[arg-type]
+        asyncio.run(ctl._reap_dead(T0_S))
+        (lost,) = ShiftLog(store).entries(kinds=["emergency"])
+        assert (lost.trigger, lost.outcome) == ("lost", "succeeded")
+        assert lost.reason == f"{instance_key(p)} exited (-9); its GPUs are re-planned"
+        # a shift's entry lists the instances it started and stopped once it is done
+        pending = ShiftLog(store).append(ShiftEntry(at=datetime.now(UTC), kind="reclaim",
+                                                    trigger="reclaim"))  # fmt: skip
+        ctl.journal.finish(pending, ShiftOutcome(started=["m|b|gpu0"], stopped=["m|a|gpu2"]))
+        assert ShiftLog(store).get(pending.id or 0).notes == (
+            "started m|b|gpu0",
+            "stopped m|a|gpu2",
+        )
+
+
+def test_the_first_plan_after_a_restart_says_what_it_adopted() -> None:
+    assert first_plan_note([], [], ShiftOutcome(started=["m|a|gpu2"])) == (
+        "the first plan",
+        ["started m|a|gpu2"],
+    )
+    retired = _record("m", "tp1-pp1-bf16-kvauto-s8", ("gpu3",))
+    why, notes = first_plan_note(["m|a|gpu2", "m|b|gpu0"], [retired], ShiftOutcome())
+    assert why == ("the first plan after a restart: adopted 2 running instance(s), retired 1 "
+                   "the plan lacks")  # fmt: skip
+    assert notes == [
+        "adopted m|a|gpu2",
+        "adopted m|b|gpu0",
+        "retired m|tp1-pp1-bf16-kvauto-s8|gpu3",
+    ]
+
+
+def _record(model: str, gear: str, gpus: tuple[str, ...]) -> InstanceRecord:
+    at = datetime(2026, 12, 1, tzinfo=UTC)
+    return InstanceRecord(1, "m-0", model, gear, gpus, "http://x", "sim", State.ACTIVE, at, at,
+                          None, None, None, None, None, None)  # fmt: skip
+
+
+def test_requests_waiting_are_said_once_when_they_start_and_once_when_they_end() -> None:
+    waits = WaitNotice()
+    assert waits.queued(["a", "b"], {"a": 2}) == ["controller: requests wait for a"]
+    assert waits.queued(["a", "b"], {"a": 3}) == []  # every tick of the cooldown: silent
+    assert waits.queued(["a", "b"], {"a": 1, "b": 1}) == ["controller: requests wait for b"]
+    assert waits.queued(["b"], {"b": 0}) == ["controller: no request waits for b any more"]
+    assert waits.serving(["b"]) == []
+    assert waits.serving(["a", "c"]) == [
+        "controller: a serves again; the requests that waited go to it"
+    ]
+    assert waits.queued(["a"], {}) == [] and waits.waiting == set()

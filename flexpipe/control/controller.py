@@ -37,7 +37,7 @@ from flexpipe.control.cluster_watch import ClusterWatch
 from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
-from flexpipe.control.journal import Journal
+from flexpipe.control.journal import Journal, changed_notes
 from flexpipe.control.lease import Lease
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.observe import RateWindow, model_states
@@ -48,6 +48,7 @@ from flexpipe.control.samples import Sampler, gateway_totals
 from flexpipe.control.shift_outcome import ShiftOutcome, finished_record
 from flexpipe.control.takeover import Takeover, stub
 from flexpipe.control.ui_api import UiApi
+from flexpipe.control.wait_notice import WaitNotice
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
@@ -68,7 +69,7 @@ from flexpipe.policies.shift.snapshot import (
     instance_key,
 )
 from flexpipe.store import Store
-from flexpipe.store.instance_registry import InstanceRegistry
+from flexpipe.store.instance_registry import InstanceRecord, InstanceRegistry
 from flexpipe.store.shift_log import ShiftLog
 
 __all__ = ["Controller", "ControllerConfig"]
@@ -193,6 +194,7 @@ class Controller:
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
         self._standby: set[str] = set()  # models held in the gateway with no instance
+        self._waits = WaitNotice()  # said once: requests wait for a model with no instance
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
         self.shift_log = ShiftLog(store, self.deployment) if store is not None else None
@@ -315,6 +317,7 @@ class Controller:
                          running=[s for s in stubs if s is not None], now_s=self.clock(),
                          efficiency=self.efficiency)  # fmt: skip
         leftovers = await self.takeover.adopt(first.instances, survivors, self.running)
+        adopted = list(self.running)
         if survivors:
             self._gauge()
         # what a new instance needs the GPUs of goes first; the rest once the plan serves
@@ -336,8 +339,9 @@ class Controller:
             await self._hold_all(held, 0)
         self.takeover.sweep_spawned()
         await self.takeover.retire([r for r in leftovers if r not in in_way])
-        self._note("plan", "the first plan", [outcome.reason] if outcome.reason else [],
-                   outcome="succeeded" if self.running else "failed")  # fmt: skip
+        why, notes = first_plan_note(adopted, leftovers, outcome)
+        self._note("plan", why, notes, outcome="succeeded" if self.running else "failed",
+                   trigger="restart" if survivors else "start")  # fmt: skip
         if outcome.reason:
             self.say(f"error: {outcome.reason}")
         if not self.running:
@@ -467,6 +471,8 @@ class Controller:
         """A model scaled to zero stays held in the gateway (its requests queue for the
         instance its demand will start); one that serves again is released."""
         standby = set(self._standby_models())
+        for line in self._waits.serving({d.name for d in self.cfg.demands} - standby):
+            self.say(line)
         for model in sorted(standby | self._standby):
             try:
                 await self.gateway.hold(model, self.cfg.standby_hold_s if model in standby else 0)
@@ -492,9 +498,9 @@ class Controller:
                 log.warning("demand of %s: %s", ", ".join(models), exc)
                 await asyncio.sleep(self.cfg.tick_s)
                 continue
-            if queued:
-                if not self._lock.locked():  # else the wake shift is under way
-                    self.say(f"controller: requests wait for {', '.join(sorted(queued))}")
+            for line in self._waits.queued(models, queued):
+                self.say(line)
+            if any(n > 0 for n in queued.values()):
                 self._changed.set()
                 await asyncio.sleep(self.cfg.tick_s)  # the wake shift takes it from here
 
@@ -548,7 +554,7 @@ class Controller:
             self._on_state(inst, "gone")
             self.resources_changed_s = now_s
             why = f"{key} exited ({inst.handle.returncode}); its GPUs are re-planned"
-            self._note("emergency", why, outcome="succeeded")
+            self._note("emergency", why, outcome="succeeded", trigger="lost")
             self.say(f"controller: instance {inst.planned.name} exited; re-planning")
 
     def _keep_occupations(self) -> None:
@@ -584,9 +590,15 @@ class Controller:
         )
 
     def _note(
-        self, kind: Any, reason: str, notes: Sequence[str] = (), outcome: Any = "noted"
+        self,
+        kind: Any,
+        reason: str,
+        notes: Sequence[str] = (),
+        outcome: Any = "noted",
+        trigger: str = "none",
     ) -> None:
-        self.journal.note(kind, reason, [i.planned for i in self.running.values()], notes, outcome)
+        running = [i.planned for i in self.running.values()]
+        self.journal.note(kind, reason, running, notes, outcome, trigger)
 
     def _own_pgids(self) -> set[int]:
         """The process groups of our engines (their GPU memory is not another tenant's)."""
@@ -608,6 +620,22 @@ class Controller:
         resources, events = call()
         self._resource_events(resources, events, self.clock())
         return events
+
+
+def first_plan_note(
+    adopted: Sequence[str], retired: Sequence[InstanceRecord], outcome: ShiftOutcome
+) -> tuple[str, list[str]]:
+    """The shift log's reason and notes for the first plan: what a previous controller left
+    running that was adopted (instance keys) or retired, what was started and stopped."""
+    why = "the first plan"
+    if adopted or retired:
+        why += f" after a restart: adopted {len(adopted)} running instance(s)"
+        if retired:
+            why += f", retired {len(retired)} the plan lacks"
+    notes = [f"adopted {k}" for k in adopted]
+    notes += [f"retired {r.model}|{r.gear}|{','.join(r.gpu_ids)}" for r in retired]
+    notes += changed_notes(outcome.started, outcome.stopped)
+    return why, notes + ([outcome.reason] if outcome.reason else [])
 
 
 def _said(outcome: ShiftOutcome) -> str:

@@ -237,10 +237,12 @@ class ShiftLog:
         phases: Phases | None = None,
         migrated: Migrated | None = None,
         after: After | None = None,
+        notes: tuple[str, ...] = (),
     ) -> ShiftEntry:
         """Fill in what became of an entry. A final outcome stamps `finished_at` with `at`
         (default: now). Each phase, the migrated counts, the rehearsal and `after` are written
-        once; the outcome moves only from pending. Returns the entry as now stored."""
+        once; the outcome moves only from pending; `notes` are added after the entry's own
+        (a line it has already is not added again). Returns the entry as now stored."""
         with Session(self.store.engine) as session, session.begin():
             row = session.get(ShiftLogRow, entry_id, with_for_update=True)
             if row is None:
@@ -275,6 +277,9 @@ class ShiftLog:
                 _set_migrated(row, _fill(entry_id, "migrated", old.migrated, migrated))
             if after is not None:
                 _set_after(row, _fill(entry_id, "after", old.after, after))
+            new_notes = [n for n in dict.fromkeys(notes) if n not in old.notes]
+            if new_notes:
+                row.notes_json = _dump([*old.notes, *new_notes])
             session.flush()
             return _from_row(row)
 
