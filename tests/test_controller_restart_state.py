@@ -7,6 +7,9 @@ a trigger, a shift lists what it started and stopped, waiting requests are said 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -183,3 +186,40 @@ def test_requests_waiting_are_said_once_when_they_start_and_once_when_they_end()
         "controller: a serves again; the requests that waited go to it"
     ]
     assert waits.queued(["a"], {}) == [] and waits.waiting == set()
+
+
+# -- end to end: kill -9 right after `flexpipe cluster occupy` --------------------------------
+
+RESTART_SHIFT = """
+shift:
+  triggers: {window_s: 30, num_samples: 2, cooldown_s: 2, resource_settle_s: 1}
+"""
+
+
+def test_a_gpu_occupied_before_a_kill_9_stays_vacated_after_the_restart(tmp_path: Path) -> None:
+    """`flexpipe cluster occupy` then kill -9 of the controller before (or while) it shifts
+    off the GPU: the controller `up` starts again reads the occupation back, does not keep
+    the instance left there (retired once the plan serves) and logs what it adopted."""
+    from test_controller import _is_controller
+    from test_controller_scenarios import Up
+    from test_launcher import processes_with
+
+    up = Up(tmp_path, RESTART_SHIFT)
+    try:
+        up.ready()
+        single = [i["gpus"][0] for i in up.status()["instances"] if len(i["gpus"]) == 1]
+        assert single, up.status()["instances"]
+        gpu = single[0]
+        (controller,) = [p for p in processes_with(str(tmp_path)) if _is_controller(p)]
+        up.client.occupy([gpu], until_s=time.time() + 3600, owner="tenant-c")
+        os.kill(controller, signal.SIGKILL)
+        n = up.out.wait_for("GPU(s) occupied before the restart, still held: " + gpu, 90)
+        up.out.wait_for("instance(s) serving", 90, n)
+        status = up.status()
+        (held,) = [g for g in status["resources"]["gpus"] if g["id"] == gpu]
+        assert held["occupied"]["owner"] == "tenant-c" and held["free_bytes"] == 0
+        assert gpu not in up.gpus_in_use()
+        first = [e for e in up.entries("plan") if e.trigger == "restart"]
+        assert len(first) == 1 and "after a restart: adopted" in first[0].reason, first
+    finally:
+        up.stop()
