@@ -153,3 +153,19 @@ def test_a_second_controller_of_a_deployment_is_refused_in_one_line(tmp_path: Pa
         )
         assert ctl.server is None and not ctl.running  # refused before serving or launching
         assert ControllerLeases(store).get(gateway.url) is not None  # the holder's, kept
+
+
+def test_the_deployment_is_the_gateway_url_unless_given(tmp_path: Path) -> None:
+    demand = ModelDemand("m", "llama-2-7b", 1.0, 512, 64, Slo(2.0, 0.1), ("bf16",))
+    cluster = ROOT / "examples/clusters/fragmented-4gpu.yaml"
+    with Store(f"sqlite:///{tmp_path / 'fp.db'}") as store:
+        for cfg, expected in (
+            (ControllerConfig(cluster, (demand,)), "http://127.0.0.1:9"),
+            (ControllerConfig(cluster, (demand,), deployment_id="prod"), "prod"),
+        ):
+            ctl = Controller(cfg, LocalLauncher(), GatewayClient("http://127.0.0.1:9/", None),
+                             lambda p, c: None,  # type: ignore[arg-type,return-value]
+                             store=store)  # fmt: skip
+            assert ctl.deployment == ctl.status()["deployment"] == expected
+            assert ctl.registry is not None and ctl.registry.deployment == expected
+            assert ctl.shift_log is not None and ctl.shift_log.deployment == expected

@@ -275,6 +275,7 @@ class Controller:
             "resources": self.resources.to_json(),
             # what `flexpipe status` / `top` compare against and how to read the engines
             "gateway": self.gateway.url,
+            "deployment": self.deployment,  # what its store rows and lease belong to
             "engine": self.cfg.engine_kind,
             "time_scale": self.cfg.time_scale,
             # where the shift log is (`flexpipe top` reads it there); not a URL with a password
