@@ -102,17 +102,18 @@ class ControllerLeases:
             row = session.get(LeaseRow, deployment, with_for_update=True)
             old = None if row is None else _lease(row)
             theirs = old is not None and not old.held_by(pid, host)
-            if old is not None and theirs:
-                why_stale = stale(old, now_s, host, alive, self.stale_after_s)
-                if why_stale is None:
-                    where = "" if old.host == host else f" on {old.host}"
-                    silent_s = max(0.0, now_s - old.heartbeat_at_s)
-                    raise LeaseHeldError(
-                        f"deployment {deployment!r} already has a live controller (pid "
-                        f"{old.pid}{where}, heartbeat {silent_s:.0f} s ago) in store "
-                        f"{self.store.display_url}; stop it, or give this one another "
-                        "deployment id"
-                    )
+            if (
+                old is not None
+                and theirs
+                and stale(old, now_s, host, alive, self.stale_after_s) is None
+            ):
+                where = "" if old.host == host else f" on {old.host}"
+                silent_s = max(0.0, now_s - old.heartbeat_at_s)
+                raise LeaseHeldError(
+                    f"deployment {deployment!r} already has a live controller (pid "
+                    f"{old.pid}{where}, heartbeat {silent_s:.0f} s ago) in store "
+                    f"{self.store.display_url}; stop it first, or serve another gateway"
+                )
             if row is None:
                 session.add(LeaseRow(deployment=deployment, pid=pid, host=host,
                                      started_at_s=now_s, heartbeat_at_s=now_s))  # fmt: skip
