@@ -314,7 +314,7 @@ def test_a_store_from_before_the_lifecycle_columns_opens_and_grows(tmp_path: Pat
         assert store.instances()[0]["gone_reason"] is None
     with sqlite3.connect(path) as db:
         columns = [r[1] for r in db.execute("PRAGMA table_info(instances)")]
-    assert columns[-5:] == ["state_at", "pid", "pgid", "plan_id", "gone_reason"]
+    assert columns[-6:] == ["state_at", "pid", "pgid", "plan_id", "gone_reason", "deployment"]
     with Store(f"sqlite:///{path}") as store:  # opening again adds nothing
         assert add_missing_columns(store.engine, Base.metadata.sorted_tables) == []
 
@@ -596,6 +596,7 @@ def test_shifts_command_table_and_json(tmp_path: Path) -> None:
 
 
 def test_shifts_command_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    Store(url(tmp_path)).close()  # the store the bad arguments are read against
     blocker = tmp_path / "file"
     blocker.write_text("")
     garbage = tmp_path / "garbage.db"
@@ -608,6 +609,7 @@ def test_shifts_command_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None
         (["--store", f"sqlite:///{blocker}/sub/fp.db"], "cannot open store"),
         (["--store", f"sqlite:///{tmp_path}"], "cannot open store"),  # a folder, not a file
         (["--store", f"sqlite:///{garbage}"], "file is not a database"),
+        (["--store", f"sqlite:///{tmp_path}/no/dir/x.db"], "no such file (a read creates none)"),
     ):
         if "--store" not in args:
             args = [*args, "--store", url(tmp_path)]
@@ -616,6 +618,7 @@ def test_shifts_command_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
         assert "Traceback" not in result.output
+    assert not (tmp_path / "no").exists()  # a read-only command made no folder and no store
 
 
 def test_public_api() -> None:

@@ -125,7 +125,7 @@ def _read(
 ) -> tuple[list[ShiftEntry], int]:
     """The entries to show and how many match; a store that cannot be read is one line."""
     try:
-        with Store(url) as st:
+        with Store(url, create=False) as st:  # a read: never a new store
             log = ShiftLog(st)
             return log.entries(since=since, kinds=kinds, limit=limit or None), log.count(
                 since=since, kinds=kinds

@@ -37,15 +37,18 @@ from flexpipe.control.cluster_watch import ClusterWatch
 from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
-from flexpipe.control.journal import Journal
+from flexpipe.control.journal import Journal, changed_notes
+from flexpipe.control.lease import Lease
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.observe import RateWindow, model_states
+from flexpipe.control.occupation_memory import OccupationMemory
 from flexpipe.control.rate_memory import RateMemory
-from flexpipe.control.resources import ResourceEvent, Resources
+from flexpipe.control.resources import Occupation, ResourceEvent, Resources
 from flexpipe.control.samples import Sampler, gateway_totals
 from flexpipe.control.shift_outcome import ShiftOutcome, finished_record
 from flexpipe.control.takeover import Takeover, stub
 from flexpipe.control.ui_api import UiApi
+from flexpipe.control.wait_notice import WaitNotice
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
@@ -66,7 +69,7 @@ from flexpipe.policies.shift.snapshot import (
     instance_key,
 )
 from flexpipe.store import Store
-from flexpipe.store.instance_registry import InstanceRegistry
+from flexpipe.store.instance_registry import InstanceRecord, InstanceRegistry
 from flexpipe.store.shift_log import ShiftLog
 
 __all__ = ["Controller", "ControllerConfig"]
@@ -116,6 +119,10 @@ class ControllerConfig:
     # (until released through the admin API): the demo's tenant on gpu1 (flexpipe/demo.py)
     occupied: tuple[str, ...] = ()
     occupied_owner: str = "another tenant"
+    # What the store's instances, shift log, occupations and lease belong to: one id per
+    # deployment (two `flexpipe up` on one store never adopt each other's engines). None: the
+    # URL of the gateway it serves.
+    deployment_id: str | None = None
 
 
 class Controller:
@@ -141,11 +148,17 @@ class Controller:
         self.say = say
         self.rng = random.Random(cfg.seed)
         self.watch = watch or ClusterWatch(cfg.cluster_path, cfg.watch_interval_s)
-        self.resources = Resources.of(self.watch.cluster, wall())
+        self.deployment = cfg.deployment_id or gateway.url
+        # the admin's occupations from before a restart, before anything is planned
+        self.occupation_memory = OccupationMemory.of(store, self.deployment)
+        saved = self.occupation_memory.restore(wall(), say) if self.occupation_memory else None
+        self.resources = Resources.of(self.watch.cluster, wall(), saved)
+        self._pinned: dict[str, Occupation] = {}  # --occupy's (the command line's, not kept)
         if cfg.occupied:
             self.resources, _ = self.resources.occupy(
                 cfg.occupied, cfg.occupied_owner, None, wall()
             )
+            self._pinned = {g: self.resources.overrides.occupied[g] for g in cfg.occupied}
         self.discovery: DiscoveryWatch | None = None
         interval_s = cfg.discover_interval_s
         if interval_s is None:
@@ -181,10 +194,12 @@ class Controller:
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
         self._standby: set[str] = set()  # models held in the gateway with no instance
+        self._waits = WaitNotice()  # said once: requests wait for a model with no instance
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
-        self.shift_log = ShiftLog(store) if store is not None else None
-        self.registry = InstanceRegistry(store) if store is not None else None
+        self.shift_log = ShiftLog(store, self.deployment) if store is not None else None
+        self.registry = InstanceRegistry(store, self.deployment) if store is not None else None
+        self.lease = Lease.of(store, self.deployment, say)
         self.metrics = ControllerMetrics()
         self.metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
         self.journal = Journal(self.shift_log, self.metrics, cfg.rehearsal_tolerance)
@@ -260,6 +275,7 @@ class Controller:
             "resources": self.resources.to_json(),
             # what `flexpipe status` / `top` compare against and how to read the engines
             "gateway": self.gateway.url,
+            "deployment": self.deployment,  # what its store rows and lease belong to
             "engine": self.cfg.engine_kind,
             "time_scale": self.cfg.time_scale,
             # where the shift log is (`flexpipe top` reads it there); not a URL with a password
@@ -283,7 +299,11 @@ class Controller:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Serve the admin API, adopt what a previous controller left running, plan for the
-        free GPUs and bring up what the plan lacks."""
+        free GPUs and bring up what the plan lacks. A second live controller of the same
+        deployment on the same store is refused (RuntimeError, one line)."""
+        if self.lease is not None:
+            self.lease.acquire(self.wall)  # before anything of the store is touched
+        self._keep_occupations()  # those that ran out while stopped are gone from the store
         self.server = await serve(self._app(), self.cfg.host, self.cfg.port)
         first = self._planner(self.cluster, self.cfg.demands, self.clock())
         if not first.instances:
@@ -298,6 +318,7 @@ class Controller:
                          running=[s for s in stubs if s is not None], now_s=self.clock(),
                          efficiency=self.efficiency)  # fmt: skip
         leftovers = await self.takeover.adopt(first.instances, survivors, self.running)
+        adopted = list(self.running)
         if survivors:
             self._gauge()
         # what a new instance needs the GPUs of goes first; the rest once the plan serves
@@ -319,8 +340,9 @@ class Controller:
             await self._hold_all(held, 0)
         self.takeover.sweep_spawned()
         await self.takeover.retire([r for r in leftovers if r not in in_way])
-        self._note("plan", "the first plan", [outcome.reason] if outcome.reason else [],
-                   outcome="succeeded" if self.running else "failed")  # fmt: skip
+        why, notes = first_plan_note(adopted, leftovers, outcome)
+        self._note("plan", why, notes, outcome="succeeded" if self.running else "failed",
+                   trigger="restart" if survivors else "start")  # fmt: skip
         if outcome.reason:
             self.say(f"error: {outcome.reason}")
         if not self.running:
@@ -382,6 +404,8 @@ class Controller:
         await self.gateway.close()
         if self.server is not None:
             await self.server.close()
+        if self.lease is not None:
+            await self.lease.release()
 
     # ------------------------------------------------------------------ one tick
     async def tick(self) -> ShiftDecision | None:
@@ -448,6 +472,8 @@ class Controller:
         """A model scaled to zero stays held in the gateway (its requests queue for the
         instance its demand will start); one that serves again is released."""
         standby = set(self._standby_models())
+        for line in self._waits.serving({d.name for d in self.cfg.demands} - standby):
+            self.say(line)
         for model in sorted(standby | self._standby):
             try:
                 await self.gateway.hold(model, self.cfg.standby_hold_s if model in standby else 0)
@@ -473,9 +499,9 @@ class Controller:
                 log.warning("demand of %s: %s", ", ".join(models), exc)
                 await asyncio.sleep(self.cfg.tick_s)
                 continue
-            if queued:
-                if not self._lock.locked():  # else the wake shift is under way
-                    self.say(f"controller: requests wait for {', '.join(sorted(queued))}")
+            for line in self._waits.queued(models, queued):
+                self.say(line)
+            if any(n > 0 for n in queued.values()):
                 self._changed.set()
                 await asyncio.sleep(self.cfg.tick_s)  # the wake shift takes it from here
 
@@ -529,13 +555,18 @@ class Controller:
             self._on_state(inst, "gone")
             self.resources_changed_s = now_s
             why = f"{key} exited ({inst.handle.returncode}); its GPUs are re-planned"
-            self._note("emergency", why, outcome="succeeded")
+            self._note("emergency", why, outcome="succeeded", trigger="lost")
             self.say(f"controller: instance {inst.planned.name} exited; re-planning")
+
+    def _keep_occupations(self) -> None:
+        if self.occupation_memory is not None:
+            self.occupation_memory.keep(self.resources.overrides, self._pinned)
 
     def _resource_events(
         self, resources: Resources, events: list[ResourceEvent], now_s: float
     ) -> list[ResourceEvent]:
         self.resources = resources
+        self._keep_occupations()
         if events:
             self.resources_changed_s = now_s
             self._note("resources", "; ".join(e.why for e in events), notes=[e.why for e in events])
@@ -560,9 +591,15 @@ class Controller:
         )
 
     def _note(
-        self, kind: Any, reason: str, notes: Sequence[str] = (), outcome: Any = "noted"
+        self,
+        kind: Any,
+        reason: str,
+        notes: Sequence[str] = (),
+        outcome: Any = "noted",
+        trigger: str = "none",
     ) -> None:
-        self.journal.note(kind, reason, [i.planned for i in self.running.values()], notes, outcome)
+        running = [i.planned for i in self.running.values()]
+        self.journal.note(kind, reason, running, notes, outcome, trigger)
 
     def _own_pgids(self) -> set[int]:
         """The process groups of our engines (their GPU memory is not another tenant's)."""
@@ -584,6 +621,22 @@ class Controller:
         resources, events = call()
         self._resource_events(resources, events, self.clock())
         return events
+
+
+def first_plan_note(
+    adopted: Sequence[str], retired: Sequence[InstanceRecord], outcome: ShiftOutcome
+) -> tuple[str, list[str]]:
+    """The shift log's reason and notes for the first plan: what a previous controller left
+    running that was adopted (instance keys) or retired, what was started and stopped."""
+    why = "the first plan"
+    if adopted or retired:
+        why += f" after a restart: adopted {len(adopted)} running instance(s)"
+        if retired:
+            why += f", retired {len(retired)} the plan lacks"
+    notes = [f"adopted {k}" for k in adopted]
+    notes += [f"retired {r.model}|{r.gear}|{','.join(r.gpu_ids)}" for r in retired]
+    notes += changed_notes(outcome.started, outcome.stopped)
+    return why, notes + ([outcome.reason] if outcome.reason else [])
 
 
 def _said(outcome: ShiftOutcome) -> str:

@@ -23,7 +23,7 @@ from flexpipe.store.shift_entry import (
 )
 from flexpipe.store.shift_log import ShiftLog
 
-__all__ = ["Journal"]
+__all__ = ["Journal", "changed_notes"]
 
 
 class Journal:
@@ -59,6 +59,7 @@ class Journal:
             phases=Phases.from_seconds(outcome.phases_s),
             migrated=Migrated.from_counts(outcome.migrated),
             rehearsal=tuple(RehearsalCheck.from_probe(c, tol) for c in outcome.rehearsal),
+            notes=changed_notes(outcome.started, outcome.stopped),
         )
         self.metrics.observe_finished(done)
 
@@ -69,11 +70,14 @@ class Journal:
         running: Sequence[PlannedInstance],
         notes: Sequence[str] = (),
         outcome: Any = "noted",
+        trigger: str = "none",
     ) -> None:
-        """An entry that is not a policy decision (resources, emergency, plan)."""
+        """An entry that is not a policy decision (resources, emergency, plan); `trigger`:
+        what caused it (`lost`: an engine exited; `start`: the controller started)."""
         entry = ShiftEntry(
             at=_utc_now(),
             kind=kind,
+            trigger=trigger,
             reason=reason,
             current=tuple(PlanInstance.from_planned(p) for p in running),
             notes=tuple(notes),
@@ -82,6 +86,11 @@ class Journal:
         )
         if self.shift_log is not None:
             self.shift_log.append(entry)
+
+
+def changed_notes(started: Sequence[str], stopped: Sequence[str]) -> tuple[str, ...]:
+    """The notes of a change: each instance it started and stopped (by instance key)."""
+    return tuple(f"started {k}" for k in started) + tuple(f"stopped {k}" for k in stopped)
 
 
 def _utc_now() -> datetime:

@@ -100,8 +100,9 @@ def _record(row: InstanceRow) -> InstanceRecord:
 class InstanceRegistry:
     """The `instances` table under the lifecycle (creates its history table when opened)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, deployment: str | None = None) -> None:
         self.store = store
+        self.deployment = deployment
         table = TransitionRow.__table__
         try:
             Base.metadata.create_all(store.engine, tables=[table])  # type: ignore[list-item]
@@ -135,6 +136,7 @@ class InstanceRegistry:
                 started_at=at,
                 state_at=at,
                 plan_id=plan_id,
+                deployment=self.deployment,
             )
             session.add(row)
             session.flush()
@@ -217,11 +219,14 @@ class InstanceRegistry:
             query = query.where(InstanceRow.state.in_([State(s).value for s in states]))
         if model is not None:
             query = query.where(InstanceRow.model == model)
+        if self.deployment is not None:
+            query = query.where(InstanceRow.deployment == self.deployment)
         with Session(self.store.engine) as session:
             return [_record(r) for r in session.scalars(query)]
 
     def live_instances(self, model: str | None = None) -> list[InstanceRecord]:
-        """Instances not gone: what a restarted controller may adopt."""
+        """Instances not gone (of this registry's deployment, when it has one): what a
+        restarted controller may adopt."""
         return self.instances(LIVE_STATES, model)
 
     def history(self, instance_id: int) -> list[Transition]:

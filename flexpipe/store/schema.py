@@ -97,6 +97,9 @@ class InstanceRow(Base):
     pgid: Mapped[int | None] = mapped_column(Integer, nullable=True)  # its process group
     plan_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # shift_log entry
     gone_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # the deployment whose controller owns it (InstanceRegistry(store, deployment)); NULL:
+    # written before deployments were recorded, owned by none
+    deployment: Mapped[str | None] = mapped_column(String(300), nullable=True)
 
 
 class ShiftRow(Base):

@@ -98,6 +98,8 @@ class ShiftLogRow(Base):
     alternatives_json: Mapped[str] = mapped_column(Text)
     rehearsal_json: Mapped[str] = mapped_column(Text)
     notes_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # the deployment whose controller wrote it (NULL: written without one)
+    deployment: Mapped[str | None] = mapped_column(String(300), nullable=True)
 
 
 def _dump(value: Any) -> str:
@@ -194,8 +196,11 @@ def _fill(entry_id: int, what: str, old: Any, new: Any) -> Any:
 class ShiftLog:
     """The shift log of a store (creates its table, and grows it, when opened)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, deployment: str | None = None) -> None:
+        """`deployment`: entries are written as its, and `pending` and `history` read only its
+        (a controller's cooldown and aborted changes are its own); None: every entry."""
         self.store = store
+        self.deployment = deployment
         table = ShiftLogRow.__table__
         try:
             Base.metadata.create_all(store.engine, tables=[table])  # type: ignore[list-item]
@@ -209,6 +214,7 @@ class ShiftLog:
             raise ShiftLogError(f"entry already has id {entry.id}: append writes new entries")
         with Session(self.store.engine) as session, session.begin():
             row = _to_row(entry)
+            row.deployment = self.deployment
             session.add(row)
             session.flush()
             return replace(entry, id=int(row.id))
@@ -231,10 +237,12 @@ class ShiftLog:
         phases: Phases | None = None,
         migrated: Migrated | None = None,
         after: After | None = None,
+        notes: tuple[str, ...] = (),
     ) -> ShiftEntry:
         """Fill in what became of an entry. A final outcome stamps `finished_at` with `at`
         (default: now). Each phase, the migrated counts, the rehearsal and `after` are written
-        once; the outcome moves only from pending. Returns the entry as now stored."""
+        once; the outcome moves only from pending; `notes` are added after the entry's own
+        (a line it has already is not added again). Returns the entry as now stored."""
         with Session(self.store.engine) as session, session.begin():
             row = session.get(ShiftLogRow, entry_id, with_for_update=True)
             if row is None:
@@ -269,6 +277,9 @@ class ShiftLog:
                 _set_migrated(row, _fill(entry_id, "migrated", old.migrated, migrated))
             if after is not None:
                 _set_after(row, _fill(entry_id, "after", old.after, after))
+            new_notes = [n for n in dict.fromkeys(notes) if n not in old.notes]
+            if new_notes:
+                row.notes_json = _dump([*old.notes, *new_notes])
             session.flush()
             return _from_row(row)
 
@@ -288,6 +299,11 @@ class ShiftLog:
                 )
             query = query.where(ShiftLogRow.kind.in_(list(kinds)))
         return query
+
+    def _own(self, query: Select[ShiftLogRow]) -> Select[ShiftLogRow]:
+        if self.deployment is None:
+            return query
+        return query.where(ShiftLogRow.deployment == self.deployment)
 
     def entries(
         self,
@@ -320,7 +336,7 @@ class ShiftLog:
     def pending(self) -> list[ShiftEntry]:
         """Changes not finished: after a controller restart, ones it must close (aborted)."""
         query = (
-            select(ShiftLogRow)
+            self._own(select(ShiftLogRow))
             .where(ShiftLogRow.outcome == "pending")
             .order_by(ShiftLogRow.at, ShiftLogRow.id)
         )
@@ -332,8 +348,12 @@ class ShiftLog:
         as Unix seconds: a restarted controller hands it back to the policy. A rolled-back
         or failed change counts as not succeeded; a refused one too, marked refused (no
         failure of its target: it does not count towards the blacklist)."""
+        query = self._own(self._query(since, None, SHIFT_KINDS))
+        with Session(self.store.engine) as session:
+            rows = session.scalars(query.order_by(ShiftLogRow.at, ShiftLogRow.id))
+            own = [_from_row(r) for r in rows]
         out = []
-        for e in self.entries(since=since, kinds=SHIFT_KINDS):
+        for e in own:
             succeeded = None if e.outcome == "pending" else e.outcome == "succeeded"
             current = {i.key for i in e.current}
             added = tuple(i.key for i in e.target or () if i.key not in current)

@@ -47,7 +47,9 @@ def _display(url: str) -> str:
 
 
 class Store:
-    def __init__(self, url: str | None = None) -> None:
+    def __init__(self, url: str | None = None, create: bool = True) -> None:
+        """`create=False` (read-only commands such as `flexpipe shifts`): a SQLite file that
+        does not exist is a StoreError, not a new store (its folder is not made either)."""
         self.url = url or default_store_url()
         try:
             parsed = make_url(self.url)
@@ -55,6 +57,10 @@ class Store:
             raise StoreError(f"not a database URL: {self.url!r}") from None
         if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
             path = Path(os.path.expanduser(str(parsed.database)))
+            if not create and not path.is_file():
+                raise StoreError(
+                    f"cannot open store {_display(self.url)}: no such file (a read creates none)"
+                )
             path.parent.mkdir(parents=True, exist_ok=True)
             parsed = parsed.set(database=str(path))
         try:

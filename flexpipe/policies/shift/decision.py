@@ -14,7 +14,8 @@ from flexpipe.policies.shift.triggers import ModelSignal
 __all__ = ["Action", "ScoredCandidate", "ShiftDecision", "Trigger"]
 
 Action = Literal["hold", "shift"]
-Trigger = Literal["none", "reclaim", "wake", "up", "down", "resource"]
+# floor: a model below its min_instances (its last engine died): restored at once
+Trigger = Literal["none", "reclaim", "floor", "wake", "up", "down", "resource"]
 
 
 @dataclass(frozen=True, slots=True)

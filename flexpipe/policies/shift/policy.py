@@ -6,12 +6,16 @@ Order of the checks, first match wins:
 1. a shift in progress: hold;
 2. *reclaim*: a running instance sits on a GPU that is gone or reclaimed within
    `reclaim_lead_s` — shift now (no sample count, no cooldown) to the best plan without it;
-3. *wake*: a model with no instance has requests waiting — start it (no cooldown);
-4. cooldown after the last shift: hold;
-5. *up*: a model's samples were in the up zone `num_samples` times in a row;
+3. *floor*: a model has fewer instances than its `min_instances` (its last engine died:
+   without scale-to-zero every model keeps one) — re-plan now, no cooldown, any candidate
+   that restores every minimum accepted (the best score wins); when none can (no GPUs for
+   it), the checks below go on;
+4. *wake*: a model with no instance has requests waiting — start it (no cooldown);
+5. cooldown after the last shift: hold;
+6. *up*: a model's samples were in the up zone `num_samples` times in a row;
    *down*: likewise in the down zone; *resource*: the GPUs free to us changed at least
    `resource_settle_s` ago;
-6. otherwise hold.
+7. otherwise hold.
 
 A trigger only proposes candidates (candidates.py); each is priced (pricing.py) and must
 clear its trigger's bar — up: more goodput, down: fewer GPUs, resource: goodput up by
@@ -88,6 +92,11 @@ class ShiftPolicy:
         counts = {m.name: 0 for m in snapshot.models}
         for inst in snapshot.running:
             counts[inst.model] += 1
+        below = [m.name for m in snapshot.models if counts[m.name] < m.min_instances]
+        if below:
+            floor = self._evaluate(snapshot, now_s, rng, signals, "floor", set(), set(), below)
+            if floor.action == "shift":
+                return floor
         waking = [
             m.name
             for m, s in zip(snapshot.models, signals, strict=True)
@@ -235,7 +244,7 @@ class ShiftPolicy:
             f"score {p.score:.1f} = gain {p.gain:.1f} - gap {p.gap_cost:.1f}"
             f" - migration {p.migration_cost:.1f} - risk {p.risk:.1f}"
         )
-        if trigger == "reclaim":
+        if trigger in ("reclaim", "floor"):  # must happen: the best that keeps the minimums
             return True, s
         if p.score <= 0:
             return False, f"{s}: does not pay for itself"
@@ -317,6 +326,11 @@ class ShiftPolicy:
             "down": f"{', '.join(sorted(down))} in the down zone {n} samples in a row",
             "resource": "the GPUs free to us changed",
             "wake": f"requests wait for {', '.join(waking)}, which has no instance",
+            "floor": "; ".join(
+                f"{n} has {sum(i.model == n for i in snapshot.running)} instance(s), below its "
+                f"minimum of {snapshot.model(n).min_instances}"
+                for n in waking
+            ),
         }.get(trigger, trigger)
         return self._choose(now_s, rng, signals, trigger, why, scored, snapshot.running)
 
