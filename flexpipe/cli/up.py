@@ -18,21 +18,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from flexpipe.cli.common import console as make_console
-from flexpipe.cli.common import err_console, user_errors
+from flexpipe.cli.common import err_console, load_shift_params, user_errors
+from flexpipe.cli.controller import SERVING_LINE
+from flexpipe.cli.restart_budget import RestartBudget, RestartDecision, decide_restart
+from flexpipe.cli.run_dir import run_dir
 from flexpipe.cluster import Cluster, load_cluster
+from flexpipe.control.client import TOKEN_ENV, resolve_token
 from flexpipe.control.launching import engine_spec, load_models
 from flexpipe.demo import DemoRun, controller_args, demo_cluster, demo_shift_config
 from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
@@ -93,6 +97,39 @@ async def _wait_listening(host: str, port: int, proc: asyncio.subprocess.Process
     raise UpError(f"the gateway exited ({proc.returncode}); see its error above")
 
 
+DEFAULT_BUDGET = RestartBudget()
+
+
+@dataclass
+class _Child:
+    """One supervised process: its argv, the running process, when it was restarted."""
+
+    name: str
+    argv: list[str]
+    say: Callable[[str], None]
+    proc: asyncio.subprocess.Process | None = None
+    restarts_s: list[float] = field(default_factory=list)
+    restart_at_s: float | None = None  # a restart is due then
+    exhausted: bool = False  # said so already
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def start(self, now_s: float | None = None) -> None:
+        if now_s is not None:
+            self.restarts_s.append(now_s)
+        self.restart_at_s = None
+        self.proc = await _start(self.argv, self.say)
+
+
+def _gave_up(child: _Child, rc: int, decision: RestartDecision, budget: RestartBudget) -> str:
+    return (
+        f"error: the {child.name} exited ({rc}) {decision.num_recent + 1} times within "
+        f"{budget.window_s:g} s; stopping"
+    )
+
+
 async def supervise(
     gateway_argv: list[str],
     controller_argv: list[str],
@@ -100,58 +137,91 @@ async def supervise(
     port: int,
     say: Callable[[str], None],
     drain_timeout_s: float,
-    max_restarts: int = 5,
+    budget: RestartBudget = DEFAULT_BUDGET,
     on_stop: Callable[[], None] | None = None,
+    stop: asyncio.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> int:
-    """Run the gateway, then the controller, until SIGINT/SIGTERM. A child that dies is
-    started again (a controller adopts the engines its predecessor left, and gives a new
-    gateway its pool back), up to `max_restarts` times; a controller that gives up (exit
-    status 2: it could not serve) stops everything. Returns the controller's exit status."""
-    stop = asyncio.Event()
+    """Run the gateway, then the controller, until SIGINT/SIGTERM (or `stop`). A child that
+    dies is started again (a controller adopts the engines its predecessor left, and gives a new
+    gateway its pool back) within its own budget, with backoff (restart_budget.py). A
+    controller that served and spent its budget is retried slowly while the gateway and the
+    engines serve on; a gateway that spent its budget, or a controller that never served
+    (exit status 2: it said why; or its budget spent) stops everything. Returns the
+    controller's exit status."""
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
-    gateway = await _start(gateway_argv, say)
-    controller: asyncio.subprocess.Process | None = None
-    num_restarts = 0
+    served = False
+
+    def controller_says(line: str) -> None:
+        nonlocal served
+        served = served or line.startswith(SERVING_LINE)
+        say(line)
+
+    gateway = _Child("gateway", gateway_argv, say)
+    controller = _Child("controller", controller_argv, controller_says)
+    await gateway.start()
     try:
-        await _wait_listening(host, port, gateway)
+        assert gateway.proc is not None
+        await _wait_listening(host, port, gateway.proc)
         say(
             f"flexpipe up: OpenAI API at http://{host}:{port}/v1, dashboard at "
             f"http://{host}:{port}/ui (starting engines)"
         )
-        controller = await _start(controller_argv, say)
+        await controller.start()
         while True:
-            waits = [
-                asyncio.ensure_future(stop.wait()),
-                asyncio.ensure_future(gateway.wait()),
-                asyncio.ensure_future(controller.wait()),
-            ]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            waits: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
+            waits += [asyncio.ensure_future(c.proc.wait())
+                      for c in (gateway, controller) if c.running and c.proc]  # fmt: skip
+            due = [c.restart_at_s for c in (gateway, controller) if c.restart_at_s is not None]
+            timeout_s = max(0.0, min(due) - clock()) if due else None
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
             if stop.is_set():
                 if on_stop is not None:
                     on_stop()  # e.g. the demo's load: no new requests while draining
-                return await _stop(controller, drain_timeout_s + 30)
-            if controller.returncode == 2:
-                return 2  # it said why
-            if num_restarts >= max_restarts:
-                say(f"error: {num_restarts} restarts already; stopping")
-                return 1
-            num_restarts += 1
-            if controller.returncode is not None:
-                say(f"error: the controller exited ({controller.returncode}); restarting it")
-                controller = await _start(controller_argv, say)
-            if gateway.returncode is not None:
-                say(f"error: the gateway exited ({gateway.returncode}); restarting it")
-                gateway = await _start(gateway_argv, say)
-                await _wait_listening(host, port, gateway)
+                assert controller.proc is not None
+                return await _stop(controller.proc, drain_timeout_s + 30)
+            now_s = clock()
+            for child in (gateway, controller):
+                proc = child.proc
+                if proc is None or proc.returncode is None or child.restart_at_s is not None:
+                    continue
+                rc = proc.returncode
+                if child is controller and rc == 2 and not served:
+                    return 2  # it could not start the plan, and said why
+                keep_trying = child is controller and served
+                decision = decide_restart(child.restarts_s, now_s, budget, keep_trying=keep_trying)
+                if not decision.restart:
+                    say(_gave_up(child, rc, decision, budget))
+                    return rc if child is controller else 1
+                if decision.exhausted and not child.exhausted:
+                    say(
+                        f"error: the controller exited {decision.num_recent + 1} times within "
+                        f"{budget.window_s:g} s; the gateway and the engines keep serving, but "
+                        f"nothing shifts gears until it is back (retrying every "
+                        f"{decision.delay_s:g} s)"
+                    )
+                elif not decision.exhausted:
+                    when = f" in {decision.delay_s:g} s" if decision.delay_s else ""
+                    say(f"error: the {child.name} exited ({rc}); restarting it{when}")
+                child.exhausted = decision.exhausted
+                child.restart_at_s = now_s + decision.delay_s
+            for child in (gateway, controller):
+                if child.restart_at_s is not None and child.restart_at_s <= clock():
+                    await child.start(clock())
+                    if child is gateway:
+                        assert gateway.proc is not None
+                        await _wait_listening(host, port, gateway.proc)
     finally:
-        if controller is not None:
-            await _stop(controller, drain_timeout_s + 30)
-        await _stop(gateway, drain_timeout_s + 5)
+        if controller.proc is not None:
+            await _stop(controller.proc, drain_timeout_s + 30)
+        if gateway.proc is not None:
+            await _stop(gateway.proc, drain_timeout_s + 5)
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.remove_signal_handler(sig)
@@ -241,7 +311,16 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(help="YAML with a `shift:` section (docs/shift-policy.md)."),
         ] = None,
-        dry_run: Annotated[bool, typer.Option(help="Print the plan and exit.")] = False,
+        admin_token_file: Annotated[
+            Path | None,
+            typer.Option(
+                help="The admin token of the gateway and the controller (default: a new one, "
+                "in a private file `up` names when it starts)."
+            ),
+        ] = None,
+        dry_run: Annotated[
+            bool, typer.Option(help="Check the files, print the plan and exit.")
+        ] = False,
         ray: Annotated[
             str | None,
             typer.Option(
@@ -271,6 +350,13 @@ def register(app: typer.Typer) -> None:
             if demo:  # the plan the controller will start with: gpu1 held by the tenant
                 the_cluster = demo_cluster(the_cluster, time.time())
             demands = load_models(models_path)
+            if demo:
+                shift_config = shift_config or demo_shift_config()
+            if shift_config is not None:  # checked before anything starts
+                load_shift_params(shift_config)
+            admin_token = None
+            if admin_token_file is not None:
+                admin_token = resolve_token(None, admin_token_file)
             with Store(store) as st:
                 efficiency = st.efficiency()
                 lookup = GearLookup(st.points(), efficiency)
@@ -299,31 +385,33 @@ def register(app: typer.Typer) -> None:
 
         def say(line: str) -> None:
             if line.startswith("error:"):
-                err_console.print(f"[bold red]error:[/]{line[6:]}", highlight=False)
+                err_console.print(f"[bold red]error:[/]{escape(line[6:])}", highlight=False)
             else:
                 console.print(line, highlight=False, soft_wrap=True)
 
-        with tempfile.TemporaryDirectory(prefix="flexpipe-up-") as tmp:
-            token_file = Path(tmp) / "gateway-token"
-            engine_token_file = Path(tmp) / "engine-token"
-            for f in (token_file, engine_token_file):
-                f.touch(0o600)
-                f.write_text(secrets.token_urlsafe(24))
+        controller_url = f"http://{host}:{controller_port or port + 100}"
+        with run_dir(port, f"http://{host}:{port}", controller_url, admin_token) as rd:
+            token_file = str(rd.admin_token_file)
+            # one admin token: the gateway's, the controller's (`flexpipe cluster occupy`),
+            # and the dashboard's reads of the controller
+            os.environ[TOKEN_ENV] = rd.admin_token_file.read_text()  # the demo's client
+            say(f"admin token in {token_file} (`flexpipe cluster` and `flexpipe status` "
+                "find it)")  # fmt: skip
             me = [sys.executable, "-m", "flexpipe"]
             gateway_argv = [*me, "gateway", "--host", host, "--port", str(port),
-                            "--admin-token-file", str(token_file),
+                            "--admin-token-file", token_file,
                             "--shutdown-grace-s", str(drain_timeout_s),
-                            "--controller-url",  # the dashboard's GPU map and shift log
-                            f"http://{host}:{controller_port or port + 100}"]  # fmt: skip
+                            "--controller-url", controller_url,  # the dashboard's GPU map
+                            "--controller-token-file", token_file]  # fmt: skip
             controller_argv = [
                 *me, "controller", "--gateway", f"http://{host}:{port}",
-                "--gateway-token-file", str(token_file),
+                "--gateway-token-file", token_file, "--token-file", token_file,
                 "--cluster", str(cluster_path), "--models", str(models_path),
                 "--port", str(controller_port or port + 100),
                 "--engine", engine, "--time-scale", str(time_scale),
                 "--ready-timeout-s", str(ready_timeout_s), "--tick-s", str(tick_s),
                 "--drain-deadline-s", str(drain_timeout_s), "--vllm-command", vllm_command,
-                "--engine-token-file", str(engine_token_file),
+                "--engine-token-file", str(rd.engine_token_file),
                 "--supervisor-pid", str(os.getpid()),
                 "--rehearsal-tolerance", str(rehearsal_tolerance),
             ]  # fmt: skip
@@ -335,9 +423,7 @@ def register(app: typer.Typer) -> None:
                 controller_argv += ["--store", store]
             demo_run = None
             if demo:
-                shift_config = shift_config or demo_shift_config()
                 controller_argv += controller_args()
-                controller_url = f"http://{host}:{controller_port or port + 100}"
                 demo_run = DemoRun(
                     f"http://{host}:{port}", controller_url, demands[0].name, say, time_scale
                 )
