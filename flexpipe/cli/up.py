@@ -394,7 +394,6 @@ def register(app: typer.Typer) -> None:
             token_file = str(rd.admin_token_file)
             # one admin token: the gateway's, the controller's (`flexpipe cluster occupy`),
             # and the dashboard's reads of the controller
-            os.environ[TOKEN_ENV] = rd.admin_token_file.read_text()  # the demo's client
             say(f"admin token in {token_file} (`flexpipe cluster` and `flexpipe status` "
                 "find it)")  # fmt: skip
             me = [sys.executable, "-m", "flexpipe"]
@@ -431,8 +430,10 @@ def register(app: typer.Typer) -> None:
                 controller_argv += ["--shift-config", str(shift_config)]
             if ray is not None:
                 controller_argv += _ray_argv(ray, cluster, controller_argv)
+            before = os.environ.get(TOKEN_ENV)
             try:
-                if demo_run is not None:
+                if demo_run is not None:  # its client reads the token from the environment
+                    os.environ[TOKEN_ENV] = rd.admin_token_file.read_text()
                     demo_run.start()
                 with user_errors():
                     rc = asyncio.run(
@@ -442,6 +443,9 @@ def register(app: typer.Typer) -> None:
             finally:
                 if demo_run is not None:
                     demo_run.stop()
+                    os.environ.pop(TOKEN_ENV, None)
+                    if before is not None:
+                        os.environ[TOKEN_ENV] = before
         console.print("stopped the controller and the gateway")
         if rc != 0:
             raise typer.Exit(rc)
