@@ -13,7 +13,7 @@ from pathlib import Path
 
 from flexpipe.cli.restart_budget import RestartBudget, RestartDecision, decide_restart
 from flexpipe.cli.run_dir import admin_token, find_admin_token, remove_stale, run_dir
-from flexpipe.cli.up import supervise
+from flexpipe.cli.supervise import supervise
 from flexpipe.launch import free_port
 
 BUDGET = RestartBudget(max_restarts=5, window_s=600, first_backoff_s=1, max_backoff_s=30,
