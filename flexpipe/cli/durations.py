@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 
 __all__ = ["DURATION_HELP", "parse_duration_s", "parse_since", "parse_until"]
 
-DURATION_HELP = "90s, 10m, 1h30m, 2h, 1d"
+DURATION_HELP = "90s, 10m, 2h, 1h30m, 1d"
 _DURATION_RE = re.compile(
     r"^(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$"
 )
