@@ -201,7 +201,9 @@ def register(app: typer.Typer) -> None:
 
         def say(line: str) -> None:
             if line.startswith("error:"):
-                err_console.print(f"[bold red]error:[/]{escape(line[6:])}", highlight=False)
+                err_console.print(
+                    f"[bold red]error:[/]{escape(line[6:])}", highlight=False, soft_wrap=True
+                )  # one line, as the child wrote it
             else:
                 console.print(line, highlight=False, soft_wrap=True)
 
