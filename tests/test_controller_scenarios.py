@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_controller import Output
 from test_up import write_models
 
+from flexpipe.cli.run_dir import find_admin_token
 from flexpipe.control.client import ControllerClient
 from flexpipe.launch import free_port
 from flexpipe.store import Store
@@ -135,7 +136,11 @@ class Up:
                                      text=True, env=env)  # fmt: skip
         self.out = Output(self.proc)
         self.store = Store(self.store_url)
-        self.client = ControllerClient(self.controller_url)
+
+    @property
+    def client(self) -> ControllerClient:
+        """The controller's admin API, with the admin token `up` gave it (from its run dir)."""
+        return ControllerClient(self.controller_url, find_admin_token(self.controller_url))
 
     def ready(self, timeout_s: float = 90) -> None:
         self.out.wait_for("instance(s) serving", timeout_s)

@@ -26,6 +26,7 @@ from test_up import wait_for_line, write_models
 from typer.testing import CliRunner
 
 from flexpipe.cli import app
+from flexpipe.cli.run_dir import find_admin_token
 from flexpipe.control.targets import SD_PATH, http_sd_targets
 from flexpipe.launch import free_port
 
@@ -53,6 +54,11 @@ class Up:
     @property
     def controller(self) -> str:
         return f"http://127.0.0.1:{self.cport}"
+
+    @property
+    def token(self) -> str | None:
+        """The admin token of the controller (`up` gives it the gateway's)."""
+        return find_admin_token(self.controller)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -85,8 +91,9 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         u.stop()
 
 
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+def _get(url: str, token: str | None = None) -> str:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as resp:
         body: bytes = resp.read()
         return body.decode()
 
@@ -99,7 +106,7 @@ def test_status_json_from_the_running_processes(up: Up) -> None:
     assert res.returncode == 0, res.stderr
     snap = json.loads(res.stdout)
     assert snap["cluster"] == "fragmented-4gpu" and snap["engine"] == "sim"
-    assert json.loads(_get(up.controller + "/admin/status"))["store"] == up.store
+    assert json.loads(_get(up.controller + "/admin/status", up.token))["store"] == up.store
     assert snap["gateway_url"] == f"http://127.0.0.1:{up.port}" and snap["gateway_up"]
     instances = snap["instances"]
     # the seed's plan: TP2 over the NVLinked pair, one instance on each lone GPU
@@ -198,8 +205,8 @@ def test_every_metric_the_board_queries_is_exported(up: Up) -> None:
         "flexpipe:modelled_busy_seconds_total", "vllm:time_to_first_token_seconds_bucket",
         "flexpipe_shifts_total", "flexpipe_shift_phase_seconds_bucket", "flexpipe_slo_seconds",
     } <= wanted  # fmt: skip
-    targets = json.loads(_get(up.controller + SD_PATH))
-    status = json.loads(_get(up.controller + "/admin/status"))
+    targets = json.loads(_get(up.controller + SD_PATH, up.token))
+    status = json.loads(_get(up.controller + "/admin/status", up.token))
     assert sorted(t for g in targets for t in g["targets"]) == sorted(
         i["url"].removeprefix("http://") for i in status["instances"]
     )

@@ -18,14 +18,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from flexpipe.cli.common import console
+from flexpipe.cli.durations import DURATION_HELP, parse_until
+from flexpipe.cli.run_dir import admin_token
 from flexpipe.cluster import Cluster, ClusterError, load_cluster
 from flexpipe.cluster.generate import generate_cluster
 from flexpipe.control.client import (
     DEFAULT_CONTROLLER_URL,
     ControllerClient,
     ControllerError,
-    parse_until,
-    resolve_token,
 )
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, GB, GiB, LinkSpec
 
@@ -242,7 +242,10 @@ ControllerUrl = Annotated[
 ]
 Token = Annotated[
     str | None,
-    typer.Option(help="Admin token (default: --token-file, else $FLEXPIPE_CONTROLLER_TOKEN)."),
+    typer.Option(
+        help="Admin token (default: --token-file, else $FLEXPIPE_CONTROLLER_TOKEN, else the "
+        "token of your `flexpipe up` whose controller this is)."
+    ),
 ]
 TokenFile = Annotated[
     Path | None, typer.Option(help="A file holding the admin token.", show_default=False)
@@ -255,7 +258,7 @@ def _client(
 ) -> ControllerClient:
     """Bad local input (URL, token file): one `error:` line, exit 2."""
     try:
-        return ControllerClient(controller, resolve_token(token, token_file), timeout_s)
+        return ControllerClient(controller, admin_token(controller, token, token_file), timeout_s)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -275,9 +278,7 @@ def occupy(
     ],
     until: Annotated[
         str | None,
-        typer.Option(
-            help="Until when: 90s, 10m, 2h, 1h30m, 1d or an ISO time. Default: until released."
-        ),
+        typer.Option(help=f"Until when: {DURATION_HELP} or an ISO time. Default: until released."),
     ] = None,
     owner: Annotated[
         str | None, typer.Option(help="Who takes them (default: your user name).")

@@ -16,13 +16,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-import yaml
+from rich.markup import escape
 
-from flexpipe.cli.common import err_console, user_errors
+from flexpipe.cli.common import err_console, load_shift_params, one_line, user_errors
 
 if TYPE_CHECKING:
     from flexpipe.control.ray_watch import RayWatch
     from flexpipe.launch import AdoptingLauncher
+
+
+SERVING_LINE = "controller: admin API on "  # `up` reads it: the controller served
 
 
 def _secret(value: str | None, path: Path | None, env: str) -> str | None:
@@ -154,15 +157,7 @@ def controller(
             raise ValueError(f"unknown engine {engine!r}; use sim or vllm")
         cluster_path = cluster or DEFAULT_CLUSTER
         demands = load_models(models or DEFAULT_MODELS)
-        params = ShiftParams()
-        if shift_config is not None:
-            doc = yaml.safe_load(shift_config.read_text()) or {}
-            if not isinstance(doc, dict):
-                raise ValueError(f"{shift_config}: expected a mapping with a `shift:` section")
-            section = doc.get("shift", doc)
-            if not isinstance(section, dict):
-                raise ValueError(f"{shift_config}: `shift:` must be a mapping")
-            params = ShiftParams.from_mapping(section)
+        params = ShiftParams() if shift_config is None else load_shift_params(shift_config)
         if occupy:
             from flexpipe.cluster import load_cluster
 
@@ -219,16 +214,21 @@ def controller(
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
-        ctl = Controller(
-            cfg,
-            launcher,
-            GatewayClient(gateway, gw_token),
-            lambda p, c: engine_spec(p, c, str(cluster_path), demands, cfg.engine_admin_token),
-            store=st,
-            clock=unix_clock(),
-            say=say,
-            watch=watch,
-        )
+        try:  # it reads the cluster file: a mistake there is one line, exit 2
+            ctl = Controller(
+                cfg,
+                launcher,
+                GatewayClient(gateway, gw_token),
+                lambda p, c: engine_spec(p, c, str(cluster_path), demands, cfg.engine_admin_token),
+                store=st,
+                clock=unix_clock(),
+                say=say,
+                watch=watch,
+            )
+        except (OSError, ValueError) as exc:
+            err_console.print(f"[bold red]error:[/] {escape(one_line(exc))}", highlight=False,
+                              soft_wrap=True)  # fmt: skip
+            return 2
         try:
             start = asyncio.ensure_future(ctl.start())
             stopped = asyncio.ensure_future(stop.wait())
@@ -240,10 +240,11 @@ def controller(
             else:
                 stopped.cancel()
                 await start  # raises what went wrong
-                say(f"controller: admin API on http://{cfg.host}:{cfg.port}")
+                say(f"{SERVING_LINE}http://{cfg.host}:{cfg.port}")
                 await ctl.run(stop)
         except (OSError, RuntimeError, ValueError) as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(one_line(exc))}", highlight=False,
+                              soft_wrap=True)  # fmt: skip
             return 2
         finally:
             num = len(ctl.running)

@@ -27,12 +27,12 @@ from rich.text import Text
 from flexpipe.cli.cluster import ControllerUrl, TimeoutS, Token, TokenFile
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console
+from flexpipe.cli.run_dir import admin_token
 from flexpipe.cli.shifts import entries_table
 from flexpipe.control.client import (
     DEFAULT_CONTROLLER_URL,
     ControllerClient,
     ControllerError,
-    resolve_token,
 )
 from flexpipe.observe.readings import Readings, read
 from flexpipe.observe.render import status_view, top_view
@@ -53,7 +53,7 @@ def _client(
     controller: str, token: str | None, token_file: Path | None, timeout_s: float
 ) -> ControllerClient:
     try:
-        return ControllerClient(controller, resolve_token(token, token_file), timeout_s)
+        return ControllerClient(controller, admin_token(controller, token, token_file), timeout_s)
     except ValueError as exc:
         raise _fail(str(exc), 2) from None
 

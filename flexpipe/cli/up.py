@@ -1,160 +1,46 @@
 """`flexpipe up`: a gateway and a controller, supervised; the plan lives.
 
 1. load the cluster and the models (default: the seed's fragmented 4-GPU cluster and one 7B
-   model, shipped in the package: flexpipe/examples.py), plan once to show the plan and to
-   stop early on what cannot work;
-2. start `flexpipe gateway` (the OpenAI API on 127.0.0.1:8000; its admin token in a private
-   file) and `flexpipe controller` (launches the plan's engines, registers each in the
-   gateway once healthy, shifts gears as load and free GPUs change; its admin API on the
-   gateway's port + 100 for `flexpipe cluster occupy|release`), relaying both logs;
+   model, shipped in the package: flexpipe/examples.py) and the shift config, plan once to
+   show the plan and to stop early on what cannot work, before anything starts;
+2. start `flexpipe gateway` (the OpenAI API on 127.0.0.1:8000) and `flexpipe controller`
+   (launches the plan's engines, registers each in the gateway once healthy, shifts gears as
+   load and free GPUs change; its admin API on the gateway's port + 100 for `flexpipe cluster
+   occupy|release`), both behind one admin token in a private directory (cli/run_dir.py),
+   relaying both logs, each started again when it dies, within its own budget
+   (cli/restart_budget.py);
 3. serve until SIGINT/SIGTERM, then stop the controller first (it drains and stops its
    engines) and the gateway last (it drains what is still in flight). The children get
    SIGTERM if `up` dies (PR_SET_PDEATHSIG), and the engines if the controller dies, so even
-   `kill -9` of `up` leaves no process behind.
+   `kill -9` of `up` leaves no process behind (and the next `up` removes its directory).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import secrets
-import signal
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from flexpipe.cli.common import console as make_console
-from flexpipe.cli.common import err_console, user_errors
+from flexpipe.cli.common import err_console, load_shift_params, user_errors
+from flexpipe.cli.run_dir import run_dir
+from flexpipe.cli.supervise import UpError, supervise
 from flexpipe.cluster import Cluster, load_cluster
+from flexpipe.control.client import TOKEN_ENV, resolve_token
 from flexpipe.control.launching import engine_spec, load_models
 from flexpipe.demo import DemoRun, controller_args, demo_cluster, demo_shift_config
 from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.launch import ENGINES
-from flexpipe.launch.process import die_with_parent
 from flexpipe.policies.planner import Plan, plan
 from flexpipe.store import Store
-
-
-class UpError(ValueError):
-    """`flexpipe up` cannot go on; one line for the user."""
-
-
-async def _relay_lines(stream: asyncio.StreamReader, say: Callable[[str], None]) -> None:
-    while line := await stream.readline():
-        say(line.decode("utf-8", "replace").rstrip("\n"))
-
-
-async def _start(argv: list[str], say: Callable[[str], None]) -> asyncio.subprocess.Process:
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        preexec_fn=die_with_parent,
-        start_new_session=True,  # Ctrl-C reaches `up` alone: it stops them in order
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stdout is not None
-    asyncio.get_running_loop().create_task(_relay_lines(proc.stdout, say))
-    return proc
-
-
-async def _stop(proc: asyncio.subprocess.Process, timeout_s: float) -> int:
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await proc.wait()
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-    return proc.returncode if proc.returncode is not None else -1
-
-
-async def _wait_listening(host: str, port: int, proc: asyncio.subprocess.Process) -> None:
-    """Until the gateway accepts connections (it is not /health-y before an engine is)."""
-    while proc.returncode is None:
-        try:
-            _, writer = await asyncio.open_connection(host, port)
-        except OSError:
-            await asyncio.sleep(0.05)
-            continue
-        writer.close()
-        return
-    raise UpError(f"the gateway exited ({proc.returncode}); see its error above")
-
-
-async def supervise(
-    gateway_argv: list[str],
-    controller_argv: list[str],
-    host: str,
-    port: int,
-    say: Callable[[str], None],
-    drain_timeout_s: float,
-    max_restarts: int = 5,
-    on_stop: Callable[[], None] | None = None,
-) -> int:
-    """Run the gateway, then the controller, until SIGINT/SIGTERM. A child that dies is
-    started again (a controller adopts the engines its predecessor left, and gives a new
-    gateway its pool back), up to `max_restarts` times; a controller that gives up (exit
-    status 2: it could not serve) stops everything. Returns the controller's exit status."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop.set)
-    gateway = await _start(gateway_argv, say)
-    controller: asyncio.subprocess.Process | None = None
-    num_restarts = 0
-    try:
-        await _wait_listening(host, port, gateway)
-        say(
-            f"flexpipe up: OpenAI API at http://{host}:{port}/v1, dashboard at "
-            f"http://{host}:{port}/ui (starting engines)"
-        )
-        controller = await _start(controller_argv, say)
-        while True:
-            waits = [
-                asyncio.ensure_future(stop.wait()),
-                asyncio.ensure_future(gateway.wait()),
-                asyncio.ensure_future(controller.wait()),
-            ]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
-            if stop.is_set():
-                if on_stop is not None:
-                    on_stop()  # e.g. the demo's load: no new requests while draining
-                return await _stop(controller, drain_timeout_s + 30)
-            if controller.returncode == 2:
-                return 2  # it said why
-            if num_restarts >= max_restarts:
-                say(f"error: {num_restarts} restarts already; stopping")
-                return 1
-            num_restarts += 1
-            if controller.returncode is not None:
-                say(f"error: the controller exited ({controller.returncode}); restarting it")
-                controller = await _start(controller_argv, say)
-            if gateway.returncode is not None:
-                say(f"error: the gateway exited ({gateway.returncode}); restarting it")
-                gateway = await _start(gateway_argv, say)
-                await _wait_listening(host, port, gateway)
-    finally:
-        if controller is not None:
-            await _stop(controller, drain_timeout_s + 30)
-        await _stop(gateway, drain_timeout_s + 5)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.remove_signal_handler(sig)
 
 
 def plan_table(the_plan: Plan) -> Table:
@@ -241,7 +127,16 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(help="YAML with a `shift:` section (docs/shift-policy.md)."),
         ] = None,
-        dry_run: Annotated[bool, typer.Option(help="Print the plan and exit.")] = False,
+        admin_token_file: Annotated[
+            Path | None,
+            typer.Option(
+                help="The admin token of the gateway and the controller (default: a new one, "
+                "in a private file `up` names when it starts)."
+            ),
+        ] = None,
+        dry_run: Annotated[
+            bool, typer.Option(help="Check the files, print the plan and exit.")
+        ] = False,
         ray: Annotated[
             str | None,
             typer.Option(
@@ -271,6 +166,13 @@ def register(app: typer.Typer) -> None:
             if demo:  # the plan the controller will start with: gpu1 held by the tenant
                 the_cluster = demo_cluster(the_cluster, time.time())
             demands = load_models(models_path)
+            if demo:
+                shift_config = shift_config or demo_shift_config()
+            if shift_config is not None:  # checked before anything starts
+                load_shift_params(shift_config)
+            admin_token = None
+            if admin_token_file is not None:
+                admin_token = resolve_token(None, admin_token_file)
             with Store(store) as st:
                 efficiency = st.efficiency()
                 lookup = GearLookup(st.points(), efficiency)
@@ -299,31 +201,34 @@ def register(app: typer.Typer) -> None:
 
         def say(line: str) -> None:
             if line.startswith("error:"):
-                err_console.print(f"[bold red]error:[/]{line[6:]}", highlight=False)
+                err_console.print(
+                    f"[bold red]error:[/]{escape(line[6:])}", highlight=False, soft_wrap=True
+                )  # one line, as the child wrote it
             else:
                 console.print(line, highlight=False, soft_wrap=True)
 
-        with tempfile.TemporaryDirectory(prefix="flexpipe-up-") as tmp:
-            token_file = Path(tmp) / "gateway-token"
-            engine_token_file = Path(tmp) / "engine-token"
-            for f in (token_file, engine_token_file):
-                f.touch(0o600)
-                f.write_text(secrets.token_urlsafe(24))
+        controller_url = f"http://{host}:{controller_port or port + 100}"
+        with run_dir(port, f"http://{host}:{port}", controller_url, admin_token) as rd:
+            token_file = str(rd.admin_token_file)
+            # one admin token: the gateway's, the controller's (`flexpipe cluster occupy`),
+            # and the dashboard's reads of the controller
+            say(f"admin token in {token_file} (`flexpipe cluster` and `flexpipe status` "
+                "find it)")  # fmt: skip
             me = [sys.executable, "-m", "flexpipe"]
             gateway_argv = [*me, "gateway", "--host", host, "--port", str(port),
-                            "--admin-token-file", str(token_file),
+                            "--admin-token-file", token_file,
                             "--shutdown-grace-s", str(drain_timeout_s),
-                            "--controller-url",  # the dashboard's GPU map and shift log
-                            f"http://{host}:{controller_port or port + 100}"]  # fmt: skip
+                            "--controller-url", controller_url,  # the dashboard's GPU map
+                            "--controller-token-file", token_file]  # fmt: skip
             controller_argv = [
                 *me, "controller", "--gateway", f"http://{host}:{port}",
-                "--gateway-token-file", str(token_file),
+                "--gateway-token-file", token_file, "--token-file", token_file,
                 "--cluster", str(cluster_path), "--models", str(models_path),
                 "--port", str(controller_port or port + 100),
                 "--engine", engine, "--time-scale", str(time_scale),
                 "--ready-timeout-s", str(ready_timeout_s), "--tick-s", str(tick_s),
                 "--drain-deadline-s", str(drain_timeout_s), "--vllm-command", vllm_command,
-                "--engine-token-file", str(engine_token_file),
+                "--engine-token-file", str(rd.engine_token_file),
                 "--supervisor-pid", str(os.getpid()),
                 "--rehearsal-tolerance", str(rehearsal_tolerance),
             ]  # fmt: skip
@@ -335,9 +240,7 @@ def register(app: typer.Typer) -> None:
                 controller_argv += ["--store", store]
             demo_run = None
             if demo:
-                shift_config = shift_config or demo_shift_config()
                 controller_argv += controller_args()
-                controller_url = f"http://{host}:{controller_port or port + 100}"
                 demo_run = DemoRun(
                     f"http://{host}:{port}", controller_url, demands[0].name, say, time_scale
                 )
@@ -345,8 +248,10 @@ def register(app: typer.Typer) -> None:
                 controller_argv += ["--shift-config", str(shift_config)]
             if ray is not None:
                 controller_argv += _ray_argv(ray, cluster, controller_argv)
+            before = os.environ.get(TOKEN_ENV)
             try:
-                if demo_run is not None:
+                if demo_run is not None:  # its client reads the token from the environment
+                    os.environ[TOKEN_ENV] = rd.admin_token_file.read_text()
                     demo_run.start()
                 with user_errors():
                     rc = asyncio.run(
@@ -356,6 +261,9 @@ def register(app: typer.Typer) -> None:
             finally:
                 if demo_run is not None:
                     demo_run.stop()
+                    os.environ.pop(TOKEN_ENV, None)
+                    if before is not None:
+                        os.environ[TOKEN_ENV] = before
         console.print("stopped the controller and the gateway")
         if rc != 0:
             raise typer.Exit(rc)
