@@ -10,7 +10,6 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from flexpipe.control.client import (
     ReleaseRequest,
     admin_answer,
     bearer_ok,
-    parse_until,
     resolve_token,
 )
 from flexpipe.control.cluster_watch import ClusterWatch
@@ -441,25 +439,6 @@ def test_request_bodies_are_read_strictly() -> None:
         with pytest.raises(ResourceError) as info:
             OccupyRequest.from_json(body)
         assert str(info.value) == message
-
-
-def test_parse_until() -> None:
-    now = 1_764_600_000.0
-    assert parse_until("90s", now) == now + 90
-    assert parse_until("10m", now) == now + 600
-    assert parse_until("1h30m", now) == now + 5_400
-    assert parse_until("2h", now) == now + 7_200
-    assert parse_until("1d", now) == now + 86_400
-    assert parse_until("0.5h", now) == now + 1_800
-    iso = datetime.fromtimestamp(now + 3_600, UTC).isoformat().replace("+00:00", "Z")
-    assert parse_until(iso, now) == now + 3_600
-    with pytest.raises(ValueError, match=r"--until '10x': expected a duration \(90s"):
-        parse_until("10x", now)
-    with pytest.raises(ValueError, match="the duration must be more than 0"):
-        parse_until("0m", now)
-    past = datetime.fromtimestamp(now - 60, UTC).isoformat()
-    with pytest.raises(ValueError, match=r"is in the past \(60 s ago\)"):
-        parse_until(past, now)
 
 
 def test_resolve_token(tmp_path: Path) -> None:

@@ -140,6 +140,14 @@ def controller(
     occupy_owner: Annotated[str, typer.Option(help="Who holds the --occupy GPUs.")] = (
         "another tenant"
     ),
+    deployment_id: Annotated[
+        str | None,
+        typer.Option(
+            help="What owns this controller's instances, shift log and occupations in the "
+            "store [the gateway's URL; with --ray, ray:<--ray-deployment>, whose placement "
+            "groups it adopts]."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Launch the plan's engines, register them in the gateway, shift gears while serving."""
@@ -185,6 +193,9 @@ def controller(
             shift=params,
             occupied=tuple(occupy or ()),
             occupied_owner=occupy_owner,
+            # Ray: the store's deployment is the Ray deployment, as its adoption of placement
+            # groups removes those of that Ray deployment no record of this one names
+            deployment_id=deployment_id or (f"ray:{ray_deployment}" if ray is not None else None),
         )
         st = Store(store)
     launcher: AdoptingLauncher = LocalLauncher(

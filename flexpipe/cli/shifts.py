@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Annotated
 
 import typer
@@ -15,29 +14,12 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import user_errors
+from flexpipe.cli.durations import parse_since
 from flexpipe.store import Store, StoreError, default_store_url
 from flexpipe.store.shift_entry import KINDS, METHODS, PHASES, PlanInstance, ShiftEntry
 from flexpipe.store.shift_log import ShiftLog
 
 __all__ = ["entries_table", "moves_text", "parse_since", "register"]
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_since(text: str, now: datetime) -> datetime:
-    """`10m`, `2h`, `1.5d`, `30s` before `now`, or an ISO 8601 time (no zone: UTC)."""
-    m = _DURATION.match(text)
-    if m:
-        return now - timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
-    try:
-        at = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise ValueError(
-            f"bad --since {text!r}: expected a duration (30s, 10m, 2h, 1d) or an ISO time "
-            "(2026-12-01T12:00:00Z)"
-        ) from None
-    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
 
 
 def _short(i: PlanInstance) -> str:
@@ -156,7 +138,7 @@ def register(app: typer.Typer) -> None:
     def shifts(
         since: Annotated[
             str | None,
-            typer.Option(help="Only entries since: a duration (10m, 2h, 1d) or an ISO time."),
+            typer.Option(help="Only entries since: a duration (10m, 2h, 1h30m) or an ISO time."),
         ] = None,
         kind: Annotated[
             list[str] | None,

@@ -27,7 +27,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,6 @@ __all__ = [
     "ReleaseRequest",
     "admin_answer",
     "bearer_ok",
-    "parse_until",
     "resolve_token",
 ]
 
@@ -171,35 +169,6 @@ def bearer_ok(authorization: str | None, token: str | None) -> bool:
 
 # --------------------------------------------------------------------------------------------
 # CLI inputs
-
-_DURATION_RE = re.compile(
-    r"^(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$"
-)
-_UNIT_S = (86400.0, 3600.0, 60.0, 1.0)
-
-
-def parse_until(text: str, now_s: float) -> float:
-    """`--until`: a duration from now (`90s`, `10m`, `2h`, `1h30m`, `1d`) or an ISO 8601 time
-    (`2026-12-01T15:00`, `2026-12-01T15:00:00Z`; without a zone: this machine's local time).
-    Returns unix seconds, after `now_s`."""
-    value = text.strip().lower()
-    match = _DURATION_RE.match(value)
-    if value and match and any(match.groups()):
-        seconds = sum(float(g) * u for g, u in zip(match.groups(), _UNIT_S, strict=True) if g)
-        if seconds <= 0:
-            raise ValueError(f"--until {text!r}: the duration must be more than 0")
-        return now_s + seconds
-    try:
-        when = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise ValueError(
-            f"--until {text!r}: expected a duration (90s, 10m, 2h, 1h30m, 1d) or an ISO time "
-            "(2026-12-01T15:00, 2026-12-01T15:00:00Z)"
-        ) from None
-    until_s = when.timestamp()  # naive: local time
-    if until_s <= now_s:
-        raise ValueError(f"--until {text!r} is in the past ({now_s - until_s:.0f} s ago)")
-    return until_s
 
 
 def resolve_token(
