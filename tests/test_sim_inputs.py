@@ -59,10 +59,10 @@ R = "workloads[0].arrivals"
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        ("duration_s", NAN, "s.yaml: duration_s must be a positive number (got nan)"),
+        ("duration_s", NAN, "s.yaml: duration_s: expected a number, got nan"),
         ("duration_s", INF, "s.yaml: duration_s must be a finite number (got inf)"),
-        ("workloads.0.arrivals.rate_per_s", NAN, f"s.yaml: {R}.rate_per_s: expected a finite "
-         "number, got nan"),
+        ("workloads.0.arrivals.rate_per_s", NAN, f"s.yaml: {R}.rate_per_s: expected a number, "
+         "got nan"),
         ("workloads.0.arrivals.rate_per_s", INF, f"s.yaml: {R}.rate_per_s: expected a finite "
          "number, got inf"),
         ("workloads.0.arrivals.rate_per_s", "abc", f"s.yaml: {R}.rate_per_s: expected a number, "
@@ -86,8 +86,8 @@ R = "workloads[0].arrivals"
          "be a finite number >= 1 (got 0)"),
         ("workloads.0.shared_prefix", {"num_groups": 0, "num_tokens": 512}, "s.yaml: "
          "workloads[0].shared_prefix.num_groups: must be a finite number >= 1 (got 0)"),
-        ("workloads.0.diurnal", {"period_s": NAN}, "s.yaml: workloads[0].diurnal.period_s: "
-         "expected a finite number, got nan"),
+        ("workloads.0.diurnal", {"period_s": INF}, "s.yaml: workloads[0].diurnal.period_s: "
+         "expected a finite number, got inf"),
         ("seed", "abc", "s.yaml: seed: expected an integer, got 'abc'"),
         ("cluster.generate.nodes", "x", "s.yaml: cluster.generate.nodes: expected an integer, "
          "got 'x'"),
@@ -95,7 +95,14 @@ R = "workloads[0].arrivals"
          "gpu_type; known: nodes, gpus_per_node, seed"),
         ("controller", {"tick_s": 0}, "s.yaml: controller.tick_s: must be >= 0.001 (got 0)"),
         ("controller", {"tick_s": -5}, "s.yaml: controller.tick_s: must be >= 0.001 (got -5)"),
-        ("controller", {"tick_s": NAN}, "s.yaml: controller.tick_s: expected a finite number, "
+        ("controller", {"tick_s": INF}, "s.yaml: controller.tick_s: expected a finite number, "
+         "got inf"),
+        # a NaN anywhere, in the sections other parsers read too
+        ("controller", {"shift": {"triggers": {"cooldown_s": NAN}}}, "s.yaml: "
+         "controller.shift.triggers.cooldown_s: expected a number, got nan"),
+        ("gateway", {"max_queue_wait_s": NAN}, "s.yaml: gateway.max_queue_wait_s: expected a "
+         "number, got nan"),
+        ("models.0.slo.ttft_p99_ms", NAN, "s.yaml: models[0].slo.ttft_p99_ms: expected a number, "
          "got nan"),
         ("controller", {"drain_deadline_s": -5}, "s.yaml: controller.drain_deadline_s: must be "
          ">= 0 (got -5)"),
@@ -129,8 +136,8 @@ def test_occupy_is_checked_against_the_gpus_memory() -> None:
     )
     doc["resources"] = [{"at_s": 1, "occupy": [gpu], "used_gib": -5}]
     assert _error(doc) == "s.yaml: resources[0]: used_gib must be a finite number >= 0 (got -5)"
-    doc["resources"] = [{"at_s": NAN, "release": [gpu]}]
-    assert _error(doc) == "s.yaml: resources[0]: at_s must be a finite number >= 0 (got nan)"
+    doc["resources"] = [{"at_s": INF, "release": [gpu]}]
+    assert _error(doc) == "s.yaml: resources[0]: at_s must be a finite number >= 0 (got inf)"
     # a GPU that joins later is checked against its own type
     doc["resources"] = [
         {"at_s": 1, "join": {"node": "n9", "gpus": [{"id": "h", "type": "H100-80G-SXM"}]}},
@@ -232,9 +239,9 @@ def test_an_empty_or_bad_trace_is_an_error_when_the_scenario_loads(tmp_path: Pat
         '{"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [-1]}\n'
     )
     assert _error(doc, tmp_path).startswith(f"s.yaml: workloads[0].trace: {tmp_path}/neg.jsonl:1:")
-    doc["workloads"][0]["trace"].update(speedup=NAN)
+    doc["workloads"][0]["trace"].update(speedup=INF)
     assert _error(doc, tmp_path) == (
-        "s.yaml: workloads[0].trace.speedup: expected a finite number, got nan"
+        "s.yaml: workloads[0].trace.speedup: expected a finite number, got inf"
     )
     doc["workloads"][0]["trace"] = {"kind": "azure", "file": "empty.csv", "speed": 2}
     assert _error(doc, tmp_path) == (

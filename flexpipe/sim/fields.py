@@ -101,3 +101,20 @@ def build(cls: Any, value: object, place: str) -> Any:
         return cls(**kwargs)
     except WorkloadError as exc:
         raise FieldError(f"{place}.{exc}") from None
+
+
+def find_nan(value: object, place: str) -> str | None:
+    """The path of the first NaN in a parsed YAML document (never a meaningful value in any
+    section, the gateway's, the models' and the shift policy's included), or None."""
+    if isinstance(value, float) and math.isnan(value):
+        return place
+    items: list[tuple[str, object]] = []
+    if isinstance(value, dict):
+        items = [(f"{place}.{k}" if place else str(k), v) for k, v in value.items()]
+    elif isinstance(value, list):
+        items = [(f"{place}[{i}]", v) for i, v in enumerate(value)]
+    for where, v in items:
+        found = find_nan(v, where)
+        if found is not None:
+            return found
+    return None

@@ -270,6 +270,9 @@ def _parse(doc: Any, base: Path, source: str) -> Scenario:
     unknown = sorted(set(doc) - _KEYS)
     if unknown:
         raise ScenarioError(f"{source}: unknown key(s) {', '.join(unknown)}")
+    nan = fields.find_nan(doc, "")
+    if nan is not None:
+        raise ScenarioError(f"{source}: {nan}: expected a number, got nan")
     models = doc.get("models")
     if not isinstance(models, list) or not models or not all(isinstance(m, dict) for m in models):
         raise ScenarioError(f"{source}: `models` must list at least one model")
