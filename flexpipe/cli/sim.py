@@ -8,6 +8,7 @@ flexpipe sim my.yaml --policy peak --out runs/peak --duration-s 600 --seed 3
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -102,6 +103,20 @@ def compare_table(reports: list[dict[str, Any]]) -> Table:
     return table
 
 
+def policy_names(compare: str | None, policy: str | None, default: str) -> list[str]:
+    """The policies to run: `--compare A,B`, else `--policy`, else the scenario's."""
+    option = "--compare" if compare is not None else "--policy"
+    given = compare if compare is not None else policy
+    names = [p.strip() for p in (default if given is None else given).split(",")]
+    names = [p for p in names if p]
+    if not names:
+        raise ValueError(f"{option}: give at least one policy name (got {given!r})")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{option}: {', '.join(twice)} given more than once")
+    return names
+
+
 def register(app: typer.Typer) -> None:
     """Add `flexpipe sim` to the app."""
 
@@ -140,7 +155,7 @@ def register(app: typer.Typer) -> None:
             return
         from flexpipe.sim.policy import create_policy
         from flexpipe.sim.report import report, report_json, write_reports
-        from flexpipe.sim.scenario import load_scenario, resolve
+        from flexpipe.sim.scenario import load_scenario, resolve, with_duration
         from flexpipe.sim.simulator import simulate
 
         with user_errors():
@@ -148,10 +163,8 @@ def register(app: typer.Typer) -> None:
             if seed is not None:
                 sc = replace(sc, seed=seed)
             if duration_s is not None:
-                if duration_s <= 0:
-                    raise ValueError("--duration-s must be > 0")
-                sc = replace(sc, duration_s=duration_s)
-            names = [p.strip() for p in (compare or policy or sc.policy).split(",") if p.strip()]
+                sc = with_duration(sc, duration_s)
+            names = policy_names(compare, policy, sc.policy)
             for name in names:
                 create_policy(name, sc)  # an unknown name is an error before anything runs
         reports = []
@@ -177,8 +190,10 @@ def register(app: typer.Typer) -> None:
                 target = out / name if len(names) > 1 else out
                 for path in write_reports(result, target):
                     err_console.print(f"wrote {path}", highlight=False)
-            if json_out:
+            if json_out and len(names) == 1:
                 typer.echo(report_json(result), nl=False)
+        if json_out and len(names) > 1:  # one JSON document: policy -> report
+            typer.echo(json.dumps(dict(zip(names, reports, strict=True)), indent=2))
         if not json_out:
             console.print(compare_table(reports))
             for rep in reports:

@@ -38,7 +38,8 @@ Paths are relative to the scenario file. Every mistake is one readable line (Sce
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from flexpipe.gears.gear import Gear, GearError, parse_gear
 from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import ModelsFileError
 from flexpipe.policies.shift import ShiftParams
+from flexpipe.sim import fields
 from flexpipe.sim.controller import ControllerParams
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.timeline import TimelineError, TimelineEvent, parse_timeline
@@ -111,28 +113,58 @@ def _mapping(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _build(cls: Any, value: Any, where: str) -> Any:
-    try:
-        return cls(**_mapping(value, where))
-    except TypeError as exc:
-        raise ScenarioError(f"{where}: {exc}") from None
+_GENERATE_KEYS = ("nodes", "gpus_per_node", "seed")
+_CLUSTER_KEYS = ("file", "inline", "generate")
+_ARRIVAL_KEYS = ("process", "rate_per_s", "cv", "start_s")
+_TRACE_KEYS = ("kind", "file", "speedup", "offset_s")
+MAX_REPORT_INTERVALS = 1_000_000  # duration_s / report_interval_s: the report's timeline rows
+MAX_EXPECTED_REQUESTS = 10_000_000  # generated up front: ~2-3 GB, ~45 CPU minutes
+MIN_TICK_S = 0.001  # a finer controller tick would make a run endless, not more exact
 
 
 def _cluster(value: Any, base: Path, where: str) -> Cluster:
-    doc = _mapping(value, where)
+    doc = fields.mapping(value, where)
+    given = [k for k in _CLUSTER_KEYS if k in doc]
+    fields.check_keys(doc, _CLUSTER_KEYS, where)
+    if len(given) != 1:
+        raise ScenarioError(f"{where}: give `file`, `inline` or `generate` (exactly one)")
     try:
         if "file" in doc:
             return load_cluster(base / str(doc["file"]))
         if "inline" in doc:
             return parse_cluster(doc["inline"], f"{where}.inline")
-        if "generate" in doc:
-            g = _mapping(doc["generate"], f"{where}.generate")
-            return generate_cluster(
-                int(g.get("nodes", 1)), int(g.get("gpus_per_node", 8)), int(g.get("seed", 0))
-            )
+        g = fields.mapping(doc["generate"], f"{where}.generate")
+        fields.check_keys(g, _GENERATE_KEYS, f"{where}.generate")
+        return generate_cluster(
+            fields.integer(g.get("nodes", 1), f"{where}.generate.nodes", min_value=1),
+            fields.integer(g.get("gpus_per_node", 8), f"{where}.generate.gpus_per_node",
+                           min_value=1),
+            fields.integer(g.get("seed", 0), f"{where}.generate.seed"),
+        )  # fmt: skip
     except ClusterError as exc:
         raise ScenarioError(str(exc).replace("\n", "; ")) from None
-    raise ScenarioError(f"{where}: give `file`, `inline` or `generate`")
+
+
+def _trace(value: Any, base: Path, where: str) -> TraceReplay:
+    t = fields.mapping(value, where)
+    fields.check_keys(t, _TRACE_KEYS, where)
+    path = base / str(t.get("file", ""))
+    if not path.is_file():
+        raise ScenarioError(f"{where}: trace file {path} does not exist")
+    try:
+        replay = TraceReplay(
+            kind=str(t.get("kind", "")),
+            path=path,
+            speedup=fields.number(t.get("speedup", 1.0), f"{where}.speedup"),
+            offset_s=fields.number(t.get("offset_s", 0.0), f"{where}.offset_s"),
+        )
+    except WorkloadError as exc:
+        raise ScenarioError(f"{where}.{exc}") from None
+    try:
+        replay.rows()  # a malformed or empty trace is an error now, not mid-run
+    except WorkloadError as exc:
+        raise ScenarioError(f"{where}: {exc}") from None
+    return replay
 
 
 def _workload(value: Any, base: Path, where: str, models: list[str]) -> Workload:
@@ -143,32 +175,30 @@ def _workload(value: Any, base: Path, where: str, models: list[str]) -> Workload
     model = doc.get("model", models[0] if len(models) == 1 else None)
     if model not in models:
         raise ScenarioError(f"{where}.model: {model!r} is not one of the models {models}")
+    if "trace" in doc:
+        return Workload(model, _trace(doc["trace"], base, f"{where}.trace"))
+    place = f"{where}.arrivals"
+    arrivals = fields.mapping(doc.get("arrivals"), place)
+    fields.check_keys(arrivals, _ARRIVAL_KEYS, place)
+    if "rate_per_s" not in arrivals:
+        raise ScenarioError(f"{place}.rate_per_s: missing (requests per second, > 0)")
     try:
-        if "trace" in doc:
-            t = dict(_mapping(doc["trace"], f"{where}.trace"))
-            t["path"] = base / str(t.pop("file", ""))
-            if not t["path"].is_file():
-                raise ScenarioError(f"{where}.trace: trace file {t['path']} does not exist")
-            return Workload(model, _build(TraceReplay, t, f"{where}.trace"))
-        arrivals = dict(_mapping(doc.get("arrivals"), f"{where}.arrivals"))
-        process = arrivals.pop("process", "poisson")
         source = Synthetic(
-            rate_per_s=float(arrivals.pop("rate_per_s", 0)),
-            arrival=str(process),
-            cv=float(arrivals.pop("cv", 1.0)),
-            start_s=float(arrivals.pop("start_s", 0.0)),
-            prompt=_build(LengthDist, doc.get("prompt_tokens", {}), f"{where}.prompt_tokens"),
-            output=_build(LengthDist, doc.get("output_tokens", {}), f"{where}.output_tokens"),
-            diurnal=_build(Diurnal, doc["diurnal"], f"{where}.diurnal") if "diurnal" in doc
-            else None,
-            shared_prefix=_build(SharedPrefix, doc["shared_prefix"], f"{where}.shared_prefix")
+            rate_per_s=fields.number(arrivals["rate_per_s"], f"{place}.rate_per_s"),
+            arrival=str(arrivals.get("process", "poisson")),
+            cv=fields.number(arrivals.get("cv", 1.0), f"{place}.cv"),
+            start_s=fields.number(arrivals.get("start_s", 0.0), f"{place}.start_s"),
+            prompt=fields.build(LengthDist, doc.get("prompt_tokens", {}), f"{where}.prompt_tokens"),
+            output=fields.build(LengthDist, doc.get("output_tokens", {}), f"{where}.output_tokens"),
+            diurnal=fields.build(Diurnal, doc["diurnal"], f"{where}.diurnal")
+            if "diurnal" in doc else None,
+            shared_prefix=fields.build(SharedPrefix, doc["shared_prefix"],
+                                       f"{where}.shared_prefix")
             if "shared_prefix" in doc else None,
         )  # fmt: skip
-        if arrivals:
-            raise ScenarioError(f"{where}.arrivals: unknown key(s) {', '.join(sorted(arrivals))}")
-        return Workload(model, source)
-    except WorkloadError as exc:
-        raise ScenarioError(f"{where}: {exc}") from None
+    except WorkloadError as exc:  # the arrivals' own checks (the others name their place)
+        raise ScenarioError(f"{place}.{exc}") from None
+    return Workload(model, source)
 
 
 def _controller(value: Any, where: str) -> ControllerParams:
@@ -178,10 +208,20 @@ def _controller(value: Any, where: str) -> ControllerParams:
         raise ScenarioError(f"{where}: unknown key(s) {', '.join(unknown)}")
     try:
         shift = ShiftParams.from_mapping(doc.pop("shift", {}) or {})
-        return ControllerParams(**{k: type(getattr(ControllerParams(), k))(v)
-                                   for k, v in doc.items()}, shift=shift)  # fmt: skip
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{where}: {exc}") from None
+    d = ControllerParams()
+    return ControllerParams(
+        tick_s=fields.number(doc.get("tick_s", d.tick_s), f"{where}.tick_s",
+                             min_value=MIN_TICK_S),
+        drain_deadline_s=fields.number(doc.get("drain_deadline_s", d.drain_deadline_s),
+                                       f"{where}.drain_deadline_s", min_value=0),
+        rehearsal_tolerance=fields.number(doc.get("rehearsal_tolerance", d.rehearsal_tolerance),
+                                          f"{where}.rehearsal_tolerance", above=0),
+        min_instances_floor=fields.integer(doc.get("min_instances_floor", d.min_instances_floor),
+                                           f"{where}.min_instances_floor", min_value=0),
+        shift=shift,
+    )  # fmt: skip
 
 
 def _plans(
@@ -219,10 +259,20 @@ def _plans(
 
 
 def parse_scenario(doc: Any, base: Path, source: str = "<scenario>") -> Scenario:
+    try:
+        return _parse(doc, base, source)
+    except fields.FieldError as exc:
+        raise ScenarioError(str(exc)) from None
+
+
+def _parse(doc: Any, base: Path, source: str) -> Scenario:
     doc = _mapping(doc, source)
     unknown = sorted(set(doc) - _KEYS)
     if unknown:
         raise ScenarioError(f"{source}: unknown key(s) {', '.join(unknown)}")
+    nan = fields.find_nan(doc, "")
+    if nan is not None:
+        raise ScenarioError(f"{source}: {nan}: expected a number, got nan")
     models = doc.get("models")
     if not isinstance(models, list) or not models or not all(isinstance(m, dict) for m in models):
         raise ScenarioError(f"{source}: `models` must list at least one model")
@@ -230,9 +280,7 @@ def parse_scenario(doc: Any, base: Path, source: str = "<scenario>") -> Scenario
     workloads = doc.get("workloads")
     if not isinstance(workloads, list) or not workloads:
         raise ScenarioError(f"{source}: `workloads` must list at least one workload")
-    duration = doc.get("duration_s")
-    if not isinstance(duration, int | float) or duration <= 0:
-        raise ScenarioError(f"{source}: duration_s must be a positive number")
+    duration = _duration(doc.get("duration_s"), f"{source}: duration_s")
     try:
         gateway = config_from_dict(_mapping(doc.get("gateway") or {}, f"{source}: gateway"))
     except ConfigError as exc:
@@ -242,7 +290,7 @@ def parse_scenario(doc: Any, base: Path, source: str = "<scenario>") -> Scenario
         resources = parse_timeline(doc.get("resources"), cluster, f"{source}: resources")
     except TimelineError as exc:
         raise ScenarioError(str(exc)) from None
-    return Scenario(
+    scenario = Scenario(
         name=str(doc.get("name", source)),
         description=str(doc.get("description", "")),
         cluster=cluster,
@@ -253,12 +301,53 @@ def parse_scenario(doc: Any, base: Path, source: str = "<scenario>") -> Scenario
         workloads=tuple(
             _workload(w, base, f"{source}: workloads[{i}]", names) for i, w in enumerate(workloads)
         ),
-        duration_s=float(duration),
-        seed=int(doc.get("seed", 0)),
+        duration_s=duration,
+        seed=fields.integer(doc.get("seed", 0), f"{source}: seed"),
         policy=str(doc.get("policy", "flexpipe")),
         gateway=gateway,
-        report_interval_s=float(doc.get("report_interval_s", 60.0)),
+        report_interval_s=fields.number(
+            doc.get("report_interval_s", 60.0), f"{source}: report_interval_s", above=0
+        ),
     )
+    _check_span(scenario, source)
+    return scenario
+
+
+def _duration(value: Any, name: str) -> float:
+    """`name` (`FILE: duration_s`, `--duration-s`): a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ScenarioError(f"{name} must be a positive number (got {value!r})")
+    if not math.isfinite(value):
+        raise ScenarioError(f"{name} must be a finite number (got {value!r})")
+    return float(value)
+
+
+def _check_span(sc: Scenario, where: str) -> None:
+    """What the duration bounds: the report's intervals and the requests generated up front
+    (a run that would not end, or not fit in memory, is refused before it starts)."""
+    intervals = sc.duration_s / sc.report_interval_s
+    if intervals > MAX_REPORT_INTERVALS:
+        raise ScenarioError(
+            f"{where}: report_interval_s {sc.report_interval_s:g} cuts duration_s "
+            f"{sc.duration_s:g} into {intervals:.3g} intervals (at most {MAX_REPORT_INTERVALS:,})"
+        )
+    expected = sum(
+        w.source.peak_rate_per_s * max(0.0, sc.duration_s - w.source.start_s)
+        for w in sc.workloads
+        if isinstance(w.source, Synthetic)
+    )
+    if expected > MAX_EXPECTED_REQUESTS:
+        raise ScenarioError(
+            f"{where}: the workloads' rate_per_s over duration_s {sc.duration_s:g} s would "
+            f"generate ~{expected:.3g} requests (at most {MAX_EXPECTED_REQUESTS:,})"
+        )
+
+
+def with_duration(sc: Scenario, duration_s: float) -> Scenario:
+    """The scenario run for `duration_s` instead (`--duration-s`), checked as the file's."""
+    scenario = replace(sc, duration_s=_duration(duration_s, "--duration-s"))
+    _check_span(scenario, "--duration-s")
+    return scenario
 
 
 def load_scenario(path: str | Path) -> Scenario:
@@ -267,8 +356,13 @@ def load_scenario(path: str | Path) -> Scenario:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ScenarioError(f"{path}: cannot read the file: {exc.strerror}") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = exc.problem or exc.context or "not YAML"
+        raise ScenarioError(f"{path}: {at}YAML syntax error: {problem}") from None
     except yaml.YAMLError as exc:
-        raise ScenarioError(f"{path}: YAML syntax error: {exc}") from None
+        raise ScenarioError(f"{path}: YAML syntax error: {' '.join(str(exc).split())}") from None
     return parse_scenario(doc, path.parent, str(path))
 
 
@@ -296,4 +390,5 @@ __all__ = [
     "load_scenario",
     "parse_scenario",
     "resolve",
+    "with_duration",
 ]

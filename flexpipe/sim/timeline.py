@@ -23,12 +23,15 @@ the live controller's file watch takes, so the policy sees the same events.
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from flexpipe.cluster import Cluster, ClusterError, parse_cluster
-from flexpipe.hardware import GiB
+from flexpipe.cluster.errors import exceeds
+from flexpipe.hardware import CatalogError, GiB, GpuSpec, gpu_spec
 
 __all__ = ["EventKind", "TimelineError", "TimelineEvent", "apply_event", "parse_timeline"]
 
@@ -79,6 +82,7 @@ def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEv
         raise TimelineError(f"{where}: expected a list of events")
     out: list[TimelineEvent] = []
     known = set(cluster.gpu_ids)
+    specs = {g.id: g.spec for g in cluster.gpus}  # and joined GPUs', as they join
     order = sorted(range(len(value)), key=lambda i: _at(value[i]))
     for i in order:
         doc = value[i]
@@ -92,8 +96,8 @@ def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEv
         if len(kinds) != 1:
             raise TimelineError(f"{place}: give exactly one of {', '.join(_KINDS)}")
         at = doc.get("at_s")
-        if isinstance(at, bool) or not isinstance(at, int | float) or at < 0:
-            raise TimelineError(f"{place}: at_s must be a number >= 0")
+        if isinstance(at, bool) or not isinstance(at, int | float) or not 0 <= at < math.inf:
+            raise TimelineError(f"{place}: at_s must be a finite number >= 0 (got {at!r})")
         kind = kinds[0]
         join: dict[str, Any] | None = None
         if kind == "join":
@@ -105,6 +109,7 @@ def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEv
             if clash:
                 raise TimelineError(f"{place}.join: GPU(s) {clash} are already in the cluster")
             known.update(gpus)
+            specs.update(_join_specs(join["gpus"]))
         elif kind == "fail_node":
             try:
                 gpus = tuple(g.id for g in cluster.node(str(doc[kind])).gpus)
@@ -118,13 +123,17 @@ def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEv
             if bad or not gpus:
                 raise TimelineError(f"{place}: unknown GPU(s) {bad or '(none)'}")
         owner = str(doc.get("owner", "another tenant"))
-        used = doc.get("used_gib")
-        notice = float(doc.get("notice_s", 0.0))
-        if kind == "reclaim" and notice < 0:
-            raise TimelineError(f"{place}: notice_s must be >= 0")
+        used = _used_bytes(doc.get("used_gib"), gpus, specs, place)
+        notice = doc.get("notice_s", 0.0)
+        if (
+            isinstance(notice, bool)
+            or not isinstance(notice, int | float)
+            or not (0 <= notice < math.inf)
+        ):
+            raise TimelineError(f"{place}: notice_s must be a finite number >= 0 (got {notice!r})")
         ev = TimelineEvent(
-            float(at), cast(EventKind, kind), gpus, owner,
-            None if used is None else float(used) * GiB, notice, str(doc.get("note", "")), join,
+            float(at), cast(EventKind, kind), gpus, owner, used, float(notice),
+            str(doc.get("note", "")), join,
         )  # fmt: skip
         out.append(ev)
         if kind == "reclaim":
@@ -135,6 +144,37 @@ def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEv
     for e in out:  # a join that does not make a valid cluster is an error now, not mid-run
         check = apply_event(check, e)
     return tuple(out)
+
+
+def _used_bytes(
+    used_gib: Any, gpus: tuple[str, ...], specs: dict[str, GpuSpec], place: str
+) -> float | None:
+    """An occupy's `used_gib` in bytes (None: the whole GPU), within every GPU's memory (the
+    cluster file's own check, `flexpipe.cluster.errors.exceeds`)."""
+    if used_gib is None:
+        return None
+    if (
+        isinstance(used_gib, bool)
+        or not isinstance(used_gib, int | float)
+        or not (0 <= used_gib < math.inf)
+    ):
+        raise TimelineError(f"{place}: used_gib must be a finite number >= 0 (got {used_gib!r})")
+    used = float(used_gib) * GiB
+    for gid in gpus:
+        spec = specs.get(gid)
+        if spec is not None and used > spec.memory_bytes:
+            raise TimelineError(f"{place}: used_gib on {gid}: {exceeds(used, spec)}")
+    return used
+
+
+def _join_specs(gpus: list[Any]) -> dict[str, GpuSpec]:
+    """The joining GPUs' specs (an unknown type is the join's own error, reported later)."""
+    out: dict[str, GpuSpec] = {}
+    for g in gpus:
+        if isinstance(g, dict):
+            with contextlib.suppress(CatalogError):
+                out[str(g.get("id"))] = gpu_spec(str(g.get("type")))
+    return out
 
 
 def _at(doc: Any) -> float:

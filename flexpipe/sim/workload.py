@@ -20,7 +20,18 @@ Arrival = tuple[float, int, int, tuple[int, ...]]  # (time_s, prompt, output, pr
 
 
 class WorkloadError(ValueError):
-    """A workload description that cannot be used; one readable line."""
+    """A workload description that cannot be used; one readable line. The checks of the
+    classes below start with the field's name (`mean: must be >= 1 (got 0)`)."""
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    if not (math.isfinite(value) and value >= low):
+        raise WorkloadError(f"{name}: must be a finite number >= {low:g} (got {value:g})")
+
+
+def _above(name: str, value: float, low: float) -> None:
+    if not (math.isfinite(value) and value > low):
+        raise WorkloadError(f"{name}: must be a finite number > {low:g} (got {value:g})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +48,14 @@ class LengthDist:
     def __post_init__(self) -> None:
         if self.dist not in ("fixed", "uniform", "exponential", "lognormal"):
             raise WorkloadError(
-                f"unknown length distribution {self.dist!r}: "
+                f"dist: unknown length distribution {self.dist!r}: "
                 "use fixed, uniform, exponential or lognormal"
             )
-        if self.mean < 1 or self.min < 1 or self.max < self.min or self.cv <= 0:
-            raise WorkloadError("lengths need mean >= 1, 1 <= min <= max and cv > 0")
+        _at_least("mean", self.mean, 1)
+        _above("cv", self.cv, 0)
+        _at_least("min", self.min, 1)
+        if self.max < self.min:
+            raise WorkloadError(f"max: must be >= min ({self.min}) (got {self.max})")
 
     def sample(self, rng: random.Random) -> int:
         if self.dist == "fixed":
@@ -63,8 +77,11 @@ class Diurnal:
     peak_s: float = 0.0  # when the rate peaks (mod period)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.amplitude <= 1 or self.period_s <= 0:
-            raise WorkloadError("diurnal needs 0 <= amplitude <= 1 and period_s > 0")
+        if not 0 <= self.amplitude <= 1:
+            raise WorkloadError(f"amplitude: must be in [0, 1] (got {self.amplitude:g})")
+        _above("period_s", self.period_s, 0)
+        if not math.isfinite(self.peak_s):
+            raise WorkloadError(f"peak_s: must be a finite number (got {self.peak_s:g})")
 
     def factor(self, t_s: float) -> float:
         return 1.0 + self.amplitude * math.cos(2 * math.pi * (t_s - self.peak_s) / self.period_s)
@@ -77,6 +94,10 @@ class SharedPrefix:
 
     num_groups: int = 8
     num_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        _at_least("num_groups", self.num_groups, 1)
+        _at_least("num_tokens", self.num_tokens, 1)
 
     def ids(self, group: int) -> tuple[int, ...]:
         num_blocks = max(1, self.num_tokens // PREFIX_BLOCK_TOKENS)
@@ -97,9 +118,12 @@ class Synthetic:
 
     def __post_init__(self) -> None:
         if self.arrival not in ("poisson", "gamma"):
-            raise WorkloadError(f"unknown arrival process {self.arrival!r}: use poisson or gamma")
-        if self.rate_per_s <= 0 or self.cv <= 0:
-            raise WorkloadError("arrivals need rate_per_s > 0 and cv > 0")
+            raise WorkloadError(
+                f"process: unknown arrival process {self.arrival!r}: use poisson or gamma"
+            )
+        _above("rate_per_s", self.rate_per_s, 0)
+        _above("cv", self.cv, 0)
+        _at_least("start_s", self.start_s, 0)
 
     @property
     def peak_rate_per_s(self) -> float:
