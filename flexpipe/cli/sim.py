@@ -52,9 +52,9 @@ _ROWS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, none: str = "never") -> str:
     if value is None:
-        return "never"
+        return none  # (a latency: no request completed)
     if isinstance(value, float):
         return f"{value:,.3f}"
     return f"{value:,}" if isinstance(value, int) else str(value)
@@ -90,7 +90,7 @@ def compare_table(reports: list[dict[str, Any]]) -> Table:
         )
         for metric in ("ttft_s", "tpot_s", "e2e_s"):
             for q in ("p50", "p90", "p99"):
-                table.add_row(f"  {metric[:-2]} {q} (s)", *(_cell(p[metric][q]) for p in per))
+                table.add_row(f"  {metric[:-2]} {q} (s)", *(_cell(p[metric][q], "-") for p in per))
         table.add_row("  first served (s)", *(_cell(p["first_served_s"]) for p in per))
         table.add_row(
             "  prefix-cache hits (tok)", *(_cell(p["prefix_cache_hit_tokens"]) for p in per)
