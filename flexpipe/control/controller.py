@@ -28,16 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
-
 from flexpipe.cluster import Cluster
 from flexpipe.control.admin_api import ControllerApi
 from flexpipe.control.cluster_watch import ClusterWatch
 from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
-from flexpipe.control.journal import Journal, changed_notes
+from flexpipe.control.journal import Journal, first_plan_note
 from flexpipe.control.lease import Lease
 from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.observe import RateWindow, model_states
@@ -46,6 +43,7 @@ from flexpipe.control.rate_memory import RateMemory
 from flexpipe.control.resources import Occupation, ResourceEvent, Resources
 from flexpipe.control.samples import Sampler, gateway_totals
 from flexpipe.control.shift_outcome import ShiftOutcome, finished_record
+from flexpipe.control.status_view import controller_status
 from flexpipe.control.takeover import Takeover, stub
 from flexpipe.control.ui_api import UiApi
 from flexpipe.control.wait_notice import WaitNotice
@@ -69,7 +67,7 @@ from flexpipe.policies.shift.snapshot import (
     instance_key,
 )
 from flexpipe.store import Store
-from flexpipe.store.instance_registry import InstanceRecord, InstanceRegistry
+from flexpipe.store.instance_registry import InstanceRegistry
 from flexpipe.store.shift_log import ShiftLog
 
 __all__ = ["Controller", "ControllerConfig"]
@@ -258,43 +256,14 @@ class Controller:
         live = [(i.planned.model, State(i.state)) for i in self.running.values()]
         self.metrics.set_instances(live + self._gone[-1000:])
 
+    @property
+    def rates_per_s(self) -> dict[str, float]:
+        """Each model's arrival rate over the window (requests per modelled second)."""
+        return self._rates.rates_per_s
+
     def status(self) -> dict[str, Any]:
-        return {
-            "instances": [
-                {
-                    "key": i.key,
-                    "name": i.planned.name,
-                    "model": i.planned.model,
-                    "gear": i.planned.gear.key(),
-                    "gpus": list(i.planned.gpu_ids),
-                    "url": i.url,
-                    "state": i.state,
-                }
-                for i in self.running.values()
-            ],
-            "resources": self.resources.to_json(),
-            # what `flexpipe status` / `top` compare against and how to read the engines
-            "gateway": self.gateway.url,
-            "deployment": self.deployment,  # what its store rows and lease belong to
-            "engine": self.cfg.engine_kind,
-            "time_scale": self.cfg.time_scale,
-            # where the shift log is (`flexpipe top` reads it there); not a URL with a password
-            "store": _shareable(self.store.url) if self.store is not None else None,
-            "models": [
-                {
-                    "name": d.name,
-                    "model": d.model,
-                    "slo": {"ttft_p99_s": d.slo.ttft_p99_s, "tpot_p99_s": d.slo.tpot_p99_s},
-                    "request_rate_per_s": self._rates.rates_per_s.get(d.name, d.request_rate_per_s),
-                    # the forecast over the next horizon (None: too little history yet)
-                    "expected_request_rate_per_s": self.expected_rates_per_s.get(d.name),
-                }
-                for d in self.cfg.demands
-            ],
-            "last_decision": None if self.last_decision is None else self.last_decision.to_dict(),
-            "last_outcome": None if self.last_outcome is None else self.last_outcome.to_dict(),
-            "num_shifts": len(self.history),
-        }
+        """`GET /admin/status` (control/status_view.py)."""
+        return controller_status(self)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -623,29 +592,5 @@ class Controller:
         return events
 
 
-def first_plan_note(
-    adopted: Sequence[str], retired: Sequence[InstanceRecord], outcome: ShiftOutcome
-) -> tuple[str, list[str]]:
-    """The shift log's reason and notes for the first plan: what a previous controller left
-    running that was adopted (instance keys) or retired, what was started and stopped."""
-    why = "the first plan"
-    if adopted or retired:
-        why += f" after a restart: adopted {len(adopted)} running instance(s)"
-        if retired:
-            why += f", retired {len(retired)} the plan lacks"
-    notes = [f"adopted {k}" for k in adopted]
-    notes += [f"retired {r.model}|{r.gear}|{','.join(r.gpu_ids)}" for r in retired]
-    notes += changed_notes(outcome.started, outcome.stopped)
-    return why, notes + ([outcome.reason] if outcome.reason else [])
-
-
 def _said(outcome: ShiftOutcome) -> str:
     return "done" if outcome.succeeded else "refused" if outcome.refused else "rolled back"
-
-
-def _shareable(url: str) -> str | None:
-    """A store URL safe to hand out over the admin API: None when it holds a password."""
-    try:
-        return None if make_url(url).password is not None else url
-    except ArgumentError:
-        return None

@@ -13,6 +13,7 @@ from flexpipe.control.metrics import ControllerMetrics
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.decision import ShiftDecision
+from flexpipe.store.instance_registry import InstanceRecord
 from flexpipe.store.shift_entry import (
     Migrated,
     Outcome,
@@ -95,3 +96,19 @@ def changed_notes(started: Sequence[str], stopped: Sequence[str]) -> tuple[str, 
 
 def _utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+def first_plan_note(
+    adopted: Sequence[str], retired: Sequence[InstanceRecord], outcome: ShiftOutcome
+) -> tuple[str, list[str]]:
+    """The shift log's reason and notes for the first plan: what a previous controller left
+    running that was adopted (instance keys) or retired, what was started and stopped."""
+    why = "the first plan"
+    if adopted or retired:
+        why += f" after a restart: adopted {len(adopted)} running instance(s)"
+        if retired:
+            why += f", retired {len(retired)} the plan lacks"
+    notes = [f"adopted {k}" for k in adopted]
+    notes += [f"retired {r.model}|{r.gear}|{','.join(r.gpu_ids)}" for r in retired]
+    notes += changed_notes(outcome.started, outcome.stopped)
+    return why, notes + ([outcome.reason] if outcome.reason else [])

@@ -388,10 +388,8 @@ class Gateway:
             wait_s = self.cfg.max_queue_wait_s
             if own_deadline is None:
                 own_deadline = now + wait_s
-            # a planned shift takes capacity away for a while (or the model is scaled to
-            # zero and an instance cold-starts): wait it out, don't refuse — though never
-            # longer than MAX_HELD_WAIT_S (holds.py) from arrival, however often renewed;
-            # once the hold is over, the queue's wait from its end (`set_hold` wakes us)
+            # a shift takes capacity away for a while (or a model scaled to zero cold-starts):
+            # wait it out (holds.py); once the hold is over, the queue's wait from its end
             deadline = self.holds.wait_deadline(call.model, own_deadline, call.t0, wait_s)
             left = deadline - now
             if left <= 0:
@@ -450,9 +448,7 @@ class Gateway:
                     await fut
 
     def set_hold(self, model: str, seconds: float) -> None:
-        """`POST /admin/models/hold`. A hold that ends wakes the queue: what waited for it
-        looks again now (served, refused if no instance is left, or waiting the queue's time
-        from here), not at the end of the wait the hold gave it."""
+        """`POST /admin/models/hold`; one that ends wakes the queue (`Holds.wait_deadline`)."""
         self.holds.hold(model, seconds, self.clock())
         if seconds <= 0:
             self._wake_all()
