@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy import Float, Integer, String, delete
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from flexpipe.store.schema import Base
@@ -75,10 +75,7 @@ class ControllerLeases:
     def __init__(self, store: Store, stale_after_s: float = STALE_AFTER_S) -> None:
         self.store = store
         self.stale_after_s = stale_after_s
-        try:
-            Base.metadata.create_all(store.engine, tables=[LeaseRow.__table__])  # type: ignore[list-item]
-        except SQLAlchemyError as exc:
-            raise StoreError(f"cannot open the controller leases in {store.url}: {exc}") from None
+        store.ensure_table(LeaseRow, "the controller leases")
 
     def get(self, deployment: str) -> Lease | None:
         with Session(self.store.engine) as session:

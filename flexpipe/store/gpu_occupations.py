@@ -14,7 +14,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import DateTime, String, Text
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from flexpipe.store.schema import Base
@@ -36,10 +35,7 @@ class GpuOccupations:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        try:
-            Base.metadata.create_all(store.engine, tables=[GpuOccupationRow.__table__])  # type: ignore[list-item]
-        except SQLAlchemyError as exc:
-            raise StoreError(f"cannot open the GPU occupations in {store.url}: {exc}") from None
+        store.ensure_table(GpuOccupationRow, "the GPU occupations")
 
     def load(self, deployment: str) -> dict[str, Any]:
         """The document last saved for `deployment` ({} when none)."""

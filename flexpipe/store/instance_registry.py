@@ -16,11 +16,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import DateTime, ForeignKey, Integer, String, Text, select
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from flexpipe.lifecycle import LIVE_STATES, LifecycleError, State, check_transition
-from flexpipe.store.migrate import add_missing_columns
 from flexpipe.store.schema import Base, InstanceRow
 from flexpipe.store.store import Store, StoreError
 
@@ -103,12 +101,7 @@ class InstanceRegistry:
     def __init__(self, store: Store, deployment: str | None = None) -> None:
         self.store = store
         self.deployment = deployment
-        table = TransitionRow.__table__
-        try:
-            Base.metadata.create_all(store.engine, tables=[table])  # type: ignore[list-item]
-            add_missing_columns(store.engine, [table])  # type: ignore[list-item]
-        except SQLAlchemyError as exc:
-            raise StoreError(f"cannot open the instance registry in {store.url}: {exc}") from None
+        store.ensure_table(TransitionRow, "the instance registry")
 
     def register(
         self,

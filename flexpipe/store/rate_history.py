@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 
 from sqlalchemy import Float, Index, Integer, String, delete, select
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from flexpipe.store.schema import Base
-from flexpipe.store.store import Store, StoreError
+from flexpipe.store.store import Store
 
 __all__ = ["RateHistory", "RateSampleRow"]
 
@@ -37,10 +36,7 @@ class RateHistory:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        try:
-            Base.metadata.create_all(store.engine, tables=[RateSampleRow.__table__])  # type: ignore[list-item]
-        except SQLAlchemyError as exc:
-            raise StoreError(f"cannot open the rate history in {store.url}: {exc}") from None
+        store.ensure_table(RateSampleRow, "the rate history")
 
     def append(self, samples: Iterable[tuple[str, float, float]]) -> int:
         """Write (model, UTC epoch s, rate per s) samples; returns how many."""

@@ -21,12 +21,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Boolean, DateTime, Float, Integer, String, Text, func, select
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 from sqlalchemy.sql import Select
 
 from flexpipe.policies.shift.snapshot import ShiftRecord
-from flexpipe.store.migrate import add_missing_columns
 from flexpipe.store.schema import Base
 from flexpipe.store.shift_entry import (
     FINAL_OUTCOMES,
@@ -46,7 +44,7 @@ from flexpipe.store.shift_entry import (
     ShiftEntry,
     SignalValues,
 )
-from flexpipe.store.store import Store, StoreError
+from flexpipe.store.store import Store
 
 __all__ = ["SHIFT_KINDS", "ShiftLog", "ShiftLogError", "ShiftLogRow"]
 
@@ -201,12 +199,7 @@ class ShiftLog:
         (a controller's cooldown and aborted changes are its own); None: every entry."""
         self.store = store
         self.deployment = deployment
-        table = ShiftLogRow.__table__
-        try:
-            Base.metadata.create_all(store.engine, tables=[table])  # type: ignore[list-item]
-            add_missing_columns(store.engine, [table])  # type: ignore[list-item]
-        except SQLAlchemyError as exc:
-            raise StoreError(f"cannot open the shift log in {store.url}: {exc}") from None
+        store.ensure_table(ShiftLogRow, "the shift log")
 
     def append(self, entry: ShiftEntry) -> ShiftEntry:
         """Write `entry`; returns it with its id."""

@@ -70,6 +70,16 @@ class Store:
         except (SQLAlchemyError, ModuleNotFoundError) as exc:
             raise StoreError(f"cannot open store {_display(self.url)}: {exc}") from None
 
+    def ensure_table(self, row_class: Any, what: str) -> None:
+        """Create the table of `row_class` (a model on `Base`) if missing, with any column a
+        newer version added (migrate.py); a StoreError naming `what` if the store cannot."""
+        table = row_class.__table__
+        try:
+            Base.metadata.create_all(self.engine, tables=[table])
+            add_missing_columns(self.engine, [table])
+        except SQLAlchemyError as exc:
+            raise StoreError(f"cannot open {what} in {_display(self.url)}: {exc}") from None
+
     @property
     def display_url(self) -> str:
         """The URL without its password (safe to print)."""
