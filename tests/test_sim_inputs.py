@@ -283,3 +283,27 @@ def test_cli_compare_json_is_one_document(tmp_path: Path) -> None:
     assert doc["static"]["duration_s"] == 4
     code, output = _cli(tmp_path, "--policy", "static", "--json")  # one policy: its report
     assert code == 0 and json.loads(output)["policy"] == "static"
+
+
+def test_an_event_that_would_do_nothing_is_an_error_and_one_after_the_run_a_note() -> None:
+    from flexpipe.sim.simulator import simulate
+
+    doc = _base()
+    g0, g1 = "a10g-000/gpu0", "a10g-000/gpu1"  # (gpu0: a tenant holds it; gpu1: free)
+    doc["resources"] = [{"at_s": 1, "release": [g1]}]
+    assert _error(doc) == (
+        f"s.yaml: resources: the other tenant leaves {g1} at 1 s: GPU(s) ['{g1}'] are not held "
+        "by another tenant then (nothing to release)"
+    )
+    doc["resources"] = [{"at_s": 1, "release": [g0]}, {"at_s": 2, "release": [g0]}]
+    assert "not held by another tenant then" in _error(doc)
+    doc["resources"] = [{"at_s": 1, "fail": [g1]}, {"at_s": 2, "fail": [g1]}]
+    assert "GPU(s) ['a10g-000/gpu1'] failed before it" in _error(doc)
+    doc["resources"] = [{"at_s": 1, "fail": [g1]}, {"at_s": 2, "occupy": [g1]}]
+    assert "failed before it" in _error(doc)
+    # occupied, then released: fine; an event after the run is a note in the report
+    doc["resources"] = [{"at_s": 1, "occupy": [g1]}, {"at_s": 2, "release": [g1]},
+                        {"at_s": 1000, "occupy": [g1]}]  # fmt: skip
+    result = simulate(parse_scenario(doc, Path("."), "s.yaml"))
+    (note,) = [n for n in result.notes if n.startswith("resources:")]
+    assert note.startswith("resources: ") and "at 1000 s did not happen: the run ended at" in note

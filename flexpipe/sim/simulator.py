@@ -176,6 +176,7 @@ class _Run:
         self.failovers: dict[str, int] = {}
         self._names: set[str] = set()
         self._failed_over: set[int] = set()  # requests whose engine died under them
+        self._num_events_applied = 0  # resource timeline events that happened (in time order)
         self.moves = Moves(self.loop, self.gateway, self._check_empty)
         self._empty_waits: list[tuple[tuple[InstanceRecord, ...], Callable[[float], None]]] = []
         self.controller: SimController | None = None
@@ -393,6 +394,7 @@ class _Run:
     # --- the resource timeline ---------------------------------------------------------
     def _resources(self, index: int, now: float) -> None:
         event = self.scenario.resources[index]
+        self._num_events_applied += 1
         self.file = apply_event(self.file, event)
         if self.controller is not None:
             self.controller.file_changed(self.file, now)
@@ -518,6 +520,11 @@ class _Run:
             stop = rec.released_s if rec.released_s >= 0 else run_end_s
             self.usage.reserve(rec.dep.num_gpus, rec.launched_s, stop)
         self.usage.close(run_end_s)
+        for ev in scenario.resources[self._num_events_applied :]:  # (sorted by time)
+            self.notes.append(
+                f"resources: {ev.describe()} at {ev.at_s:g} s did not happen: the run ended at "
+                f"{run_end_s:g} s"
+            )
         ctl = self.controller
         if ctl is not None and ctl.shifting_since is not None:
             self.notes.append(

@@ -142,8 +142,29 @@ def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEv
     out.sort(key=lambda e: e.at_s)
     check = cluster
     for e in out:  # a join that does not make a valid cluster is an error now, not mid-run
+        _check_applies(check, e, where)
         check = apply_event(check, e)
     return tuple(out)
+
+
+def _check_applies(cluster: Cluster, event: TimelineEvent, where: str) -> None:
+    """An event that would do nothing is a mistake in the file, not a no-op: an event on a GPU
+    that failed before it, or a release of a GPU nobody holds then."""
+    if event.kind == "join":
+        return
+    present = set(cluster.gpu_ids)
+    gone = [g for g in event.gpus if g not in present]
+    if gone:
+        raise TimelineError(
+            f"{where}: {event.describe()} at {event.at_s:g} s: GPU(s) {gone} failed before it"
+        )
+    if event.kind == "release":
+        free = [g for g in event.gpus if cluster.gpu(g).used_bytes <= 0]
+        if free:
+            raise TimelineError(
+                f"{where}: {event.describe()} at {event.at_s:g} s: GPU(s) {free} are not "
+                "held by another tenant then (nothing to release)"
+            )
 
 
 def _used_bytes(
