@@ -169,3 +169,26 @@ def test_the_deployment_is_the_gateway_url_unless_given(tmp_path: Path) -> None:
             assert ctl.deployment == ctl.status()["deployment"] == expected
             assert ctl.registry is not None and ctl.registry.deployment == expected
             assert ctl.shift_log is not None and ctl.shift_log.deployment == expected
+
+
+def test_a_spawned_engine_is_never_in_the_store_without_its_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A controller killed right after an engine's row is written: the row already names the
+    engine's process, so the successor can stop it (before, the row was written, then its
+    pid in a second write: a kill between the two left an engine no one knew to stop)."""
+    from flexpipe.launch import EngineSpec
+
+    def killed(*args: Any, **kwargs: Any) -> None:
+        raise SystemExit("controller killed")
+
+    with Store(f"sqlite:///{tmp_path / 'fp.db'}") as store:
+        registry = InstanceRegistry(store, "A")
+        takeover = Takeover(registry, ShiftLog(store, "A"),
+                            _Launcher(),  # type: ignore[arg-type]
+                            _Gateway(),  # type: ignore[arg-type]
+                            "sim", None, 1.0, lambda line: None)  # fmt: skip
+        monkeypatch.setattr(InstanceRegistry, "set_process", killed)
+        takeover.spawned(EngineSpec("m", name="m-0", gpu_ids=("g0",)), 4321, "http://e")
+        (row,) = registry.live_instances()
+        assert (row.pid, row.pgid, row.endpoint) == (4321, 4321, "http://e")

@@ -67,9 +67,9 @@ class Takeover:
         assert self.registry is not None
         model = spec.served_model_name or spec.model
         record = self.registry.register(
-            spec.name, model, str(spec.gear), spec.gpu_ids, endpoint, self.engine_kind
-        )
-        self.registry.set_process(record.id, pid, pid, endpoint)
+            spec.name, model, str(spec.gear), spec.gpu_ids, endpoint, self.engine_kind,
+            pid=pid, pgid=pid,
+        )  # fmt: skip
         self._spawned_ids[endpoint] = record.id
 
     def sweep_spawned(self) -> None:
@@ -94,11 +94,12 @@ class Takeover:
             if state == "starting":
                 return
         if inst.store_id is None:
-            record = self.registry.register(
-                p.name, p.model, str(p.gear), p.gpu_ids, inst.url, self.engine_kind
-            )
-            inst.store_id = record.id
             pid = getattr(inst.handle, "pid", None)
+            record = self.registry.register(
+                p.name, p.model, str(p.gear), p.gpu_ids, inst.url, self.engine_kind,
+                pid=pid, pgid=pid,
+            )  # fmt: skip
+            inst.store_id = record.id
             self.registry.set_process(record.id, pid, pid, inst.url, inst.handle.cold_start_s)
             if state == "starting":
                 return

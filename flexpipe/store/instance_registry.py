@@ -114,8 +114,12 @@ class InstanceRegistry:
         *,
         plan_id: int | None = None,
         at: datetime | None = None,
+        pid: int | None = None,
+        pgid: int | None = None,
     ) -> InstanceRecord:
-        """A new instance in state starting (call before launching its engine)."""
+        """A new instance in state starting (call before launching its engine; or after, with
+        its process in the same write: a controller killed in between leaves no row without
+        the process a successor must stop)."""
         at = _utc(at or datetime.now(UTC))
         with Session(self.store.engine) as session, session.begin():
             row = InstanceRow(
@@ -130,6 +134,8 @@ class InstanceRegistry:
                 state_at=at,
                 plan_id=plan_id,
                 deployment=self.deployment,
+                pid=pid,
+                pgid=pgid,
             )
             session.add(row)
             session.flush()
