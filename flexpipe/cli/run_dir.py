@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flexpipe.control.client import resolve_token
+from flexpipe.launch.process import pid_alive
 
 __all__ = ["PREFIX", "RunDir", "admin_token", "find_admin_token", "remove_stale", "run_dir"]
 
@@ -47,16 +48,6 @@ def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 def _named_by_a_process(path: Path) -> bool:
@@ -96,7 +87,7 @@ def remove_stale(root: Path | None = None) -> list[Path]:
             continue
         pid = _owner_pid(path)
         if pid is not None:
-            stale = not _pid_alive(pid)
+            stale = not pid_alive(pid)
         else:
             names: set[str] = set()
             with contextlib.suppress(OSError):
@@ -139,7 +130,7 @@ def find_admin_token(controller_url: str, root: Path | None = None) -> str | Non
     """The admin token of this user's running `up` whose controller is at `controller_url`."""
     for path in sorted(Path(root or tempfile.gettempdir()).glob(PREFIX + "*")):
         pid = _owner_pid(path) if _mine(path) else None
-        if pid is None or not _pid_alive(pid):
+        if pid is None or not pid_alive(pid):
             continue
         try:
             urls = json.loads((path / "urls.json").read_text())

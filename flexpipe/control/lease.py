@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from flexpipe.launch.process import pid_alive
 from flexpipe.store import Store
 from flexpipe.store.controller_lease import ControllerLeases, LeaseHeldError
 
@@ -27,19 +28,6 @@ __all__ = ["HEARTBEAT_EVERY_S", "Lease", "pid_alive"]
 log = logging.getLogger("flexpipe.controller")
 
 HEARTBEAT_EVERY_S = 5.0
-
-
-def pid_alive(pid: int) -> bool:
-    """A process with this pid exists on this host (ours or another user's)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Lease:

@@ -18,6 +18,7 @@ __all__ = [
     "free_port",
     "group_alive",
     "log_tail",
+    "pid_alive",
     "safe_name",
     "signal_group",
     "stop_group",
@@ -38,6 +39,19 @@ def signal_group(pgid: int, sig: signal.Signals) -> None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one not ours to signal counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def group_alive(pgid: int) -> bool:
