@@ -1,6 +1,8 @@
 """Pauses of the requests a shift moves, in the simulator (BENCHMARKS.md): per method, how
-many, the pause from the source's last token to the destination's first (p50, max), the
-prefix-cache hit of the continuations, and the warm-ups' outcomes (`relay.warm_up`).
+many, the pause from the source's last token to the destination's first (p50, p99, max),
+the same over one prefill of the request's context on the instance it left (issue 9's
+budget, as `bench shift` prices it live), the prefix-cache hit of the continuations, and the
+warm-ups' outcomes (`relay.warm_up`).
 
     python -m bench sim_move_pauses                       # seed-short (0.5 s deadline)
     python -m bench sim_move_pauses -- --only seed-fragmented,multi-model-diurnal
@@ -13,14 +15,17 @@ simulator's: the same scenario and seed give the same numbers.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.sim import report, simulate
 from flexpipe.sim.controller import ControllerParams
+from flexpipe.sim.moves import MoveRecord
 from flexpipe.sim.scenario import load_scenario, parse_scenario, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +49,20 @@ def _seed_short() -> Any:
     return replace(sc, controller=ControllerParams(drain_deadline_s=0.5))
 
 
+def one_prefill_s(sc: Any, r: Any, move: MoveRecord) -> float:
+    """One prefill of the moved request's context (prompt and tokens so far) on the instance
+    it left, by the performance model: the pause budget of issue 9."""
+    left = next(i for i in r.instances if i.dep.name == move.source)
+    return float(
+        perf_model_of(sc.cluster, left.planned).prefill_s(move.continuation.num_prompt_tokens)
+    )
+
+
+def _p99(values: Sequence[float]) -> float:
+    """The 99th percentile, nearest rank (values sorted)."""
+    return values[max(0, math.ceil(0.99 * len(values)) - 1)]
+
+
 def main(argv: Sequence[str] = ()) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench sim_move_pauses")
     ap.add_argument("--only", default="seed-short", help="comma-separated scenario names")
@@ -63,11 +82,14 @@ def main(argv: Sequence[str] = ()) -> int:
             if not mine:
                 continue
             pauses = sorted(m.pause_s for m in mine)
+            ratios = sorted(m.pause_s / one_prefill_s(sc, r, m) for m in mine)
             cached = sum(m.continuation.num_cached_tokens for m in mine)
             context = sum(m.continuation.num_prompt_tokens for m in mine)
             print(
                 f"- {method}: {len(mine)}, pause p50 {statistics.median(pauses) * 1e3:.1f} ms, "
-                f"max {pauses[-1] * 1e3:.1f} ms, prefix-cache hit {cached}/{context} tokens"
+                f"p99 {_p99(pauses) * 1e3:.1f} ms, max {pauses[-1] * 1e3:.1f} ms; over one "
+                f"prefill p50 {statistics.median(ratios):.2f}, p99 {_p99(ratios):.2f}; "
+                f"prefix-cache hit {cached}/{context} tokens"
             )
     return 0
 

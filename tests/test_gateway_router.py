@@ -107,3 +107,27 @@ def test_an_instance_view_carries_each_field_under_its_own_name() -> None:
     assert (v.num_running, v.num_waiting, v.kv_usage, v.num_queued_tokens) == (5, 3, 0.25, 1000.0)
     assert (v.speed_tokens_per_s, v.scraped_at_s, v.num_prefix_blocks_matched) == (41.0, 12.5, 9)
     assert inst.max_concurrency not in (48, 0, 256)  # max_num_seqs + its allowance: distinct
+
+
+def test_a_move_destination_takes_new_requests_only_when_no_other_has_a_slot() -> None:
+    r = make()  # round robin over A, B, C; 2 slots each
+    r.pool.fence(B, until_s=5.0)
+    r.pool.fence(B, until_s=4.0)  # fences only extend
+    assert r.pool.instances[B].fenced_until_s == 5.0 and r.pool.fenced_until_s == 5.0
+    held = []
+    for _ in range(4):  # B is never taken while A or C has a slot
+        pick = r.pick("m", REQ, 1.0)
+        assert pick is not None and pick.instance.url != B
+        r.acquire(pick.instance, 30)
+        held.append(pick.instance.url)
+    assert sorted(held) == [A, A, C, C]
+    pick = r.pick("m", REQ, 1.0)  # A and C full: the fenced one rather than a queue
+    assert pick is not None and pick.instance.url == B
+    # a move's own request goes there (the controller chose it), fenced or not
+    moved = r.pick("m", REQ, 1.0, prefer=B)
+    assert moved is not None and (moved.instance.url, moved.reason) == (B, "moved")
+    # the fence ends at its time: B is ranked as usual again
+    r2 = make()
+    r2.pool.fence(A, until_s=2.0)
+    assert {r2.pick("m", REQ, 1.9).instance.url for _ in range(4)} == {B, C}  # type: ignore[union-attr]
+    assert {r2.pick("m", REQ, 2.0).instance.url for _ in range(3)} == {A, B, C}  # type: ignore[union-attr]

@@ -75,6 +75,7 @@ class Gateway:
         self._calls: dict[int, Call] = {}  # accepted, not yet ended, whatever their phase
         self._call_ids = itertools.count(1)
         self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
+        self.num_warm_ups_on: dict[str, int] = {}  # instance url -> moves' warm-ups sent there
         self._drain_waiters: list[asyncio.Future[None]] = []
         self.queued_by_model: dict[str, int] = {}  # model -> requests in the wait queue
         self._demand_waiters: list[asyncio.Future[None]] = []  # woken when one queues

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from flexpipe.gateway.call import Call, Move
-from flexpipe.gateway.cut_over import MAX_TOKEN_WAIT_S, mean_gap_s, token_wait_s
+from flexpipe.gateway.cut_over import MAX_TOKEN_WAIT_S, fence_until_s, mean_gap_s, token_wait_s
 from flexpipe.gateway.relay import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome, move_relayed, warm_up
 from flexpipe.http.client import UpstreamError
 
@@ -57,18 +57,31 @@ async def move_request(gw: Gateway, call_id: int, move: Move) -> tuple[str, Warm
         return "not_running", warm  # ended (or failed over) meanwhile
     # a recompute cuts over at its source's next token; a KV move where its export was taken
     if move.method == "recompute" and move.max_token_wait_s != 0:
-        return await at_next_token(call, move), warm
+        return await at_next_token(gw, call, move), warm
+    fence_target(gw, move, 0.0)
     outcome = relay.move(move) if relay is not None else move_relayed(call, move)
     return outcome, warm
 
 
-async def at_next_token(call: Call, move: Move) -> str:
+def fence_target(gw: Gateway, move: Move, wait_s: float) -> None:
+    """New requests keep off the move's destination while it cuts over there, at most
+    `wait_s` from now and the destination's next two steps (`cut_over.fence_until_s`)."""
+    if move.target is None:
+        return
+    inst = gw.pool.instances.get(move.target.rstrip("/"))
+    if inst is not None:
+        until_s = fence_until_s(gw.clock(), wait_s, inst.speed_tokens_per_s)
+        gw.pool.fence(inst.url, until_s)
+
+
+async def at_next_token(gw: Gateway, call: Call, move: Move) -> str:
     """Carry out `move` right after the stream's source delivers its next token: the relay
     hands the client that event, then calls `call.cut`, which cuts the stream over at once
     (the continuation includes the token; the source is aborted). The client's gap then
     starts at a fresh token, not somewhere inside the source's step (flexpipe.gateway
     .cut_over); the stream keeps flowing meanwhile. Bounded by `cut_over.token_wait_s` of
-    the stream's gap: past it, the move cuts over anyway. Returns what `PushRelay.move` /
+    the stream's gap: past it, the move cuts over anyway. New requests keep off the target
+    meanwhile and for its next two steps (`fence_target`). Returns what `PushRelay.move` /
     `move_relayed` return ("not_running" when the stream ended or failed over meanwhile)."""
     relay, relayed = call.relay, call.relayed
     gap_s = None
@@ -91,7 +104,9 @@ async def at_next_token(call: Call, move: Move) -> str:
             outcome.set_result(move_relayed(call, move))
 
     max_wait_s = MAX_TOKEN_WAIT_S if move.max_token_wait_s is None else move.max_token_wait_s
-    timer = loop.call_later(token_wait_s(gap_s, max_wait_s), cut)
+    wait_s = token_wait_s(gap_s, max_wait_s)
+    fence_target(gw, move, wait_s)
+    timer = loop.call_later(wait_s, cut)
     call.cut = cut
     try:
         return await outcome
@@ -102,12 +117,14 @@ async def at_next_token(call: Call, move: Move) -> str:
 
 
 async def between_prefills(gw: Gateway, url: str, bound_s: float) -> bool:
-    """Wait, at most `bound_s`, until no stream on `url` awaits its first token: a warmed
-    cut-over is one short step there, unless it shares that step with (or waits for) a
-    new request's prefill, up to a whole prompt's. The moved stream keeps generating on
-    its source meanwhile, so the wait pauses nothing. True when `url` had none."""
+    """Wait, at most `bound_s`, until no stream on `url` awaits its first token and no other
+    move's warm-up runs there: a warmed cut-over is one short step there, unless it shares
+    that step with (or waits for) a new request's or a warm-up's prefill, up to a whole
+    context's. The moved stream keeps generating on its source meanwhile, so the wait
+    pauses nothing. True when `url` had none."""
     deadline_s = gw.clock() + bound_s
-    while any(c.awaits_first_token for c in gw.calls_on(url)):
+    warming = gw.num_warm_ups_on
+    while warming.get(url.rstrip("/")) or any(c.awaits_first_token for c in gw.calls_on(url)):
         if gw.clock() >= deadline_s:
             return False
         await asyncio.sleep(WARM_POLL_S)

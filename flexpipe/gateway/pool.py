@@ -86,6 +86,9 @@ class Instance:
     backoff_s: float = 0.0
     ejected_until_s: float = 0.0
     num_ejections: int = 0
+    # new requests keep off it until then while another candidate has a slot: a move cuts
+    # over to it (flexpipe.gateway.cut_over.fence_until_s)
+    fenced_until_s: float = 0.0
     labels: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -172,6 +175,7 @@ class Pool:
         self.default_max_concurrency = default_max_concurrency
         self.instances: dict[str, Instance] = {}  # url -> instance
         self._listeners: list[Callable[[], None]] = []
+        self.fenced_until_s = 0.0  # the latest fence's end over all instances (see `fence`)
 
     def on_change(self, callback: Callable[[], None]) -> None:
         """Called after any change that may free capacity (wakes queued requests)."""
@@ -274,6 +278,15 @@ class Pool:
         inst.update_capacity()
         if inst.max_concurrency > old:
             self._changed()
+
+    def fence(self, url: str, until_s: float) -> Instance:
+        """A move cuts over to `url`: new requests keep off it until `until_s` while another
+        candidate has a slot (`Router.pick`). Fences only extend: two moves into one
+        instance keep it fenced until the later one's end."""
+        inst = self.get(url)
+        inst.fenced_until_s = max(inst.fenced_until_s, until_s)
+        self.fenced_until_s = max(self.fenced_until_s, until_s)
+        return inst
 
     def set_weight(self, url: str, weight: float) -> Instance:
         if weight <= 0:

@@ -19,6 +19,7 @@ import orjson
 
 from flexpipe.gateway import sse
 from flexpipe.gateway.call import Call, Move
+from flexpipe.gateway.cut_over import fence_wait_s
 from flexpipe.gateway.pool import Instance, PoolError
 from flexpipe.http.client import UpstreamError, UpstreamResponse
 from flexpipe.http.server import ChunkWriter, HttpError
@@ -345,7 +346,9 @@ async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> War
     generated meanwhile: the client's pause is about one engine step, not one prefill.
     "warmed" when the warm-up finished within `timeout_s`; else (or "skipped" when the
     destination has no free slot, where the warm-up would only queue) the move cuts over
-    unwarmed. Each outcome is counted (`flexpipe_move_warm_ups_total`)."""
+    unwarmed. It waits (within `timeout_s`) while a move cuts over to the destination
+    (`cut_over.fence_wait_s`): its prefill would share the moved stream's step. Each outcome
+    is counted (`flexpipe_move_warm_ups_total`)."""
     outcome = await _warm_up(gw, call, target, timeout_s)
     gw.metrics.warm_ups.labels(outcome).inc()
     return outcome
@@ -359,6 +362,12 @@ def warms(timeout_s: float, num_slots: int, num_in_flight: int) -> bool:
 
 
 async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> WarmOutcome:
+    # a move cuts over there: the warm-up's prefill waits for its fence to end (cut_over.py)
+    while (inst := gw.pool.instances.get(target.rstrip("/"))) is not None and (
+        wait_s := fence_wait_s(inst.fenced_until_s, gw.clock(), timeout_s)
+    ) > 0:
+        await asyncio.sleep(wait_s)
+        timeout_s -= wait_s
     relay = call.relay
     if relay is not None:
         state = sse.summarize(b"".join(relay.sent), call.chat)
@@ -388,12 +397,18 @@ async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> Wa
         headers["authorization"] = f"Bearer {inst.api_key}"
     t0 = gw.clock()
     outcome: WarmOutcome
+    warming = gw.num_warm_ups_on  # a cut-over there waits for it (`moves.between_prefills`)
+    warming[inst.url] = warming.get(inst.url, 0) + 1
     try:
         async with asyncio.timeout(timeout_s):
             ok = await _send_warm_up(gw, inst.url, call.path, body, headers)
         outcome = "warmed" if ok else "failed"
     except TimeoutError:
         outcome = "timed_out"
+    finally:
+        warming[inst.url] -= 1
+        if not warming[inst.url]:
+            del warming[inst.url]
     took_s = gw.clock() - t0
     log.info("warm-up of a move to %s: %s in %.3f s", inst.url, outcome, took_s)
     return outcome

@@ -5,7 +5,8 @@ the simulator drives the same object on a virtual clock. Every method takes `now
 
 Pick: the candidates are the model's active, healthy instances minus those that already failed this
 request (never again) and, while others remain, minus those that were busy for it (a 429 or
-503). The routing policy ranks them; the first one below its concurrency limit wins. None
+503). The routing policy ranks them, and instances a move is cutting over to go behind the
+rest (`fenced_last`); the first one below its concurrency limit wins. None
 means every candidate is at its limit: the caller queues the request and asks again when a
 slot frees.
 """
@@ -13,7 +14,7 @@ slot frees.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from flexpipe.gateway.backpressure import DrainRate
@@ -25,6 +26,20 @@ from flexpipe.policies.routing import (
     RoutingSnapshot,
     create_policy,
 )
+
+
+def fenced_last(
+    ranked: Sequence[str], by_name: Mapping[str, tuple[Instance, object]], now: float
+) -> list[str]:
+    """The policy's ranking with the instances a move is cutting over to (fenced until after
+    `now`, `Pool.fence`) moved behind the others, each group in its order: a new request goes
+    there only when no other candidate has a slot, so the fence never queues it."""
+    open_: list[str] = []
+    fenced: list[str] = []
+    for name in ranked:
+        found = by_name.get(name)
+        (fenced if found is not None and found[0].fenced_until_s > now else open_).append(name)
+    return open_ + fenced
 
 
 class NoInstance(Exception):
@@ -91,7 +106,11 @@ class Router:
         snapshot = RoutingSnapshot(views, request, self.cfg.max_metrics_age_s)
         decision = self.policy.choose(snapshot, now, self.rng)
         by_name = {v.name: (i, v) for i, v in zip(cands, views, strict=True)}
-        for pos, name in enumerate(decision.ranked):
+        ranked: Sequence[str] = decision.ranked
+        if self.pool.fenced_until_s > now:
+            ranked = fenced_last(ranked, by_name, now)
+        first = decision.ranked[0] if decision.ranked else None
+        for name in ranked:
             found = by_name.get(name)
             if found is None:
                 continue
@@ -102,7 +121,7 @@ class Router:
             if hashes:
                 matched = view.num_prefix_blocks_matched
                 index.insert(name, hashes)
-            reason = decision.reason if pos == 0 else "next_ranked"
+            reason = decision.reason if name == first else "next_ranked"
             return Pick(inst, reason, len(hashes), matched)
         return None
 

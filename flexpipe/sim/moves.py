@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flexpipe.engine.request import EngineRequest
-from flexpipe.gateway.cut_over import cut_over_s, mean_gap_s
+from flexpipe.gateway.cut_over import cut_over_s, fence_wait_s, mean_gap_s
 from flexpipe.gateway.relay import MOVE_PRIORITY, warms
 from flexpipe.sim.gateway import SimGateway
 from flexpipe.sim.loop import CONTROL, EventLoop
@@ -28,8 +28,8 @@ WarmDone = Callable[[str, float], None]
 @dataclass(frozen=True, slots=True)
 class MoveRecord:
     """One move of a client request off its instance: how, the warm-up's outcome (None: none
-    tried), when it was cut over, the last token its source gave, and the continuation (its
-    first token, prefix-cache hit, ... once it ran)."""
+    tried), when it was cut over, the last token its source gave, the continuation (its
+    first token, prefix-cache hit, ... once it ran) and the instance it left."""
 
     request_id: int
     method: str
@@ -37,6 +37,7 @@ class MoveRecord:
     at_s: float
     last_token_s: float
     continuation: SimRequest
+    source: str = ""  # the instance it left (its deployment's name)
 
     @property
     def pause_s(self) -> float:
@@ -82,10 +83,16 @@ class Moves:
         inst = target.instance
         src = source.instance
         assert inst is not None and src is not None
+        record = self.gateway.pool.instances.get(inst.url)
+        wait_s = fence_wait_s(record.fenced_until_s if record else 0.0, now, timeout_s)
+        if wait_s > 0:  # a move cuts over there: not into its step (`relay.warm_up`)
+            self.loop.at(now + wait_s, CONTROL, functools.partial(
+                self.warm_up, req, source, target, timeout_s - wait_s, done=done
+            ))  # fmt: skip
+            return
         rid = str(req.request_id)
         ereq = next((r for r in (*src.core.scheduler.running, *src.core.scheduler.waiting)
                      if r.request_id == rid), None)  # fmt: skip
-        record = self.gateway.pool.instances.get(inst.url)
         fits = record is not None and warms(timeout_s, record.num_slots, record.num_in_flight)
         if ereq is None or not fits:
             self._warmed("skipped", done, now)
@@ -141,16 +148,15 @@ class Moves:
                 self._warmed("failed", done, now)
 
     def awaits_first_token(self, rec: InstanceRecord) -> bool:
-        """Whether a request on `rec` (not a warm-up) has not had its first token yet: its
-        prompt is being prefilled there, or waits to be (the gateway's
+        """Whether a request on `rec` has not had its first token yet: its prompt is being
+        prefilled there, or waits to be; a client's or another move's warm-up (the gateway's
         `gateway.moves.between_prefills`)."""
         inst = rec.instance
         if inst is None:
             return False
         inst.sync(self.loop.now_s)
         s = inst.core.scheduler
-        return any(r.num_output_tokens == 0 and r.request_id not in self.warming
-                   for r in (*s.running, *s.waiting))  # fmt: skip
+        return any(r.num_output_tokens == 0 for r in (*s.running, *s.waiting))
 
     def move(
         self,
@@ -188,7 +194,9 @@ class Moves:
             root.arrival_s, root.model, req.num_prompt_tokens + n, req.num_output_tokens - n,
             root.prefix_ids, context_of=root,
         )  # fmt: skip
-        self.log.append(MoveRecord(root.request_id, method, warm, now, ereq.last_token_s, seg))
+        self.log.append(
+            MoveRecord(root.request_id, method, warm, now, ereq.last_token_s, seg, source.dep.name)
+        )
         if method == "kv_moved":
             seg.num_kv_tokens = seg.num_prompt_tokens
         self.roots[seg.request_id] = root

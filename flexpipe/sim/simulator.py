@@ -20,6 +20,7 @@ from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.engine.request import EngineRequest
+from flexpipe.gateway.cut_over import fence_until_s
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import (
     ModelDemand,
@@ -331,6 +332,16 @@ class _Run:
 
     def awaits_first_token(self, rec: InstanceRecord) -> bool:
         return self.moves.awaits_first_token(rec)
+
+    def fence(self, rec: InstanceRecord, wait_s: float, now: float) -> None:
+        """New requests keep off `rec` while a move cuts over to it (the gateway's
+        `gateway.moves.fence_target`: the wait, then two of its steps)."""
+        inst = rec.instance
+        pool = self.gateway.pool
+        if inst is None or inst.url not in pool.instances:
+            return
+        speed = pool.instances[inst.url].speed_tokens_per_s
+        pool.fence(inst.url, fence_until_s(now, wait_s, speed))
 
     def _engine_done(
         self, inst: SimInstance, req: SimRequest, ereq: EngineRequest, now: float

@@ -1,0 +1,83 @@
+"""A move's destination takes no other prefill while the move cuts over there: new requests
+are routed elsewhere (`Router.pick`, `fenced_last`), the next move's warm-up waits for the
+fence's end, and a cut-over waits for no client's or warm-up's prefill there
+(flexpipe.gateway.cut_over). The simulator runs the same rules; its run is deterministic,
+so the figures are exact."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from typing import Any
+
+import pytest
+
+from bench.sim_move_pauses import _seed_short, one_prefill_s
+from flexpipe.gateway import moves
+from flexpipe.gateway.cut_over import MAX_FENCE_S
+from flexpipe.gateway.pool import Pool
+from flexpipe.sim import simulate
+
+
+def test_warmed_cut_overs_pause_less_than_one_prefill_in_the_simulator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fences: list[tuple[str, float]] = []
+    fence = Pool.fence
+
+    def spy(self: Pool, url: str, until_s: float) -> Any:
+        fences.append((url, until_s))
+        return fence(self, url, until_s)
+
+    monkeypatch.setattr(Pool, "fence", spy)
+    sc = _seed_short()  # the seed's cluster at 8 req/s, gpu1 released, a 0.5 s deadline
+    r = simulate(sc, "flexpipe")
+    warmed = [m for m in r.moves if m.method == "recomputed" and m.warm == "warmed"]
+    assert len(warmed) == 23
+    ratios = [m.pause_s / one_prefill_s(sc, r, m) for m in warmed]
+    # before the fence: p50 2.50 (a cut-over shared its step with the next move's warm-up,
+    # a whole context's prefill); now about one of its destination's decode steps
+    assert statistics.median(ratios) < 0.75
+    assert sum(x < 1 for x in ratios) == 19
+    # every move fenced its destination from its cut-over, for at most MAX_FENCE_S
+    moved = [m for m in r.moves if m.method in ("recomputed", "kv_moved")]
+    assert len(moved) == 35 and len(fences) == len(moved)
+    for m in moved:
+        url = f"sim://{m.continuation.instance}"
+        assert any(u == url and m.at_s <= t <= m.at_s + MAX_FENCE_S for u, t in fences)
+
+
+class _Gw:
+    """What `moves.between_prefills` reads of the gateway: its clock, the calls on an
+    instance and the moves' warm-ups in flight there."""
+
+    def __init__(self) -> None:
+        self.num_warm_ups_on: dict[str, int] = {"http://b": 1}
+        self.t0 = asyncio.get_running_loop().time()
+
+    def clock(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def calls_on(self, url: str) -> list[Any]:
+        return []
+
+
+def test_a_cut_over_waits_for_another_moves_warm_up_on_its_destination() -> None:
+    async def scenario() -> tuple[bool, float, bool]:
+        gw: Any = _Gw()
+
+        async def warm_up_ends() -> None:
+            await asyncio.sleep(0.15)
+            del gw.num_warm_ups_on["http://b"]
+
+        task = asyncio.create_task(warm_up_ends())
+        ok = await moves.between_prefills(gw, "http://b", 2.0)
+        waited_s = gw.clock() - gw.t0
+        await task
+        gw.num_warm_ups_on["http://b"] = 1  # one that outlasts the bound: cut over anyway
+        bounded = await moves.between_prefills(gw, "http://b", 0.1)
+        return ok, waited_s, bounded
+
+    ok, waited_s, bounded = asyncio.run(scenario())
+    assert ok and 0.15 <= waited_s < 1.0
+    assert not bounded
