@@ -111,8 +111,8 @@ def test_an_instance_view_carries_each_field_under_its_own_name() -> None:
 
 def test_a_move_destination_takes_new_requests_only_when_no_other_has_a_slot() -> None:
     r = make()  # round robin over A, B, C; 2 slots each
-    r.pool.fence(B, until_s=5.0)
-    r.pool.fence(B, until_s=4.0)  # fences only extend
+    r.pool.fence(B, "move-1", until_s=5.0, now=1.0)
+    r.pool.fence(B, "move-2", until_s=4.0, now=1.0)  # two moves: fenced until both end
     assert r.pool.instances[B].fenced_until_s == 5.0 and r.pool.fenced_until_s == 5.0
     held = []
     for _ in range(4):  # B is never taken while A or C has a slot
@@ -126,8 +126,17 @@ def test_a_move_destination_takes_new_requests_only_when_no_other_has_a_slot() -
     # a move's own request goes there (the controller chose it), fenced or not
     moved = r.pick("m", REQ, 1.0, prefer=B)
     assert moved is not None and (moved.instance.url, moved.reason) == (B, "moved")
-    # the fence ends at its time: B is ranked as usual again
-    r2 = make()
-    r2.pool.fence(A, until_s=2.0)
-    assert {r2.pick("m", REQ, 1.9).instance.url for _ in range(4)} == {B, C}  # type: ignore[union-attr]
-    assert {r2.pick("m", REQ, 2.0).instance.url for _ in range(3)} == {A, B, C}  # type: ignore[union-attr]
+
+
+def test_a_fence_ends_at_its_time_or_when_its_stream_has_its_first_token_there() -> None:
+    r = make()
+    r.pool.fence(A, "move-1", until_s=2.0, now=1.0)
+    assert {r.pick("m", REQ, 1.9).instance.url for _ in range(4)} == {B, C}  # type: ignore[union-attr]
+    assert {r.pick("m", REQ, 2.0).instance.url for _ in range(3)} == {A, B, C}  # type: ignore[union-attr]
+    r.pool.fence(A, "move-2", until_s=9.0, now=3.0)  # the ended fence is dropped
+    assert r.pool.instances[A].fences == {"move-2": 9.0}
+    r.pool.unfence(A, "move-2")  # its first token came on A
+    assert r.pool.instances[A].fenced_until_s == 0.0
+    assert {r.pick("m", REQ, 3.5).instance.url for _ in range(3)} == {A, B, C}  # type: ignore[union-attr]
+    r.pool.unfence(A, "move-2")  # twice, or on an instance gone: nothing
+    r.pool.unfence("http://gone", "move-3")

@@ -395,7 +395,9 @@ def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute(
     # (the drain ends once the early recompute moves, pre-copied, have cut over, as the
     # executor awaits them: at most their warm-up's bound and as long again)
     assert 0 < shift["phases_s"]["drain_in_place"] < 0.5
-    assert 0.5 <= shift["phases_s"]["drain_rest"] < 0.6
+    # (and, since a warm-up waits for the fence of a cut-over before it on its destination,
+    # up to MAX_FENCE_S more: here 0.631 s)
+    assert 0.5 <= shift["phases_s"]["drain_rest"] < 0.7
     moved = shift["migrated"]
     assert moved.get("kv_moved", 0) > 0 and moved.get("recomputed", 0) > 0
     # the in-place instance's KV crosses NVLink: its migrate phase is the longest transfer

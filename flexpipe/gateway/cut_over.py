@@ -99,7 +99,7 @@ def fence_until_s(now_s: float, wait_s: float, speed_tokens_per_s: float) -> flo
 
 def fence_wait_s(fenced_until_s: float, now_s: float, bound_s: float) -> float:
     """How long a move's warm-up waits at `now_s` before its destination, fenced until
-    `fenced_until_s`, takes its prefill: until the fence's end, unless that is not within its
-    bound `bound_s` (then at once: the warm-up's own bound is what the move waits for)."""
+    `fenced_until_s`, takes its prefill: until the fence's end, unless that is not within
+    `bound_s` (what is left of `MAX_FENCE_S` of such waits; then at once)."""
     wait_s = fenced_until_s - now_s
     return wait_s if 0 < wait_s < bound_s else 0.0

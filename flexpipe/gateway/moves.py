@@ -58,20 +58,22 @@ async def move_request(gw: Gateway, call_id: int, move: Move) -> tuple[str, Warm
     # a recompute cuts over at its source's next token; a KV move where its export was taken
     if move.method == "recompute" and move.max_token_wait_s != 0:
         return await at_next_token(gw, call, move), warm
-    fence_target(gw, move, 0.0)
+    fence_target(gw, call, move, 0.0)
     outcome = relay.move(move) if relay is not None else move_relayed(call, move)
     return outcome, warm
 
 
-def fence_target(gw: Gateway, move: Move, wait_s: float) -> None:
-    """New requests keep off the move's destination while it cuts over there, at most
-    `wait_s` from now and the destination's next two steps (`cut_over.fence_until_s`)."""
+def fence_target(gw: Gateway, call: Call, move: Move, wait_s: float) -> None:
+    """New requests keep off the move's destination while it cuts over there: until the
+    stream's first token there (the relay's `Pool.unfence`), at most `wait_s` from now and
+    the destination's next two steps (`cut_over.fence_until_s`)."""
     if move.target is None:
         return
     inst = gw.pool.instances.get(move.target.rstrip("/"))
     if inst is not None:
-        until_s = fence_until_s(gw.clock(), wait_s, inst.speed_tokens_per_s)
-        gw.pool.fence(inst.url, until_s)
+        now = gw.clock()
+        until_s = fence_until_s(now, wait_s, inst.speed_tokens_per_s)
+        gw.pool.fence(inst.url, call.id, until_s, now)
 
 
 async def at_next_token(gw: Gateway, call: Call, move: Move) -> str:
@@ -105,7 +107,7 @@ async def at_next_token(gw: Gateway, call: Call, move: Move) -> str:
 
     max_wait_s = MAX_TOKEN_WAIT_S if move.max_token_wait_s is None else move.max_token_wait_s
     wait_s = token_wait_s(gap_s, max_wait_s)
-    fence_target(gw, move, wait_s)
+    fence_target(gw, call, move, wait_s)
     timer = loop.call_later(wait_s, cut)
     call.cut = cut
     try:

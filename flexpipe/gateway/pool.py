@@ -86,9 +86,9 @@ class Instance:
     backoff_s: float = 0.0
     ejected_until_s: float = 0.0
     num_ejections: int = 0
-    # new requests keep off it until then while another candidate has a slot: a move cuts
-    # over to it (flexpipe.gateway.cut_over.fence_until_s)
-    fenced_until_s: float = 0.0
+    # moves cutting over to it (a key per move -> until when): new requests keep off it
+    # meanwhile while another candidate has a slot (`Pool.fence`, cut_over.fence_until_s)
+    fences: dict[object, float] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -99,6 +99,11 @@ class Instance:
     def routable(self) -> bool:
         """Takes new requests: active and healthy."""
         return self.state is State.ACTIVE and self.healthy
+
+    @property
+    def fenced_until_s(self) -> float:
+        """Until when a move cutting over to it keeps new requests off (0: none does)."""
+        return max(self.fences.values(), default=0.0)
 
     @property
     def num_queued_tokens(self) -> float:
@@ -175,7 +180,9 @@ class Pool:
         self.default_max_concurrency = default_max_concurrency
         self.instances: dict[str, Instance] = {}  # url -> instance
         self._listeners: list[Callable[[], None]] = []
-        self.fenced_until_s = 0.0  # the latest fence's end over all instances (see `fence`)
+        # the latest fence's end over all instances, ever (`fence`): routing looks at fences
+        # only before then
+        self.fenced_until_s = 0.0
 
     def on_change(self, callback: Callable[[], None]) -> None:
         """Called after any change that may free capacity (wakes queued requests)."""
@@ -279,14 +286,24 @@ class Pool:
         if inst.max_concurrency > old:
             self._changed()
 
-    def fence(self, url: str, until_s: float) -> Instance:
-        """A move cuts over to `url`: new requests keep off it until `until_s` while another
-        candidate has a slot (`Router.pick`). Fences only extend: two moves into one
-        instance keep it fenced until the later one's end."""
+    def fence(self, url: str, key: object, until_s: float, now: float) -> Instance:
+        """A move (`key`) cuts over to `url`: new requests keep off it until `until_s`, or
+        until `unfence` (the moved stream's first token there), while another candidate has
+        a slot (`Router.pick`). Two moves into one instance keep it fenced until both end.
+        Fences past their end by `now` are dropped."""
         inst = self.get(url)
-        inst.fenced_until_s = max(inst.fenced_until_s, until_s)
+        fences = inst.fences
+        for k in [k for k, t in fences.items() if t <= now]:
+            del fences[k]
+        fences[key] = max(fences.get(key, 0.0), until_s)
         self.fenced_until_s = max(self.fenced_until_s, until_s)
         return inst
+
+    def unfence(self, url: str, key: object) -> None:
+        """The move `key` is through on `url` (its stream's first token came there)."""
+        inst = self.instances.get(url.rstrip("/"))
+        if inst is not None:
+            inst.fences.pop(key, None)
 
     def set_weight(self, url: str, weight: float) -> Instance:
         if weight <= 0:

@@ -19,7 +19,7 @@ import orjson
 
 from flexpipe.gateway import sse
 from flexpipe.gateway.call import Call, Move
-from flexpipe.gateway.cut_over import fence_wait_s
+from flexpipe.gateway.cut_over import MAX_FENCE_S, fence_wait_s
 from flexpipe.gateway.pool import Instance, PoolError
 from flexpipe.http.client import UpstreamError, UpstreamResponse
 from flexpipe.http.server import ChunkWriter, HttpError
@@ -251,6 +251,7 @@ async def relay_after_failure(
     state: sse.StreamState | None = None  # set once migrated: events are rewritten
     status = "200"
     live = True  # `inst` still counts this request
+    fenced = False  # continued elsewhere: no token from there yet (`Pool.unfence`)
     try:
         while True:
             try:
@@ -280,6 +281,7 @@ async def relay_after_failure(
                 call.relayed = resp  # the controller may move it again (`move_relayed`)
                 live = True
                 tail = b""
+                fenced = True
                 continue
             if chunk is None:
                 if tail:
@@ -298,6 +300,9 @@ async def relay_after_failure(
             if not t_first:
                 t_first = t_last
                 gw.metrics.observe("ttft", call.model, t_first - call.t0)
+            if fenced:  # its first token where it went: a move's fence there is through
+                gw.pool.unfence(inst.url, call.id)
+                fenced = False
             if state is None:
                 num_events += out.count(b"\n\n")
                 sent.append(out)
@@ -346,8 +351,9 @@ async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> War
     generated meanwhile: the client's pause is about one engine step, not one prefill.
     "warmed" when the warm-up finished within `timeout_s`; else (or "skipped" when the
     destination has no free slot, where the warm-up would only queue) the move cuts over
-    unwarmed. It waits (within `timeout_s`) while a move cuts over to the destination
-    (`cut_over.fence_wait_s`): its prefill would share the moved stream's step. Each outcome
+    unwarmed. First it waits while a move cuts over to the destination (its prefill would
+    share the moved stream's step; `cut_over.fence_wait_s`, at most `MAX_FENCE_S` in all, not
+    counted in `timeout_s`, which bounds the prefill's wait and run). Each outcome
     is counted (`flexpipe_move_warm_ups_total`)."""
     outcome = await _warm_up(gw, call, target, timeout_s)
     gw.metrics.warm_ups.labels(outcome).inc()
@@ -362,12 +368,14 @@ def warms(timeout_s: float, num_slots: int, num_in_flight: int) -> bool:
 
 
 async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> WarmOutcome:
-    # a move cuts over there: the warm-up's prefill waits for its fence to end (cut_over.py)
+    # a move cuts over there: the warm-up's prefill waits for its fence to end or be lifted
+    # (polled), MAX_FENCE_S at most in all, on top of its own bound (cut_over.py)
+    waited_s = 0.0
     while (inst := gw.pool.instances.get(target.rstrip("/"))) is not None and (
-        wait_s := fence_wait_s(inst.fenced_until_s, gw.clock(), timeout_s)
+        wait_s := fence_wait_s(inst.fenced_until_s, gw.clock(), MAX_FENCE_S - waited_s)
     ) > 0:
-        await asyncio.sleep(wait_s)
-        timeout_s -= wait_s
+        await asyncio.sleep(min(wait_s, WARM_POLL_S))
+        waited_s += min(wait_s, WARM_POLL_S)
     relay = call.relay
     if relay is not None:
         state = sse.summarize(b"".join(relay.sent), call.chat)

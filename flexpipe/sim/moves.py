@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flexpipe.engine.request import EngineRequest
-from flexpipe.gateway.cut_over import cut_over_s, fence_wait_s, mean_gap_s
-from flexpipe.gateway.relay import MOVE_PRIORITY, warms
+from flexpipe.gateway.cut_over import MAX_FENCE_S, cut_over_s, fence_wait_s, mean_gap_s
+from flexpipe.gateway.relay import MOVE_PRIORITY, WARM_POLL_S, warms
 from flexpipe.sim.gateway import SimGateway
 from flexpipe.sim.loop import CONTROL, EventLoop
 from flexpipe.sim.request import SimRequest
@@ -73,21 +73,27 @@ class Moves:
         timeout_s: float,
         now: float,
         done: WarmDone,
+        fence_waited_s: float = 0.0,
     ) -> None:
         """The gateway's pre-copy of a recompute move (`relay.warm_up`): `target`'s engine
         gets the continuation the move will send (prompt + tokens generated so far), for one
         token, ahead of its queue, while `req` keeps generating on `source`; its blocks stay
         in the target's prefix cache when it ends. `done(outcome, t)`: "warmed" when it ended
         within `timeout_s`, "timed_out" (aborted then), "failed" (refused, or the engine
-        died), "skipped" (no free slot there, nothing generated yet, no bound): then."""
+        died), "skipped" (no free slot there, nothing generated yet, no bound): then. First it
+        waits while a move cuts over to `target` (`cut_over.fence_wait_s`, `MAX_FENCE_S` in
+        all, `fence_waited_s` so far; not counted in `timeout_s`), as the gateway does."""
         inst = target.instance
         src = source.instance
         assert inst is not None and src is not None
         record = self.gateway.pool.instances.get(inst.url)
-        wait_s = fence_wait_s(record.fenced_until_s if record else 0.0, now, timeout_s)
-        if wait_s > 0:  # a move cuts over there: not into its step (`relay.warm_up`)
+        fenced_until_s = record.fenced_until_s if record else 0.0
+        wait_s = fence_wait_s(fenced_until_s, now, MAX_FENCE_S - fence_waited_s)
+        if wait_s > 0:  # a move cuts over there: not into its step (`relay.warm_up`; polled)
+            wait_s = min(wait_s, WARM_POLL_S)
             self.loop.at(now + wait_s, CONTROL, functools.partial(
-                self.warm_up, req, source, target, timeout_s - wait_s, done=done
+                self.warm_up, req, source, target, timeout_s, done=done,
+                fence_waited_s=fence_waited_s + wait_s,
             ))  # fmt: skip
             return
         rid = str(req.request_id)

@@ -111,7 +111,7 @@ class World(Protocol):
 
     def awaits_first_token(self, rec: Any) -> bool: ...
 
-    def fence(self, rec: Any, wait_s: float, now: float) -> None: ...  # moves.fence_target
+    def fence(self, req: SimRequest, rec: Any, wait_s: float, now: float) -> None: ...
 
     def release(self, rec: Any, now: float) -> None: ...
 
@@ -482,7 +482,7 @@ class ShiftRun:
                     delay_s = perf_model_of(world.cluster, dst.planned).kv_transfer_s(
                         num_prompt + num_out, link.bandwidth_bytes_per_s, link.latency_s
                     )
-                world.fence(dst, delay_s, now)
+                world.fence(req, dst, delay_s, now)
             else:
                 timeout_s = warm_timeout_s(m.choice.done_s, 1.0, self.warm_moves)
                 self._pre_copy(req, src, dst, timeout_s, now)
@@ -508,7 +508,7 @@ class ShiftRun:
             ran = any(r is req for r in world.requests_on(src))
             at_s = cut_over_at_s(req, src, t) if ran else t
             if ran:  # new requests keep off the destination until it has the stream
-                world.fence(dst, at_s - t, t)
+                world.fence(req, dst, at_s - t, t)  # as `gateway.moves.fence_target`
             if at_s > t:
                 world.loop.at(at_s, CONTROL, functools.partial(carried_out, warm))
             else:

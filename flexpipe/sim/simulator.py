@@ -333,15 +333,17 @@ class _Run:
     def awaits_first_token(self, rec: InstanceRecord) -> bool:
         return self.moves.awaits_first_token(rec)
 
-    def fence(self, rec: InstanceRecord, wait_s: float, now: float) -> None:
-        """New requests keep off `rec` while a move cuts over to it (the gateway's
-        `gateway.moves.fence_target`: the wait, then two of its steps)."""
+    def fence(self, req: SimRequest, rec: InstanceRecord, wait_s: float, now: float) -> None:
+        """New requests keep off `rec` while `req`'s move cuts over to it (the gateway's
+        `gateway.moves.fence_target`: until its first token there, `_first_token`; at most
+        the wait, then two of its steps)."""
         inst = rec.instance
         pool = self.gateway.pool
         if inst is None or inst.url not in pool.instances:
             return
         speed = pool.instances[inst.url].speed_tokens_per_s
-        pool.fence(inst.url, fence_until_s(now, wait_s, speed))
+        root = self.moves.roots.get(req.request_id, req)
+        pool.fence(inst.url, root.request_id, fence_until_s(now, wait_s, speed), now)
 
     def _engine_done(
         self, inst: SimInstance, req: SimRequest, ereq: EngineRequest, now: float
@@ -357,10 +359,15 @@ class _Run:
         """A first token: the client's TTFT, observed now, as the live gateway observes it
         when the token streams out (not when the request ends: the controller's latency
         window would lag by the request's decode). Not a warm-up's, nor a continuation's
-        when its client had a token before the move."""
-        if self.controller is None or ereq.request_id in self.moves.warming:
+        when its client had a token before the move. A move's continuation lifts its fence
+        on the instance (`fence`)."""
+        if ereq.request_id in self.moves.warming:
             return
         root = self.moves.roots.get(req.request_id, req)
+        if root is not req:  # a move's continuation: its fence there is through
+            self.gateway.pool.unfence(inst.url, root.request_id)
+        if self.controller is None:
+            return
         if root.first_token_s < 0:
             self.controller.first_token(root.model, now - root.arrival_s)
 
