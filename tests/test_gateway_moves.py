@@ -18,6 +18,8 @@ from test_gateway_fakes import LoopThread
 
 from flexpipe.engine.testing import EngineProc, sim_engine
 from flexpipe.engine.tokenizer import WORDS
+from flexpipe.gateway.cut_over import MAX_FENCE_S
+from flexpipe.gateway.pool import Pool
 
 MODEL = "llama-2-7b"
 ADMIN = "engine-admin"
@@ -61,9 +63,27 @@ def move_all(r: Running, source: str, target: str, method: str) -> list[str]:
 @pytest.mark.parametrize("method", ["kv", "recompute"])
 @pytest.mark.parametrize("chat", [True, False])
 def test_a_moved_stream_is_seamless(
-    lt: LoopThread, engines: list[EngineProc], method: str, chat: bool
+    lt: LoopThread,
+    engines: list[EngineProc],
+    method: str,
+    chat: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     source, target = engines[0].url, engines[1].url
+    fenced: list[tuple[str, object, float, float]] = []
+    lifted: list[tuple[str, object]] = []
+    fence, unfence = Pool.fence, Pool.unfence
+
+    def spy_fence(self: Pool, url: str, key: object, until_s: float, now: float) -> Any:
+        fenced.append((url, key, until_s, now))
+        return fence(self, url, key, until_s, now)
+
+    def spy_unfence(self: Pool, url: str, key: object) -> None:
+        lifted.append((url, key))
+        unfence(self, url, key)
+
+    monkeypatch.setattr(Pool, "fence", spy_fence)
+    monkeypatch.setattr(Pool, "unfence", spy_unfence)
     r = gateway(lt, [engines[0]])
     try:
         client = r.client()
@@ -101,6 +121,10 @@ def test_a_moved_stream_is_seamless(
         assert usage is not None and usage.completion_tokens == 120
         assert requests_on(r, source) == [] and requests_on(r, target) == []
         assert r.gw.num_active_calls == 0
+        # new requests kept off the target while it cut over, until its first token there
+        ((url, key, until_s, now),) = fenced
+        assert url == target and 0 < until_s - now <= MAX_FENCE_S
+        assert lifted == [(target, key)] and not r.gw.pool.instances[target].fences
     finally:
         r.close()
 
