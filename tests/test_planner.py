@@ -256,6 +256,25 @@ def test_models_file_errors_are_one_line_each() -> None:
     assert all("\n" not in e for e in errors)
 
 
+def test_a_models_file_with_an_infinite_number_names_it() -> None:
+    doc = yaml.safe_load(
+        """
+        models:
+          - model: llama-2-7b
+            demand: {request_rate_per_s: .inf, input_tokens: 512, output_tokens: 128}
+            slo: {ttft_p99_ms: .nan, tpot_p99_ms: 50}
+            priority: .inf
+        """
+    )
+    with pytest.raises(ModelsFileError) as info:
+        parse_models(doc, "m.yaml")
+    assert info.value.errors == [
+        "m.yaml: models[0].demand.request_rate_per_s: expected a finite number, got inf",
+        "m.yaml: models[0].slo.ttft_p99_ms: expected a finite number, got nan",
+        "m.yaml: models[0].priority: expected a positive number, got inf",
+    ]
+
+
 def test_example_models_files_parse() -> None:
     (d,) = models()
     assert d.slo.tpot_p99_s == 0.05 and d.dtypes == ("bf16", "fp8")

@@ -566,6 +566,10 @@ def test_params_from_yaml_and_unknown_keys() -> None:
         ValueError, match=r"^shift\.pricing\.horizon_s: expected a number, got '1h'"
     ):
         ShiftParams.from_mapping({"pricing": {"horizon_s": "1h"}})
+    with pytest.raises(
+        ValueError, match=r"^shift\.triggers\.cooldown_s: expected a finite number, got inf"
+    ):
+        ShiftParams.from_mapping(yaml.safe_load("triggers: {cooldown_s: .inf}"))
 
 
 def test_docs_yaml_is_the_defaults() -> None:

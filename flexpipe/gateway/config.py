@@ -17,6 +17,7 @@ tenants_file: keys.yaml           # optional: the same list in its own file
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -99,6 +100,9 @@ def _build(cls: type[Any], data: Any, where: str) -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    for key, value in data.items():  # `.inf` / `.nan` in YAML: no limit or timeout means that
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}.{key}: expected a finite number, got {value}")
     try:
         return cls(**data)
     except (TypeError, ValueError) as exc:

@@ -17,6 +17,7 @@ models:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from flexpipe.model_spec import ModelSpecError, load_model_spec
@@ -51,6 +52,9 @@ def _number(doc: dict[str, Any], key: str, place: str, errors: list[str]) -> flo
     value = doc.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float):
         errors.append(f"{place}.{key}: expected a number, got {value!r}")
+        return 0.0
+    if not math.isfinite(value):
+        errors.append(f"{place}.{key}: expected a finite number, got {value!r}")
         return 0.0
     if value <= 0 and key != "request_rate_per_s":
         errors.append(f"{place}.{key}: must be positive (got {value})")
@@ -129,7 +133,12 @@ def parse_models(doc: object, source: str = "<models>") -> tuple[ModelDemand, ..
         ):
             errors.append(f"{place}.max_model_len: expected a positive integer")
         priority = item.get("priority", 1)
-        if isinstance(priority, bool) or not isinstance(priority, int | float) or priority <= 0:
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int | float)
+            or not math.isfinite(priority)
+            or priority <= 0
+        ):
             errors.append(f"{place}.priority: expected a positive number, got {priority!r}")
         min_instances = item.get("min_instances", 0)
         if (

@@ -6,6 +6,7 @@ docs/shift-policy.md lists them with their defaults (a test checks that its YAML
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,8 @@ class ShiftParams:
             for k, v in kwargs.items():
                 if k not in nested and (isinstance(v, bool) or not isinstance(v, int | float)):
                     raise ValueError(f"{place}.{k}: expected a number, got {v!r}")
+                if k not in nested and not math.isfinite(v):
+                    raise ValueError(f"{place}.{k}: expected a finite number, got {v!r}")
             try:
                 return kind(**kwargs)
             except ValueError as exc:
