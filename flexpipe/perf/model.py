@@ -50,7 +50,11 @@ class _StageCost:
     lm_head: tuple[float, int, int] | None  # last stage only
 
 
-_MAX_MEMO = 4096  # token counts remembered per model (a few hundred kB at most)
+# token counts remembered per model: every batch size of a sim engine (up to
+# max_num_batched_tokens, 8192 by default, per stage) so that its steps never miss (a few MB
+# at most; a planner prices far fewer). At 4,096 the memo was cleared and refilled every few
+# thousand steps of a sim engine.
+_MAX_MEMO = 1 << 15
 
 
 def _slowest_gpu(gpus: tuple[GpuSlot, ...]) -> GpuSpec:
