@@ -16,6 +16,7 @@ from flexpipe.gateway.config import ConfigError, config_from_dict
         ("http: {max_body_bytes: .nan}", "http.max_body_bytes"),
         ("tenants: [{key: k, requests_per_min: .inf}]", "tenants[0].requests_per_min"),
         ("backends: [{url: 'http://127.0.0.1:9', weight: .inf}]", "backends[0].weight"),
+        ("routing: {params: {imbalance_ratio: .nan}}", "routing.params.imbalance_ratio"),
     ],
 )
 def test_an_infinite_number_is_an_error_naming_its_field(text: str, field: str) -> None:

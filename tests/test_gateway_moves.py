@@ -80,6 +80,11 @@ def test_a_moved_stream_is_seamless(
 
     def spy_unfence(self: Pool, url: str, key: object) -> None:
         lifted.append((url, key))
+        call = r.gw.call(key) if isinstance(key, int) else None
+        state = call.stream_state if call is not None else None
+        assert state is not None and state.num_tokens > state.num_tokens_at_join, (
+            "lifted before a token came from the destination (chat's role-only event?)"
+        )
         unfence(self, url, key)
 
     monkeypatch.setattr(Pool, "fence", spy_fence)

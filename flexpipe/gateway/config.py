@@ -138,6 +138,9 @@ def config_from_dict(data: dict[str, Any], base_dir: Path | None = None) -> Gate
     cfg.http = http
     cfg.policy = str(routing.get("policy", cfg.policy))
     cfg.policy_params = dict(routing.get("params") or {})
+    for key, value in cfg.policy_params.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"routing.params.{key}: expected a finite number, got {value}")
     if cfg.admin_token is None:
         cfg.admin_token = os.environ.get("FLEXPIPE_ADMIN_TOKEN") or None
     if cfg.controller_token is None:

@@ -260,6 +260,9 @@ async def relay_after_failure(
                     raise exc
                 chunk = await resp.next_chunk()
             except UpstreamError as exc:
+                if fenced:  # it leaves the instance a move fenced before its first token
+                    fenced = False
+                    gw.pool.unfence(inst.url, call.id)
                 if call.move is None:  # a move the controller asked for is no failure
                     gw.failure(inst)
                 gw.finish(inst, call, exc.kind)
@@ -300,19 +303,21 @@ async def relay_after_failure(
             if not t_first:
                 t_first = t_last
                 gw.metrics.observe("ttft", call.model, t_first - call.t0)
-            if fenced:  # its first token where it went: a move's fence there is through
-                gw.pool.unfence(inst.url, call.id)
-                fenced = False
             if state is None:
                 num_events += out.count(b"\n\n")
                 sent.append(out)
                 yield out
             else:
                 parts = []
+                num_new_tokens = 0
                 for payload in sse.events(out):
-                    ev, _ = sse.rewrite_event(payload, state, call.chat)
+                    ev, num = sse.rewrite_event(payload, state, call.chat)
+                    num_new_tokens += num
                     if ev is not None:
                         parts.append(ev)
+                if fenced and num_new_tokens:  # (not chat's role-only event: no token yet)
+                    fenced = False  # its first token where it went: the move's fence is through
+                    gw.pool.unfence(inst.url, call.id)
                 if parts:
                     yield b"".join(parts)
             if call.cut is not None and call.relayed is resp:
@@ -323,6 +328,8 @@ async def relay_after_failure(
     finally:
         call.relayed = None
         resp.release()  # aborts the upstream request if the client went away
+        if fenced:  # ended (or the client left) before its first token there
+            gw.pool.unfence(inst.url, call.id)
         if live:
             gw.finish(inst, call, status)
         num_out = max(0, num_events - 2) if state is None else state.num_tokens
@@ -368,14 +375,17 @@ def warms(timeout_s: float, num_slots: int, num_in_flight: int) -> bool:
 
 
 async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> WarmOutcome:
+    if timeout_s <= 0:
+        return "skipped"
     # a move cuts over there: the warm-up's prefill waits for its fence to end or be lifted
     # (polled), MAX_FENCE_S at most in all, on top of its own bound (cut_over.py)
-    waited_s = 0.0
+    t_fence = gw.clock()
     while (inst := gw.pool.instances.get(target.rstrip("/"))) is not None and (
-        wait_s := fence_wait_s(inst.fenced_until_s, gw.clock(), MAX_FENCE_S - waited_s)
+        wait_s := fence_wait_s(
+            inst.fenced_until_s, now := gw.clock(), MAX_FENCE_S - (now - t_fence)
+        )
     ) > 0:
         await asyncio.sleep(min(wait_s, WARM_POLL_S))
-        waited_s += min(wait_s, WARM_POLL_S)
     relay = call.relay
     if relay is not None:
         state = sse.summarize(b"".join(relay.sent), call.chat)

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flexpipe.engine.request import EngineRequest
-from flexpipe.gateway.cut_over import MAX_FENCE_S, cut_over_s, fence_wait_s, mean_gap_s
+from flexpipe.gateway.cut_over import (
+    MAX_FENCE_S,
+    cut_over_s,
+    fence_wait_s,
+    mean_gap_s,
+    token_wait_s,
+)
 from flexpipe.gateway.relay import MOVE_PRIORITY, WARM_POLL_S, warms
 from flexpipe.sim.gateway import SimGateway
 from flexpipe.sim.loop import CONTROL, EventLoop
@@ -86,6 +92,9 @@ class Moves:
         inst = target.instance
         src = source.instance
         assert inst is not None and src is not None
+        if timeout_s <= 0:  # no warm-up asked for
+            self._warmed("skipped", done, now)
+            return
         record = self.gateway.pool.instances.get(inst.url)
         fenced_until_s = record.fenced_until_s if record else 0.0
         wait_s = fence_wait_s(fenced_until_s, now, MAX_FENCE_S - fence_waited_s)
@@ -226,24 +235,26 @@ class Moves:
             place(now)
 
 
-def cut_over_at_s(req: SimRequest, source: InstanceRecord, now: float) -> float:
+def cut_over_at_s(req: SimRequest, source: InstanceRecord, now: float) -> tuple[float, float]:
     """When the gateway cuts a recompute move of `req`, asked at `now`, over
     (`gateway.moves.at_next_token`, by `gateway.cut_over.cut_over_s`): at the end of its
     source's step in progress, where its next token comes, if that is within the wait
     (`TOKEN_WAIT_GAPS` of its mean gap between tokens); else at the end of the wait. A
     continuation of an earlier move has no gap known (the gateway's failover pump keeps
-    none): the wait's cap. A request not running there gets no token: the end of the wait."""
+    none): the wait's cap. A request not running there gets no token: the end of the wait.
+    Returns that time and the wait's bound (`token_wait_s`, what the gateway fences the
+    destination for: it cannot know when the token comes)."""
     inst = source.instance
     if inst is None:
-        return now
+        return now, 0.0
     end_s = inst.step_end_s(now)
     s = inst.core.scheduler
     rid = str(req.request_id)
     ereq = next((r for r in s.running if r.request_id == rid), None)
     if ereq is None:
-        return cut_over_s(now, None, None)
+        return cut_over_s(now, None, None), token_wait_s(None)
     s.materialize(ereq)
     gap_s = None
     if req.context_of is None:
         gap_s = mean_gap_s(ereq.first_token_s, ereq.last_token_s, ereq.num_output_tokens)
-    return cut_over_s(now, end_s, gap_s)
+    return cut_over_s(now, end_s, gap_s), token_wait_s(gap_s)

@@ -506,9 +506,10 @@ class ShiftRun:
         def cut_over(warm: str, t: float) -> None:
             """At its source's next token (`sim.moves.cut_over_at_s`), as the gateway does."""
             ran = any(r is req for r in world.requests_on(src))
-            at_s = cut_over_at_s(req, src, t) if ran else t
-            if ran:  # new requests keep off the destination until it has the stream
-                world.fence(req, dst, at_s - t, t)  # as `gateway.moves.fence_target`
+            at_s = t
+            if ran:  # new requests keep off the destination until it has the stream, fenced
+                at_s, wait_s = cut_over_at_s(req, src, t)  # for the wait's bound, as
+                world.fence(req, dst, wait_s, t)  # `gateway.moves.fence_target` does
             if at_s > t:
                 world.loop.at(at_s, CONTROL, functools.partial(carried_out, warm))
             else:
