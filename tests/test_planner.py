@@ -275,6 +275,19 @@ def test_a_models_file_with_an_infinite_number_names_it() -> None:
     ]
 
 
+def test_a_negative_number_in_a_models_file_is_one_message() -> None:
+    doc = {"models": [{"model": "llama-2-7b",
+                       "demand": {"request_rate_per_s": -1, "input_tokens": -5,
+                                  "output_tokens": 128},
+                       "slo": {"ttft_p99_ms": 1000, "tpot_p99_ms": 50}}]}  # fmt: skip
+    with pytest.raises(ModelsFileError) as info:
+        parse_models(doc, "m.yaml")
+    assert info.value.errors == [
+        "m.yaml: models[0].demand.request_rate_per_s: must be >= 0 (got -1)",
+        "m.yaml: models[0].demand.input_tokens: must be positive (got -5)",
+    ]
+
+
 def test_example_models_files_parse() -> None:
     (d,) = models()
     assert d.slo.tpot_p99_s == 0.05 and d.dtypes == ("bf16", "fp8")

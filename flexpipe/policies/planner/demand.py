@@ -58,7 +58,7 @@ def _number(doc: dict[str, Any], key: str, place: str, errors: list[str]) -> flo
         return 0.0
     if value <= 0 and key != "request_rate_per_s":
         errors.append(f"{place}.{key}: must be positive (got {value})")
-    if value < 0:
+    elif value < 0:
         errors.append(f"{place}.{key}: must be >= 0 (got {value})")
     return float(value)
 
