@@ -458,19 +458,6 @@ def test_requests_waiting_for_a_scaled_to_zero_model_wake_it() -> None:
     assert d.target is not None and len(d.target) >= 1
 
 
-def test_a_wake_with_no_gpu_free_says_which_models_it_could_not_place() -> None:
-    gone = CLUSTER
-    for g in CLUSTER.gpu_ids:  # another tenant holds every GPU
-        gone = gone.with_used(g, gone.gpu(g).capacity_bytes, owner="batch job")
-    waiting = [Sample(40, 3, 100, None, None, 0.0)]
-    d = decide(policy(), snap((), waiting, rate=0.0, cluster=gone), 40)
-    assert (d.action, d.trigger) == ("hold", "wake")
-    assert d.unplaced(["llama-7b"]) == ["llama-7b"]
-    # with the GPUs free, the same wake places it: a shift, nothing unplaced
-    woken = decide(policy(), snap((), waiting, rate=0.0), 40)
-    assert woken.action == "shift" and woken.unplaced(["llama-7b"]) == []
-
-
 def test_higher_priority_model_gets_the_gpus_when_short() -> None:
     chat, batch = demand(6.0, "chat"), demand(6.0, "batch", "mistral-7b")
     running = running_for(

@@ -192,9 +192,6 @@ class Controller:
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
         self._standby: set[str] = set()  # models held in the gateway with no instance
-        # models with no instance that no GPU free to us can place (a wake found no shift):
-        # not held, so their requests are refused, until the GPUs change
-        self._unplaced: set[str] = set()
         self._waits = WaitNotice()  # said once: requests wait for a model with no instance
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
@@ -408,7 +405,6 @@ class Controller:
         )
         decision = self.policy.decide(snapshot, now_s, self.rng)
         self.last_decision = decision
-        await self._release_unplaced(decision)
         if decision.action != "shift" or decision.target is None:
             self.journal.decision(decision, snapshot.running)
             return decision
@@ -443,43 +439,20 @@ class Controller:
 
     async def _hold_standby(self) -> None:
         """A model scaled to zero stays held in the gateway (its requests queue for the
-        instance its demand will start); one that serves again is released, and so is one
-        that no GPU free to us can place (`_release_unplaced`)."""
+        instance its demand will start); one that serves again is released."""
         standby = set(self._standby_models())
-        self._unplaced &= standby
-        held = standby - self._unplaced
         for line in self._waits.serving({d.name for d in self.cfg.demands} - standby):
             self.say(line)
-        for model in sorted(held | self._standby):
+        for model in sorted(standby | self._standby):
             try:
-                await self.gateway.hold(model, self.cfg.standby_hold_s if model in held else 0)
+                await self.gateway.hold(model, self.cfg.standby_hold_s if model in standby else 0)
             except GatewayError as exc:
                 log.warning("hold of %s: %s", model, exc)
                 continue
-            if model in held:
+            if model in standby:
                 self._standby.add(model)
             else:
                 self._standby.discard(model)
-
-    async def _release_unplaced(self, decision: ShiftDecision) -> None:
-        """Requests wait for a model with no instance, and the wake found no GPU free to us
-        that can place it: holding them would only make them wait out the gateway's queue
-        cap (minutes) for a cold start that cannot come. Its hold ends now (the gateway
-        refuses its queue with a 503) and its requests are refused until the GPUs change
-        (`_resource_events`), unless a GPU is due back within the hold (an occupation's
-        `--until`): then they wait for it."""
-        unplaced = set(decision.unplaced(self._standby_models())) - self._unplaced
-        if not unplaced:
-            return
-        next_change_s = self.resources.next_change_s()
-        if next_change_s is not None and next_change_s - self.wall() <= self.cfg.standby_hold_s:
-            return
-        self._unplaced |= unplaced
-        self.say(
-            f"controller: no GPU free to us can place {', '.join(sorted(unplaced))} now; "
-            "its requests are refused until the GPUs change"
-        )
-        await self._hold_standby()
 
     async def _watch_demand(self) -> None:
         """The demand trigger of models scaled to zero: the gateway answers as soon as one
@@ -565,7 +538,6 @@ class Controller:
         self._keep_occupations()
         if events:
             self.resources_changed_s = now_s
-            self._unplaced.clear()  # held again: the next wake looks at the GPUs as they are
             self._note("resources", "; ".join(e.why for e in events), notes=[e.why for e in events])
             self._changed.set()
         return events

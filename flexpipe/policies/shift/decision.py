@@ -3,7 +3,6 @@ and every alternative with its score or why it was refused (the shift log's reco
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,15 +54,6 @@ class ShiftDecision:
     @property
     def score(self) -> float | None:
         return None if self.price is None else self.price.score
-
-    def unplaced(self, models: Collection[str]) -> list[str]:
-        """Of `models` (with no instance, requests waiting for them), those this decision
-        could not place: a wake that found no shift, with no candidate running them (no GPU
-        free to us has room for them now)."""
-        if self.action == "shift" or self.trigger != "wake":
-            return []
-        placed = {i.model for c in self.alternatives for i in c.instances}
-        return sorted(set(models) - placed)
 
     def started(self, started_s: float) -> ShiftRecord:
         """The history record of carrying out this decision (the controller completes it with
