@@ -330,7 +330,7 @@ def test_builtin_scenario_files_parse() -> None:
 
 def test_each_workload_keeps_its_model() -> None:
     """Several workloads merge in time order, each request labelled with its own model."""
-    from flexpipe.sim.simulator import generate_requests
+    from flexpipe.sim.arrivals import generate_requests
 
     base = {"name": "t", "duration_s": 60, "cluster": {"file": str(SEED_CLUSTER)},
             "models": [{"name": "a", "model": "llama-2-7b"}, {"name": "b", "model": "mistral-7b"}],

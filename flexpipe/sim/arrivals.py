@@ -1,0 +1,76 @@
+"""The scenario's requests (every workload's arrivals, merged in time order) and the model
+demands the planner is given for them (the mean, and the busiest report interval's peak)."""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Iterator, Sequence
+
+from flexpipe.policies.planner import ModelDemand
+from flexpipe.policies.planner.demand import ModelsFileError, parse_models
+from flexpipe.sim.policy import at_rate
+from flexpipe.sim.request import SimRequest
+from flexpipe.sim.scenario import Scenario, ScenarioError
+from flexpipe.sim.trace import TraceReplay
+from flexpipe.sim.workload import Arrival
+
+__all__ = ["generate_requests", "model_demands"]
+
+
+def _keyed(it: Iterator[Arrival], w: int) -> Iterator[tuple[float, int, int, Arrival]]:
+    """(time, workload, n, arrival): the merge key. A function, not a generator expression in
+    the loop, so that each stream keeps its own `w` (a generator expression reads it late)."""
+    for n, a in enumerate(it):
+        yield a[0], w, n, a
+
+
+def generate_requests(scenario: Scenario) -> list[SimRequest]:
+    """Every workload's arrivals, merged in time order (ties: workload order)."""
+    streams: list[Iterator[tuple[float, int, int, Arrival]]] = []
+    for w, wl in enumerate(scenario.workloads):
+        src = wl.source
+        if isinstance(src, TraceReplay):
+            it: Iterator[Arrival] = src.arrivals(scenario.duration_s)
+        else:
+            it = src.arrivals(random.Random(f"{scenario.seed}:{w}"), scenario.duration_s)
+        streams.append(_keyed(it, w))
+    out: list[SimRequest] = []
+    for t, w, _, (_, prompt, output, prefix) in heapq.merge(*streams):
+        out.append(SimRequest(len(out), t, scenario.workloads[w].model, prompt, output, prefix))
+    return out
+
+
+def model_demands(
+    scenario: Scenario, requests: Sequence[SimRequest]
+) -> tuple[tuple[ModelDemand, ...], tuple[ModelDemand, ...]]:
+    """(mean demands, peak demands): a model's `demand` from the scenario, or its workload's
+    mean; the peak rate is the busiest report interval's."""
+    entries = []
+    peaks: dict[str, float] = {}
+    window = scenario.report_interval_s
+    for entry in scenario.models:
+        name = str(entry.get("name", entry.get("model")))
+        mine = [r for r in requests if r.model == name]
+        counts: dict[int, int] = {}
+        for r in mine:
+            k = int(r.arrival_s // window)
+            counts[k] = counts.get(k, 0) + 1
+        peaks[name] = max(counts.values(), default=0) / window
+        if "demand" not in entry:
+            n = max(1, len(mine))
+            entry = {
+                **entry,
+                "demand": {
+                    "request_rate_per_s": len(mine) / scenario.duration_s,
+                    "input_tokens": max(1, round(sum(r.num_prompt_tokens for r in mine) / n)),
+                    "output_tokens": max(1, round(sum(r.num_output_tokens for r in mine) / n)),
+                },
+            }
+        entries.append(entry)
+    try:
+        demands = parse_models({"models": entries}, f"{scenario.name}: models")
+    except ModelsFileError as exc:
+        raise ScenarioError(str(exc).replace("\n", "; ")) from None
+    peak = tuple(at_rate(d, max(d.request_rate_per_s, peaks[d.name])) for d in demands)
+    return demands, peak
