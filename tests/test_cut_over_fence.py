@@ -102,3 +102,58 @@ def test_without_the_fence_cut_overs_share_their_step_with_warm_ups(
     warmed = [m for m in r.moves if m.method == "recomputed" and m.warm == "warmed"]
     ratios = [m.pause_s / one_prefill_s(sc, r, m) for m in warmed]
     assert statistics.median(ratios) > 2.0
+
+
+class _Pooled:
+    """What `relay._warm_up` reads of the gateway before it sends anything: its clock and
+    pool (the target fenced far ahead)."""
+
+    def __init__(self, fenced_for_s: float) -> None:
+        self.pool = Pool()
+        inst = self.pool.add("http://b", "m")
+        now = self.clock()
+        self.pool.fence(inst.url, "move-1", now + fenced_for_s, now)
+
+    def clock(self) -> float:
+        return asyncio.get_running_loop().time()
+
+
+class _NothingToWarm:
+    """A call with nothing relayed yet: the warm-up has nothing to send ("skipped")."""
+
+    relay = None
+    stream_state = None
+
+
+def test_a_warm_up_waits_for_a_fence_within_its_cap_and_not_at_all_when_off() -> None:
+    from flexpipe.gateway.relay import _warm_up
+
+    nothing: Any = _NothingToWarm()
+
+    async def timed(gw: Any, timeout_s: float) -> tuple[str, float]:
+        t0 = gw.clock()
+        outcome = await _warm_up(gw, nothing, "http://b", timeout_s)
+        return outcome, gw.clock() - t0
+
+    async def scenario() -> list[tuple[str, float]]:
+        out = [await timed(_Pooled(0.2), 2.0)]  # waits out a short fence
+        out.append(await timed(_Pooled(10.0), 2.0))  # one past the cap: goes at once
+        out.append(await timed(_Pooled(0.2), 0.0))  # no warm-up asked for: at once
+        gw: Any = _Pooled(0.2)
+
+        async def renew() -> None:  # moves keep cutting over there: the fence moves on
+            for _ in range(20):
+                await asyncio.sleep(0.1)
+                now = gw.clock()
+                gw.pool.fence("http://b", "move-2", now + 0.2, now)
+
+        task = asyncio.create_task(renew())
+        out.append(await timed(gw, 2.0))  # bounded by the cap in elapsed time
+        task.cancel()
+        return out
+
+    (short, long_, off, renewed) = asyncio.run(scenario())
+    assert short[0] == "skipped" and 0.2 <= short[1] < 0.45
+    assert long_[0] == "skipped" and long_[1] < 0.05
+    assert off[0] == "skipped" and off[1] < 0.05
+    assert renewed[0] == "skipped" and 0.3 <= renewed[1] <= MAX_FENCE_S + 0.25
