@@ -31,6 +31,9 @@ shift:
     cooldown_s: 5
     resource_settle_s: 1
     thresholds: {down_utilization: 0.0}   # this test is about the resource trigger
+  # ... and the live shift, not its price: the in-place gap is priced at the cold start this
+  # machine measured, which a loaded machine stretches past the gain of the default horizon
+  pricing: {horizon_s: 7200}
 """
 
 

@@ -213,6 +213,9 @@ shift:
     resource_settle_s: 1
     reclaim_lead_s: 60
     thresholds: {down_utilization: 0.0}   # load-driven shifts are not what these test
+  # nor the price of the re-plans they wait for: the in-place gap is priced at the cold start
+  # this machine measured, which a loaded machine stretches past the default horizon's gain
+  pricing: {horizon_s: 7200}
 """
 
 
