@@ -18,6 +18,7 @@ from test_gateway_fakes import LoopThread
 
 from flexpipe.engine.testing import EngineProc, sim_engine
 from flexpipe.engine.tokenizer import WORDS
+from flexpipe.gateway import moves
 from flexpipe.gateway.cut_over import MAX_FENCE_S
 from flexpipe.gateway.pool import Pool
 
@@ -47,14 +48,16 @@ def requests_on(r: Running, url: str) -> list[dict[str, Any]]:
     return list(orjson.loads(raw)["requests"])
 
 
-def move_all(r: Running, source: str, target: str, method: str) -> list[str]:
+def move_all(
+    r: Running, source: str, target: str, method: str, bandwidth_bytes_per_s: float = 50e9
+) -> list[str]:
     """Wait until `source` serves something, then move all of it to `target`."""
     deadline = time.monotonic() + 10
     while not (reqs := requests_on(r, source)) or any(q["num_output_tokens"] < 5 for q in reqs):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     moves = [{"id": q["id"], "method": method, "target": target,
-              "bandwidth_bytes_per_s": 50e9} for q in reqs]  # fmt: skip
+              "bandwidth_bytes_per_s": bandwidth_bytes_per_s} for q in reqs]  # fmt: skip
     status, _, raw = r.http("POST", "/admin/requests/move", orjson.dumps({"moves": moves}), AUTH)
     assert status == 200
     return [x["outcome"] for x in orjson.loads(raw)["results"]]
@@ -73,6 +76,12 @@ def test_a_moved_stream_is_seamless(
     fenced: list[tuple[str, object, float, float]] = []
     lifted: list[tuple[str, object]] = []
     fence, unfence = Pool.fence, Pool.unfence
+    exports: list[dict[str, Any] | None] = []
+    export_state = moves.export_state
+
+    async def spy_export(*args: Any) -> dict[str, Any] | None:
+        exports.append(await export_state(*args))
+        return exports[-1]
 
     def spy_fence(self: Pool, url: str, key: object, until_s: float, now: float) -> Any:
         fenced.append((url, key, until_s, now))
@@ -89,6 +98,7 @@ def test_a_moved_stream_is_seamless(
 
     monkeypatch.setattr(Pool, "fence", spy_fence)
     monkeypatch.setattr(Pool, "unfence", spy_unfence)
+    monkeypatch.setattr(moves, "export_state", spy_export)
     r = gateway(lt, [engines[0]])
     try:
         client = r.client()
@@ -116,7 +126,9 @@ def test_a_moved_stream_is_seamless(
                     pieces.append(piece)
                 finish = c.finish_reason or finish
                 if len(pieces) == 10 and not outcomes:
-                    outcomes = move_all(r, source, target, method)
+                    # a slow link (50 MB/s): the KV's 7-13 MB take 0.15-0.26 s, longer than
+                    # two steps of the target and shorter than MAX_FENCE_S
+                    outcomes = move_all(r, source, target, method, 50e6)
         assert outcomes == [method]
         assert len(ids) == 1 and finish == "length"
         assert len(pieces) == 120  # every token once: none lost, none repeated
@@ -129,6 +141,10 @@ def test_a_moved_stream_is_seamless(
         # new requests kept off the target while it cut over, until its first token there
         ((url, key, until_s, now),) = fenced
         assert url == target and 0 < until_s - now <= MAX_FENCE_S
+        if method == "kv":  # ... and through the KV's transfer there, as the engine priced it
+            ((export,),) = [exports]
+            assert export is not None and 0.1 < export["transfer_s"] < MAX_FENCE_S, export
+            assert until_s - now >= min(export["transfer_s"], MAX_FENCE_S)
         assert lifted == [(target, key)] and not r.gw.pool.instances[target].fences
     finally:
         r.close()

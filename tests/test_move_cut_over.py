@@ -10,8 +10,11 @@ import asyncio
 from types import SimpleNamespace
 
 from flexpipe.gateway.app import Gateway
+from flexpipe.gateway.call import Call
 from flexpipe.gateway.config import config_from_dict
 from flexpipe.gateway.moves import between_prefills
+from flexpipe.gateway.sse import StreamState
+from flexpipe.policies.routing import RoutingRequest
 
 
 def test_a_cut_over_waits_until_no_stream_on_its_destination_awaits_its_first_token() -> None:
@@ -33,3 +36,20 @@ def test_a_cut_over_waits_until_no_stream_on_its_destination_awaits_its_first_to
     # one that never ends: cut over at the bound anyway
     prefilling.awaits_first_token = True
     assert asyncio.run(between_prefills(gw, "http://b", 0.05)) is False
+
+
+def test_a_stream_continued_on_an_instance_awaits_its_first_token_there() -> None:
+    """A moved (or failed-over) stream's continuation prefills its whole context on its new
+    instance: a cut-over there waits for it as for a new request's prompt, as the simulator's
+    `Moves.awaits_first_token` counts it (the relay sets `continuing` until its first token
+    there)."""
+    call = Call("/v1/completions", False, "m", {}, b"", True, RoutingRequest(), 1.0, 0.0, None)
+    assert not call.awaits_first_token  # not on an instance yet
+    call.instance = "http://b"
+    assert call.awaits_first_token  # nothing sent yet
+    call.stream_state = StreamState()  # continued once: the client has tokens
+    assert not call.awaits_first_token
+    call.continuing = True  # on its new instance, no token from there yet
+    assert call.awaits_first_token
+    call.stream = False  # a non-streamed request: the gateway cannot tell
+    assert not call.awaits_first_token

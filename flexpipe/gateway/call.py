@@ -72,13 +72,19 @@ class Call:
     # a move waiting for its source's next token (`gateway.moves.at_next_token`): called
     # right after the relay hands the client an event from the source
     cut: Callable[[], None] | None = None
+    # continued on `instance` (moved, or failed over) and no token from there yet: its context
+    # is being prefilled there (the failover pump's; `relay_after_failure`)
+    continuing: bool = False
 
     @property
     def awaits_first_token(self) -> bool:
-        """A stream on an instance that has sent it nothing yet: its prompt is being prefilled
-        there (or waits to be)."""
+        """A stream on an instance that has sent it nothing yet: its prompt (or, continued
+        there after a move or a failure, its whole context) is being prefilled there, or waits
+        to be."""
         if not self.stream or self.instance is None:
             return False
+        if self.continuing:  # a continuation's prefill of its whole context, as the simulator
+            return True  # counts it (`sim.moves.Moves.awaits_first_token`)
         if self.relay is not None:
             return self.relay.num_tokens_sent == 0
         return self.stream_state is None

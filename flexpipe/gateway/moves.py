@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from flexpipe.gateway.call import Call, Move
-from flexpipe.gateway.cut_over import MAX_TOKEN_WAIT_S, fence_until_s, mean_gap_s, token_wait_s
+from flexpipe.gateway.cut_over import (
+    MAX_FENCE_S,
+    MAX_TOKEN_WAIT_S,
+    fence_until_s,
+    mean_gap_s,
+    token_wait_s,
+)
 from flexpipe.gateway.relay import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome, move_relayed, warm_up
 from flexpipe.http.client import UpstreamError
 
@@ -43,7 +49,7 @@ async def move_request(gw: Gateway, call_id: int, move: Move) -> tuple[str, Warm
     if relay is None and relayed is None:
         return "not_running", None  # being continued elsewhere right now
     if move.method == "kv":
-        call.export = await export_state(gw, call.instance, call.upstream_request_id)
+        call.export = await export_state(gw, call.instance, call.upstream_request_id, move)
         if call.export is None:
             move = Move("recompute", move.target, warm_timeout_s=move.warm_timeout_s,
                         max_token_wait_s=move.max_token_wait_s)  # fmt: skip
@@ -58,15 +64,16 @@ async def move_request(gw: Gateway, call_id: int, move: Move) -> tuple[str, Warm
     # a recompute cuts over at its source's next token; a KV move where its export was taken
     if move.method == "recompute" and move.max_token_wait_s != 0:
         return await at_next_token(gw, call, move), warm
-    fence_target(gw, call, move, 0.0)
+    fence_target(gw, call, move, transfer_s(call.export) if move.method == "kv" else 0.0)
     outcome = relay.move(move) if relay is not None else move_relayed(call, move)
     return outcome, warm
 
 
 def fence_target(gw: Gateway, call: Call, move: Move, wait_s: float) -> None:
     """New requests keep off the move's destination while it cuts over there: until the
-    stream's first token there (the relay's `Pool.unfence`), at most `wait_s` from now and
-    the destination's next two steps (`cut_over.fence_until_s`)."""
+    stream's first token there (the relay's `Pool.unfence`), at most `wait_s` from now (the
+    wait for the source's token, or a KV move's transfer) and the destination's next two
+    steps (`cut_over.fence_until_s`)."""
     if move.target is None:
         return
     inst = gw.pool.instances.get(move.target.rstrip("/"))
@@ -119,11 +126,11 @@ async def at_next_token(gw: Gateway, call: Call, move: Move) -> str:
 
 
 async def between_prefills(gw: Gateway, url: str, bound_s: float) -> bool:
-    """Wait, at most `bound_s`, until no stream on `url` awaits its first token and no other
-    move's warm-up runs there: a warmed cut-over is one short step there, unless it shares
-    that step with (or waits for) a new request's or a warm-up's prefill, up to a whole
-    context's. The moved stream keeps generating on its source meanwhile, so the wait
-    pauses nothing. True when `url` had none."""
+    """Wait, at most `bound_s`, until no stream on `url` awaits its first token (a new
+    request's, or a moved stream's continuation) and no other move's warm-up runs there: a
+    warmed cut-over is one short step there, unless it shares that step with (or waits for)
+    a prefill, up to a whole context's. The moved stream keeps generating on its source
+    meanwhile, so the wait pauses nothing. True when `url` had none."""
     deadline_s = gw.clock() + bound_s
     warming = gw.num_warm_ups_on
     while warming.get(url.rstrip("/")) or any(c.awaits_first_token for c in gw.calls_on(url)):
@@ -133,13 +140,30 @@ async def between_prefills(gw: Gateway, url: str, bound_s: float) -> bool:
     return True
 
 
-async def export_state(gw: Gateway, url: str, request_id: str | None) -> dict[str, Any] | None:
-    """The engine's state of a request (its KV export), or None when it cannot tell."""
+def transfer_s(export: dict[str, Any] | None) -> float:
+    """The KV transfer an export priced (its engine's performance model, over the move's
+    link), at most `MAX_FENCE_S`; 0 when it did not say. In the engine's seconds: a sim
+    engine at `--time-scale` waits that times the scale, and the fence then outlasts the
+    transfer until the stream's first token there lifts it."""
+    value = export.get("transfer_s") if export is not None else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        return 0.0
+    return min(float(value), MAX_FENCE_S)
+
+
+async def export_state(
+    gw: Gateway, url: str, request_id: str | None, move: Move | None = None
+) -> dict[str, Any] | None:
+    """The engine's state of a request (its KV export), or None when it cannot tell; with
+    `move`'s link, also the engine's time to carry the KV over it (`transfer_s`)."""
     token = gw.engine_admin_tokens.get(url)
     if request_id is None or token is None:
         return None
     headers = {"content-type": "application/json", "authorization": f"Bearer {token}"}
-    body = orjson.dumps({"request_id": request_id})
+    ask: dict[str, Any] = {"request_id": request_id}
+    if move is not None and move.bandwidth_bytes_per_s is not None:
+        ask.update(bandwidth_bytes_per_s=move.bandwidth_bytes_per_s, latency_s=move.latency_s)
+    body = orjson.dumps(ask)
     try:
         resp = await gw.client.request(url, "POST", "/admin/export", body, headers)
         data = await resp.read()

@@ -251,7 +251,9 @@ async def relay_after_failure(
     state: sse.StreamState | None = None  # set once migrated: events are rewritten
     status = "200"
     live = True  # `inst` still counts this request
-    fenced = False  # continued elsewhere: no token from there yet (`Pool.unfence`)
+    # continued elsewhere, no token from there yet: `call.continuing` (and a move's fence
+    # there, `Pool.unfence`, lifted at that token)
+    call.continuing = False
     try:
         while True:
             try:
@@ -260,8 +262,8 @@ async def relay_after_failure(
                     raise exc
                 chunk = await resp.next_chunk()
             except UpstreamError as exc:
-                if fenced:  # it leaves the instance a move fenced before its first token
-                    fenced = False
+                if call.continuing:  # it leaves the instance before its first token there
+                    call.continuing = False
                     gw.pool.unfence(inst.url, call.id)
                 if call.move is None:  # a move the controller asked for is no failure
                     gw.failure(inst)
@@ -284,7 +286,7 @@ async def relay_after_failure(
                 call.relayed = resp  # the controller may move it again (`move_relayed`)
                 live = True
                 tail = b""
-                fenced = True
+                call.continuing = True
                 continue
             if chunk is None:
                 if tail:
@@ -315,8 +317,8 @@ async def relay_after_failure(
                     num_new_tokens += num
                     if ev is not None:
                         parts.append(ev)
-                if fenced and num_new_tokens:  # (not chat's role-only event: no token yet)
-                    fenced = False  # its first token where it went: the move's fence is through
+                if call.continuing and num_new_tokens:  # (not chat's role-only event)
+                    call.continuing = False  # its first token there: the move's fence is through
                     gw.pool.unfence(inst.url, call.id)
                 if parts:
                     yield b"".join(parts)
@@ -328,7 +330,8 @@ async def relay_after_failure(
     finally:
         call.relayed = None
         resp.release()  # aborts the upstream request if the client went away
-        if fenced:  # ended (or the client left) before its first token there
+        if call.continuing:  # ended (or the client left) before its first token there
+            call.continuing = False
             gw.pool.unfence(inst.url, call.id)
         if live:
             gw.finish(inst, call, status)
