@@ -113,6 +113,9 @@ def test_a_moved_stream_is_seamless(
             stream = client.completions.create(prompt="Once upon a time", **kw)
         body = orjson.dumps({"url": target, "model": MODEL, "admin_token": ADMIN})
         assert r.http("POST", "/admin/instances", body, AUTH)[0] == 200
+        # a measured speed (a fresh instance has none, and is then fenced for MAX_FENCE_S
+        # whatever the wait): two of its steps are 2 ms, so the fence is the wait's
+        r.gw.pool.instances[target].speed_tokens_per_s = 1000.0
         outcomes: list[str] = []
         pieces, ids, finish, usage = [], set(), None, None
         for ch in stream:
@@ -191,3 +194,38 @@ def move_all_now(r: Running, source: str, target: str) -> list[str]:
     status, _, raw = r.http("POST", "/admin/requests/move", orjson.dumps({"moves": moves}), AUTH)
     assert status == 200
     return [x["outcome"] for x in orjson.loads(raw)["results"]]
+
+
+@pytest.mark.parametrize("bandwidth_bytes_per_s", [None, 0])
+def test_a_kv_move_that_names_no_link_is_priced_at_the_default_one(
+    lt: LoopThread, engines: list[EngineProc], bandwidth_bytes_per_s: float | None
+) -> None:
+    """No link (or 0) in the move: export and import are both priced at the default link
+    (`sse.DEFAULT_KV_LINK_BYTES_PER_S`), and the move is still a KV move."""
+    source, target = engines[0].url, engines[1].url
+    r = gateway(lt, engines)
+    try:
+        client = r.client()
+        stream = client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=60, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        pieces: list[str] = []
+        outcomes: list[str] = []
+        for ch in stream:
+            if ch.choices and ch.choices[0].text:
+                pieces.append(ch.choices[0].text)
+            if len(pieces) == 10 and not outcomes:
+                on = source if requests_on(r, source) else target
+                (q,) = requests_on(r, on)
+                move = {"id": q["id"], "method": "kv", "target": target if on == source else source}
+                if bandwidth_bytes_per_s is not None:
+                    move["bandwidth_bytes_per_s"] = bandwidth_bytes_per_s
+                status, _, raw = r.http(
+                    "POST", "/admin/requests/move", orjson.dumps({"moves": [move]}), AUTH
+                )
+                assert status == 200
+                outcomes = [x["outcome"] for x in orjson.loads(raw)["results"]]
+        assert outcomes == ["kv"] and len(pieces) == 60
+    finally:
+        r.close()

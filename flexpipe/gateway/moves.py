@@ -20,6 +20,7 @@ from flexpipe.gateway.cut_over import (
     token_wait_s,
 )
 from flexpipe.gateway.relay import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome, move_relayed, warm_up
+from flexpipe.gateway.sse import kv_link_bytes_per_s
 from flexpipe.http.client import UpstreamError
 
 if TYPE_CHECKING:
@@ -154,15 +155,18 @@ def transfer_s(export: dict[str, Any] | None) -> float:
 async def export_state(
     gw: Gateway, url: str, request_id: str | None, move: Move | None = None
 ) -> dict[str, Any] | None:
-    """The engine's state of a request (its KV export), or None when it cannot tell; with
-    `move`'s link, also the engine's time to carry the KV over it (`transfer_s`)."""
+    """The engine's state of a request (its KV export), or None when it cannot tell; for a
+    `move`, also the engine's time to carry the KV over its link (`transfer_s`)."""
     token = gw.engine_admin_tokens.get(url)
     if request_id is None or token is None:
         return None
     headers = {"content-type": "application/json", "authorization": f"Bearer {token}"}
     ask: dict[str, Any] = {"request_id": request_id}
-    if move is not None and move.bandwidth_bytes_per_s is not None:
-        ask.update(bandwidth_bytes_per_s=move.bandwidth_bytes_per_s, latency_s=move.latency_s)
+    if move is not None:  # the link the import is priced over (`sse.import_body`)
+        ask.update(
+            bandwidth_bytes_per_s=kv_link_bytes_per_s(move.bandwidth_bytes_per_s),
+            latency_s=move.latency_s,
+        )
     body = orjson.dumps(ask)
     try:
         resp = await gw.client.request(url, "POST", "/admin/export", body, headers)

@@ -112,6 +112,16 @@ def continuation_body(
     return body
 
 
+# The link a KV move's transfer is priced over when the move names none (or 0): ~PCIe 4.0 x16.
+DEFAULT_KV_LINK_BYTES_PER_S = 25e9
+
+
+def kv_link_bytes_per_s(bandwidth_bytes_per_s: float | None) -> float:
+    """The bandwidth a KV move's export and import are priced at: the move's link, else
+    `DEFAULT_KV_LINK_BYTES_PER_S`."""
+    return bandwidth_bytes_per_s or DEFAULT_KV_LINK_BYTES_PER_S
+
+
 def import_body(
     original: dict[str, Any],
     export: dict[str, Any],
@@ -143,7 +153,7 @@ def import_body(
         prompt=ids,
         max_tokens=remaining,
         num_kv_tokens=len(ids),
-        bandwidth_bytes_per_s=bandwidth_bytes_per_s or 25e9,
+        bandwidth_bytes_per_s=kv_link_bytes_per_s(bandwidth_bytes_per_s),
         latency_s=latency_s,
         stream=True,
     )
