@@ -1,0 +1,79 @@
+"""The pure check of a model with no instance: can the planner place one instance of it,
+alone, on the GPUs free to us (flexpipe/policies/shift/placeable.py)? Exact, on the seed's
+fragmented 4-GPU cluster with the real planner."""
+
+from __future__ import annotations
+
+from test_shift_policy import (
+    CLUSTER,
+    Sample,
+    ShiftRecord,
+    cached_planner,
+    decide,
+    demand,
+    instance_key,
+    policy,
+    snap,
+)
+
+from flexpipe.cluster import Cluster
+from flexpipe.policies.shift.placeable import placement
+
+
+def taken(cluster: Cluster, *gpus: str, owner: str = "batch job") -> Cluster:
+    for g in gpus:
+        cluster = cluster.with_used(g, cluster.gpu(g).capacity_bytes, owner=owner)
+    return cluster
+
+
+ONLY_GPU2 = taken(CLUSTER, "gpu0", "gpu1", "gpu3")  # other tenants hold the rest
+
+
+def test_a_model_too_big_for_every_free_gpu_is_unplaceable_with_the_planners_reason() -> None:
+    big = demand(1.0, "big", "llama-2-70b")
+    p = placement(CLUSTER, big, 0.0, cached_planner)
+    assert not p.placeable
+    assert p.reason.startswith("no GPU free to us can place big (llama-2-70b): ")
+    assert "minimum of 1 instance(s) not met" in p.reason  # the planner's own words
+    # the same model fits a small one's GPUs: placeable, and where is said
+    small = placement(CLUSTER, demand(1.0, "small", "llama-2-7b"), 0.0, cached_planner)
+    assert small.placeable and small.reason.startswith("one instance fits on ")
+
+
+def test_every_gpu_held_by_other_tenants_makes_any_model_unplaceable() -> None:
+    p = placement(taken(CLUSTER, *CLUSTER.gpu_ids), demand(), 0.0, cached_planner)
+    assert not p.placeable
+    assert "gpu2 fully held by batch job" in p.reason
+
+
+def test_a_gpu_our_own_instance_holds_counts_as_free() -> None:
+    """llama-2-13b fits only gpu2, which our own instance of another model runs on: the
+    cluster free to us shows gpu2 free (ours is re-planned), so it is placeable; were gpu2
+    counted as taken (the reverted attempt's mistake), it would be refused for good."""
+    m = demand(1.0, "mid", "llama-2-13b")
+    assert placement(ONLY_GPU2, m, 0.0, cached_planner).placeable
+    assert not placement(
+        taken(ONLY_GPU2, "gpu2", owner="flexpipe"), m, 0.0, cached_planner
+    ).placeable
+
+
+def test_placeable_although_a_blacklist_stops_the_wake() -> None:
+    """The wake's only target failed twice: the policy holds (blacklisted), the model stays
+    placeable (held, not refused): the blacklist expires and the wake comes."""
+    waiting = [Sample(40, 3, 100, None, None, 0.0)]
+    woken = decide(policy(), snap((), waiting, rate=0.0, cluster=ONLY_GPU2), 40)
+    assert woken.action == "shift" and woken.target is not None
+    keys = tuple(instance_key(i) for i in woken.target)
+    failed = (ShiftRecord(0.0, 10.0, False, keys), ShiftRecord(20.0, 30.0, False, keys))
+    held = decide(policy(), snap((), waiting, rate=0.0, cluster=ONLY_GPU2, history=failed), 40)
+    assert (held.action, held.trigger) == ("hold", "wake")
+    assert any("blacklisted" in a.reason for a in held.alternatives)
+    assert placement(ONLY_GPU2, demand(0.0), 40, cached_planner).placeable
+
+
+def test_a_gpu_reclaimed_within_the_planners_lease_does_not_count() -> None:
+    """gpu2 free only 60 s more (< the planner's min_lease_s): 13b is unplaceable now."""
+    m = demand(1.0, "mid", "llama-2-13b")
+    soon = ONLY_GPU2.with_gpu("gpu2", free_until_s=60.0)
+    p = placement(soon, m, 0.0, cached_planner)
+    assert not p.placeable and "gpu2 free only 60 s more" in p.reason
