@@ -22,7 +22,11 @@ POST /admin/models/hold               {"model", "seconds"}: for that long, reque
                                       model wait in the queue for capacity (a shift that
                                       re-launches it, or one scaled to zero: the model
                                       stays known with no instance) instead of being
-                                      refused; 0 ends it
+                                      refused; 0 ends it (and any hold lifts a refusal)
+POST /admin/models/refuse             {"model", "reason"}: no GPU free to us can place the
+                                      model: while it has no instance its requests (and
+                                      those queued for it) get a 503 with the reason and a
+                                      Retry-After; it stays listed; ends its hold
 POST /admin/models/demand             {"models", "wait_s"}: answers {"queued": {model: n}}
                                       once a request of one of them waits in the queue, or
                                       wait_s passed (the controller's demand trigger)
@@ -58,6 +62,7 @@ class AdminApi:
         app.add_route("GET", "/admin/instances/requests", self.requests)
         app.add_route("POST", "/admin/requests/move", self.move)
         app.add_route("POST", "/admin/models/hold", self.hold)
+        app.add_route("POST", "/admin/models/refuse", self.refuse)
         app.add_route("POST", "/admin/models/demand", self.demand)
 
     def _check(self, req: Request) -> None:
@@ -148,6 +153,18 @@ class AdminApi:
             raise HttpError(400, "`seconds` must be a number >= 0", param="seconds")
         self.gw.set_hold(model, float(seconds))
         return json_response({"model": model, "seconds": seconds})
+
+    async def refuse(self, req: Request) -> Response:
+        self._check(req)
+        body = req.json()
+        model = body.get("model") if isinstance(body, dict) else None
+        reason = body.get("reason") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model:
+            raise HttpError(400, "`model` must be a non-empty string", param="model")
+        if not isinstance(reason, str) or not reason.strip():
+            raise HttpError(400, "`reason` must be a non-empty string", param="reason")
+        self.gw.set_refuse(model, reason.strip())
+        return json_response({"model": model, "reason": reason.strip()})
 
     async def demand(self, req: Request) -> Response:
         self._check(req)

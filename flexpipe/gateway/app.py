@@ -27,7 +27,7 @@ from flexpipe.gateway import moves
 from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
-from flexpipe.gateway.holds import Holds
+from flexpipe.gateway.holds import REFUSED_RETRY_AFTER_S, Holds
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
@@ -168,7 +168,7 @@ class Gateway:
         except RequestError as exc:
             raise HttpError(exc.status, exc.message, param=exc.param) from None
         model = valid.model
-        if not self.pool.has_model(model) and not self.held(model):
+        if not self.pool.has_model(model) and not self.held(model) and not self.refused(model):
             raise HttpError(404, f"The model `{model}` does not exist.", param="model")
         prompt = valid.prompt_bytes
         num_prompt = len(prompt) // 4 + 1
@@ -213,6 +213,10 @@ class Gateway:
             return result
         except _TooMany as exc:
             return _too_many(exc.message, exc.retry_after_s)
+        except _Refused as exc:
+            resp = error_response(503, exc.message, exc.type, exc.param)
+            resp.headers = {"retry-after": str(max(1, math.ceil(REFUSED_RETRY_AFTER_S)))}
+            return resp
         finally:
             if not handed_off:  # a relay ends the call of a stream it was handed
                 self.end_call(call, call.num_output_tokens)
@@ -372,6 +376,12 @@ class Gateway:
                     call.model, call.routing, now, call.excluded, call.failed, prefer
                 )
             except NoInstance as exc:
+                why = self.refused(call.model)
+                if why is not None:  # no instance of it can come: say why, do not wait
+                    self.metrics.rejected.labels("unplaceable").inc()
+                    raise _Refused(
+                        f"The model `{call.model}` cannot be served now: {why}"
+                    ) from None
                 if not self.held(call.model):
                     self.metrics.rejected.labels("no_instance").inc()
                     raise HttpError(503, str(exc)) from None
@@ -426,6 +436,11 @@ class Gateway:
         for capacity, even while it has no instance at all (scaled to zero)."""
         return self.holds.held(model, self.clock())
 
+    def refused(self, model: str) -> str | None:
+        """Why `model` is refused (POST /admin/models/refuse): no GPU free to us can place
+        it, so while it has no instance its requests get a 503 with this reason."""
+        return self.holds.refused(model)
+
     def _demand_changed(self) -> None:
         waiters, self._demand_waiters = self._demand_waiters, []
         for fut in waiters:
@@ -453,6 +468,12 @@ class Gateway:
         self.holds.hold(model, seconds, self.clock())
         if seconds <= 0:
             self._wake_all()
+
+    def set_refuse(self, model: str, reason: str) -> None:
+        """`POST /admin/models/refuse`; the queue looks again, so what waited for `model`
+        gets the 503 at once."""
+        self.holds.refuse(model, reason, self.clock())
+        self._wake_all()
 
     def _wake_one(self) -> None:
         while self._waiters:
@@ -585,6 +606,13 @@ class Gateway:
                 async with asyncio.timeout(2.0):
                     await idle.wait()
         await self.close()
+
+
+class _Refused(HttpError):
+    """A model no GPU free to us can place: 503 with the reason and a Retry-After."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, type="ServiceUnavailableError", param="model")
 
 
 class _TooMany(HttpError):
