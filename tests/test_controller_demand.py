@@ -6,7 +6,10 @@ the shift log in the store.
 - Scale to zero: an idle model whose minimum is 0 gives every GPU back; the gateway keeps
   the model (held), and the first request for it waits while the controller — woken by the
   gateway's queue, not a poll — cold-starts an instance. No request fails; its time to first
-  token includes the cold start.
+  token includes the cold start. While another tenant holds every GPU that could run it, its
+  requests are refused in seconds with the reason (503), not held for a cold start that
+  cannot come; once the tenant gives the GPUs back it is held again and the next request is
+  served.
 - Two models, two priorities: the customer-facing model's load rises and it takes GPUs from
   the internal one, which keeps its minimum; no request of either fails.
 - The controller killed (SIGKILL) in the middle of a shift, while the new engine cold-starts:
@@ -19,14 +22,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_controller import _is_controller
-from test_controller_scenarios import SHARED, Load, Up, finished
+from test_controller_scenarios import FLEXPIPE, SHARED, Load, Up, finished
 from test_launcher import processes_with
 from test_up import engines_with
 
@@ -55,6 +60,13 @@ shift:
 """
 
 
+def cluster_cli(up: Up, verb: str) -> subprocess.CompletedProcess[str]:
+    """`flexpipe cluster occupy|release` of every GPU of the seed's cluster."""
+    argv = [*FLEXPIPE, "cluster", verb, "gpu0", "gpu1", "gpu2", "gpu3"]
+    argv += ["--controller", up.controller_url]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+
 def test_an_idle_model_scales_to_zero_and_its_next_request_cold_starts_one(
     tmp_path: Path,
 ) -> None:
@@ -70,6 +82,27 @@ def test_an_idle_model_scales_to_zero_and_its_next_request_cold_starts_one(
         assert [m.id for m in client.models.list().data] == [up.model]
         time.sleep(1.0)  # a few idle ticks at zero: nothing starts without demand
         assert not up.status()["instances"]
+        # another tenant takes every GPU (no --until): no instance can come, so a request is
+        # refused in seconds with the reason, not held up to the gateway's 900 s
+        taken = cluster_cli(up, "occupy")
+        assert taken.returncode == 0, taken.stdout + taken.stderr
+        up.wait_until("the model refused", lambda: up.status()["models"][0]["refused"], 30)
+        why = up.status()["models"][0]["refused"]
+        assert why.startswith(f"no GPU free to us can place {up.model}"), why
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=up.model, prompt="wake up", max_tokens=4)
+        assert refused.value.status_code == 503 and time.monotonic() - t0 < 20
+        assert why in refused.value.response.json()["error"]["message"]
+        assert refused.value.response.headers["retry-after"]
+        assert [m.id for m in client.models.list().data] == [up.model]  # still listed
+        assert f"{up.model} is refused (503), not held" in up.out.text
+        notes = [e.reason for e in up.entries("resources")]
+        assert any(r.startswith(f"{up.model} refused, not held: ") for r in notes), notes
+        given = cluster_cli(up, "release")
+        assert given.returncode == 0, given.stdout + given.stderr
+        up.wait_until("held again", lambda: not up.status()["models"][0]["refused"], 30)
+        assert f"{up.model} can be placed again; held again" in up.out.text
         t0 = time.monotonic()
         stream = client.completions.create(
             model=up.model, prompt="wake up", max_tokens=16, stream=True,

@@ -60,6 +60,7 @@ from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.planner.memo import EvaluationMemo
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
+from flexpipe.policies.shift.placeable import placement
 from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import (
     ShiftRecord,
@@ -192,6 +193,9 @@ class Controller:
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
         self._standby: set[str] = set()  # models held in the gateway with no instance
+        # models with no instance that no GPU free to us can place -> the planner's reason:
+        # refused in the gateway (a 503 with it) instead of held, re-checked every tick
+        self.refused: dict[str, str] = {}
         self._waits = WaitNotice()  # said once: requests wait for a model with no instance
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
@@ -439,13 +443,20 @@ class Controller:
 
     async def _hold_standby(self) -> None:
         """A model scaled to zero stays held in the gateway (its requests queue for the
-        instance its demand will start); one that serves again is released."""
+        instance its demand will start); one that serves again is released. One that no GPU
+        free to us can place is refused instead (`_unplaceable`), until it can be again."""
         standby = set(self._standby_models())
         for line in self._waits.serving({d.name for d in self.cfg.demands} - standby):
             self.say(line)
-        for model in sorted(standby | self._standby):
+        unplaceable = self._unplaceable(standby)
+        for model in sorted(standby | self._standby | set(self.refused)):
+            why = unplaceable.get(model)
             try:
-                await self.gateway.hold(model, self.cfg.standby_hold_s if model in standby else 0)
+                if why is not None:
+                    await self.gateway.refuse(model, why)
+                else:
+                    hold_s = self.cfg.standby_hold_s if model in standby else 0
+                    await self.gateway.hold(model, hold_s)
             except GatewayError as exc:
                 log.warning("hold of %s: %s", model, exc)
                 continue
@@ -453,6 +464,42 @@ class Controller:
                 self._standby.add(model)
             else:
                 self._standby.discard(model)
+            self._refusal(model, why, model in standby)
+
+    def _unplaceable(self, standby: set[str]) -> dict[str, str]:
+        """Of the models with no instance, those the planner cannot place one instance of,
+        alone, on the GPUs free to us (ours counted free: `placement`), with its reason.
+        None while an occupation is due to end within the standby hold: the requests wait
+        for that GPU rather than be refused."""
+        if not standby:
+            return {}
+        next_change_s = self.resources.next_change_s()
+        if next_change_s is not None and next_change_s - self.wall() <= self.cfg.standby_hold_s:
+            return {}
+        now_s = self.clock()
+        out = {}
+        for d in self.cfg.demands:
+            if d.name in standby:
+                p = placement(self.cluster, d, now_s, self._planner)
+                if not p.placeable:
+                    out[d.name] = p.reason
+        return out
+
+    def _refusal(self, model: str, why: str | None, standby: bool) -> None:
+        """Said once and logged when a model starts or stops being refused."""
+        was = self.refused.get(model)
+        if why is not None:
+            self.refused[model] = why
+            if was is None:
+                self.say(f"controller: {model} is refused (503), not held: {why}")
+                self._note("resources", f"{model} refused, not held: {why}", [why])
+            return
+        if was is None:
+            return
+        del self.refused[model]
+        again = "held again for a cold start" if standby else "serves again"
+        self.say(f"controller: {model} can be placed again; {again}")
+        self._note("resources", f"{model} can be placed again; {again} (was: {was})")
 
     async def _watch_demand(self) -> None:
         """The demand trigger of models scaled to zero: the gateway answers as soon as one

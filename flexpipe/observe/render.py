@@ -85,8 +85,11 @@ def models_table(snap: Snapshot) -> Table:
              "GPU util", "tok/s")  # fmt: skip
     table = _table("models", ("model", *right), right)
     for m in snap.models:
+        name = Text(m.name)
+        if m.refused is not None:  # no GPU free to us can place it: its requests get a 503
+            name.append(f" refused: {m.refused}", style="red")
         table.add_row(
-            m.name,
+            name,
             str(m.num_instances),
             _num(m.request_rate_per_s, ".2f"),
             _pct(m.error_rate),

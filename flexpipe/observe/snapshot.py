@@ -90,6 +90,7 @@ class ModelView:
     prefix_hit_rate: float | None
     gpu_utilization: float | None
     generation_tokens_per_s: float | None
+    refused: str | None = None  # why its requests are refused (no GPU free to us can place it)
 
 
 @dataclass(frozen=True)
@@ -318,6 +319,7 @@ def _model_view(
         prefix_hit_rate=_ratio(hits, queries),
         gpu_utilization=_mean((i.gpu_utilization, float(len(i.gpus) or 1)) for i in mine),
         generation_tokens_per_s=tokens,
+        refused=str(doc["refused"]) if doc.get("refused") else None,
     )
 
 
