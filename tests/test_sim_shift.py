@@ -590,3 +590,24 @@ def test_the_controller_sees_each_ttft_when_the_first_token_comes(
     # seen well before the end: the window the shift policy reads does not lag by a decode
     long = [r for r in served if r.completed and r.num_generated_tokens > 100]
     assert long and all(r.first_token_s < r.finish_s - 1.0 for r in long)
+
+
+def test_a_model_no_gpu_can_place_is_refused_with_the_reason_then_held_again() -> None:
+    """Another tenant takes every GPU at 60 s and gives them back at 200 s. As live: while no
+    GPU free to us can place llama-7b its requests fail at once with a 503 and the planner's
+    reason (not a 404, not a wait for a cold start that cannot come); from the release it is
+    held again, the floor re-plans it, and the requests that arrive meanwhile wait for it."""
+    gpus = ["gpu0", "gpu1", "gpu2", "gpu3"]
+    sc = _seed(300, [{"at_s": 60, "occupy": gpus, "owner": "batch"},
+                     {"at_s": 200, "release": gpus}])  # fmt: skip
+    r = simulate(sc, "flexpipe")
+    gap = [q for q in r.requests if 60 <= q.arrival_s < 200]
+    assert gap and all(
+        q.failed.startswith("503: The model `llama-7b` cannot be served now: no GPU free to us "
+                            "can place llama-7b") and q.finish_s == q.arrival_s
+        for q in gap
+    )  # fmt: skip
+    assert "gpu0 fully held by batch" in gap[0].failed  # the planner's words
+    after = [q for q in r.requests if q.arrival_s >= 200]
+    assert after and all(q.completed for q in after), {q.failed for q in after}
+    assert [(s["at_s"], s["trigger"]) for s in r.shifts] == [(0.0, "plan"), (200.0, "floor")]

@@ -34,6 +34,7 @@ from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.planner.memo import EvaluationMemo
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
+from flexpipe.policies.shift.placeable import placement
 from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import ShiftRecord, ShiftSnapshot
 from flexpipe.sim.loop import CONTROL
@@ -97,6 +98,9 @@ class SimController:
         self._shift_started_s = 0.0
         self._tick_version = 0
         self._decision: ShiftDecision | None = None
+        self._standby: set[str] = set()  # models held in the gateway with no instance
+        self.refused: dict[str, str] = {}  # models with no instance none can place -> why
+        self.refusals: list[dict[str, Any]] = []  # when each started and ended (the report)
 
     @property
     def cluster(self) -> Cluster:
@@ -172,6 +176,7 @@ class SimController:
         self.resources, events = self.resources.tick(now)
         if events:
             self.resources_changed_s = now
+        self._hold_standby(now)
         self._sample(now)
         snapshot = ShiftSnapshot.of(
             self.cluster,
@@ -197,6 +202,36 @@ class SimController:
         if decision.trigger != "none":
             self.decisions.append(_brief(decision))
         self._schedule_tick(now + self.params.tick_s)
+
+    def _hold_standby(self, now: float) -> None:
+        """As the live controller's: a model with no instance is held (its requests queue
+        for the wake), or refused when the planner cannot place one instance of it alone on
+        the GPUs free to us (`placement`) and no occupation ends within the hold."""
+        serving = {r.planned.model for r in self.running.values()}
+        standby = {d.name for d in self.demands} - serving
+        unplaceable: dict[str, str] = {}
+        next_change_s = self.resources.next_change_s()
+        if standby and (next_change_s is None or next_change_s - now > STANDBY_HOLD_S):
+            for d in self.demands:
+                if d.name in standby:
+                    p = placement(self.cluster, d, now, self._planner)
+                    if not p.placeable:
+                        unplaceable[d.name] = p.reason
+        for model in sorted(standby | self._standby | set(self.refused)):
+            why = unplaceable.get(model)
+            if why is not None:
+                self.world.refuse(model, why, now)
+                if model not in self.refused:
+                    self.refusals.append({"at_s": now, "model": model, "refused": why})
+                self.refused[model] = why
+            else:
+                self.world.hold(model, STANDBY_HOLD_S if model in standby else 0.0, now)
+                if self.refused.pop(model, None) is not None:
+                    self.refusals.append({"at_s": now, "model": model, "refused": None})
+            if model in standby:
+                self._standby.add(model)
+            else:
+                self._standby.discard(model)
 
     def _sample(self, now: float) -> None:
         text = self.metrics.exposition().decode()

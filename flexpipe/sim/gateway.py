@@ -104,11 +104,20 @@ class SimGateway:
         instance; 0 ends the hold."""
         self.holds.hold(model, seconds, now)
         if seconds <= 0:  # as `Gateway.set_hold`: the queue looks again, in its order
-            waiters = list(self._waiters)
-            self._waiters.clear()
-            for call in waiters:
-                call.queued = False
-                self._route(call, now)
+            self._reroute(now)
+
+    def refuse(self, model: str, reason: str, now: float) -> None:
+        """`POST /admin/models/refuse`: no GPU free to us can place `model`; while it has no
+        instance its requests (those queued too, at once) fail with a 503 and `reason`."""
+        self.holds.refuse(model, reason, now)
+        self._reroute(now)
+
+    def _reroute(self, now: float) -> None:
+        waiters = list(self._waiters)
+        self._waiters.clear()
+        for call in waiters:
+            call.queued = False
+            self._route(call, now)
 
     def remove_instance(self, url: str) -> None:
         """Out of the pool (the admin API's removal: the pool, then what routing kept)."""
@@ -119,7 +128,8 @@ class SimGateway:
     def submit(self, req: SimRequest, now: float) -> None:
         if self.log is not None:  # (the detail costs a format per request)
             self._log(now, "arrive", f"{req.request_id} {req.model}")
-        if not self.pool.has_model(req.model) and not self.holds.held(req.model, now):
+        known = self.holds.held(req.model, now) or self.holds.refused(req.model) is not None
+        if not self.pool.has_model(req.model) and not known:
             self._fail(req, now, f"404: no instance serves model {req.model!r} (yet)")
             return
         num_prompt = req.num_prompt_bytes // 4 + 1
@@ -134,6 +144,10 @@ class SimGateway:
         try:
             pick = self.router.pick(model, call.routing, now)
         except NoInstance as exc:
+            why = self.holds.refused(model)
+            if why is not None:  # as live: no instance of it can come, say why
+                self._fail(call.req, now, f"503: The model `{model}` cannot be served now: {why}")
+                return
             if not self.holds.held(model, now):
                 self._fail(call.req, now, f"503: {exc}")
                 return
