@@ -4,6 +4,7 @@ numbers, and draws exactly the same text every time."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +182,18 @@ def test_health_is_the_gateways_routing_not_the_lifecycle() -> None:
     assert _health(True, ("draining", 0.0)) == "ok"  # not routed by its lifecycle, healthy
     assert _health(True, None) == "not routed"
     assert _health(False, ("active", 1.0)) == "unreachable"
+
+
+def test_a_refused_model_shows_its_reason_in_the_models_table() -> None:
+    """`flexpipe status`: the controller's `refused` (no GPU free to us can place the model)
+    is drawn on the model's row; a model that is not refused draws as before (the golden)."""
+    before, now = readings()
+    why = "no GPU free to us can place m (llama-2-7b): every GPU held by batch"
+    doc = status()
+    doc["models"][0]["refused"] = why
+    refused_now = replace(now, status=doc)
+    snap = snapshot(refused_now, before)
+    assert snap.models[0].refused == why
+    drawn = " ".join(_text(models_table(snap)).split())
+    assert "m (refused)" in drawn and f"m refused: {why}" in drawn
+    assert snapshot(now, before).models[0].refused is None

@@ -471,9 +471,11 @@ class Gateway:
 
     def set_refuse(self, model: str, reason: str) -> None:
         """`POST /admin/models/refuse`; the queue looks again, so what waited for `model`
-        gets the 503 at once."""
+        gets the 503 at once (renewed every tick: only a new refusal wakes it)."""
+        new = self.holds.refused(model) != reason
         self.holds.refuse(model, reason, self.clock())
-        self._wake_all()
+        if new:
+            self._wake_all()
 
     def _wake_one(self) -> None:
         while self._waiters:

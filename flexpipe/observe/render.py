@@ -87,7 +87,7 @@ def models_table(snap: Snapshot) -> Table:
     for m in snap.models:
         name = Text(m.name)
         if m.refused is not None:  # no GPU free to us can place it: its requests get a 503
-            name.append(f" refused: {m.refused}", style="red")
+            name.append(" (refused)", style="red")
         table.add_row(
             name,
             str(m.num_instances),
@@ -100,6 +100,10 @@ def models_table(snap: Snapshot) -> Table:
             _pct(m.gpu_utilization),
             _num(m.generation_tokens_per_s, ",.0f"),
         )
+    refused = [f"{m.name} refused: {m.refused}" for m in snap.models if m.refused is not None]
+    if refused:  # the reasons are long: under the table, not in a cell
+        table.caption = "\n".join(refused)
+        table.caption_justify = "left"
     return table
 
 

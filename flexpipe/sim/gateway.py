@@ -109,8 +109,10 @@ class SimGateway:
     def refuse(self, model: str, reason: str, now: float) -> None:
         """`POST /admin/models/refuse`: no GPU free to us can place `model`; while it has no
         instance its requests (those queued too, at once) fail with a 503 and `reason`."""
+        new = self.holds.refused(model) != reason
         self.holds.refuse(model, reason, now)
-        self._reroute(now)
+        if new:  # (renewed every tick: only a new refusal re-routes the queue)
+            self._reroute(now)
 
     def _reroute(self, now: float) -> None:
         waiters = list(self._waiters)
