@@ -28,15 +28,19 @@ def refuse(r: Running, reason: str = WHY) -> None:
 def test_holds_a_refusal_ends_the_hold_and_a_hold_lifts_the_refusal() -> None:
     holds = Holds()
     holds.hold("m", 600.0, now=0.0)
-    holds.refuse("m", "too big", now=10.0)
-    assert holds.refused("m") == "too big" and not holds.held("m", 10.0)
+    holds.refuse("m", "too big", 600.0, now=10.0)
+    assert holds.refused("m", 10.0) == "too big" and not holds.held("m", 10.0)
     assert holds.models(10.0) == {"m"}  # still listed
     assert holds.wait_deadline("m", 25.0, arrival_s=5.0, queue_wait_s=15.0) == 25.0
     holds.hold("m", 600.0, now=20.0)
-    assert holds.refused("m") is None and holds.held("m", 20.0)
-    holds.refuse("m", "too big", now=30.0)
+    assert holds.refused("m", 20.0) is None and holds.held("m", 20.0)
+    holds.refuse("m", "too big", 600.0, now=30.0)
     holds.hold("m", 0.0, now=40.0)  # the model serves again: the refusal is lifted too
-    assert holds.refused("m") is None and holds.models(40.0) == set()
+    assert holds.refused("m", 40.0) is None and holds.models(40.0) == set()
+    # a refusal nobody renews lapses (the controller renews it every tick), as a hold does
+    holds.refuse("m", "too big", 600.0, now=50.0)
+    assert holds.refused("m", 649.0) == "too big" and holds.models(649.0) == {"m"}
+    assert holds.refused("m", 650.0) is None and holds.models(650.0) == set()
 
 
 def test_a_refused_model_is_answered_503_with_its_reason_and_stays_listed(
@@ -133,6 +137,8 @@ def test_refuse_rejects_bad_input_with_an_openai_error(lt: LoopThread) -> None:
             (b'{"model": "", "reason": "x"}', "model"),
             (b'{"model": "m"}', "reason"),
             (b'{"model": "m", "reason": "  "}', "reason"),
+            (b'{"model": "m", "reason": "x", "seconds": -1}', "seconds"),
+            (b'{"model": "m", "reason": "x", "seconds": true}', "seconds"),
         ):
             status, _, out = r.http("POST", "/admin/models/refuse", body, AUTH)
             assert status == 400 and orjson.loads(out)["error"]["param"] == param

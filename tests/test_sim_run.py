@@ -334,7 +334,8 @@ def test_a_model_never_placed_is_explained_and_one_without_requests_has_no_laten
     never = "404: no instance of model 'm7' was ever placed (the notes say why)"
     refused = (
         "503: The model `m7` cannot be served now: no GPU free to us can place m7 "
-        "(llama-N-7b): m7: minimum of N instance(s) not met, N fit on the GPUs left"
+        "(llama-N-7b): m7: minimum of N instance(s) not met, N fit on the GPUs left "
+        "(left out: g0 no model's gear fits it within the SLOs)"
     )
     by_why = rep["failed_by_why"]
     assert set(by_why) == {never, refused} and by_why[refused] > by_why[never] > 0

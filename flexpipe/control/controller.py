@@ -453,7 +453,7 @@ class Controller:
             why = unplaceable.get(model)
             try:
                 if why is not None:
-                    await self.gateway.refuse(model, why)
+                    await self.gateway.refuse(model, why, self.cfg.standby_hold_s)
                 else:
                     hold_s = self.cfg.standby_hold_s if model in standby else 0
                     await self.gateway.hold(model, hold_s)
@@ -480,7 +480,8 @@ class Controller:
         out = {}
         for d in self.cfg.demands:
             if d.name in standby:
-                p = placement(self.cluster, d, now_s, self._planner)
+                wake_rate_per_s = self.policy.params.wake_request_rate_per_s
+                p = placement(self.cluster, d, now_s, self._planner, wake_rate_per_s)
                 if not p.placeable:
                     out[d.name] = p.reason
         return out

@@ -110,10 +110,11 @@ class GatewayClient:
         (0: back to the gateway's own queue wait)."""
         await self._call("POST", "/admin/models/hold", {"model": model, "seconds": seconds})
 
-    async def refuse(self, model: str, reason: str) -> None:
-        """No GPU free to us can place `model`: while it has no instance its requests get a
-        503 with `reason` (a `hold` lifts it)."""
-        await self._call("POST", "/admin/models/refuse", {"model": model, "reason": reason})
+    async def refuse(self, model: str, reason: str, seconds: float) -> None:
+        """No GPU free to us can place `model`: for `seconds` (renewed by the caller), while
+        it has no instance, its requests get a 503 with `reason` (a `hold` lifts it)."""
+        body = {"model": model, "reason": reason, "seconds": seconds}
+        await self._call("POST", "/admin/models/refuse", body)
 
     async def demand(self, models: Sequence[str], wait_s: float) -> dict[str, int]:
         """Requests queued at the gateway for `models`, answered as soon as one queues (or

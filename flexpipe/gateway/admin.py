@@ -23,10 +23,12 @@ POST /admin/models/hold               {"model", "seconds"}: for that long, reque
                                       re-launches it, or one scaled to zero: the model
                                       stays known with no instance) instead of being
                                       refused; 0 ends it (and any hold lifts a refusal)
-POST /admin/models/refuse             {"model", "reason"}: no GPU free to us can place the
-                                      model: while it has no instance its requests (and
-                                      those queued for it) get a 503 with the reason and a
-                                      Retry-After; it stays listed; ends its hold
+POST /admin/models/refuse             {"model", "reason", "seconds"?}: no GPU free to us
+                                      can place the model: for that long (default 600;
+                                      renewed by the controller every tick), while it has
+                                      no instance, its requests (and those queued for it)
+                                      get a 503 with the reason and a Retry-After; it
+                                      stays listed; ends its hold
 POST /admin/models/demand             {"models", "wait_s"}: answers {"queued": {model: n}}
                                       once a request of one of them waits in the queue, or
                                       wait_s passed (the controller's demand trigger)
@@ -39,6 +41,7 @@ import hmac
 from typing import TYPE_CHECKING, Any
 
 from flexpipe.gateway.call import Move
+from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gateway.pool import PoolError, TransitionError
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
 from flexpipe.lifecycle import LifecycleError, State, parse_state
@@ -163,8 +166,11 @@ class AdminApi:
             raise HttpError(400, "`model` must be a non-empty string", param="model")
         if not isinstance(reason, str) or not reason.strip():
             raise HttpError(400, "`reason` must be a non-empty string", param="reason")
-        self.gw.set_refuse(model, reason.strip())
-        return json_response({"model": model, "reason": reason.strip()})
+        seconds = body.get("seconds", STANDBY_HOLD_S)
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
+            raise HttpError(400, "`seconds` must be a number >= 0", param="seconds")
+        self.gw.set_refuse(model, reason.strip(), float(seconds))
+        return json_response({"model": model, "reason": reason.strip(), "seconds": seconds})
 
     async def demand(self, req: Request) -> Response:
         self._check(req)

@@ -439,7 +439,7 @@ class Gateway:
     def refused(self, model: str) -> str | None:
         """Why `model` is refused (POST /admin/models/refuse): no GPU free to us can place
         it, so while it has no instance its requests get a 503 with this reason."""
-        return self.holds.refused(model)
+        return self.holds.refused(model, self.clock())
 
     def _demand_changed(self) -> None:
         waiters, self._demand_waiters = self._demand_waiters, []
@@ -469,11 +469,12 @@ class Gateway:
         if seconds <= 0:
             self._wake_all()
 
-    def set_refuse(self, model: str, reason: str) -> None:
+    def set_refuse(self, model: str, reason: str, seconds: float) -> None:
         """`POST /admin/models/refuse`; the queue looks again, so what waited for `model`
-        gets the 503 at once (renewed every tick: only a new refusal wakes it)."""
-        new = self.holds.refused(model) != reason
-        self.holds.refuse(model, reason, self.clock())
+        gets the 503 at once (renewed every tick, its words may change: only a model not
+        refused before wakes it)."""
+        new = self.refused(model) is None
+        self.holds.refuse(model, reason, seconds, self.clock())
         if new:
             self._wake_all()
 

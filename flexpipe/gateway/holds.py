@@ -28,7 +28,9 @@ REFUSED_RETRY_AFTER_S = 60.0
 class Holds:
     def __init__(self) -> None:
         self._until: dict[str, float] = {}  # model -> end of its hold
-        self._refused: dict[str, str] = {}  # model -> why no instance of it can come
+        # model -> (why no instance of it can come, until when: renewed by the controller
+        # every tick as a hold is, so a refusal nobody renews lapses)
+        self._refused: dict[str, tuple[str, float]] = {}
 
     def hold(self, model: str, seconds: float, now: float) -> None:
         """Hold `model` for `seconds` from `now` (at most MAX_HOLD_S); 0 ends the hold (its
@@ -37,23 +39,26 @@ class Holds:
         self._until[model] = now + min(max(seconds, 0.0), MAX_HOLD_S)
         self._refused.pop(model, None)
 
-    def refuse(self, model: str, reason: str, now: float) -> None:
-        """No instance of `model` can come (`reason`): its hold ends now, and while it has no
-        instance its requests are refused with `reason` (until the next `hold`)."""
+    def refuse(self, model: str, reason: str, seconds: float, now: float) -> None:
+        """No instance of `model` can come (`reason`): its hold ends now, and for `seconds`
+        from `now` (at most MAX_HOLD_S), while it has no instance, its requests are refused
+        with `reason` (until then, or the next `hold`)."""
         if self._until.get(model, 0.0) > now:
             self._until[model] = now
-        self._refused[model] = reason
+        self._refused[model] = (reason, now + min(max(seconds, 0.0), MAX_HOLD_S))
 
-    def refused(self, model: str) -> str | None:
-        """Why `model` is refused (None: it is not)."""
-        return self._refused.get(model)
+    def refused(self, model: str, now: float) -> str | None:
+        """Why `model` is refused at `now` (None: it is not)."""
+        entry = self._refused.get(model)
+        return entry[0] if entry is not None and entry[1] > now else None
 
     def held(self, model: str, now: float) -> bool:
         return self._until.get(model, 0.0) > now
 
     def models(self, now: float) -> set[str]:
         """The models held or refused now (listed by /v1/models even with no instance)."""
-        return {m for m, until in self._until.items() if until > now} | set(self._refused)
+        held = {m for m, until in self._until.items() if until > now}
+        return held | {m for m, (_, until) in self._refused.items() if until > now}
 
     def wait_deadline(
         self, model: str, deadline: float, arrival_s: float, queue_wait_s: float = 0.0

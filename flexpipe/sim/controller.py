@@ -214,13 +214,14 @@ class SimController:
         if standby and (next_change_s is None or next_change_s - now > STANDBY_HOLD_S):
             for d in self.demands:
                 if d.name in standby:
-                    p = placement(self.cluster, d, now, self._planner)
+                    wake_rate_per_s = self.params.shift.wake_request_rate_per_s
+                    p = placement(self.cluster, d, now, self._planner, wake_rate_per_s)
                     if not p.placeable:
                         unplaceable[d.name] = p.reason
         for model in sorted(standby | self._standby | set(self.refused)):
             why = unplaceable.get(model)
             if why is not None:
-                self.world.refuse(model, why, now)
+                self.world.refuse(model, why, STANDBY_HOLD_S, now)
                 if model not in self.refused:
                     self.refusals.append({"at_s": now, "model": model, "refused": why})
                 self.refused[model] = why

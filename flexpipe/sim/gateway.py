@@ -106,12 +106,12 @@ class SimGateway:
         if seconds <= 0:  # as `Gateway.set_hold`: the queue looks again, in its order
             self._reroute(now)
 
-    def refuse(self, model: str, reason: str, now: float) -> None:
+    def refuse(self, model: str, reason: str, seconds: float, now: float) -> None:
         """`POST /admin/models/refuse`: no GPU free to us can place `model`; while it has no
         instance its requests (those queued too, at once) fail with a 503 and `reason`."""
-        new = self.holds.refused(model) != reason
-        self.holds.refuse(model, reason, now)
-        if new:  # (renewed every tick: only a new refusal re-routes the queue)
+        new = self.holds.refused(model, now) is None
+        self.holds.refuse(model, reason, seconds, now)
+        if new:  # (renewed every tick, its words may change: only a new one re-routes)
             self._reroute(now)
 
     def _reroute(self, now: float) -> None:
@@ -130,7 +130,7 @@ class SimGateway:
     def submit(self, req: SimRequest, now: float) -> None:
         if self.log is not None:  # (the detail costs a format per request)
             self._log(now, "arrive", f"{req.request_id} {req.model}")
-        known = self.holds.held(req.model, now) or self.holds.refused(req.model) is not None
+        known = self.holds.held(req.model, now) or self.holds.refused(req.model, now) is not None
         if not self.pool.has_model(req.model) and not known:
             self._fail(req, now, f"404: no instance serves model {req.model!r} (yet)")
             return
@@ -146,7 +146,7 @@ class SimGateway:
         try:
             pick = self.router.pick(model, call.routing, now)
         except NoInstance as exc:
-            why = self.holds.refused(model)
+            why = self.holds.refused(model, now)
             if why is not None:  # as live: no instance of it can come, say why
                 self._fail(call.req, now, f"503: The model `{model}` cannot be served now: {why}")
                 return

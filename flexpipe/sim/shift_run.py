@@ -117,7 +117,7 @@ class World(Protocol):
 
     def hold(self, model: str, seconds: float, now: float) -> None: ...  # the admin API's
 
-    def refuse(self, model: str, reason: str, now: float) -> None: ...  # the admin API's
+    def refuse(self, model: str, reason: str, seconds: float, now: float) -> None: ...  # admin
 
     def context_tokens(self, req: SimRequest, rec: Any) -> tuple[int, int]: ...
 

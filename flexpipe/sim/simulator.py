@@ -239,8 +239,8 @@ class _Run:
     def hold(self, model: str, seconds: float, now: float) -> None:
         self.gateway.hold(model, seconds, now)
 
-    def refuse(self, model: str, reason: str, now: float) -> None:
-        self.gateway.refuse(model, reason, now)
+    def refuse(self, model: str, reason: str, seconds: float, now: float) -> None:
+        self.gateway.refuse(model, reason, seconds, now)
 
     def stop_routing(self, rec: InstanceRecord, now: float) -> list[SimRequest]:
         rec.stopped_s = now

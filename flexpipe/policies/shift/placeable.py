@@ -5,8 +5,10 @@ requests queue for the cold start its demand triggers. When no GPU free to flexp
 even one instance of it, that cold start never comes, and its requests are better refused at
 once with the reason (`Holds.refuse`) than held for the queue's whole wait.
 
-The planner is the one source of truth: the model's demand is planned *alone* (one instance,
-no load) on `cluster`, the GPUs free to us — free now plus every GPU our own instances hold;
+The planner is the one source of truth: the model's demand is planned *alone* (at least one
+instance, at the rate a wake plans it for: `ShiftParams.wake_request_rate_per_s`; at no load
+the planner never tries its LP round, the only one that chains pipeline stages across
+nodes) on `cluster`, the GPUs free to us — free now plus every GPU our own instances hold;
 other tenants' memory is used, lost GPUs are absent, and the planner itself leaves out GPUs
 reclaimed within its `min_lease_s`. Deliberately not considered: blacklists, priorities,
 other models' demand and the room our own instances take. Those may delay a wake (it holds
@@ -33,10 +35,14 @@ class Placement:
     reason: str  # where one instance fits, or the planner's words on why none does
 
 
-def placement(cluster: Cluster, demand: ModelDemand, now_s: float, planner: Planner) -> Placement:
+def placement(
+    cluster: Cluster, demand: ModelDemand, now_s: float, planner: Planner, wake_rate_per_s: float
+) -> Placement:
     """Whether the planner places one instance of `demand` alone on `cluster` (the GPUs free
-    to us, ours counted as free) at `now_s`."""
-    alone = replace(demand, request_rate_per_s=0.0, min_instances=1, priority=1.0)
+    to us, ours counted as free) at `now_s`, planned as a wake plans it: at least
+    `wake_rate_per_s` (`ShiftParams.wake_request_rate_per_s`)."""
+    rate_per_s = max(demand.request_rate_per_s, wake_rate_per_s)
+    alone = replace(demand, request_rate_per_s=rate_per_s, min_instances=1, priority=1.0)
     planned = planner(cluster, (alone,), now_s)
     mine = [i for i in planned.instances if i.model == demand.name]
     if mine:
