@@ -24,7 +24,7 @@ from test_shift_policy import (
 from flexpipe.cluster import Cluster, load_cluster
 from flexpipe.policies.planner import ModelDemand, Plan, Slo, plan
 from flexpipe.policies.shift import ModelState, ShiftParams, ShiftPolicy, ShiftSnapshot
-from flexpipe.policies.shift.placeable import placement
+from flexpipe.policies.shift.placeable import placement, unplaceable
 
 WAKE = ShiftParams().wake_request_rate_per_s  # the rate a wake plans a model at
 
@@ -118,3 +118,15 @@ def test_a_model_the_wake_chains_across_two_nodes_is_placeable(tmp_path: Path) -
     p = placement(cluster, idle, 40.0, planner, WAKE)
     assert p.placeable, p.reason
     assert not placement(cluster, idle, 40.0, planner, 0.0).placeable  # no load: no LP round
+
+
+def test_unplaceable_refuses_only_with_no_gpu_due_back_within_the_hold() -> None:
+    """The rule both controllers call: the models with no instance `placement` finds no room
+    for, unless a GPU is due back (an occupation's end) within the hold: then they wait."""
+    big, small = demand(1.0, "big", "llama-2-70b"), demand(1.0, "small", "llama-2-7b")
+    args = (CLUSTER, (big, small), {"big", "small"}, 0.0, cached_planner, WAKE)
+    refused = unplaceable(*args, next_change_in_s=None, hold_s=600.0)
+    assert set(refused) == {"big"} and refused["big"].startswith("no GPU free to us can place big")
+    assert unplaceable(*args, next_change_in_s=900.0, hold_s=600.0) == refused  # not in time
+    assert unplaceable(*args, next_change_in_s=300.0, hold_s=600.0) == {}  # due back: wait
+    assert unplaceable(CLUSTER, (big, small), set(), 0.0, cached_planner, WAKE, None, 600.0) == {}

@@ -58,9 +58,8 @@ from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.planner.memo import EvaluationMemo
-from flexpipe.policies.shift import ShiftParams, ShiftPolicy
+from flexpipe.policies.shift import ShiftParams, ShiftPolicy, placeable
 from flexpipe.policies.shift.decision import ShiftDecision
-from flexpipe.policies.shift.placeable import placement
 from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import (
     ShiftRecord,
@@ -444,11 +443,18 @@ class Controller:
     async def _hold_standby(self) -> None:
         """A model scaled to zero stays held in the gateway (its requests queue for the
         instance its demand will start); one that serves again is released. One that no GPU
-        free to us can place is refused instead (`_unplaceable`), until it can be again."""
+        free to us can place is refused instead (`placeable.unplaceable`: not while a GPU is
+        due back within the hold), until it can be again."""
         standby = set(self._standby_models())
         for line in self._waits.serving({d.name for d in self.cfg.demands} - standby):
             self.say(line)
-        unplaceable = self._unplaceable(standby)
+        next_change_s = self.resources.next_change_s()
+        unplaceable = placeable.unplaceable(
+            self.cluster, self.cfg.demands, standby, self.clock(), self._planner,
+            self.policy.params.wake_request_rate_per_s,
+            None if next_change_s is None else next_change_s - self.wall(),
+            self.cfg.standby_hold_s,
+        )  # fmt: skip
         for model in sorted(standby | self._standby | set(self.refused)):
             why = unplaceable.get(model)
             try:
@@ -465,26 +471,6 @@ class Controller:
             else:
                 self._standby.discard(model)
             self._refusal(model, why, model in standby)
-
-    def _unplaceable(self, standby: set[str]) -> dict[str, str]:
-        """Of the models with no instance, those the planner cannot place one instance of,
-        alone, on the GPUs free to us (ours counted free: `placement`), with its reason.
-        None while an occupation is due to end within the standby hold: the requests wait
-        for that GPU rather than be refused."""
-        if not standby:
-            return {}
-        next_change_s = self.resources.next_change_s()
-        if next_change_s is not None and next_change_s - self.wall() <= self.cfg.standby_hold_s:
-            return {}
-        now_s = self.clock()
-        out = {}
-        for d in self.cfg.demands:
-            if d.name in standby:
-                wake_rate_per_s = self.policy.params.wake_request_rate_per_s
-                p = placement(self.cluster, d, now_s, self._planner, wake_rate_per_s)
-                if not p.placeable:
-                    out[d.name] = p.reason
-        return out
 
     def _refusal(self, model: str, why: str | None, standby: bool) -> None:
         """Said once and logged when a model starts or stops being refused."""

@@ -32,9 +32,8 @@ from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.planner.memo import EvaluationMemo
-from flexpipe.policies.shift import ShiftParams, ShiftPolicy
+from flexpipe.policies.shift import ShiftParams, ShiftPolicy, placeable
 from flexpipe.policies.shift.decision import ShiftDecision
-from flexpipe.policies.shift.placeable import placement
 from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import ShiftRecord, ShiftSnapshot
 from flexpipe.sim.loop import CONTROL
@@ -206,18 +205,17 @@ class SimController:
     def _hold_standby(self, now: float) -> None:
         """As the live controller's: a model with no instance is held (its requests queue
         for the wake), or refused when the planner cannot place one instance of it alone on
-        the GPUs free to us (`placement`) and no occupation ends within the hold."""
+        the GPUs free to us and no occupation ends within the hold (`placeable.unplaceable`,
+        the live controller's check)."""
         serving = {r.planned.model for r in self.running.values()}
         standby = {d.name for d in self.demands} - serving
-        unplaceable: dict[str, str] = {}
         next_change_s = self.resources.next_change_s()
-        if standby and (next_change_s is None or next_change_s - now > STANDBY_HOLD_S):
-            for d in self.demands:
-                if d.name in standby:
-                    wake_rate_per_s = self.params.shift.wake_request_rate_per_s
-                    p = placement(self.cluster, d, now, self._planner, wake_rate_per_s)
-                    if not p.placeable:
-                        unplaceable[d.name] = p.reason
+        unplaceable = placeable.unplaceable(
+            self.cluster, self.demands, standby, now, self._planner,
+            self.params.shift.wake_request_rate_per_s,
+            None if next_change_s is None else next_change_s - now,
+            STANDBY_HOLD_S,
+        )  # fmt: skip
         for model in sorted(standby | self._standby | set(self.refused)):
             why = unplaceable.get(model)
             if why is not None:

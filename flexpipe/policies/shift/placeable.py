@@ -19,13 +19,14 @@ Pure: no clock (`now_s` is an argument), no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from flexpipe.cluster import Cluster
 from flexpipe.policies.planner import ModelDemand
 from flexpipe.policies.shift.candidates import Planner
 
-__all__ = ["Placement", "placement"]
+__all__ = ["Placement", "placement", "unplaceable"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +62,28 @@ def placement(
     return Placement(
         demand.name, False, f"no GPU free to us can place {demand.name} ({demand.model}): {words}"
     )
+
+
+def unplaceable(
+    cluster: Cluster,
+    demands: Sequence[ModelDemand],
+    standby: Collection[str],
+    now_s: float,
+    planner: Planner,
+    wake_rate_per_s: float,
+    next_change_in_s: float | None,
+    hold_s: float,
+) -> dict[str, str]:
+    """Of the models with no instance (`standby`), those `placement` finds no room for,
+    with the planner's reason: the live and the simulated controller refuse them rather
+    than hold them. None while a change of the GPUs (an occupation's end) is due within
+    `hold_s` (`next_change_in_s` from now): their requests wait for it instead."""
+    if not standby or (next_change_in_s is not None and next_change_in_s <= hold_s):
+        return {}
+    out: dict[str, str] = {}
+    for d in demands:
+        if d.name in standby:
+            p = placement(cluster, d, now_s, planner, wake_rate_per_s)
+            if not p.placeable:
+                out[d.name] = p.reason
+    return out
