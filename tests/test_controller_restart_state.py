@@ -84,7 +84,7 @@ def test_occupations_survive_a_restart_until_they_run_out(tmp_path: Path) -> Non
         assert "still held: gpu0 (tenant), gpu2 (tenant)" in "\n".join(lines)
         # the first plan and the adoption's re-plan leave gpu2 alone: an instance a previous
         # controller left there is not kept (it is retired once the plan serves)
-        fresh = again._planner(again.cluster, (DEMAND,), T0_S + 100)
+        fresh = again.planner(again.cluster, (DEMAND,), T0_S + 100)
         assert fresh.instances and all("gpu2" not in p.gpu_ids for p in fresh.instances)
         on_gpu2 = plan(_file(again), (DEMAND,), again.performance, now_s=T0_S).instances
         assert [p.gpu_ids for p in on_gpu2] == [("gpu2",)]  # where it ran before the occupation
@@ -137,7 +137,7 @@ def test_an_engine_that_died_is_logged_as_lost_and_a_shift_lists_what_it_changed
 ) -> None:
     with Store(f"sqlite:///{tmp_path / 'fp.db'}") as store:
         ctl = _controller(store, T0_S)
-        (p,) = ctl._planner(ctl.cluster, (DEMAND,), T0_S).instances
+        (p,) = ctl.planner(ctl.cluster, (DEMAND,), T0_S).instances
         ctl.running[instance_key(p)] = LiveInstance(p, _Dead(), "active")  # type: ignore[arg-type]
         asyncio.run(ctl._reap_dead(T0_S))
         (lost,) = ShiftLog(store).entries(kinds=["emergency"])

@@ -43,10 +43,10 @@ from flexpipe.control.rate_memory import RateMemory
 from flexpipe.control.resources import Occupation, ResourceEvent, Resources
 from flexpipe.control.samples import Sampler, gateway_totals
 from flexpipe.control.shift_outcome import ShiftOutcome, finished_record
+from flexpipe.control.standby import StandbyModels
 from flexpipe.control.status_view import controller_status
 from flexpipe.control.takeover import Takeover, stub
 from flexpipe.control.ui_api import UiApi
-from flexpipe.control.wait_notice import WaitNotice
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
@@ -58,7 +58,7 @@ from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.planner.memo import EvaluationMemo
-from flexpipe.policies.shift import ShiftParams, ShiftPolicy, placeable
+from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import (
@@ -174,7 +174,7 @@ class Controller:
             cfg.shift,
             pricing=dataclasses.replace(cfg.shift.pricing, drain_deadline_s=cfg.drain_deadline_s),
         )
-        self.policy = ShiftPolicy(shift, planner=self._planner, efficiency=self.efficiency)
+        self.policy = ShiftPolicy(shift, planner=self.planner, efficiency=self.efficiency)
         self.running: dict[str, LiveInstance] = {}
         self.history: list[ShiftRecord] = []
         self.samples: dict[str, list[Sample]] = {d.name: [] for d in cfg.demands}
@@ -191,11 +191,7 @@ class Controller:
             self.rate_memory.restore(self._rates, self.samples, clock(), wall(), say)
         self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
-        self._standby: set[str] = set()  # models held in the gateway with no instance
-        # models with no instance that no GPU free to us can place -> the planner's reason:
-        # refused in the gateway (a 503 with it) instead of held, re-checked every tick
-        self.refused: dict[str, str] = {}
-        self._waits = WaitNotice()  # said once: requests wait for a model with no instance
+        self.standby = StandbyModels(self)  # models with no instance: held or refused
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
         self.shift_log = ShiftLog(store, self.deployment) if store is not None else None
@@ -230,9 +226,7 @@ class Controller:
         """The GPUs as free for us now (other tenants' memory used, ours not)."""
         return self.resources.effective
 
-    def _planner(
-        self, cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0
-    ) -> Plan:
+    def planner(self, cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0) -> Plan:
         """The planner with the gear table, for the GPUs free now. The running plan is not
         passed (`plan(running=...)` keeps what runs unless replacing it gains more than a
         margin at the demand as measured): the shift policy prices each candidate against
@@ -277,7 +271,7 @@ class Controller:
             self.lease.acquire(self.wall)  # before anything of the store is touched
         self._keep_occupations()  # those that ran out while stopped are gone from the store
         self.server = await serve(self._app(), self.cfg.host, self.cfg.port)
-        first = self._planner(self.cluster, self.cfg.demands, self.clock())
+        first = self.planner(self.cluster, self.cfg.demands, self.clock())
         if not first.instances:
             raise RuntimeError("the planner found nothing to run on the free GPUs")
         resumed = self.takeover.resume_history()
@@ -313,7 +307,7 @@ class Controller:
         self.takeover.sweep_spawned()
         await self.takeover.retire([r for r in leftovers if r not in in_way])
         why, notes = first_plan_note(adopted, leftovers, outcome)
-        self._note("plan", why, notes, outcome="succeeded" if self.running else "failed",
+        self.note("plan", why, notes, outcome="succeeded" if self.running else "failed",
                    trigger="restart" if survivors else "start")  # fmt: skip
         if outcome.reason:
             self.say(f"error: {outcome.reason}")
@@ -336,7 +330,7 @@ class Controller:
         """Tick until `stop` is set."""
         watches = [
             asyncio.create_task(self._watch_file()),
-            asyncio.create_task(self._watch_demand()),
+            asyncio.create_task(self.standby.watch_demand(self._changed)),
         ]
         if self.discovery is not None:
             watches.append(asyncio.create_task(self._watch_discovery(self.discovery)))
@@ -385,7 +379,7 @@ class Controller:
         await self._reap_dead(now_s)
         self._resource_events(*self.resources.tick(self.wall()), now_s)
         try:
-            await self._hold_standby()
+            await self.standby.hold_or_refuse()
             await self._sample(now_s)
         except GatewayError as exc:
             log.warning("no sample this tick: %s", exc)
@@ -434,79 +428,6 @@ class Controller:
                 f"{outcome.reason} phases "
                 + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
             )
-
-    def _standby_models(self) -> list[str]:
-        """Models with no instance running (scaled to zero)."""
-        serving = {i.planned.model for i in self.running.values()}
-        return [d.name for d in self.cfg.demands if d.name not in serving]
-
-    async def _hold_standby(self) -> None:
-        """A model scaled to zero stays held in the gateway (its requests queue for the
-        instance its demand will start); one that serves again is released. One that no GPU
-        free to us can place is refused instead (`placeable.unplaceable`: not while a GPU is
-        due back within the hold), until it can be again."""
-        standby = set(self._standby_models())
-        for line in self._waits.serving({d.name for d in self.cfg.demands} - standby):
-            self.say(line)
-        next_change_s = self.resources.next_change_s()
-        unplaceable = placeable.unplaceable(
-            self.cluster, self.cfg.demands, standby, self.clock(), self._planner,
-            self.policy.params.wake_request_rate_per_s,
-            None if next_change_s is None else next_change_s - self.wall(),
-            self.cfg.standby_hold_s,
-        )  # fmt: skip
-        for model in sorted(standby | self._standby | set(self.refused)):
-            why = unplaceable.get(model)
-            try:
-                if why is not None:
-                    await self.gateway.refuse(model, why, self.cfg.standby_hold_s)
-                else:
-                    hold_s = self.cfg.standby_hold_s if model in standby else 0
-                    await self.gateway.hold(model, hold_s)
-            except GatewayError as exc:
-                log.warning("hold of %s: %s", model, exc)
-                continue
-            if model in standby:
-                self._standby.add(model)
-            else:
-                self._standby.discard(model)
-            self._refusal(model, why, model in standby)
-
-    def _refusal(self, model: str, why: str | None, standby: bool) -> None:
-        """Said once and logged when a model starts or stops being refused."""
-        was = self.refused.get(model)
-        if why is not None:
-            self.refused[model] = why
-            if was is None:
-                self.say(f"controller: {model} is refused (503), not held: {why}")
-                self._note("resources", f"{model} refused, not held: {why}", [why])
-            return
-        if was is None:
-            return
-        del self.refused[model]
-        again = "held again for a cold start" if standby else "serves again"
-        self.say(f"controller: {model} can be placed again; {again}")
-        self._note("resources", f"{model} can be placed again; {again} (was: {was})")
-
-    async def _watch_demand(self) -> None:
-        """The demand trigger of models scaled to zero: the gateway answers as soon as one
-        of their requests queues (an event, not a poll); the controller ticks at once."""
-        while True:
-            models = self._standby_models()
-            if not models:
-                await asyncio.sleep(min(1.0, self.cfg.tick_s))
-                continue
-            try:
-                queued = await self.gateway.demand(models, max(self.cfg.tick_s, 5.0))
-            except GatewayError as exc:
-                log.warning("demand of %s: %s", ", ".join(models), exc)
-                await asyncio.sleep(self.cfg.tick_s)
-                continue
-            for line in self._waits.queued(models, queued):
-                self.say(line)
-            if any(n > 0 for n in queued.values()):
-                self._changed.set()
-                await asyncio.sleep(self.cfg.tick_s)  # the wake shift takes it from here
 
     async def _sample(self, now_s: float) -> None:
         instances = await self.gateway.instances()
@@ -558,7 +479,7 @@ class Controller:
             self._on_state(inst, "gone")
             self.resources_changed_s = now_s
             why = f"{key} exited ({inst.handle.returncode}); its GPUs are re-planned"
-            self._note("emergency", why, outcome="succeeded", trigger="lost")
+            self.note("emergency", why, outcome="succeeded", trigger="lost")
             self.say(f"controller: instance {inst.planned.name} exited; re-planning")
 
     def _keep_occupations(self) -> None:
@@ -572,7 +493,7 @@ class Controller:
         self._keep_occupations()
         if events:
             self.resources_changed_s = now_s
-            self._note("resources", "; ".join(e.why for e in events), notes=[e.why for e in events])
+            self.note("resources", "; ".join(e.why for e in events), notes=[e.why for e in events])
             self._changed.set()
         return events
 
@@ -593,7 +514,7 @@ class Controller:
             *self.resources.file_changed(cluster, self.wall()), self.clock()
         )
 
-    def _note(
+    def note(
         self,
         kind: Any,
         reason: str,

@@ -47,7 +47,7 @@ def controller_status(ctl: Controller) -> dict[str, Any]:
                 # the forecast over the next horizon (None: too little history yet)
                 "expected_request_rate_per_s": ctl.expected_rates_per_s.get(d.name),
                 # why its requests are refused (no GPU free to us can place it); None: not
-                "refused": ctl.refused.get(d.name),
+                "refused": ctl.standby.refused.get(d.name),
             }
             for d in ctl.cfg.demands
         ],

@@ -148,28 +148,18 @@ class AdminApi:
     async def hold(self, req: Request) -> Response:
         self._check(req)
         body = req.json()
-        model = body.get("model") if isinstance(body, dict) else None
-        seconds = body.get("seconds") if isinstance(body, dict) else None
-        if not isinstance(model, str) or not model:
-            raise HttpError(400, "`model` must be a non-empty string", param="model")
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
-            raise HttpError(400, "`seconds` must be a number >= 0", param="seconds")
-        self.gw.set_hold(model, float(seconds))
+        model, seconds = _model_and_seconds(body, None)
+        self.gw.set_hold(model, seconds)
         return json_response({"model": model, "seconds": seconds})
 
     async def refuse(self, req: Request) -> Response:
         self._check(req)
         body = req.json()
-        model = body.get("model") if isinstance(body, dict) else None
-        reason = body.get("reason") if isinstance(body, dict) else None
-        if not isinstance(model, str) or not model:
-            raise HttpError(400, "`model` must be a non-empty string", param="model")
+        model, seconds = _model_and_seconds(body, STANDBY_HOLD_S)
+        reason = body.get("reason")
         if not isinstance(reason, str) or not reason.strip():
             raise HttpError(400, "`reason` must be a non-empty string", param="reason")
-        seconds = body.get("seconds", STANDBY_HOLD_S)
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
-            raise HttpError(400, "`seconds` must be a number >= 0", param="seconds")
-        self.gw.set_refuse(model, reason.strip(), float(seconds))
+        self.gw.set_refuse(model, reason.strip(), seconds)
         return json_response({"model": model, "reason": reason.strip(), "seconds": seconds})
 
     async def demand(self, req: Request) -> Response:
@@ -281,3 +271,15 @@ def _parse_move(m: Any, i: int) -> tuple[int, Move]:
         numbers["warm_timeout_s"],
         numbers["max_token_wait_s"],
     )
+
+
+def _model_and_seconds(body: Any, default_s: float | None) -> tuple[str, float]:
+    """A hold's or a refusal's `model` and `seconds` (`default_s` when absent; None: it must
+    be given), or a 400 naming the field."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str) or not model:
+        raise HttpError(400, "`model` must be a non-empty string", param="model")
+    seconds = body.get("seconds", default_s)
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
+        raise HttpError(400, "`seconds` must be a number >= 0", param="seconds")
+    return model, float(seconds)

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import random
 import time
 from collections import deque
@@ -32,6 +31,7 @@ from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay, WarmOutcome
+from flexpipe.gateway.retry_later import RetryLater, retry_later
 from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.gateway.tenants import Tenants, completion_tokens
 from flexpipe.gateway.ui_routes import UiRoutes
@@ -201,7 +201,7 @@ class Gateway:
             ok, wait_s, why = tenant.admit(call.num_tokens, self.clock())
             if not ok:
                 self.metrics.rejected.labels("tenant_quota").inc()
-                return _too_many(f"tenant {tenant.name}: {why}", wait_s)
+                return retry_later(RetryLater(429, f"tenant {tenant.name}: {why}", wait_s))
             tenant.num_in_flight += 1
             call.tenant = tenant
         call.id = next(self._call_ids)
@@ -211,12 +211,8 @@ class Gateway:
             result = await self._dispatch(call)
             handed_off = isinstance(result, StreamResponse | PushResponse)
             return result
-        except _TooMany as exc:
-            return _too_many(exc.message, exc.retry_after_s)
-        except _Refused as exc:
-            resp = error_response(503, exc.message, exc.type, exc.param)
-            resp.headers = {"retry-after": str(max(1, math.ceil(REFUSED_RETRY_AFTER_S)))}
-            return resp
+        except RetryLater as exc:
+            return retry_later(exc)
         finally:
             if not handed_off:  # a relay ends the call of a stream it was handed
                 self.end_call(call, call.num_output_tokens)
@@ -379,9 +375,8 @@ class Gateway:
                 why = self.refused(call.model)
                 if why is not None:  # no instance of it can come: say why, do not wait
                     self.metrics.rejected.labels("unplaceable").inc()
-                    raise _Refused(
-                        f"The model `{call.model}` cannot be served now: {why}"
-                    ) from None
+                    message = f"The model `{call.model}` cannot be served now: {why}"
+                    raise RetryLater(503, message, REFUSED_RETRY_AFTER_S, "model") from None
                 if not self.held(call.model):
                     self.metrics.rejected.labels("no_instance").inc()
                     raise HttpError(503, str(exc)) from None
@@ -395,7 +390,7 @@ class Gateway:
             if len(self._waiters) >= self.cfg.max_queue:
                 self.metrics.rejected.labels("queue_full").inc()
                 wait_s = self.router.retry_after_s(len(self._waiters), now)
-                raise _TooMany("all instances are busy and the wait queue is full", wait_s)
+                raise RetryLater(429, "all instances are busy and the wait queue is full", wait_s)
             wait_s = self.cfg.max_queue_wait_s
             if own_deadline is None:
                 own_deadline = now + wait_s
@@ -406,7 +401,7 @@ class Gateway:
             if left <= 0:
                 self.metrics.rejected.labels("queue_timeout").inc()
                 wait_s = self.router.retry_after_s(len(self._waiters), now)
-                raise _TooMany("all instances stayed busy", wait_s)
+                raise RetryLater(429, "all instances stayed busy", wait_s)
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             self.queued_by_model[call.model] = self.queued_by_model.get(call.model, 0) + 1
@@ -609,22 +604,3 @@ class Gateway:
                 async with asyncio.timeout(2.0):
                     await idle.wait()
         await self.close()
-
-
-class _Refused(HttpError):
-    """A model no GPU free to us can place: 503 with the reason and a Retry-After."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(503, message, type="ServiceUnavailableError", param="model")
-
-
-class _TooMany(HttpError):
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(429, message)
-        self.retry_after_s = retry_after_s
-
-
-def _too_many(message: str, retry_after_s: float) -> Response:
-    resp = error_response(429, message)
-    resp.headers = {"retry-after": str(max(1, math.ceil(retry_after_s)))}
-    return resp
