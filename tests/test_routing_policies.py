@@ -17,6 +17,7 @@ from flexpipe.policies.routing import (
     create_scorer,
     prompt_block_hashes,
 )
+from flexpipe.policies.routing.prefix_index import chain_block_hashes
 from flexpipe.policies.routing.registry import register_policy
 
 NOW = 100.0
@@ -135,37 +136,64 @@ def test_prefix_index_lru_and_chain() -> None:
     assert idx.match("a", other) == 1  # shares only the first block
     idx.insert("a", other)  # 5 distinct blocks > 4: the least recently used one goes
     assert idx.num_blocks("a") == 4
-    assert idx.match("a", h) == 1  # h[1] evicted; the chain stops there
+    assert idx.match("a", h) == 2  # h's tail went: its prefix stays whole
+    assert idx.match("a", other) == 3
+
+
+def _chained_prompts(rng: random.Random, num: int) -> list[tuple[int, ...]]:
+    """Prompts of 0-11 blocks from a small alphabet: they share, repeat, extend and end
+    inside each other's runs."""
+    return [
+        chain_block_hashes(
+            bytes([rng.choice(b"ab" if i < 4 else b"abc")]) * 8 for i in range(rng.randrange(12))
+        )
+        for _ in range(num)
+    ]
 
 
 def test_prefix_index_is_an_exact_lru() -> None:
-    """Against an `OrderedDict` LRU: prompts that share, repeat and extend each other's
-    blocks, over a small bound (many evictions) and a large one (none: blocks touched again
-    and again, the use order rebuilt without its stale entries)."""
+    """Against an `OrderedDict` LRU of blocks, where an insertion uses a prompt's blocks
+    deepest first: the same blocks, in the same use order, the same matches; over bounds
+    with many evictions and with none."""
     rng = random.Random(7)
-    for bound, span in ((20, 40), (200, 60)):
+    for bound in (5, 20, 60, 10_000):
         idx, ref = PrefixIndex(max_blocks_per_instance=bound), OrderedDict[int, None]()
-        for _ in range(3000):
-            start = rng.randrange(span)
-            hashes = tuple(range(start, start + rng.randrange(1, 12)))
+        for hashes in _chained_prompts(rng, 3000):
             assert idx.match("a", hashes) == next(
                 (n for n, h in enumerate(hashes) if h not in ref), len(hashes)
             )
             idx.insert("a", hashes)
-            for h in hashes:
+            for h in reversed(hashes):
                 ref[h] = None
                 ref.move_to_end(h)
             while len(ref) > bound:
                 ref.popitem(last=False)
             assert idx.num_blocks("a") == len(ref)
-            assert all(idx.match("a", (h,)) == 1 for h in ref)
-            assert len(idx._lrus["a"].order) <= 2 * len(ref) + 64 + 12
-        if bound > span:  # no eviction so far: evict all but the 10 most recent, in order
+            tree = idx._trees["a"]
+            assert [h for node in tree.lru for h in reversed(node.hashes)] == list(ref)
+        if bound > len(ref):  # no eviction so far: evict all but the 10 most recent, in order
             idx.max_blocks_per_instance = 10
             idx.insert("a", ())
-            assert [idx.match("a", (h,)) for h in ref] == [0] * (len(ref) - 10) + [1] * 10
+            assert [h for node in idx._trees["a"].lru for h in reversed(node.hashes)] == list(ref)[
+                -10:
+            ]
         idx.remove_instance("a")
         assert idx.num_blocks("a") == 0 and idx.instances() == []
+
+
+def test_prefix_index_keeps_an_unshared_prompt_in_one_node() -> None:
+    """What makes it cheap: prompts that share nothing are one node each, and a prompt that
+    shares a prefix adds one node for its own part and splits the shared run once."""
+    idx = PrefixIndex()
+    prompts = [prompt_block_hashes(bytes([65 + i]) * 64 * 30, 64) for i in range(20)]
+    for h in prompts:
+        idx.insert("a", h)
+    tree = idx._trees["a"]
+    assert len(tree.lru) == 20 and idx.num_blocks("a") == 600
+    follow_up = prompt_block_hashes(b"A" * 64 * 10 + b"z" * 64 * 5, 64)
+    idx.insert("a", follow_up)
+    assert len(tree.lru) == 22 and idx.num_blocks("a") == 605
+    assert idx.match("a", follow_up) == 15 and idx.match("a", prompts[0]) == 30
 
 
 def test_prefix_affinity_prefers_longest_match() -> None:

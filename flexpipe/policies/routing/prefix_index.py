@@ -8,23 +8,30 @@ simulator uses it too.
 Blocks are character blocks of the prompt text (no tokenizer needed, engine-agnostic), hashed
 in a chain with CRC-32 (`zlib.crc32(block, previous)`): a block's hash depends on everything
 before it, so a hit on block i implies the whole prefix up to i matches (up to collisions;
-the block index is folded into the upper bits to make them rarer). CRC-32 is a single C call
-per block: a 4 KiB prompt hashes in a few microseconds.
+the block index is folded into the upper bits to make them rarer, and it makes a hash name
+its depth). CRC-32 is a single C call per block: a 4 KiB prompt hashes in a few microseconds.
 
-Each instance's set is an LRU (O(1) touch and eviction), bounded by
-`max_blocks_per_instance`, standing in for the engine's finite KV cache: a dict of the blocks
-held and a deque of them in use order, where touching a block appends it again and counts
-its earlier entry as stale (skipped when it reaches the head; a block's live entry is its
-last; the deque is rebuilt when it is mostly stale). Per block it keeps a dict slot and a
-deque slot, not an `OrderedDict`'s linked node too: at 50,000 blocks an instance the index
-outgrows the CPU caches, and every insertion and eviction of a node was a cache miss (the
-simulator inserts and evicts ~30 blocks a request).
+Each instance's blocks form a radix tree of runs, as SGLang's radix cache keeps its tokens: a
+node holds a run of consecutive blocks of one chain (a tuple of their hashes), its children
+are keyed by their first block's hash. A prompt nobody shares is one node: inserting,
+matching and evicting it are a few dict operations whatever its length (a per-block index
+did ~30 dict insertions and deletions a request, on dicts past the CPU caches).
+
+The bound (`max_blocks_per_instance`, standing in for the engine's finite KV cache) evicts
+least recently used blocks, where an insertion uses its blocks deepest first: a prefix is
+always more recently used than its suffixes, so eviction takes the tails of the least
+recently used leaves, as an engine frees a request's blocks tail first, and what is left is
+always a set of whole prefixes (a block whose prefix went could never match again). This is
+exactly a per-block LRU with that use order (tests/test_routing_policies.py checks it
+against one): nodes sit in an `OrderedDict` in use order, each inserted prompt touches the
+nodes on its path deepest first, and a run that a prompt ends inside is split so that only
+its used head moves.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable
 
 
@@ -48,29 +55,42 @@ def chain_block_hashes(blocks: Iterable[bytes]) -> tuple[int, ...]:
     return tuple(hashes)
 
 
-class _LRU:
-    """One instance's blocks (see the module docstring)."""
+class _Node:
+    """A run of consecutive blocks of one chain, under the node holding the block before
+    its first (None: the first block of a prompt)."""
 
-    __slots__ = ("blocks", "order", "stale")
+    __slots__ = ("children", "hashes", "parent")
+
+    def __init__(self, hashes: tuple[int, ...], parent: _Node | None) -> None:
+        self.hashes = hashes
+        self.parent = parent
+        self.children: dict[int, _Node] | None = None  # first block's hash -> node
+
+
+class _Tree:
+    """One instance's blocks."""
+
+    __slots__ = ("lru", "num_blocks", "roots")
 
     def __init__(self) -> None:
-        self.blocks: dict[int, None] = {}  # the blocks held
-        self.order: deque[int] = deque()  # least recently used first, with stale entries
-        self.stale: dict[int, int] = {}  # block -> its stale entries in `order`
+        self.roots: dict[int, _Node] = {}  # first block's hash -> node
+        # every node, least recently used first; a node is used more recently than its children
+        self.lru: OrderedDict[_Node, None] = OrderedDict()
+        self.num_blocks = 0
 
 
-def _compact(lru: _LRU) -> None:
-    """`lru.order` without its stale entries (the same use order)."""
-    stale = lru.stale
-    live: deque[int] = deque()
-    for h in lru.order:
-        n = stale.get(h, 0)
-        if n:
-            stale[h] = n - 1
+def _num_common(run: tuple[int, ...], hashes: tuple[int, ...], start: int) -> int:
+    """How many leading blocks of `run` equal `hashes[start:]`, given that the first does.
+    Chained hashes are equal up to the first difference and differ after it, so the edge is
+    found by bisection."""
+    lo, hi = 1, min(len(run), len(hashes) - start)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if run[mid - 1] == hashes[start + mid - 1]:
+            lo = mid
         else:
-            live.append(h)
-    lru.order = live
-    lru.stale = {}
+            hi = mid - 1
+    return lo
 
 
 class PrefixIndex:
@@ -78,59 +98,96 @@ class PrefixIndex:
         if max_blocks_per_instance < 1:
             raise ValueError("max_blocks_per_instance must be >= 1")
         self.max_blocks_per_instance = max_blocks_per_instance
-        self._lrus: dict[str, _LRU] = {}  # instance -> its blocks
+        self._trees: dict[str, _Tree] = {}  # instance -> its blocks
 
     def instances(self) -> list[str]:
-        return list(self._lrus)
+        return list(self._trees)
 
     def num_blocks(self, instance: str) -> int:
-        lru = self._lrus.get(instance)
-        return len(lru.blocks) if lru is not None else 0
+        tree = self._trees.get(instance)
+        return tree.num_blocks if tree is not None else 0
 
     def match(self, instance: str, hashes: tuple[int, ...]) -> int:
         """How many leading blocks of `hashes` the instance likely holds."""
-        lru = self._lrus.get(instance)
-        if lru is None:
+        tree = self._trees.get(instance)
+        if tree is None or not hashes:
             return 0
-        blocks = lru.blocks
+        node = tree.roots.get(hashes[0])
         n = 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
+        while node is not None:
+            run = node.hashes
+            end = n + len(run)
+            if hashes[n:end] != run:
+                return n + _num_common(run, hashes, n)
+            n = end
+            if n == len(hashes) or node.children is None:
+                return n
+            node = node.children.get(hashes[n])
         return n
 
     def insert(self, instance: str, hashes: tuple[int, ...]) -> None:
         """Record that `instance` now caches these blocks (most recently used)."""
-        lru = self._lrus.get(instance)
-        if lru is None:
-            lru = self._lrus[instance] = _LRU()
-        blocks, stale = lru.blocks, lru.stale
-        append = lru.order.append
-        for h in hashes:
-            if h in blocks:  # touched: its entry so far goes stale
-                stale[h] = stale.get(h, 0) + 1
-            else:
-                blocks[h] = None
-            append(h)
-        if len(blocks) > self.max_blocks_per_instance:
-            self._evict(lru)
-        if len(lru.order) > 2 * len(blocks) + 64:  # mostly stale (blocks touched again)
-            _compact(lru)
+        tree = self._trees.get(instance)
+        if tree is None:
+            tree = self._trees[instance] = _Tree()
+        path: list[_Node] = []  # the nodes holding the prompt's blocks, first block's first
+        parent: _Node | None = None
+        siblings = tree.roots
+        n = 0
+        while n < len(hashes):
+            node = siblings.get(hashes[n])
+            if node is None:  # the rest is new: one leaf
+                leaf = _Node(hashes[n:] if n else hashes, parent)
+                siblings[hashes[n]] = leaf
+                path.append(leaf)
+                tree.num_blocks += len(hashes) - n
+                break
+            run = node.hashes
+            end = n + len(run)
+            if hashes[n:end] != run:  # the prompt leaves (or ends in) the run: split it
+                k = _num_common(run, hashes, n)
+                head = _Node(run[:k], parent)  # the used head; the tail keeps its place
+                siblings[run[0]] = head
+                node.hashes = run[k:]
+                node.parent = head
+                head.children = {run[k]: node}
+                node = head
+                end = n + k
+            path.append(node)
+            n = end
+            if n == len(hashes):
+                break
+            parent = node
+            children = node.children
+            if children is None:
+                children = node.children = {}
+            siblings = children
+        lru = tree.lru
+        for node in reversed(path):  # deepest first: each prefix is used after its suffixes
+            lru[node] = None
+            lru.move_to_end(node)
+        if tree.num_blocks > self.max_blocks_per_instance:
+            self._evict(tree)
 
-    def _evict(self, lru: _LRU) -> None:
-        """Drop least recently used blocks down to the bound."""
-        blocks, stale = lru.blocks, lru.stale
-        popleft = lru.order.popleft
-        while len(blocks) > self.max_blocks_per_instance:
-            h = popleft()
-            n = stale.get(h, 0) if stale else 0
-            if n == 0:
-                del blocks[h]
-            elif n == 1:
-                del stale[h]
-            else:
-                stale[h] = n - 1
+    def _evict(self, tree: _Tree) -> None:
+        """Drop least recently used blocks down to the bound: the tails of the least recently
+        used leaves (the least recently used node is always a leaf: see `_Tree.lru`)."""
+        lru = tree.lru
+        excess = tree.num_blocks - self.max_blocks_per_instance
+        while excess > 0:
+            node = next(iter(lru))
+            run = node.hashes
+            if len(run) > excess:
+                node.hashes = run[: len(run) - excess]
+                tree.num_blocks -= excess
+                return
+            del lru[node]
+            parent = node.parent
+            siblings = tree.roots if parent is None else parent.children
+            assert siblings is not None and not node.children
+            del siblings[run[0]]
+            tree.num_blocks -= len(run)
+            excess -= len(run)
 
     def remove_instance(self, instance: str) -> None:
-        self._lrus.pop(instance, None)
+        self._trees.pop(instance, None)
