@@ -7,19 +7,20 @@ the tick that renews them waits while a shift runs, so the shift renews them its
   well after the hold would have lapsed, both during the wake shift's cold start, are served
   (never a 404). Real HTTP on 127.0.0.1 (an in-process gateway, the controller's client, sim
   engine processes), the official `openai` client;
-- the simulator's controller renews the same on its virtual clock, only while its shift runs.
+- the simulator's controller renews the same on its virtual clock: a model no GPU can place
+  stays refused (503 with the reason, not a 404) through a shift longer than the hold.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import openai
-import pytest
 import yaml
 from test_controller_demand import ZERO
 from test_gateway_api import Running
@@ -29,9 +30,12 @@ from flexpipe.control.controller import Controller, ControllerConfig
 from flexpipe.control.gateway_client import GatewayClient
 from flexpipe.control.launching import engine_spec
 from flexpipe.control.standby import Renewal, renewal
+from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.launch import LocalLauncher, free_port
 from flexpipe.policies.planner import parse_models
 from flexpipe.policies.shift import ShiftParams
+from flexpipe.sim import simulate
+from flexpipe.sim.scenario import parse_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "examples/clusters/fragmented-4gpu.yaml"
@@ -62,6 +66,51 @@ def test_a_renewal_keeps_the_holds_and_refusals_a_tick_would_and_at_a_third_of_t
     assert renewal([], {"big": why}, 0.5, 3.0) == Renewal((), (("big", why),), 0.5)
     assert renewal([], {}, 10.0, 600.0) is None  # nothing held: nothing to keep
     assert renewal(["a"], {}, 10.0, 0.0) is None  # no hold to keep alive
+
+
+def test_the_renewal_runs_while_the_shift_does_and_stops_however_it_ends(
+    lt: LoopThread,
+) -> None:
+    """`Controller._renewing` around a shift that raises, and one cancelled (the controller
+    stops): renewed while it runs (held past its hold), stopped and awaited when it ends (no
+    renewing task left; the hold lapses)."""
+    gateway = Running(lt, [], admin_token="gw")
+    demands = parse_models(yaml.safe_load(MODELS), "models")
+    cfg = ControllerConfig(CLUSTER, demands, tick_s=10.0, standby_hold_s=HOLD_S)
+    ctl = Controller(cfg, LocalLauncher(), GatewayClient(gateway.url, "gw"),
+                     lambda p, c: engine_spec(p, c, str(CLUSTER), demands))  # fmt: skip
+
+    def renewing() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks(lt.loop) if "keep" in repr(t.get_coro())]
+
+    async def shift(fails: bool) -> None:
+        await ctl.gateway.hold("held-m", HOLD_S)  # as the tick before the shift does
+        async with ctl._renewing(["held-m"]):
+            await asyncio.sleep(1.5 * HOLD_S)
+            assert gateway.gw.held("held-m") and len(renewing()) == 1  # renewed
+            if fails:
+                raise RuntimeError("the shift failed")
+            await asyncio.Event().wait()  # until cancelled
+
+    async def cancelled() -> None:
+        task = asyncio.create_task(shift(fails=False))
+        await asyncio.sleep(2 * HOLD_S)
+        task.cancel()
+        await asyncio.wait([task])
+        assert task.cancelled()
+
+    try:
+        for end in (shift(fails=True), cancelled()):
+            try:
+                lt.run(end)
+            except RuntimeError as exc:
+                assert str(exc) == "the shift failed"
+            assert renewing() == []
+            time.sleep(1.2 * HOLD_S)  # a renewal under way ended before the shift did
+            assert not gateway.gw.held("held-m")  # the hold lapsed: nobody renews it
+    finally:
+        lt.run(ctl.gateway.close())
+        gateway.close()
 
 
 class Said:
@@ -145,3 +194,60 @@ def test_a_held_model_stays_held_through_a_wake_shift_longer_than_the_hold(
             running.result(60)
         lt.run(ctl.close(), timeout_s=60)
         gateway.close()
+
+
+def _zero(name: str, model: str) -> dict[str, Any]:
+    """A model with no instance until its requests come (min 0, no demand planned)."""
+    demand = {"request_rate_per_s": 0, "input_tokens": 64, "output_tokens": 16}
+    return {"name": name, "model": model, "min_instances": 0, "dtypes": ["bf16"],
+            "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 200}, "demand": demand}  # fmt: skip
+
+
+def _short(model: str, start_s: float) -> dict[str, Any]:
+    return {"model": model, "arrivals": {"rate_per_s": 0.05, "start_s": start_s},
+            "prompt_tokens": {"dist": "fixed", "mean": 64},
+            "output_tokens": {"dist": "fixed", "mean": 16}}  # fmt: skip
+
+
+def test_the_simulator_keeps_a_refusal_through_a_shift_longer_than_the_hold(
+    tmp_path: Path,
+) -> None:
+    """The seed's cluster (gpu1 freed at 100 s). `a` serves 50k-token answers on two
+    instances; `c` wakes at 610 s, and its shift moves one of `a`'s in place, whose drain
+    waits for those answers (a 3000 s drain deadline): a shift far longer than the hold.
+    `big` (a 405B-shaped model) fits on no GPU free to us: refused at every tick; its requests
+    that arrive more than a hold after the shift began are still refused with the reason,
+    at once (before the renewal: a 404, the refusal had lapsed)."""
+    shape = json.loads((ROOT / "flexpipe/data/models/llama-3.1-70b.json").read_text())["config"]
+    shape.update(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                 num_attention_heads=128)  # fmt: skip
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps(shape))
+    long = {"name": "a", "model": "llama-3.1-8b", "max_model_len": 65536, "min_instances": 2,
+            "demand": {"request_rate_per_s": 1, "input_tokens": 256, "output_tokens": 1024},
+            "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 200}, "dtypes": ["bf16"]}  # fmt: skip
+    doc = {
+        "name": "renew", "duration_s": 1300, "seed": 0, "cluster": {"file": str(CLUSTER)},
+        "controller": {"drain_deadline_s": 3000, "min_instances_floor": 0,
+                       "shift": {"triggers": {"thresholds": {"down_utilization": 0.0}}}},
+        "models": [long, _zero("c", "llama-2-7b"), _zero("big", str(big))],
+        "resources": [{"at_s": 100, "release": ["gpu1"]}],
+        "workloads": [{"model": "a", "arrivals": {"rate_per_s": 0.02, "start_s": 30},
+                       "prompt_tokens": {"dist": "fixed", "mean": 256},
+                       "output_tokens": {"dist": "fixed", "mean": 50000}},
+                      _short("c", 600), _short("big", 1220)],
+    }  # fmt: skip
+    r = simulate(parse_scenario(doc, ROOT), "flexpipe")
+    (wake,) = [s for s in r.shifts if s["trigger"] == "wake"]
+    assert wake["succeeded"] and wake["at_s"] == 610.0
+    assert wake["finished_s"] - wake["at_s"] > STANDBY_HOLD_S + 200, wake  # far longer
+    refused = [q for q in r.requests if q.model == "big"]
+    # each arrived after the refusal of the tick before the shift would have lapsed
+    assert refused and all(
+        wake["at_s"] + STANDBY_HOLD_S < q.arrival_s < wake["finished_s"] for q in refused
+    )
+    why = "503: The model `big` cannot be served now: no GPU free to us can place big"
+    assert all(q.failed.startswith(why) and q.finish_s == q.arrival_s for q in refused), {
+        q.failed for q in refused
+    }
+    assert all(q.completed for q in r.requests if q.model != "big")
