@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -298,10 +298,11 @@ class Controller:
                       - {i.planned.model for i in self.running.values()})  # fmt: skip
         held = await self._hold_all(cold, self.cfg.standby_hold_s)
         try:
-            outcome = await self.executor.shift(
-                self.cluster, self.running, first.instances, rehearse=False,
-                all_or_nothing=False,
-            )  # fmt: skip
+            async with self._renewing(held):  # a cold start may outlast the hold
+                outcome = await self.executor.shift(
+                    self.cluster, self.running, first.instances, rehearse=False,
+                    all_or_nothing=False,
+                )  # fmt: skip
         finally:
             await self._hold_all(held, 0)
         self.takeover.sweep_spawned()
@@ -416,7 +417,12 @@ class Controller:
             self.history.append(record)
             self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
             assert decision.target is not None
-            outcome = await self.executor.shift(self.cluster, self.running, decision.target)
+            # the executor holds a model the target has none of before its last one drains
+            to_zero = {i.planned.model for i in self.running.values()} - {
+                p.model for p in decision.target
+            }
+            async with self._renewing(to_zero):
+                outcome = await self.executor.shift(self.cluster, self.running, decision.target)
             self.takeover.sweep_spawned()
             self.history[-1] = finished_record(record, outcome, self.clock())
             self.last_outcome = outcome
@@ -428,6 +434,28 @@ class Controller:
                 f"{outcome.reason} phases "
                 + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
             )
+
+    @contextlib.asynccontextmanager
+    async def _renewing(self, shift_holds: Iterable[str]) -> AsyncIterator[None]:
+        """While a shift runs the tick waits, and with it the renewal of the gateway's
+        holds and refusals (standby.py): they are renewed meanwhile, until the shift ends
+        whichever way (done, rolled back, raised, cancelled by a stop)."""
+        kept = self.standby.renewal(shift_holds)
+        if kept is None:
+            yield
+            return
+        over = asyncio.Event()
+        renewing = asyncio.create_task(self.standby.keep(kept, over))
+        try:
+            yield
+        finally:
+            over.set()
+            try:
+                await asyncio.wait([renewing])  # a renewal under way finishes first
+            finally:
+                renewing.cancel()  # (if this wait was cancelled itself; else a no-op)
+            if not renewing.cancelled() and renewing.exception() is not None:
+                log.warning("renewal of holds: %s", renewing.exception())
 
     async def _sample(self, now_s: float) -> None:
         instances = await self.gateway.instances()

@@ -3,6 +3,13 @@ gateway so that their requests wait for the cold start their demand triggers, or
 (a 503 with the reason) when no GPU free to us can place them (`placeable.unplaceable`);
 and the demand trigger that wakes the controller when one of their requests queues.
 
+A hold or a refusal lapses unless renewed (`standby_hold_s`), and the tick that renews them
+waits while a shift is carried out: a shift longer than the hold (a large model's cold
+start, a long drain) would let its models' requests get a 404 while their capacity comes.
+So while a shift runs, its `Renewal` (the last tick's holds and refusals, and the holds the
+shift makes itself) is renewed on its own cadence (`renewal`; the simulator's controller
+renews the same on its virtual clock).
+
 A part of the controller (flexpipe.control.controller), kept here so that its tick reads on
 its own; it uses the controller's gateway client, cluster view, planner and shift log.
 """
@@ -10,7 +17,10 @@ its own; it uses the controller's gateway client, cluster view, planner and shif
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flexpipe.control.gateway_client import GatewayError
@@ -20,9 +30,33 @@ from flexpipe.policies.shift import placeable
 if TYPE_CHECKING:
     from flexpipe.control.controller import Controller
 
-__all__ = ["StandbyModels"]
+__all__ = ["Renewal", "StandbyModels", "renewal"]
 
 log = logging.getLogger("flexpipe.controller")
+
+
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    """What a shift in progress keeps alive in the gateway: these holds and refusals, each
+    for the hold's length again, every `every_s`."""
+
+    held: tuple[str, ...]
+    refused: tuple[tuple[str, str], ...]  # (model, why), as the last tick refused it
+    every_s: float
+
+
+def renewal(
+    held: Iterable[str], refused: Mapping[str, str], tick_s: float, hold_s: float
+) -> Renewal | None:
+    """The renewal of `held` and `refused` while a shift runs (None: nothing to keep). A
+    refused model is renewed refused, not held (a hold would lift its refusal). As often as
+    a tick would renew them, and at least three times per hold: a renewal the gateway is
+    slow to take still leaves a third of the hold."""
+    refusals = tuple(sorted(refused.items()))
+    holds = tuple(sorted(set(held) - set(refused)))
+    if hold_s <= 0 or not (holds or refusals):
+        return None
+    return Renewal(holds, refusals, min(tick_s, hold_s / 3))
 
 
 class StandbyModels:
@@ -72,6 +106,38 @@ class StandbyModels:
             else:
                 self.held.discard(model)
             self._refusal(model, why, model in standby)
+
+    def renewal(self, shift_holds: Iterable[str] = ()) -> Renewal | None:
+        """What to keep alive while a shift runs: the last tick's holds and refusals, and
+        `shift_holds`, the holds of `standby_hold_s` the shift makes itself (the first
+        plan's models, a model it takes to zero)."""
+        cfg = self.ctl.cfg
+        return renewal(self.held | set(shift_holds), self.refused, cfg.tick_s, cfg.standby_hold_s)
+
+    async def keep(self, kept: Renewal, over: asyncio.Event) -> None:
+        """Renew `kept` every `every_s` until `over` is set (the shift ended): a
+        renewal under way then finishes, so none reaches the gateway after what follows
+        the shift (the first plan's release of its holds)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(kept.every_s):
+                    await over.wait()
+            if over.is_set():
+                return
+            await self._renew(kept)
+
+    async def _renew(self, kept: Renewal) -> None:
+        gateway, hold_s = self.ctl.gateway, self.ctl.cfg.standby_hold_s
+        for model, why in kept.refused:
+            try:
+                await gateway.refuse(model, why, hold_s)
+            except GatewayError as exc:
+                log.warning("refusal of %s: %s", model, exc)
+        for model in kept.held:
+            try:
+                await gateway.hold(model, hold_s)
+            except GatewayError as exc:
+                log.warning("hold of %s: %s", model, exc)
 
     def _refusal(self, model: str, why: str | None, standby: bool) -> None:
         """Said once and logged when a model starts or stops being refused."""

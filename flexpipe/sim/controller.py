@@ -10,7 +10,9 @@ Every `tick_s` (10 s), or at once when the GPUs change:
    gateway feeds it) — read by the controller's `Sampler`; arrival rates by `RateWindow`;
 3. `ShiftPolicy.decide(snapshot, now, rng)`, the live policy;
 4. a shift is carried out by `ShiftRun` (make-before-break, the executor's phases), during
-   which the controller does not tick (the live one awaits the shift inside its tick).
+   which the controller does not tick (the live one awaits the shift inside its tick); the
+   holds and refusals a tick renews are renewed meanwhile, as live (`standby.renewal`), by
+   an event on the virtual clock, so a shift longer than the hold does not let them lapse.
 
 Every decision taken, and every hold under a trigger, is kept for the report.
 """
@@ -27,6 +29,7 @@ from flexpipe.control.observe import RateWindow, model_states
 from flexpipe.control.resources import ResourceEvent, Resources
 from flexpipe.control.samples import Sampler
 from flexpipe.control.shift_outcome import finished_record
+from flexpipe.control.standby import Renewal, renewal
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gears.lookup import GearLookup
@@ -95,6 +98,7 @@ class SimController:
         self._done: dict[str, float] = {d.name: 0.0 for d in demands}
         self._shifting = False
         self._shift_started_s = 0.0
+        self._num_shifts = 0  # a renewal event belongs to the shift it counts
         self._tick_version = 0
         self._decision: ShiftDecision | None = None
         self._standby: set[str] = set()  # models held in the gateway with no instance
@@ -244,6 +248,21 @@ class SimController:
             del self.samples[name][:-100]
         self._rates.observe(now, self._done, names)
 
+    def _renew_at(self, at_s: float, kept: Renewal, shift: int) -> None:
+        """The live controller's renewal task (`StandbyModels.keep`) on the virtual clock:
+        every `every_s` while shift number `shift` runs; its end ends it."""
+
+        def renew(now: float) -> None:
+            if not self._shifting or shift != self._num_shifts:
+                return
+            for model, why in kept.refused:
+                self.world.refuse(model, why, STANDBY_HOLD_S, now)
+            for model in kept.held:
+                self.world.hold(model, STANDBY_HOLD_S, now)
+            self._renew_at(now + kept.every_s, kept, shift)
+
+        self.world.loop.at(at_s, CONTROL, renew)
+
     # ------------------------------------------------------------------ carrying out
     def _carry_out(
         self,
@@ -257,7 +276,11 @@ class SimController:
         """`release`: models held for this shift, released when it ends."""
         self._shifting = True
         self._shift_started_s = now
+        self._num_shifts += 1
         p = self.params
+        kept = renewal(self._standby | set(release), self.refused, p.tick_s, STANDBY_HOLD_S)
+        if kept is not None:
+            self._renew_at(now + kept.every_s, kept, self._num_shifts)
 
         def done(outcome: ShiftOutcome, end: float) -> None:
             self._shifting = False
