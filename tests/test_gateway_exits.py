@@ -110,7 +110,7 @@ def test_a_queued_client_that_leaves_as_it_is_woken_is_gone_from_the_queue(
             (conn,) = server._connections - {holder}
             assert conn.transport is not None
             conn.transport.abort()  # the client leaves (connection_lost comes next pass) ...
-            r.gw._wake_one()  # ... as a slot frees
+            r.gw._wake_one("fake-model")  # ... as a slot frees
             writer.close()
 
         lt.run(queued())
@@ -413,7 +413,7 @@ def test_a_held_model_with_no_instance_queues_its_requests_and_signals_demand(
         answer, tokens, waited_s = asyncio.run(scenario())
         assert answer["queued"] == {"fake-model": 1} or answer["queued"] == {"fake-model": 2}
         assert tokens == [3, 3] and waited_s < 5
-        assert r.gw.queued_by_model == {}
+        assert r.gw.queued_by_model() == {}
         assert post("/admin/models/demand", models="fake-model", wait_s=0)[0] == 400
     finally:
         r.close()

@@ -19,7 +19,6 @@ import itertools
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Collection
 
 from flexpipe.gateway import moves
@@ -35,6 +34,7 @@ from flexpipe.gateway.retry_later import RetryLater, retry_later
 from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.gateway.tenants import Tenants, completion_tokens
 from flexpipe.gateway.ui_routes import UiRoutes
+from flexpipe.gateway.wait_queue import WaitQueue
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError, UpstreamResponse
 from flexpipe.http.server import (
     App,
@@ -70,14 +70,13 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.tenants = Tenants(cfg.tenants, clock())
         self.timeouts = Timeouts(cfg.connect_timeout_s, cfg.ttfb_timeout_s, cfg.idle_timeout_s)
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters = WaitQueue[asyncio.Future[None]]()  # requests waiting for a slot
         self.tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
         self._calls: dict[int, Call] = {}  # accepted, not yet ended, whatever their phase
         self._call_ids = itertools.count(1)
         self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
         self.num_warm_ups_on: dict[str, int] = {}  # instance url -> moves' warm-ups sent there
         self._drain_waiters: list[asyncio.Future[None]] = []
-        self.queued_by_model: dict[str, int] = {}  # model -> requests in the wait queue
         self._demand_waiters: list[asyncio.Future[None]] = []  # woken when one queues
         # model -> clock time until which queued requests wait (a shift re-launching capacity)
         self.holds = Holds()
@@ -143,7 +142,7 @@ class Gateway:
         m = self.metrics
         m.queued.set(len(self._waiters))
         m.queued_by_model.clear()
-        for model, num in self.queued_by_model.items():
+        for model, num in self._waiters.counts().items():
             m.queued_by_model.labels(model).set(num)
         m.instance_up.clear()
         for inst in self.pool.instances.values():
@@ -362,6 +361,7 @@ class Gateway:
         """The router's pick; while every instance is at its limit, a place in a bounded
         FIFO queue until a slot frees (or 429 when the queue is full or the wait too long)."""
         own_deadline: float | None = None  # the queue's own wait, from the first refusal
+        ticket: int | None = None  # its place in its model's line, from when it first queued
         while True:
             if self._grace_over:
                 raise HttpError(503, "the gateway is shutting down")
@@ -381,13 +381,15 @@ class Gateway:
                     self.metrics.rejected.labels("no_instance").inc()
                     raise HttpError(503, str(exc)) from None
                 pick = None  # held (scaled to zero, or re-launched): wait for an instance
+            if ticket is None and prefer is None and self._waiters.count(call.model):
+                pick = None  # others of its model wait: first come, first served
             if pick is not None:
                 self.metrics.decision(self.router.policy.name, pick.reason)
                 if pick.num_blocks:
                     self.metrics.prefix_all.inc(pick.num_blocks)
                     self.metrics.prefix_matched.inc(pick.num_blocks_matched)
                 return pick.instance
-            if len(self._waiters) >= self.cfg.max_queue:
+            if ticket is None and len(self._waiters) >= self.cfg.max_queue:
                 self.metrics.rejected.labels("queue_full").inc()
                 wait_s = self.router.retry_after_s(len(self._waiters), now)
                 raise RetryLater(429, "all instances are busy and the wait queue is full", wait_s)
@@ -403,8 +405,9 @@ class Gateway:
                 wait_s = self.router.retry_after_s(len(self._waiters), now)
                 raise RetryLater(429, "all instances stayed busy", wait_s)
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            self.queued_by_model[call.model] = self.queued_by_model.get(call.model, 0) + 1
+            if ticket is None:
+                ticket = self._waiters.ticket()
+            self._waiters.push(call.model, fut, ticket)
             self._demand_changed()
             try:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
@@ -415,16 +418,11 @@ class Gateway:
                 pass
             except asyncio.CancelledError:
                 if fut.done() and not fut.cancelled():
-                    self._wake_one()  # woken as it left: the freed slot goes to the next one
+                    # woken as it left: the freed slot goes to the next one
+                    self._wake_one(call.model)
                 raise
             finally:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(fut)
-                num = self.queued_by_model.get(call.model, 0) - 1
-                if num > 0:
-                    self.queued_by_model[call.model] = num
-                else:
-                    self.queued_by_model.pop(call.model, None)
+                self._waiters.remove(call.model, fut)
 
     def held(self, model: str) -> bool:
         """A hold is on for `model` (POST /admin/models/hold): its requests wait in the queue
@@ -448,7 +446,7 @@ class Gateway:
         that queues, not a poll."""
         deadline = self.clock() + timeout_s
         while True:
-            queued = {m: self.queued_by_model[m] for m in models if self.queued_by_model.get(m)}
+            queued = {m: n for m in models if (n := self._waiters.count(m))}
             left = deadline - self.clock()
             if queued or left <= 0:
                 return queued
@@ -473,9 +471,10 @@ class Gateway:
         if new:
             self._wake_all()
 
-    def _wake_one(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
+    def _wake_one(self, model: str) -> None:
+        """A slot of `model` freed: its oldest waiter not woken yet looks again (it leaves
+        the line itself, as it resumes: until then a new request queues behind it)."""
+        for fut in self._waiters.line(model):
             if not fut.done():
                 fut.set_result(None)
                 return
@@ -483,10 +482,13 @@ class Gateway:
     def _wake_all(self) -> None:
         """The pool changed (an instance joined, came back, got more weight): every waiter
         looks again, as many may fit now."""
-        while self._waiters:
-            fut = self._waiters.popleft()
+        for fut in self._waiters.waiters():
             if not fut.done():
                 fut.set_result(None)
+
+    def queued_by_model(self) -> dict[str, int]:
+        """The wait queue by model (`flexpipe_model_queued_requests`; the demand trigger)."""
+        return self._waiters.counts()
 
     @property
     def num_waiting(self) -> int:
@@ -510,7 +512,7 @@ class Gateway:
         self.metrics.request_done(call.model, inst.url, status)
         if status == "200":
             self.metrics.observe("e2e", call.model, now - call.t0)
-        self._wake_one()
+        self._wake_one(call.model)
         if self._drain_waiters:  # someone waits for an instance to drain: look again
             waiters, self._drain_waiters = self._drain_waiters, []
             for fut in waiters:
@@ -590,7 +592,7 @@ class Gateway:
         self._grace_over = True
         if self._calls:
             log.warning("shutdown: ending %d request(s) still in flight", len(self._calls))
-            for fut in list(self._waiters):  # still queued: refused by `_pick`
+            for fut in self._waiters.waiters():  # still queued: refused by `_pick`
                 if not fut.done():
                     fut.set_result(None)
             for relay in list(self.relays):

@@ -18,7 +18,6 @@ controller registers it.
 from __future__ import annotations
 
 import random
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from flexpipe.gateway.holds import Holds
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import apply_engine_metrics
 from flexpipe.gateway.router import NoInstance, Router
+from flexpipe.gateway.wait_queue import WaitQueue
 from flexpipe.lifecycle import State
 from flexpipe.policies.routing import RoutingRequest
 from flexpipe.sim.instance import SimInstance
@@ -45,6 +45,7 @@ class _Call:
     deadline_s: float = -1.0
     instance: Instance | None = None
     queued: bool = False
+    ticket: int = -1  # its place in its model's wait line, from when it first queued
     timeout_s: float = -1.0  # when its queue timeout is scheduled (a hold may extend it)
 
 
@@ -59,7 +60,7 @@ class SimGateway:
         self.on_end = on_end
         self.instances: dict[str, SimInstance] = {}  # url -> engine
         self._calls: dict[int, _Call] = {}  # request id -> call in flight
-        self._waiters: deque[_Call] = deque()
+        self._waiters = WaitQueue[_Call]()  # requests waiting for a slot (wait_queue.py)
         self.num_queued_total = 0
         self._scraping = False
         self.log: list[tuple[float, str, str]] | None = None  # (time, event, detail) if kept
@@ -86,8 +87,8 @@ class SimGateway:
         if not self._scraping:
             self._scraping = True
             self.loop.at(now + self.cfg.scrape_interval_s, SCRAPE, self._scrape)
-        if state is State.ACTIVE:
-            self._wake(now)
+        if state is State.ACTIVE:  # as live (`Gateway._wake_all`): every waiter looks again
+            self._reroute(now)
 
     def drain_instance(self, url: str) -> None:
         self.pool.drain(url)
@@ -96,8 +97,8 @@ class SimGateway:
         """The admin API's change of state (`Pool.set_state`); one that became active may
         take a waiting request."""
         self.pool.set_state(url, state)
-        if state is State.ACTIVE:
-            self._wake(now)
+        if state is State.ACTIVE:  # as live (`Gateway._wake_all`): every waiter looks again
+            self._reroute(now)
 
     def hold(self, model: str, seconds: float, now: float) -> None:
         """`POST /admin/models/hold`: `model`'s requests wait for capacity, even with no
@@ -115,9 +116,7 @@ class SimGateway:
             self._reroute(now)
 
     def _reroute(self, now: float) -> None:
-        waiters = list(self._waiters)
-        self._waiters.clear()
-        for call in waiters:
+        for call in self._waiters.pop_all():
             call.queued = False
             self._route(call, now)
 
@@ -154,6 +153,8 @@ class SimGateway:
                 self._fail(call.req, now, f"503: {exc}")
                 return
             pick = None  # held (the first plan loading, scaled to zero, in place): wait
+        if call.ticket < 0 and self._waiters.count(model):
+            pick = None  # others of its model wait: first come, first served (as live)
         if pick is None:
             if call.deadline_s < 0:
                 if len(self._waiters) >= self.cfg.max_queue:
@@ -171,7 +172,9 @@ class SimGateway:
                 call.timeout_s = deadline
                 self.loop.at(deadline, ARRIVAL, lambda t: self._timeout(call, t))
             call.queued = True
-            self._waiters.append(call)
+            if call.ticket < 0:
+                call.ticket = self._waiters.ticket()
+            self._waiters.push(model, call, call.ticket)
             self._log(now, "queue", str(call.req.request_id))
             return
         inst = pick.instance
@@ -184,7 +187,7 @@ class SimGateway:
             self.router.finish(inst, call.num_tokens, now)
             self.router.succeeded(inst)
             self._fail(call.req, now, refusal)
-            self._wake(now)
+            self._wake(model, now)
             return
         self._calls[call.req.request_id] = call
         if self.log is not None:  # (the detail costs a format per request)
@@ -196,7 +199,7 @@ class SimGateway:
         call = self._calls.pop(req.request_id)
         assert call.instance is not None
         self.router.finish(call.instance, call.num_tokens, now)
-        self._wake(now)
+        self._wake(req.model, now)
 
     def place(self, req: SimRequest, url: str, now: float) -> None:
         """A moved request goes to the engine at `url` (the move names its target)."""
@@ -215,13 +218,14 @@ class SimGateway:
         if not call.queued:
             return
         call.queued = False
-        self._waiters.remove(call)
+        self._waiters.remove(call.req.model, call)
         self._route(call, now)
 
-    def _wake(self, now: float) -> None:
-        """A slot may have freed: the oldest waiter tries again (`Gateway._wake_one`)."""
-        if self._waiters:
-            call = self._waiters.popleft()
+    def _wake(self, model: str, now: float) -> None:
+        """A slot of `model` may have freed: its oldest waiter tries again
+        (`Gateway._wake_one`)."""
+        call = self._waiters.pop_first(model)
+        if call is not None:
             call.queued = False
             self._route(call, now)
 
@@ -248,7 +252,7 @@ class SimGateway:
             if self.log is not None:  # (the detail costs a format per request)
                 self._log(now, "done", f"{req.request_id} {n} tokens")
             self.on_end(req)
-        self._wake(now)
+        self._wake(req.model, now)
 
     def _fail(self, req: SimRequest, now: float, why: str) -> None:
         req.failed = why
@@ -262,10 +266,7 @@ class SimGateway:
 
     def queued_by_model(self) -> dict[str, int]:
         """The wait queue by model (the live gateway's `flexpipe_model_queued_requests`)."""
-        out: dict[str, int] = {}
-        for call in self._waiters:
-            out[call.req.model] = out.get(call.req.model, 0) + 1
-        return out
+        return self._waiters.counts()
 
     # --- metrics scrape ------------------------------------------------------------------
     def _scrape(self, now: float) -> None:

@@ -1,0 +1,77 @@
+"""The gateway's wait queue: first come, first served per model (flexpipe/gateway/wait_queue.py).
+An exact test of the pure line, and the live gateway over real HTTP with the official client:
+a slot that frees goes to a waiter of its own model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+from test_gateway_api import Running
+from test_gateway_fakes import FakeEngine, LoopThread
+
+from flexpipe.gateway.wait_queue import WaitQueue
+
+
+def test_each_model_has_its_line_in_ticket_order_and_a_retry_keeps_its_place() -> None:
+    q = WaitQueue[str]()
+    tickets = {name: q.ticket() for name in ("a1", "b1", "a2", "b2", "a3")}
+    for name, ticket in tickets.items():
+        q.push("model-" + name[0], name, ticket)
+    assert len(q) == 5 and q.counts() == {"model-a": 3, "model-b": 2}
+    assert q.line("model-a") == ["a1", "a2", "a3"] and q.line("model-b") == ["b1", "b2"]
+    assert q.waiters() == ["a1", "b1", "a2", "b2", "a3"]
+    # the oldest of a model is woken; finding no slot, it goes back to its own place
+    assert q.pop_first("model-a") == "a1"
+    late = q.ticket()
+    q.push("model-a", "a4", late)
+    q.push("model-a", "a1", tickets["a1"])
+    assert q.line("model-a") == ["a1", "a2", "a3", "a4"]
+    assert q.remove("model-a", "a2") and not q.remove("model-a", "a2")
+    assert not q.remove("model-c", "a1")
+    assert q.count("model-a") == 3 and q.count("model-c") == 0 and q.line("model-c") == []
+    assert q.pop_first("model-c") is None
+    assert q.pop_all() == ["a1", "b1", "b2", "a3", "a4"]
+    assert len(q) == 0 and q.counts() == {} and q.waiters() == []
+
+
+def test_a_freed_slot_goes_to_its_own_models_oldest_waiter(lt: LoopThread) -> None:
+    """Two models, one slot each, both full, each with waiters. When b's slot frees, b's
+    waiter is served at once. (One line for all models woke the oldest waiter of any model:
+    a's, which found no slot and went to the back, while b's slept until a's long request
+    ended.) a's waiters are served in the order they came."""
+    a, b = FakeEngine(token_delay_s=0.05), FakeEngine(token_delay_s=0.02)
+    a.model, b.model = "model-a", "model-b"
+    r = Running(lt, [a, b], max_concurrency_per_instance=1, max_queue=8, max_queue_wait_s=30)
+
+    async def scenario() -> dict[str, float]:
+        client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        done_at: dict[str, float] = {}
+
+        async def one(name: str, num_tokens: int) -> None:
+            stream = await client.completions.create(
+                model="model-" + name[0], prompt="x", max_tokens=num_tokens, stream=True
+            )
+            async for _ in stream:
+                pass
+            done_at[name] = time.monotonic()
+
+        try:
+            tasks = []
+            for name, num_tokens in (("a1", 40), ("b1", 40), ("a2", 2), ("b2", 2), ("a3", 2)):
+                tasks.append(asyncio.create_task(one(name, num_tokens)))
+                await asyncio.sleep(0.1)  # each arrives after the one before is placed
+            assert r.gw.queued_by_model() == {"model-a": 2, "model-b": 1}
+            await asyncio.gather(*tasks)
+            return done_at
+        finally:
+            await client.close()
+
+    try:
+        done_at = asyncio.run(scenario())
+        assert done_at["b2"] < done_at["a1"]  # a1 holds a's slot for ~2 s
+        assert done_at["a1"] < done_at["a2"] < done_at["a3"]
+        assert r.gw.num_waiting == 0 and r.gw.queued_by_model() == {}
+    finally:
+        r.close()
