@@ -46,6 +46,7 @@ from flexpipe.control.move_inputs import (
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.control.shift_plan import plan_shift, probe_tokens
 from flexpipe.engine.request import EngineRequest, SamplingParams
+from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gateway.relay import WARM_POLL_S
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import PlannedInstance
@@ -246,13 +247,19 @@ class ShiftRun:
 
     # -------------------------------------------------------------------- the phases
     def _shift(self) -> Gen:
+        world = self.world
         running_planned = [r.planned for r in self.running.values()]
-        steps = plan_shift(running_planned, self.target)
+        # a model the target has no instance of scales to zero (as the executor's)
+        steps = plan_shift(running_planned, self.target, scale_to_zero=True)
         if steps.refusal:  # before anything changed: refused, not failed
             self.out.succeeded = False
             self.out.refused = True
             self.out.reason = steps.refusal
             return
+        kept_models = {p.model for p in self.target}
+        for model in sorted({p.model for p in steps.leaving} - kept_models):
+            # to zero: its requests from now on wait for a cold start, not a 404
+            world.hold(model, STANDBY_HOLD_S, world.loop.now_s)
         by_key = dict(self.running)
         started = yield from self._bring_up(steps.now_adds, "")
         if not self.out.succeeded:
@@ -260,14 +267,30 @@ class ShiftRun:
         for n, (blockers, adds) in enumerate(steps.steps):
             suffix = "_in_place" if len(steps.steps) == 1 else f"_in_place{n + 1}"
             recs = [by_key[instance_key(b)] for b in blockers]
+            held = self._hold(adds, recs)
             yield from self._retire(recs, suffix)
             more = yield from self._bring_up(adds, suffix)
             if not self.out.succeeded:
                 yield from self._roll_back(recs, started + more)
+            for model in held:
+                world.hold(model, 0.0, world.loop.now_s)
+            if not self.out.succeeded:
                 return
             started += more
         rest = [by_key[instance_key(b)] for b in steps.rest]
         yield from self._retire(rest, "_rest" if steps.steps else "")
+
+    def _hold(self, adds: Sequence[PlannedInstance], leaving: Sequence[Any]) -> list[str]:
+        """The executor's `_hold`: an in-place step takes capacity away while its replacement
+        starts on the same GPUs, so the gateway keeps the models' requests queued that long
+        (twice the cold start the leaving instances took, plus the drain); released after
+        the step."""
+        models = sorted({p.model for p in adds})
+        cold_s = max((r.ready_s - r.launched_s for r in leaving), default=30.0)
+        hold_s = 2 * cold_s + self.drain_deadline_s + 30.0
+        for model in models:
+            self.world.hold(model, hold_s, self.world.loop.now_s)
+        return models
 
     def _bring_up(
         self, adds: Sequence[PlannedInstance], suffix: str
