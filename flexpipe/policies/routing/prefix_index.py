@@ -145,7 +145,7 @@ class PrefixIndex:
             run = node.hashes
             end = n + len(run)
             if hashes[n:end] != run:  # the prompt leaves (or ends in) the run: split it
-                k = _num_common(run, hashes, n)
+                k = min(_num_common(run, hashes, n), len(run) - 1)  # (a collision's bisection)
                 head = _Node(run[:k], parent)  # the used head; the tail keeps its place
                 siblings[run[0]] = head
                 node.hashes = run[k:]
