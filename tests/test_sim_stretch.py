@@ -8,6 +8,9 @@ floating-point rounding of the sums.
 
 from __future__ import annotations
 
+import functools
+import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,10 @@ from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
 from flexpipe.gears.gear import Gear
 from flexpipe.perf import BatchShape, perf_model_for
 from flexpipe.sim.deployment import Deployment
+from flexpipe.sim.engine_factory import engine_config
+from flexpipe.sim.instance import SimInstance
+from flexpipe.sim.loop import ARRIVAL, CONTROL, SCRAPE, EventLoop
+from flexpipe.sim.request import SimRequest
 from flexpipe.sim.scenario import Scenario, parse_scenario
 from flexpipe.sim.simulator import SimResult, simulate
 from flexpipe.sim.stretch import SIM_GEN_IDS, fast_forward, plan_stretch, price
@@ -122,9 +129,10 @@ def test_a_stretch_stops_before_the_first_finish_and_before_blocks_run_out(lazy:
     assert plan_stretch(core, plan, 1 << 20, False) == 0
     t += plan.duration_s
     core.complete(plan, t)
-    plan = core.step(t)  # both decode: b has 8 tokens left, so 6 virtual steps
+    plan = core.step(t)  # both decode: b has 8 tokens left, so 6 virtual steps before its
+    # last one; a lazy batch's stretch ends with it (7)
     assert plan.batch.num_decode_seqs == 2
-    assert plan_stretch(core, plan, 1 << 20, False) == 9 - 1 - 2
+    assert plan_stretch(core, plan, 1 << 20, False) == 9 - 1 - 2 + lazy
     assert plan_stretch(core, plan, 3, False) == 3
     tight = _core(num_blocks=6, lazy=lazy)
     c, d = _req("3", 31, 100), _req("4", 31, 100)
@@ -148,6 +156,8 @@ def test_fast_forward_equals_stepping_on_one_core(lazy: bool) -> None:
         for i, (p, o) in enumerate(((40, 200), (100, 150), (17, 90)), start=1):
             core.add(_req(str(i), p, o), 0.0)
     states = []
+    m = 0
+    finished: list[list[tuple[str, int, float]]] = []
     for k, core in enumerate(cores):
         t = 0.0
         plan = core.step(t)
@@ -155,21 +165,27 @@ def test_fast_forward_equals_stepping_on_one_core(lazy: bool) -> None:
             t += plan.duration_s
             core.complete(plan, t)
             plan = core.step(t)
-        m = plan_stretch(core, plan, 1 << 20, False)
-        assert m == 90 - 2 - 1  # the shortest has 90 - 1 tokens left after its first
-        st = price(core, plan, m)
         t1 = t + plan.duration_s
         if k == 0:  # fast: complete the planned step, then m virtual ones
+            m = plan_stretch(core, plan, 1 << 20, False)
+            # the shortest has 90 - 1 tokens left after its first; a lazy batch's stretch
+            # ends with its last one (it finishes in the stretch)
+            assert m == 90 - 2 - 1 + lazy
+            st = price(core, plan, m)
             core.complete(plan, t1)
-            fast_forward(core, [r for r, _, _ in plan.scheduled], m, t1 + st.elapsed_s(m))
+            done = fast_forward(core, [r for r, _, _ in plan.scheduled], m, t1 + st.elapsed_s(m),
+                                t1 + st.elapsed_s(m - 1))  # fmt: skip
             t_end = t1 + st.elapsed_s(m)
+            finished.append([(r.request_id, r.num_tokens, r.finished_s) for r in done])
         else:
             core.complete(plan, t1)
             t_end = t1
+            finished.append([])
             for _ in range(m):
                 p = core.step(t_end)
                 t_end += p.duration_s
-                core.complete(p, t_end)
+                finished[-1] += [(r.request_id, r.num_tokens, r.finished_s)
+                                 for r in core.complete(p, t_end).finished]  # fmt: skip
         sched = core.scheduler
         for r in sched.running:
             sched.materialize(r)
@@ -183,6 +199,10 @@ def test_fast_forward_equals_stepping_on_one_core(lazy: bool) -> None:
     (t_fast, run_fast, *rest_fast), (t_slow, run_slow, *rest_slow) = states
     assert t_fast == pytest.approx(t_slow, rel=1e-12)
     assert rest_fast == rest_slow
+    assert [f[:2] for f in finished[0]] == [f[:2] for f in finished[1]]
+    assert [f[:2] for f in finished[0]] == ([("3", 17 + 90)] if lazy else [])
+    for a, b in zip(finished[0], finished[1], strict=True):
+        assert a[2] == pytest.approx(b[2], rel=1e-12)
     for a, b in zip(run_fast, run_slow, strict=True):
         assert a[:-1] == b[:-1] and a[-1] == pytest.approx(b[-1], rel=1e-12)
 
@@ -207,3 +227,92 @@ def test_decode_step_time_is_affine_in_context(model: str, gear: str, gpu: str, 
         assert t[2] == pytest.approx(t[0] + 490 * slope, rel=1e-9)
         assert t[3] == pytest.approx(t[0] + 3990 * slope, rel=1e-9)
         assert slope > 0
+
+
+def _instance_run(stretches: bool, seed: int, num_kv_blocks: int) -> tuple[list[Any], ...]:
+    """One engine on the virtual clock, driven by a seeded script of arrivals (bursts and
+    singles), scrapes (`metrics`, which syncs inside a stretch), moves off (`take`) and, at
+    a third of the finishes, a new request routed to it at that very time (a freed slot
+    wakes the gateway's queue: it may cut the stretch in progress). Everything it reports."""
+    sc = _scenario({"arrivals": {"process": "poisson", "rate_per_s": 1},
+                    "prompt_tokens": {"dist": "uniform", "min": 10, "max": 20},
+                    "output_tokens": {"dist": "uniform", "min": 1, "max": 2}})  # fmt: skip
+    dep = _dep("l4", "g1", max_num_seqs=24, max_num_batched_tokens=512)
+    cfg = replace(engine_config(dep, sc.cluster), num_kv_blocks=num_kv_blocks)
+    loop = EventLoop()
+    done: list[tuple[int, float, int, int, int, str]] = []
+    firsts: list[tuple[int, float]] = []
+    scraped: list[tuple[float, dict[str, float]]] = []
+    rng = random.Random(seed)
+    next_id = [1000]
+
+    def request(rid: int, arrival_s: float) -> SimRequest:
+        prefix = tuple(range(rng.randrange(3))) if rid % 2 else ()
+        return SimRequest(rid, arrival_s, "m", rng.randrange(20, 400), rng.randrange(1, 160),
+                          prefix_ids=prefix)  # fmt: skip
+
+    def on_done(inst: SimInstance, req: SimRequest, ereq: EngineRequest, now: float) -> None:
+        done.append((req.request_id, now, ereq.num_output_tokens, ereq.num_cached_tokens,
+                     ereq.num_preemptions, ereq.finish_reason or ""))  # fmt: skip
+        if req.request_id % 3 == 0 and next_id[0] < 1300:  # the queue's head comes in now
+            next_id[0] += 1
+            inst.submit(request(next_id[0], now), now)
+
+    def on_first(inst: SimInstance, req: SimRequest, ereq: EngineRequest, now: float) -> None:
+        firsts.append((req.request_id, now))
+
+    inst = SimInstance(dep, cfg, loop, on_done, lambda *_: None, stretches, on_first)
+    t = 0.0
+    for rid in range(160):
+        t += rng.expovariate(40) if rng.random() < 0.8 else rng.uniform(0.5, 2)
+        loop.at(t, ARRIVAL, functools.partial(lambda r, now: inst.submit(r, now),
+                                              request(rid, t)))  # fmt: skip
+    for _ in range(120):  # scrapes, some at once after an arrival
+        at_s = rng.uniform(0, t + 5)
+        loop.at(at_s, SCRAPE, lambda now: scraped.append((now, inst.metrics(now))))
+    taken: list[tuple[int, float, int]] = []
+
+    def take(rid: int, now: float) -> None:
+        req = next((r for r in inst.requests.values() if r.request_id == rid), None)
+        if req is not None:
+            ereq = inst.take(req, now)
+            taken.append((rid, now, -1 if ereq is None else ereq.num_output_tokens))
+
+    for rid in rng.sample(range(160), 12):
+        loop.at(rng.uniform(0, t), CONTROL, functools.partial(take, rid))
+    loop.run(t + 60)
+    inst.sync(loop.now_s)  # (a stretch may be in progress)
+    bm = inst.core.scheduler.bm
+    engine = [(inst.num_steps, inst.core.scheduler.num_preemptions, list(bm.free_queue),
+               dict(bm.cached), list(bm.ref_counts))]  # fmt: skip
+    return done, firsts, scraped, taken, engine, [inst.num_events]
+
+
+def _same_times(a: list[Any], b: list[Any]) -> None:
+    """Equal records, their float fields equal up to the closed form's rounding."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert [v for v in x if not isinstance(v, float)] == [
+            v for v in y if not isinstance(v, float)
+        ]
+        for u, v in zip(x, y, strict=True):
+            if isinstance(u, float):
+                assert u == pytest.approx(v, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize(("seed", "num_kv_blocks"), [(1, 4000), (2, 90), (3, 60)])
+def test_an_instance_with_stretches_reports_what_stepping_does(seed: int, num_kv_blocks: int) -> None:
+    """Finishes inside stretches (the batch shrinks), requests routed to the engine at a
+    finish, arrivals and scrapes inside virtual steps, moves off, and (few KV blocks)
+    preemption and a waiting queue: every report and the final block state agree."""
+    fast = _instance_run(True, seed, num_kv_blocks)
+    slow = _instance_run(False, seed, num_kv_blocks)
+    done, firsts, scraped, taken, engine, events = fast
+    for a, b in zip(fast[:4], slow[:4], strict=True):
+        _same_times(a, b)
+    assert engine == slow[4]
+    assert events[0] < slow[5][0]  # fewer events
+    assert len(done) > 40 and len(scraped) == 120 and taken
+    assert any(d[0] >= 1000 for d in done)  # requests routed at a finish ran
+    if num_kv_blocks < 100:
+        assert engine[0][1] > 0  # preemptions
