@@ -30,7 +30,14 @@ from flexpipe.sim.loop import ARRIVAL, CONTROL, SCRAPE, EventLoop
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.scenario import Scenario, parse_scenario
 from flexpipe.sim.simulator import SimResult, simulate
-from flexpipe.sim.stretch import SIM_GEN_IDS, fast_forward, plan_stretch, price
+from flexpipe.sim.stretch import (
+    SIM_GEN_IDS,
+    fast_forward,
+    plan_segment,
+    plan_stretch,
+    price,
+    price_segment,
+)
 
 ONE_A100 = {"name": "a", "nodes": [{"name": "n0", "network": "eth100", "gpus": [
     {"id": "g0", "type": "A100-80G-SXM"}, {"id": "g1", "type": "L4"}]}]}  # fmt: skip
@@ -285,7 +292,7 @@ def _instance_run(stretches: bool, seed: int, num_kv_blocks: int) -> tuple[list[
     bm = inst.core.scheduler.bm
     engine = [(inst.num_steps, inst.core.scheduler.num_preemptions, list(bm.free_queue),
                dict(bm.cached), list(bm.ref_counts))]  # fmt: skip
-    return done, firsts, scraped, taken, engine, [inst.num_events]
+    return done, firsts, scraped, taken, engine, [inst.num_events, next_id[0] - 1000]
 
 
 def _same_times(a: list[Any], b: list[Any]) -> None:
@@ -313,6 +320,65 @@ def test_an_instance_with_stretches_reports_what_stepping_does(seed: int, num_kv
     assert engine == slow[4]
     assert events[0] < slow[5][0]  # fewer events
     assert len(done) > 40 and len(scraped) == 120 and taken
-    assert any(d[0] >= 1000 for d in done)  # requests routed at a finish ran
+    assert events[1] > 10  # requests routed to it at a finish
     if num_kv_blocks < 100:
         assert engine[0][1] > 0  # preemptions
+
+
+@pytest.mark.parametrize("num_blocks", [400, 40])
+def test_segments_across_finishes_equal_stepping(num_blocks: int) -> None:
+    """Two lazy engines get the same requests (a few at a time, between steps); one steps,
+    the other runs `plan_segment`'s unplanned segments whenever it may (each ends with a
+    finish, or before the KV blocks run out) and plans a step otherwise. Finished requests,
+    their times, and every block agree after each segment."""
+    rng = random.Random(num_blocks)
+    reqs = [(rng.randrange(0, 300), str(i), rng.randrange(10, 120), rng.randrange(1, 90))
+            for i in range(1, 60)]  # fmt: skip
+    reqs.sort()
+    fast, slow = _core(num_blocks=num_blocks, lazy=True), _core(num_blocks=num_blocks, lazy=True)
+    lines: dict[int, tuple[float, float]] = {}
+    t_fast = t_slow = 0.0
+    step = num_added = 0
+    num_segments = num_finished_in_segments = 0
+    finished: list[list[tuple[str, int, float]]] = [[], []]
+    while num_added < len(reqs) or fast.has_work:
+        while num_added < len(reqs) and reqs[num_added][0] <= step:  # arrivals, between steps
+            _, rid, prompt, out = reqs[num_added]
+            fast.add(_req(rid, prompt, out), t_fast)
+            slow.add(_req(rid, prompt, out), t_slow)
+            num_added += 1
+        m = plan_segment(fast, 1 << 20)
+        if num_added < len(reqs):  # (the instance cuts a segment at an arrival)
+            m = min(m, max(0, reqs[num_added][0] - step))
+        if m:
+            st = price_segment(fast, m, lines)
+            end = t_fast + st.elapsed_s(m)
+            done = fast_forward(fast, [], m, end, t_fast + st.elapsed_s(m - 1))
+            t_fast = end
+            num_segments += 1
+            num_finished_in_segments += len(done)
+        else:
+            m = 1
+            plan = fast.step(t_fast)
+            t_fast += plan.duration_s
+            done = fast.complete(plan, t_fast).finished
+        finished[0] += [(r.request_id, r.num_tokens, r.finished_s) for r in done]
+        for _ in range(m):
+            plan = slow.step(t_slow)
+            t_slow += plan.duration_s
+            finished[1] += [(r.request_id, r.num_tokens, r.finished_s)
+                            for r in slow.complete(plan, t_slow).finished]  # fmt: skip
+        step += m
+        assert t_fast == pytest.approx(t_slow, rel=1e-12)
+        assert [f[:2] for f in finished[0]] == [f[:2] for f in finished[1]]
+        a, b = fast.scheduler, slow.scheduler
+        assert a.num_steps == b.num_steps == step
+        assert list(a.bm.free_queue) == list(b.bm.free_queue)
+        assert dict(a.bm.cached) == dict(b.bm.cached)
+        assert a.num_preemptions == b.num_preemptions
+    for x, y in zip(finished[0], finished[1], strict=True):
+        assert x[2] == pytest.approx(y[2], rel=1e-12)
+    assert len(finished[0]) == len(reqs)
+    assert num_segments > 5 and num_finished_in_segments > 5
+    if num_blocks < 100:
+        assert fast.scheduler.num_preemptions > 0  # (KV pressure: planned steps preempt)

@@ -60,6 +60,7 @@ class SimInstance:
         self.on_first_token = on_first_token  # a request's first token came at `now`
         self.max_stretch_steps = MAX_STRETCH_STEPS if stretches else 0
         self._decode_registers = decode_registers_blocks(self.core)
+        self._decode_lines: dict[int, tuple[float, float]] = {}  # (`price_segment`'s)
         self.requests: dict[str, SimRequest] = {}  # engine request id -> its sim request
         self._params_by_max_tokens: dict[int, SamplingParams] = {}
         self.num_steps = 0  # steps applied (planned and virtual)
@@ -187,7 +188,7 @@ class SimInstance:
         if m:
             self._plan = None
             self._start_s = self._first_end_s = now
-            self._stretch = st = price_segment(core, m)
+            self._stretch = st = price_segment(core, m, self._decode_lines)
             self._schedule_end(now + st.elapsed_s(m))
             for req in ended:
                 self._done(req, req.finished_s)

@@ -197,19 +197,25 @@ def plan_segment(core: EngineCore, max_steps: int) -> int:
     return _lazy_steps_fitting(sched, step, cap)
 
 
-def price_segment(core: EngineCore, num_steps: int) -> Stretch:
-    """The durations of `plan_segment`'s `num_steps` virtual steps (two performance-model
-    calls): the first is priced as `core.step` would price it."""
+def price_segment(
+    core: EngineCore, num_steps: int, lines: dict[int, tuple[float, float]]
+) -> Stretch:
+    """The durations of `plan_segment`'s `num_steps` virtual steps, from the line of a decode
+    step's time against its context at this batch size (`lines`: batch size -> (time at no
+    context, time per context token), filled on first use by two performance-model calls;
+    the time is affine in the context, see the module docstring)."""
     sched = core.scheduler
     b = sched._num_lazy
     c1 = sched._lazy_context + b * sched.num_steps  # the first step's context (`schedule`'s)
-    st = Stretch(num_steps, b, c1 - b)
-    step_time = core.step_time_s
-    st.first_s = step_time(BatchShape(num_decode_seqs=b, decode_context_tokens=c1))
-    if num_steps > 1:
-        second = step_time(BatchShape(num_decode_seqs=b, decode_context_tokens=c1 + b))
-        st.slope_s = second - st.first_s
-    return st
+    line = lines.get(b)
+    if line is None:
+        step_time = core.step_time_s
+        t1 = step_time(BatchShape(num_decode_seqs=b, decode_context_tokens=b))
+        t2 = step_time(BatchShape(num_decode_seqs=b, decode_context_tokens=1025 * b))
+        per_token_s = (t2 - t1) / (1024 * b)
+        line = lines[b] = (t1 - per_token_s * b, per_token_s)
+    base_s, per_token_s = line
+    return Stretch(num_steps, b, c1 - b, base_s + per_token_s * c1, per_token_s * b)
 
 
 def price(core: EngineCore, plan: StepPlan, num_steps: int) -> Stretch:
