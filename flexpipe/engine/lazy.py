@@ -181,31 +181,20 @@ class LazyDecodes:
             stamps.finished.append(req)
         out.append(req)
 
-    def advance(self, num_steps: int, stamps: TokenStamps, prev_now_s: float) -> list[EngineRequest]:
+    def advance(self, num_steps: int, now: float) -> None:
         """Apply `num_steps` decode steps of a batch that only decodes lazily, with nothing
-        admitted (a simulator's closed-form stretch); the last ends at `stamps.now_s`, the one
-        before at `prev_now_s`. Requests may finish at the last step only (stamped in
-        `stamps`). Their new blocks are allocated, and the finished ones' freed, in the
-        per-step order. Returns the requests that finished, in batch order."""
+        admitted and nothing finishing (a simulator's closed-form stretch); the last ends at
+        `now`. Their new blocks are allocated in the per-step order."""
         if num_steps <= 0:
-            return []
+            return
         end = self.num_steps + num_steps
         due = self._block_due
         for step in range(self.num_steps, end):
             if due:
                 self._new_blocks(self._blocks_due(step), step)
-        first_finish = self.first_lazy_finish_step()
-        assert first_finish >= end - 1, "a lazy request finishes before a stretch's last step"
-        out: list[EngineRequest] = []
-        if first_finish < end:
-            self._last_now_s = prev_now_s  # (the finishing requests' previous token's step)
-            for req in self._due(self._finish_due, end):
-                self._finish_lazy(req, end - 1, out, stamps)
-            for req in out:
-                self.running.remove(req)
+        assert self.first_lazy_finish_step() >= end, "a lazy request finishes in the stretch"
         self.num_steps = end
-        self._last_now_s = stamps.now_s
-        return out
+        self._last_now_s = now
 
     def first_lazy_finish_step(self) -> int:
         """The first step at which a lazy request finishes (huge when none does)."""

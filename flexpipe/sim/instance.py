@@ -27,10 +27,8 @@ from flexpipe.sim.stretch import (
     Stretch,
     decode_registers_blocks,
     fast_forward,
-    plan_segment,
     plan_stretch,
     price,
-    price_segment,
 )
 
 MAX_STRETCH_STEPS = 1 << 20
@@ -60,22 +58,20 @@ class SimInstance:
         self.on_first_token = on_first_token  # a request's first token came at `now`
         self.max_stretch_steps = MAX_STRETCH_STEPS if stretches else 0
         self._decode_registers = decode_registers_blocks(self.core)
-        self._decode_lines: dict[int, tuple[float, float]] = {}  # (`price_segment`'s)
         self.requests: dict[str, SimRequest] = {}  # engine request id -> its sim request
         self._params_by_max_tokens: dict[int, SamplingParams] = {}
         self.num_steps = 0  # steps applied (planned and virtual)
         self.num_events = 0  # step-end events (one per stretch)
         self.busy_s = 0.0
-        # the step in progress and the stretch that follows it (both None: idle); a stretch
-        # without a planned step (a segment, `plan_segment`) starts at `_first_end_s`
+        # the step in progress (None: idle) and the stretch that follows it
         self._plan: StepPlan | None = None
         self._start_s = 0.0
         self._first_end_s = 0.0
         self._stretch: Stretch | None = None
         self._version = 0
-        # requests that arrived during a virtual step (the stretch ends with it): the step was
-        # planned before they came, so `sync` re-plans it without them
-        self._late: list[EngineRequest] = []
+        # a request arrived during the step in progress: the next step will most likely be
+        # cut again, so it is not worth planning a stretch (exact either way)
+        self._arrived = False
 
     @property
     def model(self) -> str:
@@ -83,7 +79,7 @@ class SimInstance:
 
     @property
     def is_idle(self) -> bool:
-        return self._plan is None and self._stretch is None
+        return self._plan is None
 
     # --- requests ------------------------------------------------------------------------
     @property
@@ -106,23 +102,14 @@ class SimInstance:
         ereq.num_preloaded_tokens = min(req.num_kv_tokens, req.num_prompt_tokens - 1)
         ereq.priority = req.priority
         self.requests[ereq.request_id] = req
+        self.sync(now)
         self.core.add(ereq, now)
-        st = self._stretch
-        if st is not None:
-            # the next step must see the new request: the stretch ends with the step in
-            # progress (planned before it arrived, so the same with it waiting)
-            num_steps = st.steps_started_by(now - self._first_end_s)
-            if num_steps:
-                self._late.append(ereq)
-            if num_steps < st.num_steps:
-                st.num_steps = num_steps
-                if num_steps:
-                    self._schedule_end(self._first_end_s + st.elapsed_s(num_steps))
-                else:
-                    self._stretch = None
-                    self._schedule_end(self._first_end_s)
-        elif self._plan is None:
+        self._arrived = True
+        if self._plan is None:
             self._start(now)
+        elif self._stretch is not None:
+            self._stretch = None  # the next step must see the new request
+            self._schedule_end(self._first_end_s)
 
     def _params(self, max_tokens: int) -> SamplingParams:
         """The sampling parameters of a request of `max_tokens` (immutable: one per count)."""
@@ -162,37 +149,14 @@ class SimInstance:
         started = st.steps_started_by(now - self._first_end_s)
         done = started - 1  # virtual steps that ended by now
         restart_s = self._first_end_s + st.elapsed_s(done)
-        late = self._late
-        self._late = []
-        sched = self.core.scheduler
-        for ereq in late:  # (they came after the step in progress was planned)
-            sched.waiting.remove(ereq)
-        self._start(restart_s, self._apply(done, restart_s), plan=True)
-        if late:
-            for ereq in late:
-                sched.add(ereq)
-            if self._stretch is not None:  # the next step must see them
-                self._stretch = None
-                self._schedule_end(self._first_end_s)
+        self._start(restart_s, self._apply(done, restart_s))
 
-    def _start(
-        self, now: float, finished: list[EngineRequest] | None = None, plan: bool = False
-    ) -> None:
-        """Start the next step at `now`: a segment of virtual steps if it may go unplanned
-        (`plan_segment`, unless `plan`), else plan it; then tell the gateway of the requests
-        that ended (`finished` by the step before, rejected by this plan): the engine plans
-        its next step before a freed slot can bring it a new request."""
+    def _start(self, now: float, finished: list[EngineRequest] | None = None) -> None:
+        """Plan the next step at `now`; then tell the gateway of the requests that ended
+        (`finished` by the step before, rejected by this plan): the engine plans its next step
+        before a freed slot can bring it a new request."""
         core = self.core
         ended = finished or []
-        m = 0 if plan else plan_segment(core, self.max_stretch_steps)
-        if m:
-            self._plan = None
-            self._start_s = self._first_end_s = now
-            self._stretch = st = price_segment(core, m, self._decode_lines)
-            self._schedule_end(now + st.elapsed_s(m))
-            for req in ended:
-                self._done(req, req.finished_s)
-            return
         while True:
             plan = core.step(now)
             ended += plan.rejected
@@ -202,7 +166,10 @@ class SimInstance:
             self._plan = plan
             self._start_s = now
             self._first_end_s = now + plan.duration_s
-            m = plan_stretch(core, plan, self.max_stretch_steps, self._decode_registers)
+            m = 0
+            if not self._arrived:
+                m = plan_stretch(core, plan, self.max_stretch_steps, self._decode_registers)
+            self._arrived = False
             self._stretch = price(core, plan, m) if m else None
             end = self._first_end_s + (self._stretch.elapsed_s(m) if self._stretch else 0.0)
             self._schedule_end(end)
@@ -222,32 +189,24 @@ class SimInstance:
         self._start(now, self._apply(st.num_steps if st else 0, now))
 
     def _apply(self, num_virtual: int, end_s: float) -> list[EngineRequest]:
-        """The planned step (if any) ended at `_first_end_s`; then `num_virtual` virtual
-        steps ended at `end_s`. Returns the requests that finished."""
+        """The planned step ended at `_first_end_s`; then `num_virtual` virtual steps ended
+        at `end_s`. Returns the requests that finished."""
         plan = self._plan
-        finished: list[EngineRequest] = []
-        if plan is not None:
-            events: StepEvents = self.core.complete(plan, self._first_end_s)
-            if events.first_token and self.on_first_token is not None:
-                for ereq in events.first_token:  # (a stretch only decodes: no first token)
-                    self.on_first_token(self, self.requests[ereq.request_id], ereq, events.now_s)
-            finished = events.finished
-            self.num_steps += 1
+        assert plan is not None
+        events: StepEvents = self.core.complete(plan, self._first_end_s)
+        if events.first_token and self.on_first_token is not None:
+            for ereq in events.first_token:  # (a stretch only decodes: no first token in it)
+                self.on_first_token(self, self.requests[ereq.request_id], ereq, events.now_s)
         if num_virtual:
-            st = self._stretch
-            assert st is not None
-            reqs = [r for r, _, _ in plan.scheduled] if plan is not None else []
-            prev_s = self._first_end_s + st.elapsed_s(num_virtual - 1)
-            finished += fast_forward(self.core, reqs, num_virtual, end_s, prev_s)
-            self.num_steps += num_virtual
+            reqs = [r for r, _, _ in plan.scheduled]
+            fast_forward(self.core, reqs, num_virtual, end_s)
+        self.num_steps += 1 + num_virtual
         busy_end = end_s if num_virtual else self._first_end_s
-        if busy_end > self._start_s or plan is not None:
-            self.busy_s += busy_end - self._start_s
-            self.on_busy(self, self._start_s, busy_end)
+        self.busy_s += busy_end - self._start_s
+        self.on_busy(self, self._start_s, busy_end)
         self._plan = None
         self._stretch = None
-        self._late = []
-        return finished
+        return events.finished
 
     def _done(self, ereq: EngineRequest, now: float) -> None:
         req = self.requests.pop(ereq.request_id)

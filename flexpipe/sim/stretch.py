@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from flexpipe.engine.core import EngineCore
 from flexpipe.engine.request import EngineRequest
-from flexpipe.engine.scheduler import Scheduler, StepPlan, TokenStamps
+from flexpipe.engine.scheduler import StepPlan
 from flexpipe.perf import BatchShape
 from flexpipe.sim.request import GENERATED_TOKEN_ID
 
@@ -152,70 +152,19 @@ def _plan_lazy_stretch(
     step = sched.num_steps  # the planned step's
     bm = sched.bm
     bs = bm.block_size
-    # virtual steps end with the first finish (the last one's; then the batch shrinks)
-    cap = min(max_steps, sched.first_lazy_finish_step() - step)
+    # virtual steps end before the first finish
+    cap = min(max_steps, sched.first_lazy_finish_step() - step - 1)
     if cap > 0 and decode_registers and bm.enable_caching and sched.waiting:
         for r in running:
             sched.materialize(r)
         cap = min(cap, min(((-len(r.token_ids)) % bs or bs) - 1 for r in running))
-    return _lazy_steps_fitting(sched, step + 1, cap)
-
-
-def _lazy_steps_fitting(sched: Scheduler, first_step: int, cap: int) -> int:
-    """The most virtual steps (<= cap), the first of them step `first_step`, whose new
-    blocks fit in the free ones (counted as if no request finished: a bound)."""
     if cap <= 0:
         return 0
-    bs = sched.bm.block_size
-    running = sched.running
-    free = sched.bm.num_free_blocks
+    free = bm.num_free_blocks
     if len(running) * (cap // bs + 1) <= free:
         return cap
-    # (a lazy request's next block is due at an absolute step: virtual step i is
-    # first_step + i - 1)
-    return _most_steps_fitting([r._next_block_step - first_step + 1 for r in running], bs, free,
-                               cap)  # fmt: skip
-
-
-def plan_segment(core: EngineCore, max_steps: int) -> int:
-    """How many virtual decode steps may run from the engine's next step on without planning
-    it (0: plan it): every running request decodes lazily, none waits, and the steps end
-    with the first finish. Each such step is the one `core.step` would plan: a lazy plan
-    (the budget and the free blocks cover every request; nothing to admit)."""
-    sched = core.scheduler
-    running = sched.running
-    if (
-        max_steps <= 0
-        or not running
-        or sched.waiting
-        or sched._num_lazy != len(running)
-        or len(running) > sched.config.max_num_batched_tokens
-    ):
-        return 0
-    step = sched.num_steps
-    cap = min(max_steps, sched.first_lazy_finish_step() - step + 1)
-    return _lazy_steps_fitting(sched, step, cap)
-
-
-def price_segment(
-    core: EngineCore, num_steps: int, lines: dict[int, tuple[float, float]]
-) -> Stretch:
-    """The durations of `plan_segment`'s `num_steps` virtual steps, from the line of a decode
-    step's time against its context at this batch size (`lines`: batch size -> (time at no
-    context, time per context token), filled on first use by two performance-model calls;
-    the time is affine in the context, see the module docstring)."""
-    sched = core.scheduler
-    b = sched._num_lazy
-    c1 = sched._lazy_context + b * sched.num_steps  # the first step's context (`schedule`'s)
-    line = lines.get(b)
-    if line is None:
-        step_time = core.step_time_s
-        t1 = step_time(BatchShape(num_decode_seqs=b, decode_context_tokens=b))
-        t2 = step_time(BatchShape(num_decode_seqs=b, decode_context_tokens=1025 * b))
-        per_token_s = (t2 - t1) / (1024 * b)
-        line = lines[b] = (t1 - per_token_s * b, per_token_s)
-    base_s, per_token_s = line
-    return Stretch(num_steps, b, c1 - b, base_s + per_token_s * c1, per_token_s * b)
+    # (a lazy request's next block is due at an absolute step: virtual step i is step + i)
+    return _most_steps_fitting([r._next_block_step - step for r in running], bs, free, cap)
 
 
 def price(core: EngineCore, plan: StepPlan, num_steps: int) -> Stretch:
@@ -231,17 +180,14 @@ def price(core: EngineCore, plan: StepPlan, num_steps: int) -> Stretch:
     return st
 
 
-def fast_forward(
-    core: EngineCore, reqs: list[EngineRequest], num_steps: int, now: float, prev_now_s: float
-) -> list[EngineRequest]:
+def fast_forward(core: EngineCore, reqs: list[EngineRequest], num_steps: int, now: float) -> None:
     """Apply `num_steps` virtual decode steps to `reqs` (the batch, in batch order, each just
-    past the planned step; empty when it decodes lazily); the last one ends at `now`, the
-    one before at `prev_now_s`. Returns the requests that finished (a lazy batch's, at the
-    last step; a batch of `reqs` does not reach a finish)."""
+    past the planned step; empty when it decodes lazily); the last one ends at `now`."""
     if num_steps <= 0:
-        return []
+        return
     if not reqs:
-        return core.scheduler.advance(num_steps, TokenStamps(now), prev_now_s)
+        core.scheduler.advance(num_steps, now)
+        return
     bm = core.scheduler.bm
     bs = bm.block_size
     caching = bm.enable_caching
@@ -286,7 +232,6 @@ def fast_forward(
             req.token_ids.extend([tok] * (end - len(req.token_ids)))
         req.num_computed_tokens = end - 1
         req.last_token_s = now
-    return []
 
 
 def decode_registers_blocks(core: EngineCore) -> bool:
