@@ -8,6 +8,9 @@ floating-point rounding of the sums.
 
 from __future__ import annotations
 
+import functools
+import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,10 @@ from flexpipe.engine.scheduler import Scheduler, SchedulerConfig
 from flexpipe.gears.gear import Gear
 from flexpipe.perf import BatchShape, perf_model_for
 from flexpipe.sim.deployment import Deployment
+from flexpipe.sim.engine_factory import engine_config
+from flexpipe.sim.instance import SimInstance
+from flexpipe.sim.loop import ARRIVAL, CONTROL, SCRAPE, EventLoop
+from flexpipe.sim.request import SimRequest
 from flexpipe.sim.scenario import Scenario, parse_scenario
 from flexpipe.sim.simulator import SimResult, simulate
 from flexpipe.sim.stretch import SIM_GEN_IDS, fast_forward, plan_stretch, price
@@ -167,9 +174,9 @@ def test_fast_forward_equals_stepping_on_one_core(lazy: bool) -> None:
             core.complete(plan, t1)
             t_end = t1
             for _ in range(m):
-                p = core.step(t_end)
-                t_end += p.duration_s
-                core.complete(p, t_end)
+                step_plan = core.step(t_end)
+                t_end += step_plan.duration_s
+                core.complete(step_plan, t_end)
         sched = core.scheduler
         for r in sched.running:
             sched.materialize(r)
@@ -207,3 +214,93 @@ def test_decode_step_time_is_affine_in_context(model: str, gear: str, gpu: str, 
         assert t[2] == pytest.approx(t[0] + 490 * slope, rel=1e-9)
         assert t[3] == pytest.approx(t[0] + 3990 * slope, rel=1e-9)
         assert slope > 0
+
+
+def _instance_run(stretches: bool, seed: int, num_kv_blocks: int) -> tuple[list[Any], ...]:
+    """One engine on the virtual clock, driven by a seeded script of arrivals (bursts and
+    singles), scrapes (`metrics`, which syncs inside a stretch), moves off (`take`) and, at
+    a third of the finishes, a new request routed to it at that very time (a freed slot
+    wakes the gateway's queue: it may cut the stretch in progress). Everything it reports."""
+    sc = _scenario({"arrivals": {"process": "poisson", "rate_per_s": 1},
+                    "prompt_tokens": {"dist": "uniform", "min": 10, "max": 20},
+                    "output_tokens": {"dist": "uniform", "min": 1, "max": 2}})  # fmt: skip
+    dep = _dep("l4", "g1", max_num_seqs=24, max_num_batched_tokens=512)
+    cfg = replace(engine_config(dep, sc.cluster), num_kv_blocks=num_kv_blocks)
+    loop = EventLoop()
+    done: list[tuple[int, float, int, int, int, str]] = []
+    firsts: list[tuple[int, float]] = []
+    scraped: list[tuple[float, dict[str, float]]] = []
+    rng = random.Random(seed)
+    next_id = [1000]
+
+    def request(rid: int, arrival_s: float) -> SimRequest:
+        prefix = tuple(range(rng.randrange(3))) if rid % 2 else ()
+        return SimRequest(rid, arrival_s, "m", rng.randrange(20, 400), rng.randrange(1, 160),
+                          prefix_ids=prefix)  # fmt: skip
+
+    def on_done(inst: SimInstance, req: SimRequest, ereq: EngineRequest, now: float) -> None:
+        done.append((req.request_id, now, ereq.num_output_tokens, ereq.num_cached_tokens,
+                     ereq.num_preemptions, ereq.finish_reason or ""))  # fmt: skip
+        if req.request_id % 3 == 0 and next_id[0] < 1300:  # the queue's head comes in now
+            next_id[0] += 1
+            inst.submit(request(next_id[0], now), now)
+
+    def on_first(inst: SimInstance, req: SimRequest, ereq: EngineRequest, now: float) -> None:
+        firsts.append((req.request_id, now))
+
+    inst = SimInstance(dep, cfg, loop, on_done, lambda *_: None, stretches, on_first)
+    t = 0.0
+    for rid in range(160):
+        t += rng.expovariate(40) if rng.random() < 0.8 else rng.uniform(0.5, 2)
+        loop.at(t, ARRIVAL, functools.partial(lambda r, now: inst.submit(r, now),
+                                              request(rid, t)))  # fmt: skip
+    for _ in range(120):  # scrapes, some at once after an arrival
+        at_s = rng.uniform(0, t + 5)
+        loop.at(at_s, SCRAPE, lambda now: scraped.append((now, inst.metrics(now))))
+    taken: list[tuple[int, float, int]] = []
+
+    def take(rid: int, now: float) -> None:
+        req = next((r for r in inst.requests.values() if r.request_id == rid), None)
+        if req is not None:
+            ereq = inst.take(req, now)
+            taken.append((rid, now, -1 if ereq is None else ereq.num_output_tokens))
+
+    for rid in rng.sample(range(160), 12):
+        loop.at(rng.uniform(0, t), CONTROL, functools.partial(take, rid))
+    loop.run(t + 60)
+    inst.sync(loop.now_s)  # (a stretch may be in progress)
+    bm = inst.core.scheduler.bm
+    engine = [(inst.num_steps, inst.core.scheduler.num_preemptions, list(bm.free_queue),
+               dict(bm.cached), list(bm.ref_counts))]  # fmt: skip
+    return done, firsts, scraped, taken, engine, [inst.num_events, next_id[0] - 1000]
+
+
+def _same_times(a: list[Any], b: list[Any]) -> None:
+    """Equal records, their float fields equal up to the closed form's rounding."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert [v for v in x if not isinstance(v, float)] == [
+            v for v in y if not isinstance(v, float)
+        ]
+        for u, v in zip(x, y, strict=True):
+            if isinstance(u, float):
+                assert u == pytest.approx(v, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize(("seed", "num_kv_blocks"), [(1, 4000), (2, 90), (3, 60)])
+def test_an_instance_with_stretches_reports_as_stepping(seed: int, num_kv_blocks: int) -> None:
+    """One `SimInstance` with stretches against one stepping, driven by the same script:
+    arrivals and scrapes inside stretches, requests routed to it at a finish, moves off,
+    and (few KV blocks) preemption and a waiting queue. Every finish, first token, scrape
+    and move, and the final block state, agree."""
+    fast = _instance_run(True, seed, num_kv_blocks)
+    slow = _instance_run(False, seed, num_kv_blocks)
+    done, firsts, scraped, taken, engine, events = fast
+    for a, b in zip(fast[:4], slow[:4], strict=True):
+        _same_times(a, b)
+    assert engine == slow[4]
+    assert events[0] < slow[5][0]  # fewer events
+    assert len(done) > 40 and len(firsts) >= len(done) and len(scraped) == 120 and taken
+    assert events[1] > 10  # requests routed to it at a finish
+    if num_kv_blocks < 100:
+        assert engine[0][1] > 0  # preemptions
