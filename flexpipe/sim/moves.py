@@ -106,6 +106,7 @@ class Moves:
             ))  # fmt: skip
             return
         rid = str(req.request_id)
+        src.sync(now)  # inside a stretch: its tokens so far, as stepping would have them
         ereq = next((r for r in (*src.core.scheduler.running, *src.core.scheduler.waiting)
                      if r.request_id == rid), None)  # fmt: skip
         fits = record is not None and warms(timeout_s, record.num_slots, record.num_in_flight)
