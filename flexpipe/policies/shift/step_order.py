@@ -8,7 +8,9 @@ order (one rule for all three):
    switch);
 2. `steps`: in-place replacements roll, one group at a time: each step retires the leaving
    instances whose GPUs a group of new instances needs, then starts that group, and is taken
-   only while another instance of each of the group's models serves;
+   only while every model of the group (of what it retires or starts) that serves before it
+   still has another instance serving: a model woken by the shift (none of its instances
+   serves yet) has no service to keep, and may start on GPUs another model leaves;
 3. `rest`: the leaving instances nobody needs the GPUs of retire last.
 
 `refusal` is non-empty when no order keeps every model serving (the shift is refused). With
@@ -70,10 +72,11 @@ def rolling_steps(
     serving: Sequence[PlannedInstance],
     in_way: Sequence[PlannedInstance],
     later_adds: Sequence[PlannedInstance],
+    to_zero: Collection[str] = (),
 ) -> list[Step] | None:
     """The order of in-place replacements (see the module docstring); `serving` is what
-    serves before the first step (running plus the instances started first). None when no
-    order keeps every model serving."""
+    serves before the first step (running plus the instances started first); models in
+    `to_zero` leave on purpose. None when no order keeps every model serving."""
     serving_now = list(serving)
     blockers_left = list(in_way)
     remaining = list(later_adds)
@@ -95,7 +98,9 @@ def rolling_steps(
                         grown = True
             gone = {instance_key(b) for b in blockers}
             staying = [p for p in serving_now if instance_key(p) not in gone]
-            if all(any(p.model == a.model for p in staying) for a in adds):
+            group = {i.model for i in (*blockers, *adds)} - set(to_zero)
+            served_before = group & {p.model for p in serving_now}
+            if served_before <= {p.model for p in staying}:
                 break
         else:
             return None
@@ -127,7 +132,7 @@ def plan_shift(
     to_zero = {i.model for i in leaving} - {p.model for p in target} if scale_to_zero else set()
     without = [i for i in leaving if i.model not in replaced_models]
     why_not = capacity_gap(running, without, now_adds, to_zero)
-    steps = rolling_steps([*running, *now_adds], in_way, later_adds)
+    steps = rolling_steps([*running, *now_adds], in_way, later_adds, to_zero)
     if steps is None:
         why_not = capacity_gap(running, leaving, now_adds, to_zero) or (
             "no order of in-place replacements keeps every model serving"
