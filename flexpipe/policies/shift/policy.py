@@ -24,9 +24,9 @@ out — no order of its steps keeps every model serving (step_order.py's `plan_s
 the executor and the simulator apply) — is refused before pricing, never chosen and then
 refused at every tick. Each other is priced (pricing.py) and must clear its trigger's bar —
 up: more goodput, down: fewer GPUs, resource: goodput up by `resource_min_gain_fraction` —
-with a positive score. The decision carries the signals, the
-chosen price and every alternative with its score or why it was refused, so that a decision
-taken or not can be logged as it is.
+with a positive score. The decision carries the signals, the chosen price and every
+alternative with its score or why it was refused, so that a decision taken or not can be
+logged as it is.
 
 Pure: `now_s` and `rng` are arguments; `rng` only breaks exact ties between scores.
 """
