@@ -212,9 +212,10 @@ def _short(model: str, start_s: float) -> dict[str, Any]:
 def test_the_simulator_keeps_a_refusal_through_a_shift_longer_than_the_hold(
     tmp_path: Path,
 ) -> None:
-    """The seed's cluster (gpu1 freed at 100 s). `a` serves 50k-token answers on two
-    instances; `c` wakes at 610 s, and its shift moves one of `a`'s in place, whose drain
-    waits for those answers (a 3000 s drain deadline): a shift far longer than the hold.
+    """The seed's cluster (gpu1 freed at 100 s, gpu3 another tenant's). `a` serves 50k-token
+    answers on two instances (gpu2, gpu1); `c` (13B: not on the L4) wakes at 610 s, and its
+    shift moves `a`'s gpu1 instance to the L4 (fp8) and starts `c` on gpu1 once that instance
+    drains those answers (a 3000 s drain deadline): a shift far longer than the hold.
     `big` (a 405B-shaped model) fits on no GPU free to us: refused at every tick; its requests
     that arrive more than a hold after the shift began are still refused with the reason,
     at once (before the renewal: a 404, the refusal had lapsed)."""
@@ -225,13 +226,15 @@ def test_the_simulator_keeps_a_refusal_through_a_shift_longer_than_the_hold(
     big.write_text(json.dumps(shape))
     long = {"name": "a", "model": "llama-3.1-8b", "max_model_len": 65536, "min_instances": 2,
             "demand": {"request_rate_per_s": 1, "input_tokens": 256, "output_tokens": 1024},
-            "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 200}, "dtypes": ["bf16"]}  # fmt: skip
+            "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 200},
+            "dtypes": ["bf16", "fp8"]}  # fmt: skip
     doc = {
         "name": "renew", "duration_s": 1300, "seed": 0, "cluster": {"file": str(CLUSTER)},
         "controller": {"drain_deadline_s": 3000, "min_instances_floor": 0,
                        "shift": {"triggers": {"thresholds": {"down_utilization": 0.0}}}},
-        "models": [long, _zero("c", "llama-2-7b"), _zero("big", str(big))],
-        "resources": [{"at_s": 100, "release": ["gpu1"]}],
+        "models": [long, _zero("c", "llama-2-13b"), _zero("big", str(big))],
+        "resources": [{"at_s": 0, "occupy": ["gpu3"], "owner": "batch"},
+                      {"at_s": 100, "release": ["gpu1"]}],
         "workloads": [{"model": "a", "arrivals": {"rate_per_s": 0.02, "start_s": 30},
                        "prompt_tokens": {"dist": "fixed", "mean": 256},
                        "output_tokens": {"dist": "fixed", "mean": 50000}},

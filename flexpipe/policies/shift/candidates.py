@@ -5,6 +5,9 @@
   tier by tier, highest priority first, each tier on the GPUs the tiers above left (seed
   004: when GPUs are short the customer-facing model gets them first); only offered when
   the models have more than one priority.
+- `additive`: the running plan kept as it is, plus instances of the models named (a wake's
+  models with no instance) planned by the planner on the GPUs no running instance holds:
+  nothing running moves, so no step of it is in place.
 - `shrink`: the running plan minus instances of an idle model, down to its minimum, while
   the rest still carries its load: gives GPUs back without touching anything else.
 - `keep_minimums`: repairs a candidate that would leave a model below `min_instances` by
@@ -13,7 +16,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from flexpipe.cluster import Cluster
@@ -24,6 +27,7 @@ from flexpipe.policies.shift.snapshot import ModelState, instance_key
 __all__ = [
     "Candidate",
     "Planner",
+    "additive",
     "default_planner",
     "keep_minimums",
     "priority_first",
@@ -53,6 +57,48 @@ def replan(
     return Candidate("replan", p.instances, "the planner's plan for the GPUs free now")
 
 
+def free_of(cluster: Cluster, instances: Sequence[PlannedInstance]) -> Cluster:
+    """`cluster` with every GPU of `instances` taken whole (the GPUs they leave free)."""
+    left = cluster
+    for g in {g for i in instances for g in i.gpu_ids}:
+        left = left.with_used(g, left.gpu(g).capacity_bytes, owner="flexpipe")
+    return left
+
+
+def additive(
+    cluster: Cluster,
+    running: Sequence[PlannedInstance],
+    demands: Sequence[ModelDemand],
+    names: Collection[str],
+    now_s: float,
+    planner: Planner,
+    capacity: Capacity,
+) -> Candidate | None:
+    """Every running instance kept; the planner places the models `names` on the GPUs none
+    of them holds, each at the rate its running instances do not serve and with at least one
+    instance (up to its minimum). None when the planner places none of them there."""
+    by_name = {d.name: d for d in demands}
+    asks: list[ModelDemand] = []
+    for name in sorted(names):
+        mine = [i for i in running if i.model == name]
+        d = by_name[name]
+        rest_per_s = max(0.0, d.request_rate_per_s - sum(capacity(i) for i in mine))
+        num_more = max(1, d.min_instances - len(mine))
+        asks.append(replace(d, request_rate_per_s=rest_per_s, min_instances=num_more))
+    added = [
+        i for i in planner(free_of(cluster, running), tuple(asks), now_s).instances
+        if i.model in names
+    ]  # fmt: skip
+    if not added:
+        return None
+    where = ", ".join(f"{i.model} on {'+'.join(i.gpu_ids)}" for i in added)
+    return Candidate(
+        f"add {', '.join(sorted({i.model for i in added}))}",
+        (*running, *added),
+        f"the running plan kept, {where} added on GPUs free now",
+    )
+
+
 def priority_first(
     cluster: Cluster,
     models: Sequence[ModelState],
@@ -75,9 +121,7 @@ def priority_first(
             key=lambda i: (i.num_gpus, -capacity(i), i.name),
         )
         kept.extend(mine[: m.min_instances])
-    left = cluster
-    for g in {g for i in kept for g in i.gpu_ids}:
-        left = left.with_used(g, left.gpu(g).capacity_bytes, owner="flexpipe")
+    left = free_of(cluster, kept)
     served: dict[str, float] = {}
     for i in kept:
         served[i.model] = served.get(i.model, 0.0) + capacity(i)
@@ -99,8 +143,7 @@ def priority_first(
         )
         instances = planner(left, tier, now_s).instances
         chosen.extend(instances)
-        for g in {g for i in instances for g in i.gpu_ids}:
-            left = left.with_used(g, left.gpu(g).capacity_bytes, owner="flexpipe")
+        left = free_of(left, instances)
     note = "minimums kept, then the planner tier by tier, highest priority first"
     return Candidate("priority-first", tuple(chosen), note)
 

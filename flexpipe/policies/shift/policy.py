@@ -10,18 +10,23 @@ Order of the checks, first match wins:
    without scale-to-zero every model keeps one) — re-plan now, no cooldown, any candidate
    that restores every minimum accepted (the best score wins); when none can (no GPUs for
    it), the checks below go on;
-4. *wake*: a model with no instance has requests waiting — start it (no cooldown);
+4. *wake*: a model with no instance has requests waiting — start it (no cooldown); besides
+   the planner's candidates, the running plan kept as it is plus the woken models on the
+   GPUs free now (`additive`), which moves nothing;
 5. cooldown after the last shift: hold;
 6. *up*: a model's samples were in the up zone `num_samples` times in a row;
    *down*: likewise in the down zone; *resource*: the GPUs free to us changed at least
    `resource_settle_s` ago;
 7. otherwise hold.
 
-A trigger only proposes candidates (candidates.py); each is priced (pricing.py) and must
-clear its trigger's bar — up: more goodput, down: fewer GPUs, resource: goodput up by
-`resource_min_gain_fraction` — with a positive score. The decision carries the signals, the
-chosen price and every alternative with its score or why it was refused, so that a decision
-taken or not can be logged as it is.
+A trigger only proposes candidates (candidates.py). A candidate the executor could not carry
+out — no order of its steps keeps every model serving (step_order.py's `plan_shift`, the rule
+the executor and the simulator apply) — is refused before pricing, never chosen and then
+refused at every tick. Each other is priced (pricing.py) and must clear its trigger's bar —
+up: more goodput, down: fewer GPUs, resource: goodput up by `resource_min_gain_fraction` —
+with a positive score. The decision carries the signals, the chosen price and every
+alternative with its score or why it was refused, so that a decision taken or not can be
+logged as it is.
 
 Pure: `now_s` and `rng` are arguments; `rng` only breaks exact ties between scores.
 """
@@ -37,6 +42,7 @@ from flexpipe.policies.planner import ModelDemand, PlannedInstance
 from flexpipe.policies.shift.candidates import (
     Candidate,
     Planner,
+    additive,
     default_planner,
     keep_minimums,
     priority_first,
@@ -48,6 +54,7 @@ from flexpipe.policies.shift.params import ShiftParams
 from flexpipe.policies.shift.pricing import Capacity, Price, planned_capacity, price
 from flexpipe.policies.shift.signals import Zone
 from flexpipe.policies.shift.snapshot import ShiftSnapshot, instance_key
+from flexpipe.policies.shift.step_order import plan_shift
 from flexpipe.policies.shift.triggers import (
     ModelSignal,
     blacklist,
@@ -159,7 +166,9 @@ class ShiftPolicy:
         demands: Sequence[ModelDemand],
         now_s: float,
         down: set[str],
+        adding: Sequence[str] = (),
     ) -> list[Candidate]:
+        """`adding`: models a candidate adds instances of, everything running kept."""
         out: list[Candidate] = []
         for m, d in zip(snapshot.models, demands, strict=True):
             if m.name in down:
@@ -178,6 +187,12 @@ class ShiftPolicy:
         )
         if pf is not None:
             out.append(pf)
+        if adding:
+            add = additive(
+                snapshot.cluster, running, demands, adding, now_s, self.planner, self.capacity
+            )
+            if add is not None:
+                out.append(add)
         return out
 
     def _score(
@@ -215,6 +230,13 @@ class ShiftPolicy:
                 out.append(ScoredCandidate(fixed.name, False, reason, None, fixed.instances))
                 continue
             seen[frozenset(keys)] = fixed.name
+            # what the executor checks first, from what truly runs (lost instances included);
+            # a model the target leaves out (its minimum allows it) leaves on purpose
+            refusal = plan_shift(snapshot.running, fixed.instances, scale_to_zero=True).refusal
+            if refusal:
+                reason = f"cannot be carried out: {refusal}"
+                out.append(ScoredCandidate(fixed.name, False, reason, None, fixed.instances))
+                continue
             p = price(
                 snapshot.cluster,
                 running,
@@ -318,7 +340,8 @@ class ShiftPolicy:
     ) -> ShiftDecision:
         loads = self._loads(snapshot, up, waking)
         demands = self._demands(snapshot, loads, down)
-        candidates = self._candidates(snapshot, snapshot.running, demands, now_s, down)
+        adding = waking if trigger == "wake" else ()
+        candidates = self._candidates(snapshot, snapshot.running, demands, now_s, down, adding)
         scored = self._score(snapshot, snapshot.running, candidates, loads, now_s, trigger)
         n = self.params.triggers.num_samples
         why = {
