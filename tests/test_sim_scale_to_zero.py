@@ -42,7 +42,7 @@ def _idle_then_busy(code_start_s: float, code_rate_per_s: float) -> Any:
 
 
 def test_an_idle_model_goes_to_zero_is_held_and_wakes_for_its_requests() -> None:
-    r = simulate(_idle_then_busy(300.0, 0.05), "flexpipe")
+    r = simulate(_idle_then_busy(300.0, 1.0), "flexpipe")
     down = next(s for s in r.shifts if s["trigger"] == "down")
     assert down["outcome"] == "succeeded", down["why_failed"]
     assert down["started"] == [] and [k.split("|")[0] for k in down["stopped"]] == ["code"]
@@ -50,12 +50,15 @@ def test_an_idle_model_goes_to_zero_is_held_and_wakes_for_its_requests() -> None
     assert wake["outcome"] == "succeeded"
     assert 300.0 < wake["at_s"] < 300.0 + 20.0  # the first queued request wakes it
     assert [k.split("|")[0] for k in wake["started"]] == ["code"]
+    # planned for its configured demand (1 req/s), not for `wake_request_rate_per_s` (0.1):
+    # a one-slot instance there queued its requests into 429s until the up trigger came
+    assert int(wake["started"][0].split("|")[1].split("-s")[-1]) >= 8
     code = sorted((q for q in r.requests if q.model == "code"), key=lambda q: q.arrival_s)
     # held at zero: every request is served, the first ones after the wake's cold start
     assert code and all(q.completed for q in code), {q.failed for q in code}
     ready_s = wake["finished_s"]
     waited = [q for q in code if q.arrival_s < ready_s]
     assert len(waited) >= 2 and all(q.first_token_s > ready_s for q in waited)
-    # first come, first served: the woken single-slot instance takes them in arrival order
+    # first come, first served: the woken instance takes them in arrival order
     firsts = [q.first_token_s for q in code]
     assert firsts == sorted(firsts)

@@ -110,6 +110,7 @@ def model_state(
         priority=demand.priority,
         min_instances=min_instances,
         expected_request_rate_per_s=expected_rate_per_s,
+        declared_request_rate_per_s=demand.request_rate_per_s,
     )
 
 

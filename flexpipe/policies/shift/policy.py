@@ -142,8 +142,8 @@ class ShiftPolicy:
             now, expected = m.request_rate_per_s, m.expected_rate_per_s
             if m.name in up:
                 now *= 1 + pp.up_step
-            if m.name in waking:
-                now = max(now, self.params.wake_request_rate_per_s)
+            if m.name in waking:  # (as `placeable.placement` checks it can be placed)
+                now = max(now, self.params.wake_request_rate_per_s, m.declared_request_rate_per_s)
                 expected = max(expected, now)
             loads[m.name] = (now, expected)
         return loads

@@ -34,6 +34,9 @@ class ModelState:
     min_instances: int = 0  # never fewer (0: may scale to zero when idle)
     # The load expected over the pricing horizon (a forecast); None: the same as now.
     expected_request_rate_per_s: float | None = None
+    # The configured demand's rate: a wake plans a model scaled to zero for at least this
+    # (its rate measured now is that of the requests it served: none while it had no instance)
+    declared_request_rate_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.priority <= 0:
