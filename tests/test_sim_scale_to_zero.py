@@ -6,29 +6,17 @@ wake's cold start instead of failing with a 404."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
+
+from test_sim_shift import ROOT, SEED_CLUSTER, fixed_workload, seven_b
 
 from flexpipe.sim import simulate
 from flexpipe.sim.scenario import parse_scenario
 
-ROOT = Path(__file__).resolve().parents[1]
-SEED_CLUSTER = ROOT / "examples" / "clusters" / "fragmented-4gpu.yaml"
-
 
 def _idle_then_busy(code_start_s: float, code_rate_per_s: float) -> Any:
     """chat busy from 30 s; code idle until `code_start_s`; every model's floor is 0."""
-
-    def model(name: str) -> dict[str, Any]:
-        return {"name": name, "model": "llama-2-7b",
-                "demand": {"request_rate_per_s": 1, "input_tokens": 512, "output_tokens": 128},
-                "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 60}, "dtypes": ["bf16"]}  # fmt: skip
-
-    def workload(name: str, rate_per_s: float, start_s: float) -> dict[str, Any]:
-        return {"model": name, "arrivals": {"rate_per_s": rate_per_s, "start_s": start_s},
-                "prompt_tokens": {"dist": "fixed", "mean": 512},
-                "output_tokens": {"dist": "fixed", "mean": 128}}  # fmt: skip
-
+    model, workload = seven_b, fixed_workload
     doc = {
         "name": "idle-then-busy", "duration_s": code_start_s + 100, "seed": 0,
         "report_interval_s": 30, "cluster": {"file": str(SEED_CLUSTER)},

@@ -412,20 +412,24 @@ def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute(
     assert placed == [MOVE_PRIORITY] * rep["num_requests_moved"]
 
 
+def seven_b(name: str) -> dict[str, Any]:
+    """A llama-2-7b model entry configured for 1 req/s of 512 + 128 tokens."""
+    return {"name": name, "model": "llama-2-7b",
+            "demand": {"request_rate_per_s": 1, "input_tokens": 512, "output_tokens": 128},
+            "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 60}, "dtypes": ["bf16"]}  # fmt: skip
+
+
+def fixed_workload(name: str, rate_per_s: float, start_s: float) -> dict[str, Any]:
+    """Poisson arrivals from `start_s`, 512 prompt and 128 output tokens each."""
+    return {"model": name, "arrivals": {"rate_per_s": rate_per_s, "start_s": start_s},
+            "prompt_tokens": {"dist": "fixed", "mean": 512},
+            "output_tokens": {"dist": "fixed", "mean": 128}}  # fmt: skip
+
+
 def _two_models(duration_s: float) -> Any:
     """chat and code (llama-2-7b each, 1 req/s from 30 s) on the seed's cluster; chat's load
     rises by 20 req/s at 60 s."""
-
-    def model(name: str) -> dict[str, Any]:
-        return {"name": name, "model": "llama-2-7b",
-                "demand": {"request_rate_per_s": 1, "input_tokens": 512, "output_tokens": 128},
-                "slo": {"ttft_p99_ms": 2000, "tpot_p99_ms": 60}, "dtypes": ["bf16"]}  # fmt: skip
-
-    def workload(name: str, rate_per_s: float, start_s: float) -> dict[str, Any]:
-        return {"model": name, "arrivals": {"rate_per_s": rate_per_s, "start_s": start_s},
-                "prompt_tokens": {"dist": "fixed", "mean": 512},
-                "output_tokens": {"dist": "fixed", "mean": 128}}  # fmt: skip
-
+    model, workload = seven_b, fixed_workload
     doc = {
         "name": "two-models", "duration_s": duration_s, "seed": 0, "report_interval_s": 30,
         "cluster": {"file": str(SEED_CLUSTER)}, "models": [model("chat"), model("code")],

@@ -25,6 +25,7 @@ from flexpipe.gateway import moves
 from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
+from flexpipe.gateway.demand import DemandSignal
 from flexpipe.gateway.holds import REFUSED_RETRY_AFTER_S, Holds
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
@@ -71,13 +72,13 @@ class Gateway:
         self.tenants = Tenants(cfg.tenants, clock())
         self.timeouts = Timeouts(cfg.connect_timeout_s, cfg.ttfb_timeout_s, cfg.idle_timeout_s)
         self._waiters = WaitQueue[asyncio.Future[None]]()  # requests waiting for a slot
+        self.demand_signal = DemandSignal(self._waiters.count, clock)  # POST .../demand
         self.tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
         self._calls: dict[int, Call] = {}  # accepted, not yet ended, whatever their phase
         self._call_ids = itertools.count(1)
         self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
         self.num_warm_ups_on: dict[str, int] = {}  # instance url -> moves' warm-ups sent there
         self._drain_waiters: list[asyncio.Future[None]] = []
-        self._demand_waiters: list[asyncio.Future[None]] = []  # woken when one queues
         # model -> clock time until which queued requests wait (a shift re-launching capacity)
         self.holds = Holds()
         self.relays: set[PushRelay] = set()  # streams being relayed by push
@@ -408,7 +409,7 @@ class Gateway:
             if ticket is None:
                 ticket = self._waiters.ticket()
             self._waiters.push(call.model, fut, ticket)
-            self._demand_changed()
+            self.demand_signal.changed()
             try:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
                 # that comes as the future completes, and the client's leaving is lost
@@ -434,27 +435,9 @@ class Gateway:
         it, so while it has no instance its requests get a 503 with this reason."""
         return self.holds.refused(model, self.clock())
 
-    def _demand_changed(self) -> None:
-        waiters, self._demand_waiters = self._demand_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
     async def demand(self, models: Collection[str], timeout_s: float) -> dict[str, int]:
-        """Requests queued for `models`, once there is at least one or `timeout_s` passed:
-        the controller's demand trigger for a model scaled to zero. Woken by each request
-        that queues, not a poll."""
-        deadline = self.clock() + timeout_s
-        while True:
-            queued = {m: n for m in models if (n := self._waiters.count(m))}
-            left = deadline - self.clock()
-            if queued or left <= 0:
-                return queued
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._demand_waiters.append(fut)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
-                    await fut
+        """Requests queued for `models`, as soon as one queues (the demand trigger)."""
+        return await self.demand_signal.wait(models, timeout_s)
 
     def set_hold(self, model: str, seconds: float) -> None:
         """`POST /admin/models/hold`; one that ends wakes the queue (`Holds.wait_deadline`)."""
