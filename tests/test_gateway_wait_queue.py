@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import openai
 from test_gateway_api import Running
@@ -75,3 +76,46 @@ def test_a_freed_slot_goes_to_its_own_models_oldest_waiter(lt: LoopThread) -> No
         assert r.gw.num_waiting == 0 and r.gw.queued_by_model() == {}
     finally:
         r.close()
+
+
+def test_a_waiter_that_may_not_use_the_freed_slot_passes_it_on() -> None:
+    """A retry that left instance a (`excluded`) waits first in the line; a's slot frees and
+    wakes it, but it may not go there: the next waiter is woken and takes a at once. (It slept
+    until its own wait ran out, and every new request of the model queued behind it.)"""
+    from types import SimpleNamespace
+
+    from flexpipe.gateway.app import Gateway
+    from flexpipe.gateway.config import config_from_dict
+    from flexpipe.policies.routing import RoutingRequest
+
+    async def scenario() -> tuple[str, float, bool]:
+        gw = Gateway(config_from_dict({
+            "backends": [{"url": "http://a", "model": "m"}, {"url": "http://b", "model": "m"}],
+            "max_concurrency_per_instance": 1, "max_queue": 8, "max_queue_wait_s": 5,
+        }))  # fmt: skip
+        a, b = gw.pool.get("http://a"), gw.pool.get("http://b")
+        assert a is not None and b is not None
+        gw.router.acquire(a, 1)
+        gw.router.acquire(b, 1)  # both full
+
+        def call(excluded: set[str]) -> Any:
+            return SimpleNamespace(model="m", routing=RoutingRequest(1, 1, ()), move=None,
+                                   excluded=excluded, failed=set(), t0=gw.clock())  # fmt: skip
+
+        retry = asyncio.create_task(gw._pick(call({"http://a"})))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(gw._pick(call(set())))
+        await asyncio.sleep(0.01)
+        assert gw.queued_by_model() == {"m": 2}
+        t0 = gw.clock()
+        gw.router.finish(a, 1, t0)
+        gw._wake_one("m")  # what `Gateway.finish` of a's request does
+        inst = await asyncio.wait_for(second, 2.0)
+        waited_s = gw.clock() - t0
+        still_waiting = not retry.done()
+        retry.cancel()
+        await gw.close()
+        return inst.url, waited_s, still_waiting
+
+    url, waited_s, still_waiting = asyncio.run(scenario())
+    assert url == "http://a" and waited_s < 1.0 and still_waiting

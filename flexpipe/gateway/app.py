@@ -363,6 +363,7 @@ class Gateway:
         FIFO queue until a slot frees (or 429 when the queue is full or the wait too long)."""
         own_deadline: float | None = None  # the queue's own wait, from the first refusal
         ticket: int | None = None  # its place in its model's line, from when it first queued
+        woken = False  # by a freed slot (not its wait's end)
         while True:
             if self._grace_over:
                 raise HttpError(503, "the gateway is shutting down")
@@ -384,6 +385,11 @@ class Gateway:
                 pick = None  # held (scaled to zero, or re-launched): wait for an instance
             if ticket is None and prefer is None and self._waiters.count(call.model):
                 pick = None  # others of its model wait: first come, first served
+            if pick is None and woken and (call.excluded or call.failed):
+                # woken for a slot on an instance it may not use (one it left or failed on):
+                # the slot goes to the next waiter of its model
+                self._wake_one(call.model, after=ticket or 0)
+            woken = False
             if pick is not None:
                 self.metrics.decision(self.router.policy.name, pick.reason)
                 if pick.num_blocks:
@@ -415,6 +421,7 @@ class Gateway:
                 # that comes as the future completes, and the client's leaving is lost
                 async with asyncio.timeout(left):
                     await fut
+                woken = True
             except TimeoutError:
                 pass
             except asyncio.CancelledError:
@@ -454,10 +461,10 @@ class Gateway:
         if new:
             self._wake_all()
 
-    def _wake_one(self, model: str) -> None:
-        """A slot of `model` freed: its oldest waiter not woken yet looks again (it leaves
-        the line itself, as it resumes: until then a new request queues behind it)."""
-        for fut in self._waiters.line(model):
+    def _wake_one(self, model: str, after: int = 0) -> None:
+        """A slot of `model` freed: its oldest waiter not woken yet (with a ticket past
+        `after`) looks again; it leaves the line itself, as it resumes."""
+        for fut in self._waiters.line(model, after):
             if not fut.done():
                 fut.set_result(None)
                 return

@@ -61,9 +61,9 @@ class WaitQueue(Generic[T]):
                 return True
         return False
 
-    def line(self, model: str) -> list[T]:
-        """`model`'s waiters, oldest first."""
-        return [w for _, w in self._lines.get(model, ())]
+    def line(self, model: str, after: int = 0) -> list[T]:
+        """`model`'s waiters with a ticket past `after`, oldest first."""
+        return [w for t, w in self._lines.get(model, ()) if t > after]
 
     def pop_first(self, model: str) -> T | None:
         """`model`'s oldest waiter, out of the line (None: nobody waits for it)."""

@@ -278,7 +278,11 @@ class SimController:
         self._shift_started_s = now
         self._num_shifts += 1
         p = self.params
-        kept = renewal(self._standby | set(release), self.refused, p.tick_s, STANDBY_HOLD_S)
+        # as live: also the models the target has none of (ShiftRun holds them at zero)
+        to_zero = {r.planned.model for r in self.running.values()} - {t.model for t in target}
+        kept = renewal(
+            self._standby | set(release) | to_zero, self.refused, p.tick_s, STANDBY_HOLD_S
+        )
         if kept is not None:
             self._renew_at(now + kept.every_s, kept, self._num_shifts)
 
