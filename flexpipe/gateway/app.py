@@ -25,7 +25,6 @@ from flexpipe.gateway import moves
 from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
-from flexpipe.gateway.demand import DemandSignal
 from flexpipe.gateway.holds import REFUSED_RETRY_AFTER_S, Holds
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
@@ -33,6 +32,7 @@ from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay, WarmOutcome
 from flexpipe.gateway.retry_later import RetryLater, retry_later
 from flexpipe.gateway.router import NoInstance, Router
+from flexpipe.gateway.signal import Signal
 from flexpipe.gateway.tenants import Tenants, completion_tokens
 from flexpipe.gateway.ui_routes import UiRoutes
 from flexpipe.gateway.wait_queue import WaitQueue
@@ -72,13 +72,13 @@ class Gateway:
         self.tenants = Tenants(cfg.tenants, clock())
         self.timeouts = Timeouts(cfg.connect_timeout_s, cfg.ttfb_timeout_s, cfg.idle_timeout_s)
         self._waiters = WaitQueue[asyncio.Future[None]]()  # requests waiting for a slot
-        self.demand_signal = DemandSignal(self._waiters.count, clock)  # POST .../demand
+        self.queued_signal = Signal(clock)  # a request queued (the demand trigger)
         self.tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
         self._calls: dict[int, Call] = {}  # accepted, not yet ended, whatever their phase
         self._call_ids = itertools.count(1)
         self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
         self.num_warm_ups_on: dict[str, int] = {}  # instance url -> moves' warm-ups sent there
-        self._drain_waiters: list[asyncio.Future[None]] = []
+        self.ended_signal = Signal(clock)  # a request ended (`drained`)
         # model -> clock time until which queued requests wait (a shift re-launching capacity)
         self.holds = Holds()
         self.relays: set[PushRelay] = set()  # streams being relayed by push
@@ -415,7 +415,7 @@ class Gateway:
             if ticket is None:
                 ticket = self._waiters.ticket()
             self._waiters.push(call.model, fut, ticket)
-            self.demand_signal.changed()
+            self.queued_signal.notify()
             try:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
                 # that comes as the future completes, and the client's leaving is lost
@@ -444,7 +444,9 @@ class Gateway:
 
     async def demand(self, models: Collection[str], timeout_s: float) -> dict[str, int]:
         """Requests queued for `models`, as soon as one queues (the demand trigger)."""
-        return await self.demand_signal.wait(models, timeout_s)
+        return await self.queued_signal.wait_for(
+            lambda: {m: n for m in models if (n := self._waiters.count(m))}, timeout_s
+        )
 
     def set_hold(self, model: str, seconds: float) -> None:
         """`POST /admin/models/hold`; one that ends wakes the queue (`Holds.wait_deadline`)."""
@@ -503,11 +505,7 @@ class Gateway:
         if status == "200":
             self.metrics.observe("e2e", call.model, now - call.t0)
         self._wake_one(call.model)
-        if self._drain_waiters:  # someone waits for an instance to drain: look again
-            waiters, self._drain_waiters = self._drain_waiters, []
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
+        self.ended_signal.notify()  # someone may wait for an instance to drain
 
     def success(self, inst: Instance) -> None:
         self.router.succeeded(inst)
@@ -552,17 +550,7 @@ class Gateway:
     async def drained(self, url: str, timeout_s: float) -> bool:
         """Wait until `url` serves no request (True) or `timeout_s` passed (False): woken by
         every request that ends, not a poll."""
-        deadline = self.clock() + timeout_s
-        while self.calls_on(url):
-            left = deadline - self.clock()
-            if left <= 0:
-                return False
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._drain_waiters.append(fut)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
-                    await fut
-        return True
+        return await self.ended_signal.wait_for(lambda: not self.calls_on(url), timeout_s)
 
     # ---------------------------------------------------------------- shutdown
     async def shutdown(self, grace_s: float) -> None:
