@@ -8,6 +8,7 @@ import asyncio
 import re
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -316,6 +317,34 @@ def test_a_hold_keeps_requests_queued_while_capacity_is_relaunched(lt: LoopThrea
         r.close()
 
 
+def held_queue_then(
+    r: Running, then: Callable[[], None]
+) -> tuple[list[BaseException | None], float]:
+    """Three requests queued for the held `fake-model` (past `max_queue_wait_s`: still
+    waiting), then `then()` (an admin call, off the event loop): each request's error and how
+    long after `then()` the last of them ended."""
+
+    async def scenario() -> tuple[list[BaseException | None], float]:
+        client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
+        try:
+            tasks = [
+                asyncio.create_task(
+                    client.completions.create(model="fake-model", prompt="x", max_tokens=2)
+                )
+                for _ in range(3)
+            ]
+            await asyncio.sleep(0.6)  # past max_queue_wait_s: held, still queued
+            assert not any(t.done() for t in tasks)
+            t0 = time.monotonic()
+            await asyncio.to_thread(then)
+            await asyncio.wait(tasks, timeout=10)
+            return [t.exception() for t in tasks], time.monotonic() - t0
+        finally:
+            await client.close()
+
+    return asyncio.run(scenario())
+
+
 def test_a_hold_that_ends_with_no_instance_left_refuses_its_queue_at_once(
     lt: LoopThread,
 ) -> None:
@@ -328,27 +357,11 @@ def test_a_hold_that_ends_with_no_instance_left_refuses_its_queue_at_once(
     try:
         assert r.http("POST", "/admin/models/hold", hold, auth)[0] == 200
 
-        async def scenario() -> tuple[list[BaseException | None], float]:
-            client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
-            try:
-                tasks = [
-                    asyncio.create_task(
-                        client.completions.create(model="fake-model", prompt="x", max_tokens=2)
-                    )
-                    for _ in range(3)
-                ]
-                await asyncio.sleep(0.6)  # past max_queue_wait_s: held, still queued
-                assert not any(t.done() for t in tasks)
-                t0 = time.monotonic()
-                end = b'{"model": "fake-model", "seconds": 0}'
-                status = await asyncio.to_thread(r.http, "POST", "/admin/models/hold", end, auth)
-                assert status[0] == 200
-                await asyncio.wait(tasks, timeout=10)
-                return [t.exception() for t in tasks], time.monotonic() - t0
-            finally:
-                await client.close()
+        def end_hold() -> None:
+            end = b'{"model": "fake-model", "seconds": 0}'
+            assert r.http("POST", "/admin/models/hold", end, auth)[0] == 200
 
-        errors, took_s = asyncio.run(scenario())
+        errors, took_s = held_queue_then(r, end_hold)
         assert all(isinstance(e, openai.APIStatusError) and e.status_code == 503 for e in errors)
         assert took_s < 3.0  # at once (before: the hold's 300 s)
         assert idle(r)

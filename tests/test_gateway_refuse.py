@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 from test_gateway_api import Running
-from test_gateway_exits import idle
+from test_gateway_exits import held_queue_then, idle
 from test_gateway_fakes import FakeEngine, LoopThread
 
 from flexpipe.gateway.holds import REFUSED_RETRY_AFTER_S, Holds
@@ -101,25 +101,7 @@ def test_requests_queued_for_a_held_model_get_the_503_when_it_is_refused(
         hold = b'{"model": "fake-model", "seconds": 300}'
         assert r.http("POST", "/admin/models/hold", hold, AUTH)[0] == 200
 
-        async def scenario() -> tuple[list[BaseException | None], float]:
-            client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0)
-            try:
-                tasks = [
-                    asyncio.create_task(
-                        client.completions.create(model="fake-model", prompt="x", max_tokens=2)
-                    )
-                    for _ in range(3)
-                ]
-                await asyncio.sleep(0.6)  # past max_queue_wait_s: held, still queued
-                assert not any(t.done() for t in tasks)
-                t0 = time.monotonic()
-                await asyncio.to_thread(refuse, r)
-                await asyncio.wait(tasks, timeout=10)
-                return [t.exception() for t in tasks], time.monotonic() - t0
-            finally:
-                await client.close()
-
-        errors, took_s = asyncio.run(scenario())
+        errors, took_s = held_queue_then(r, lambda: refuse(r))
         assert took_s < 3.0  # at once, not the hold's 300 s
         for e in errors:
             assert isinstance(e, openai.APIStatusError) and e.status_code == 503
