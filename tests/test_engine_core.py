@@ -84,24 +84,34 @@ def test_block_manager_prefix_hit_and_lru_eviction() -> None:
     kv = KVState()
     bm.update_hashes(kv, tokens)
     assert bm.allocate(kv, 5)
-    assert kv.block_ids == [0, 1, 2]
+    assert kv.num_blocks == 3
     bm.cache_full_blocks(kv, 5)
+    h0, h1 = kv.block_hashes
+    assert bm.cached == {h0: 1, h1: 1}
     bm.free(kv)
-    assert list(bm.free_queue) == [3, 2, 1, 0]  # freed tail first
+    # freed tail first, after the never-used block: [3, 2, 1, 0] by block id
+    assert bm.free_entries() == [None, None, h1, h0]
     kv2 = KVState()
     bm.update_hashes(kv2, tokens)
     hits = bm.computed_blocks(kv2, 5)
-    assert hits == [0, 1]
+    assert len(hits) == 2
     assert bm.allocate(kv2, 5, hits)
-    assert kv2.block_ids == [0, 1, 3]  # new block: least recently freed (3)
+    # its new block is the least recently freed (the never-used one), so the partial block
+    # freed by `kv` is next in line
+    assert bm.free_entries() == [None] and bm.cached == {h0: 1, h1: 1}
     assert bm.usage == 0.75
-    # a different prefix evicts the cached block 2 (the only free one)
+    # a different prefix takes the only free block
     kv3 = KVState()
     bm.update_hashes(kv3, [9, 9])
     assert bm.computed_blocks(kv3, 2) == []
     assert bm.allocate(kv3, 2)
-    assert kv3.block_ids == [2]
     assert not bm.allocate(KVState(), 2)
+    # freeing kv2 queues its blocks tail first; a new allocation evicts its tail's entry first
+    bm.free(kv2)
+    assert bm.free_entries() == [None, h1, h0]
+    kv4 = KVState()
+    assert bm.allocate(kv4, 4)  # two blocks: the anonymous one, then h1's
+    assert bm.cached == {h0: 0}
 
 
 def test_continuous_batching_and_chunked_prefill() -> None:
@@ -377,7 +387,7 @@ def test_core_abort_mid_step_frees_blocks_and_drops_its_token() -> None:
     assert core.abort(a, now + 0.001) and not core.abort(a, now + 0.002)
     metrics.observe_abort(a)
     assert a.finish_reason == "abort" and a.finished_s == now + 0.001
-    assert bm.num_free_blocks == bm.num_blocks - len(b.kv.block_ids)
+    assert bm.num_free_blocks == bm.num_blocks - b.kv.num_blocks
     ev = core.complete(plan, now + plan.duration_s)
     assert ev.progressed == [b] and a.num_output_tokens == 1
     assert sample(metrics, "vllm:request_success_total", finished_reason="abort") == 1

@@ -66,10 +66,9 @@ def _state(core: EngineCore) -> tuple[object, ...]:
         # (kv.num_cached_blocks is not kept for a lazy decode: `schedule` sets it before
         # anything reads it)
         reqs.append((r.request_id, r.status, len(r.token_ids), r.token_ids[-2:],
-                     r.num_computed_tokens, list(r.kv.block_ids), list(r.kv.block_hashes),
+                     r.num_computed_tokens, r.kv.describe(), list(r.kv.block_hashes),
                      r.last_token_s))  # fmt: skip
-    return (reqs, list(bm.free_queue), dict(bm.cached), list(bm.ref_counts),
-            list(bm.block_hash), bm.stats, s.num_preemptions)  # fmt: skip
+    return (reqs, bm.free_entries(), bm.cached, bm.stats, s.num_preemptions)
 
 
 @pytest.mark.parametrize(("policy", "num_blocks", "caching", "seed"), [

@@ -182,10 +182,10 @@ def test_fast_forward_equals_stepping_on_one_core(lazy: bool) -> None:
             sched.materialize(r)
         states.append((
             t_end,
-            [(r.request_id, r.num_tokens, r.num_computed_tokens, list(r.kv.block_ids),
+            [(r.request_id, r.num_tokens, r.num_computed_tokens, r.kv.describe(),
               list(r.kv.block_hashes), None if lazy else r.kv.num_cached_blocks, r.token_ids[-3:],
               r.last_token_s) for r in sched.running],
-            list(sched.bm.free_queue), dict(sched.bm.cached), list(sched.bm.ref_counts),
+            sched.bm.free_entries(), sched.bm.cached,
         ))  # fmt: skip
     (t_fast, run_fast, *rest_fast), (t_slow, run_slow, *rest_slow) = states
     assert t_fast == pytest.approx(t_slow, rel=1e-12)
@@ -270,8 +270,8 @@ def _instance_run(stretches: bool, seed: int, num_kv_blocks: int) -> tuple[list[
     loop.run(t + 60)
     inst.sync(loop.now_s)  # (a stretch may be in progress)
     bm = inst.core.scheduler.bm
-    engine = [(inst.num_steps, inst.core.scheduler.num_preemptions, list(bm.free_queue),
-               dict(bm.cached), list(bm.ref_counts))]  # fmt: skip
+    engine = [(inst.num_steps, inst.core.scheduler.num_preemptions, bm.free_entries(),
+               bm.cached)]  # fmt: skip
     return done, firsts, scraped, taken, engine, [inst.num_events, next_id[0] - 1000]
 
 

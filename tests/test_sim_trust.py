@@ -77,7 +77,7 @@ def _check_conservation(sc: Scenario, result: SimResult) -> None:
         sched = inst.core.scheduler
         assert not sched.has_work
         assert sched.bm.num_free_blocks == sched.bm.num_blocks
-        assert all(c == 0 for c in sched.bm.ref_counts)
+        assert all(c == 0 for c in sched.bm.cached.values())
     # GPU-seconds, over the whole run (the duration and the drain after it, to the last
     # request's end or release): reserved per interval = each instance's GPUs x its held time in it;
     # busy = each engine's computing time, all of it; never busy beyond reserved anywhere

@@ -1,94 +1,100 @@
 """The block manager's free queue: free KV blocks in eviction order (least recently freed
-first), with O(1) append, O(1) pop of the oldest and O(1) removal from the middle (a cache hit
-on a free block).
+first), kept as ranges of blocks rather than one entry per block.
 
-A `deque` of block ids with lazy removal: removing a block only counts it in `_skip[block]`;
-the entry stays in the deque and is dropped when it reaches the head. A block has at most one
-live entry, its latest (it is appended only once its last reference is dropped, which cannot
-happen while it is free), so every skipped entry of a block comes before its live one; when
-there are more skipped entries than blocks, the deque is rebuilt without them. A
-deque's `popleft`/`append` are several times cheaper than an `OrderedDict`'s `popitem` and
-insertion, and allocating and freeing a request's blocks is the simulator's most frequent
-bookkeeping (every prompt block of every request, twice).
+Blocks are freed a request at a time, tail first, and a request's blocks are runs of one
+prefix-cache entry after another (flexpipe.engine.block_manager, `Run`), so the blocks freed
+together are a few ranges: an `Entry` is either a range of a run's blocks (its offsets
+`hi - 1` down to `lo`, in queue order) or a number of anonymous blocks (no cache entry: any
+one is as good as another, so they need no names). Popping n blocks takes from the oldest
+entries; evicting a run's blocks shortens its cached prefix (`Run.extent`).
+
+A cache hit takes free blocks back out of the middle of the queue: always a run's lowest free
+offsets, which its most recently queued entries hold, so those entries are cut from below
+(`Run.take_free`) and an entry cut to nothing is dropped when it reaches the head.
+
+Why ranges: allocating, registering, freeing and evicting every prompt block of every request
+one by one was the simulator's most frequent bookkeeping, and the dicts it touched per block
+outgrew the CPU caches.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flexpipe.engine.block_manager import Run
+
+
+class Entry:
+    """Free blocks queued together: `run`'s offsets hi - 1 down to lo, or (run None) hi - lo
+    anonymous blocks. Empty once hi <= lo."""
+
+    __slots__ = ("hi", "lo", "run")
+
+    def __init__(self, run: Run | None, lo: int, hi: int) -> None:
+        self.run = run
+        self.lo = lo
+        self.hi = hi
 
 
 class FreeQueue:
-    __slots__ = ("_num_free", "_num_skipped", "_queue", "_skip")
+    __slots__ = ("_entries", "_num_free")
 
     def __init__(self, num_blocks: int) -> None:
-        self._queue: deque[int] = deque(range(num_blocks))
-        self._skip = [0] * num_blocks  # block id -> its removed entries still in the deque
+        self._entries: deque[Entry] = deque([Entry(None, 0, num_blocks)])
         self._num_free = num_blocks
-        self._num_skipped = 0  # sum of `_skip`
 
     def __len__(self) -> int:
         return self._num_free
 
-    def __iter__(self) -> Iterator[int]:
-        """The free blocks, oldest first."""
-        skip = {b: n for b, n in enumerate(self._skip) if n} if self._num_skipped else {}
-        for b in self._queue:
-            n = skip.get(b, 0)
-            if n:
-                skip[b] = n - 1
+    def entries(self) -> list[Entry]:
+        """The live entries, oldest first (for inspection)."""
+        return [e for e in self._entries if e.hi > e.lo]
+
+    def add_anonymous(self, num: int) -> None:
+        if num > 0:
+            last = self._entries[-1] if self._entries else None
+            if last is not None and last.run is None and last.hi > last.lo:
+                last.hi += num  # (anonymous blocks are interchangeable: one entry)
             else:
-                yield b
+                self._entries.append(Entry(None, 0, num))
+            self._num_free += num
 
-    def append(self, block: int) -> None:
-        self._queue.append(block)
-        self._num_free += 1
+    def add_run(self, run: Run, lo: int, hi: int) -> None:
+        """`run`'s offsets hi - 1 down to lo were freed."""
+        entry = Entry(run, lo, hi)
+        self._entries.append(entry)
+        run.entries.append(entry)
+        self._num_free += hi - lo
 
-    def remove(self, block: int) -> None:
-        """Take a free block out of the queue (the caller knows it is free)."""
-        self._skip[block] += 1
-        self._num_skipped += 1
-        self._num_free -= 1
-        if self._num_skipped > len(self._skip):
-            self._compact()
-
-    def _compact(self) -> None:
-        """Drop every skipped entry (more of them than blocks: hits on free blocks outpaced
-        the pops that drop them at the head), so the deque stays within twice the blocks."""
-        live = deque(iter(self))
-        self._queue = live
-        self._skip = [0] * len(self._skip)
-        self._num_skipped = 0
-
-    def pop(self, num: int) -> list[int]:
-        """The `num` oldest free blocks, oldest first (the caller checked there are as many)."""
-        popleft = self._queue.popleft
-        out = [popleft() for _ in range(num)]
+    def taken(self, num: int) -> None:
+        """`num` free blocks were taken out of the middle by cache hits (`Run.take_free`)."""
         self._num_free -= num
-        if self._num_skipped:
-            skip = self._skip
-            if any(skip[b] for b in out):
-                out = self._drop_skipped(out, num)
-        return out
 
-    def pop_one(self) -> int:
-        """The oldest free block (`pop(1)[0]`)."""
-        b = self._queue.popleft()
-        self._num_free -= 1
-        if self._num_skipped and self._skip[b]:
-            return self._drop_skipped([b], 1)[0]
-        return b
+    def pop(self, num: int) -> None:
+        """Take the `num` oldest free blocks for reuse, evicting their cache entries (the
+        caller checked there are as many)."""
+        self._num_free -= num
+        entries = self._entries
+        while num:
+            entry = entries[0]
+            live = entry.hi - entry.lo
+            if live > num:
+                entry.hi -= num
+                if entry.run is not None:
+                    entry.run.evict_to(entry.hi)
+                return
+            entries.popleft()
+            if live <= 0:
+                continue  # cut to nothing by cache hits
+            num -= live
+            run = entry.run
+            if run is not None:
+                run.entries.remove(entry)
+                run.evict_to(entry.lo)
 
-    def _drop_skipped(self, popped: list[int], num: int) -> list[int]:
-        skip = self._skip
-        popleft = self._queue.popleft
-        out: list[int] = []
-        pending = deque(popped)
-        while len(out) < num:
-            b = pending.popleft() if pending else popleft()
-            if skip[b]:
-                skip[b] -= 1
-                self._num_skipped -= 1
-            else:
-                out.append(b)
-        return out
+    def forget_runs(self) -> None:
+        """Every free block forgets its cache entry (the prefix cache was reset)."""
+        num = self._num_free
+        self._entries = deque([Entry(None, 0, num)] if num else [])

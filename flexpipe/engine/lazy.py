@@ -89,7 +89,7 @@ class LazyDecodes:
         heappush(self._finish_due, (limit - 1 - n + step, seq, gen, req))
         # the step whose token count first exceeds the blocks it holds (>= `step`: the blocks
         # hold at least the tokens computed so far)
-        nxt = len(req.kv.block_ids) * self.bm.block_size - n + step + 1
+        nxt = req.kv.num_blocks * self.bm.block_size - n + step + 1
         req._next_block_step = nxt
         self._due_at(nxt, (seq, gen, req))
 

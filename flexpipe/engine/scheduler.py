@@ -200,7 +200,7 @@ class Scheduler(LazyDecodes):
                 continue
             total = before + num_new
             kv = req.kv
-            num_blocks = len(kv.block_ids)
+            num_blocks = kv.num_blocks
             if total <= num_blocks * bs:
                 # `allocate`'s no-new-block case, inline (it runs for nearly every decode)
                 if kv.num_cached_blocks < num_blocks:
@@ -397,7 +397,7 @@ class Scheduler(LazyDecodes):
                 if num_new > 0:
                     budget -= num_new
                     total = req.num_computed_tokens + num_new
-                    num_need += max(0, -(-total // bs) - len(req.kv.block_ids))
+                    num_need += max(0, -(-total // bs) - req.kv.num_blocks)
         if budget < 0 or num_need > len(bm.free_queue):
             self._unlazy_all()
             return None
@@ -416,9 +416,9 @@ class Scheduler(LazyDecodes):
                 continue
             total = before + num_new
             kv = req.kv
-            if total <= len(kv.block_ids) * bs:
-                if kv.num_cached_blocks < len(kv.block_ids):
-                    kv.num_cached_blocks = len(kv.block_ids)
+            if total <= kv.num_blocks * bs:
+                if kv.num_cached_blocks < kv.num_blocks:
+                    kv.num_cached_blocks = kv.num_blocks
             else:
                 ok = bm.allocate(kv, total)
                 assert ok
