@@ -258,17 +258,12 @@ class BlockManager:
         kv.add_anonymous(need)
         return True
 
-    def append_blocks(self, kvs: Sequence[KVState]) -> bool:
-        """One more block for each of `kvs`, in order (decodes that filled their last block):
-        `allocate`'s new-block case for one block each, without the token counts. False, and
-        nothing changed, if too few are free."""
-        free = self.free_queue
-        if len(free) < len(kvs):
-            return False
-        free.pop(len(kvs))
-        for kv in kvs:
-            kv.add_anonymous(1)
-        return True
+    def allocate_detached(self, num: int) -> None:
+        """`num` new blocks for requests told of them later (`KVState.add_anonymous`):
+        decodes that filled their last block, which a lazy scheduler counts instead of
+        handing them out one by one (the caller checked they are free). A new block is
+        anonymous, so which request gets which one does not matter."""
+        self.free_queue.pop(num)
 
     def cache_full_blocks(self, kv: KVState, num_computed_tokens: int) -> None:
         """Register the request's blocks that are full of computed tokens in the prefix cache

@@ -4,14 +4,18 @@ With `Scheduler(..., lazy_decodes=True)` (the simulator's engines), a running re
 decodes a known token every step (a one-token vocabulary that can only end it by length, see
 `EngineRequest._plain_token`) costs nothing per step. It keeps the step it went lazy at and
 its token count then; its true state is a function of the step counter (`num_steps`). What
-happens at a particular step is kept by step: it needs a new KV block (`schedule`; a dict of
-step -> entries, as every step's are taken in turn and a lazy request needs a block every
-`block_size` steps: cheaper than a heap), it finishes by max_tokens / max_model_len
-(`finish_step`; a heap, as a stretch asks for the first). The step's `BatchShape` comes from
-running sums, as a decode step's context is affine in the step. A step then does O(changes)
-work, with the block manager called in exactly the order the per-step path calls it
-(allocations in `running` order, then admissions; frees in batch order), so every block id,
-free-queue position and prefix-cache entry is the same. A decode never registers a block in
+happens at a particular step is kept by step: how many lazy requests need a new KV block
+(`schedule`; a dict of step -> count, as every step's are taken in turn and a lazy request
+needs a block every `block_size` steps, so a step's count moves on by `block_size` steps), it
+finishes by max_tokens / max_model_len (`finish_step`; a heap, as a stretch asks for the
+first). A decode's new blocks are anonymous (no prefix-cache entry), so the step takes them
+off the free queue in one go and a request's `KVState` is told of them only when it is
+materialised: its block count is a function of its tokens (`_lazy_blocks`). The step's
+`BatchShape` comes from running sums, as a decode step's context is affine in the step. A
+step then does O(changes) work, and the block manager ends every step in exactly the state
+the per-step path leaves (a step's allocations only take free blocks from the head of the
+queue, so their order within the step does not matter; frees stay in batch order). A decode
+never registers a block in
 the prefix cache (`schedule` marks every block it holds as registered before `finish_step`
 could; so block size >= 2 is required), and a decode's block hashes are a pure function of
 its tokens, so both wait until the request is materialised. A step whose budget or free
@@ -35,10 +39,8 @@ from flexpipe.engine.request import EngineRequest, Status
 if TYPE_CHECKING:
     from flexpipe.engine.scheduler import SchedulerConfig, TokenStamps
 
-# (place in `running`, generation, request): an entry whose generation is not the request's
-# current one is stale (the request stopped decoding lazily since)
-_Entry = tuple[int, int, EngineRequest]
-# (step, place in `running`, generation, request)
+# (step, place in `running`, generation, request): an entry whose generation is not the
+# request's current one is stale (the request stopped decoding lazily since)
 _Due = tuple[int, int, int, EngineRequest]
 
 
@@ -54,7 +56,8 @@ class LazyDecodes:
         self._last_now_s = 0.0  # the last stamped step's `now`
         self._num_lazy = 0
         self._lazy_context = 0  # sum of len(token_ids) - _lazy_step over lazy requests
-        self._block_due: dict[int, list[_Entry]] = {}  # step -> lazy requests needing a block
+        self._block_due: dict[int, int] = {}  # step -> lazy requests needing a new block then
+        self._blocks_through = -1  # the last step whose lazy requests' new blocks were taken
         self._finish_due: list[_Due] = []  # a lazy request finishes at step
 
     def materialize(self, req: EngineRequest) -> None:
@@ -62,6 +65,9 @@ class LazyDecodes:
         block hashes up to date (it stays lazy). A no-op for any other request."""
         if req._lazy_step < 0:
             return
+        blocks = self._lazy_blocks(req)
+        if blocks > req.kv.num_blocks:
+            req.kv.add_anonymous(blocks - req.kv.num_blocks)
         k = self.num_steps - req._lazy_step
         if k <= 0:
             return
@@ -72,6 +78,34 @@ class LazyDecodes:
         req._lazy_step = self.num_steps
         if self.bm.enable_caching:
             self.bm.update_hashes(req.kv, token_ids)
+
+    def _lazy_blocks(self, req: EngineRequest) -> int:
+        """The blocks a lazy request holds now: those of its `KVState`, or as many as its
+        tokens up to the last step whose new blocks were taken need (each step computes one
+        more; `token_ids` holds its tokens at step `_lazy_step`), if more."""
+        through = self._blocks_through
+        if through < req._lazy_step:
+            return req.kv.num_blocks
+        num_tokens = len(req.token_ids) + through - req._lazy_step
+        return max(req.kv.num_blocks, -(-num_tokens // self.bm.block_size))
+
+    def _pending_block_step(self, req: EngineRequest) -> int:
+        """The next step at which a lazy request needs a new block (counted in `_block_due`):
+        its first, or one `block_size` steps after the last taken."""
+        first = req._next_block_step
+        through = self._blocks_through
+        if through < first:
+            return first
+        return first + ((through - first) // self.bm.block_size + 1) * self.bm.block_size
+
+    def _not_due(self, req: EngineRequest) -> None:
+        """A lazy request leaves: uncount its pending new block."""
+        step = self._pending_block_step(req)
+        n = self._block_due[step] - 1
+        if n:
+            self._block_due[step] = n
+        else:
+            del self._block_due[step]
 
     def _lazify(self, req: EngineRequest, step: int) -> None:
         """From `step` on, `req` (which just got a token and is not finished) decodes lazily,
@@ -84,47 +118,45 @@ class LazyDecodes:
         req._lazy_step = step
         self._num_lazy += 1
         self._lazy_context += n - step
-        gen = req._lazy_gen
-        seq = req._run_seq
-        heappush(self._finish_due, (limit - 1 - n + step, seq, gen, req))
+        heappush(self._finish_due, (limit - 1 - n + step, req._run_seq, req._lazy_gen, req))
         # the step whose token count first exceeds the blocks it holds (>= `step`: the blocks
         # hold at least the tokens computed so far)
         nxt = req.kv.num_blocks * self.bm.block_size - n + step + 1
         req._next_block_step = nxt
-        self._due_at(nxt, (seq, gen, req))
+        due = self._block_due
+        due[nxt] = due.get(nxt, 0) + 1
 
-    def _due_at(self, step: int, entry: _Entry) -> None:
-        entries = self._block_due.get(step)
-        if entries is None:
-            self._block_due[step] = [entry]
-        else:
-            entries.append(entry)
+    def _take_due_blocks(self, step: int) -> None:
+        """The new blocks the lazy requests need at `step` (the caller checked they fit)."""
+        n = self._block_due.pop(step, 0)
+        if n:
+            self.bm.allocate_detached(n)
+            later = step + self.bm.block_size
+            self._block_due[later] = self._block_due.get(later, 0) + n
+        self._blocks_through = step
 
-    def _blocks_due(self, step: int) -> list[EngineRequest]:
-        """The lazy requests that need a new block at `step`, in `running` order (taken)."""
-        entries = self._block_due.pop(step, None)
-        if entries is None:
-            return []
-        if len(entries) > 1:
-            entries.sort()
-        return [req for _, gen, req in entries if gen == req._lazy_gen and req._lazy_step >= 0]
+    def lazy_blocks_needed(self, first_step: int, num_steps: int) -> int:
+        """The new blocks the lazy requests need in steps [first_step, first_step +
+        num_steps), none taken yet (a stretch's)."""
+        end = first_step + num_steps
+        bs = self.bm.block_size
+        return sum(n * ((end - 1 - s) // bs + 1) for s, n in self._block_due.items() if s < end)
 
     def _unlazy(self, req: EngineRequest) -> None:
         """Materialise `req` and track it step by step from now on."""
         self.materialize(req)
+        self._not_due(req)
         self._num_lazy -= 1
         self._lazy_context -= len(req.token_ids) - req._lazy_step
         req._lazy_step = -1
         req._lazy_gen += 1
-        if not self._num_lazy:
-            self._block_due.clear()  # (only stale entries left)
 
     def _unlazy_all(self) -> None:
         for req in self.running:
             if req._lazy_step >= 0:
                 self._unlazy(req)
         assert self._num_lazy == 0 and self._lazy_context == 0
-        self._block_due.clear()
+        assert not self._block_due
         self._finish_due.clear()
 
     @staticmethod
@@ -137,23 +169,6 @@ class LazyDecodes:
                 out.append(req)
         return out
 
-    def _new_blocks(self, reqs: list[EngineRequest], step: int) -> None:
-        """Lazy requests' new blocks at `step`, in this order (`schedule`'s allocations for
-        their decodes)."""
-        if not reqs:
-            return
-        ok = self.bm.append_blocks([req.kv for req in reqs])
-        assert ok, "a lazy decode ran out of blocks (the step's check must prevent it)"
-        # their tokens at `step` filled the blocks they held, plus one: the next block is due
-        # once those fill too
-        nxt = step + self.bm.block_size
-        entries = self._block_due.get(nxt)
-        if entries is None:
-            entries = self._block_due[nxt] = []
-        for req in reqs:
-            req._next_block_step = nxt
-            entries.append((req._run_seq, req._lazy_gen, req))
-
     def _finish_lazy(
         self, req: EngineRequest, step: int, out: list[EngineRequest], stamps: TokenStamps | None
     ) -> None:
@@ -162,12 +177,14 @@ class LazyDecodes:
             return
         n = len(req.token_ids)
         k = step - req._lazy_step  # tokens at `step`: n + k
+        blocks = self._lazy_blocks(req)
+        if blocks > req.kv.num_blocks:
+            req.kv.add_anonymous(blocks - req.kv.num_blocks)
+        self._not_due(req)
         self._num_lazy -= 1
         self._lazy_context -= n - req._lazy_step
         req._lazy_step = -1
         req._lazy_gen += 1
-        if not self._num_lazy:
-            self._block_due.clear()  # (only stale entries left)
         req.token_ids.extend([req._plain_token] * (k + 1))
         req.num_computed_tokens = n + k
         req.finish_reason = "length"
@@ -188,10 +205,19 @@ class LazyDecodes:
         if num_steps <= 0:
             return
         end = self.num_steps + num_steps
-        due = self._block_due
-        for step in range(self.num_steps, end):
-            if due:
-                self._new_blocks(self._blocks_due(step), step)
+        # every due step's count, taken at once (nothing else takes or frees blocks meanwhile)
+        bs = self.bm.block_size
+        due: dict[int, int] = {}
+        num_new = 0
+        for s, n in self._block_due.items():
+            k = (end - 1 - s) // bs + 1 if s < end else 0
+            num_new += n * k
+            later = s + k * bs
+            due[later] = due.get(later, 0) + n
+        if num_new:
+            self.bm.allocate_detached(num_new)
+        self._block_due = due
+        self._blocks_through = end - 1
         assert self.first_lazy_finish_step() >= end, "a lazy request finishes in the stretch"
         self.num_steps = end
         self._last_now_s = now

@@ -387,8 +387,7 @@ class Scheduler(LazyDecodes):
         running = self.running
         num_lazy = self._num_lazy
         budget = self.config.max_num_batched_tokens - num_lazy
-        new_block = self._blocks_due(step) if self._block_due else []
-        num_need = len(new_block)
+        num_need = self._block_due.get(step, 0)  # lazy requests needing a new block
         eager: list[EngineRequest] = []
         if num_lazy < len(running):
             eager = [r for r in running if r._lazy_step < 0]
@@ -401,15 +400,12 @@ class Scheduler(LazyDecodes):
         if budget < 0 or num_need > len(bm.free_queue):
             self._unlazy_all()
             return None
+        # every new block comes off the head of the free queue, so the lazy ones can be
+        # taken first, in one go (see flexpipe.engine.lazy)
+        self._take_due_blocks(step)
         plan = StepPlan()
         scheduled = plan.scheduled
-        n_new = 0
-        for req in eager:  # in `running` order, merged with the lazy requests' new blocks
-            seq = req._run_seq
-            n_before = n_new
-            while n_new < len(new_block) and new_block[n_new]._run_seq < seq:
-                n_new += 1
-            self._new_blocks(new_block[n_before:n_new], step)
+        for req in eager:  # in `running` order
             before = req.num_computed_tokens
             num_new = len(req.token_ids) - before
             if num_new <= 0:
@@ -423,7 +419,6 @@ class Scheduler(LazyDecodes):
                 ok = bm.allocate(kv, total)
                 assert ok
             scheduled.append((req, num_new, before))
-        self._new_blocks(new_block[n_new:] if n_new else new_block, step)
         self._admit(plan, budget)
         plan.num_lazy = num_lazy
         context = self._lazy_context + num_lazy * step  # the lazy decodes' tokens at `step`

@@ -163,8 +163,17 @@ def _plan_lazy_stretch(
     free = bm.num_free_blocks
     if len(running) * (cap // bs + 1) <= free:
         return cap
-    # (a lazy request's next block is due at an absolute step: virtual step i is step + i)
-    return _most_steps_fitting([r._next_block_step - step for r in running], bs, free, cap)
+    # (virtual step i is step + i)
+    if sched.lazy_blocks_needed(step + 1, cap) <= free:
+        return cap
+    lo, hi = 0, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sched.lazy_blocks_needed(step + 1, mid) <= free:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def price(core: EngineCore, plan: StepPlan, num_steps: int) -> Stretch:
