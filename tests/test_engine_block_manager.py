@@ -45,7 +45,7 @@ def _fuzz(seed: int, num_ops: int, num_blocks: int, bs: int) -> dict[str, int]:
                 tokens += [rng.randrange(1000) for _ in range(rng.randrange(1, 4 * bs))]
             req = _Req(tokens)
             bm.update_hashes(req.kv, tokens)
-            req.ref.block_hashes = list(req.kv.block_hashes)
+            req.ref.block_hashes = list(bm.block_hashes(req.kv))
             hits = bm.computed_blocks(req.kv, len(tokens))
             ref_hits = ref.lookup(req.ref, len(tokens))
             assert len(hits) == len(ref_hits)
@@ -68,7 +68,7 @@ def _fuzz(seed: int, num_ops: int, num_blocks: int, bs: int) -> dict[str, int]:
             if req.num_computed >= len(req.tokens):
                 req.tokens.append(rng.randrange(1000))  # a decode step's token
                 bm.update_hashes(req.kv, req.tokens)
-                req.ref.block_hashes = list(req.kv.block_hashes)
+                req.ref.block_hashes = list(bm.block_hashes(req.kv))
             target = min(len(req.tokens), req.num_computed + rng.randrange(1, 3 * bs))
             ok = bm.allocate(req.kv, target)
             assert ok == ref.allocate(req.ref, target)

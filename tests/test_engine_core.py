@@ -86,7 +86,7 @@ def test_block_manager_prefix_hit_and_lru_eviction() -> None:
     assert bm.allocate(kv, 5)
     assert kv.num_blocks == 3
     bm.cache_full_blocks(kv, 5)
-    h0, h1 = kv.block_hashes
+    h0, h1 = bm.block_hashes(kv)
     assert bm.cached == {h0: 1, h1: 1}
     bm.free(kv)
     # freed tail first, after the never-used block: [3, 2, 1, 0] by block id

@@ -66,7 +66,7 @@ def _state(core: EngineCore) -> tuple[object, ...]:
         # (kv.num_cached_blocks is not kept for a lazy decode: `schedule` sets it before
         # anything reads it)
         reqs.append((r.request_id, r.status, len(r.token_ids), r.token_ids[-2:],
-                     r.num_computed_tokens, r.kv.describe(), list(r.kv.block_hashes),
+                     r.num_computed_tokens, r.kv.describe(), list(s.bm.block_hashes(r.kv)),
                      r.last_token_s))  # fmt: skip
     return (reqs, bm.free_entries(), bm.cached, bm.stats, s.num_preemptions)
 

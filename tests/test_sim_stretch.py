@@ -183,8 +183,8 @@ def test_fast_forward_equals_stepping_on_one_core(lazy: bool) -> None:
         states.append((
             t_end,
             [(r.request_id, r.num_tokens, r.num_computed_tokens, r.kv.describe(),
-              list(r.kv.block_hashes), None if lazy else r.kv.num_cached_blocks, r.token_ids[-3:],
-              r.last_token_s) for r in sched.running],
+              list(sched.bm.block_hashes(r.kv)), None if lazy else r.kv.num_cached_blocks,
+              r.token_ids[-3:], r.last_token_s) for r in sched.running],
             sched.bm.free_entries(), sched.bm.cached,
         ))  # fmt: skip
     (t_fast, run_fast, *rest_fast), (t_slow, run_slow, *rest_slow) = states

@@ -26,6 +26,11 @@ that keeps one entry per block). It is kept in runs instead of blocks:
   from the longest held prefix (`held`) to `extent`, queued highest first.
 - A request's blocks are `Piece`s: a prefix of a run, or a count of anonymous blocks (not yet
   full, decoding, or duplicates of a cached hash), in block order.
+- Hashes are computed when first needed (`_hashes`), from the request's token ids: a prompt
+  whose first block starts no cached chain (`_roots`: the first hash of every run's request)
+  can have no block cached anywhere, so it registers its blocks as a run knowing only the
+  first hash, and the rest are computed only if a later lookup walks into that run. A prompt
+  nobody shares is hashed once, not once per block.
 
 So the common cases are a few dict and list operations per request, not one per block: a
 request's ~30 prompt blocks are allocated, registered, freed and evicted in one go each (per
@@ -50,14 +55,34 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 class Run:
     """Blocks one request registered in one go (see the module docstring)."""
 
-    __slots__ = ("entries", "extent", "hashes", "heads", "holders")
+    __slots__ = ("_block_size", "_hashes", "_parent", "_tokens", "entries", "extent", "head",
+                 "holders", "manager", "root", "start")  # fmt: skip
 
-    def __init__(self, hashes: list[int], heads: dict[int, Run]) -> None:
-        self.hashes = hashes
-        self.heads = heads  # the block manager's index of runs by first hash
-        self.extent = len(hashes)  # blocks [0, extent) are cached
-        self.holders = [len(hashes)]  # the prefix each holder holds (the owner: all)
+    def __init__(self, manager: BlockManager, kv: KVState, start: int, num: int) -> None:
+        """`kv`'s blocks [start, start + num), its hashes computed through `start`."""
+        self.manager = manager
+        hashes = kv.block_hashes
+        self.head = hashes[start]  # its key in the manager's `_heads`
+        self.root = hashes[0]  # its request's first hash (the manager's `_roots`)
+        self._parent = hashes[start - 1] if start else None
+        self._tokens = kv.token_ids
+        self._block_size = kv.block_size
+        self.start = start
+        self._hashes: list[int] | None = None  # computed when first needed
+        self.extent = num  # blocks [0, extent) are cached
+        self.holders = [num]  # the prefix each holder holds (the owner: all)
         self.entries: list[Entry] = []  # its entries in the free queue, oldest first
+
+    @property
+    def hashes(self) -> list[int]:
+        """The hashes of its cached blocks (at least)."""
+        hashes = self._hashes
+        if hashes is None:
+            start = self.start
+            hashes = _chain(self._parent, self._tokens, start, start + self.extent,
+                            self._block_size)  # fmt: skip
+            self._hashes = hashes
+        return hashes
 
     @property
     def held(self) -> int:
@@ -76,8 +101,8 @@ class Run:
         """Blocks [extent, self.extent) were reused or forgotten: their cache entries go
         (the whole run, once none is left)."""
         self.extent = extent
-        if not extent and self.heads.get(self.hashes[0]) is self:
-            del self.heads[self.hashes[0]]
+        if not extent:
+            self.manager._forget(self)
 
 
 @dataclass(slots=True)
@@ -95,12 +120,16 @@ class KVState:
 
     pieces: list[Piece] = field(default_factory=list)  # its blocks, in order
     num_blocks: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # one per full block of tokens
+    # its token ids (the request's list: it only grows) and the hashes of their full blocks
+    # computed so far (`_hashes`)
+    token_ids: Sequence[int] = ()
+    block_size: int = 1
+    block_hashes: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
 
     def describe(self) -> list[tuple[int | None, int]]:
         """Its pieces as (first hash of the run, or None; number of blocks), for inspection."""
-        return [(p.run.hashes[0] if p.run else None, p.num) for p in self.pieces]
+        return [(p.run.head if p.run else None, p.num) for p in self.pieces]
 
     def add_anonymous(self, num: int) -> None:
         pieces = self.pieces
@@ -120,6 +149,32 @@ class PrefixCacheStats:
 Hit = tuple[Run, int]  # a cached block: its run and offset
 
 
+def _hashes(kv: KVState, num_blocks: int) -> list[int]:
+    """`kv.block_hashes`, computed up to `num_blocks` blocks (at most its full blocks)."""
+    hashes = kv.block_hashes
+    i = len(hashes)
+    if i < num_blocks:
+        n = min(num_blocks, len(kv.token_ids) // kv.block_size)
+        if i < n:
+            hashes += _chain(hashes[-1] if hashes else None, kv.token_ids, i, n, kv.block_size)
+    return hashes
+
+
+def _chain(
+    parent: int | None, tokens: Sequence[int], first: int, end: int, block_size: int
+) -> list[int]:
+    """The chained hashes of blocks [first, end) of `tokens`, after `parent` (the hash of
+    block first - 1): `hash_block` over each, its tuple cut by zip."""
+    out: list[int] = []
+    append = out.append
+    h = parent
+    it = iter(tokens[first * block_size : end * block_size])
+    for block in zip(*[it] * block_size, strict=False):
+        h = hash((h, block))
+        append(h)
+    return out
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -128,6 +183,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._heads: dict[int, Run] = {}  # first hash -> its run (while any block is cached)
+        self._roots: dict[int, int] = {}  # first hash of a run's request -> number of runs
         self.free_queue = FreeQueue(num_blocks)
         self.stats = PrefixCacheStats()
 
@@ -145,7 +201,7 @@ class BlockManager:
     def cached(self) -> dict[int, int]:
         """Every cached hash and its block's reference count (0: free), built on demand."""
         out: dict[int, int] = {}
-        for run in self._heads.values():
+        for run in list(self._heads.values()):
             refs = [0] * run.extent
             for n in run.holders:
                 for k in range(n):
@@ -167,21 +223,16 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def update_hashes(self, kv: KVState, token_ids: Sequence[int]) -> None:
-        """Extend `kv.block_hashes` over every full block of `token_ids`."""
-        bs = self.block_size
-        n_full = len(token_ids) // bs
-        hashes = kv.block_hashes
-        i = len(hashes)
-        if i >= n_full:
-            return
-        # `hash_block` over each next full block, its tuple cut by zip (once per prompt block
-        # of every request: the simulator's most frequent hashing)
-        h = hashes[-1] if hashes else None
-        append = hashes.append
-        it = iter(token_ids[i * bs : n_full * bs])
-        for block in zip(*[it] * bs, strict=False):
-            h = hash((h, block))
-            append(h)
+        """`kv`'s blocks hold `token_ids` (the request's list, which only grows): their
+        hashes are computed from it when needed."""
+        if kv.token_ids is not token_ids:
+            kv.token_ids = token_ids
+            kv.block_size = self.block_size
+            kv.block_hashes = []
+
+    def block_hashes(self, kv: KVState) -> list[int]:
+        """The hashes of every full block of `kv`'s tokens."""
+        return _hashes(kv, len(kv.token_ids) // self.block_size)
 
     def _walk(self, hashes: Sequence[int]) -> list[Hit]:
         """The cached blocks holding `hashes[0]`, `hashes[1]`, ... up to the first not cached
@@ -206,10 +257,9 @@ class BlockManager:
         if not self.enable_caching:
             return []
         max_blocks = (num_tokens - 1) // self.block_size
-        hashes = kv.block_hashes
         hits: list[Hit] = []
-        if max_blocks and hashes and hashes[0] in self._heads:
-            hits = self._walk(hashes[:max_blocks])
+        if max_blocks and _hashes(kv, 1) and kv.block_hashes[0] in self._heads:
+            hits = self._walk(_hashes(kv, max_blocks)[:max_blocks])
         self.stats.num_queries_tokens += num_tokens
         self.stats.num_hit_tokens += len(hits) * self.block_size
         return hits
@@ -270,17 +320,22 @@ class BlockManager:
         (each hash once: a block whose hash another block holds stays anonymous)."""
         if not self.enable_caching:
             return
-        n_full = min(num_computed_tokens // self.block_size, len(kv.block_hashes))
+        bs = self.block_size
+        n_full = min(num_computed_tokens, len(kv.token_ids)) // bs
         start = kv.num_cached_blocks
         if n_full <= start:
             return
         kv.num_cached_blocks = n_full
         # (blocks past `num_cached_blocks` are the request's own, anonymous so far)
-        hashes = kv.block_hashes
-        new = hashes[start:n_full]
+        if _hashes(kv, start + 1)[0] not in self._roots:
+            # no cached chain starts with this request's first block: none of its blocks can
+            # be cached (the common case: a prompt nobody shares)
+            self._register(kv, start, n_full)
+            return
+        hashes = _hashes(kv, n_full)
         heads = self._heads
-        if heads.keys().isdisjoint(new) and not self._continues(kv, start):
-            self._register(kv, start, new)  # the common case: none is cached yet
+        if heads.keys().isdisjoint(hashes[start:n_full]) and not self._continues(kv, start):
+            self._register(kv, start, n_full)  # none is cached yet
             return
         # some are cached already: register the ranges between them
         run, k = self._location(kv, start - 1) if start else (None, 0)
@@ -292,10 +347,10 @@ class BlockManager:
                 run, k = heads.get(h), 0
             if run is not None:  # cached elsewhere: a duplicate
                 if begin < i:
-                    self._register(kv, begin, hashes[begin:i])
+                    self._register(kv, begin, i)
                 begin = i + 1
         if begin < n_full:
-            self._register(kv, begin, hashes[begin:n_full])
+            self._register(kv, begin, n_full)
 
     def _continues(self, kv: KVState, start: int) -> bool:
         """Whether the request's hash `start` is cached as the next block of the run caching
@@ -322,17 +377,19 @@ class BlockManager:
         heads = self._heads
         run: Run | None = None
         k = 0
-        for h in kv.block_hashes[: block + 1]:
+        for h in _hashes(kv, block + 1)[: block + 1]:
             k += 1
             if run is None or k >= run.extent or run.hashes[k] != h:
                 run, k = heads.get(h), 0
         return run, k
 
-    def _register(self, kv: KVState, begin: int, hashes: list[int]) -> None:
-        """The request's anonymous blocks [begin, begin + len(hashes)) become a run."""
-        run = Run(hashes, self._heads)
-        self._heads[hashes[0]] = run
-        end = begin + len(hashes)
+    def _register(self, kv: KVState, begin: int, end: int) -> None:
+        """The request's anonymous blocks [begin, end) become a run."""
+        _hashes(kv, begin + 1)
+        run = Run(self, kv, begin, end - begin)
+        self._heads[run.head] = run
+        root = kv.block_hashes[0]
+        self._roots[root] = self._roots.get(root, 0) + 1
         pieces = kv.pieces
         pos = kv.num_blocks
         n = len(pieces)
@@ -342,10 +399,21 @@ class BlockManager:
         piece = pieces[n]
         assert piece.run is None and pos + piece.num >= end, "registering a block not its own"
         split = [Piece(None, begin - pos)] if begin > pos else []
-        split.append(Piece(run, len(hashes)))
+        split.append(Piece(run, end - begin))
         if pos + piece.num > end:
             split.append(Piece(None, pos + piece.num - end))
         pieces[n : n + 1] = split
+
+    def _forget(self, run: Run) -> None:
+        """`run` has no cached block left."""
+        if self._heads.get(run.head) is run:
+            del self._heads[run.head]
+        root = run.root
+        n = self._roots[root] - 1
+        if n:
+            self._roots[root] = n
+        else:
+            del self._roots[root]
 
     def free(self, kv: KVState) -> None:
         """Drop the request's references, tail first (so prefixes are evicted last)."""
