@@ -149,9 +149,9 @@ def test_unique_prompts_share_nothing() -> None:
 
 
 def _engine_block_hashes(token_ids: list[int]) -> list[int]:
-    kv = KVState()
-    BlockManager(1, 16).update_hashes(kv, token_ids)
-    return kv.block_hashes
+    kv, bm = KVState(), BlockManager(1, 16)
+    bm.update_hashes(kv, token_ids)
+    return bm.block_hashes(kv)
 
 
 def test_prompt_block_hashes_without_the_bytes() -> None:
