@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 
 from flexpipe.gateway.backpressure import DrainRate
 from flexpipe.gateway.config import GatewayConfig
@@ -26,6 +25,7 @@ from flexpipe.policies.routing import (
     RoutingSnapshot,
     create_policy,
 )
+from flexpipe.policies.routing.snapshot import read_only
 
 
 def fenced_last(
@@ -46,7 +46,7 @@ class NoInstance(Exception):
     """No live instance serves the model (for this request)."""
 
 
-@dataclass(frozen=True, slots=True)
+@read_only
 class Pick:
     """A routing decision: the instance, why, and the prefix-index accounting."""
 

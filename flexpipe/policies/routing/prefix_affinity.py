@@ -123,53 +123,67 @@ class PrefixAffinity(PolicyHooks):
         hashes = snapshot.request.block_hashes
         if not hashes:
             return Decision(by_load.ranked, "no_prefix")
-        free = [has_free_slot(v, snapshot, now) for v in views]
         min_match = max(1.0, self.min_match_ratio * len(hashes))
         if max([v.num_prefix_blocks_matched for v in views]) >= min_match:
-            best_i = max(
-                range(len(views)),
-                key=lambda i: (views[i].num_prefix_blocks_matched, -costs[i], views[i].name),
-            )
-            best = views[best_i]
-            if not free[best_i]:  # it would queue there: the shortest wait decides
-                return Decision(by_load.ranked, "spill")
-            # the guard weighs work per sequence (cost x slots): what each batch has to get
-            # through, which slows every sequence in it; capacity already spoke (free slot)
-            work = [c * num_slots(v) for c, v in zip(costs, views, strict=True)]
-            finite = [w for w in work if math.isfinite(w)]
-            low = min(finite) if finite else math.inf
-            c = work[best_i]
-            overloaded = best.is_full or (
-                math.isfinite(low)
-                and (
-                    not math.isfinite(c)
-                    or (c > self.imbalance_ratio * low and c - low > self.imbalance_abs_s)
-                )
-            )
-            if overloaded:
-                return Decision(by_load.ranked, "imbalance")
-            rest = tuple(n for n in by_load.ranked if n != best.name)
-            return Decision((best.name, *rest), "prefix_hit")
+            return self._prefix_hit(snapshot, now, costs, by_load)
         # Unseen prefix: bounded-load consistent hashing on the first block, by capacity.
         caps = {v.name: capacity(v) for v in views}
         points, owners = self._ring_of(caps)
-        in_flight = {v.name: v.num_in_flight for v in views}
-        usable = {
-            v.name for v, f in zip(views, free, strict=True) if f and not snapshot.is_stale(v, now)
-        }
+        free = [(v.name, has_free_slot(v, snapshot, now), snapshot.is_stale(v, now)) for v in views]
+        usable = {name for name, f, stale in free if f and not stale}
         if not usable:
-            usable = {v.name for v, f in zip(views, free, strict=True) if f}
+            usable = {name for name, f, _ in free if f}
         total_cap = sum(caps.values())
-        num_balls = self.load_bound * (sum(in_flight.values()) + 1)
+        num_balls = self.load_bound * (sum([v.num_in_flight for v in views]) + 1)
+        # the usable instances below their share of the load bound (the walk's condition,
+        # which depends on the instance only: worked out once per instance, not per point)
+        open_ = {
+            v.name
+            for v in views
+            if v.name in usable
+            and v.num_in_flight < math.ceil(num_balls * caps[v.name] / total_cap)
+        }
+        if not open_:
+            return Decision(by_load.ranked, "hash_overflow")
         # Fibonacci hashing spreads the (32-bit CRC) block hash over the 64-bit ring.
         key = (hashes[0] * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        start = bisect.bisect_left(points, key)
-        for k in range(len(points)):
-            name = owners[(start + k) % len(points)]
-            if name in usable and in_flight[name] < math.ceil(num_balls * caps[name] / total_cap):
-                others = [n for n in by_load.ranked if n != name]
-                return Decision((name, *others), "hash")
-        return Decision(by_load.ranked, "hash_overflow")
+        k = bisect.bisect_left(points, key)
+        num_points = len(points)
+        while owners[k % num_points] not in open_:  # (every instance owns a point)
+            k += 1
+        name = owners[k % num_points]
+        return Decision((name, *[n for n in by_load.ranked if n != name]), "hash")
+
+    def _prefix_hit(
+        self, snapshot: RoutingSnapshot, now: float, costs: list[float], by_load: Decision
+    ) -> Decision:
+        """A seen prefix: the longest match, unless it would queue there (`spill`) or it has
+        far more work per sequence than the least loaded (`imbalance`)."""
+        views = snapshot.instances
+        best_i = max(
+            range(len(views)),
+            key=lambda i: (views[i].num_prefix_blocks_matched, -costs[i], views[i].name),
+        )
+        best = views[best_i]
+        if not has_free_slot(best, snapshot, now):  # it would queue there: the shortest wait
+            return Decision(by_load.ranked, "spill")
+        # the guard weighs work per sequence (cost x slots): what each batch has to get
+        # through, which slows every sequence in it; capacity already spoke (free slot)
+        work = [c * num_slots(v) for c, v in zip(costs, views, strict=True)]
+        finite = [w for w in work if math.isfinite(w)]
+        low = min(finite) if finite else math.inf
+        c = work[best_i]
+        overloaded = best.is_full or (
+            math.isfinite(low)
+            and (
+                not math.isfinite(c)
+                or (c > self.imbalance_ratio * low and c - low > self.imbalance_abs_s)
+            )
+        )
+        if overloaded:
+            return Decision(by_load.ranked, "imbalance")
+        rest = tuple(n for n in by_load.ranked if n != best.name)
+        return Decision((best.name, *rest), "prefix_hit")
 
 
 register_policy("prefix_affinity", PrefixAffinity)

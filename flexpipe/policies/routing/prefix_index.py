@@ -33,6 +33,7 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
+from itertools import count
 
 
 def prompt_block_hashes(text: bytes, block_chars: int = 64) -> tuple[int, ...]:
@@ -44,15 +45,12 @@ def prompt_block_hashes(text: bytes, block_chars: int = 64) -> tuple[int, ...]:
 
 def chain_block_hashes(blocks: Iterable[bytes]) -> tuple[int, ...]:
     """The chained hashes of a text's full blocks, given the blocks (`prompt_block_hashes`;
-    the simulator's prompts are runs of equal blocks, given without building the text)."""
+    the simulator's prompts are runs of equal blocks, given without building the text).
+    (One comprehension, the block index counted already shifted into the upper bits: half
+    the time of a loop with `enumerate`.)"""
     crc = zlib.crc32
-    hashes: list[int] = []
-    append = hashes.append
     h = 0
-    for i, block in enumerate(blocks):
-        h = crc(block, h)
-        append((i << 32) | h)
-    return tuple(hashes)
+    return tuple([(h := crc(block, h)) | i for block, i in zip(blocks, count(0, 1 << 32))])
 
 
 class _Node:
