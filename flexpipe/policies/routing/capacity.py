@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import itemgetter
 
 from flexpipe.policies.routing.snapshot import InstanceView, RoutingSnapshot
 
@@ -46,7 +48,11 @@ def num_slots(v: InstanceView) -> int:
 
 
 def capacity(v: InstanceView) -> float:
-    return num_slots(v) * max(v.weight, 1e-9)
+    return _capacity(v, num_slots(v))
+
+
+def _capacity(v: InstanceView, slots: int) -> float:
+    return slots * max(v.weight, 1e-9)
 
 
 def utilization(v: InstanceView) -> float:
@@ -55,16 +61,46 @@ def utilization(v: InstanceView) -> float:
 
 
 def has_free_slot(v: InstanceView, snapshot: RoutingSnapshot, now: float) -> bool:
-    if v.num_in_flight >= num_slots(v):
-        return False
-    return snapshot.is_stale(v, now) or v.kv_usage < MAX_KV_USAGE
+    return _free(v, num_slots(v), snapshot.is_stale(v, now))
+
+
+def _free(v: InstanceView, slots: int, stale: bool) -> bool:
+    """Fewer in flight than slots, and KV room (stale KV usage is not trusted)."""
+    return v.num_in_flight < slots and (stale or v.kv_usage < MAX_KV_USAGE)
 
 
 def tier(v: InstanceView, snapshot: RoutingSnapshot, now: float) -> int:
     """0: a free slot; 1: would queue in the engine; 2: at the gateway's cap."""
-    if v.is_full:
-        return 2
-    return 0 if has_free_slot(v, snapshot, now) else 1
+    return _tier(v, num_slots(v), snapshot.is_stale(v, now))
+
+
+def _tier(v: InstanceView, slots: int, stale: bool) -> int:
+    return 2 if v.is_full else 0 if _free(v, slots, stale) else 1
+
+
+@dataclass(slots=True)
+class Room:
+    """Each view's `num_slots`, `capacity`, staleness and `tier`, in view order, worked out
+    in one pass (`assess`): a policy and `rank` read each of them several times a pick."""
+
+    num_slots: list[int]
+    capacity: list[float]
+    stale: list[bool]
+    tier: list[int]
+
+
+def assess(snapshot: RoutingSnapshot, now: float) -> Room:
+    """The `Room` of every instance of `snapshot` (the functions above, once per view)."""
+    room = Room([], [], [], [])
+    is_stale = snapshot.is_stale
+    for v in snapshot.instances:
+        slots = num_slots(v)
+        room.num_slots.append(slots)
+        room.capacity.append(_capacity(v, slots))
+        stale = is_stale(v, now)
+        room.stale.append(stale)
+        room.tier.append(_tier(v, slots, stale))
+    return room
 
 
 def mean_speed(views: Sequence[InstanceView]) -> float:
@@ -80,19 +116,25 @@ def queue_wait(v: InstanceView, default_speed: float) -> float:
 
 
 def rank(
-    snapshot: RoutingSnapshot, now: float, scores: Sequence[float], rng: random.Random
+    snapshot: RoutingSnapshot,
+    now: float,
+    scores: Sequence[float],
+    rng: random.Random,
+    room: Room | None = None,
 ) -> tuple[str, ...]:
-    """Names by tier, then (tier 1) shortest wait, then highest score; ties by the RNG."""
+    """Names by tier, then (tier 1) shortest wait, then highest score; ties by the RNG.
+    `room`: the snapshot's `assess`, if the caller has it."""
     views = snapshot.instances
+    tiers = (room or assess(snapshot, now)).tier
     default: float | None = None  # the mean speed, once an instance would queue
+    draw = rng.random
     keyed = []
-    for v, s in zip(views, scores, strict=True):
-        t = tier(v, snapshot, now)
+    for v, s, t in zip(views, scores, tiers, strict=True):
         wait = 0.0
         if t == 1:
             if default is None:
                 default = mean_speed(views)
             wait = queue_wait(v, default)
-        keyed.append((t, wait, -s, rng.random(), v.name))
+        keyed.append((t, wait, -s, draw(), v.name))
     keyed.sort()
-    return tuple([k[4] for k in keyed])
+    return tuple(map(itemgetter(4), keyed))

@@ -36,12 +36,13 @@ import bisect
 import hashlib
 import math
 import random
+from collections.abc import Sequence
 
 from flexpipe.policies.routing.base import PolicyHooks
-from flexpipe.policies.routing.capacity import capacity, has_free_slot, num_slots
+from flexpipe.policies.routing.capacity import Room, assess
 from flexpipe.policies.routing.least_load import LeastLoad, decide_by_costs, instance_costs
 from flexpipe.policies.routing.registry import register_policy, register_scorer
-from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
+from flexpipe.policies.routing.snapshot import Decision, InstanceView, RoutingSnapshot
 
 
 def _point(key: str) -> int:
@@ -118,31 +119,41 @@ class PrefixAffinity(PolicyHooks):
         views = snapshot.instances
         if not views:
             return Decision((), "empty")
-        costs = instance_costs(snapshot, now, self._least_load.output_weight)
-        by_load = decide_by_costs(snapshot, now, costs, rng)
+        room = assess(snapshot, now)
+        costs = instance_costs(snapshot, now, self._least_load.output_weight, room)
+        by_load = decide_by_costs(snapshot, now, costs, rng, room)
         hashes = snapshot.request.block_hashes
         if not hashes:
             return Decision(by_load.ranked, "no_prefix")
         min_match = max(1.0, self.min_match_ratio * len(hashes))
-        if max([v.num_prefix_blocks_matched for v in views]) >= min_match:
-            return self._prefix_hit(snapshot, now, costs, by_load)
+        # (Explicit loops, not comprehensions, on this path: under Python 3.11 each
+        # comprehension is a function call, and a pick has a few views.)
+        for v in views:
+            if v.num_prefix_blocks_matched >= min_match:
+                return self._prefix_hit(views, room, costs, by_load)
         # Unseen prefix: bounded-load consistent hashing on the first block, by capacity.
-        caps = {v.name: capacity(v) for v in views}
+        caps: dict[str, float] = {}  # name -> capacity
+        usable: set[str] = set()  # with a free slot (tier 0) and fresh metrics
+        free: set[str] = set()  # with a free slot (stale or fresh)
+        num_in_flight = 0
+        for v, c, stale, t in zip(views, room.capacity, room.stale, room.tier, strict=True):
+            caps[v.name] = c
+            num_in_flight += v.num_in_flight
+            if t == 0:
+                free.add(v.name)
+                if not stale:
+                    usable.add(v.name)
         points, owners = self._ring_of(caps)
-        free = [(v.name, has_free_slot(v, snapshot, now), snapshot.is_stale(v, now)) for v in views]
-        usable = {name for name, f, stale in free if f and not stale}
-        if not usable:
-            usable = {name for name, f, _ in free if f}
         total_cap = sum(caps.values())
-        num_balls = self.load_bound * (sum([v.num_in_flight for v in views]) + 1)
-        # the usable instances below their share of the load bound (the walk's condition,
-        # which depends on the instance only: worked out once per instance, not per point)
-        open_ = {
-            v.name
-            for v in views
-            if v.name in usable
-            and v.num_in_flight < math.ceil(num_balls * caps[v.name] / total_cap)
-        }
+        num_balls = self.load_bound * (num_in_flight + 1)
+        # the usable instances below their share of the load bound (the walk's condition
+        # depends on the instance only: worked out once per instance, not per ring point)
+        open_: set[str] = set()
+        usable = usable or free
+        for v in views:
+            name = v.name
+            if name in usable and (v.num_in_flight < math.ceil(num_balls * caps[name] / total_cap)):
+                open_.add(name)
         if not open_:
             return Decision(by_load.ranked, "hash_overflow")
         # Fibonacci hashing spreads the (32-bit CRC) block hash over the 64-bit ring.
@@ -152,24 +163,23 @@ class PrefixAffinity(PolicyHooks):
         while owners[k % num_points] not in open_:  # (every instance owns a point)
             k += 1
         name = owners[k % num_points]
-        return Decision((name, *[n for n in by_load.ranked if n != name]), "hash")
+        return Decision((name, *filter(name.__ne__, by_load.ranked)), "hash")
 
     def _prefix_hit(
-        self, snapshot: RoutingSnapshot, now: float, costs: list[float], by_load: Decision
+        self, views: Sequence[InstanceView], room: Room, costs: list[float], by_load: Decision
     ) -> Decision:
         """A seen prefix: the longest match, unless it would queue there (`spill`) or it has
         far more work per sequence than the least loaded (`imbalance`)."""
-        views = snapshot.instances
         best_i = max(
             range(len(views)),
             key=lambda i: (views[i].num_prefix_blocks_matched, -costs[i], views[i].name),
         )
         best = views[best_i]
-        if not has_free_slot(best, snapshot, now):  # it would queue there: the shortest wait
+        if room.tier[best_i] != 0:  # no free slot: it would queue there; the shortest wait
             return Decision(by_load.ranked, "spill")
         # the guard weighs work per sequence (cost x slots): what each batch has to get
         # through, which slows every sequence in it; capacity already spoke (free slot)
-        work = [c * num_slots(v) for c, v in zip(costs, views, strict=True)]
+        work = [c * n for c, n in zip(costs, room.num_slots, strict=True)]
         finite = [w for w in work if math.isfinite(w)]
         low = min(finite) if finite else math.inf
         c = work[best_i]
