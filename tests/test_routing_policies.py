@@ -322,6 +322,36 @@ def test_capacity_tiers_free_slot_then_queue_by_wait_then_full() -> None:
     assert cap.rank(all_busy, NOW, [0.0, 0.0, 1.0], rng()) == ("tp2-a100", "l40s", "l4")
 
 
+def test_assess_agrees_with_the_per_view_capacity_functions() -> None:
+    """`capacity.assess` writes num_slots, capacity, staleness and tier out in one loop (the
+    hot path): on every combination of the fields they read, the same values."""
+    import itertools
+
+    from flexpipe.policies.routing import capacity as cap
+
+    fields = itertools.product(
+        (0, 1, 4, 9),  # num_slots
+        (0, 1, 4, 6),  # max_concurrency
+        (0, 1, 3, 4, 5, 6, 9),  # num_in_flight
+        (0.5, 0.95, 0.99),  # kv_usage
+        (1.0, 2.5, 0.0),  # weight
+        (None, NOW, NOW - 5.0, NOW - 5.5),  # scraped_at_s (max age 5)
+    )
+    views = [
+        view(f"v{i}", num_slots=n, max_concurrency=c, num_in_flight=k, kv_usage=kv, weight=w,
+             scraped_at_s=at)
+        for i, (n, c, k, kv, w, at) in enumerate(fields)
+    ]  # fmt: skip
+    s = snap(*views)
+    room = cap.assess(s, NOW)
+    assert room.num_slots == [cap.num_slots(v) for v in views]
+    assert room.capacity == [cap.capacity(v) for v in views]
+    assert room.stale == [s.is_stale(v, NOW) for v in views]
+    assert room.tier == [cap.tier(v, s, NOW) for v in views]
+    assert [t == 0 for t in room.tier] == [cap.has_free_slot(v, s, NOW) for v in views]
+    assert sorted(set(room.tier)) == [0, 1, 2] and any(room.stale) and not all(room.stale)
+
+
 def _steady_state_shares(
     policy_name: str, concurrency: int, num_steps: int = 1500
 ) -> tuple[dict[str, float], dict[str, int]]:

@@ -330,7 +330,11 @@ class Pool:
         self._changed()
 
     def routable(self, model: str) -> list[Instance]:
-        return [i for i in self.instances.values() if i.routable and i.model == model]
+        out = []  # (a loop: under Python 3.11 a comprehension is a function call more)
+        for i in self.instances.values():
+            if i.model == model and i.routable:
+                out.append(i)
+        return out
 
     def models(self) -> list[str]:
         return sorted({i.model for i in self.instances.values() if i.model is not None})
