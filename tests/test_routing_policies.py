@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 from collections import OrderedDict
 
 import pytest
@@ -124,6 +125,18 @@ def test_least_load_unmeasured_speed_gets_mean_of_measured() -> None:
         view("slow", num_queued_tokens=1000, speed_tokens_per_s=10),
     )
     assert p.choose(s, NOW, rng()).ranked == ("fast", "new", "slow")
+
+
+def test_block_hashes_chain_crc32_with_the_index_above() -> None:
+    """Each block's hash: CRC-32 of it continuing the previous one's, its index in the upper
+    bits; the same past the indices made in advance (4096)."""
+    text = bytes(random.Random(3).randrange(256) for _ in range(64 * 5000 + 7))
+    expected, h = [], 0
+    for i in range(5000):
+        h = zlib.crc32(text[64 * i : 64 * (i + 1)], h)
+        expected.append((i << 32) | h)
+    assert prompt_block_hashes(text, 64) == tuple(expected)
+    assert prompt_block_hashes(text[:63], 64) == ()
 
 
 def test_prefix_index_lru_and_chain() -> None:

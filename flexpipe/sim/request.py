@@ -115,7 +115,7 @@ class SimRequest:
         if left > 0:
             data = (self.request_id | (1 << 62)).to_bytes(8, "little") * (block_chars // 8)
             runs.append(repeat(data, left * _BYTES_PER_TOKEN // block_chars))
-        return chain_block_hashes(chain.from_iterable(runs))
+        return chain_block_hashes(runs[0] if len(runs) == 1 else chain.from_iterable(runs))
 
     def prompt_bytes(self) -> bytes:
         """Stand-in prompt text for the gateway's prefix hashes: shared blocks give shared
