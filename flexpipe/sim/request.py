@@ -80,7 +80,11 @@ class SimRequest:
         if self.context_of is not None:
             ids = self.context_of.prompt_token_ids()
             return ids + [GENERATED_TOKEN_ID] * (n - len(ids))
-        out: list[int] = []
+        if not self.prefix_ids and n > 0:  # all unique: one copy of the count
+            out = _count_to(n)[:n]
+            out[0] = _UNIQUE_BASE + self.request_id
+            return out
+        out = []
         for block in self.prefix_ids:
             start = block * PREFIX_BLOCK_TOKENS
             out.extend(range(start, start + PREFIX_BLOCK_TOKENS))
