@@ -85,6 +85,7 @@ class PrefixAffinity(PolicyHooks):
         # (instance, capacity) per instance, in view order -> the ring
         self._rings_by_caps: dict[tuple[tuple[str, float], ...], tuple[list[int], list[str]]]
         self._rings_by_caps = {}
+        self._last_ring: tuple[dict[str, float], tuple[list[int], list[str]]] | None = None
 
     def _ring(self, vnodes: tuple[tuple[str, int], ...]) -> tuple[list[int], list[str]]:
         ring = self._rings.get(vnodes)
@@ -99,7 +100,10 @@ class PrefixAffinity(PolicyHooks):
     def _ring_of(self, caps: dict[str, float]) -> tuple[list[int], list[str]]:
         """The ring of instances of these capacities: each has `num_virtual_nodes` x its
         share of the largest capacity points (at least one). Memoised on the capacities,
-        which change as rarely as the pool."""
+        which change as rarely as the pool: the last ring first (a dict comparison, cheaper
+        than hashing the key; the ring does not depend on the order of `caps`)."""
+        if self._last_ring is not None and self._last_ring[0] == caps:
+            return self._last_ring[1]
         key = tuple(caps.items())
         ring = self._rings_by_caps.get(key)
         if ring is None:
@@ -113,6 +117,7 @@ class PrefixAffinity(PolicyHooks):
             if len(self._rings_by_caps) > 64:
                 self._rings_by_caps.clear()
             self._rings_by_caps[key] = ring
+        self._last_ring = (caps, ring)
         return ring
 
     def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision:
@@ -133,27 +138,27 @@ class PrefixAffinity(PolicyHooks):
                 return self._prefix_hit(views, room, costs, by_load)
         # Unseen prefix: bounded-load consistent hashing on the first block, by capacity.
         caps: dict[str, float] = {}  # name -> capacity
-        usable: set[str] = set()  # with a free slot (tier 0) and fresh metrics
-        free: set[str] = set()  # with a free slot (stale or fresh)
         num_in_flight = 0
+        fresh_free = False  # some instance has a free slot and fresh metrics
         for v, c, stale, t in zip(views, room.capacity, room.stale, room.tier, strict=True):
             caps[v.name] = c
             num_in_flight += v.num_in_flight
-            if t == 0:
-                free.add(v.name)
-                if not stale:
-                    usable.add(v.name)
+            if t == 0 and not stale:
+                fresh_free = True
         points, owners = self._ring_of(caps)
         total_cap = sum(caps.values())
         num_balls = self.load_bound * (num_in_flight + 1)
-        # the usable instances below their share of the load bound (the walk's condition
-        # depends on the instance only: worked out once per instance, not per ring point)
+        # The walk takes the first instance with a free slot (fresh metrics, while any has
+        # them) below its share of the load bound: a condition on the instance only, worked
+        # out once per instance here, not per ring point.
         open_: set[str] = set()
-        usable = usable or free
-        for v in views:
-            name = v.name
-            if name in usable and (v.num_in_flight < math.ceil(num_balls * caps[name] / total_cap)):
-                open_.add(name)
+        for v, stale, t in zip(views, room.stale, room.tier, strict=True):
+            if (
+                t == 0
+                and not (stale and fresh_free)
+                and v.num_in_flight < math.ceil(num_balls * caps[v.name] / total_cap)
+            ):
+                open_.add(v.name)
         if not open_:
             return Decision(by_load.ranked, "hash_overflow")
         # Fibonacci hashing spreads the (32-bit CRC) block hash over the 64-bit ring.
