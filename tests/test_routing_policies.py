@@ -251,6 +251,37 @@ def test_prefix_affinity_unseen_prefix_uses_bounded_consistent_hash() -> None:
     assert d.best != key_home and d.reason == "hash"
 
 
+def test_prefix_affinity_hash_takes_fresh_free_instances_first() -> None:
+    p = create_policy("prefix_affinity")
+    views = [view(n) for n in ("a", "b", "c", "d")]
+    home = p.choose(snap(*views, block_hashes=(0, 1)), NOW, rng()).best
+    stale_home = [view(v.name, scraped_at_s=NOW - 60 if v.name == home else NOW) for v in views]
+    d = p.choose(snap(*stale_home, block_hashes=(0, 1)), NOW, rng())
+    assert d.best != home and d.reason == "hash"  # a fresh one with a free slot is there
+    all_stale = [view(v.name, scraped_at_s=NOW - 60) for v in views]
+    d = p.choose(snap(*all_stale, block_hashes=(0, 1)), NOW, rng())
+    assert (d.best, d.reason) == (home, "hash")  # none is fresh: the stale home
+    busy = [view(v.name, num_slots=1, num_in_flight=1) for v in views]
+    assert p.choose(snap(*busy, block_hashes=(0, 1)), NOW, rng()).reason == "hash_overflow"
+
+
+def test_prefix_affinity_ring_follows_the_capacities() -> None:
+    """The ring is memoised on the capacities: one policy over changing pools chooses as a
+    new policy does for each."""
+    p = create_policy("prefix_affinity")
+    pools = [
+        [view("a"), view("b"), view("c")],
+        [view("a", weight=4.0), view("b"), view("c")],
+        [view("c"), view("a"), view("b")],
+        [view("a"), view("b")],
+        [view("a"), view("b"), view("c")],
+    ]
+    for views in pools * 2:
+        for key in range(30):
+            s = snap(*views, block_hashes=(key * 7919, 1))
+            assert p.choose(s, NOW, rng()) == create_policy("prefix_affinity").choose(s, NOW, rng())
+
+
 def test_queue_and_kv_scorers() -> None:
     s = snap(
         view("a", num_waiting=0, kv_usage=0.9),
