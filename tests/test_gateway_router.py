@@ -107,6 +107,11 @@ def test_an_instance_view_carries_each_field_under_its_own_name() -> None:
     assert (v.num_running, v.num_waiting, v.kv_usage, v.num_queued_tokens) == (5, 3, 0.25, 1000.0)
     assert (v.speed_tokens_per_s, v.scraped_at_s, v.num_prefix_blocks_matched) == (41.0, 12.5, 9)
     assert inst.max_concurrency not in (48, 0, 256)  # max_num_seqs + its allowance: distinct
+    # the properties it writes out: slots from the KV cache when max_num_seqs is unknown,
+    # queued tokens never below zero
+    inst.max_num_seqs, inst.num_kv_slots, inst.num_tokens_sent_since_scrape = 0, 5, -950.0
+    v = inst.view()
+    assert (v.num_slots, v.num_queued_tokens) == (inst.num_slots, inst.num_queued_tokens) == (5, 0)
 
 
 def test_a_move_destination_takes_new_requests_only_when_no_other_has_a_slot() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 from collections import OrderedDict
 
 import pytest
@@ -126,6 +127,18 @@ def test_least_load_unmeasured_speed_gets_mean_of_measured() -> None:
     assert p.choose(s, NOW, rng()).ranked == ("fast", "new", "slow")
 
 
+def test_block_hashes_chain_crc32_with_the_index_above() -> None:
+    """Each block's hash: CRC-32 of it continuing the previous one's, its index in the upper
+    bits; the same past the indices made in advance (4096)."""
+    text = bytes(random.Random(3).randrange(256) for _ in range(64 * 5000 + 7))
+    expected, h = [], 0
+    for i in range(5000):
+        h = zlib.crc32(text[64 * i : 64 * (i + 1)], h)
+        expected.append((i << 32) | h)
+    assert prompt_block_hashes(text, 64) == tuple(expected)
+    assert prompt_block_hashes(text[:63], 64) == ()
+
+
 def test_prefix_index_lru_and_chain() -> None:
     idx = PrefixIndex(max_blocks_per_instance=4)
     h = prompt_block_hashes(b"x" * 64 * 3 + b"tail", 64)
@@ -238,6 +251,37 @@ def test_prefix_affinity_unseen_prefix_uses_bounded_consistent_hash() -> None:
     assert d.best != key_home and d.reason == "hash"
 
 
+def test_prefix_affinity_hash_takes_fresh_free_instances_first() -> None:
+    p = create_policy("prefix_affinity")
+    views = [view(n) for n in ("a", "b", "c", "d")]
+    home = p.choose(snap(*views, block_hashes=(0, 1)), NOW, rng()).best
+    stale_home = [view(v.name, scraped_at_s=NOW - 60 if v.name == home else NOW) for v in views]
+    d = p.choose(snap(*stale_home, block_hashes=(0, 1)), NOW, rng())
+    assert d.best != home and d.reason == "hash"  # a fresh one with a free slot is there
+    all_stale = [view(v.name, scraped_at_s=NOW - 60) for v in views]
+    d = p.choose(snap(*all_stale, block_hashes=(0, 1)), NOW, rng())
+    assert (d.best, d.reason) == (home, "hash")  # none is fresh: the stale home
+    busy = [view(v.name, num_slots=1, num_in_flight=1) for v in views]
+    assert p.choose(snap(*busy, block_hashes=(0, 1)), NOW, rng()).reason == "hash_overflow"
+
+
+def test_prefix_affinity_ring_follows_the_capacities() -> None:
+    """The ring is memoised on the capacities: one policy over changing pools chooses as a
+    new policy does for each."""
+    p = create_policy("prefix_affinity")
+    pools = [
+        [view("a"), view("b"), view("c")],
+        [view("a", weight=4.0), view("b"), view("c")],
+        [view("c"), view("a"), view("b")],
+        [view("a"), view("b")],
+        [view("a"), view("b"), view("c")],
+    ]
+    for views in pools * 2:
+        for key in range(30):
+            s = snap(*views, block_hashes=(key * 7919, 1))
+            assert p.choose(s, NOW, rng()) == create_policy("prefix_affinity").choose(s, NOW, rng())
+
+
 def test_queue_and_kv_scorers() -> None:
     s = snap(
         view("a", num_waiting=0, kv_usage=0.9),
@@ -320,6 +364,36 @@ def test_capacity_tiers_free_slot_then_queue_by_wait_then_full() -> None:
     # when all queue, the shortest expected wait wins: 1 ahead of 48 slots, not 1 ahead of 2
     all_busy = snap(*example_views({"tp2-a100": 48, "l40s": 16, "l4": 2}))
     assert cap.rank(all_busy, NOW, [0.0, 0.0, 1.0], rng()) == ("tp2-a100", "l40s", "l4")
+
+
+def test_assess_agrees_with_the_per_view_capacity_functions() -> None:
+    """`capacity.assess` writes num_slots, capacity, staleness and tier out in one loop (the
+    hot path): on every combination of the fields they read, the same values."""
+    import itertools
+
+    from flexpipe.policies.routing import capacity as cap
+
+    fields = itertools.product(
+        (0, 1, 4, 9),  # num_slots
+        (0, 1, 4, 6),  # max_concurrency
+        (0, 1, 3, 4, 5, 6, 9),  # num_in_flight
+        (0.5, 0.95, 0.99),  # kv_usage
+        (1.0, 2.5, 0.0),  # weight
+        (None, NOW, NOW - 5.0, NOW - 5.5),  # scraped_at_s (max age 5)
+    )
+    views = [
+        view(f"v{i}", num_slots=n, max_concurrency=c, num_in_flight=k, kv_usage=kv, weight=w,
+             scraped_at_s=at)
+        for i, (n, c, k, kv, w, at) in enumerate(fields)
+    ]  # fmt: skip
+    s = snap(*views)
+    room = cap.assess(s, NOW)
+    assert room.num_slots == [cap.num_slots(v) for v in views]
+    assert room.capacity == [cap.capacity(v) for v in views]
+    assert room.stale == [s.is_stale(v, NOW) for v in views]
+    assert room.tier == [cap.tier(v, s, NOW) for v in views]
+    assert [t == 0 for t in room.tier] == [cap.has_free_slot(v, s, NOW) for v in views]
+    assert sorted(set(room.tier)) == [0, 1, 2] and any(room.stale) and not all(room.stale)
 
 
 def _steady_state_shares(

@@ -148,6 +148,21 @@ def test_unique_prompts_share_nothing() -> None:
     assert len(solo[0]) == 6 and not set(solo[0]) & set(solo[1])
 
 
+def test_prompt_token_ids_exact() -> None:
+    """The unique part: the request's own first id, then 1, 2, 3, ...; a fresh list each time
+    (the engine owns it)."""
+    from flexpipe.sim.request import _UNIQUE_BASE
+
+    first = SimRequest(7, 0.0, "m", 5, 1).prompt_token_ids()
+    assert first == [_UNIQUE_BASE + 7, 1, 2, 3, 4]
+    first[1] = -1
+    assert SimRequest(8, 0.0, "m", 3, 1).prompt_token_ids() == [_UNIQUE_BASE + 8, 1, 2]
+    assert SimRequest(9, 0.0, "m", 1, 1).prompt_token_ids() == [_UNIQUE_BASE + 9]
+    shared = SimRequest(3, 0.0, "m", PREFIX_BLOCK_TOKENS + 3, 1, (2,)).prompt_token_ids()
+    start = 2 * PREFIX_BLOCK_TOKENS
+    assert shared == [*range(start, start + PREFIX_BLOCK_TOKENS), _UNIQUE_BASE + 3, 1, 2]
+
+
 def _engine_block_hashes(token_ids: list[int]) -> list[int]:
     kv, bm = KVState(), BlockManager(1, 16)
     bm.update_hashes(kv, token_ids)

@@ -129,18 +129,19 @@ class Instance:
         )
 
     def view(self, num_prefix_blocks_matched: int = 0) -> InstanceView:
-        # Positional, in InstanceView's field order (tests/test_gateway_router.py checks it):
-        # built for every candidate of every request, and keywords cost twice as much.
+        # Positional, in InstanceView's field order (tests/test_gateway_router.py checks it),
+        # and the properties `num_slots` and `num_queued_tokens` written out: built for
+        # every candidate of every request, and keywords cost twice as much.
         return InstanceView(
             self.url,  # name
             self.weight,
             self.num_in_flight,
             self.max_concurrency,
-            self.num_slots,
+            self.max_num_seqs or self.num_kv_slots,  # num_slots
             self.num_running,
             self.num_waiting,
             self.kv_usage,
-            self.num_queued_tokens,
+            max(0.0, self.num_scraped_tokens + self.num_tokens_sent_since_scrape),  # queued
             self.speed_tokens_per_s,
             self.scraped_at_s,
             num_prefix_blocks_matched,
@@ -330,10 +331,17 @@ class Pool:
         self._changed()
 
     def routable(self, model: str) -> list[Instance]:
-        return [i for i in self.instances.values() if i.routable and i.model == model]
+        out = []  # (a loop: under Python 3.11 a comprehension is a function call more)
+        for i in self.instances.values():
+            if i.model == model and i.routable:
+                out.append(i)
+        return out
 
     def models(self) -> list[str]:
         return sorted({i.model for i in self.instances.values() if i.model is not None})
 
     def has_model(self, model: str) -> bool:
-        return any(i.model == model for i in self.instances.values())
+        for i in self.instances.values():  # noqa: SIM110 (cheaper than any() of a generator)
+            if i.model == model:
+                return True
+        return False

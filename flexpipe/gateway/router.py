@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 
 from flexpipe.gateway.backpressure import DrainRate
 from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.pool import Instance, Pool
 from flexpipe.policies.routing import (
+    InstanceView,
     PrefixIndex,
     RoutingRequest,
     RoutingSnapshot,
     create_policy,
 )
+from flexpipe.policies.routing.snapshot import read_only
 
 
 def fenced_last(
@@ -46,7 +47,7 @@ class NoInstance(Exception):
     """No live instance serves the model (for this request)."""
 
 
-@dataclass(frozen=True, slots=True)
+@read_only
 class Pick:
     """A routing decision: the instance, why, and the prefix-index accounting."""
 
@@ -98,14 +99,17 @@ class Router:
                 if hashes:
                     index.insert(inst.url, hashes)
                 return Pick(inst, "moved", len(hashes), matched)
-        if hashes:
-            match = index.match
-            views = tuple([i.view(match(i.url, hashes)) for i in cands])
-        else:
-            views = tuple([i.view() for i in cands])
-        snapshot = RoutingSnapshot(views, request, self.cfg.max_metrics_age_s)
+        # (loops, not comprehensions: under Python 3.11 each is a function call, and this
+        # runs for every request with a few candidates)
+        views = []
+        by_name: dict[str, tuple[Instance, InstanceView]] = {}  # name -> (record, its view)
+        match = index.match
+        for i in cands:
+            view = i.view(match(i.url, hashes) if hashes else 0)
+            views.append(view)
+            by_name[view.name] = (i, view)
+        snapshot = RoutingSnapshot(tuple(views), request, self.cfg.max_metrics_age_s)
         decision = self.policy.choose(snapshot, now, self.rng)
-        by_name = {v.name: (i, v) for i, v in zip(cands, views, strict=True)}
         ranked: Sequence[str] = decision.ranked
         if self.pool.fenced_until_s > now:
             ranked = fenced_last(ranked, by_name, now)

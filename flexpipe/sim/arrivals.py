@@ -27,15 +27,20 @@ def _keyed(it: Iterator[Arrival], w: int) -> Iterator[tuple[float, int, int, Arr
 
 def generate_requests(scenario: Scenario) -> list[SimRequest]:
     """Every workload's arrivals, merged in time order (ties: workload order)."""
-    streams: list[Iterator[tuple[float, int, int, Arrival]]] = []
+    sources: list[Iterator[Arrival]] = []
     for w, wl in enumerate(scenario.workloads):
         src = wl.source
         if isinstance(src, TraceReplay):
-            it: Iterator[Arrival] = src.arrivals(scenario.duration_s)
+            sources.append(src.arrivals(scenario.duration_s))
         else:
-            it = src.arrivals(random.Random(f"{scenario.seed}:{w}"), scenario.duration_s)
-        streams.append(_keyed(it, w))
+            sources.append(src.arrivals(random.Random(f"{scenario.seed}:{w}"), scenario.duration_s))
     out: list[SimRequest] = []
+    if len(sources) == 1:  # (what the merge of one stream gives, without its keys)
+        model = scenario.workloads[0].model
+        for t, prompt, output, prefix in sources[0]:
+            out.append(SimRequest(len(out), t, model, prompt, output, prefix))
+        return out
+    streams = [_keyed(it, w) for w, it in enumerate(sources)]
     for t, w, _, (_, prompt, output, prefix) in heapq.merge(*streams):
         out.append(SimRequest(len(out), t, scenario.workloads[w].model, prompt, output, prefix))
     return out

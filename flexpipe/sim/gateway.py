@@ -129,8 +129,9 @@ class SimGateway:
     def submit(self, req: SimRequest, now: float) -> None:
         if self.log is not None:  # (the detail costs a format per request)
             self._log(now, "arrive", f"{req.request_id} {req.model}")
-        known = self.holds.held(req.model, now) or self.holds.refused(req.model, now) is not None
-        if not self.pool.has_model(req.model) and not known:
+        if not self.pool.has_model(req.model) and not (
+            self.holds.held(req.model, now) or self.holds.refused(req.model, now) is not None
+        ):
             self._fail(req, now, f"404: no instance serves model {req.model!r} (yet)")
             return
         num_prompt = req.num_prompt_bytes // 4 + 1

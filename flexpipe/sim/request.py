@@ -80,7 +80,11 @@ class SimRequest:
         if self.context_of is not None:
             ids = self.context_of.prompt_token_ids()
             return ids + [GENERATED_TOKEN_ID] * (n - len(ids))
-        out: list[int] = []
+        if not self.prefix_ids and n > 0:  # all unique: one copy of the count
+            out = _count_to(n)[:n]
+            out[0] = _UNIQUE_BASE + self.request_id
+            return out
+        out = []
         for block in self.prefix_ids:
             start = block * PREFIX_BLOCK_TOKENS
             out.extend(range(start, start + PREFIX_BLOCK_TOKENS))
@@ -115,7 +119,7 @@ class SimRequest:
         if left > 0:
             data = (self.request_id | (1 << 62)).to_bytes(8, "little") * (block_chars // 8)
             runs.append(repeat(data, left * _BYTES_PER_TOKEN // block_chars))
-        return chain_block_hashes(chain.from_iterable(runs))
+        return chain_block_hashes(runs[0] if len(runs) == 1 else chain.from_iterable(runs))
 
     def prompt_bytes(self) -> bytes:
         """Stand-in prompt text for the gateway's prefix hashes: shared blocks give shared

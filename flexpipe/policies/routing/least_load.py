@@ -28,30 +28,33 @@ import math
 import random
 
 from flexpipe.policies.routing.base import PolicyHooks
-from flexpipe.policies.routing.capacity import capacity, mean_speed, rank, utilization
+from flexpipe.policies.routing.capacity import Room, assess, mean_speed, rank, utilization
 from flexpipe.policies.routing.registry import register_policy, register_scorer
 from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
 
 
 def instance_costs(
-    snapshot: RoutingSnapshot, now: float, output_weight: float = 1.0
+    snapshot: RoutingSnapshot, now: float, output_weight: float = 1.0, room: Room | None = None
 ) -> list[float]:
     """Seconds to drain each instance's work, this request included, at full batch
-    (inf = stale metrics)."""
+    (inf = stale metrics). `room`: the snapshot's `capacity.assess`, if the caller has it."""
     req = snapshot.request
+    views = snapshot.instances
+    if room is None:
+        room = assess(snapshot, now)
     default_speed: float | None = None  # the mean speed, once an instance has none measured
     extra = req.num_prompt_tokens + output_weight * req.num_expected_output_tokens
     costs = []
-    for v in snapshot.instances:
-        if snapshot.is_stale(v, now):
+    for v, stale, cap in zip(views, room.stale, room.capacity, strict=True):
+        if stale:
             costs.append(math.inf)
             continue
         speed = v.speed_tokens_per_s
         if not speed > 0:
             if default_speed is None:
-                default_speed = mean_speed(snapshot.instances)
+                default_speed = mean_speed(views)
             speed = default_speed
-        costs.append((v.num_queued_tokens + extra) / (speed * capacity(v)))
+        costs.append((v.num_queued_tokens + extra) / (speed * cap))
     return costs
 
 
@@ -68,27 +71,49 @@ class LeastLoad(PolicyHooks):
         return _scores(instance_costs(snapshot, now, self.output_weight))
 
     def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision:
-        return decide_by_costs(
-            snapshot, now, instance_costs(snapshot, now, self.output_weight), rng
-        )
+        room = assess(snapshot, now)
+        costs = instance_costs(snapshot, now, self.output_weight, room)
+        return decide_by_costs(snapshot, now, costs, rng, room)
 
 
-def _scores(costs: list[float]) -> list[float]:
-    finite = [c for c in costs if math.isfinite(c)]
+def _finite(costs: list[float]) -> list[float]:
+    # (loops, not comprehensions, in this module: under Python 3.11 each comprehension is a
+    # function call, which costs more than its loop over a pick's few instances)
+    out = []
+    for c in costs:
+        if math.isfinite(c):
+            out.append(c)
+    return out
+
+
+def _scores(costs: list[float], finite: list[float] | None = None) -> list[float]:
+    """low / cost (0 for stale); `finite`: `_finite(costs)`, if the caller has it."""
+    if finite is None:
+        finite = _finite(costs)
     if not finite:
         return [0.0] * len(costs)
     low = min(finite)
-    return [0.0 if not math.isfinite(c) else (low / c if c > 0 else 1.0) for c in costs]
+    isfinite = math.isfinite
+    out = []
+    for c in costs:
+        out.append(0.0 if not isfinite(c) else (low / c if c > 0 else 1.0))
+    return out
 
 
 def decide_by_costs(
-    snapshot: RoutingSnapshot, now: float, costs: list[float], rng: random.Random
+    snapshot: RoutingSnapshot,
+    now: float,
+    costs: list[float],
+    rng: random.Random,
+    room: Room | None = None,
 ) -> Decision:
-    """least_load's decision from costs already computed by `instance_costs`."""
-    if all(math.isinf(c) for c in costs):
+    """least_load's decision from costs already computed by `instance_costs` (`room`: the
+    snapshot's `capacity.assess`, if the caller has it)."""
+    finite = _finite(costs)
+    if not finite and all(math.isinf(c) for c in costs):
         scores = [1.0 / utilization(v) for v in snapshot.instances]
-        return Decision(rank(snapshot, now, scores, rng), "stale_metrics")
-    return Decision(rank(snapshot, now, _scores(costs), rng), "least_cost")
+        return Decision(rank(snapshot, now, scores, rng, room), "stale_metrics")
+    return Decision(rank(snapshot, now, _scores(costs, finite), rng, room), "least_cost")
 
 
 register_policy("least_load", LeastLoad)

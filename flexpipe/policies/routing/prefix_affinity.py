@@ -36,12 +36,13 @@ import bisect
 import hashlib
 import math
 import random
+from collections.abc import Sequence
 
 from flexpipe.policies.routing.base import PolicyHooks
-from flexpipe.policies.routing.capacity import capacity, has_free_slot, num_slots
+from flexpipe.policies.routing.capacity import Room, assess
 from flexpipe.policies.routing.least_load import LeastLoad, decide_by_costs, instance_costs
 from flexpipe.policies.routing.registry import register_policy, register_scorer
-from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
+from flexpipe.policies.routing.snapshot import Decision, InstanceView, RoutingSnapshot
 
 
 def _point(key: str) -> int:
@@ -84,6 +85,7 @@ class PrefixAffinity(PolicyHooks):
         # (instance, capacity) per instance, in view order -> the ring
         self._rings_by_caps: dict[tuple[tuple[str, float], ...], tuple[list[int], list[str]]]
         self._rings_by_caps = {}
+        self._last_ring: tuple[dict[str, float], tuple[list[int], list[str]]] | None = None
 
     def _ring(self, vnodes: tuple[tuple[str, int], ...]) -> tuple[list[int], list[str]]:
         ring = self._rings.get(vnodes)
@@ -98,7 +100,10 @@ class PrefixAffinity(PolicyHooks):
     def _ring_of(self, caps: dict[str, float]) -> tuple[list[int], list[str]]:
         """The ring of instances of these capacities: each has `num_virtual_nodes` x its
         share of the largest capacity points (at least one). Memoised on the capacities,
-        which change as rarely as the pool."""
+        which change as rarely as the pool: the last ring first (a dict comparison, cheaper
+        than hashing the key; the ring does not depend on the order of `caps`)."""
+        if self._last_ring is not None and self._last_ring[0] == caps:
+            return self._last_ring[1]
         key = tuple(caps.items())
         ring = self._rings_by_caps.get(key)
         if ring is None:
@@ -112,64 +117,88 @@ class PrefixAffinity(PolicyHooks):
             if len(self._rings_by_caps) > 64:
                 self._rings_by_caps.clear()
             self._rings_by_caps[key] = ring
+        self._last_ring = (caps, ring)
         return ring
 
     def choose(self, snapshot: RoutingSnapshot, now: float, rng: random.Random) -> Decision:
         views = snapshot.instances
         if not views:
             return Decision((), "empty")
-        costs = instance_costs(snapshot, now, self._least_load.output_weight)
-        by_load = decide_by_costs(snapshot, now, costs, rng)
+        room = assess(snapshot, now)
+        costs = instance_costs(snapshot, now, self._least_load.output_weight, room)
+        by_load = decide_by_costs(snapshot, now, costs, rng, room)
         hashes = snapshot.request.block_hashes
         if not hashes:
             return Decision(by_load.ranked, "no_prefix")
-        free = [has_free_slot(v, snapshot, now) for v in views]
         min_match = max(1.0, self.min_match_ratio * len(hashes))
-        if max([v.num_prefix_blocks_matched for v in views]) >= min_match:
-            best_i = max(
-                range(len(views)),
-                key=lambda i: (views[i].num_prefix_blocks_matched, -costs[i], views[i].name),
-            )
-            best = views[best_i]
-            if not free[best_i]:  # it would queue there: the shortest wait decides
-                return Decision(by_load.ranked, "spill")
-            # the guard weighs work per sequence (cost x slots): what each batch has to get
-            # through, which slows every sequence in it; capacity already spoke (free slot)
-            work = [c * num_slots(v) for c, v in zip(costs, views, strict=True)]
-            finite = [w for w in work if math.isfinite(w)]
-            low = min(finite) if finite else math.inf
-            c = work[best_i]
-            overloaded = best.is_full or (
-                math.isfinite(low)
-                and (
-                    not math.isfinite(c)
-                    or (c > self.imbalance_ratio * low and c - low > self.imbalance_abs_s)
-                )
-            )
-            if overloaded:
-                return Decision(by_load.ranked, "imbalance")
-            rest = tuple(n for n in by_load.ranked if n != best.name)
-            return Decision((best.name, *rest), "prefix_hit")
+        # (Explicit loops, not comprehensions, on this path: under Python 3.11 each
+        # comprehension is a function call, and a pick has a few views.)
+        for v in views:
+            if v.num_prefix_blocks_matched >= min_match:
+                return self._prefix_hit(views, room, costs, by_load)
         # Unseen prefix: bounded-load consistent hashing on the first block, by capacity.
-        caps = {v.name: capacity(v) for v in views}
+        caps: dict[str, float] = {}  # name -> capacity
+        num_in_flight = 0
+        fresh_free = False  # some instance has a free slot and fresh metrics
+        for v, c, stale, t in zip(views, room.capacity, room.stale, room.tier, strict=True):
+            caps[v.name] = c
+            num_in_flight += v.num_in_flight
+            if t == 0 and not stale:
+                fresh_free = True
         points, owners = self._ring_of(caps)
-        in_flight = {v.name: v.num_in_flight for v in views}
-        usable = {
-            v.name for v, f in zip(views, free, strict=True) if f and not snapshot.is_stale(v, now)
-        }
-        if not usable:
-            usable = {v.name for v, f in zip(views, free, strict=True) if f}
         total_cap = sum(caps.values())
-        num_balls = self.load_bound * (sum(in_flight.values()) + 1)
+        num_balls = self.load_bound * (num_in_flight + 1)
+        # The walk takes the first instance with a free slot (fresh metrics, while any has
+        # them) below its share of the load bound: a condition on the instance only, worked
+        # out once per instance here, not per ring point.
+        open_: set[str] = set()
+        for v, stale, t in zip(views, room.stale, room.tier, strict=True):
+            if (
+                t == 0
+                and not (stale and fresh_free)
+                and v.num_in_flight < math.ceil(num_balls * caps[v.name] / total_cap)
+            ):
+                open_.add(v.name)
+        if not open_:
+            return Decision(by_load.ranked, "hash_overflow")
         # Fibonacci hashing spreads the (32-bit CRC) block hash over the 64-bit ring.
         key = (hashes[0] * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        start = bisect.bisect_left(points, key)
-        for k in range(len(points)):
-            name = owners[(start + k) % len(points)]
-            if name in usable and in_flight[name] < math.ceil(num_balls * caps[name] / total_cap):
-                others = [n for n in by_load.ranked if n != name]
-                return Decision((name, *others), "hash")
-        return Decision(by_load.ranked, "hash_overflow")
+        k = bisect.bisect_left(points, key)
+        num_points = len(points)
+        while owners[k % num_points] not in open_:  # (every instance owns a point)
+            k += 1
+        name = owners[k % num_points]
+        return Decision((name, *filter(name.__ne__, by_load.ranked)), "hash")
+
+    def _prefix_hit(
+        self, views: Sequence[InstanceView], room: Room, costs: list[float], by_load: Decision
+    ) -> Decision:
+        """A seen prefix: the longest match, unless it would queue there (`spill`) or it has
+        far more work per sequence than the least loaded (`imbalance`)."""
+        best_i = max(
+            range(len(views)),
+            key=lambda i: (views[i].num_prefix_blocks_matched, -costs[i], views[i].name),
+        )
+        best = views[best_i]
+        if room.tier[best_i] != 0:  # no free slot: it would queue there; the shortest wait
+            return Decision(by_load.ranked, "spill")
+        # the guard weighs work per sequence (cost x slots): what each batch has to get
+        # through, which slows every sequence in it; capacity already spoke (free slot)
+        work = [c * n for c, n in zip(costs, room.num_slots, strict=True)]
+        finite = [w for w in work if math.isfinite(w)]
+        low = min(finite) if finite else math.inf
+        c = work[best_i]
+        overloaded = best.is_full or (
+            math.isfinite(low)
+            and (
+                not math.isfinite(c)
+                or (c > self.imbalance_ratio * low and c - low > self.imbalance_abs_s)
+            )
+        )
+        if overloaded:
+            return Decision(by_load.ranked, "imbalance")
+        rest = tuple(n for n in by_load.ranked if n != best.name)
+        return Decision((best.name, *rest), "prefix_hit")
 
 
 register_policy("prefix_affinity", PrefixAffinity)
