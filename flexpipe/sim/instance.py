@@ -12,6 +12,7 @@ a live engine's would.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from flexpipe.engine.args import EngineConfig
 from flexpipe.engine.core import EngineCore, StepEvents
@@ -51,6 +52,7 @@ class SimInstance:
         self.dep = dep
         self.cfg = cfg
         self.url = f"sim://{dep.name}"
+        self.num_gpus = dep.num_gpus
         self.core: EngineCore = engine_core(cfg, lazy_decodes=True)
         self.loop = loop
         self.on_done = on_done  # a request finished (completed or errored) at `now`
@@ -178,10 +180,9 @@ class SimInstance:
 
     def _schedule_end(self, end_s: float) -> None:
         self._version += 1
-        version = self._version
-        self.loop.at(end_s, STEP_END, lambda t: self._on_end(t, version))
+        self.loop.at(end_s, STEP_END, partial(self._on_end, self._version))
 
-    def _on_end(self, now: float, version: int) -> None:
+    def _on_end(self, version: int, now: float) -> None:
         if version != self._version:
             return  # re-planned since
         self.num_events += 1

@@ -401,7 +401,7 @@ class _Run:
 
     # --- work ----------------------------------------------------------------------------
     def _busy(self, inst: SimInstance, start_s: float, end_s: float) -> None:
-        self.usage.busy(inst.dep.num_gpus, start_s, end_s)
+        self.usage.busy(inst.num_gpus, start_s, end_s)
 
     def _ended(self, req: SimRequest) -> None:
         root = self.moves.roots.pop(req.request_id, None)
