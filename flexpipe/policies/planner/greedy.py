@@ -87,7 +87,11 @@ class GreedyPlanner:
         usable = set(self.usable)
         self.free_bytes = {g: cluster.gpu(g).free_bytes for g in self.usable}
         self.nodes: dict[str, NodeState] = {}
-        for domain in cluster.fast_domains(config.fast_link_bytes_per_s):
+        bw = config.fast_link_bytes_per_s
+        domains = (
+            memo.topology(cluster).domains(bw) if memo is not None else cluster.fast_domains(bw)
+        )
+        for domain in domains:
             # A domain spanning nodes is split per node (TP stays inside a node).
             per_node: dict[str, list[str]] = {}
             for gid in domain:
