@@ -110,7 +110,7 @@ class Evaluator:
             for m, d in enumerate(demands)
         ]
         # GPU id -> (type, free bytes)
-        self._free = {g.id: (g.type, g.free_bytes) for g in cluster.gpus}
+        self._free = topo.free()
 
     # -- partitioning ------------------------------------------------------------------
 

@@ -14,12 +14,13 @@ Bounded: least recently used entries go beyond `max_entries` (a cluster whose fr
 keeps changing makes new shapes; old ones stop being asked for).
 
 `topology(cluster)`: what plans derive from one cluster object: its fast-link domains, the
-slowest link of a TP group, the link between two GPUs, and each candidate's evaluation (per
-model shape: the same inputs as the memo's key, with the GPU ids instead of the hardware).
-A controller's cluster stays one (immutable) object from tick to tick until its GPUs
-change, and each re-plan derived all of it again (half of a re-plan on 256 GPUs). Kept for
-the last few cluster objects planned on; a topology holds its cluster, so an equal one made
-later is never mistaken for it, and rebinding (`bind`) forgets them with the evaluations.
+slowest link of a TP group, the link between two GPUs, each GPU's free memory, and each
+candidate's evaluation (per model shape: the same inputs as the memo's key, with the GPU ids
+instead of the hardware). A controller's cluster stays one (immutable) object from tick to
+tick until its GPUs change, and each re-plan derived all of it again (half of a re-plan on
+256 GPUs). Kept for the last few cluster objects planned on; a topology holds its cluster,
+so an equal one made later is never mistaken for it, and rebinding (`bind`) forgets them
+with the evaluations.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ class Topology:
     results: dict[tuple[object, ...], dict[tuple[object, ...], Candidate | Rejection]] = field(
         default_factory=dict
     )
+
+    gpus: dict[str, tuple[str, float]] | None = None  # GPU id -> (type, free bytes)
+
+    def free(self) -> dict[str, tuple[str, float]]:
+        """Each GPU's type and free bytes."""
+        if self.gpus is None:
+            self.gpus = {g.id: (g.type, g.free_bytes) for g in self.cluster.gpus}
+        return self.gpus
 
     def domains(self, min_bandwidth_bytes_per_s: float) -> list[tuple[str, ...]]:
         got = self.fast_domains.get(min_bandwidth_bytes_per_s)
