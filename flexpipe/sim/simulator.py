@@ -440,7 +440,7 @@ class _Run:
         self.gateway.submit(req, now)
         if index + 1 < len(self.requests):
             nxt = self.requests[index + 1]
-            self.loop.at(nxt.arrival_s, ARRIVAL, lambda t: self._arrive(index + 1, t))
+            self.loop.at(nxt.arrival_s, ARRIVAL, functools.partial(self._arrive, index + 1))
 
     def run(self, progress: Callable[[float], None] | None) -> SimResult:
         scenario = self.scenario
@@ -452,7 +452,7 @@ class _Run:
             self.loop.at(ev.at_s, CONTROL, functools.partial(self._resources, i))
         if self.requests:
             first = self.requests[0].arrival_s
-            self.loop.at(first, ARRIVAL, lambda t: self._arrive(0, t))
+            self.loop.at(first, ARRIVAL, functools.partial(self._arrive, 0))
         t = 0.0
         step = scenario.report_interval_s
         while t < scenario.duration_s:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["EvaluationMemo", "Topology"]
 
-_MAX_TOPOLOGIES = 4  # the cluster, and the derived ones a tick's candidates plan on
+_MAX_TOPOLOGIES = 8  # the cluster, and the derived ones a tick's candidates plan on
 
 
 @dataclass(slots=True)
