@@ -35,7 +35,7 @@ from flexpipe.sim.stretch import (
 MAX_STRETCH_STEPS = 1 << 20
 
 Done = Callable[["SimInstance", SimRequest, EngineRequest, float], None]
-Busy = Callable[["SimInstance", float, float], None]
+Busy = Callable[[float, float], None]
 
 
 class SimInstance:
@@ -52,11 +52,10 @@ class SimInstance:
         self.dep = dep
         self.cfg = cfg
         self.url = f"sim://{dep.name}"
-        self.num_gpus = dep.num_gpus
         self.core: EngineCore = engine_core(cfg, lazy_decodes=True)
         self.loop = loop
         self.on_done = on_done  # a request finished (completed or errored) at `now`
-        self.on_busy = on_busy  # the engine computed from `start` to `end`
+        self.on_busy = on_busy  # the engine computed from `start_s` to `end_s`
         self.on_first_token = on_first_token  # a request's first token came at `now`
         self.max_stretch_steps = MAX_STRETCH_STEPS if stretches else 0
         self._decode_registers = decode_registers_blocks(self.core)
@@ -204,7 +203,7 @@ class SimInstance:
         self.num_steps += 1 + num_virtual
         busy_end = end_s if num_virtual else self._first_end_s
         self.busy_s += busy_end - self._start_s
-        self.on_busy(self, self._start_s, busy_end)
+        self.on_busy(self._start_s, busy_end)
         self._plan = None
         self._stretch = None
         return events.finished

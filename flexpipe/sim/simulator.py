@@ -179,7 +179,9 @@ class _Run:
         except ValueError as exc:
             return str(exc)
         inst = SimInstance(
-            dep, cfg, self.loop, self._engine_done, self._busy, stretches=self.stretches,
+            dep, cfg, self.loop, self._engine_done,
+            functools.partial(self.usage.busy, dep.num_gpus),  # (its GPUs computed then)
+            stretches=self.stretches,
             on_first_token=self._first_token,
         )  # fmt: skip
         rec = InstanceRecord(
@@ -400,9 +402,6 @@ class _Run:
         self._check_empty(now)
 
     # --- work ----------------------------------------------------------------------------
-    def _busy(self, inst: SimInstance, start_s: float, end_s: float) -> None:
-        self.usage.busy(inst.num_gpus, start_s, end_s)
-
     def _ended(self, req: SimRequest) -> None:
         root = self.moves.roots.pop(req.request_id, None)
         if root is not None:  # a continuation ended: so did the client's request
