@@ -42,7 +42,7 @@ class Candidate:
 
     @property
     def num_gpus(self) -> int:
-        return len(self.gpu_ids)
+        return sum(map(len, self.stages))  # (the greedy asks it of every candidate it ranks)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
