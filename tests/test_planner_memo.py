@@ -101,3 +101,23 @@ def test_the_memo_is_bounded() -> None:
         assert len(memo) <= 5
     with pytest.raises(ValueError, match="max_entries"):
         EvaluationMemo(max_entries=0)
+
+
+def test_a_topology_belongs_to_one_cluster_object() -> None:
+    # A controller's cluster is one object from tick to tick: what plans derive from it is
+    # kept with it; an equal cluster made later is another object, planned afresh.
+    cluster = generate_cluster(2, 8, seed=1)
+    demands = four_models()
+    memo = EvaluationMemo()
+    lookup = GearLookup()
+    plan(cluster, demands, lookup, memo=memo)
+    topo = memo.topology(cluster)
+    assert topo.fast_domains and topo.results
+    busier = tuple(replace(d, request_rate_per_s=3 * d.request_rate_per_s) for d in demands)
+    assert plan(cluster, busier, lookup, memo=memo) == plan(cluster, busier)
+    assert memo.topology(cluster) is topo
+    first = cluster.gpu_ids[0]
+    same = cluster.with_used(first, cluster.gpu(first).used_bytes, cluster.gpu(first).owner)
+    assert same == cluster and memo.topology(same) is not topo
+    plan(cluster, demands, GearLookup(), memo=memo)  # another lookup: evaluated again
+    assert memo.topology(cluster) is not topo

@@ -19,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from flexpipe.policies.shift.signals import Sample
 
 __all__ = [
+    "TPOT_HISTOGRAM",
+    "TTFT_HISTOGRAM",
     "Buckets",
     "GatewayTotals",
     "Sampler",
@@ -28,8 +30,9 @@ __all__ = [
     "parse_histograms",
 ]
 
-_TTFT = "flexpipe_time_to_first_token_seconds"
-_TPOT = "flexpipe_time_per_output_token_seconds"
+# the gateway's latency histograms the policy reads (flexpipe.gateway.metrics)
+TTFT_HISTOGRAM = _TTFT = "flexpipe_time_to_first_token_seconds"
+TPOT_HISTOGRAM = _TPOT = "flexpipe_time_per_output_token_seconds"
 
 Buckets = tuple[tuple[float, float], ...]  # (upper bound, cumulative count), ascending
 
@@ -122,6 +125,22 @@ class Sampler:
         """`queued_by_model`: the gateway's wait queue by model (what a model with no
         instance has as demand); without it, the whole queue counts for a lone model."""
         hist = parse_histograms(metrics_text, (_TTFT, _TPOT))
+        return self.sample_histograms(
+            now_s, models, instances, hist, num_queued_at_gateway, queued_by_model
+        )
+
+    def sample_histograms(
+        self,
+        now_s: float,
+        models: Sequence[str],
+        instances: Sequence[Mapping[str, Any]],
+        histograms: Mapping[tuple[str, str], Buckets],
+        num_queued_at_gateway: int = 0,
+        queued_by_model: Mapping[str, int] | None = None,
+    ) -> dict[str, Sample]:
+        """`sample` from the latency histograms as `parse_histograms` reads them from the
+        gateway's text ((TTFT_HISTOGRAM or TPOT_HISTOGRAM, model) -> cumulative buckets)."""
+        hist = histograms
         out = {}
         for model in models:
             mine = [i for i in instances if i.get("model") == model and _serving(i)]

@@ -57,6 +57,15 @@ class _StageCost:
 _MAX_MEMO = 1 << 15
 
 
+def _shape(batch: BatchShape) -> tuple[int, int, float]:
+    """(tokens computed, tokens whose KV attention reads, query-key pairs) of `batch`."""
+    return (
+        batch.num_tokens,
+        batch.decode_context_tokens + batch.num_prefill_tokens,
+        batch.prefill_attention_tokens + batch.decode_context_tokens,
+    )
+
+
 def _slowest_gpu(gpus: tuple[GpuSlot, ...]) -> GpuSpec:
     return min((g.spec for g in gpus), key=lambda s: s.hbm_bandwidth_bytes_per_s)
 
@@ -261,10 +270,12 @@ class PerfModel:
         self._kernels_memo[key] = total = linear + memory + comm
         return total
 
-    def _layer_s(self, st: _StageCost, batch: BatchShape) -> float:
-        kernels = self._layer_kernels_s(st, batch.num_tokens)
-        kv_tokens = batch.decode_context_tokens + batch.num_prefill_tokens
-        pairs = batch.prefill_attention_tokens + batch.decode_context_tokens
+    def _layer_s(self, st: _StageCost, num_tokens: int, kv_tokens: int, pairs: float) -> float:
+        """One layer of `st`: its kernels for `num_tokens` tokens and attention over
+        `kv_tokens` cached tokens and `pairs` query-key pairs (`_shape`)."""
+        kernels = self._kernels_memo.get((id(st), num_tokens))
+        if kernels is None:
+            kernels = self._layer_kernels_s(st, num_tokens)
         attention = roofline_s(
             st.kv_bytes_per_token_per_layer * kv_tokens,
             st.attention_flops_per_pair_per_layer * pairs,
@@ -277,43 +288,60 @@ class PerfModel:
         """One decoder layer of `stage` (its kernels, attention and TP all-reduces; no lm_head,
         no engine overhead): what `flexpipe calibrate` times on a random-weight layer."""
         self._check_runnable()
-        return self._layer_s(self._stages[stage], batch)
+        return self._layer_s(self._stages[stage], *_shape(batch))
 
-    def _stage_time_s(self, st: _StageCost, batch: BatchShape) -> float:
+    def _stage_time_s(
+        self, st: _StageCost, num_tokens: int, kv_tokens: int, pairs: float, num_seqs: int
+    ) -> float:
         lm_head = 0.0
         if st.lm_head is not None:
-            key = (id(st.lm_head), batch.num_seqs)
-            lm_head = self._kernels_memo.get(key) or self._gemms_s(
-                st, (st.lm_head,), batch.num_seqs
-            )
-            self._kernels_memo[key] = lm_head
-        return st.num_layers * self._layer_s(st, batch) + lm_head
+            key = (id(st.lm_head), num_seqs)
+            cached = self._kernels_memo.get(key)
+            if cached is None:
+                cached = self._kernels_memo[key] = self._gemms_s(st, (st.lm_head,), num_seqs)
+            lm_head = cached
+        return st.num_layers * self._layer_s(st, num_tokens, kv_tokens, pairs) + lm_head
 
     def stage_times_s(self, batch: BatchShape) -> list[float]:
         self._check_runnable()
-        return [self._stage_time_s(st, batch) for st in self._stages]
+        shape = _shape(batch)
+        return [self._stage_time_s(st, *shape, batch.num_seqs) for st in self._stages]
 
     def handoff_s(self, batch: BatchShape, link: LinkSpec) -> float:
         """Sending one stage's hidden states for `batch` to the next stage over `link`."""
-        return self._handoff_s(batch, self._link_cost(link))
+        return self._link_cost(link).p2p_s(batch.num_tokens * self._handoff_bytes_per_token)
 
-    def _handoff_s(self, batch: BatchShape, link: LinkCost) -> float:
-        return link.p2p_s(batch.num_tokens * self._handoff_bytes_per_token)
+    def _handoffs_s(self, num_tokens: int) -> float:
+        message_bytes = num_tokens * self._handoff_bytes_per_token
+        return sum(link.p2p_s(message_bytes) for link in self._pp_links)
 
-    def _handoffs_s(self, batch: BatchShape) -> float:
-        return sum(self._handoff_s(batch, link) for link in self._pp_links)
-
-    def _overhead_s(self, batch: BatchShape) -> float:
+    def _overhead_s(self, num_seqs: int) -> float:
         eff = self.efficiency
-        return eff.step_overhead_s + eff.per_seq_overhead_s * batch.num_seqs
+        return eff.step_overhead_s + eff.per_seq_overhead_s * num_seqs
 
     def step_time_s(self, batch: BatchShape) -> float:
-        """Wall time of one iteration through every stage (latency of the batch)."""
-        if batch.is_empty:
+        """Wall time of one iteration through every stage (latency of the batch).
+
+        (The sim engine calls this every step: the batch's aggregates are read once, and
+        a single stage or no hand-off skips the sums.)"""
+        num_tokens = batch.num_prefill_tokens + batch.num_decode_seqs
+        if num_tokens == 0:
             return 0.0
-        self._check_runnable()
-        stages = sum(self._stage_time_s(st, batch) for st in self._stages)
-        return stages + self._handoffs_s(batch) + self._overhead_s(batch)
+        if self._unsupported is not None:
+            raise InfeasibleGear(self._unsupported)
+        kv_tokens = batch.decode_context_tokens + batch.num_prefill_tokens
+        pairs = batch.prefill_attention_tokens + batch.decode_context_tokens
+        num_seqs = batch.num_prefill_seqs + batch.num_decode_seqs
+        stages = self._stages
+        if len(stages) == 1:
+            total = self._stage_time_s(stages[0], num_tokens, kv_tokens, pairs, num_seqs)
+        else:
+            total = sum(
+                [self._stage_time_s(st, num_tokens, kv_tokens, pairs, num_seqs) for st in stages]
+            )
+        if self._pp_links:
+            total += self._handoffs_s(num_tokens)
+        return total + self._overhead_s(num_seqs)
 
     def decode_step_s(self, batch_size: int, context_len: int) -> float:
         return self.step_time_s(
@@ -332,8 +360,8 @@ class PerfModel:
             return self.decode_step_s(batch_size, context_len)
         micro = max(1, -(-batch_size // pp))
         shape = BatchShape(num_decode_seqs=micro, decode_context_tokens=micro * context_len)
-        slowest = max(self.stage_times_s(shape)) + self._handoffs_s(shape) / (pp - 1)
-        return pp * (slowest + self._overhead_s(shape))
+        slowest = max(self.stage_times_s(shape)) + self._handoffs_s(shape.num_tokens) / (pp - 1)
+        return pp * (slowest + self._overhead_s(shape.num_seqs))
 
     def decode_tokens_per_s(self, batch_size: int, context_len: int) -> float:
         return batch_size / self.decode_interval_s(batch_size, context_len)

@@ -6,8 +6,10 @@ Every `tick_s` (10 s), or at once when the GPUs change:
    `Resources.file_changed` (the same events the live file watch produces); an engine that
    died with its GPUs is an emergency: out of the running plan, its GPUs re-planned;
 2. each model's `Sample` from what the gateway exposes — its pool records (`as_dict`, as
-   `GET /admin/instances` gives them) and its Prometheus text (a `GatewayMetrics` fed as the
-   gateway feeds it) — read by the controller's `Sampler`; arrival rates by `RateWindow`;
+   `GET /admin/instances` gives them) and its TTFT and TPOT histograms (`LatencyBuckets`:
+   the cumulative bucket counts the live controller parses from the gateway's Prometheus
+   text, with `GatewayMetrics`' bounds) — read by the controller's `Sampler`; arrival rates
+   by `RateWindow`;
 3. `ShiftPolicy.decide(snapshot, now, rng)`, the live policy;
 4. a shift is carried out by `ShiftRun` (make-before-break, the executor's phases), during
    which the controller does not tick (the live one awaits the shift inside its tick); the
@@ -20,18 +22,20 @@ Every decision taken, and every hold under a trigger, is kept for the report.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.observe import RateWindow, model_states
 from flexpipe.control.resources import ResourceEvent, Resources
-from flexpipe.control.samples import Sampler
+from flexpipe.control.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Buckets, Sampler
 from flexpipe.control.shift_outcome import finished_record
 from flexpipe.control.standby import Renewal, renewal
 from flexpipe.gateway.holds import STANDBY_HOLD_S
-from flexpipe.gateway.metrics import GatewayMetrics
+from flexpipe.gateway.metrics import _LATENCY_BUCKETS_S, _TPOT_BUCKETS_S
 from flexpipe.gears.lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.planner.memo import EvaluationMemo
@@ -43,7 +47,39 @@ from flexpipe.sim.loop import CONTROL
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.shift_run import ShiftOutcome, ShiftRun, World
 
-__all__ = ["ControllerParams", "SimController"]
+__all__ = ["ControllerParams", "LatencyBuckets", "SimController"]
+
+
+class LatencyBuckets:
+    """One latency histogram of the gateway, by model, as the controller reads it: what
+    `parse_histograms` makes of a Prometheus histogram with these bucket bounds fed the same
+    values (per model the cumulative count at each bound, +Inf last; a value counts in the
+    first bucket whose bound is >= it, NaN in none). The simulator keeps these counts instead
+    of a `GatewayMetrics` whose text it would render and parse back every tick."""
+
+    def __init__(self, name: str, bounds_s: tuple[float, ...]) -> None:
+        self.name = name
+        self.bounds_s = (*bounds_s, math.inf)
+        self.counts: dict[str, list[int]] = {}  # model -> observations per bucket
+
+    def observe(self, model: str, value_s: float) -> None:
+        counts = self.counts.get(model)
+        if counts is None:
+            counts = self.counts[model] = [0] * len(self.bounds_s)
+        if value_s == value_s:  # (not NaN)
+            counts[bisect_left(self.bounds_s, value_s)] += 1
+
+    def read(self) -> dict[tuple[str, str], Buckets]:
+        """(histogram name, model) -> cumulative buckets, as `parse_histograms` gives them."""
+        out: dict[tuple[str, str], Buckets] = {}
+        for model, counts in self.counts.items():
+            total = 0
+            cumulative = []
+            for bound, n in zip(self.bounds_s, counts, strict=True):
+                total += n
+                cumulative.append((bound, float(total)))
+            out[(self.name, model)] = tuple(cumulative)
+        return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,7 +119,8 @@ class SimController:
         self._performance = GearLookup()
         self._memo = EvaluationMemo()
         self.policy = ShiftPolicy(params.shift, planner=self._planner)
-        self.metrics = GatewayMetrics()
+        self.ttft = LatencyBuckets(TTFT_HISTOGRAM, _LATENCY_BUCKETS_S)
+        self.tpot = LatencyBuckets(TPOT_HISTOGRAM, _TPOT_BUCKETS_S)
         self.running: dict[str, Any] = {}  # instance key -> record
         self.history: list[ShiftRecord] = []
         self.samples: dict[str, list[Sample]] = {d.name: [] for d in demands}
@@ -125,15 +162,13 @@ class SimController:
     # ------------------------------------------------------------------ what the gateway sees
     def first_token(self, model: str, ttft_s: float) -> None:
         """The gateway's TTFT of a request whose first token just reached its client."""
-        self.metrics.observe("ttft", model, ttft_s)
+        self.ttft.observe(model, ttft_s)
 
     def request_ended(self, req: SimRequest) -> None:
-        """The gateway's metrics of a finished request (the controller reads them)."""
-        m = self.metrics
-        m.request_done(req.model, req.instance, "200" if req.completed else "error")
+        """The gateway's readings of a finished request (the controller reads them)."""
         self._done[req.model] = self._done.get(req.model, 0.0) + 1
         if req.completed and req.num_generated_tokens > 1:
-            m.observe("tpot", req.model, req.tpot_s)
+            self.tpot.observe(req.model, req.tpot_s)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, now: float) -> None:
@@ -237,12 +272,12 @@ class SimController:
                 self._standby.discard(model)
 
     def _sample(self, now: float) -> None:
-        text = self.metrics.exposition().decode()
         names = [d.name for d in self.demands]
         pool = self.gateway_pool()
-        readings = self._sampler.sample(
-            now, names, pool, text, self.num_queued(), self.queued_by_model()
-        )
+        readings = self._sampler.sample_histograms(
+            now, names, pool, {**self.ttft.read(), **self.tpot.read()}, self.num_queued(),
+            self.queued_by_model(),
+        )  # fmt: skip
         for name, sample in readings.items():
             self.samples[name].append(sample)
             del self.samples[name][:-100]

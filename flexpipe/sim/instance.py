@@ -12,6 +12,7 @@ a live engine's would.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from flexpipe.engine.args import EngineConfig
 from flexpipe.engine.core import EngineCore, StepEvents
@@ -34,7 +35,7 @@ from flexpipe.sim.stretch import (
 MAX_STRETCH_STEPS = 1 << 20
 
 Done = Callable[["SimInstance", SimRequest, EngineRequest, float], None]
-Busy = Callable[["SimInstance", float, float], None]
+Busy = Callable[[float, float], None]
 
 
 class SimInstance:
@@ -54,7 +55,7 @@ class SimInstance:
         self.core: EngineCore = engine_core(cfg, lazy_decodes=True)
         self.loop = loop
         self.on_done = on_done  # a request finished (completed or errored) at `now`
-        self.on_busy = on_busy  # the engine computed from `start` to `end`
+        self.on_busy = on_busy  # the engine computed from `start_s` to `end_s`
         self.on_first_token = on_first_token  # a request's first token came at `now`
         self.max_stretch_steps = MAX_STRETCH_STEPS if stretches else 0
         self._decode_registers = decode_registers_blocks(self.core)
@@ -178,10 +179,9 @@ class SimInstance:
 
     def _schedule_end(self, end_s: float) -> None:
         self._version += 1
-        version = self._version
-        self.loop.at(end_s, STEP_END, lambda t: self._on_end(t, version))
+        self.loop.at(end_s, STEP_END, partial(self._on_end, self._version))
 
-    def _on_end(self, now: float, version: int) -> None:
+    def _on_end(self, version: int, now: float) -> None:
         if version != self._version:
             return  # re-planned since
         self.num_events += 1
@@ -203,7 +203,7 @@ class SimInstance:
         self.num_steps += 1 + num_virtual
         busy_end = end_s if num_virtual else self._first_end_s
         self.busy_s += busy_end - self._start_s
-        self.on_busy(self, self._start_s, busy_end)
+        self.on_busy(self._start_s, busy_end)
         self._plan = None
         self._stretch = None
         return events.finished

@@ -179,7 +179,9 @@ class _Run:
         except ValueError as exc:
             return str(exc)
         inst = SimInstance(
-            dep, cfg, self.loop, self._engine_done, self._busy, stretches=self.stretches,
+            dep, cfg, self.loop, self._engine_done,
+            functools.partial(self.usage.busy, dep.num_gpus),  # (its GPUs computed then)
+            stretches=self.stretches,
             on_first_token=self._first_token,
         )  # fmt: skip
         rec = InstanceRecord(
@@ -400,9 +402,6 @@ class _Run:
         self._check_empty(now)
 
     # --- work ----------------------------------------------------------------------------
-    def _busy(self, inst: SimInstance, start_s: float, end_s: float) -> None:
-        self.usage.busy(inst.dep.num_gpus, start_s, end_s)
-
     def _ended(self, req: SimRequest) -> None:
         root = self.moves.roots.pop(req.request_id, None)
         if root is not None:  # a continuation ended: so did the client's request
@@ -440,7 +439,7 @@ class _Run:
         self.gateway.submit(req, now)
         if index + 1 < len(self.requests):
             nxt = self.requests[index + 1]
-            self.loop.at(nxt.arrival_s, ARRIVAL, lambda t: self._arrive(index + 1, t))
+            self.loop.at(nxt.arrival_s, ARRIVAL, functools.partial(self._arrive, index + 1))
 
     def run(self, progress: Callable[[float], None] | None) -> SimResult:
         scenario = self.scenario
@@ -452,7 +451,7 @@ class _Run:
             self.loop.at(ev.at_s, CONTROL, functools.partial(self._resources, i))
         if self.requests:
             first = self.requests[0].arrival_s
-            self.loop.at(first, ARRIVAL, lambda t: self._arrive(0, t))
+            self.loop.at(first, ARRIVAL, functools.partial(self._arrive, 0))
         t = 0.0
         step = scenario.report_interval_s
         while t < scenario.duration_s:

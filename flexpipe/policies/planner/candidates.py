@@ -19,7 +19,7 @@ from flexpipe.model_spec import ModelSpec
 from flexpipe.perf import BatchShape, Efficiency, InfeasibleGear, PerfModel, memory_plan
 from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY
 from flexpipe.policies.partition import InfeasiblePartition, StageCost, partition_layers
-from flexpipe.policies.planner.memo import EvaluationMemo
+from flexpipe.policies.planner.memo import EvaluationMemo, Topology
 from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.types import ModelDemand, PlannerConfig
 
@@ -42,7 +42,7 @@ class Candidate:
 
     @property
     def num_gpus(self) -> int:
-        return len(self.gpu_ids)
+        return sum(map(len, self.stages))  # (the greedy asks it of every candidate it ranks)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -96,15 +96,21 @@ class Evaluator:
         self._ladder = tuple(sorted(set(config.batch_ladder)))
         # (model index, dtype, stage hardware, free bytes) -> stage costs for the partitioner
         self._stage_costs: dict[tuple[object, ...], list[StageCost] | str] = {}
-        # (model index, stages, dtype) -> result: the cluster snapshot is fixed, so is this
-        self._results: dict[tuple[int, tuple[tuple[str, ...], ...], str], Candidate | Rejection]
-        self._results = {}
         # (model index, dtype, hardware signature) -> result for the first GPUs evaluated
         self._by_hardware: dict[tuple[object, ...], Candidate | Rejection] = {}
-        self._tp_links: dict[tuple[str, ...], LinkSpec] = {}
-        self._pair_links: dict[tuple[str, str], LinkSpec] = {}
+        topo = memo.topology(cluster) if memo is not None else Topology(cluster)
+        self._tp_links: dict[tuple[str, ...], LinkSpec] = topo.tp_links
+        self._pair_links: dict[tuple[str, str], LinkSpec] = topo.pair_links
+        # model index -> (stages, dtype) -> result: the cluster is fixed, so is this (and so
+        # across the plans a memo sees on this very cluster, for the same model shape)
+        self._results = [
+            topo.results.setdefault(
+                (m, specs[m], d.max_model_len, d.input_tokens, d.output_tokens, d.slo), {}
+            )
+            for m, d in enumerate(demands)
+        ]
         # GPU id -> (type, free bytes)
-        self._free = {g.id: (g.type, g.free_bytes) for g in cluster.gpus}
+        self._free = topo.free()
 
     # -- partitioning ------------------------------------------------------------------
 
@@ -172,8 +178,9 @@ class Evaluator:
     def evaluate(
         self, m: int, stages: tuple[tuple[str, ...], ...], dtype: str
     ) -> Candidate | Rejection:
-        key = (m, stages, dtype)
-        cached = self._results.get(key)
+        results = self._results[m]
+        key = (stages, dtype)
+        cached = results.get(key)
         if cached is not None:
             return cached
         flat = [g for s in stages for g in s]
@@ -191,7 +198,7 @@ class Evaluator:
                 result = replace(hit, stages=stages)
             else:  # the reason names the GPUs it was about
                 result = self._evaluate(m, stages, dtype)
-        self._results[key] = result
+        results[key] = result
         return result
 
     def _first_of_shape(

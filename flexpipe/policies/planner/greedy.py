@@ -15,7 +15,7 @@ from flexpipe.hardware import GB
 from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import Efficiency
 from flexpipe.policies.planner.candidates import Candidate, Evaluator, Rejection, describe
-from flexpipe.policies.planner.memo import EvaluationMemo
+from flexpipe.policies.planner.memo import EvaluationMemo, Topology
 from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.types import (
     Alternative,
@@ -85,9 +85,12 @@ class GreedyPlanner:
         self.prices = list(prices) if prices is not None else [1.0] * len(demands)
         self.usable, self.unused = usable_gpus(cluster, now_s, config)
         usable = set(self.usable)
-        self.free_bytes = {g: cluster.gpu(g).free_bytes for g in self.usable}
+        # (what it derives from the cluster alone: kept across plans by a memo)
+        topo = memo.topology(cluster) if memo is not None else Topology(cluster)
+        free = topo.free()
+        self.free_bytes = {g: free[g][1] for g in self.usable}
         self.nodes: dict[str, NodeState] = {}
-        for domain in cluster.fast_domains(config.fast_link_bytes_per_s):
+        for domain in topo.domains(config.fast_link_bytes_per_s):
             # A domain spanning nodes is split per node (TP stays inside a node).
             per_node: dict[str, list[str]] = {}
             for gid in domain:
