@@ -3,8 +3,6 @@ gateways in one process (tests, the simulator) never share counters."""
 
 from __future__ import annotations
 
-from bisect import bisect_left
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS_S = (
@@ -111,7 +109,7 @@ class GatewayMetrics:
         # instances x statuses), so the memo stays small.
         self._requests: dict[tuple[str, str, str], Counter] = {}
         self._decisions: dict[tuple[str, str], Counter] = {}
-        self._latency: dict[tuple[str, str], _Observer] = {}  # (kind, model) -> child
+        self._latency: dict[tuple[str, str], Histogram] = {}  # (kind, model) -> child
 
     def request_done(self, model: str, instance: str, status: str) -> None:
         key = (model, instance, status)
@@ -133,31 +131,8 @@ class GatewayMetrics:
         child = self._latency.get(key)
         if child is None:
             metric = {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}[kind]
-            child = self._latency[key] = _Observer(metric.labels(model))
+            child = self._latency[key] = metric.labels(model)
         child.observe(value_s)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _Observer:
-    """`Histogram.observe` of a labelled child, with the bucket found by bisection instead
-    of a scan of its ~20 bounds and without the per-call check that the metric has no
-    labels left to fill (a child never has): the same counters get the same increments
-    (prometheus_client 0.26's `_sum`, `_buckets` and `_upper_bounds`;
-    tests/test_gateway_metrics.py compares the exposition with the library's own)."""
-
-    __slots__ = ("_bounds", "_buckets", "_child", "_sum")
-
-    def __init__(self, child: Histogram) -> None:
-        self._child = child
-        self._bounds: list[float] = child._upper_bounds
-        self._sum = child._sum
-        self._buckets = child._buckets
-
-    def observe(self, value: float) -> None:
-        if value != value:  # NaN: in no bucket, as the library has it
-            self._child.observe(value)
-            return
-        self._sum.inc(value)
-        self._buckets[bisect_left(self._bounds, value)].inc(1)  # the first bound >= value
