@@ -47,11 +47,6 @@ from dataclasses import dataclass, field
 from flexpipe.engine.free_queue import Entry, FreeQueue
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """The chained hash of one full block (Python's tuple hash is stable for ints)."""
-    return hash((parent_hash, tuple(token_ids)))
-
-
 class Run:
     """Blocks one request registered in one go (see the module docstring)."""
 
@@ -164,7 +159,9 @@ def _chain(
     parent: int | None, tokens: Sequence[int], first: int, end: int, block_size: int
 ) -> list[int]:
     """The chained hashes of blocks [first, end) of `tokens`, after `parent` (the hash of
-    block first - 1): `hash_block` over each, its tuple cut by zip."""
+    block first - 1, None for the first block): hash((parent hash, tuple of the block's token
+    ids)) for each, the tuple cut by zip (Python's hash of ints and tuples of ints is stable
+    from run to run)."""
     out: list[int] = []
     append = out.append
     h = parent
