@@ -16,12 +16,10 @@ status is 1 when any fingerprint differs.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from bench._checkout import run_child
 
 DEFAULT_RUNS = ("speed:300,seed-fragmented:0,mooncake-prefix:300,multi-model-diurnal:1800,"
                 "bursty-serverless:600,azure-conversation:600")  # fmt: skip
@@ -57,13 +55,7 @@ print(json.dumps({"fingerprint": h.hexdigest()[:16], "requests": len(res.request
 
 def fingerprint(checkout: Path, name: str, duration_s: float) -> dict[str, object]:
     """One run in a fresh process importing `checkout`'s flexpipe."""
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, name, str(duration_s)],
-        cwd=checkout, env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    row: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
-    return row
+    return run_child(checkout, _CHILD, name, str(duration_s))
 
 
 def main(argv: Sequence[str] = ()) -> int:

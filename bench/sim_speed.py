@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from bench._checkout import run_child
 
 
 def scenario_doc(
@@ -72,13 +71,7 @@ print(json.dumps({
 
 def run_in(checkout: Path, doc: dict[str, object], stretches: bool) -> dict[str, float]:
     """One run in a fresh process importing `checkout`'s flexpipe (CPU time of the run)."""
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(doc), "1" if stretches else "0"],
-        cwd=checkout, env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    row: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
-    return row
+    return run_child(checkout, _CHILD, json.dumps(doc), "1" if stretches else "0")
 
 
 def main(argv: Sequence[str] = ()) -> int:
