@@ -557,10 +557,10 @@ class ExampleEngine:
 def start_example_engines(procs: Procs, time_scale: float = 1.0) -> list[ExampleEngine]:
     """The engines `flexpipe up` starts for the built-in example: its planner, its launcher."""
     from flexpipe.cluster import load_cluster
-    from flexpipe.control.launching import engine_spec, load_models
+    from flexpipe.control.engines.launching import engine_spec, load_models
     from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
-    from flexpipe.gears.lookup import GearLookup
     from flexpipe.launch import LocalLauncher
+    from flexpipe.perf.gear_lookup import GearLookup
     from flexpipe.policies.planner import plan
 
     cluster = load_cluster(DEFAULT_CLUSTER)

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from flexpipe.cluster.generate import generate_cluster
-from flexpipe.gears.lookup import GearLookup
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import (
     ModelDemand,
     Slo,

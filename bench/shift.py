@@ -87,7 +87,7 @@ import openai
 
 from bench._shift_load import LoadMix, PoissonLoad, RequestRecord, excess_pause_s
 from flexpipe.cluster import load_cluster, placement_on
-from flexpipe.control.launching import load_models
+from flexpipe.control.engines.launching import load_models
 from flexpipe.gears.gear import parse_gear
 from flexpipe.launch import free_port
 from flexpipe.model_spec import load_model_spec

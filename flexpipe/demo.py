@@ -28,8 +28,8 @@ from pathlib import Path
 import orjson
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.client import AsyncControllerClient, ControllerError, resolve_token
-from flexpipe.control.resources import Resources
+from flexpipe.control.api.client import AsyncControllerClient, ControllerError, resolve_token
+from flexpipe.control.core.resources import Resources
 from flexpipe.examples import example_path
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flexpipe import microbench
 from flexpipe.cli import app
-from flexpipe.perf import perf_model_for
+from flexpipe.perf import microbench, perf_model_for
 from flexpipe.perf.calibration import builtin_calibration
 from flexpipe.perf.sample import read_samples_csv
 from flexpipe.store import Store

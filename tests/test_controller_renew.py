@@ -26,9 +26,9 @@ from test_controller_demand import ZERO
 from test_gateway_api import Running
 from test_gateway_fakes import LoopThread
 
+from flexpipe.control.api.gateway_client import GatewayClient
 from flexpipe.control.controller import Controller, ControllerConfig
-from flexpipe.control.gateway_client import GatewayClient
-from flexpipe.control.launching import engine_spec
+from flexpipe.control.engines.launching import engine_spec
 from flexpipe.control.standby import Renewal, renewal
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.launch import LocalLauncher, free_port

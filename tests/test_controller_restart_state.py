@@ -14,13 +14,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from flexpipe.cluster import Cluster
+from flexpipe.control.api.gateway_client import GatewayClient
 from flexpipe.control.controller import Controller, ControllerConfig, first_plan_note
+from flexpipe.control.core.resources import Occupation, Overrides
+from flexpipe.control.core.shift_outcome import ShiftOutcome
+from flexpipe.control.core.wait_notice import WaitNotice
 from flexpipe.control.executor import LiveInstance
-from flexpipe.control.gateway_client import GatewayClient
-from flexpipe.control.occupation_memory import persisted, restored
-from flexpipe.control.resources import Occupation, Overrides
-from flexpipe.control.shift_outcome import ShiftOutcome
-from flexpipe.control.wait_notice import WaitNotice
+from flexpipe.control.state.occupation_memory import persisted, restored
 from flexpipe.launch import LocalLauncher
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import ModelDemand, Slo, plan

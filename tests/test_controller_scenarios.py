@@ -33,7 +33,7 @@ from test_controller import Output
 from test_up import write_models
 
 from flexpipe.cli.run_dir import find_admin_token
-from flexpipe.control.client import ControllerClient
+from flexpipe.control.api.client import ControllerClient
 from flexpipe.launch import free_port
 from flexpipe.store import Store
 from flexpipe.store.instance_registry import InstanceRegistry

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 import flexpipe
 from flexpipe.cli import app
 from flexpipe.cluster import load_cluster
-from flexpipe.control.launching import load_models
+from flexpipe.control.engines.launching import load_models
 from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS, example_path
 from flexpipe.gateway.config import load_config, validate
 

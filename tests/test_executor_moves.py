@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 
 from flexpipe.cluster import load_cluster
+from flexpipe.control.core.move_inputs import decode_interval_s
+from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.control.executor import Executor, LiveInstance
-from flexpipe.control.move_inputs import decode_interval_s
-from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.policies.planner import parse_models, plan
 from flexpipe.policies.shift.migration import perf_model_of, warmed_recompute_s
 from flexpipe.policies.shift.snapshot import instance_key

@@ -9,8 +9,8 @@ from typing import Any
 import yaml
 
 from flexpipe.cluster import load_cluster
+from flexpipe.control.core.shift_plan import plan_shift, rolling_steps
 from flexpipe.control.executor import LiveInstance
-from flexpipe.control.shift_plan import plan_shift, rolling_steps
 from flexpipe.policies.planner import PlannedInstance, parse_models, plan
 from flexpipe.policies.shift.snapshot import instance_key
 
@@ -74,8 +74,8 @@ def test_a_refused_shift_changes_nothing_and_says_it_was_refused() -> None:
     of the target: the controller records it so and the blacklist ignores it)."""
     import asyncio
 
+    from flexpipe.control.core.shift_outcome import finished_record
     from flexpipe.control.executor import Executor
-    from flexpipe.control.shift_outcome import finished_record
     from flexpipe.policies.shift.snapshot import ShiftRecord
 
     (only,) = [p for p in plan(CLUSTER, [DEMAND]).instances if p.num_gpus == 2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexpipe.control.observe import RateWindow, model_states
+from flexpipe.control.core.observe import RateWindow, model_states
 from flexpipe.policies.planner import ModelDemand, Slo
 from flexpipe.policies.shift import ShiftParams
 from flexpipe.policies.shift.forecast import Forecast, ForecastParams, forecast

@@ -16,7 +16,9 @@ from typer.testing import CliRunner
 
 from flexpipe.cli import app
 from flexpipe.gears import GearPoint
-from flexpipe.gears.bench import (
+from flexpipe.gears.gear import parse_gear
+from flexpipe.launch import EngineHandle, LocalEngine, LocalLauncher
+from flexpipe.launch.gear_bench import (
     BenchLoad,
     BenchObserver,
     BenchTarget,
@@ -24,8 +26,6 @@ from flexpipe.gears.bench import (
     candidates,
     default_sweep,
 )
-from flexpipe.gears.gear import parse_gear
-from flexpipe.launch import EngineHandle, LocalEngine, LocalLauncher
 from flexpipe.model_spec import load_model_spec
 from flexpipe.store import Store
 

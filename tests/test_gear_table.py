@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 
 from flexpipe.cli import app
 from flexpipe.gears import GearError, GearTable, whole_gpu_placement
-from flexpipe.gears.bench import max_batch_that_fits
 from flexpipe.gears.gear import parse_gear
 from flexpipe.gears.io import GearTableFormatError, export_points, import_points
-from flexpipe.gears.lookup import GearLookup, GearQuery
+from flexpipe.launch.gear_bench import max_batch_that_fits
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import PerfModel, perf_model_for
+from flexpipe.perf.gear_lookup import GearLookup, GearQuery
 from flexpipe.perf.steady_state import Workload, steady_state
 from flexpipe.store import Store
 
@@ -253,8 +253,8 @@ def test_the_gears_package_sits_below_the_performance_model() -> None:
     assert "flexpipe.gears.gear" in loaded and "flexpipe.gears.table" in loaded
     for later in (
         "flexpipe.perf",
-        "flexpipe.gears.lookup",
-        "flexpipe.gears.bench",
+        "flexpipe.perf.gear_lookup",
+        "flexpipe.launch.gear_bench",
         "flexpipe.policies",
     ):
         assert f"'{later}" not in loaded, later

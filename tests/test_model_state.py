@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from flexpipe.control.observe import model_state, model_states
+from flexpipe.control.core.observe import model_state, model_states
 from flexpipe.policies.planner import parse_models
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,11 +10,11 @@ from typing import Any
 
 from rich.console import Console
 
-from flexpipe.gateway.metrics import GatewayMetrics
+from flexpipe.gateway.gateway_metrics import GatewayMetrics
 from flexpipe.hardware import GiB
 from flexpipe.observe.readings import Readings
 from flexpipe.observe.render import gpus_table, instances_table, models_table
-from flexpipe.observe.snapshot import Snapshot, parse_samples, snapshot
+from flexpipe.observe.status_snapshot import Snapshot, parse_samples, snapshot
 
 E1, E2 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 GOLDEN = Path(__file__).parent / "data" / "observe_tables.txt"
@@ -175,7 +175,7 @@ def test_tables_draw_exactly() -> None:
 
 
 def test_health_is_the_gateways_routing_not_the_lifecycle() -> None:
-    from flexpipe.observe.snapshot import _health
+    from flexpipe.observe.status_snapshot import _health
 
     assert _health(True, ("active", 1.0)) == "ok"
     assert _health(True, ("active", 0.0)) == "ejected"  # active but failed its probes

@@ -11,10 +11,10 @@ import yaml
 
 from flexpipe.cluster import Cluster, load_cluster, placement_on
 from flexpipe.cluster.generate import generate_cluster
-from flexpipe.gears.lookup import GearEstimate, GearLookup, GearQuery
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, GiB
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import PerfModel
+from flexpipe.perf.gear_lookup import GearEstimate, GearLookup, GearQuery
 from flexpipe.perf.steady_state import Workload
 from flexpipe.policies.planner import (
     ModelDemand,

@@ -10,7 +10,7 @@ import yaml
 
 from flexpipe.cluster import Cluster, load_cluster
 from flexpipe.cluster.generate import generate_cluster
-from flexpipe.gears.lookup import GearEstimate, GearLookup, GearQuery
+from flexpipe.perf.gear_lookup import GearEstimate, GearLookup, GearQuery
 from flexpipe.perf.steady_state import Workload
 from flexpipe.policies.planner import ModelDemand, PlannerConfig, parse_models, plan
 from flexpipe.policies.planner.memo import EvaluationMemo

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import OperationalError
 
+from flexpipe.control.api.gateway_client import GatewayClient
 from flexpipe.control.controller import Controller, ControllerConfig
-from flexpipe.control.gateway_client import GatewayClient
-from flexpipe.control.observe import RateWindow
-from flexpipe.control.rate_memory import RateMemory
+from flexpipe.control.core.observe import RateWindow
+from flexpipe.control.state.rate_memory import RateMemory
 from flexpipe.launch import LocalLauncher
 from flexpipe.policies.planner import ModelDemand, Slo
 from flexpipe.policies.shift import ShiftParams

@@ -32,10 +32,10 @@ from flexpipe import ray_client
 from flexpipe.cli import app
 from flexpipe.cluster import load_cluster, parse_cluster_yaml
 from flexpipe.cluster.ray_inventory import OTHER_RAY_WORK, read_ray_cluster
-from flexpipe.control.launching import engine_spec, load_models
-from flexpipe.gears.lookup import GearLookup
+from flexpipe.control.engines.launching import engine_spec, load_models
 from flexpipe.launch import free_port
 from flexpipe.launch.ray_launcher import RayEngine, RayLauncher, actor_name
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import plan
 from flexpipe.store import Store
 from flexpipe.store.instance_registry import InstanceRegistry

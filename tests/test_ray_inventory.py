@@ -20,12 +20,12 @@ from flexpipe.cluster.ray_inventory import (
     pg_name,
 )
 from flexpipe.cluster.topology import sub_cluster
-from flexpipe.control.launching import engine_spec, load_models
-from flexpipe.control.ray_watch import RayWatch
-from flexpipe.control.resources import EventKind
-from flexpipe.gears.lookup import GearLookup
+from flexpipe.control.core.resources import EventKind
+from flexpipe.control.engines.launching import engine_spec, load_models
+from flexpipe.control.watch.ray_watch import RayWatch
 from flexpipe.hardware import GiB
 from flexpipe.launch.ray_launcher import RayLauncher
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import plan
 from flexpipe.ray_client import RayNode, RayPlacementGroup
 

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from flexpipe.cli import app
 from flexpipe.cluster import Cluster, ClusterError, load_cluster, parse_cluster
-from flexpipe.control.client import (
+from flexpipe.control.api.client import (
     OCCUPY_PATH,
     RELEASE_PATH,
     STATUS_PATH,
@@ -32,8 +32,7 @@ from flexpipe.control.client import (
     bearer_ok,
     resolve_token,
 )
-from flexpipe.control.cluster_watch import ClusterWatch
-from flexpipe.control.resources import (
+from flexpipe.control.core.resources import (
     EventKind,
     Occupation,
     Overrides,
@@ -44,6 +43,7 @@ from flexpipe.control.resources import (
     apply,
     diff,
 )
+from flexpipe.control.watch.cluster_watch import ClusterWatch
 from flexpipe.hardware import GiB
 from flexpipe.http.server import App, HttpError, Request, Response, json_response, serve
 

@@ -4,8 +4,8 @@ healthy) carry a model's slots and load."""
 
 from __future__ import annotations
 
-from flexpipe.control.samples import GatewayTotals, Sampler, gateway_totals
-from flexpipe.gateway.metrics import GatewayMetrics
+from flexpipe.control.core.samples import GatewayTotals, Sampler, gateway_totals
+from flexpipe.gateway.gateway_metrics import GatewayMetrics
 
 
 def inst(model: str, state: str = "active", healthy: bool = True, **load: int) -> dict[str, object]:

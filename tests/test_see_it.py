@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from flexpipe.cli import app
 from flexpipe.cli.run_dir import find_admin_token
-from flexpipe.control.targets import SD_PATH, http_sd_targets
+from flexpipe.control.core.targets import SD_PATH, http_sd_targets
 from flexpipe.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

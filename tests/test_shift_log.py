@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from flexpipe.cli import app
 from flexpipe.cli.shifts import moves_text, parse_since
 from flexpipe.cluster import load_cluster
-from flexpipe.control.metrics import ControllerMetrics
+from flexpipe.control.api.controller_metrics import ControllerMetrics
 from flexpipe.lifecycle import (
     LIVE_STATES,
     TRANSITIONS,
@@ -622,7 +622,7 @@ def test_shifts_command_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None
 
 
 def test_public_api() -> None:
-    import flexpipe.control.metrics as metrics
+    import flexpipe.control.api.controller_metrics as metrics
     import flexpipe.lifecycle as lifecycle
     import flexpipe.store.instance_registry as registry
     import flexpipe.store.migrate as migrate

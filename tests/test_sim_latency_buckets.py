@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 import random
 
-from flexpipe.control.samples import (
+from flexpipe.control.core.samples import (
     TPOT_HISTOGRAM,
     TTFT_HISTOGRAM,
     Sampler,
     parse_histograms,
 )
-from flexpipe.gateway.metrics import _LATENCY_BUCKETS_S, _TPOT_BUCKETS_S, GatewayMetrics
+from flexpipe.gateway.gateway_metrics import _LATENCY_BUCKETS_S, _TPOT_BUCKETS_S, GatewayMetrics
 from flexpipe.sim.controller import LatencyBuckets
 
 

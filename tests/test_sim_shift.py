@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from flexpipe.cli import app
 from flexpipe.cluster import load_cluster
-from flexpipe.control.observe import RateWindow
-from flexpipe.control.shift_plan import plan_shift, probe_tokens
+from flexpipe.control.core.observe import RateWindow
+from flexpipe.control.core.shift_plan import plan_shift, probe_tokens
 from flexpipe.gears.gear import Gear
 from flexpipe.policies.planner import plan
 from flexpipe.policies.shift import instance_key

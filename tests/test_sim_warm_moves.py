@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from flexpipe.control.move_inputs import warm_timeout_s
+from flexpipe.control.core.move_inputs import warm_timeout_s
 from flexpipe.gateway.relay import warms
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.sim import report, shift_run, simulate

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from flexpipe.control.api.gateway_client import GatewayClient
 from flexpipe.control.controller import Controller, ControllerConfig
-from flexpipe.control.gateway_client import GatewayClient
-from flexpipe.control.lease import pid_alive
-from flexpipe.control.takeover import Takeover
+from flexpipe.control.engines.takeover import Takeover
+from flexpipe.control.state.lease import pid_alive
 from flexpipe.launch import EngineHandle, LocalLauncher
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import ModelDemand, Slo

@@ -12,8 +12,8 @@ import pytest
 
 from flexpipe.cli.shifts import moves_text
 from flexpipe.cluster import load_cluster
-from flexpipe.control.ui_api import UiInstance, topology_doc
-from flexpipe.gateway.metrics import GatewayMetrics
+from flexpipe.control.api.ui_api import UiInstance, topology_doc
+from flexpipe.gateway.gateway_metrics import GatewayMetrics
 from flexpipe.hardware import GiB
 from flexpipe.policies.planner import ModelDemand, Slo
 from flexpipe.store.shift_entry import Alternative, Migrated, Phases, PlanInstance, ShiftEntry

@@ -1,5 +1,5 @@
 """`flexpipe calibrate --model M [--store URL] [--out CSV] [--from-csv CSV]`: measure this
-machine's GPUs (PyTorch micro-benchmarks, flexpipe/microbench.py), fit the performance model's
+machine's GPUs (PyTorch micro-benchmarks, flexpipe/perf/microbench.py), fit the performance model's
 factors for its GPU type and link (flexpipe/perf/fit.py, the code that fitted the built-in
 ones), and store them next to the gear table so `plan`, `up`, `sim` and `estimate --store` use
 them. `--from-csv` fits measurements recorded earlier (no PyTorch, no GPU needed).
@@ -28,8 +28,8 @@ from flexpipe.store import Store
 def _measure(
     model: ModelSpec, gpu_type: str | None, link: str | None, quick: bool
 ) -> tuple[list[Sample], str]:
-    from flexpipe import microbench
     from flexpipe.cluster.nvml import catalog_type
+    from flexpipe.perf import microbench
 
     if not microbench.torch_available():
         raise ValueError(microbench.INSTALL_HINT)

@@ -22,7 +22,7 @@ from flexpipe.cli.durations import DURATION_HELP, parse_until
 from flexpipe.cli.run_dir import admin_token
 from flexpipe.cluster import Cluster, ClusterError, load_cluster
 from flexpipe.cluster.generate import generate_cluster
-from flexpipe.control.client import (
+from flexpipe.control.api.client import (
     DEFAULT_CONTROLLER_URL,
     ControllerClient,
     ControllerError,

@@ -21,7 +21,7 @@ from rich.markup import escape
 from flexpipe.cli.common import err_console, load_shift_params, one_line, user_errors
 
 if TYPE_CHECKING:
-    from flexpipe.control.ray_watch import RayWatch
+    from flexpipe.control.watch.ray_watch import RayWatch
     from flexpipe.launch import AdoptingLauncher
 
 
@@ -151,9 +151,9 @@ def controller(
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Launch the plan's engines, register them in the gateway, shift gears while serving."""
+    from flexpipe.control.api.gateway_client import GatewayClient
     from flexpipe.control.controller import Controller, ControllerConfig
-    from flexpipe.control.gateway_client import GatewayClient
-    from flexpipe.control.launching import engine_spec, load_models
+    from flexpipe.control.engines.launching import engine_spec, load_models
     from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
     from flexpipe.launch import ENGINES, LocalLauncher
     from flexpipe.policies.shift import ShiftParams
@@ -208,7 +208,7 @@ def controller(
     )
     watch: RayWatch | None = None
     if ray is not None:
-        from flexpipe.control.ray_backend import ray_backend
+        from flexpipe.control.engines.ray_backend import ray_backend
 
         with user_errors():
             watch, launcher = ray_backend(

@@ -18,7 +18,11 @@ from rich.table import Table
 
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console, user_errors
-from flexpipe.gears.bench import (
+from flexpipe.gears.gear import parse_gear
+from flexpipe.gears.io import export_points, import_points
+from flexpipe.gears.point import GearPoint
+from flexpipe.launch import ENGINES, EngineHandle, LocalLauncher
+from flexpipe.launch.gear_bench import (
     BenchLoad,
     BenchObserver,
     BenchReport,
@@ -28,13 +32,9 @@ from flexpipe.gears.bench import (
     parse_gears,
     resolve_model,
 )
-from flexpipe.gears.gear import parse_gear
-from flexpipe.gears.io import export_points, import_points
-from flexpipe.gears.lookup import GearEstimate, GearLookup, GearQuery
-from flexpipe.gears.point import GearPoint
-from flexpipe.launch import ENGINES, EngineHandle, LocalLauncher
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import PerfModel
+from flexpipe.perf.gear_lookup import GearEstimate, GearLookup, GearQuery
 from flexpipe.perf.steady_state import Workload
 from flexpipe.store import Store
 

@@ -23,8 +23,8 @@ from rich.table import Table
 from flexpipe.cli.common import user_errors
 from flexpipe.cluster import load_cluster
 from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
-from flexpipe.gears.lookup import GearLookup
 from flexpipe.hardware import GB
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, Plan, PlannerConfig, parse_models, plan
 from flexpipe.store import Store
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from flexpipe.control.client import resolve_token
+from flexpipe.control.api.client import resolve_token
 from flexpipe.launch.process import pid_alive
 
 __all__ = ["PREFIX", "RunDir", "admin_token", "find_admin_token", "remove_stale", "run_dir"]

@@ -29,14 +29,14 @@ from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console
 from flexpipe.cli.run_dir import admin_token
 from flexpipe.cli.shifts import entries_table
-from flexpipe.control.client import (
+from flexpipe.control.api.client import (
     DEFAULT_CONTROLLER_URL,
     ControllerClient,
     ControllerError,
 )
 from flexpipe.observe.readings import Readings, read
 from flexpipe.observe.render import status_view, top_view
-from flexpipe.observe.snapshot import snapshot
+from flexpipe.observe.status_snapshot import snapshot
 from flexpipe.store import Store
 from flexpipe.store.shift_entry import KINDS
 from flexpipe.store.shift_log import ShiftLog

@@ -33,12 +33,12 @@ from flexpipe.cli.common import err_console, load_shift_params, user_errors
 from flexpipe.cli.run_dir import run_dir
 from flexpipe.cli.supervise import UpError, supervise
 from flexpipe.cluster import Cluster, load_cluster
-from flexpipe.control.client import TOKEN_ENV, resolve_token
-from flexpipe.control.launching import engine_spec, load_models
+from flexpipe.control.api.client import TOKEN_ENV, resolve_token
+from flexpipe.control.engines.launching import engine_spec, load_models
 from flexpipe.demo import DemoRun, controller_args, demo_cluster, demo_shift_config
 from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
-from flexpipe.gears.lookup import GearLookup
 from flexpipe.launch import ENGINES
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import Plan, plan
 from flexpipe.store import Store
 

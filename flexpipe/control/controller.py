@@ -29,26 +29,25 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.admin_api import ControllerApi
-from flexpipe.control.cluster_watch import ClusterWatch
-from flexpipe.control.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
+from flexpipe.control.api.admin_api import ControllerApi
+from flexpipe.control.api.controller_metrics import ControllerMetrics
+from flexpipe.control.api.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.api.status_view import controller_status
+from flexpipe.control.api.ui_api import UiApi
+from flexpipe.control.core.observe import RateWindow, model_states
+from flexpipe.control.core.resources import Occupation, ResourceEvent, Resources
+from flexpipe.control.core.samples import Sampler, gateway_totals
+from flexpipe.control.core.shift_outcome import ShiftOutcome, finished_record
+from flexpipe.control.engines.takeover import Takeover, stub
 from flexpipe.control.executor import Executor, LiveInstance
-from flexpipe.control.gateway_client import GatewayClient, GatewayError
-from flexpipe.control.journal import Journal, first_plan_note
-from flexpipe.control.lease import Lease
-from flexpipe.control.metrics import ControllerMetrics
-from flexpipe.control.observe import RateWindow, model_states
-from flexpipe.control.occupation_memory import OccupationMemory
-from flexpipe.control.rate_memory import RateMemory
-from flexpipe.control.resources import Occupation, ResourceEvent, Resources
-from flexpipe.control.samples import Sampler, gateway_totals
-from flexpipe.control.shift_outcome import ShiftOutcome, finished_record
 from flexpipe.control.standby import StandbyModels
-from flexpipe.control.status_view import controller_status
-from flexpipe.control.takeover import Takeover, stub
-from flexpipe.control.ui_api import UiApi
+from flexpipe.control.state.journal import Journal, first_plan_note
+from flexpipe.control.state.lease import Lease
+from flexpipe.control.state.occupation_memory import OccupationMemory
+from flexpipe.control.state.rate_memory import RateMemory
+from flexpipe.control.watch.cluster_watch import ClusterWatch
+from flexpipe.control.watch.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
 from flexpipe.gateway.holds import STANDBY_HOLD_S
-from flexpipe.gears.lookup import GearLookup
 from flexpipe.http.server import (
     App,
     HttpServer,
@@ -56,6 +55,7 @@ from flexpipe.http.server import (
 )
 from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.lifecycle import State
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.planner.memo import EvaluationMemo
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy

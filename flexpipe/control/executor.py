@@ -32,16 +32,16 @@ from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.control import rehearsal
-from flexpipe.control.gateway_client import GatewayClient, GatewayError
-from flexpipe.control.move_inputs import (
+from flexpipe.control.api.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.core.move_inputs import (
     context_tokens,
     decode_interval_s,
     destination_of,
     tokens_left,
     warm_timeout_s,
 )
-from flexpipe.control.shift_outcome import ShiftOutcome
-from flexpipe.control.shift_plan import plan_shift
+from flexpipe.control.core.shift_outcome import ShiftOutcome
+from flexpipe.control.core.shift_plan import plan_shift
 from flexpipe.http.client import ClientPool
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher
 from flexpipe.policies.planner import PlannedInstance

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from flexpipe.control.shift_plan import probe_tokens
+from flexpipe.control.core.shift_plan import probe_tokens
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.snapshot import instance_key

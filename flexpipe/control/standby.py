@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flexpipe.control.gateway_client import GatewayError
-from flexpipe.control.wait_notice import WaitNotice
+from flexpipe.control.api.gateway_client import GatewayError
+from flexpipe.control.core.wait_notice import WaitNotice
 from flexpipe.policies.shift import placeable
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ from flexpipe.gateway import moves
 from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
+from flexpipe.gateway.gateway_metrics import GatewayMetrics
 from flexpipe.gateway.holds import REFUSED_RETRY_AFTER_S, Holds
-from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay, WarmOutcome

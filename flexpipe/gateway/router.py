@@ -26,7 +26,7 @@ from flexpipe.policies.routing import (
     RoutingSnapshot,
     create_policy,
 )
-from flexpipe.policies.routing.snapshot import read_only
+from flexpipe.policies.routing.views import read_only
 
 
 def fenced_last(

@@ -1,10 +1,10 @@
-"""Gears: one way to run a model (`gear`), its measured or predicted curves (`point`,
-`table`), CSV/JSON exchange (`io`), the one lookup from the table to a prediction (`lookup`)
-and gear_bench, which measures the curves (`bench`).
+"""Gears, the types layer: one way to run a model (`gear`), its measured or predicted curves
+(`point`, `table`) and their CSV/JSON exchange (`io`).
 
-This package exports only what sits below the performance model (the gear, its points and
-table, their exchange): flexpipe.perf imports the gear from here. Import the lookup and the bench
-from their modules.
+Everything here sits below the performance model (flexpipe.perf imports the gear from here).
+The one lookup from the table to a prediction, which uses the performance model as its prior,
+is `flexpipe.perf.gear_lookup`; gear_bench, which launches engines to measure the curves, is
+`flexpipe.launch.gear_bench`.
 """
 
 from flexpipe.gears.gear import (

@@ -1,6 +1,6 @@
 """The gear table: measured (or predicted) points grouped into curves. Pure data: build it
 from points (`Store.points()`, an imported file), then ask for a gear family's curves.
-Turning them into a prediction is the lookup's job (flexpipe.gears.lookup).
+Turning them into a prediction is the lookup's job (flexpipe.perf.gear_lookup).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexpipe.control.client import ControllerClient, ControllerError
+from flexpipe.control.api.client import ControllerClient, ControllerError
 
 __all__ = ["Readings", "fetch_text", "read"]
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from flexpipe.hardware import GiB
-from flexpipe.observe.snapshot import Snapshot
+from flexpipe.observe.status_snapshot import Snapshot
 
 __all__ = [
     "STATE_STYLE",

@@ -29,14 +29,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.observe import RateWindow, model_states
-from flexpipe.control.resources import ResourceEvent, Resources
-from flexpipe.control.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Buckets, Sampler
-from flexpipe.control.shift_outcome import finished_record
+from flexpipe.control.core.observe import RateWindow, model_states
+from flexpipe.control.core.resources import ResourceEvent, Resources
+from flexpipe.control.core.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Buckets, Sampler
+from flexpipe.control.core.shift_outcome import finished_record
 from flexpipe.control.standby import Renewal, renewal
+from flexpipe.gateway.gateway_metrics import _LATENCY_BUCKETS_S, _TPOT_BUCKETS_S
 from flexpipe.gateway.holds import STANDBY_HOLD_S
-from flexpipe.gateway.metrics import _LATENCY_BUCKETS_S, _TPOT_BUCKETS_S
-from flexpipe.gears.lookup import GearLookup
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
 from flexpipe.policies.planner.memo import EvaluationMemo
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy, placeable

@@ -21,7 +21,7 @@
 The instances go through the gateway's pool as the executor tells the admin API: starting
 (loaded), rehearsing, active, draining, gone.
 
-The order of the steps comes from `flexpipe.control.shift_plan.plan_shift` (new instances on
+The order of the steps comes from `flexpipe.control.core.shift_plan.plan_shift` (new instances on
 free GPUs first, then rolling in-place replacements, then the rest retire). A shift is a
 generator that yields how long to wait (seconds) or a `DrainWait`; `ShiftRun` resumes it on
 the event loop.
@@ -36,15 +36,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.move_inputs import (
+from flexpipe.control.core.move_inputs import (
     context_tokens,
     decode_interval_s,
     destination_of,
     tokens_left,
     warm_timeout_s,
 )
-from flexpipe.control.shift_outcome import ShiftOutcome
-from flexpipe.control.shift_plan import plan_shift, probe_tokens
+from flexpipe.control.core.shift_outcome import ShiftOutcome
+from flexpipe.control.core.shift_plan import plan_shift, probe_tokens
 from flexpipe.engine.request import EngineRequest, SamplingParams
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.gateway.relay import WARM_POLL_S

@@ -12,7 +12,7 @@ from typing import Any
 
 from prometheus_client import Metric
 
-from flexpipe.control.samples import Buckets
+from flexpipe.control.core.samples import Buckets
 
 __all__ = [
     "EngineCounters",

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from flexpipe.control.samples import Buckets, bucket_delta, bucket_quantile
+from flexpipe.control.core.samples import Buckets, bucket_delta, bucket_quantile
 from flexpipe.ui.reading import EngineCounters, ModelReading, Reading
 
 __all__ = ["QUANTILES", "History", "model_point", "window_point"]

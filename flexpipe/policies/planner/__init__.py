@@ -3,7 +3,7 @@
 See docs/planner.md. `plan(cluster, demands, running=...)` returns a `Plan` that maximises
 priority-weighted goodput (SLO-meeting requests/s x priority) with every model at its
 minimum where the GPUs allow, keeping the running plan's instances unless replacing them
-pays; speed comes from a `GearPerformance` (flexpipe.gears.lookup.GearLookup: the gear table
+pays; speed comes from a `GearPerformance` (flexpipe.perf.gear_lookup.GearLookup: the gear table
 over the performance model's prior).
 """
 

@@ -9,8 +9,8 @@ import itertools
 from collections.abc import Sequence
 
 from flexpipe.cluster import Cluster
-from flexpipe.gears.lookup import GearLookup
 from flexpipe.model_spec import load_model_spec
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner.candidates import Candidate, Evaluator, Rejection, describe
 from flexpipe.policies.planner.greedy import GreedyPlanner
 from flexpipe.policies.planner.performance import GearPerformance

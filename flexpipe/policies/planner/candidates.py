@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 
 from flexpipe.cluster import Cluster, placement_on
 from flexpipe.gears.gear import Gear, GpuSlot, Placement
-from flexpipe.gears.lookup import GearEstimate, GearQuery
 from flexpipe.hardware import GiB, LinkSpec
 from flexpipe.model_spec import ModelSpec
 from flexpipe.perf import BatchShape, Efficiency, InfeasibleGear, PerfModel, memory_plan
 from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY
+from flexpipe.perf.gear_lookup import GearEstimate, GearQuery
 from flexpipe.policies.partition import InfeasiblePartition, StageCost, partition_layers
 from flexpipe.policies.planner.memo import EvaluationMemo, Topology
 from flexpipe.policies.planner.performance import GearPerformance

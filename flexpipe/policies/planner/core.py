@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from flexpipe.cluster import Cluster
-from flexpipe.gears.lookup import GearLookup
 from flexpipe.perf import Efficiency
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner.baselines import baselines
 from flexpipe.policies.planner.candidates import Candidate, Evaluator
 from flexpipe.policies.planner.greedy import GreedyPlanner, usable_gpus

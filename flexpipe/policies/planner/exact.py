@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flexpipe.cluster import Cluster
-from flexpipe.gears.lookup import GearLookup
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import Efficiency
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner.candidates import Candidate, Evaluator
 from flexpipe.policies.planner.greedy import usable_gpus
 from flexpipe.policies.planner.performance import GearPerformance

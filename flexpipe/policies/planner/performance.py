@@ -1,6 +1,6 @@
 """What the planner asks about speed: the `GearPerformance` protocol.
 
-The implementation is the one lookup, flexpipe.gears.lookup.GearLookup: the gear table's
+The implementation is the one lookup, flexpipe.perf.gear_lookup.GearLookup: the gear table's
 measured curves, interpolated between batch sizes and calibrating the performance model's
 steady state (flexpipe.perf.steady_state) elsewhere, and saying which in the estimate's
 `basis`. Tests plug in their own.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from flexpipe.gears.lookup import GearEstimate, GearQuery
+from flexpipe.perf.gear_lookup import GearEstimate, GearQuery
 from flexpipe.perf.steady_state import Workload
 
 __all__ = ["GearPerformance"]

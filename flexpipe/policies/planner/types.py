@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from flexpipe.gears.gear import Gear
-from flexpipe.gears.lookup import GearEstimate
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S
+from flexpipe.perf.gear_lookup import GearEstimate
 from flexpipe.perf.steady_state import Workload
 
 __all__ = [

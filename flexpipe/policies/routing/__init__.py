@@ -14,7 +14,7 @@ from flexpipe.policies.routing.registry import (
     register_scorer,
     scorer_names,
 )
-from flexpipe.policies.routing.snapshot import (
+from flexpipe.policies.routing.views import (
     Decision,
     InstanceView,
     RoutingRequest,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from typing import Protocol, runtime_checkable
 
-from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
+from flexpipe.policies.routing.views import Decision, RoutingSnapshot
 
 
 @runtime_checkable

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-from flexpipe.policies.routing.snapshot import InstanceView, RoutingSnapshot
+from flexpipe.policies.routing.views import InstanceView, RoutingSnapshot
 
 NOMINAL_SPEED_TOKENS_PER_S = 100.0  # per sequence, used while no instance has a measured speed
 MAX_KV_USAGE = 0.95  # above this (fresh) KV usage the engine has no room for one more sequence

@@ -26,7 +26,7 @@ from typing import Any
 from flexpipe.policies.routing.base import PolicyHooks, Scorer, clamp01
 from flexpipe.policies.routing.capacity import rank
 from flexpipe.policies.routing.registry import create_scorer, register_policy
-from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
+from flexpipe.policies.routing.views import Decision, RoutingSnapshot
 
 # The best composite of the routing-quality sweep (docs/routing.md): prefix 3 and flexpipe's
 # least_load cost 3, with llm-d's queue and KV scorers as light tie-breakers. A load weight

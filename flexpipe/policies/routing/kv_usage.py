@@ -11,7 +11,7 @@ import random
 
 from flexpipe.policies.routing.base import PolicyHooks, clamp01
 from flexpipe.policies.routing.registry import register_scorer
-from flexpipe.policies.routing.snapshot import RoutingSnapshot
+from flexpipe.policies.routing.views import RoutingSnapshot
 
 
 class KvScorer(PolicyHooks):

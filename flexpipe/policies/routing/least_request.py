@@ -16,7 +16,7 @@ import random
 from flexpipe.policies.routing.base import PolicyHooks
 from flexpipe.policies.routing.capacity import rank, utilization
 from flexpipe.policies.routing.registry import register_policy, register_scorer
-from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
+from flexpipe.policies.routing.views import Decision, RoutingSnapshot
 
 
 class LeastRequest(PolicyHooks):

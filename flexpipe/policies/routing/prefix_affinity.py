@@ -42,7 +42,7 @@ from flexpipe.policies.routing.base import PolicyHooks
 from flexpipe.policies.routing.capacity import Room, assess
 from flexpipe.policies.routing.least_load import LeastLoad, decide_by_costs, instance_costs
 from flexpipe.policies.routing.registry import register_policy, register_scorer
-from flexpipe.policies.routing.snapshot import Decision, InstanceView, RoutingSnapshot
+from flexpipe.policies.routing.views import Decision, InstanceView, RoutingSnapshot
 
 
 def _point(key: str) -> int:

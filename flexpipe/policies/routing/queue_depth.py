@@ -16,7 +16,7 @@ import random
 from flexpipe.policies.routing.base import PolicyHooks
 from flexpipe.policies.routing.capacity import capacity
 from flexpipe.policies.routing.registry import register_scorer
-from flexpipe.policies.routing.snapshot import RoutingSnapshot
+from flexpipe.policies.routing.views import RoutingSnapshot
 
 
 class QueueScorer(PolicyHooks):

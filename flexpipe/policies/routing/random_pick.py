@@ -14,7 +14,7 @@ import random
 from flexpipe.policies.routing.base import PolicyHooks
 from flexpipe.policies.routing.capacity import capacity, tier
 from flexpipe.policies.routing.registry import register_policy
-from flexpipe.policies.routing.snapshot import Decision, RoutingSnapshot
+from flexpipe.policies.routing.views import Decision, RoutingSnapshot
 
 
 class RandomPick(PolicyHooks):

@@ -32,12 +32,12 @@ from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.cluster.nvml import Inventory, read_inventory
-from flexpipe.control.poller import Change, changed, check_interval, poll_changes, report_once
+from flexpipe.control.watch.poller import Change, changed, check_interval, poll_changes, report_once
 from flexpipe.hardware import GiB
 
 __all__ = ["DISCOVERED_MARK", "DiscoveryWatch", "merge", "own_usage_bytes"]
 
-log = logging.getLogger("flexpipe.control.discovery_watch")
+log = logging.getLogger("flexpipe.control.watch.discovery_watch")
 
 # What `flexpipe discover` writes into a cluster's description: such a cluster is watched.
 DISCOVERED_MARK = "discovered by `flexpipe discover`"

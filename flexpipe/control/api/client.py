@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flexpipe.control.resources import DEFAULT_OWNER, ResourceError, ResourceEvent
+from flexpipe.control.core.resources import DEFAULT_OWNER, ResourceError, ResourceEvent
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 
 __all__ = [

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.resources import ResourceEvent, diff
+from flexpipe.control.core.resources import ResourceEvent, diff
 
 __all__ = ["Change", "changed", "check_interval", "poll_changes", "report_once"]
 

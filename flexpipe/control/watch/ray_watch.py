@@ -19,11 +19,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from flexpipe.cluster import Cluster, ClusterError
-from flexpipe.control.poller import Change, changed, check_interval, poll_changes, report_once
+from flexpipe.control.watch.poller import Change, changed, check_interval, poll_changes, report_once
 
 __all__ = ["RayWatch"]
 
-log = logging.getLogger("flexpipe.control.ray_watch")
+log = logging.getLogger("flexpipe.control.watch.ray_watch")
 
 
 def _log_warning(line: str) -> None:

@@ -30,7 +30,7 @@ __all__ = [
     "parse_histograms",
 ]
 
-# the gateway's latency histograms the policy reads (flexpipe.gateway.metrics)
+# the gateway's latency histograms the policy reads (flexpipe.gateway.gateway_metrics)
 TTFT_HISTOGRAM = _TTFT = "flexpipe_time_to_first_token_seconds"
 TPOT_HISTOGRAM = _TPOT = "flexpipe_time_per_output_token_seconds"
 

@@ -30,12 +30,12 @@ import orjson
 
 from flexpipe import __version__
 from flexpipe.gears.gear import Gear, GearError, parse_gear, whole_gpu_placement
-from flexpipe.gears.lookup import GearQuery
 from flexpipe.gears.point import MEASURED, GearPoint
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher, LaunchError
 from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import InfeasibleGear, PerfModel
+from flexpipe.perf.gear_lookup import GearQuery
 
 DEFAULT_NUM_REQUESTS = 200
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from flexpipe.control.resources import Occupation, Overrides
+from flexpipe.control.core.resources import Occupation, Overrides
 from flexpipe.store import Store, StoreError
 from flexpipe.store.gpu_occupations import GpuOccupations
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.admin_api import authorize
+from flexpipe.control.api.admin_api import authorize
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, LinkSpec
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
 from flexpipe.launch import EngineSpec

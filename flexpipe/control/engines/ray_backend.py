@@ -7,7 +7,7 @@ from pathlib import Path
 
 from flexpipe.cluster import load_cluster
 from flexpipe.cluster.ray_inventory import read_ray_cluster
-from flexpipe.control.ray_watch import RayWatch
+from flexpipe.control.watch.ray_watch import RayWatch
 from flexpipe.launch.ray_launcher import RayLauncher
 
 __all__ = ["ray_backend"]

@@ -27,11 +27,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from flexpipe.cluster import Cluster, ClusterError, parse_cluster_yaml
-from flexpipe.control.poller import Change, changed, check_interval, poll_changes, report_once
+from flexpipe.control.watch.poller import Change, changed, check_interval, poll_changes, report_once
 
 __all__ = ["ClusterWatch"]
 
-log = logging.getLogger("flexpipe.control.cluster_watch")
+log = logging.getLogger("flexpipe.control.watch.cluster_watch")
 
 _Stamp = tuple[int, int, int]  # (st_mtime_ns, st_size, st_ino)
 _RACY_S = 1.0  # a file read this soon after its mtime is read again at the next poll

@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from flexpipe.control.samples import Buckets, bucket_delta, bucket_quantile, parse_histograms
+from flexpipe.control.core.samples import Buckets, bucket_delta, bucket_quantile, parse_histograms
 from flexpipe.observe.readings import Readings
 
 __all__ = [

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from flexpipe.control.client import (
+from flexpipe.control.api.client import (
     OCCUPY_PATH,
     RELEASE_PATH,
     STATUS_PATH,
@@ -23,8 +23,8 @@ from flexpipe.control.client import (
     admin_answer,
     bearer_ok,
 )
-from flexpipe.control.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
-from flexpipe.control.targets import SD_PATH, http_sd_targets
+from flexpipe.control.core.resources import ResourceError, ResourceEvent, Resources, UnknownGpuError
+from flexpipe.control.core.targets import SD_PATH, http_sd_targets
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from flexpipe.control.metrics import ControllerMetrics
-from flexpipe.control.shift_outcome import ShiftOutcome
+from flexpipe.control.api.controller_metrics import ControllerMetrics
+from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.store.instance_registry import InstanceRecord

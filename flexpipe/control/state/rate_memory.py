@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from flexpipe.control.observe import RateWindow
+from flexpipe.control.core.observe import RateWindow
 from flexpipe.store import Store
 from flexpipe.store.rate_history import RateHistory
 

@@ -18,9 +18,9 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, MutableMapping, Sequence
 
-from flexpipe.control.adopt import healthy
+from flexpipe.control.api.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.engines.adopt import healthy
 from flexpipe.control.executor import LiveInstance
-from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.gears.gear import parse_gear
 from flexpipe.launch import AdoptingLauncher, EngineHandle, EngineSpec
 from flexpipe.lifecycle import State
