@@ -18,7 +18,7 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/flexpipe up --demo
 
-# Debian's chromium and its driver, for the dashboard's browser test (tests/test_ui_browser.py);
+# Debian's chromium and its driver, for the dashboard's browser test (tests/ui/test_ui_browser.py);
 # the driver is found at /usr/bin/chromedriver, so selenium downloads nothing.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 /usr/bin/chromedriver:

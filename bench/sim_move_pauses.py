@@ -8,7 +8,7 @@ warm-ups' outcomes (`relay.warm_up`).
     python -m bench sim_move_pauses -- --only seed-fragmented,multi-model-diurnal
 
 seed-short: the seed's cluster at 8 req/s, gpu1 released at 100 s, a 0.5 s drain deadline
-(tests/test_sim_shift.py's case: about 40 requests left to move). Figures are the
+(tests/sim/test_sim_shift.py's case: about 40 requests left to move). Figures are the
 simulator's: the same scenario and seed give the same numbers.
 """
 

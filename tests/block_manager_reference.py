@@ -1,6 +1,6 @@
 """A block manager that keeps one entry per block, with block ids: vLLM's KV cache manager
 written plainly, as the oracle `flexpipe.engine.block_manager` (kept in runs) must match state
-for state (tests/test_engine_block_manager.py)."""
+for state (tests/engine/test_engine_block_manager.py)."""
 
 from __future__ import annotations
 

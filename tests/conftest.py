@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from test_gateway_fakes import LoopThread
+
+# The tests are grouped in folders as the package is (tests/gateway/, tests/sim/, ...); a test
+# module imports the fakes and scenarios of another by its module name, from any folder.
+for _group in sorted(Path(__file__).parent.iterdir()):
+    if _group.is_dir() and not _group.name.startswith((".", "_")) and _group.name != "data":
+        sys.path.insert(0, str(_group))
+
+from test_gateway_fakes import LoopThread  # noqa: E402
 
 
 @pytest.fixture

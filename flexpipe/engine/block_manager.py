@@ -11,7 +11,7 @@
   entry goes). A request's blocks are freed tail first, so a prefix outlives its suffixes.
 
 That is vLLM's per-block model, and the state here is exactly its state (the test
-tests/test_engine_block_manager.py checks it, operation by operation, against a block manager
+tests/engine/test_engine_block_manager.py checks it, operation by operation, against a block manager
 that keeps one entry per block). It is kept in runs instead of blocks:
 
 - A `Run` is the blocks one request registered in one go (a prompt's blocks after a prefill

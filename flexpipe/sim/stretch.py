@@ -20,7 +20,7 @@ to the engine's state as `core.step` + `core.complete` would have, one by one:
   size only), so the durations of consecutive steps form an arithmetic progression priced by
   two calls to the performance model: `d_i = d_1 + (i - 1) x slope`.
 
-tests/test_sim_stretch.py checks all of it against stepping one step per event.
+tests/sim/test_sim_stretch.py checks all of it against stepping one step per event.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def assess(snapshot: RoutingSnapshot, now: float) -> Room:
     """The `Room` of every instance of `snapshot`: `num_slots`, `capacity`,
     `RoutingSnapshot.is_stale` and `tier` of each view, written out in one loop (the
     gateway's and the simulator's hottest: every request, every candidate; calling the
-    five functions cost half as much again). tests/test_routing_policies.py checks that it
+    five functions cost half as much again). tests/policies/test_routing_policies.py checks that it
     agrees with them."""
     room = Room([], [], [], [])
     max_age = snapshot.max_metrics_age_s

@@ -22,7 +22,7 @@ least recently used blocks, where an insertion uses its blocks deepest first: a 
 always more recently used than its suffixes, so eviction takes the tails of the least
 recently used leaves, as an engine frees a request's blocks tail first, and what is left is
 always a set of whole prefixes (a block whose prefix went could never match again). This is
-exactly a per-block LRU with that use order (tests/test_routing_policies.py checks it
+exactly a per-block LRU with that use order (tests/policies/test_routing_policies.py checks it
 against one): nodes sit in an `OrderedDict` in use order, each inserted prompt touches the
 nodes on its path deepest first, and a run that a prompt ends inside is split so that only
 its used head moves.

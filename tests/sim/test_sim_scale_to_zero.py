@@ -1,0 +1,52 @@
+"""The simulator scales a model to zero and wakes it as the live controller does
+(`flexpipe up --scale-to-zero`: tests/control/test_controller_demand.py): the shift that takes a
+model's last instance is carried out (before, the simulator's shift refused it: "every
+instance leaves"), the model is held while it has none, and its next requests wait for the
+wake's cold start instead of failing with a 404."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from test_sim_shift import ROOT, SEED_CLUSTER, fixed_workload, seven_b
+
+from flexpipe.sim import simulate
+from flexpipe.sim.scenario import parse_scenario
+
+
+def _idle_then_busy(code_start_s: float, code_rate_per_s: float) -> Any:
+    """chat busy from 30 s; code idle until `code_start_s`; every model's floor is 0."""
+    model, workload = seven_b, fixed_workload
+    doc = {
+        "name": "idle-then-busy", "duration_s": code_start_s + 100, "seed": 0,
+        "report_interval_s": 30, "cluster": {"file": str(SEED_CLUSTER)},
+        "models": [model("chat"), model("code")],
+        "workloads": [workload("chat", 1, 30), workload("code", code_rate_per_s, code_start_s)],
+        "controller": {"min_instances_floor": 0,
+                       "shift": {"triggers": {"window_s": 30, "num_samples": 3,
+                                              "cooldown_s": 60}}},
+    }  # fmt: skip
+    return parse_scenario(doc, ROOT)
+
+
+def test_an_idle_model_goes_to_zero_is_held_and_wakes_for_its_requests() -> None:
+    r = simulate(_idle_then_busy(300.0, 1.0), "flexpipe")
+    down = next(s for s in r.shifts if s["trigger"] == "down")
+    assert down["outcome"] == "succeeded", down["why_failed"]
+    assert down["started"] == [] and [k.split("|")[0] for k in down["stopped"]] == ["code"]
+    wake = next(s for s in r.shifts if s["trigger"] == "wake")
+    assert wake["outcome"] == "succeeded"
+    assert 300.0 < wake["at_s"] < 300.0 + 20.0  # the first queued request wakes it
+    assert [k.split("|")[0] for k in wake["started"]] == ["code"]
+    # planned for its configured demand (1 req/s), not for `wake_request_rate_per_s` (0.1):
+    # a one-slot instance there queued its requests into 429s until the up trigger came
+    assert int(wake["started"][0].split("|")[1].split("-s")[-1]) >= 8
+    code = sorted((q for q in r.requests if q.model == "code"), key=lambda q: q.arrival_s)
+    # held at zero: every request is served, the first ones after the wake's cold start
+    assert code and all(q.completed for q in code), {q.failed for q in code}
+    ready_s = wake["finished_s"]
+    waited = [q for q in code if q.arrival_s < ready_s]
+    assert len(waited) >= 2 and all(q.first_token_s > ready_s for q in waited)
+    # first come, first served: the woken instance takes them in arrival order
+    firsts = [q.first_token_s for q in code]
+    assert firsts == sorted(firsts)

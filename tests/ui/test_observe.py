@@ -1,0 +1,199 @@
+"""`flexpipe status` / `top`'s pure cores: a snapshot built from fixed readings (the gateway's
+metrics made by the gateway's own metrics class, engine texts in vLLM's names) gives exact
+numbers, and draws exactly the same text every time."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from flexpipe.gateway.gateway_metrics import GatewayMetrics
+from flexpipe.hardware import GiB
+from flexpipe.observe.readings import Readings
+from flexpipe.observe.render import gpus_table, instances_table, models_table
+from flexpipe.observe.status_snapshot import Snapshot, parse_samples, snapshot
+
+E1, E2 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
+GOLDEN = Path(__file__).parents[1] / "data" / "observe_tables.txt"
+
+
+def status(time_scale: float = 0.5) -> dict[str, Any]:
+    def inst(name: str, url: str, gpus: list[str], state: str) -> dict[str, Any]:
+        return {"key": name, "name": name, "model": "m", "gear": "tp1-pp1-bf16-kvauto-s8",
+                "gpus": gpus, "url": url, "state": state}  # fmt: skip
+
+    gpu = {"node": "n0", "type": "A100-80G-SXM", "capacity_bytes": 80 * GiB, "owner": None,
+           "free_until_s": None, "occupied": None}  # fmt: skip
+    return {
+        "instances": [inst("m-0", E1, ["g0"], "active"), inst("m-1", E2, ["g1"], "rehearsing")],
+        "resources": {
+            "cluster": "c",
+            "gpus": [
+                {**gpu, "id": "g0", "used_bytes": 0.0},
+                {**gpu, "id": "g1", "used_bytes": 0.0},
+                {
+                    **gpu,
+                    "id": "g2",
+                    "used_bytes": 40 * GiB,
+                    "owner": "tenant-b",
+                    "occupied": {"owner": "alice", "since_s": 0, "until_s": None},
+                },
+            ],
+        },
+        "gateway": "http://127.0.0.1:9000",
+        "engine": "sim",
+        "time_scale": time_scale,
+        "models": [
+            {
+                "name": "m",
+                "model": "llama-2-7b",
+                "slo": {"ttft_p99_s": 2.0, "tpot_p99_s": 0.05},
+                "request_rate_per_s": 1.0,
+            }
+        ],
+        "last_decision": {"action": "hold", "trigger": "none", "reason": "in the band"},
+        "last_outcome": {"succeeded": True, "reason": "", "phases_s": {"warm": 2.0, "drain": 1.5}},
+        "num_shifts": 3,
+    }
+
+
+def engine_text(running: int, waiting: int, kv: float, hits: float, queries: float,
+                busy_s: float, tokens: float) -> str:  # fmt: skip
+    lab = '{model_name="m",engine="0"}'
+    return (
+        f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{lab} {running}\n"
+        f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{lab} {waiting}\n"
+        f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{lab} {kv}\n"
+        f"# TYPE flexpipe:max_num_seqs gauge\nflexpipe:max_num_seqs{lab} 8\n"
+        f"# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{lab} {hits}\n"
+        f"# TYPE vllm:prefix_cache_queries counter\n"
+        f"vllm:prefix_cache_queries_total{lab} {queries}\n"
+        f"# TYPE flexpipe:modelled_busy_seconds counter\n"
+        f"flexpipe:modelled_busy_seconds_total{lab} {busy_s}\n"
+        f"# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total{lab} {tokens}\n"
+    )
+
+
+def readings() -> tuple[Readings, Readings]:
+    """Two readings 10 s apart (wall) at time scale 0.5: 20 modelled seconds."""
+    gm = GatewayMetrics()
+    gm.instance_up.labels(E1, "active").set(1)
+    gm.instance_up.labels(E2, "draining").set(0)
+    for _ in range(10):
+        gm.request_done("m", E1, "200")
+        gm.observe("ttft", "m", 0.04)
+        gm.observe("tpot", "m", 0.012)
+    engines = {E1: engine_text(1, 0, 0.1, 10, 100, 5.0, 100), E2: engine_text(0, 0, 0, 0, 0, 0, 0)}
+    before = Readings(1000.0, "http://127.0.0.1:9100", status(), gm.exposition().decode(), engines)
+    # in the window: 20 requests (one 502), TTFTs 19 x 40 ms and 1 x 700 ms, TPOTs 12 ms
+    for i in range(20):
+        gm.request_done("m", E1, "502" if i == 0 else "200")
+        gm.observe("ttft", "m", 0.7 if i == 0 else 0.04)
+        gm.observe("tpot", "m", 0.012)
+    gm.queued.set(2)
+    gm.in_flight.labels(E1).set(5)
+    engines = {E1: engine_text(4, 1, 0.25, 40, 200, 15.0, 500), E2: None}
+    now = Readings(1010.0, "http://127.0.0.1:9100", status(), gm.exposition().decode(), engines)
+    return before, now
+
+
+def test_parse_samples_keeps_counter_names() -> None:
+    s = parse_samples(engine_text(1, 2, 0.5, 3, 4, 5, 6))
+    assert s["vllm:prefix_cache_hits_total"] == [({"model_name": "m", "engine": "0"}, 3.0)]
+    assert parse_samples(None) == {} and parse_samples("") == {}
+
+
+def test_snapshot_over_a_window_in_modelled_seconds() -> None:
+    before, now = readings()
+    snap = snapshot(now, before)
+    assert snap.window_s == 10.0 and snap.time_scale == 0.5
+    (m,) = snap.models
+    assert m.request_rate_per_s == 20 / 20  # 20 finished over 20 modelled seconds
+    assert m.error_rate == 1 / 20
+    # p95 of the window: rank 19 of 20 falls at the top of the 25-50 ms bucket: 50 ms wall
+    assert m.ttft_p95_s == 0.05 / 0.5
+    # all 20 TPOTs in the 10-15 ms bucket: 10 + 5 * 19/20 = 14.75 ms wall
+    assert m.tpot_p95_s is not None and abs(m.tpot_p95_s - 0.01475 / 0.5) < 1e-12
+    assert (m.ttft_slo_s, m.tpot_slo_s) == (2.0, 0.05)
+    assert m.num_queued == 1 + 2  # waiting in its engine + the gateway's queue (lone model)
+    assert m.prefix_hit_rate == 30 / 100
+    assert m.generation_tokens_per_s == 400 / 20
+    # e1 busy 10 modelled s of 20; e2 unreachable: the model's utilisation is e1's
+    assert m.gpu_utilization == 0.5
+    e1, e2 = snap.instances
+    assert (e1.health, e1.num_running, e1.num_waiting, e1.num_in_flight) == ("ok", 4, 1, 5)
+    assert (e1.max_num_seqs, e1.kv_usage, e1.prefix_hit_rate) == (8, 0.25, 0.3)
+    assert (e2.health, e2.state, e2.num_running, e2.gpu_utilization) == (
+        "unreachable", "rehearsing", None, None)  # fmt: skip
+    g0, g1, g2 = snap.gpus
+    assert (g0.instance, g0.state, g1.instance, g2.instance) == ("m-0", "active", "m-1", None)
+    assert (g2.owner, g2.occupied_by, g2.used_by_others_bytes) == ("tenant-b", "alice", 40 * GiB)
+    assert snap.last_decision == "hold (none): in the band"
+    assert snap.last_outcome == "succeeded in 3.5 s"
+    assert snap.num_gateway_queued == 2 and snap.gateway_up and snap.num_shifts == 3
+
+
+def test_snapshot_without_a_previous_reading_is_since_start() -> None:
+    _, now = readings()
+    snap = snapshot(now)
+    (m,) = snap.models
+    assert snap.window_s is None
+    assert m.request_rate_per_s == 1.0  # the controller's measure
+    assert m.generation_tokens_per_s is None
+    assert m.error_rate == 1 / 30 and m.prefix_hit_rate == 40 / 200
+    assert m.gpu_utilization is None  # busy time needs an elapsed time
+    # 29 x 40 ms + 1 x 700 ms: rank 28.5 in the 25-50 ms bucket
+    assert (
+        m.ttft_p95_s is not None and abs(m.ttft_p95_s - (0.025 + 0.025 * 28.5 / 29) / 0.5) < 1e-12
+    )
+
+
+def test_json_round_trips() -> None:
+    before, now = readings()
+    doc = snapshot(now, before).to_json()
+    assert doc["models"][0]["name"] == "m" and doc["instances"][1]["health"] == "unreachable"
+    assert set(doc) == set(Snapshot.__dataclass_fields__)
+
+
+def _text(table: Any) -> str:
+    out = Console(width=160, color_system=None, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    out.print(table)
+    return "\n".join(line.rstrip() for line in out.export_text().splitlines())
+
+
+def test_tables_draw_exactly() -> None:
+    """The golden drawing: tests/data/observe_tables.txt (regenerate it by hand, and read it)."""
+    before, now = readings()
+    snap = snapshot(now, before)
+    drawn = "\n".join(
+        _text(t) for t in (models_table(snap), instances_table(snap), gpus_table(snap))
+    )
+    assert drawn + "\n" == GOLDEN.read_text(encoding="utf-8")
+
+
+def test_health_is_the_gateways_routing_not_the_lifecycle() -> None:
+    from flexpipe.observe.status_snapshot import _health
+
+    assert _health(True, ("active", 1.0)) == "ok"
+    assert _health(True, ("active", 0.0)) == "ejected"  # active but failed its probes
+    assert _health(True, ("draining", 0.0)) == "ok"  # not routed by its lifecycle, healthy
+    assert _health(True, None) == "not routed"
+    assert _health(False, ("active", 1.0)) == "unreachable"
+
+
+def test_a_refused_model_shows_its_reason_in_the_models_table() -> None:
+    """`flexpipe status`: the controller's `refused` (no GPU free to us can place the model)
+    is drawn on the model's row; a model that is not refused draws as before (the golden)."""
+    before, now = readings()
+    why = "no GPU free to us can place m (llama-2-7b): every GPU held by batch"
+    doc = status()
+    doc["models"][0]["refused"] = why
+    refused_now = replace(now, status=doc)
+    snap = snapshot(refused_now, before)
+    assert snap.models[0].refused == why
+    drawn = " ".join(_text(models_table(snap)).split())
+    assert "m (refused)" in drawn and f"m refused: {why}" in drawn
+    assert snapshot(now, before).models[0].refused is None
