@@ -1,4 +1,4 @@
-"""Does the sim engine's own overhead distort time? (issue 3, section 6)
+"""Does the sim engine's own overhead distort time? (docs/sim-engine.md)
 
 One engine process, 256 concurrent streams of one long completion each, a modelled decode
 step near 20 ms (llama-3.1-8b on one H100-80G-SXM at batch 256 and ~500-1100 tokens of

@@ -1,4 +1,4 @@
-"""Gateway benchmarks (issue 4 §8), all against real sim engines on 127.0.0.1.
+"""Gateway benchmarks (docs/gateway.md), all against real sim engines on 127.0.0.1.
 
     python bench/gateway_bench.py overhead  # saturated throughput: flexpipe vs direct
     python bench/gateway_bench.py latency   # added latency when NOT saturated

@@ -1,4 +1,4 @@
-"""A first look with wrk, as issue 4 §8 asks: requests/s and latency through each gateway
+"""A first look with wrk, beside gateway_bench: requests/s and latency through each gateway
 against the same fast engines, measured by a load generator that is not ours.
 
     python bench/gateway_wrk.py            # or: python -m bench gateway_wrk

@@ -1,5 +1,5 @@
 """flexpipe's own HTTP layer against uvicorn (httptools + uvloop), side by side in one run, on
-the gateway's and the sim engine's workloads (issue 8 §5).
+the gateway's and the sim engine's workloads (docs/http.md).
 
     python bench/http_layer.py            # or: python -m bench http_layer
     python bench/http_layer.py --duration-s 5 --rounds 3 --events 16

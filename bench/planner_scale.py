@@ -12,7 +12,7 @@ Small clusters: `generate_cluster(nodes, 4, seed)` (8 and 16 GPUs), the exact IL
 candidate instance (`all_candidates`: every TP subset, every ordered chain across nodes), for
 a 7B model alone, the 8B + 14B models, 8B + Mixtral + 70B and all four.
 
-Targets (issue 5): 1,024 GPUs in under 2 s; within 3% of the exact optimum.
+Targets (docs/planner.md): 1,024 GPUs in under 2 s; within 3% of the exact optimum.
 
     python -m bench planner_scale -- [--sizes 64,128,256,512,1024] [--seeds 0,1,2]
                                      [--reference-sizes 64,128,256] [--demand-scale 1]

@@ -1,4 +1,4 @@
-"""The seed scenario's live gear shift, timed (issue 9 §8).
+"""The seed scenario's live gear shift, timed (docs/controller.md, "A shift, make-before-break").
 
     python -m bench shift                                 # real time: ~4 minutes
     python -m bench shift -- --time-scale 0.5 --seed 7    # twice as fast (less precise)
@@ -52,13 +52,12 @@ stream's normal rhythm (the client waits about one step for every token anyway).
 ms and over one prefill; the same for each request's largest gap in the steady period before
 (`baseline_before`), where it is the machine's and the batches' own jitter.
 
-Verdict: "ok" when the shift succeeded, no request failed, and the p99 of the RAW pause /
-prefill of the moved requests is below 1 (issue 9's target as written; the exit status goes
-by it). The verdict line then names both measures' p99 over one prefill and which one meets
-the target. The table prints; JSON (summary) and CSV (one row per
-request) go to bench/results/shift-<UTC time>.{json,csv}. Everything it starts is stopped
-at the end (SIGTERM to `up`, then SIGKILL of its process group), and the whole run is
-bounded by `--max-wall-s`.
+Verdict: "ok" when the shift succeeded, no request failed, and the p99 of the RAW pause / prefill of
+the moved requests is below 1 (the target: a moved request pauses no longer than one prefill; the
+exit status goes by it). The verdict line then names both measures' p99 over one prefill and which
+one meets the target. The table prints; JSON (summary) and CSV (one row per request) go to
+bench/results/shift-<UTC time>.{json,csv}. Everything it starts is stopped at the end (SIGTERM to
+`up`, then SIGKILL of its process group), and the whole run is bounded by `--max-wall-s`.
 """
 
 from __future__ import annotations
@@ -527,7 +526,7 @@ def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 def pause_measures(moved: dict[str, Any]) -> str:
     """Both measures of the moved requests' pause against the target (p99 below one prefill),
-    for the verdict line: the raw pause (the target as issue 9 states it, which the verdict
+    for the verdict line: the raw pause (the target as stated, which the verdict
     goes by) and the excess pause (beyond each stream's own rhythm), each met or missed."""
     raw, excess = moved.get("pause_over_prefill_p99"), moved.get("excess_over_prefill_p99")
     if raw is None:

@@ -1,4 +1,4 @@
-"""The simulator against the live system on the same requests (issue 10 §6).
+"""The simulator against the live system on the same requests (docs/simulator.md, "Trust").
 
 Two sim engines (llama-2-7b, one L4 each: modelled decode steps of ~60 ms, prefills of
 ~60-200 ms) behind the gateway. The simulator runs the scenario (`scenario`); the same

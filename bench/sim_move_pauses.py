@@ -1,6 +1,6 @@
 """Pauses of the requests a shift moves, in the simulator (BENCHMARKS.md): per method, how
 many, the pause from the source's last token to the destination's first (p50, p99, max),
-the same over one prefill of the request's context on the instance it left (issue 9's
+the same over one prefill of the request's context on the instance it left (the shift's
 budget, as `bench shift` prices it live), the prefix-cache hit of the continuations, and the
 warm-ups' outcomes (`relay.warm_up`).
 
@@ -51,7 +51,7 @@ def _seed_short() -> Any:
 
 def one_prefill_s(sc: Any, r: Any, move: MoveRecord) -> float:
     """One prefill of the moved request's context (prompt and tokens so far) on the instance
-    it left, by the performance model: the pause budget of issue 9."""
+    it left, by the performance model: the pause budget of a move."""
     left = next(i for i in r.instances if i.dep.name == move.source)
     return float(
         perf_model_of(sc.cluster, left.planned).prefill_s(move.continuation.num_prompt_tokens)

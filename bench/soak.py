@@ -1,4 +1,4 @@
-"""Soak: does the gateway stay flat under hours-like abuse? (issue 8 §6)
+"""Soak: does the gateway stay flat under hours-like abuse? (docs/gateway.md)
 
     python -m bench soak                          # 10 minutes
     python -m bench soak -- --duration-s 120      # shorter

@@ -129,9 +129,9 @@ class Instance:
         )
 
     def view(self, num_prefix_blocks_matched: int = 0) -> InstanceView:
-        # Positional, in InstanceView's field order (tests/gateway/test_gateway_router.py checks it),
-        # and the properties `num_slots` and `num_queued_tokens` written out: built for
-        # every candidate of every request, and keywords cost twice as much.
+        # Positional, in InstanceView's field order (tests/gateway/test_gateway_router.py checks
+        # it), and the properties `num_slots` and `num_queued_tokens` written out: built for every
+        # candidate of every request, and keywords cost twice as much.
         return InstanceView(
             self.url,  # name
             self.weight,

@@ -1,16 +1,16 @@
 """Tie an engine's life to a supervisor that is not its parent.
 
 `flexpipe up` supervises a controller, which launches the engines. The engines must outlive a
-controller that crashes (a restarted controller adopts them, issue 9 §7) yet die with `up`,
-even with `kill -9`. A parent-death signal cannot name a grandparent, so the launcher runs
+controller that crashes (a restarted controller adopts them: docs/controller.md, "Crash
+safety") yet die with `up`, even with `kill -9`. A parent-death signal cannot name a
+grandparent, so the launcher runs
 
     python -m flexpipe.launch.guard --supervisor PID -- ENGINE ARGV...
 
-The guard starts the engine (which gets SIGTERM if the guard dies: PR_SET_PDEATHSIG), then
-waits for whichever comes first: the engine exits (the guard exits with its status), the
-supervisor exits (watched through a pidfd: no polling, no pid reuse), or SIGTERM/SIGINT (both
-forwarded to the engine). The guard and its engine share one process group, so stopping the
-group stops both.
+The guard starts the engine (which gets SIGTERM if the guard dies: PR_SET_PDEATHSIG), then waits for
+whichever comes first: the engine exits (the guard exits with its status), the supervisor exits
+(watched through a pidfd: no polling, no pid reuse), or SIGTERM/SIGINT (both forwarded to the
+engine). The guard and its engine share one process group, so stopping the group stops both.
 """
 
 from __future__ import annotations

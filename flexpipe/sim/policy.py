@@ -3,7 +3,7 @@
 The seam: `Policy.decide(view, now, rng)` gets a snapshot (the cluster's free GPUs, the
 demand, what runs now) and returns a new list of deployments, or None to keep what runs. The
 simulator asks at t = 0 and then every `interval_s` (None: never again). Today's policies are
-static; the controller's shift policy (issue 9) plugs in here: a decide that returns a
+static; the controller's shift policy (docs/shift-policy.md) plugs in here: a decide that returns a
 changed plan, and the simulator carries the change out (new instances cold-start and join the
 pool when ready; instances no longer in the plan drain and leave when empty).
 

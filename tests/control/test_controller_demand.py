@@ -1,7 +1,7 @@
-"""The controller end to end where demand moves (issue 9 §3, §5), as a user runs it: `flexpipe
-up` on the seed's fragmented cluster with sim engines at `--time-scale 0.05`, load through the
-official openai client, what happened read back from the controller's status, the gateway and
-the shift log in the store.
+"""The controller end to end where demand moves (docs/controller.md, "Several models", "Scale to
+zero"), as a user runs it: `flexpipe up` on the seed's fragmented cluster with sim engines at
+`--time-scale 0.05`, load through the official openai client, what happened read back from the
+controller's status, the gateway and the shift log in the store.
 
 - Scale to zero: an idle model whose minimum is 0 gives every GPU back; the gateway keeps
   the model (held), and the first request for it waits while the controller — woken by the

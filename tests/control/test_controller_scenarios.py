@@ -1,8 +1,8 @@
-"""The controller end to end in the scenarios of issue 9 §8 that tests/control/test_controller.py does
-not cover, as a user runs them: `flexpipe up` on the seed's fragmented cluster with sim
-engines (`--time-scale 0.05`), steady streamed load through the official openai client, the
-cluster changed through the cluster file, the admin API or kill -9, and what happened read
-back from the controller's status and the shift log in the store.
+"""The controller end to end in the seed's scenarios (docs/controller.md) that
+tests/control/test_controller.py does not cover, as a user runs them: `flexpipe up` on the seed's
+fragmented cluster with sim engines (`--time-scale 0.05`), steady streamed load through the official
+openai client, the cluster changed through the cluster file, the admin API or kill -9, and what
+happened read back from the controller's status and the shift log in the store.
 
 One `up` process serves the scenarios that can share it (occupy/release, planned reclaim,
 GPU lost without notice); the rehearsal-failure and the down-shift scenarios need their own

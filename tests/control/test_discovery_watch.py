@@ -1,8 +1,9 @@
-"""GPU discovery while running (issue 9 §2) against a fake NVML (tests/perf_and_cluster/test_discover.py's, with
-compute processes): what NVML shows now becomes the same resource events as a change of the
-cluster file; our own engines' memory is not a tenant; noise is not a change; a GPU that
-vanished is lost; an NVML failure keeps the last cluster. Then the controller, built on a
-cluster `flexpipe discover` wrote, watches by itself and turns a change into its events."""
+"""GPU discovery while running (docs/controller.md) against a fake NVML
+(tests/perf_and_cluster/test_discover.py's, with compute processes): what NVML shows now becomes the
+same resource events as a change of the cluster file; our own engines' memory is not a tenant; noise
+is not a change; a GPU that vanished is lost; an NVML failure keeps the last cluster. Then the
+controller, built on a cluster `flexpipe discover` wrote, watches by itself and turns a change into
+its events."""
 
 from __future__ import annotations
 

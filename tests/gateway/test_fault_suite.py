@@ -1,4 +1,4 @@
-"""The gateway's promises (docs/gateway.md, issue 8) tried black-box, as a hostile client and a
+"""The gateway's promises (docs/gateway.md) tried black-box, as a hostile client and a
 failing cluster would: the gateway is its own `flexpipe gateway` process in front of real sim
 engine processes, driven over real HTTP on 127.0.0.1 by the official `openai` client or by a
 raw socket that hangs up, trickles or floods. Every process is stopped by its test.

@@ -1,4 +1,5 @@
-"""The shift policy alone, on a fake clock, with exact expectations (seed 000 §3, issue 9 §3).
+"""The shift policy alone, on a fake clock, with exact expectations (seed 000 §3;
+docs/shift-policy.md).
 
 Pure: every decision is a function of (snapshot, now, rng). The planner is the real one on
 the seed's fragmented 4-GPU cluster, memoised so that the suite stays fast.

@@ -1,6 +1,6 @@
-"""Why a capacity planner may trust a simulated run (issue 10 §6): the same scenario and seed
-give the same bytes in any process; nothing is lost or invented (requests, tokens, KV blocks,
-GPU-seconds); and the simulator agrees with the live system it stands for (gateway and two
+"""Why a capacity planner may trust a simulated run (docs/simulator.md, "Trust"): the same scenario
+and seed give the same bytes in any process; nothing is lost or invented (requests, tokens, KV
+blocks, GPU-seconds); and the simulator agrees with the live system it stands for (gateway and two
 sim engines as real processes, replaying the same requests)."""
 
 from __future__ import annotations

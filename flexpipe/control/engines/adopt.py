@@ -1,8 +1,8 @@
-"""A restarted controller takes over the engines its predecessor left running (issue 9 §7):
-the store's registry says which instances were live; the launcher says which of them still
-run (`AdoptingLauncher.adopt`: a local process group alive, a Ray placement group whole with
-its actor alive) and hands back a handle on each; those whose /health answers 200 are
-adopted as they are — no duplicate launch —, the others are stopped and marked gone."""
+"""A restarted controller takes over the engines its predecessor left running (docs/controller.md,
+"Crash safety"): the store's registry says which instances were live; the launcher says which of
+them still run (`AdoptingLauncher.adopt`: a local process group alive, a Ray placement group whole
+with its actor alive) and hands back a handle on each; those whose /health answers 200 are adopted
+as they are — no duplicate launch —, the others are stopped and marked gone."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What one controller leaves to the next (issue 9 §7), apart from the Controller class.
+"""What one controller leaves to the next (docs/controller.md, "Crash safety"), apart from the
+Controller class.
 
 While it runs, every engine is in the store's instance registry from its spawn on (the local
 launcher's `on_spawn` hook, before the engine is ready; the Ray launcher's engines from when

@@ -1,4 +1,4 @@
-"""The shift log as the controller writes it (issue 9 §6): every decision of the policy,
+"""The shift log as the controller writes it (docs/shift-log.md): every decision of the policy,
 taken or not; a shift's outcome once the executor is done (phases, moves, rehearsal); the
 entries that are no decision (GPUs changed, an engine died, the first plan). Decisions and
 finished shifts also count in the controller's /metrics. With no store, only the metrics."""

@@ -1,6 +1,6 @@
-"""GPU discovery while running (issue 9 §2): when the cluster came from `flexpipe discover`,
-the controller asks NVML again every `interval_s` and feeds what changed into the same
-resource events as a change of the cluster file (`resources.diff` through
+"""GPU discovery while running (docs/controller.md, "GPU discovery while running"): when the cluster
+came from `flexpipe discover`, the controller asks NVML again every `interval_s` and feeds what
+changed into the same resource events as a change of the cluster file (`resources.diff` through
 `Resources.file_changed`).
 
 What NVML says is folded into the cluster as last known (`merge`), GPU by GPU, matched by

@@ -1,8 +1,8 @@
 """The two contracts: a `RoutingPolicy` ranks instances; a `Scorer` scores them in [0, 1].
 
-Policies rank and the framework (the gateway, the simulator) retries, queues and backs off
-(STYLE 8); every ranking is tiered by capacity first (`capacity.rank`).
-Hooks are optional with no-op defaults (STYLE 9): a stateless policy is tiny.
+Policies rank; the framework (the gateway, the simulator) retries, queues and backs off, once
+for every policy; every ranking is tiered by capacity first (`capacity.rank`). Hooks are
+optional with no-op defaults: a stateless policy is tiny.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """An approximate per-instance index of the prompt blocks each instance has likely cached.
 
-A producer of state (STYLE 3): the gateway inserts the blocks of every prompt it routes and
-asks for the matched prefix length per instance; the `prefix` scorer and the
+A producer of state, apart from the scorers that read it: the gateway inserts the blocks of every
+prompt it routes and asks for the matched prefix length per instance; the `prefix` scorer and the
 `prefix_affinity` policy only read the numbers. Pure data structure, no clock, no I/O, so the
 simulator uses it too.
 

@@ -1,5 +1,6 @@
-"""A model's expected arrival rate over the next `horizon_s` (issue 9 §3: a shift is priced
-at the current *and the expected* load). Pure: rate samples and `now_s` in, a `Forecast` out.
+"""A model's expected arrival rate over the next `horizon_s` (docs/shift-policy.md, "The expected
+load": a shift is priced at the current *and the expected* load). Pure: rate samples and `now_s` in,
+a `Forecast` out.
 
 Two readings; the expected rate is the higher of those that exist:
 

@@ -1,5 +1,5 @@
 """`ShiftPolicy.decide(snapshot, now, rng) -> ShiftDecision`: whether to shift gears now, and to
-which plan (seed 000 §3, issue 9 §3; docs/shift-policy.md).
+which plan (seed 000 §3; docs/shift-policy.md).
 
 Order of the checks, first match wins:
 

@@ -1,4 +1,5 @@
-"""The order of a shift's steps, planned before anything changes (pure; issue 9 §4).
+"""The order of a shift's steps, planned before anything changes (pure; docs/controller.md, "A
+shift, make-before-break").
 
 Both the live executor (`control/executor.py`) and the simulator (`sim/shift_run.py`) carry a
 shift out in this order, make-before-break, and the shift policy keeps only targets it can
