@@ -47,8 +47,24 @@ __all__ = [
 DEMO_GPU = "gpu1"  # the GPU the other tenant holds at the start, then gives back
 DEMO_OWNER = "tenant-b (demo)"
 
-_WORDS = ("river", "stone", "light", "garden", "window", "quiet", "bright", "open", "cloud",
-          "paper", "silver", "north", "table", "field", "echo", "lantern")  # fmt: skip
+_WORDS = (
+    "river",
+    "stone",
+    "light",
+    "garden",
+    "window",
+    "quiet",
+    "bright",
+    "open",
+    "cloud",
+    "paper",
+    "silver",
+    "north",
+    "table",
+    "field",
+    "echo",
+    "lantern",
+)
 
 
 def controller_args() -> list[str]:

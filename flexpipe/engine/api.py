@@ -334,9 +334,10 @@ class SimServer:
             raise HttpError(400, "priority must be an integer", param="priority")
         if value != 0 and self.cfg.scheduling_policy != "priority":
             raise HttpError(
-                400, f"Got priority {value} but Priority scheduling is not enabled.",
+                400,
+                f"Got priority {value} but Priority scheduling is not enabled.",
                 param="priority",
-            )  # fmt: skip
+            )
         return value
 
     async def _generate(

@@ -50,8 +50,19 @@ from flexpipe.engine.free_queue import Entry, FreeQueue
 class Run:
     """Blocks one request registered in one go (see the module docstring)."""
 
-    __slots__ = ("_block_size", "_hashes", "_parent", "_tokens", "entries", "extent", "head",
-                 "holders", "manager", "root", "start")  # fmt: skip
+    __slots__ = (
+        "_block_size",
+        "_hashes",
+        "_parent",
+        "_tokens",
+        "entries",
+        "extent",
+        "head",
+        "holders",
+        "manager",
+        "root",
+        "start",
+    )
 
     def __init__(self, manager: BlockManager, kv: KVState, start: int, num: int) -> None:
         """`kv`'s blocks [start, start + num), its hashes computed through `start`."""
@@ -74,8 +85,9 @@ class Run:
         hashes = self._hashes
         if hashes is None:
             start = self.start
-            hashes = _chain(self._parent, self._tokens, start, start + self.extent,
-                            self._block_size)  # fmt: skip
+            hashes = _chain(
+                self._parent, self._tokens, start, start + self.extent, self._block_size
+            )
             self._hashes = hashes
         return hashes
 

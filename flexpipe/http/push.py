@@ -20,8 +20,16 @@ log = logging.getLogger("flexpipe.http")
 class ChunkWriter:
     """The producer's handle on one pushed response (chunked, or raw to an HTTP/1.0 client)."""
 
-    __slots__ = ("_chunked", "_conn", "_done", "_head", "_keep_alive", "closed", "on_close",
-                 "on_resume")  # fmt: skip
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_done",
+        "_head",
+        "_keep_alive",
+        "closed",
+        "on_close",
+        "on_resume",
+    )
 
     def __init__(
         self, conn: _Connection, head: bytes, keep_alive: bool, chunked: bool = True

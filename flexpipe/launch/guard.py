@@ -28,8 +28,15 @@ __all__ = ["guard_argv", "main"]
 
 
 def guard_argv(supervisor_pid: int, argv: list[str]) -> list[str]:
-    return [sys.executable, "-m", "flexpipe.launch.guard", "--supervisor",
-            str(supervisor_pid), "--", *argv]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "flexpipe.launch.guard",
+        "--supervisor",
+        str(supervisor_pid),
+        "--",
+        *argv,
+    ]
 
 
 async def _run(supervisor_pid: int, argv: list[str]) -> int:

@@ -81,8 +81,17 @@ def header(snap: Snapshot) -> Text:
 
 
 def models_table(snap: Snapshot) -> Table:
-    right = ("inst", "req/s", "err", "TTFT p95/SLO ms", "TPOT p95/SLO ms", "queue", "prefix hit",
-             "GPU util", "tok/s")  # fmt: skip
+    right = (
+        "inst",
+        "req/s",
+        "err",
+        "TTFT p95/SLO ms",
+        "TPOT p95/SLO ms",
+        "queue",
+        "prefix hit",
+        "GPU util",
+        "tok/s",
+    )
     table = _table("models", ("model", *right), right)
     for m in snap.models:
         name = Text(m.name)
@@ -109,8 +118,9 @@ def models_table(snap: Snapshot) -> Table:
 
 def instances_table(snap: Snapshot) -> Table:
     right = ("running", "waiting", "in flight", "KV", "prefix hit", "GPU util")
-    table = _table("instances", ("instance", "model", "gear", "GPUs", "state", "health", *right),
-                   right)  # fmt: skip
+    table = _table(
+        "instances", ("instance", "model", "gear", "GPUs", "state", "health", *right), right
+    )
     for i in snap.instances:
         running = NONE if i.num_running is None else str(i.num_running)
         if i.num_running is not None and i.max_num_seqs is not None:
@@ -133,8 +143,11 @@ def instances_table(snap: Snapshot) -> Table:
 
 
 def gpus_table(snap: Snapshot) -> Table:
-    table = _table("GPUs", ("GPU", "node", "type", "memory GiB", "others' GiB", "instance", "gear",
-                            "state"), ("memory GiB",))  # fmt: skip
+    table = _table(
+        "GPUs",
+        ("GPU", "node", "type", "memory GiB", "others' GiB", "instance", "gear", "state"),
+        ("memory GiB",),
+    )
     for g in snap.gpus:
         others = f"{g.used_by_others_bytes / GiB:.0f}"
         who = g.occupied_by or g.owner
@@ -165,8 +178,9 @@ def _decision(snap: Snapshot) -> Text:
 
 def status_view(snap: Snapshot) -> Group:
     """`flexpipe status`: the header, models, instances, GPUs and the last decision."""
-    return Group(header(snap), models_table(snap), instances_table(snap), gpus_table(snap),
-                 _decision(snap))  # fmt: skip
+    return Group(
+        header(snap), models_table(snap), instances_table(snap), gpus_table(snap), _decision(snap)
+    )
 
 
 def top_view(snap: Snapshot, shifts: RenderableType | None = None, note: str = "") -> Group:

@@ -279,8 +279,11 @@ def _instance_view(
 
 def _finished(samples: Samples | None, model: str) -> tuple[float, float]:
     """(all, 2xx) requests of `model` the gateway finished."""
-    rows = [(lab, v) for lab, v in (samples or {}).get("flexpipe_requests_total", [])
-            if lab.get("model") == model]  # fmt: skip
+    rows = [
+        (lab, v)
+        for lab, v in (samples or {}).get("flexpipe_requests_total", [])
+        if lab.get("model") == model
+    ]
     return sum(v for _, v in rows), sum(v for lab, v in rows if lab.get("status", "")[:1] == "2")
 
 
@@ -295,8 +298,9 @@ def _model_view(
             done, ok = done - done0, ok - ok0
     p95 = {}
     for metric in (TTFT, TPOT):
-        q = bucket_quantile(P95, bucket_delta(w.hist.get((metric, name), ()),
-                                              w.hist0.get((metric, name))))  # fmt: skip
+        q = bucket_quantile(
+            P95, bucket_delta(w.hist.get((metric, name), ()), w.hist0.get((metric, name)))
+        )
         p95[metric] = None if q is None else q / w.scale
     reached = [i for i in mine if w.engines.get(i.url) is not None]
     hits = sum(w.counted(i.url, "hits") or 0.0 for i in reached)
@@ -354,8 +358,10 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
     """The snapshot of `now`, with rates over the window since `before`."""
     st = now.status
     w = _Window.of(now, before)
-    pool = {lab["instance"]: (lab.get("state", ""), v)
-            for lab, v in w.gw.get("flexpipe_instance_up", [])}  # fmt: skip
+    pool = {
+        lab["instance"]: (lab.get("state", ""), v)
+        for lab, v in w.gw.get("flexpipe_instance_up", [])
+    }
     instances = [_instance_view(doc, w, pool) for doc in st.get("instances", [])]
     num_gateway_queued = _int(_value(w.gw, "flexpipe_queued_requests")) or 0
     model_docs = [m for m in st.get("models", []) if isinstance(m, Mapping)]
@@ -363,10 +369,11 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
         model_docs = [{"name": n} for n in sorted({i.model for i in instances})]
     lone = len(model_docs) == 1  # the gateway's queue is that model's
     models = [
-        _model_view(m, [i for i in instances if i.model == m["name"]], w,
-                    num_gateway_queued if lone else 0)
+        _model_view(
+            m, [i for i in instances if i.model == m["name"]], w, num_gateway_queued if lone else 0
+        )
         for m in model_docs
-    ]  # fmt: skip
+    ]
     resources = st.get("resources") or {}
     return Snapshot(
         at_s=now.at_s,

@@ -66,14 +66,36 @@ from flexpipe.sim.workload import (
 )
 
 _KEYS = {
-    "name", "description", "duration_s", "seed", "policy", "cluster", "models", "workloads",
-    "gateway", "report_interval_s", "resources", "controller", "plans",
-}  # fmt: skip
-_CONTROLLER_KEYS = {"tick_s", "drain_deadline_s", "rehearsal_tolerance", "min_instances_floor",
-                    "shift"}  # fmt: skip
+    "name",
+    "description",
+    "duration_s",
+    "seed",
+    "policy",
+    "cluster",
+    "models",
+    "workloads",
+    "gateway",
+    "report_interval_s",
+    "resources",
+    "controller",
+    "plans",
+}
+_CONTROLLER_KEYS = {
+    "tick_s",
+    "drain_deadline_s",
+    "rehearsal_tolerance",
+    "min_instances_floor",
+    "shift",
+}
 _WORKLOAD_KEYS = {
-    "model", "arrivals", "diurnal", "prompt_tokens", "output_tokens", "shared_prefix", "trace",
-}  # fmt: skip
+    "model",
+    "arrivals",
+    "diurnal",
+    "prompt_tokens",
+    "output_tokens",
+    "shared_prefix",
+    "trace",
+}
 
 
 class ScenarioError(ValueError):
@@ -137,10 +159,11 @@ def _cluster(value: Any, base: Path, where: str) -> Cluster:
         fields.check_keys(g, _GENERATE_KEYS, f"{where}.generate")
         return generate_cluster(
             fields.integer(g.get("nodes", 1), f"{where}.generate.nodes", min_value=1),
-            fields.integer(g.get("gpus_per_node", 8), f"{where}.generate.gpus_per_node",
-                           min_value=1),
+            fields.integer(
+                g.get("gpus_per_node", 8), f"{where}.generate.gpus_per_node", min_value=1
+            ),
             fields.integer(g.get("seed", 0), f"{where}.generate.seed"),
-        )  # fmt: skip
+        )
     except ClusterError as exc:
         raise ScenarioError(str(exc).replace("\n", "; ")) from None
 
@@ -191,11 +214,12 @@ def _workload(value: Any, base: Path, where: str, models: list[str]) -> Workload
             prompt=fields.build(LengthDist, doc.get("prompt_tokens", {}), f"{where}.prompt_tokens"),
             output=fields.build(LengthDist, doc.get("output_tokens", {}), f"{where}.output_tokens"),
             diurnal=fields.build(Diurnal, doc["diurnal"], f"{where}.diurnal")
-            if "diurnal" in doc else None,
-            shared_prefix=fields.build(SharedPrefix, doc["shared_prefix"],
-                                       f"{where}.shared_prefix")
-            if "shared_prefix" in doc else None,
-        )  # fmt: skip
+            if "diurnal" in doc
+            else None,
+            shared_prefix=fields.build(SharedPrefix, doc["shared_prefix"], f"{where}.shared_prefix")
+            if "shared_prefix" in doc
+            else None,
+        )
     except WorkloadError as exc:  # the arrivals' own checks (the others name their place)
         raise ScenarioError(f"{place}.{exc}") from None
     return Workload(model, source)
@@ -212,16 +236,24 @@ def _controller(value: Any, where: str) -> ControllerParams:
         raise ScenarioError(f"{where}: {exc}") from None
     d = ControllerParams()
     return ControllerParams(
-        tick_s=fields.number(doc.get("tick_s", d.tick_s), f"{where}.tick_s",
-                             min_value=MIN_TICK_S),
-        drain_deadline_s=fields.number(doc.get("drain_deadline_s", d.drain_deadline_s),
-                                       f"{where}.drain_deadline_s", min_value=0),
-        rehearsal_tolerance=fields.number(doc.get("rehearsal_tolerance", d.rehearsal_tolerance),
-                                          f"{where}.rehearsal_tolerance", above=0),
-        min_instances_floor=fields.integer(doc.get("min_instances_floor", d.min_instances_floor),
-                                           f"{where}.min_instances_floor", min_value=0),
+        tick_s=fields.number(doc.get("tick_s", d.tick_s), f"{where}.tick_s", min_value=MIN_TICK_S),
+        drain_deadline_s=fields.number(
+            doc.get("drain_deadline_s", d.drain_deadline_s),
+            f"{where}.drain_deadline_s",
+            min_value=0,
+        ),
+        rehearsal_tolerance=fields.number(
+            doc.get("rehearsal_tolerance", d.rehearsal_tolerance),
+            f"{where}.rehearsal_tolerance",
+            above=0,
+        ),
+        min_instances_floor=fields.integer(
+            doc.get("min_instances_floor", d.min_instances_floor),
+            f"{where}.min_instances_floor",
+            min_value=0,
+        ),
         shift=shift,
-    )  # fmt: skip
+    )
 
 
 def _plans(
@@ -250,10 +282,15 @@ def _plans(
                 load_model_spec(ids[model])
             except (KeyError, ValueError) as exc:
                 raise ScenarioError(f"{place}[{i}]: {exc}") from None
-            built.append(Deployment(
-                f"{model}-{name}-{i}", model, ids[model], gear,
-                tuple(tuple(str(g) for g in st) for st in stages),
-            ))  # fmt: skip
+            built.append(
+                Deployment(
+                    f"{model}-{name}-{i}",
+                    model,
+                    ids[model],
+                    gear,
+                    tuple(tuple(str(g) for g in st) for st in stages),
+                )
+            )
         out[str(name)] = tuple(built)
     return out
 

@@ -104,10 +104,14 @@ def plan_stretch(core: EngineCore, plan: StepPlan, max_steps: int, decode_regist
         return 0  # tokens not known in advance
     # the step (1 = the planned one) on which each request finishes (max_tokens or
     # max_model_len); virtual steps end before the first of them
-    cap = min(max_steps, min(
-        min(r.max_output_tokens + len(r.prompt_token_ids), max_len) - len(r.token_ids)
-        for r in reqs
-    ) - 2)  # fmt: skip
+    cap = min(
+        max_steps,
+        min(
+            min(r.max_output_tokens + len(r.prompt_token_ids), max_len) - len(r.token_ids)
+            for r in reqs
+        )
+        - 2,
+    )
     if cap > 0 and decode_registers and bm.enable_caching and sched.waiting:
         # the first step whose finish registers a full block: stop before it
         cap = min(cap, min(((-len(r.token_ids)) % bs or bs) - 1 for r in reqs))
@@ -117,8 +121,9 @@ def plan_stretch(core: EngineCore, plan: StepPlan, max_steps: int, decode_regist
     if len(reqs) * (cap // bs + 1) <= free:
         return cap  # even a new block per request every block_size steps fits
     # the first virtual step that needs a new block, per request (tokens after the planned step)
-    return _most_steps_fitting([_first_new_block_step(len(r.token_ids) + 1, bs) for r in reqs],
-                               bs, free, cap)  # fmt: skip
+    return _most_steps_fitting(
+        [_first_new_block_step(len(r.token_ids) + 1, bs) for r in reqs], bs, free, cap
+    )
 
 
 def _most_steps_fitting(firsts: list[int], block_size: int, free: int, cap: int) -> int:
@@ -254,8 +259,9 @@ def decode_registers_blocks(core: EngineCore) -> bool:
     bs = sched.bm.block_size
     bm = BlockManager(16, bs, True)
     scratch = Scheduler(sched.config, bm)
-    req = EngineRequest("probe", list(range(bs + 1)), SamplingParams(max_tokens=3 * bs), 3 * bs,
-                        SIM_GEN_IDS)  # fmt: skip
+    req = EngineRequest(
+        "probe", list(range(bs + 1)), SamplingParams(max_tokens=3 * bs), 3 * bs, SIM_GEN_IDS
+    )
     scratch.add(req)
     while req.num_output_tokens < 2 * bs:
         scratch.finish_step(scratch.schedule())

@@ -69,8 +69,12 @@ class TimelineEvent:
         return f"{gpus} lost without notice"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"at_s": self.at_s, "kind": self.kind, "gpus": list(self.gpus),
-                "what": self.note or self.describe()}  # fmt: skip
+        return {
+            "at_s": self.at_s,
+            "kind": self.kind,
+            "gpus": list(self.gpus),
+            "what": self.note or self.describe(),
+        }
 
 
 def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEvent, ...]:
@@ -132,9 +136,15 @@ def parse_timeline(value: Any, cluster: Cluster, where: str) -> tuple[TimelineEv
         ):
             raise TimelineError(f"{place}: notice_s must be a finite number >= 0 (got {notice!r})")
         ev = TimelineEvent(
-            float(at), cast(EventKind, kind), gpus, owner, used, float(notice),
-            str(doc.get("note", "")), join,
-        )  # fmt: skip
+            float(at),
+            cast(EventKind, kind),
+            gpus,
+            owner,
+            used,
+            float(notice),
+            str(doc.get("note", "")),
+            join,
+        )
         out.append(ev)
         if kind == "reclaim":
             note = f"{owner} takes {','.join(gpus)} (reclaimed)"
@@ -261,8 +271,9 @@ def apply_event(cluster: Cluster, event: TimelineEvent) -> Cluster:
         gpu = out.gpu(gid)
         if event.kind == "occupy":
             held = gpu.capacity_bytes if event.used_bytes is None else event.used_bytes
-            out = out.with_gpu(gid, used_bytes=min(held, gpu.capacity_bytes),
-                               owner=event.owner, free_until_s=None)  # fmt: skip
+            out = out.with_gpu(
+                gid, used_bytes=min(held, gpu.capacity_bytes), owner=event.owner, free_until_s=None
+            )
         elif event.kind == "release":
             out = out.with_gpu(gid, used_bytes=0.0, owner=None, free_until_s=None)
         else:  # reclaim

@@ -112,8 +112,15 @@ class ControllerLeases:
                     f"{self.store.display_url}; stop it first, or serve another gateway"
                 )
             if row is None:
-                session.add(LeaseRow(deployment=deployment, pid=pid, host=host,
-                                     started_at_s=now_s, heartbeat_at_s=now_s))  # fmt: skip
+                session.add(
+                    LeaseRow(
+                        deployment=deployment,
+                        pid=pid,
+                        host=host,
+                        started_at_s=now_s,
+                        heartbeat_at_s=now_s,
+                    )
+                )
             else:
                 row.pid, row.host, row.started_at_s, row.heartbeat_at_s = pid, host, now_s, now_s
             return old if theirs else None
@@ -124,8 +131,15 @@ class ControllerLeases:
         with Session(self.store.engine) as session, session.begin():
             row = session.get(LeaseRow, deployment, with_for_update=True)
             if row is None:
-                session.add(LeaseRow(deployment=deployment, pid=pid, host=host,
-                                     started_at_s=now_s, heartbeat_at_s=now_s))  # fmt: skip
+                session.add(
+                    LeaseRow(
+                        deployment=deployment,
+                        pid=pid,
+                        host=host,
+                        started_at_s=now_s,
+                        heartbeat_at_s=now_s,
+                    )
+                )
                 return None
             if row.pid != pid or row.host != host:
                 return _lease(row)

@@ -55,7 +55,8 @@ class GpuOccupations:
             text = json.dumps(doc, sort_keys=True)
             stamp = at or datetime.now(UTC)
             if row is None:
-                session.add(GpuOccupationRow(deployment=deployment, overrides_json=text,
-                                             updated_at=stamp))  # fmt: skip
+                session.add(
+                    GpuOccupationRow(deployment=deployment, overrides_json=text, updated_at=stamp)
+                )
             else:
                 row.overrides_json, row.updated_at = text, stamp

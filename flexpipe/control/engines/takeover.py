@@ -68,9 +68,15 @@ class Takeover:
         assert self.registry is not None
         model = spec.served_model_name or spec.model
         record = self.registry.register(
-            spec.name, model, str(spec.gear), spec.gpu_ids, endpoint, self.engine_kind,
-            pid=pid, pgid=pid,
-        )  # fmt: skip
+            spec.name,
+            model,
+            str(spec.gear),
+            spec.gpu_ids,
+            endpoint,
+            self.engine_kind,
+            pid=pid,
+            pgid=pid,
+        )
         self._spawned_ids[endpoint] = record.id
 
     def sweep_spawned(self) -> None:
@@ -97,9 +103,15 @@ class Takeover:
         if inst.store_id is None:
             pid = getattr(inst.handle, "pid", None)
             record = self.registry.register(
-                p.name, p.model, str(p.gear), p.gpu_ids, inst.url, self.engine_kind,
-                pid=pid, pgid=pid,
-            )  # fmt: skip
+                p.name,
+                p.model,
+                str(p.gear),
+                p.gpu_ids,
+                inst.url,
+                self.engine_kind,
+                pid=pid,
+                pgid=pid,
+            )
             inst.store_id = record.id
             self.registry.set_process(record.id, pid, pid, inst.url, inst.handle.cold_start_s)
             if state == "starting":
@@ -163,8 +175,9 @@ class Takeover:
             inst = LiveInstance(p, self._handles.pop(rec.id), rec.state.value, rec.id)
             running[instance_key(p)] = inst
             if rec.endpoint not in gateway:
-                await self.gateway.add(rec.endpoint, p.model, p.gear.max_num_seqs,
-                                       admin_token=self.engine_admin_token)  # fmt: skip
+                await self.gateway.add(
+                    rec.endpoint, p.model, p.gear.max_num_seqs, admin_token=self.engine_admin_token
+                )
             elif gateway[rec.endpoint] != State.ACTIVE.value:
                 # cut short mid-shift (starting, rehearsing or draining): it serves again
                 await self.gateway.set_state(rec.endpoint, State.ACTIVE.value)
@@ -205,8 +218,9 @@ def stub(record: InstanceRecord, like: Sequence[PlannedInstance]) -> PlannedInst
     num_layers = sum(template.layers_per_stage)
     base, extra = divmod(num_layers, max(1, len(stages)))
     layers = tuple(base + (1 if i < extra else 0) for i in range(len(stages)))
-    return dataclasses.replace(template, name=record.name, gear=gear, stages=stages,
-                               layers_per_stage=layers)  # fmt: skip
+    return dataclasses.replace(
+        template, name=record.name, gear=gear, stages=stages, layers_per_stage=layers
+    )
 
 
 def _flat_key(model: str, gear_key: str, gpu_ids: Sequence[str]) -> str:

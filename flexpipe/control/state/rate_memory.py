@@ -66,8 +66,10 @@ class RateMemory:
         )
         if num and say is not None:
             oldest_s = min(samples[0][0] for samples in kept.values())
-            say(f"forecast: {num} rate sample(s) of the last {(wall_s - oldest_s) / 3600:.1f} h "
-                "read back from the store")  # fmt: skip
+            say(
+                f"forecast: {num} rate sample(s) of the last {(wall_s - oldest_s) / 3600:.1f} h "
+                "read back from the store"
+            )
         return num
 
     def keep(self, rates: RateWindow, now_s: float, wall_s: float) -> int:

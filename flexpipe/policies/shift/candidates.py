@@ -86,9 +86,10 @@ def additive(
         num_more = max(1, d.min_instances - len(mine))
         asks.append(replace(d, request_rate_per_s=rest_per_s, min_instances=num_more))
     added = [
-        i for i in planner(free_of(cluster, running), tuple(asks), now_s).instances
+        i
+        for i in planner(free_of(cluster, running), tuple(asks), now_s).instances
         if i.model in names
-    ]  # fmt: skip
+    ]
     if not added:
         return None
     where = ", ".join(f"{i.model} on {'+'.join(i.gpu_ids)}" for i in added)

@@ -70,10 +70,13 @@ def forecast(samples: Sequence[RateSample], now_s: float, params: ForecastParams
         return Forecast()
     end = bisect.bisect_right(samples, now_s, key=_time)
     return Forecast(
-        _trend(samples[bisect.bisect_left(samples, now_s - params.trend_window_s, key=_time) :
-                       end], now_s, params),
+        _trend(
+            samples[bisect.bisect_left(samples, now_s - params.trend_window_s, key=_time) : end],
+            now_s,
+            params,
+        ),
         _yesterday(samples[:end], now_s, params),
-    )  # fmt: skip
+    )
 
 
 def _time(sample: RateSample) -> float:

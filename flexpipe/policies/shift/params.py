@@ -44,8 +44,12 @@ class ShiftParams:
                 raise ValueError(
                     f"{place}: unknown key(s) {', '.join(unknown)}; known: {', '.join(fields)}"
                 )
-            nested = {"triggers": TriggerParams, "pricing": PricingParams,
-                      "thresholds": Thresholds, "forecast": ForecastParams}  # fmt: skip
+            nested = {
+                "triggers": TriggerParams,
+                "pricing": PricingParams,
+                "thresholds": Thresholds,
+                "forecast": ForecastParams,
+            }
             kwargs = {
                 k: build(nested[k], v, f"{place}.{k}") if k in nested else v
                 for k, v in values.items()
