@@ -259,13 +259,6 @@ def _layer_samples(
     return out
 
 
-def _send_recv(dist: Any, rank: int, buf: Any) -> None:
-    if rank == 0:
-        dist.send(buf, 1)
-    else:
-        dist.recv(buf, 0)
-
-
 def _collective_worker(
     rank: int, world: int, port: int, link: str, repeats: int, results: Any
 ) -> None:

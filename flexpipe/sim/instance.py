@@ -78,10 +78,6 @@ class SimInstance:
     def model(self) -> str:
         return self.dep.model
 
-    @property
-    def is_idle(self) -> bool:
-        return self._plan is None
-
     # --- requests ------------------------------------------------------------------------
     @property
     def max_num_seqs(self) -> int:

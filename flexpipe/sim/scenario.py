@@ -124,10 +124,6 @@ class Scenario:
     controller: ControllerParams = field(default_factory=ControllerParams)
     plans: dict[str, tuple[Deployment, ...]] = field(default_factory=dict)
 
-    @property
-    def model_names(self) -> list[str]:
-        return [str(m.get("name", m.get("model"))) for m in self.models]
-
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):

@@ -261,9 +261,6 @@ class Plan:
     def num_gpus(self) -> int:
         return sum(i.num_gpus for i in self.instances)
 
-    def instances_of(self, model: str) -> list[PlannedInstance]:
-        return [i for i in self.instances if i.model == model]
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (`flexpipe plan --json`)."""
         return {
