@@ -25,7 +25,16 @@ from flexpipe.gateway import moves
 from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
-from flexpipe.gateway.holds import REFUSED_RETRY_AFTER_S, Holds
+from flexpipe.gateway.core.admission import (
+    Decision,
+    Fail,
+    Queue,
+    Route,
+    admit,
+    is_served,
+    num_prompt_tokens,
+)
+from flexpipe.gateway.holds import Holds
 from flexpipe.gateway.metrics import GatewayMetrics
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
@@ -59,6 +68,12 @@ _ADMIN_BODY_BYTES = 1 << 20  # every route but the two that carry prompts
 _DEAD = ("connect", "closed", "protocol")  # the instance failed before a response head
 _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
+
+
+def _waits_for_a_slot(decision: Decision) -> bool:
+    """The request found its model served (or held) and took no slot: it queues, or its
+    queue's wait is over."""
+    return isinstance(decision, Queue) or (isinstance(decision, Fail) and decision.busy)
 
 
 class Gateway:
@@ -168,10 +183,10 @@ class Gateway:
         except RequestError as exc:
             raise HttpError(exc.status, exc.message, param=exc.param) from None
         model = valid.model
-        if not self.pool.has_model(model) and not self.held(model) and not self.refused(model):
+        if not is_served(model, self.pool.has_model(model), self.holds, self.clock()):
             raise HttpError(404, f"The model `{model}` does not exist.", param="model")
         prompt = valid.prompt_bytes
-        num_prompt = len(prompt) // 4 + 1
+        num_prompt = num_prompt_tokens(len(prompt))
         num_out = valid.max_tokens or self.cfg.default_expected_output_tokens
         hashes = prompt_block_hashes(prompt, self.cfg.block_chars)
         routing = RoutingRequest(num_prompt, num_out, hashes, valid.user)
@@ -359,58 +374,45 @@ class Gateway:
         await asyncio.sleep(self.router.rng.uniform(0, self.cfg.retry_jitter_s))
 
     async def _pick(self, call: Call) -> Instance:
-        """The router's pick; while every instance is at its limit, a place in a bounded
-        FIFO queue until a slot frees (or 429 when the queue is full or the wait too long)."""
+        """The router's pick, and what admission makes of it (gateway/core/admission.py):
+        while every instance is at its limit, a place in a bounded FIFO queue until a slot
+        frees (or 429 when the queue is full or the wait too long)."""
         own_deadline: float | None = None  # the queue's own wait, from the first refusal
         ticket: int | None = None  # its place in its model's line, from when it first queued
         woken = False  # by a freed slot (not its wait's end)
+        cfg = self.cfg
         while True:
             if self._grace_over:
                 raise HttpError(503, "the gateway is shutting down")
             now = self.clock()
             prefer = call.move.target if call.move is not None else None
+            no_instance: str | None = None
             try:
                 pick = self.router.pick(
                     call.model, call.routing, now, call.excluded, call.failed, prefer
                 )
             except NoInstance as exc:
-                why = self.refused(call.model)
-                if why is not None:  # no instance of it can come: say why, do not wait
-                    self.metrics.rejected.labels("unplaceable").inc()
-                    message = f"The model `{call.model}` cannot be served now: {why}"
-                    raise RetryLater(503, message, REFUSED_RETRY_AFTER_S, "model") from None
-                if not self.held(call.model):
-                    self.metrics.rejected.labels("no_instance").inc()
-                    raise HttpError(503, str(exc)) from None
-                pick = None  # held (scaled to zero, or re-launched): wait for an instance
-            if ticket is None and prefer is None and self._waiters.count(call.model):
-                pick = None  # others of its model wait: first come, first served
-            if pick is None and woken and (call.excluded or call.failed):
+                pick, no_instance = None, str(exc)
+            decision = admit(
+                call.model, pick is not None, no_instance, self.holds, now, call.t0,
+                own_deadline, len(self._waiters), self._waiters.count(call.model),
+                cfg.max_queue, cfg.max_queue_wait_s, jumps_line=prefer is not None,
+            )  # fmt: skip
+            if woken and (call.excluded or call.failed) and _waits_for_a_slot(decision):
                 # woken for a slot on an instance it may not use (one it left or failed on):
                 # the slot goes to the next waiter of its model
                 self._wake_one(call.model, after=ticket or 0)
             woken = False
-            if pick is not None:
+            if isinstance(decision, Fail):
+                raise self._refusal(decision, now)
+            if isinstance(decision, Route):
+                assert pick is not None
                 self.metrics.decision(self.router.policy.name, pick.reason)
                 if pick.num_blocks:
                     self.metrics.prefix_all.inc(pick.num_blocks)
                     self.metrics.prefix_matched.inc(pick.num_blocks_matched)
                 return pick.instance
-            if ticket is None and len(self._waiters) >= self.cfg.max_queue:
-                self.metrics.rejected.labels("queue_full").inc()
-                wait_s = self.router.retry_after_s(len(self._waiters), now)
-                raise RetryLater(429, "all instances are busy and the wait queue is full", wait_s)
-            wait_s = self.cfg.max_queue_wait_s
-            if own_deadline is None:
-                own_deadline = now + wait_s
-            # a shift takes capacity away for a while (or a model scaled to zero cold-starts):
-            # wait it out (holds.py); once the hold is over, the queue's wait from its end
-            deadline = self.holds.wait_deadline(call.model, own_deadline, call.t0, wait_s)
-            left = deadline - now
-            if left <= 0:
-                self.metrics.rejected.labels("queue_timeout").inc()
-                wait_s = self.router.retry_after_s(len(self._waiters), now)
-                raise RetryLater(429, "all instances stayed busy", wait_s)
+            own_deadline = decision.own_deadline_s
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             if ticket is None:
                 ticket = self._waiters.ticket()
@@ -419,7 +421,7 @@ class Gateway:
             try:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
                 # that comes as the future completes, and the client's leaving is lost
-                async with asyncio.timeout(left):
+                async with asyncio.timeout(decision.deadline_s - now):
                     await fut
                 woken = True
             except TimeoutError:
@@ -431,6 +433,16 @@ class Gateway:
                 raise
             finally:
                 self._waiters.remove(call.model, fut)
+
+    def _refusal(self, fail: Fail, now: float) -> HttpError:
+        """The client's answer to an admission's `Fail`, counted by its reason."""
+        self.metrics.rejected.labels(fail.reason).inc()
+        if fail.busy:  # Retry-After: the queue ahead at the measured drain rate
+            wait_s = self.router.retry_after_s(len(self._waiters), now)
+            return RetryLater(fail.status, fail.message, wait_s)
+        if fail.retry_after_s is not None:
+            return RetryLater(fail.status, fail.message, fail.retry_after_s, fail.param)
+        return HttpError(fail.status, fail.message, param=fail.param)
 
     def held(self, model: str) -> bool:
         """A hold is on for `model` (POST /admin/models/hold): its requests wait in the queue
