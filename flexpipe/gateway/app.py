@@ -88,15 +88,15 @@ class Gateway:
         self.timeouts = Timeouts(cfg.connect_timeout_s, cfg.ttfb_timeout_s, cfg.idle_timeout_s)
         self._waiters = WaitQueue[asyncio.Future[None]]()  # requests waiting for a slot
         self.queued_signal = Signal(clock)  # a request queued (the demand trigger)
-        self.tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
+        self._tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
         self._calls: dict[int, Call] = {}  # accepted, not yet ended, whatever their phase
         self._call_ids = itertools.count(1)
         self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
-        self.num_warm_ups_on: dict[str, int] = {}  # instance url -> moves' warm-ups sent there
+        self._warm_ups_on: dict[str, int] = {}  # instance url -> moves' warm-ups sent there
         self.ended_signal = Signal(clock)  # a request ended (`drained`)
         # model -> clock time until which queued requests wait (a shift re-launching capacity)
         self.holds = Holds()
-        self.relays: set[PushRelay] = set()  # streams being relayed by push
+        self._relays: set[PushRelay] = set()  # streams being relayed by push
         self.shutting_down = False  # new requests are refused
         self._grace_over = False  # and, past the grace period, queued ones too
         self._idle: asyncio.Event | None = None  # set when the last call ends (shutdown)
@@ -546,6 +546,61 @@ class Gateway:
                 inst.observe_tpot(tpot)
         self.success(inst)
 
+    # ---------------------------------------------------------------- for relays and moves
+    # (relay_host.py: the calls relay.py and moves.py make, and nothing else of the gateway)
+    def relay_started(self, relay: PushRelay) -> None:
+        self._relays.add(relay)
+
+    def relay_ended(self, relay: PushRelay) -> None:
+        self._relays.discard(relay)
+
+    def keep_task(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def instance(self, url: str) -> Instance | None:
+        return self.pool.instances.get(url.rstrip("/"))
+
+    def fence(self, url: str, key: object, until_s: float, now: float) -> None:
+        self.pool.fence(url, key, until_s, now)
+
+    def unfence(self, url: str, key: object) -> None:
+        self.pool.unfence(url, key)
+
+    def observe_ttft(self, model: str, ttft_s: float) -> None:
+        self.metrics.observe("ttft", model, ttft_s)
+
+    def count_migration(self, outcome: str) -> None:
+        self.metrics.migrations.labels(outcome).inc()
+
+    def count_warm_up(self, outcome: str) -> None:
+        self.metrics.warm_ups.labels(outcome).inc()
+
+    def warm_up_began(self, url: str) -> None:
+        self._warm_ups_on[url] = self._warm_ups_on.get(url, 0) + 1
+
+    def warm_up_ended(self, url: str) -> None:
+        self._warm_ups_on[url] -= 1
+        if not self._warm_ups_on[url]:
+            del self._warm_ups_on[url]
+
+    def num_warm_ups_on(self, url: str) -> int:
+        return self._warm_ups_on.get(url.rstrip("/"), 0)
+
+    def engine_admin_token(self, url: str) -> str | None:
+        return self.engine_admin_tokens.get(url)
+
+    async def post(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeouts: Timeouts | None = None,
+    ) -> UpstreamResponse:
+        timeouts = self.timeouts if timeouts is None else timeouts
+        return await self.client.request(url, "POST", path, body, headers, timeouts)
+
     # ---------------------------------------------------------------- moves (controller)
     def calls_on(self, url: str) -> list[Call]:
         """The requests an instance is serving now."""
@@ -585,9 +640,9 @@ class Gateway:
             for fut in self._waiters.waiters():  # still queued: refused by `_pick`
                 if not fut.done():
                     fut.set_result(None)
-            for relay in list(self.relays):
+            for relay in list(self._relays):
                 relay.abort("the gateway is shutting down")
-            for task in list(self.tasks):
+            for task in list(self._tasks):
                 task.cancel()
             for call in list(self._calls.values()):
                 if call.upstream is not None:

@@ -5,7 +5,8 @@ The push relay: the upstream connection's callback hands each chunk straight to 
 `ChunkWriter` (no task woken, no await per chunk), cut at event boundaries so a failure never
 leaves half an event at the client. A mid-stream failure hands the stream to a task running
 `relay_after_failure`, which parses what was sent, asks `migrate` for a continuation and
-rewrites its events into the client's stream (sse.py).
+rewrites its events into the client's stream (sse.py). Both see the gateway through its call
+table for relays (relay_host.py `RelayHost`), never its fields.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import orjson
 from flexpipe.gateway import sse
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.cut_over import MAX_FENCE_S, fence_wait_s
-from flexpipe.gateway.pool import Instance, PoolError
+from flexpipe.gateway.pool import Instance
 from flexpipe.http.client import UpstreamError, UpstreamResponse
 from flexpipe.http.server import ChunkWriter, HttpError
 
 if TYPE_CHECKING:
-    from flexpipe.gateway.app import Gateway
+    from flexpipe.gateway.relay_host import RelayHost
 
 log = logging.getLogger("flexpipe.gateway")
 
@@ -55,7 +56,7 @@ class PushRelay:
     __slots__ = ("call", "done", "gw", "inst", "loop", "num_events", "pending", "resp", "sent",
                  "t_first", "t_last", "tail", "task", "writer")  # fmt: skip
 
-    def __init__(self, gw: Gateway, call: Call, inst: Instance, resp: UpstreamResponse) -> None:
+    def __init__(self, gw: RelayHost, call: Call, inst: Instance, resp: UpstreamResponse) -> None:
         self.gw = gw
         self.call = call
         self.inst = inst
@@ -77,7 +78,7 @@ class PushRelay:
         if writer.closed:
             self._client_gone()
             return
-        self.gw.relays.add(self)
+        self.gw.relay_started(self)
         self.call.relay = self
         self.resp.pipe(self._data, self._end)
 
@@ -139,7 +140,7 @@ class PushRelay:
         t = self.gw.clock()
         if not self.t_first:
             self.t_first = t
-            self.gw.metrics.observe("ttft", self.call.model, t - self.call.t0)
+            self.gw.observe_ttft(self.call.model, t - self.call.t0)
         self.t_last = t
         self.num_events += out.count(b"\n\n")
         self.sent.append(out)
@@ -167,14 +168,13 @@ class PushRelay:
     def _hand_over(self, error: UpstreamError) -> None:
         """The rest of the stream is the failover task's (accounting included)."""
         self.done = True
-        self.gw.relays.discard(self)
+        self.gw.relay_ended(self)
         self.call.relay = None
         self.task = self.loop.create_task(self._failover(error))
-        self.gw.tasks.add(self.task)
-        self.task.add_done_callback(self.gw.tasks.discard)
+        self.gw.keep_task(self.task)
 
     def _account(self, status: str) -> None:
-        self.gw.relays.discard(self)
+        self.gw.relay_ended(self)
         self.call.relay = None
         self.gw.finish(self.inst, self.call, status)
         self.gw.end_call(self.call, max(0, self.num_events - 2))
@@ -233,7 +233,7 @@ class PushRelay:
 
 
 async def relay_after_failure(
-    gw: Gateway,
+    gw: RelayHost,
     call: Call,
     inst: Instance,
     resp: UpstreamResponse,
@@ -264,7 +264,7 @@ async def relay_after_failure(
             except UpstreamError as exc:
                 if call.continuing:  # it leaves the instance before its first token there
                     call.continuing = False
-                    gw.pool.unfence(inst.url, call.id)
+                    gw.unfence(inst.url, call.id)
                 if call.move is None:  # a move the controller asked for is no failure
                     gw.failure(inst)
                 gw.finish(inst, call, exc.kind)
@@ -304,7 +304,7 @@ async def relay_after_failure(
             t_last = gw.clock()
             if not t_first:
                 t_first = t_last
-                gw.metrics.observe("ttft", call.model, t_first - call.t0)
+                gw.observe_ttft(call.model, t_first - call.t0)
             if state is None:
                 num_events += out.count(b"\n\n")
                 sent.append(out)
@@ -319,7 +319,7 @@ async def relay_after_failure(
                         parts.append(ev)
                 if call.continuing and num_new_tokens:  # (not chat's role-only event)
                     call.continuing = False  # its first token there: the move's fence is through
-                    gw.pool.unfence(inst.url, call.id)
+                    gw.unfence(inst.url, call.id)
                 if parts:
                     yield b"".join(parts)
             if call.cut is not None and call.relayed is resp:
@@ -332,7 +332,7 @@ async def relay_after_failure(
         resp.release()  # aborts the upstream request if the client went away
         if call.continuing:  # ended (or the client left) before its first token there
             call.continuing = False
-            gw.pool.unfence(inst.url, call.id)
+            gw.unfence(inst.url, call.id)
         if live:
             gw.finish(inst, call, status)
         num_out = max(0, num_events - 2) if state is None else state.num_tokens
@@ -351,7 +351,7 @@ def move_relayed(call: Call, move: Move) -> str:
     return move.method
 
 
-async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> WarmOutcome:
+async def warm_up(gw: RelayHost, call: Call, target: str, timeout_s: float) -> WarmOutcome:
     """Pre-copy for a recompute move (as a live VM migration pre-copies memory): send the
     destination the continuation the move will send (the prompt and the text generated so
     far, through the same body builder, so the same tokens), for one token, not streamed,
@@ -366,7 +366,7 @@ async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> War
     counted in `timeout_s`, which bounds the prefill's wait and run). Each outcome
     is counted (`flexpipe_move_warm_ups_total`)."""
     outcome = await _warm_up(gw, call, target, timeout_s)
-    gw.metrics.warm_ups.labels(outcome).inc()
+    gw.count_warm_up(outcome)
     return outcome
 
 
@@ -377,13 +377,13 @@ def warms(timeout_s: float, num_slots: int, num_in_flight: int) -> bool:
     return timeout_s > 0 and not (num_slots and num_in_flight >= num_slots)
 
 
-async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> WarmOutcome:
+async def _warm_up(gw: RelayHost, call: Call, target: str, timeout_s: float) -> WarmOutcome:
     if timeout_s <= 0:
         return "skipped"
     # a move cuts over there: the warm-up's prefill waits for its fence to end or be lifted
     # (polled), MAX_FENCE_S at most in all, on top of its own bound (cut_over.py)
     t_fence = gw.clock()
-    while (inst := gw.pool.instances.get(target.rstrip("/"))) is not None and (
+    while (inst := gw.instance(target)) is not None and (
         wait_s := fence_wait_s(
             inst.fenced_until_s, now := gw.clock(), MAX_FENCE_S - (now - t_fence)
         )
@@ -399,9 +399,8 @@ async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> Wa
     if state.finished or timeout_s <= 0:
         return "skipped"
     body = sse.continuation_body(call.body, state, call.chat, gw.cfg.default_expected_output_tokens)
-    try:
-        inst = gw.pool.get(target)
-    except PoolError:
+    inst = gw.instance(target)
+    if inst is None:
         return "skipped"
     if body is None or not warms(timeout_s, inst.num_slots, inst.num_in_flight):
         return "skipped"
@@ -418,8 +417,7 @@ async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> Wa
         headers["authorization"] = f"Bearer {inst.api_key}"
     t0 = gw.clock()
     outcome: WarmOutcome
-    warming = gw.num_warm_ups_on  # a cut-over there waits for it (`moves.between_prefills`)
-    warming[inst.url] = warming.get(inst.url, 0) + 1
+    gw.warm_up_began(inst.url)  # a cut-over there waits for it (`moves.between_prefills`)
     try:
         async with asyncio.timeout(timeout_s):
             ok = await _send_warm_up(gw, inst.url, call.path, body, headers)
@@ -427,22 +425,18 @@ async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> Wa
     except TimeoutError:
         outcome = "timed_out"
     finally:
-        warming[inst.url] -= 1
-        if not warming[inst.url]:
-            del warming[inst.url]
+        gw.warm_up_ended(inst.url)
     took_s = gw.clock() - t0
     log.info("warm-up of a move to %s: %s in %.3f s", inst.url, outcome, took_s)
     return outcome
 
 
 async def _send_warm_up(
-    gw: Gateway, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    gw: RelayHost, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
 ) -> bool:
     while True:
         try:
-            resp = await gw.client.request(
-                url, "POST", path, orjson.dumps(body), headers, gw.timeouts
-            )
+            resp = await gw.post(url, path, orjson.dumps(body), headers)
         except UpstreamError:
             return False
         try:
@@ -458,7 +452,7 @@ async def _send_warm_up(
 
 
 async def migrate(
-    gw: Gateway, call: Call, failed: Instance, state: sse.StreamState
+    gw: RelayHost, call: Call, failed: Instance, state: sse.StreamState
 ) -> tuple[Instance, UpstreamResponse] | bytes:
     """Continue a broken stream on another live instance (each failed one is out for
     this call, and a target that cannot be reached is skipped for the next); on
@@ -469,14 +463,14 @@ async def migrate(
     if move is not None:
         return await _moved(gw, call, failed, state, move)
     if call.num_migrations >= gw.cfg.max_migrations:
-        gw.metrics.migrations.labels("failed").inc()
+        gw.count_migration("failed")
         return sse.error_event("the instance serving this stream failed") + sse.DONE
     body = sse.continuation_body(call.body, state, call.chat, gw.cfg.default_expected_output_tokens)
     if body is None:  # nothing left to generate, or a prompt that cannot be continued
         if state.num_tokens and state.id:
-            gw.metrics.migrations.labels("ok").inc()
+            gw.count_migration("ok")
             return _final_event(state, call.chat) + sse.DONE
-        gw.metrics.migrations.labels("failed").inc()
+        gw.count_migration("failed")
         return sse.error_event("the instance serving this stream failed") + sse.DONE
     call.num_migrations += 1
     call.num_retries = 0  # the continuation may retry a busy target once, as a request
@@ -484,22 +478,22 @@ async def migrate(
     try:
         inst, resp = await gw.send(call, orjson.dumps(body))
     except HttpError as exc:
-        gw.metrics.migrations.labels("failed").inc()
+        gw.count_migration("failed")
         return sse.error_event(f"could not continue the stream: {exc.message}") + sse.DONE
     if resp.status != 200:
         detail = (await _safe_read(resp))[:200].decode("utf-8", "replace")
         resp.release()
         gw.finish(inst, call, str(resp.status))
-        gw.metrics.migrations.labels("failed").inc()
+        gw.count_migration("failed")
         return sse.error_event(f"could not continue the stream: {detail}") + sse.DONE
-    gw.metrics.migrations.labels("ok").inc()
+    gw.count_migration("ok")
     call.upstream_request_id = resp.headers.get("x-request-id")
     log.info("continued a stream from %s on %s", failed.url, inst.url)
     return inst, resp
 
 
 async def _moved(
-    gw: Gateway, call: Call, source: Instance, state: sse.StreamState, move: Move
+    gw: RelayHost, call: Call, source: Instance, state: sse.StreamState, move: Move
 ) -> tuple[Instance, UpstreamResponse] | bytes:
     """Carry out a controller's move: with the KV cache when the engine exported it and it
     covers every token the client has (else by recompute), on `move.target` if it can."""
@@ -533,16 +527,16 @@ async def _moved(
             if resp.status == 400 and _NO_PRIORITY in detail and "priority" in body:
                 del body["priority"]  # an engine not started with the priority policy
                 continue
-            gw.metrics.migrations.labels("failed").inc()
+            gw.count_migration("failed")
             return sse.error_event(f"could not move the stream: {detail}") + sse.DONE
     except HttpError as exc:
-        gw.metrics.migrations.labels("failed").inc()
+        gw.count_migration("failed")
         return sse.error_event(f"could not move the stream: {exc.message}") + sse.DONE
     finally:
         call.move = None
     call.upstream_request_id = resp.headers.get("x-request-id")
     call.moved_by.append(method)
-    gw.metrics.migrations.labels("moved").inc()
+    gw.count_migration("moved")
     log.info("moved a stream from %s to %s (%s)", source.url, inst.url, method)
     return inst, resp
 
