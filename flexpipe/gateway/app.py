@@ -425,7 +425,9 @@ class Gateway:
                     await fut
                 woken = True
             except TimeoutError:
-                pass
+                # woken in the pass its wait ended (the timeout won): still woken, so a
+                # slot it may not use goes on to the next waiter, not lost with it
+                woken = fut.done() and not fut.cancelled()
             except asyncio.CancelledError:
                 if fut.done() and not fut.cancelled():
                     # woken as it left: the freed slot goes to the next one
