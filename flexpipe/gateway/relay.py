@@ -85,7 +85,7 @@ class PushRelay:
     @property
     def num_tokens_sent(self) -> int:
         """Tokens relayed so far (one event each; chat's first event only names the role)."""
-        return max(0, self.num_events - (1 if self.call.chat else 0))
+        return num_stream_tokens(self.num_events, self.call, ended=False)
 
     def move(self, move: Move) -> str:
         """Stop relaying from this instance now and continue the stream as `move` says (the
@@ -161,9 +161,9 @@ class PushRelay:
         writer.end(out + self.tail)  # the last events and the terminal chunk: one write
         gw, call, inst = self.gw, self.call, self.inst
         self.resp.release()
-        num_tokens = max(0, self.num_events - 2)
+        num_tokens = num_stream_tokens(self.num_events, call, ended=True)
         gw.stream_done(call, inst, self.t_first, self.t_last, num_tokens, True)
-        self._account("200")
+        self._account("200", num_tokens)
 
     def _hand_over(self, error: UpstreamError) -> None:
         """The rest of the stream is the failover task's (accounting included)."""
@@ -173,11 +173,14 @@ class PushRelay:
         self.task = self.loop.create_task(self._failover(error))
         self.gw.keep_task(self.task)
 
-    def _account(self, status: str) -> None:
+    def _account(self, status: str, num_tokens: int | None = None) -> None:
+        """`num_tokens`: what the stream carried (None: cut short, every token relayed)."""
         self.gw.relay_ended(self)
         self.call.relay = None
         self.gw.finish(self.inst, self.call, status)
-        self.gw.end_call(self.call, max(0, self.num_events - 2))
+        if num_tokens is None:
+            num_tokens = self.num_tokens_sent
+        self.gw.end_call(self.call, num_tokens)
 
     def _client_gone(self) -> None:
         if self.task is not None:
@@ -251,6 +254,7 @@ async def relay_after_failure(
     state: sse.StreamState | None = None  # set once migrated: events are rewritten
     status = "200"
     live = True  # `inst` still counts this request
+    ended = False  # the upstream ended its stream (its usage chunk and [DONE] came)
     # continued elsewhere, no token from there yet: `call.continuing` (and a move's fence
     # there, `Pool.unfence`, lifted at that token)
     call.continuing = False
@@ -325,7 +329,10 @@ async def relay_after_failure(
             if call.cut is not None and call.relayed is resp:
                 call.cut()  # a move waited for this token: it cuts over now
         resp.release()
-        num_tokens = max(0, num_events - 2) if state is None else state.num_tokens
+        ended = True
+        num_tokens = (
+            num_stream_tokens(num_events, call, ended) if state is None else state.num_tokens
+        )
         gw.stream_done(call, inst, t_first, t_last, num_tokens, state is None)
     finally:
         call.relayed = None
@@ -335,8 +342,22 @@ async def relay_after_failure(
             gw.unfence(inst.url, call.id)
         if live:
             gw.finish(inst, call, status)
-        num_out = max(0, num_events - 2) if state is None else state.num_tokens
+        num_out = num_stream_tokens(num_events, call, ended) if state is None else state.num_tokens
         gw.end_call(call, num_out)
+
+
+def num_stream_tokens(num_events: int, call: Call, ended: bool) -> int:
+    """The tokens of a stream relayed as is, from its count of events, unparsed: one event a
+    token (the last one carries the finish_reason, as vLLM's and the sim engine's do), less
+    chat's first event (the role only) and, when the stream `ended`, its [DONE] and the
+    usage chunk `stream_options.include_usage` asked for. (Two events less for every
+    stream undercounted a completion by one and overcounted a chat with usage by one: the
+    tenant's settlement and the measured TPOT read this.)"""
+    num = num_events - (1 if call.chat else 0)
+    if ended:
+        options = call.body.get("stream_options")
+        num -= 2 if isinstance(options, dict) and options.get("include_usage") else 1
+    return max(0, num)
 
 
 def move_relayed(call: Call, move: Move) -> str:
