@@ -1,11 +1,12 @@
 """The gateway on the virtual clock: the live gateway's `Router` and `Pool`, its wait queue,
 its metrics scrape and its measured decode speed, without HTTP.
 
-A request is routed when it arrives (`Router.pick`); when every instance of its model is at
-its concurrency limit it waits in one FIFO queue (at most `max_queue`, at most
-`max_queue_wait_s`), and each freed slot wakes the oldest waiter, as `Gateway._pick` does. No
-instance for the model: it fails at once (the live gateway's 404 / 503). The engine's 400 for
-a context that does not fit fails it too. Network time is not modelled.
+A request is routed when it arrives (`Router.pick`), and what becomes of it is the live
+gateway's admission decision (gateway/core/admission.py `admit`, which `Gateway._pick` asks
+too): routed; queued in its model's FIFO line (at most `max_queue`, at most
+`max_queue_wait_s`, a hold's wait), each freed slot waking the oldest waiter; or failed with
+the live gateway's status and words (the 404 / 503 of a model with no instance). The engine's
+400 for a context that does not fit fails it too. Network time is not modelled.
 
 The scrape writes what the engine's /metrics reports into the routing record with the
 prober's own `apply_engine_metrics` (counts, queued tokens, and the capacity the engine
