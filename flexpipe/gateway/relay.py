@@ -14,12 +14,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from flexpipe.gateway import sse
 from flexpipe.gateway.call import Call, Move
+from flexpipe.gateway.core.warm_up import (
+    MOVE_PRIORITY,
+    WARM_POLL_S,
+    WARM_TIMEOUT_S,
+    WarmOutcome,
+    warms,
+)
 from flexpipe.gateway.cut_over import MAX_FENCE_S, fence_wait_s
 from flexpipe.gateway.pool import Instance
 from flexpipe.http.client import UpstreamError, UpstreamResponse
@@ -30,20 +37,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flexpipe.gateway")
 
-# A moved request is admitted ahead of the destination's waiting queue (vLLM's `priority`,
-# lower first, with `--scheduling-policy priority`; every client request has 0): it already
-# waited once, and the pause it sees is what a shift costs the client.
-MOVE_PRIORITY = -1
+__all__ = [  # (the warm-up's rules live in core/warm_up.py; named here for their readers)
+    "MOVE_PRIORITY", "WARM_POLL_S", "WARM_TIMEOUT_S", "PushRelay", "WarmOutcome",
+    "migrate", "move_relayed", "num_stream_tokens", "relay_after_failure", "warm_up", "warms",
+]  # fmt: skip
+
 _NO_PRIORITY = "Priority scheduling is not enabled"
-# How long a recompute move waits, by default, for its warm-up (`warm_up`) before cutting
-# over anyway: a few prefills of a long context (the controller may give its own bound).
-WARM_TIMEOUT_S = 2.0
-# How often a warmed move looks again for a prefill on its destination before cutting over
-# (moves.py's `between_prefills`; the simulator polls its virtual clock as often).
-WARM_POLL_S = 0.005
-# What became of a warm-up: done in time; not sent (no free slot on the destination, nothing to
-# continue, or a bound of 0); cut off at its bound; refused or broken by the destination.
-WarmOutcome = Literal["warmed", "skipped", "timed_out", "failed"]
 
 
 class PushRelay:
@@ -389,13 +388,6 @@ async def warm_up(gw: RelayHost, call: Call, target: str, timeout_s: float) -> W
     outcome = await _warm_up(gw, call, target, timeout_s)
     gw.count_warm_up(outcome)
     return outcome
-
-
-def warms(timeout_s: float, num_slots: int, num_in_flight: int) -> bool:
-    """Whether a recompute move's destination is pre-copied (`warm_up`): a bound above 0 and
-    a free slot there (full, the warm-up would only wait: the move goes ahead of its queue).
-    `num_slots` 0: unbounded. The gateway and the simulator decide by it."""
-    return timeout_s > 0 and not (num_slots and num_in_flight >= num_slots)
 
 
 async def _warm_up(gw: RelayHost, call: Call, target: str, timeout_s: float) -> WarmOutcome:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from flexpipe.engine.request import EngineRequest
 from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.core.admission import ROUTE, Fail, Queue, admit, is_served, num_prompt_tokens
+from flexpipe.gateway.core.engine_metrics import apply_engine_metrics
 from flexpipe.gateway.holds import Holds
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
-from flexpipe.gateway.prober import apply_engine_metrics
 from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.gateway.wait_queue import WaitQueue
 from flexpipe.lifecycle import State
