@@ -25,8 +25,17 @@ from flexpipe.gateway import moves
 from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
+from flexpipe.gateway.core.admission import (
+    Decision,
+    Fail,
+    Queue,
+    Route,
+    admit,
+    is_served,
+    num_prompt_tokens,
+)
 from flexpipe.gateway.gateway_metrics import GatewayMetrics
-from flexpipe.gateway.holds import REFUSED_RETRY_AFTER_S, Holds
+from flexpipe.gateway.holds import Holds
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay, WarmOutcome
@@ -61,6 +70,12 @@ _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
 
 
+def _waits_for_a_slot(decision: Decision) -> bool:
+    """The request found its model served (or held) and took no slot: it queues, or its
+    queue's wait is over."""
+    return isinstance(decision, Queue) or (isinstance(decision, Fail) and decision.busy)
+
+
 class Gateway:
     def __init__(self, cfg: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
@@ -73,15 +88,15 @@ class Gateway:
         self.timeouts = Timeouts(cfg.connect_timeout_s, cfg.ttfb_timeout_s, cfg.idle_timeout_s)
         self._waiters = WaitQueue[asyncio.Future[None]]()  # requests waiting for a slot
         self.queued_signal = Signal(clock)  # a request queued (the demand trigger)
-        self.tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
+        self._tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
         self._calls: dict[int, Call] = {}  # accepted, not yet ended, whatever their phase
         self._call_ids = itertools.count(1)
         self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
-        self.num_warm_ups_on: dict[str, int] = {}  # instance url -> moves' warm-ups sent there
+        self._warm_ups_on: dict[str, int] = {}  # instance url -> moves' warm-ups sent there
         self.ended_signal = Signal(clock)  # a request ended (`drained`)
         # model -> clock time until which queued requests wait (a shift re-launching capacity)
         self.holds = Holds()
-        self.relays: set[PushRelay] = set()  # streams being relayed by push
+        self._relays: set[PushRelay] = set()  # streams being relayed by push
         self.shutting_down = False  # new requests are refused
         self._grace_over = False  # and, past the grace period, queued ones too
         self._idle: asyncio.Event | None = None  # set when the last call ends (shutdown)
@@ -168,10 +183,10 @@ class Gateway:
         except RequestError as exc:
             raise HttpError(exc.status, exc.message, param=exc.param) from None
         model = valid.model
-        if not self.pool.has_model(model) and not self.held(model) and not self.refused(model):
+        if not is_served(model, self.pool.has_model(model), self.holds, self.clock()):
             raise HttpError(404, f"The model `{model}` does not exist.", param="model")
         prompt = valid.prompt_bytes
-        num_prompt = len(prompt) // 4 + 1
+        num_prompt = num_prompt_tokens(len(prompt))
         num_out = valid.max_tokens or self.cfg.default_expected_output_tokens
         hashes = prompt_block_hashes(prompt, self.cfg.block_chars)
         routing = RoutingRequest(num_prompt, num_out, hashes, valid.user)
@@ -359,58 +374,45 @@ class Gateway:
         await asyncio.sleep(self.router.rng.uniform(0, self.cfg.retry_jitter_s))
 
     async def _pick(self, call: Call) -> Instance:
-        """The router's pick; while every instance is at its limit, a place in a bounded
-        FIFO queue until a slot frees (or 429 when the queue is full or the wait too long)."""
+        """The router's pick, and what admission makes of it (gateway/core/admission.py):
+        while every instance is at its limit, a place in a bounded FIFO queue until a slot
+        frees (or 429 when the queue is full or the wait too long)."""
         own_deadline: float | None = None  # the queue's own wait, from the first refusal
         ticket: int | None = None  # its place in its model's line, from when it first queued
         woken = False  # by a freed slot (not its wait's end)
+        cfg = self.cfg
         while True:
             if self._grace_over:
                 raise HttpError(503, "the gateway is shutting down")
             now = self.clock()
             prefer = call.move.target if call.move is not None else None
+            no_instance: str | None = None
             try:
                 pick = self.router.pick(
                     call.model, call.routing, now, call.excluded, call.failed, prefer
                 )
             except NoInstance as exc:
-                why = self.refused(call.model)
-                if why is not None:  # no instance of it can come: say why, do not wait
-                    self.metrics.rejected.labels("unplaceable").inc()
-                    message = f"The model `{call.model}` cannot be served now: {why}"
-                    raise RetryLater(503, message, REFUSED_RETRY_AFTER_S, "model") from None
-                if not self.held(call.model):
-                    self.metrics.rejected.labels("no_instance").inc()
-                    raise HttpError(503, str(exc)) from None
-                pick = None  # held (scaled to zero, or re-launched): wait for an instance
-            if ticket is None and prefer is None and self._waiters.count(call.model):
-                pick = None  # others of its model wait: first come, first served
-            if pick is None and woken and (call.excluded or call.failed):
+                pick, no_instance = None, str(exc)
+            decision = admit(
+                call.model, pick is not None, no_instance, self.holds, now, call.t0,
+                own_deadline, len(self._waiters), self._waiters.count(call.model),
+                cfg.max_queue, cfg.max_queue_wait_s, jumps_line=prefer is not None,
+            )  # fmt: skip
+            if woken and (call.excluded or call.failed) and _waits_for_a_slot(decision):
                 # woken for a slot on an instance it may not use (one it left or failed on):
                 # the slot goes to the next waiter of its model
                 self._wake_one(call.model, after=ticket or 0)
             woken = False
-            if pick is not None:
+            if isinstance(decision, Fail):
+                raise self._refusal(decision, now)
+            if isinstance(decision, Route):
+                assert pick is not None
                 self.metrics.decision(self.router.policy.name, pick.reason)
                 if pick.num_blocks:
                     self.metrics.prefix_all.inc(pick.num_blocks)
                     self.metrics.prefix_matched.inc(pick.num_blocks_matched)
                 return pick.instance
-            if ticket is None and len(self._waiters) >= self.cfg.max_queue:
-                self.metrics.rejected.labels("queue_full").inc()
-                wait_s = self.router.retry_after_s(len(self._waiters), now)
-                raise RetryLater(429, "all instances are busy and the wait queue is full", wait_s)
-            wait_s = self.cfg.max_queue_wait_s
-            if own_deadline is None:
-                own_deadline = now + wait_s
-            # a shift takes capacity away for a while (or a model scaled to zero cold-starts):
-            # wait it out (holds.py); once the hold is over, the queue's wait from its end
-            deadline = self.holds.wait_deadline(call.model, own_deadline, call.t0, wait_s)
-            left = deadline - now
-            if left <= 0:
-                self.metrics.rejected.labels("queue_timeout").inc()
-                wait_s = self.router.retry_after_s(len(self._waiters), now)
-                raise RetryLater(429, "all instances stayed busy", wait_s)
+            own_deadline = decision.own_deadline_s
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             if ticket is None:
                 ticket = self._waiters.ticket()
@@ -419,11 +421,13 @@ class Gateway:
             try:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
                 # that comes as the future completes, and the client's leaving is lost
-                async with asyncio.timeout(left):
+                async with asyncio.timeout(decision.deadline_s - now):
                     await fut
                 woken = True
             except TimeoutError:
-                pass
+                # woken in the pass its wait ended (the timeout won): still woken, so a
+                # slot it may not use goes on to the next waiter, not lost with it
+                woken = fut.done() and not fut.cancelled()
             except asyncio.CancelledError:
                 if fut.done() and not fut.cancelled():
                     # woken as it left: the freed slot goes to the next one
@@ -431,6 +435,16 @@ class Gateway:
                 raise
             finally:
                 self._waiters.remove(call.model, fut)
+
+    def _refusal(self, fail: Fail, now: float) -> HttpError:
+        """The client's answer to an admission's `Fail`, counted by its reason."""
+        self.metrics.rejected.labels(fail.reason).inc()
+        if fail.busy:  # Retry-After: the queue ahead at the measured drain rate
+            wait_s = self.router.retry_after_s(len(self._waiters), now)
+            return RetryLater(fail.status, fail.message, wait_s)
+        if fail.retry_after_s is not None:
+            return RetryLater(fail.status, fail.message, fail.retry_after_s, fail.param)
+        return HttpError(fail.status, fail.message, param=fail.param)
 
     def held(self, model: str) -> bool:
         """A hold is on for `model` (POST /admin/models/hold): its requests wait in the queue
@@ -534,6 +548,61 @@ class Gateway:
                 inst.observe_tpot(tpot)
         self.success(inst)
 
+    # ---------------------------------------------------------------- for relays and moves
+    # (relay_host.py: the calls relay.py and moves.py make, and nothing else of the gateway)
+    def relay_started(self, relay: PushRelay) -> None:
+        self._relays.add(relay)
+
+    def relay_ended(self, relay: PushRelay) -> None:
+        self._relays.discard(relay)
+
+    def keep_task(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def instance(self, url: str) -> Instance | None:
+        return self.pool.instances.get(url.rstrip("/"))
+
+    def fence(self, url: str, key: object, until_s: float, now: float) -> None:
+        self.pool.fence(url, key, until_s, now)
+
+    def unfence(self, url: str, key: object) -> None:
+        self.pool.unfence(url, key)
+
+    def observe_ttft(self, model: str, ttft_s: float) -> None:
+        self.metrics.observe("ttft", model, ttft_s)
+
+    def count_migration(self, outcome: str) -> None:
+        self.metrics.migrations.labels(outcome).inc()
+
+    def count_warm_up(self, outcome: str) -> None:
+        self.metrics.warm_ups.labels(outcome).inc()
+
+    def warm_up_began(self, url: str) -> None:
+        self._warm_ups_on[url] = self._warm_ups_on.get(url, 0) + 1
+
+    def warm_up_ended(self, url: str) -> None:
+        self._warm_ups_on[url] -= 1
+        if not self._warm_ups_on[url]:
+            del self._warm_ups_on[url]
+
+    def num_warm_ups_on(self, url: str) -> int:
+        return self._warm_ups_on.get(url.rstrip("/"), 0)
+
+    def engine_admin_token(self, url: str) -> str | None:
+        return self.engine_admin_tokens.get(url)
+
+    async def post(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        timeouts: Timeouts | None = None,
+    ) -> UpstreamResponse:
+        timeouts = self.timeouts if timeouts is None else timeouts
+        return await self.client.request(url, "POST", path, body, headers, timeouts)
+
     # ---------------------------------------------------------------- moves (controller)
     def calls_on(self, url: str) -> list[Call]:
         """The requests an instance is serving now."""
@@ -573,9 +642,9 @@ class Gateway:
             for fut in self._waiters.waiters():  # still queued: refused by `_pick`
                 if not fut.done():
                     fut.set_result(None)
-            for relay in list(self.relays):
+            for relay in list(self._relays):
                 relay.abort("the gateway is shutting down")
-            for task in list(self.tasks):
+            for task in list(self._tasks):
                 task.cancel()
             for call in list(self._calls.values()):
                 if call.upstream is not None:

@@ -1,7 +1,8 @@
 """Moving an in-flight request off its instance (a shift's drain deadline, POST
 /admin/requests/move): a stream continues on the target with its KV cache (the engines'
 export/import hooks) or by recompute after warming the target's prefix cache; a request of
-which nothing was sent yet is re-run there. Functions of the gateway, as relay.py's `warm_up`.
+which nothing was sent yet is re-run there. Functions of the gateway's call table for moves
+(relay_host.py `MoveHost`), as relay.py's `warm_up` is of `RelayHost`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from flexpipe.gateway.call import Call, Move
+from flexpipe.gateway.core.warm_up import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome
 from flexpipe.gateway.cut_over import (
     MAX_FENCE_S,
     MAX_TOKEN_WAIT_S,
@@ -19,15 +21,15 @@ from flexpipe.gateway.cut_over import (
     mean_gap_s,
     token_wait_s,
 )
-from flexpipe.gateway.relay import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome, move_relayed, warm_up
+from flexpipe.gateway.relay import move_relayed, warm_up
 from flexpipe.gateway.sse import kv_link_bytes_per_s
-from flexpipe.http.client import UpstreamError
+from flexpipe.http.client import Timeouts, UpstreamError
 
 if TYPE_CHECKING:
-    from flexpipe.gateway.app import Gateway
+    from flexpipe.gateway.relay_host import MoveHost
 
 
-async def move_request(gw: Gateway, call_id: int, move: Move) -> tuple[str, WarmOutcome | None]:
+async def move_request(gw: MoveHost, call_id: int, move: Move) -> tuple[str, WarmOutcome | None]:
     """Move an in-flight request off its instance: a stream continues on `move.target` with
     its KV cache ("kv") or by recompute, after warming the target's prefix cache with its
     context (`warm_up`); a non-streamed request, of which nothing was sent yet, is re-run
@@ -70,21 +72,21 @@ async def move_request(gw: Gateway, call_id: int, move: Move) -> tuple[str, Warm
     return outcome, warm
 
 
-def fence_target(gw: Gateway, call: Call, move: Move, wait_s: float) -> None:
+def fence_target(gw: MoveHost, call: Call, move: Move, wait_s: float) -> None:
     """New requests keep off the move's destination while it cuts over there: until the
     stream's first token there (the relay's `Pool.unfence`), at most `wait_s` from now (the
     wait for the source's token, or a KV move's transfer) and the destination's next two
     steps (`cut_over.fence_until_s`)."""
     if move.target is None:
         return
-    inst = gw.pool.instances.get(move.target.rstrip("/"))
+    inst = gw.instance(move.target)
     if inst is not None:
         now = gw.clock()
         until_s = fence_until_s(now, wait_s, inst.speed_tokens_per_s)
-        gw.pool.fence(inst.url, call.id, until_s, now)
+        gw.fence(inst.url, call.id, until_s, now)
 
 
-async def at_next_token(gw: Gateway, call: Call, move: Move) -> str:
+async def at_next_token(gw: MoveHost, call: Call, move: Move) -> str:
     """Carry out `move` right after the stream's source delivers its next token: the relay
     hands the client that event, then calls `call.cut`, which cuts the stream over at once
     (the continuation includes the token; the source is aborted). The client's gap then
@@ -126,15 +128,14 @@ async def at_next_token(gw: Gateway, call: Call, move: Move) -> str:
             timer.cancel()
 
 
-async def between_prefills(gw: Gateway, url: str, bound_s: float) -> bool:
+async def between_prefills(gw: MoveHost, url: str, bound_s: float) -> bool:
     """Wait, at most `bound_s`, until no stream on `url` awaits its first token (a new
     request's, or a moved stream's continuation) and no other move's warm-up runs there: a
     warmed cut-over is one short step there, unless it shares that step with (or waits for)
     a prefill, up to a whole context's. The moved stream keeps generating on its source
     meanwhile, so the wait pauses nothing. True when `url` had none."""
     deadline_s = gw.clock() + bound_s
-    warming = gw.num_warm_ups_on
-    while warming.get(url.rstrip("/")) or any(c.awaits_first_token for c in gw.calls_on(url)):
+    while gw.num_warm_ups_on(url) or any(c.awaits_first_token for c in gw.calls_on(url)):
         if gw.clock() >= deadline_s:
             return False
         await asyncio.sleep(WARM_POLL_S)
@@ -153,11 +154,11 @@ def transfer_s(export: dict[str, Any] | None) -> float:
 
 
 async def export_state(
-    gw: Gateway, url: str, request_id: str | None, move: Move | None = None
+    gw: MoveHost, url: str, request_id: str | None, move: Move | None = None
 ) -> dict[str, Any] | None:
     """The engine's state of a request (its KV export), or None when it cannot tell; for a
     `move`, also the engine's time to carry the KV over its link (`transfer_s`)."""
-    token = gw.engine_admin_tokens.get(url)
+    token = gw.engine_admin_token(url)
     if request_id is None or token is None:
         return None
     headers = {"content-type": "application/json", "authorization": f"Bearer {token}"}
@@ -169,7 +170,7 @@ async def export_state(
         )
     body = orjson.dumps(ask)
     try:
-        resp = await gw.client.request(url, "POST", "/admin/export", body, headers)
+        resp = await gw.post(url, "/admin/export", body, headers, Timeouts())
         data = await resp.read()
         resp.release()
     except UpstreamError:

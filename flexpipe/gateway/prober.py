@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import orjson
 
-from flexpipe.gateway.pool import Instance, Pool
+from flexpipe.gateway.core.engine_metrics import apply_engine_metrics, parse_engine_metrics
+from flexpipe.gateway.pool import Instance
 from flexpipe.http.client import Timeouts, UpstreamError
 from flexpipe.lifecycle import State
 
@@ -25,64 +24,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("flexpipe.gateway")
 
 _PROBE_TIMEOUTS = Timeouts(connect_s=1.0, ttfb_s=2.0, idle_s=2.0)
-
-# vLLM metric name -> Instance field (older vLLM spells the KV one gpu_cache_usage_perc)
-_METRICS = {
-    b"vllm:num_requests_running": "num_running",
-    b"vllm:num_requests_waiting": "num_waiting",
-    b"vllm:kv_cache_usage_perc": "kv_usage",
-    b"vllm:gpu_cache_usage_perc": "kv_usage",
-    b"flexpipe:num_tokens_queued_running": "num_tokens",  # the sim engine's exact count
-    b"flexpipe:max_num_seqs": "max_num_seqs",  # the sim engine's scheduler limit
-}
-_CACHE_INFO = b"vllm:cache_config_info"
-_LABEL = re.compile(rb'(\w+)="([^"]*)"')
-
-
-def parse_engine_metrics(text: bytes) -> dict[str, float]:
-    """Sum the samples of the metrics routing needs over all their label sets; the KV cache's
-    size in tokens (`num_kv_tokens`) from vllm:cache_config_info's labels."""
-    out: dict[str, float] = {}
-    for line in text.split(b"\n"):
-        if not line.startswith((b"vllm:", b"flexpipe:")):
-            continue
-        name_end = min(i for i in (line.find(b"{"), line.find(b" ")) if i >= 0)
-        field = _METRICS.get(line[:name_end])
-        if field is None:
-            if line[:name_end] == _CACHE_INFO:
-                labels = dict(_LABEL.findall(line))
-                with contextlib.suppress(KeyError, ValueError):
-                    blocks = int(labels[b"num_gpu_blocks"]) * int(labels[b"block_size"])
-                    out["num_kv_tokens"] = out.get("num_kv_tokens", 0.0) + blocks
-            continue
-        try:
-            value = float(line.rsplit(b" ", 1)[1])
-        except (ValueError, IndexError):
-            continue
-        out[field] = out.get(field, 0.0) + value
-    return out
-
-
-def apply_engine_metrics(
-    pool: Pool, inst: Instance, values: Mapping[str, float], mean_request_tokens: float, now: float
-) -> None:
-    """One scrape's engine counts (`parse_engine_metrics`' fields) into the routing record, and
-    the capacity the engine reports into the pool. Pure: the simulator calls it too."""
-    inst.num_running = int(values.get("num_running", 0))
-    inst.num_waiting = int(values.get("num_waiting", 0))
-    inst.kv_usage = values.get("kv_usage", 0.0)
-    if "num_tokens" in values:
-        inst.num_scraped_tokens = values["num_tokens"]
-    else:  # vLLM: estimate from the request counts
-        inst.num_scraped_tokens = (inst.num_running + inst.num_waiting) * mean_request_tokens
-    inst.num_tokens_sent_since_scrape = 0.0
-    inst.scraped_at_s = now
-    pool.report_capacity(
-        inst,
-        int(values.get("max_num_seqs", 0)),
-        int(values.get("num_kv_tokens", 0)),
-        mean_request_tokens,
-    )
 
 
 class Prober:

@@ -5,7 +5,8 @@ The push relay: the upstream connection's callback hands each chunk straight to 
 `ChunkWriter` (no task woken, no await per chunk), cut at event boundaries so a failure never
 leaves half an event at the client. A mid-stream failure hands the stream to a task running
 `relay_after_failure`, which parses what was sent, asks `migrate` for a continuation and
-rewrites its events into the client's stream (sse.py).
+rewrites its events into the client's stream (sse.py). Both see the gateway through its call
+table for relays (relay_host.py `RelayHost`), never its fields.
 """
 
 from __future__ import annotations
@@ -13,36 +14,35 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from flexpipe.gateway import sse
 from flexpipe.gateway.call import Call, Move
+from flexpipe.gateway.core.warm_up import (
+    MOVE_PRIORITY,
+    WARM_POLL_S,
+    WARM_TIMEOUT_S,
+    WarmOutcome,
+    warms,
+)
 from flexpipe.gateway.cut_over import MAX_FENCE_S, fence_wait_s
-from flexpipe.gateway.pool import Instance, PoolError
+from flexpipe.gateway.pool import Instance
 from flexpipe.http.client import UpstreamError, UpstreamResponse
 from flexpipe.http.server import ChunkWriter, HttpError
 
 if TYPE_CHECKING:
-    from flexpipe.gateway.app import Gateway
+    from flexpipe.gateway.relay_host import RelayHost
 
 log = logging.getLogger("flexpipe.gateway")
 
-# A moved request is admitted ahead of the destination's waiting queue (vLLM's `priority`,
-# lower first, with `--scheduling-policy priority`; every client request has 0): it already
-# waited once, and the pause it sees is what a shift costs the client.
-MOVE_PRIORITY = -1
+__all__ = [  # (the warm-up's rules live in core/warm_up.py; named here for their readers)
+    "MOVE_PRIORITY", "WARM_POLL_S", "WARM_TIMEOUT_S", "PushRelay", "WarmOutcome",
+    "migrate", "move_relayed", "num_stream_tokens", "relay_after_failure", "warm_up", "warms",
+]  # fmt: skip
+
 _NO_PRIORITY = "Priority scheduling is not enabled"
-# How long a recompute move waits, by default, for its warm-up (`warm_up`) before cutting
-# over anyway: a few prefills of a long context (the controller may give its own bound).
-WARM_TIMEOUT_S = 2.0
-# How often a warmed move looks again for a prefill on its destination before cutting over
-# (moves.py's `between_prefills`; the simulator polls its virtual clock as often).
-WARM_POLL_S = 0.005
-# What became of a warm-up: done in time; not sent (no free slot on the destination, nothing to
-# continue, or a bound of 0); cut off at its bound; refused or broken by the destination.
-WarmOutcome = Literal["warmed", "skipped", "timed_out", "failed"]
 
 
 class PushRelay:
@@ -55,7 +55,7 @@ class PushRelay:
     __slots__ = ("call", "done", "gw", "inst", "loop", "num_events", "pending", "resp", "sent",
                  "t_first", "t_last", "tail", "task", "writer")  # fmt: skip
 
-    def __init__(self, gw: Gateway, call: Call, inst: Instance, resp: UpstreamResponse) -> None:
+    def __init__(self, gw: RelayHost, call: Call, inst: Instance, resp: UpstreamResponse) -> None:
         self.gw = gw
         self.call = call
         self.inst = inst
@@ -77,14 +77,14 @@ class PushRelay:
         if writer.closed:
             self._client_gone()
             return
-        self.gw.relays.add(self)
+        self.gw.relay_started(self)
         self.call.relay = self
         self.resp.pipe(self._data, self._end)
 
     @property
     def num_tokens_sent(self) -> int:
         """Tokens relayed so far (one event each; chat's first event only names the role)."""
-        return max(0, self.num_events - (1 if self.call.chat else 0))
+        return num_stream_tokens(self.num_events, self.call, ended=False)
 
     def move(self, move: Move) -> str:
         """Stop relaying from this instance now and continue the stream as `move` says (the
@@ -139,7 +139,7 @@ class PushRelay:
         t = self.gw.clock()
         if not self.t_first:
             self.t_first = t
-            self.gw.metrics.observe("ttft", self.call.model, t - self.call.t0)
+            self.gw.observe_ttft(self.call.model, t - self.call.t0)
         self.t_last = t
         self.num_events += out.count(b"\n\n")
         self.sent.append(out)
@@ -160,24 +160,26 @@ class PushRelay:
         writer.end(out + self.tail)  # the last events and the terminal chunk: one write
         gw, call, inst = self.gw, self.call, self.inst
         self.resp.release()
-        num_tokens = max(0, self.num_events - 2)
+        num_tokens = num_stream_tokens(self.num_events, call, ended=True)
         gw.stream_done(call, inst, self.t_first, self.t_last, num_tokens, True)
-        self._account("200")
+        self._account("200", num_tokens)
 
     def _hand_over(self, error: UpstreamError) -> None:
         """The rest of the stream is the failover task's (accounting included)."""
         self.done = True
-        self.gw.relays.discard(self)
+        self.gw.relay_ended(self)
         self.call.relay = None
         self.task = self.loop.create_task(self._failover(error))
-        self.gw.tasks.add(self.task)
-        self.task.add_done_callback(self.gw.tasks.discard)
+        self.gw.keep_task(self.task)
 
-    def _account(self, status: str) -> None:
-        self.gw.relays.discard(self)
+    def _account(self, status: str, num_tokens: int | None = None) -> None:
+        """`num_tokens`: what the stream carried (None: cut short, every token relayed)."""
+        self.gw.relay_ended(self)
         self.call.relay = None
         self.gw.finish(self.inst, self.call, status)
-        self.gw.end_call(self.call, max(0, self.num_events - 2))
+        if num_tokens is None:
+            num_tokens = self.num_tokens_sent
+        self.gw.end_call(self.call, num_tokens)
 
     def _client_gone(self) -> None:
         if self.task is not None:
@@ -233,7 +235,7 @@ class PushRelay:
 
 
 async def relay_after_failure(
-    gw: Gateway,
+    gw: RelayHost,
     call: Call,
     inst: Instance,
     resp: UpstreamResponse,
@@ -251,6 +253,7 @@ async def relay_after_failure(
     state: sse.StreamState | None = None  # set once migrated: events are rewritten
     status = "200"
     live = True  # `inst` still counts this request
+    ended = False  # the upstream ended its stream (its usage chunk and [DONE] came)
     # continued elsewhere, no token from there yet: `call.continuing` (and a move's fence
     # there, `Pool.unfence`, lifted at that token)
     call.continuing = False
@@ -264,7 +267,7 @@ async def relay_after_failure(
             except UpstreamError as exc:
                 if call.continuing:  # it leaves the instance before its first token there
                     call.continuing = False
-                    gw.pool.unfence(inst.url, call.id)
+                    gw.unfence(inst.url, call.id)
                 if call.move is None:  # a move the controller asked for is no failure
                     gw.failure(inst)
                 gw.finish(inst, call, exc.kind)
@@ -304,7 +307,7 @@ async def relay_after_failure(
             t_last = gw.clock()
             if not t_first:
                 t_first = t_last
-                gw.metrics.observe("ttft", call.model, t_first - call.t0)
+                gw.observe_ttft(call.model, t_first - call.t0)
             if state is None:
                 num_events += out.count(b"\n\n")
                 sent.append(out)
@@ -319,24 +322,41 @@ async def relay_after_failure(
                         parts.append(ev)
                 if call.continuing and num_new_tokens:  # (not chat's role-only event)
                     call.continuing = False  # its first token there: the move's fence is through
-                    gw.pool.unfence(inst.url, call.id)
+                    gw.unfence(inst.url, call.id)
                 if parts:
                     yield b"".join(parts)
             if call.cut is not None and call.relayed is resp:
                 call.cut()  # a move waited for this token: it cuts over now
         resp.release()
-        num_tokens = max(0, num_events - 2) if state is None else state.num_tokens
+        ended = True
+        num_tokens = (
+            num_stream_tokens(num_events, call, ended) if state is None else state.num_tokens
+        )
         gw.stream_done(call, inst, t_first, t_last, num_tokens, state is None)
     finally:
         call.relayed = None
         resp.release()  # aborts the upstream request if the client went away
         if call.continuing:  # ended (or the client left) before its first token there
             call.continuing = False
-            gw.pool.unfence(inst.url, call.id)
+            gw.unfence(inst.url, call.id)
         if live:
             gw.finish(inst, call, status)
-        num_out = max(0, num_events - 2) if state is None else state.num_tokens
+        num_out = num_stream_tokens(num_events, call, ended) if state is None else state.num_tokens
         gw.end_call(call, num_out)
+
+
+def num_stream_tokens(num_events: int, call: Call, ended: bool) -> int:
+    """The tokens of a stream relayed as is, from its count of events, unparsed: one event a
+    token (the last one carries the finish_reason, as vLLM's and the sim engine's do), less
+    chat's first event (the role only) and, when the stream `ended`, its [DONE] and the
+    usage chunk `stream_options.include_usage` asked for. (Two events less for every
+    stream undercounted a completion by one and overcounted a chat with usage by one: the
+    tenant's settlement and the measured TPOT read this.)"""
+    num = num_events - (1 if call.chat else 0)
+    if ended:
+        options = call.body.get("stream_options")
+        num -= 2 if isinstance(options, dict) and options.get("include_usage") else 1
+    return max(0, num)
 
 
 def move_relayed(call: Call, move: Move) -> str:
@@ -351,7 +371,7 @@ def move_relayed(call: Call, move: Move) -> str:
     return move.method
 
 
-async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> WarmOutcome:
+async def warm_up(gw: RelayHost, call: Call, target: str, timeout_s: float) -> WarmOutcome:
     """Pre-copy for a recompute move (as a live VM migration pre-copies memory): send the
     destination the continuation the move will send (the prompt and the text generated so
     far, through the same body builder, so the same tokens), for one token, not streamed,
@@ -366,24 +386,17 @@ async def warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> War
     counted in `timeout_s`, which bounds the prefill's wait and run). Each outcome
     is counted (`flexpipe_move_warm_ups_total`)."""
     outcome = await _warm_up(gw, call, target, timeout_s)
-    gw.metrics.warm_ups.labels(outcome).inc()
+    gw.count_warm_up(outcome)
     return outcome
 
 
-def warms(timeout_s: float, num_slots: int, num_in_flight: int) -> bool:
-    """Whether a recompute move's destination is pre-copied (`warm_up`): a bound above 0 and
-    a free slot there (full, the warm-up would only wait: the move goes ahead of its queue).
-    `num_slots` 0: unbounded. The gateway and the simulator decide by it."""
-    return timeout_s > 0 and not (num_slots and num_in_flight >= num_slots)
-
-
-async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> WarmOutcome:
+async def _warm_up(gw: RelayHost, call: Call, target: str, timeout_s: float) -> WarmOutcome:
     if timeout_s <= 0:
         return "skipped"
     # a move cuts over there: the warm-up's prefill waits for its fence to end or be lifted
     # (polled), MAX_FENCE_S at most in all, on top of its own bound (cut_over.py)
     t_fence = gw.clock()
-    while (inst := gw.pool.instances.get(target.rstrip("/"))) is not None and (
+    while (inst := gw.instance(target)) is not None and (
         wait_s := fence_wait_s(
             inst.fenced_until_s, now := gw.clock(), MAX_FENCE_S - (now - t_fence)
         )
@@ -399,9 +412,8 @@ async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> Wa
     if state.finished or timeout_s <= 0:
         return "skipped"
     body = sse.continuation_body(call.body, state, call.chat, gw.cfg.default_expected_output_tokens)
-    try:
-        inst = gw.pool.get(target)
-    except PoolError:
+    inst = gw.instance(target)
+    if inst is None:
         return "skipped"
     if body is None or not warms(timeout_s, inst.num_slots, inst.num_in_flight):
         return "skipped"
@@ -418,8 +430,7 @@ async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> Wa
         headers["authorization"] = f"Bearer {inst.api_key}"
     t0 = gw.clock()
     outcome: WarmOutcome
-    warming = gw.num_warm_ups_on  # a cut-over there waits for it (`moves.between_prefills`)
-    warming[inst.url] = warming.get(inst.url, 0) + 1
+    gw.warm_up_began(inst.url)  # a cut-over there waits for it (`moves.between_prefills`)
     try:
         async with asyncio.timeout(timeout_s):
             ok = await _send_warm_up(gw, inst.url, call.path, body, headers)
@@ -427,22 +438,18 @@ async def _warm_up(gw: Gateway, call: Call, target: str, timeout_s: float) -> Wa
     except TimeoutError:
         outcome = "timed_out"
     finally:
-        warming[inst.url] -= 1
-        if not warming[inst.url]:
-            del warming[inst.url]
+        gw.warm_up_ended(inst.url)
     took_s = gw.clock() - t0
     log.info("warm-up of a move to %s: %s in %.3f s", inst.url, outcome, took_s)
     return outcome
 
 
 async def _send_warm_up(
-    gw: Gateway, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    gw: RelayHost, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
 ) -> bool:
     while True:
         try:
-            resp = await gw.client.request(
-                url, "POST", path, orjson.dumps(body), headers, gw.timeouts
-            )
+            resp = await gw.post(url, path, orjson.dumps(body), headers)
         except UpstreamError:
             return False
         try:
@@ -458,7 +465,7 @@ async def _send_warm_up(
 
 
 async def migrate(
-    gw: Gateway, call: Call, failed: Instance, state: sse.StreamState
+    gw: RelayHost, call: Call, failed: Instance, state: sse.StreamState
 ) -> tuple[Instance, UpstreamResponse] | bytes:
     """Continue a broken stream on another live instance (each failed one is out for
     this call, and a target that cannot be reached is skipped for the next); on
@@ -469,14 +476,14 @@ async def migrate(
     if move is not None:
         return await _moved(gw, call, failed, state, move)
     if call.num_migrations >= gw.cfg.max_migrations:
-        gw.metrics.migrations.labels("failed").inc()
+        gw.count_migration("failed")
         return sse.error_event("the instance serving this stream failed") + sse.DONE
     body = sse.continuation_body(call.body, state, call.chat, gw.cfg.default_expected_output_tokens)
     if body is None:  # nothing left to generate, or a prompt that cannot be continued
         if state.num_tokens and state.id:
-            gw.metrics.migrations.labels("ok").inc()
+            gw.count_migration("ok")
             return _final_event(state, call.chat) + sse.DONE
-        gw.metrics.migrations.labels("failed").inc()
+        gw.count_migration("failed")
         return sse.error_event("the instance serving this stream failed") + sse.DONE
     call.num_migrations += 1
     call.num_retries = 0  # the continuation may retry a busy target once, as a request
@@ -484,22 +491,22 @@ async def migrate(
     try:
         inst, resp = await gw.send(call, orjson.dumps(body))
     except HttpError as exc:
-        gw.metrics.migrations.labels("failed").inc()
+        gw.count_migration("failed")
         return sse.error_event(f"could not continue the stream: {exc.message}") + sse.DONE
     if resp.status != 200:
         detail = (await _safe_read(resp))[:200].decode("utf-8", "replace")
         resp.release()
         gw.finish(inst, call, str(resp.status))
-        gw.metrics.migrations.labels("failed").inc()
+        gw.count_migration("failed")
         return sse.error_event(f"could not continue the stream: {detail}") + sse.DONE
-    gw.metrics.migrations.labels("ok").inc()
+    gw.count_migration("ok")
     call.upstream_request_id = resp.headers.get("x-request-id")
     log.info("continued a stream from %s on %s", failed.url, inst.url)
     return inst, resp
 
 
 async def _moved(
-    gw: Gateway, call: Call, source: Instance, state: sse.StreamState, move: Move
+    gw: RelayHost, call: Call, source: Instance, state: sse.StreamState, move: Move
 ) -> tuple[Instance, UpstreamResponse] | bytes:
     """Carry out a controller's move: with the KV cache when the engine exported it and it
     covers every token the client has (else by recompute), on `move.target` if it can."""
@@ -533,16 +540,16 @@ async def _moved(
             if resp.status == 400 and _NO_PRIORITY in detail and "priority" in body:
                 del body["priority"]  # an engine not started with the priority policy
                 continue
-            gw.metrics.migrations.labels("failed").inc()
+            gw.count_migration("failed")
             return sse.error_event(f"could not move the stream: {detail}") + sse.DONE
     except HttpError as exc:
-        gw.metrics.migrations.labels("failed").inc()
+        gw.count_migration("failed")
         return sse.error_event(f"could not move the stream: {exc.message}") + sse.DONE
     finally:
         call.move = None
     call.upstream_request_id = resp.headers.get("x-request-id")
     call.moved_by.append(method)
-    gw.metrics.migrations.labels("moved").inc()
+    gw.count_migration("moved")
     log.info("moved a stream from %s to %s (%s)", source.url, inst.url, method)
     return inst, resp
 

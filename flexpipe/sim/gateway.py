@@ -1,11 +1,12 @@
 """The gateway on the virtual clock: the live gateway's `Router` and `Pool`, its wait queue,
 its metrics scrape and its measured decode speed, without HTTP.
 
-A request is routed when it arrives (`Router.pick`); when every instance of its model is at
-its concurrency limit it waits in one FIFO queue (at most `max_queue`, at most
-`max_queue_wait_s`), and each freed slot wakes the oldest waiter, as `Gateway._pick` does. No
-instance for the model: it fails at once (the live gateway's 404 / 503). The engine's 400 for
-a context that does not fit fails it too. Network time is not modelled.
+A request is routed when it arrives (`Router.pick`), and what becomes of it is the live
+gateway's admission decision (gateway/core/admission.py `admit`, which `Gateway._pick` asks
+too): routed; queued in its model's FIFO line (at most `max_queue`, at most
+`max_queue_wait_s`, a hold's wait), each freed slot waking the oldest waiter; or failed with
+the live gateway's status and words (the 404 / 503 of a model with no instance). The engine's
+400 for a context that does not fit fails it too. Network time is not modelled.
 
 The scrape writes what the engine's /metrics reports into the routing record with the
 prober's own `apply_engine_metrics` (counts, queued tokens, and the capacity the engine
@@ -23,9 +24,10 @@ from dataclasses import dataclass
 
 from flexpipe.engine.request import EngineRequest
 from flexpipe.gateway.config import GatewayConfig
+from flexpipe.gateway.core.admission import ROUTE, Fail, Queue, admit, is_served, num_prompt_tokens
+from flexpipe.gateway.core.engine_metrics import apply_engine_metrics
 from flexpipe.gateway.holds import Holds
 from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
-from flexpipe.gateway.prober import apply_engine_metrics
 from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.gateway.wait_queue import WaitQueue
 from flexpipe.lifecycle import State
@@ -35,6 +37,10 @@ from flexpipe.sim.loop import ARRIVAL, SCRAPE, EventLoop
 from flexpipe.sim.request import SimRequest
 
 Ended = Callable[[SimRequest], None]
+
+# Where a simulated outcome's words differ from the client's (`Fail.message`): the
+# simulator's recorded outcomes (tests, fingerprints of past runs) keep their wording.
+_SIM_WORDS = {"queue_full": "all instances are busy and the queue is full"}
 
 
 @dataclass(slots=True)
@@ -129,12 +135,10 @@ class SimGateway:
     def submit(self, req: SimRequest, now: float) -> None:
         if self.log is not None:  # (the detail costs a format per request)
             self._log(now, "arrive", f"{req.request_id} {req.model}")
-        if not self.pool.has_model(req.model) and not (
-            self.holds.held(req.model, now) or self.holds.refused(req.model, now) is not None
-        ):
+        if not is_served(req.model, self.pool.has_model(req.model), self.holds, now):
             self._fail(req, now, f"404: no instance serves model {req.model!r} (yet)")
             return
-        num_prompt = req.num_prompt_bytes // 4 + 1
+        num_prompt = num_prompt_tokens(req.num_prompt_bytes)
         num_out = req.num_output_tokens
         # (= prompt_block_hashes(req.prompt_bytes(), ...), the live gateway's, without the bytes)
         routing = RoutingRequest(num_prompt, num_out, req.prompt_block_hashes(self.cfg.block_chars))
@@ -142,42 +146,41 @@ class SimGateway:
         self._route(call, now)
 
     def _route(self, call: _Call, now: float) -> None:
+        """The router's pick, and what admission makes of it (gateway/core/admission.py, as
+        `Gateway._pick`): route, queue until the deadline (a timeout event), or fail."""
         model = call.req.model
+        no_instance: str | None = None
         try:
             pick = self.router.pick(model, call.routing, now)
         except NoInstance as exc:
-            why = self.holds.refused(model, now)
-            if why is not None:  # as live: no instance of it can come, say why
-                self._fail(call.req, now, f"503: The model `{model}` cannot be served now: {why}")
+            pick, no_instance = None, str(exc)
+        waiters = self._waiters
+        cfg = self.cfg
+        decision = admit(
+            model, pick is not None, no_instance, self.holds, now, call.req.arrival_s,
+            call.deadline_s if call.deadline_s >= 0 else None, len(waiters),
+            waiters.count(model), cfg.max_queue, cfg.max_queue_wait_s,
+        )  # fmt: skip
+        if decision is not ROUTE:
+            if isinstance(decision, Fail):
+                message = _SIM_WORDS.get(decision.reason, decision.message)
+                self._fail(call.req, now, f"{decision.status}: {message}")
                 return
-            if not self.holds.held(model, now):
-                self._fail(call.req, now, f"503: {exc}")
-                return
-            pick = None  # held (the first plan loading, scaled to zero, in place): wait
-        if call.ticket < 0 and self._waiters.count(model):
-            pick = None  # others of its model wait: first come, first served (as live)
-        if pick is None:
+            assert isinstance(decision, Queue)
             if call.deadline_s < 0:
-                if len(self._waiters) >= self.cfg.max_queue:
-                    self._fail(call.req, now, "429: all instances are busy and the queue is full")
-                    return
-                call.deadline_s = now + self.cfg.max_queue_wait_s
+                call.deadline_s = decision.own_deadline_s
                 self.num_queued_total += 1
-            deadline = self.holds.wait_deadline(
-                model, call.deadline_s, call.req.arrival_s, self.cfg.max_queue_wait_s
-            )
-            if now >= deadline:
-                self._fail(call.req, now, "429: all instances stayed busy")
-                return
+            deadline = decision.deadline_s
             if call.timeout_s != deadline:
                 call.timeout_s = deadline
                 self.loop.at(deadline, ARRIVAL, lambda t: self._timeout(call, t))
             call.queued = True
             if call.ticket < 0:
-                call.ticket = self._waiters.ticket()
-            self._waiters.push(model, call, call.ticket)
+                call.ticket = waiters.ticket()
+            waiters.push(model, call, call.ticket)
             self._log(now, "queue", str(call.req.request_id))
             return
+        assert pick is not None
         inst = pick.instance
         engine = self.instances[inst.url]
         self.router.acquire(inst, call.num_tokens)

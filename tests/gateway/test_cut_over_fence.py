@@ -15,7 +15,7 @@ import pytest
 from bench.sim_move_pauses import _seed_short, one_prefill_s
 from flexpipe.gateway import moves
 from flexpipe.gateway.cut_over import MAX_FENCE_S
-from flexpipe.gateway.pool import Pool
+from flexpipe.gateway.pool import Instance, Pool
 from flexpipe.sim import simulate
 
 
@@ -60,7 +60,7 @@ class _Gw:
     instance and the moves' warm-ups in flight there."""
 
     def __init__(self) -> None:
-        self.num_warm_ups_on: dict[str, int] = {"http://b": 1}
+        self.warm_ups_on: dict[str, int] = {"http://b": 1}
         self.t0 = asyncio.get_running_loop().time()
 
     def clock(self) -> float:
@@ -69,6 +69,9 @@ class _Gw:
     def calls_on(self, url: str) -> list[Any]:
         return []
 
+    def num_warm_ups_on(self, url: str) -> int:
+        return self.warm_ups_on.get(url, 0)
+
 
 def test_a_cut_over_waits_for_another_moves_warm_up_on_its_destination() -> None:
     async def scenario() -> tuple[bool, float, bool]:
@@ -76,13 +79,13 @@ def test_a_cut_over_waits_for_another_moves_warm_up_on_its_destination() -> None
 
         async def warm_up_ends() -> None:
             await asyncio.sleep(0.15)
-            del gw.num_warm_ups_on["http://b"]
+            del gw.warm_ups_on["http://b"]
 
         task = asyncio.create_task(warm_up_ends())
         ok = await moves.between_prefills(gw, "http://b", 2.0)
         waited_s = gw.clock() - gw.t0
         await task
-        gw.num_warm_ups_on["http://b"] = 1  # one that outlasts the bound: cut over anyway
+        gw.warm_ups_on["http://b"] = 1  # one that outlasts the bound: cut over anyway
         bounded = await moves.between_prefills(gw, "http://b", 0.1)
         return ok, waited_s, bounded
 
@@ -106,7 +109,7 @@ def test_without_the_fence_cut_overs_share_their_step_with_warm_ups(
 
 class _Pooled:
     """What `relay._warm_up` reads of the gateway before it sends anything: its clock and
-    pool (the target fenced far ahead)."""
+    the target's record (fenced far ahead)."""
 
     def __init__(self, fenced_for_s: float) -> None:
         self.pool = Pool()
@@ -116,6 +119,9 @@ class _Pooled:
 
     def clock(self) -> float:
         return asyncio.get_running_loop().time()
+
+    def instance(self, url: str) -> Instance | None:
+        return self.pool.instances.get(url)
 
 
 class _NothingToWarm:

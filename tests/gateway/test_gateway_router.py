@@ -145,3 +145,58 @@ def test_a_fence_ends_at_its_time_or_when_its_stream_has_its_first_token_there()
     assert {r.pick("m", REQ, 3.5).instance.url for _ in range(3)} == {A, B, C}  # type: ignore[union-attr]
     r.pool.unfence(A, "move-2")  # twice, or on an instance gone: nothing
     r.pool.unfence("http://gone", "move-3")
+
+
+def test_the_failure_blacklist_forgets_failures_older_than_the_last_success() -> None:
+    """The blacklist counts an instance's failures since its last success: the window slides
+    with each success, and the failures before it leave. Failures spread over time, a
+    success after every two: never three in a row, never ejected (eject_after_failures=3).
+    Three in a row: ejected for the base backoff; ejected again with no success between,
+    the backoff doubles; a success resets both."""
+    r = make(eject_after_failures=3, eject_base_backoff_s=1.0, eject_max_backoff_s=30.0)
+    inst = r.pool.get(B)
+    ejected = []
+    for t in (0.0, 60.0, 120.0, 180.0, 240.0, 300.0):
+        ejected.append(r.failed(inst, t))
+        if t in (60.0, 180.0):
+            r.succeeded(inst)  # the two failures before it leave the window
+    assert ejected == [False] * 6 and inst.healthy and inst.num_consecutive_failures == 2
+    assert r.failed(inst, 301.0) is True  # the third in a row
+    assert not inst.healthy and inst.ejected_until_s == 302.0
+    r.pool.readmit(inst)  # a probe answered: back, with an empty window
+    assert [r.failed(inst, 400.0) for _ in range(3)] == [False, False, True]
+    assert inst.ejected_until_s == 402.0  # no success since the last ejection: doubled
+    r.pool.readmit(inst)
+    r.succeeded(inst)
+    assert [r.failed(inst, 500.0) for _ in range(3)] == [False, False, True]
+    assert inst.ejected_until_s == 501.0
+
+
+def test_a_health_probe_that_answers_empties_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passive failures and probes share the window: two failures, a probe that answers,
+    two more failures: not ejected (three were needed in a row)."""
+    import asyncio
+
+    from flexpipe.gateway.app import Gateway
+    from flexpipe.gateway.config import config_from_dict
+    from flexpipe.gateway.prober import Prober
+
+    async def answers(self: Prober, inst: object, path: str) -> tuple[int, bytes]:
+        return 200, b""
+
+    monkeypatch.setattr(Prober, "_get", answers)
+
+    async def scenario() -> tuple[bool, int]:
+        gw = Gateway(config_from_dict({
+            "backends": [{"url": A, "model": "m"}], "eject_after_failures": 3,
+        }))  # fmt: skip
+        inst = gw.pool.get(A)
+        gw.failure(inst)
+        gw.failure(inst)
+        await gw.prober.probe(inst)
+        gw.failure(inst)
+        gw.failure(inst)
+        await gw.close()
+        return inst.healthy, inst.num_consecutive_failures
+
+    assert asyncio.run(scenario()) == (True, 2)

@@ -5,10 +5,12 @@ a slot that frees goes to a waiter of its own model."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
 import openai
+import pytest
 from test_gateway_api import Running
 from test_gateway_fakes import FakeEngine, LoopThread
 
@@ -119,3 +121,127 @@ def test_a_waiter_that_may_not_use_the_freed_slot_passes_it_on() -> None:
 
     url, waited_s, still_waiting = asyncio.run(scenario())
     assert url == "http://a" and waited_s < 1.0 and still_waiting
+
+
+def test_a_waiter_woken_as_its_client_leaves_hands_the_slot_to_the_next() -> None:
+    """Three waiters for one full instance. Its slot frees and wakes the first; in the same
+    loop pass, before it resumes, its client leaves (the handler is cancelled). The slot
+    must go on: the second waiter takes it at once, the third still waits. (Without the
+    hand-on the wake-up is lost with the leaver, and the second sleeps until its own wait
+    runs out.)"""
+    from types import SimpleNamespace
+
+    from flexpipe.gateway.app import Gateway
+    from flexpipe.gateway.config import config_from_dict
+    from flexpipe.policies.routing import RoutingRequest
+
+    async def scenario() -> tuple[str, float, bool, dict[str, int]]:
+        gw = Gateway(config_from_dict({
+            "backends": [{"url": "http://a", "model": "m"}],
+            "max_concurrency_per_instance": 1, "max_queue": 8, "max_queue_wait_s": 5,
+        }))  # fmt: skip
+        a = gw.pool.get("http://a")
+        gw.router.acquire(a, 1)  # full
+
+        def call() -> Any:
+            return SimpleNamespace(model="m", routing=RoutingRequest(1, 1, ()), move=None,
+                                   excluded=set(), failed=set(), t0=gw.clock())  # fmt: skip
+
+        waiters = []
+        for _ in range(3):
+            waiters.append(asyncio.create_task(gw._pick(call())))
+            await asyncio.sleep(0.01)
+        first, second, third = waiters
+        assert gw.queued_by_model() == {"m": 3}
+        t0 = gw.clock()
+        gw.router.finish(a, 1, t0)
+        gw._wake_one("m")  # what `Gateway.finish` of a's request does: wakes the first ...
+        first.cancel()  # ... whose client leaves before it resumes
+        inst = await asyncio.wait_for(second, 2.0)
+        waited_s = gw.clock() - t0
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        await asyncio.sleep(0.05)
+        third_waits = not third.done()
+        queued = gw.queued_by_model()
+        third.cancel()
+        await gw.close()
+        return inst.url, waited_s, third_waits, queued
+
+    url, waited_s, third_waits, queued = asyncio.run(scenario())
+    assert url == "http://a" and waited_s < 1.0
+    assert third_waits and queued == {"m": 1}
+
+
+def test_a_waiter_woken_as_its_wait_ends_still_hands_on_a_slot_it_may_not_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two full instances, two waiters; the first left instance a before (a busy retry:
+    `excluded`). a's slot frees and wakes the first in the very loop pass its own wait ends
+    (the loop was held up past both). The wake-up comes, the timeout wins: the first gets
+    its 429, and the slot it may not use must still go to the second, at once, not when the
+    second's own wait runs out."""
+    from types import SimpleNamespace
+
+    from flexpipe.gateway import app
+    from flexpipe.gateway.config import config_from_dict
+    from flexpipe.gateway.core.admission import Decision, Queue
+    from flexpipe.gateway.retry_later import RetryLater
+    from flexpipe.policies.routing import RoutingRequest
+
+    decisions: list[Decision] = []
+    admit = app.admit
+
+    def spy(*args: Any, **kw: Any) -> Decision:
+        decisions.append(admit(*args, **kw))
+        return decisions[-1]
+
+    monkeypatch.setattr(app, "admit", spy)
+
+    async def scenario() -> tuple[str, float, float, str]:
+        loop = asyncio.get_running_loop()
+        gw = app.Gateway(config_from_dict({
+            "backends": [{"url": "http://a", "model": "m"}, {"url": "http://b", "model": "m"}],
+            "max_concurrency_per_instance": 1, "max_queue": 8, "max_queue_wait_s": 0.5,
+        }), clock=loop.time)  # fmt: skip
+        a, b = gw.pool.get("http://a"), gw.pool.get("http://b")
+        gw.router.acquire(a, 1)
+        gw.router.acquire(b, 1)
+
+        def call(excluded: set[str]) -> Any:
+            return SimpleNamespace(model="m", routing=RoutingRequest(1, 1, ()), move=None,
+                                   excluded=excluded, failed=set(), t0=gw.clock())  # fmt: skip
+
+        first = asyncio.create_task(gw._pick(call({"http://a"})))
+        await asyncio.sleep(0.01)
+        (queued,) = decisions
+        assert isinstance(queued, Queue)
+        deadline_s = queued.deadline_s
+        await asyncio.sleep(0.4)
+        second = asyncio.create_task(gw._pick(call(set())))
+        await asyncio.sleep(0.01)
+        assert gw.queued_by_model() == {"m": 2}
+        freed_at: list[float] = []
+
+        def free_a() -> None:
+            freed_at.append(loop.time())
+            gw.router.finish(a, 1, freed_at[0])
+            gw._wake_one("m")  # what `Gateway.finish` of a's request does
+
+        # the loop is held up from just before the first's deadline to past it: the slot's
+        # wake-up and the first's timeout then run in one pass, the wake-up first
+        loop.call_at(deadline_s - 0.05, time.sleep, 0.1)
+        loop.call_at(deadline_s - 0.04, free_a)
+        inst = await asyncio.wait_for(second, 2.0)
+        got_s = loop.time() - freed_at[0]
+        try:
+            await first
+            first_outcome = "routed"
+        except RetryLater as exc:
+            first_outcome = f"{exc.status}: {exc.message}"
+        await gw.close()
+        return inst.url, got_s, deadline_s + 0.4 - freed_at[0], first_outcome
+
+    url, got_s, second_wait_left_s, first_outcome = asyncio.run(scenario())
+    assert first_outcome == "429: all instances stayed busy"
+    assert url == "http://a" and second_wait_left_s > 0.3 and got_s < 0.2

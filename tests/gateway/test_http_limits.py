@@ -331,6 +331,21 @@ def test_100000_headers_are_refused_at_once(server: Server) -> None:
         assert get_ok(server.port) < 0.5
 
 
+@pytest.mark.parametrize(("num_headers", "status"), [(50, 200), (51, 431)])
+def test_the_header_count_limit_is_exact(server: Server, num_headers: int, status: int) -> None:
+    """`max_header_count` (50 here) header fields are served, one more is refused: the
+    limit counts every field, Host included, and is not off by one either way."""
+    head = b"GET /a HTTP/1.1\r\nhost: x\r\n" + b"".join(
+        b"x-h%d: v\r\n" % i for i in range(num_headers - 1)
+    )
+    with connect(server.port) as sock:
+        sock.sendall(head + b"\r\n")
+        got, _, body = read_response(sock)
+    assert got == status
+    if status == 431:
+        assert error_of(body)["message"] == "Too many request header fields: the limit is 50"
+
+
 def test_a_long_url_gets_414(server: Server) -> None:
     with connect(server.port) as sock:
         sock.sendall(b"GET /a?" + b"q" * 2000 + b" HTTP/1.1\r\n\r\n")

@@ -84,6 +84,29 @@ def test_least_request_counts_in_flight_per_weight() -> None:
     assert p.choose(heavy, NOW, rng()).best == "a"  # 4 / 2 < 3 / 1
 
 
+def test_an_idle_one_slot_instance_wins_over_a_four_slot_one_half_full() -> None:
+    """Sainte-Lagues divisor (`capacity.utilization`: the request counted half): an idle
+    one-slot instance is at (0 + 0.5) / 1 = 0.5, a four-slot one with two in flight at
+    (2 + 0.5) / 4 = 0.625, so the idle one takes the request. With d'Hondt's +1 it would be
+    1 / 1 against 3 / 4, and a one-slot instance idled while larger ones were half full.
+    Both policies that read utilization, with fresh metrics and (least_load) stale ones."""
+    from flexpipe.policies.routing.capacity import utilization
+
+    one = view("one", num_slots=1, max_concurrency=4)
+    four = view("four", num_slots=4, max_concurrency=4, num_in_flight=2)
+    assert (utilization(one), utilization(four)) == (0.5, 0.625)
+    d = create_policy("least_request").choose(snap(four, one), NOW, rng())
+    assert d.ranked == ("one", "four")
+    assert create_scorer("least_request").score(snap(four, one), NOW, rng()) == [0.8, 1.0]
+    stale = [
+        view(v.name, num_slots=v.num_slots, max_concurrency=4, num_in_flight=v.num_in_flight,
+             scraped_at_s=None)
+        for v in (four, one)
+    ]  # fmt: skip
+    d = create_policy("least_load").choose(snap(*stale), NOW, rng())
+    assert (d.ranked, d.reason) == (("one", "four"), "stale_metrics")
+
+
 def test_least_load_normalises_by_speed() -> None:
     p = create_policy("least_load")
     # same queue, b is twice as fast -> b; a's queue is half of b's but b is 4x faster -> b
