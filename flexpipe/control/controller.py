@@ -1,14 +1,18 @@
-"""The controller: an I/O shell around the pure shift policy (issue 9). It owns the engines
-of the running plan, keeps the gateway's pool in step with it, and every `tick_s`:
+"""The controller: an I/O shell around the tick's pure core (control/core/tick.py, the
+simulator's too). It owns the engines of the running plan, keeps the gateway's pool in step
+with it, and every `tick_s`:
 
 1. notices what changed: an engine that died (an emergency: the gateway already continues
    its streams elsewhere), GPUs that other tenants took or gave back (the cluster file, the
    admin API's occupy/release, occupations running out);
-2. reads each model's signals from the gateway (`samples.Sampler`) and its arrival rate;
-3. asks `ShiftPolicy.decide(snapshot, now, rng)` — the same call the simulator makes;
+2. sends the core's holds and refusals of the models with no instance to the gateway;
+3. reads the gateway (its pool and its Prometheus text) and asks the core, which builds the
+   snapshot and asks `ShiftPolicy.decide(snapshot, now, rng)`;
 4. logs the decision, taken or not, in the store's shift log, and carries out a shift
    make-before-break (`executor.Executor`), recording its phases, its rehearsal and the
    requests it moved; a shift that fails counts towards the target's blacklist.
+
+Its collaborators are wired in control/assembly.py.
 
 Its admin API (`client.py` has the contract): POST /admin/gpus/occupy, /admin/gpus/release,
 GET /admin/status, GET /metrics, GET /sd/engines (the engines as Prometheus HTTP service
@@ -30,7 +34,7 @@ from flexpipe.cluster import Cluster
 from flexpipe.control.admin_api import ControllerApi
 from flexpipe.control.assembly import assemble
 from flexpipe.control.core.standby import Renewal
-from flexpipe.control.core.tick import Decided, Readings
+from flexpipe.control.core.tick import Decided, Readings, cold_models
 from flexpipe.control.discovery_watch import DiscoveryWatch
 from flexpipe.control.executor import LiveInstance
 from flexpipe.control.gateway_client import GatewayClient, GatewayError
@@ -265,8 +269,7 @@ class Controller:
         await self.takeover.retire(in_way)
         # While the first engines load, the gateway queues their models' requests instead of
         # answering 404 (a newcomer's first request waits for the cold start, then is served).
-        cold = sorted({p.model for p in first.instances}
-                      - {i.planned.model for i in self.running.values()})  # fmt: skip
+        cold = cold_models(first.instances, [i.planned for i in self.running.values()])
         held = await self._hold_all(cold, self.cfg.standby_hold_s)
         try:
             # a cold start may outlast the hold. (Unlike the simulator's first plan, a

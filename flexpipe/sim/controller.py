@@ -31,7 +31,13 @@ from typing import Any
 from flexpipe.cluster import Cluster
 from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.control.core.standby import Renewal, StandbyCommand
-from flexpipe.control.core.tick import Readings, TickCore, TickParams, decision_brief
+from flexpipe.control.core.tick import (
+    Readings,
+    TickCore,
+    TickParams,
+    cold_models,
+    decision_brief,
+)
 from flexpipe.control.resources import ResourceEvent, Resources
 from flexpipe.control.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Buckets
 from flexpipe.gateway.holds import STANDBY_HOLD_S
@@ -168,9 +174,9 @@ class SimController:
         self.decisions.append({"at_s": now, "action": "shift", "trigger": "plan",
                                "reason": "the first plan", "score": None,
                                "target": [i.name for i in first.instances]})  # fmt: skip
-        # the first plan's models are held while their engines load (queued, not 404), as
-        # the live controller's `start`, which adopts what a previous one left running first
-        held = sorted({p.model for p in first.instances})
+        # the first plan's models are held while their engines load (queued, not 404); the
+        # live controller's `start` adopts what a previous one left running first
+        held = cold_models(first.instances, [r.planned for r in self.running.values()])
         for model in held:
             self.world.hold(model, STANDBY_HOLD_S, now)
         self._carry_out(list(first.instances), now, None, self.core.renewal(held),

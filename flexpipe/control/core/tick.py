@@ -38,7 +38,15 @@ from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import ShiftRecord, ShiftSnapshot
 
-__all__ = ["MAX_SAMPLES_KEPT", "Decided", "Readings", "TickCore", "TickParams", "decision_brief"]
+__all__ = [
+    "MAX_SAMPLES_KEPT",
+    "Decided",
+    "Readings",
+    "TickCore",
+    "TickParams",
+    "cold_models",
+    "decision_brief",
+]
 
 MAX_SAMPLES_KEPT = 100  # per model: the policy reads the newest few (observe.MAX_SAMPLES_GIVEN)
 
@@ -97,6 +105,12 @@ def decision_brief(d: ShiftDecision) -> dict[str, Any]:
         "score": None if d.score is None else round(d.score, 3),
         "target": None if d.target is None else [i.name for i in d.target],
     }
+
+
+def cold_models(target: Iterable[PlannedInstance], running: Iterable[PlannedInstance]) -> list[str]:
+    """The models of `target` with no instance `running`: held in the gateway while their
+    engines load (the first plan's), so that their requests queue instead of a 404."""
+    return sorted({p.model for p in target} - {p.model for p in running})
 
 
 class TickCore:
