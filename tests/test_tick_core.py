@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -201,6 +204,20 @@ def test_a_renewal_sends_the_refusals_then_the_holds() -> None:
         StandbyCommand("a", 6.0),
         StandbyCommand("b", 6.0),
     ]
+
+
+def test_the_core_imports_no_io() -> None:
+    """In a fresh process: the tick's core pulls in neither asyncio nor a module of the
+    gateway, the store, HTTP, the launchers or the live executor."""
+    code = (
+        "import sys; import flexpipe.control.core.tick, flexpipe.control.core.standby; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'asyncio' or m.startswith("
+        "('flexpipe.store', 'flexpipe.gateway', 'flexpipe.http', 'flexpipe.launch', "
+        "'flexpipe.control.executor', 'flexpipe.control.gateway_client'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert out.stdout.strip() == "[]"
 
 
 # -- the two shells ---------------------------------------------------------------------------

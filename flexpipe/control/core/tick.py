@@ -96,7 +96,8 @@ class Decided:
 
 
 def decision_brief(d: ShiftDecision) -> dict[str, Any]:
-    """A decision in the simulator's report (and the shift log's words for it)."""
+    """A decision as the simulator's report keeps it (the live one's shift log keeps more:
+    `ShiftEntry.from_decision`)."""
     return {
         "at_s": d.at_s,
         "action": d.action,
