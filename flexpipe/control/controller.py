@@ -352,8 +352,9 @@ class Controller:
 
     # ------------------------------------------------------------------ one tick
     async def tick(self) -> ShiftDecision | None:
-        """The core's steps (control/core/tick.py), with the gateway awaited between them;
-        a shift is awaited inside the tick (the simulator's ticks again when it ends)."""
+        """The core's steps in its order (control/core/tick.py), the gateway awaited between
+        them; the simulator's `_tick` calls the same steps at one instant of its clock. A
+        shift is awaited inside the tick (the simulator's ticks again when it ends)."""
         core = self.core
         now_s = self.clock()
         await self._reap_dead(now_s)
