@@ -1,14 +1,18 @@
-"""The controller: an I/O shell around the pure shift policy (issue 9). It owns the engines
-of the running plan, keeps the gateway's pool in step with it, and every `tick_s`:
+"""The controller: an I/O shell around the tick's pure core (control/core/tick.py, the
+simulator's too). It owns the engines of the running plan, keeps the gateway's pool in step
+with it, and every `tick_s`:
 
 1. notices what changed: an engine that died (an emergency: the gateway already continues
    its streams elsewhere), GPUs that other tenants took or gave back (the cluster file, the
    admin API's occupy/release, occupations running out);
-2. reads each model's signals from the gateway (`samples.Sampler`) and its arrival rate;
-3. asks `ShiftPolicy.decide(snapshot, now, rng)` — the same call the simulator makes;
+2. sends the core's holds and refusals of the models with no instance to the gateway;
+3. reads the gateway (its pool and its Prometheus text) and asks the core, which builds the
+   snapshot and asks `ShiftPolicy.decide(snapshot, now, rng)`;
 4. logs the decision, taken or not, in the store's shift log, and carries out a shift
    make-before-break (`executor.Executor`), recording its phases, its rehearsal and the
    requests it moved; a shift that fails counts towards the target's blacklist.
+
+Its collaborators are wired in control/assembly.py.
 
 Its admin API (`client.py` has the contract): POST /admin/gpus/occupy, /admin/gpus/release,
 GET /admin/status, GET /metrics, GET /sd/engines (the engines as Prometheus HTTP service
@@ -19,9 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,23 +32,25 @@ from typing import Any, Protocol
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.api.admin_api import ControllerApi
-from flexpipe.control.api.controller_metrics import ControllerMetrics
 from flexpipe.control.api.gateway_client import GatewayClient, GatewayError
 from flexpipe.control.api.status_view import controller_status
 from flexpipe.control.api.ui_api import UiApi
-from flexpipe.control.core.observe import RateWindow, model_states
-from flexpipe.control.core.resources import Occupation, ResourceEvent, Resources
-from flexpipe.control.core.samples import Sampler, gateway_totals
-from flexpipe.control.core.shift_outcome import ShiftOutcome, finished_record
-from flexpipe.control.engines.takeover import Takeover, stub
-from flexpipe.control.executor import Executor, LiveInstance
-from flexpipe.control.standby import StandbyModels
-from flexpipe.control.state.journal import Journal, first_plan_note
-from flexpipe.control.state.lease import Lease
-from flexpipe.control.state.occupation_memory import OccupationMemory
-from flexpipe.control.state.rate_memory import RateMemory
-from flexpipe.control.watch.cluster_watch import ClusterWatch
-from flexpipe.control.watch.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
+from flexpipe.control.assembly import assemble
+from flexpipe.control.core.observe import RateWindow
+from flexpipe.control.core.resources import ResourceEvent, Resources
+from flexpipe.control.core.samples import (
+    TPOT_HISTOGRAM,
+    TTFT_HISTOGRAM,
+    gateway_totals,
+    parse_histograms,
+)
+from flexpipe.control.core.shift_outcome import ShiftOutcome
+from flexpipe.control.core.standby import Renewal
+from flexpipe.control.core.tick import Decided, Readings, cold_models
+from flexpipe.control.engines.takeover import stub
+from flexpipe.control.executor import LiveInstance
+from flexpipe.control.state.journal import first_plan_note
+from flexpipe.control.watch.discovery_watch import DiscoveryWatch
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.http.server import (
     App,
@@ -55,26 +59,20 @@ from flexpipe.http.server import (
 )
 from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.lifecycle import State
+from flexpipe.perf import Efficiency
 from flexpipe.perf.gear_lookup import GearLookup
-from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
-from flexpipe.policies.planner.memo import EvaluationMemo
+from flexpipe.policies.planner import ModelDemand, PlannedInstance, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
-from flexpipe.policies.shift.signals import Sample
 from flexpipe.policies.shift.snapshot import (
     ShiftRecord,
-    ShiftSnapshot,
     instance_key,
 )
 from flexpipe.store import Store
-from flexpipe.store.instance_registry import InstanceRegistry
-from flexpipe.store.shift_log import ShiftLog
 
 __all__ = ["Controller", "ControllerConfig"]
 
 log = logging.getLogger("flexpipe.control")
-
-DEFAULT_DISCOVER_INTERVAL_S = 30.0
 
 
 class ClusterSource(Protocol):
@@ -137,88 +135,44 @@ class Controller:
         watch: ClusterSource | None = None,
         nvml: Any = None,  # NVML for discovery (pynvml by default; tests pass a fake)
     ) -> None:
-        """`watch`: where the cluster comes from and changes (default: the cluster file)."""
+        """The config and the I/O seams in; every collaborator is wired in one place,
+        `assembly.assemble` (`watch`: where the cluster comes from and changes; default: the
+        cluster file)."""
+        parts = assemble(
+            cfg, launcher, gateway, spec_of, cluster=lambda: self.cluster,
+            on_state=self._on_state, note=self.note, store=store, clock=clock, wall=wall,
+            say=say, watch=watch, nvml=nvml,
+        )  # fmt: skip
         self.cfg = cfg
-        self.gateway = gateway
-        self.store = store
-        self.clock = clock
-        self.wall = wall
-        self.say = say
-        self.rng = random.Random(cfg.seed)
-        self.watch = watch or ClusterWatch(cfg.cluster_path, cfg.watch_interval_s)
-        self.deployment = cfg.deployment_id or gateway.url
-        # the admin's occupations from before a restart, before anything is planned
-        self.occupation_memory = OccupationMemory.of(store, self.deployment)
-        saved = self.occupation_memory.restore(wall(), say) if self.occupation_memory else None
-        self.resources = Resources.of(self.watch.cluster, wall(), saved)
-        self._pinned: dict[str, Occupation] = {}  # --occupy's (the command line's, not kept)
-        if cfg.occupied:
-            self.resources, _ = self.resources.occupy(
-                cfg.occupied, cfg.occupied_owner, None, wall()
-            )
-            self._pinned = {g: self.resources.overrides.occupied[g] for g in cfg.occupied}
-        self.discovery: DiscoveryWatch | None = None
-        interval_s = cfg.discover_interval_s
-        if interval_s is None:
-            described = self.resources.file.description or ""
-            interval_s = DEFAULT_DISCOVER_INTERVAL_S if DISCOVERED_MARK in described else 0.0
-        if interval_s > 0:
-            self.discovery = DiscoveryWatch(
-                self.resources.file, interval_s, nvml=nvml, own_pgids=self._own_pgids
-            )
-        self.efficiency = store.efficiency() if store is not None else None
-        self.performance = GearLookup(store.points() if store is not None else [], self.efficiency)
-        self._memo = EvaluationMemo()  # the planner's evaluations, kept across re-plans
-        # A shift is priced with the drain deadline the executor will keep (one fact, here).
-        shift = dataclasses.replace(
-            cfg.shift,
-            pricing=dataclasses.replace(cfg.shift.pricing, drain_deadline_s=cfg.drain_deadline_s),
-        )
-        self.policy = ShiftPolicy(shift, planner=self.planner, efficiency=self.efficiency)
-        self.running: dict[str, LiveInstance] = {}
-        self.history: list[ShiftRecord] = []
-        self.samples: dict[str, list[Sample]] = {d.name: [] for d in cfg.demands}
-        self.resources_changed_s: float | None = None
+        self.gateway = parts.gateway
+        self.store = parts.store
+        self.clock = parts.clock
+        self.wall = parts.wall
+        self.say = parts.say
+        self.watch = parts.watch
+        self.deployment = parts.deployment
+        self.occupation_memory = parts.occupation_memory
+        self.resources = parts.resources
+        self._pinned = parts.pinned
+        self.discovery = parts.discovery
+        self.planner = parts.planner
+        self.core = parts.core  # the tick (control/core/tick.py)
+        self.rate_memory = parts.rate_memory
+        self.running = parts.running
+        self.shift_log = parts.shift_log
+        self.registry = parts.registry
+        self.lease = parts.lease
+        self.metrics = parts.metrics
+        self.journal = parts.journal
+        self.takeover = parts.takeover
+        self.executor = parts.executor
+        self.standby = parts.standby  # models with no instance: held or refused
         self.last_decision: ShiftDecision | None = None
         self.last_outcome: ShiftOutcome | None = None
-        self._sampler = Sampler()
-        self.expected_rates_per_s: dict[str, float] = {}  # model -> forecast (the last tick's)
-        self._rates = RateWindow(
-            {d.name: d.request_rate_per_s for d in cfg.demands}, keep_s=cfg.shift.forecast.keep_s
-        )
-        self.rate_memory = RateMemory.of(store, cfg.shift.forecast.keep_s)  # for a restart
-        if self.rate_memory is not None:  # self.samples: keyed by the models served
-            self.rate_memory.restore(self._rates, self.samples, clock(), wall(), say)
-        self._dead_seen: set[str] = set()
         self._changed = asyncio.Event()
-        self.standby = StandbyModels(self)  # models with no instance: held or refused
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
-        self.shift_log = ShiftLog(store, self.deployment) if store is not None else None
-        self.registry = InstanceRegistry(store, self.deployment) if store is not None else None
-        self.lease = Lease.of(store, self.deployment, say)
-        self.metrics = ControllerMetrics()
-        self.metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
-        self.journal = Journal(self.shift_log, self.metrics, cfg.rehearsal_tolerance)
         self._gone: list[tuple[str, State]] = []  # (model, gone) for the instance gauge
-        self.takeover = Takeover(self.registry, self.shift_log, launcher, gateway, cfg.engine_kind,
-                                 cfg.engine_admin_token, cfg.drain_deadline_s, say)  # fmt: skip
-        if self.registry is not None and hasattr(launcher, "on_spawn"):
-            # (the local launcher's hook; not in the Protocol)
-            launcher.on_spawn = self.takeover.spawned
-        self.executor = Executor(
-            launcher,
-            gateway,
-            lambda p: spec_of(p, self.cluster),
-            engine_admin_token=cfg.engine_admin_token,
-            time_scale=cfg.time_scale,
-            drain_deadline_s=cfg.drain_deadline_s,
-            rehearsal_tolerance=cfg.rehearsal_tolerance,
-            standby_hold_s=cfg.standby_hold_s,
-            on_state=self._on_state,
-            on_moves=self.say,
-            clock=clock,
-        )
 
     # ------------------------------------------------------------------ views
     @property
@@ -226,16 +180,32 @@ class Controller:
         """The GPUs as free for us now (other tenants' memory used, ours not)."""
         return self.resources.effective
 
-    def planner(self, cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0) -> Plan:
-        """The planner with the gear table, for the GPUs free now. The running plan is not
-        passed (`plan(running=...)` keeps what runs unless replacing it gains more than a
-        margin at the demand as measured): the shift policy prices each candidate against
-        the running plan itself, at the current and the expected load, so a bigger KV cache
-        that pays only at the expected load (the seed's freed gpu1) is still found."""
-        return plan(
-            cluster, demands, self.performance, now_s=now_s, efficiency=self.efficiency,
-            memo=self._memo,
-        )  # fmt: skip
+    @property
+    def policy(self) -> ShiftPolicy:
+        return self.core.policy
+
+    @property
+    def performance(self) -> GearLookup:
+        """The gear table the planner reads (the store's points)."""
+        return self.planner.performance
+
+    @property
+    def efficiency(self) -> Efficiency | None:
+        return self.planner.efficiency
+
+    @property
+    def history(self) -> list[ShiftRecord]:
+        """The policy's record of the shifts carried out (cooldowns, blacklists)."""
+        return self.core.history
+
+    @property
+    def resources_changed_s(self) -> float | None:
+        """When the GPUs last changed, unanswered by a shift (the resource trigger's clock)."""
+        return self.core.resources_changed_s
+
+    @property
+    def _rates(self) -> RateWindow:
+        return self.core.rates
 
     def _on_state(self, inst: LiveInstance, state: str) -> None:
         p = inst.planned
@@ -256,7 +226,12 @@ class Controller:
     @property
     def rates_per_s(self) -> dict[str, float]:
         """Each model's arrival rate over the window (requests per modelled second)."""
-        return self._rates.rates_per_s
+        return self.core.rates.rates_per_s
+
+    @property
+    def expected_rates_per_s(self) -> dict[str, float]:
+        """Each model's forecast rate (the last tick's)."""
+        return self.core.expected_rates_per_s
 
     def status(self) -> dict[str, Any]:
         """`GET /admin/status` (control/status_view.py)."""
@@ -276,13 +251,13 @@ class Controller:
             raise RuntimeError("the planner found nothing to run on the free GPUs")
         resumed = self.takeover.resume_history()
         if resumed is not None:
-            self.history = resumed
+            self.core.history = resumed
         survivors = await self.takeover.survivors()
         if survivors:  # what a previous controller left serving stays, where it still pays
             stubs = [stub(r, first.instances) for r in survivors]
-            first = plan(self.cluster, self.cfg.demands, self.performance,
+            first = plan(self.cluster, self.cfg.demands, self.planner.performance,
                          running=[s for s in stubs if s is not None], now_s=self.clock(),
-                         efficiency=self.efficiency)  # fmt: skip
+                         efficiency=self.planner.efficiency)  # fmt: skip
         leftovers = await self.takeover.adopt(first.instances, survivors, self.running)
         adopted = list(self.running)
         if survivors:
@@ -294,11 +269,12 @@ class Controller:
         await self.takeover.retire(in_way)
         # While the first engines load, the gateway queues their models' requests instead of
         # answering 404 (a newcomer's first request waits for the cold start, then is served).
-        cold = sorted({p.model for p in first.instances}
-                      - {i.planned.model for i in self.running.values()})  # fmt: skip
+        cold = cold_models(first.instances, [i.planned for i in self.running.values()])
         held = await self._hold_all(cold, self.cfg.standby_hold_s)
         try:
-            async with self._renewing(held):  # a cold start may outlast the hold
+            # a cold start may outlast the hold. (Unlike the simulator's first plan, a
+            # resource change meanwhile stays unanswered: its watches start after this.)
+            async with self._renewing(held):
                 outcome = await self.executor.shift(
                     self.cluster, self.running, first.instances, rehearse=False,
                     all_or_nothing=False,
@@ -376,58 +352,43 @@ class Controller:
 
     # ------------------------------------------------------------------ one tick
     async def tick(self) -> ShiftDecision | None:
+        """The core's steps in its order (control/core/tick.py), the gateway awaited between
+        them; the simulator's `_tick` calls the same steps at one instant of its clock. A
+        shift is awaited inside the tick (the simulator's ticks again when it ends)."""
+        core = self.core
         now_s = self.clock()
         await self._reap_dead(now_s)
         self._resource_events(*self.resources.tick(self.wall()), now_s)
+        serving = {i.planned.model for i in self.running.values()}
         try:
-            await self.standby.hold_or_refuse()
-            await self._sample(now_s)
+            commands = core.standby(serving, self.resources, self.wall(), now_s)
+            await self.standby.carry_out(commands, serving)
+            readings = await self._read_gateway()
         except GatewayError as exc:
             log.warning("no sample this tick: %s", exc)
             return None
+        core.observe(now_s, readings)
         if self.rate_memory is not None:
-            self.rate_memory.keep(self._rates, now_s, self.wall())
-        self.expected_rates_per_s = self._rates.expected_rates_per_s(now_s, self.cfg.shift.forecast)
-        snapshot = ShiftSnapshot.of(
-            self.cluster,
-            [i.planned for i in self.running.values()],
-            model_states(
-                self.cfg.demands,
-                self._rates.rates_per_s,
-                self.samples,
-                self.cfg.min_instances_floor,
-                self.expected_rates_per_s,
-            ),
-            self.history,
-            self.resources_changed_s,
-        )
-        decision = self.policy.decide(snapshot, now_s, self.rng)
-        self.last_decision = decision
-        if decision.action != "shift" or decision.target is None:
-            self.journal.decision(decision, snapshot.running)
-            return decision
-        await self._carry_out(decision, now_s)
-        return decision
+            self.rate_memory.keep(core.rates, now_s, self.wall())
+        decided = core.decide(now_s, self.cluster, [i.planned for i in self.running.values()])
+        self.last_decision = decided.decision
+        if not decided.shift:
+            self.journal.decision(decided.decision, decided.snapshot.running)
+            return decided.decision
+        await self._carry_out(decided)
+        return decided.decision
 
-    async def _carry_out(self, decision: ShiftDecision, now_s: float) -> None:
+    async def _carry_out(self, decided: Decided) -> None:
         async with self._lock:
-            running = [i.planned for i in self.running.values()]
-            entry = self.journal.decision(decision, running)
-            record = decision.started(now_s)
-            self.history.append(record)
+            decision = decided.decision
+            entry = self.journal.decision(decision, decided.snapshot.running)
             self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
             assert decision.target is not None
-            # the executor holds a model the target has none of before its last one drains
-            to_zero = {i.planned.model for i in self.running.values()} - {
-                p.model for p in decision.target
-            }
-            async with self._renewing(to_zero):
+            async with self._keeping(decided.renewal):
                 outcome = await self.executor.shift(self.cluster, self.running, decision.target)
             self.takeover.sweep_spawned()
-            self.history[-1] = finished_record(record, outcome, self.clock())
+            self.core.shift_finished(outcome, self.clock())
             self.last_outcome = outcome
-            if outcome.succeeded:
-                self.resources_changed_s = None
             self.journal.finish(entry, outcome)
             self.say(
                 f"controller: shift {_said(outcome)} "
@@ -435,12 +396,16 @@ class Controller:
                 + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
             )
 
+    def _renewing(self, shift_holds: Iterable[str]) -> contextlib.AbstractAsyncContextManager[None]:
+        """`_keeping` the core's renewal of the last tick's holds and refusals and
+        `shift_holds`, the holds the shift makes itself."""
+        return self._keeping(self.core.renewal(shift_holds))
+
     @contextlib.asynccontextmanager
-    async def _renewing(self, shift_holds: Iterable[str]) -> AsyncIterator[None]:
+    async def _keeping(self, kept: Renewal | None) -> AsyncIterator[None]:
         """While a shift runs the tick waits, and with it the renewal of the gateway's
-        holds and refusals (standby.py): they are renewed meanwhile, until the shift ends
-        whichever way (done, rolled back, raised, cancelled by a stop)."""
-        kept = self.standby.renewal(shift_holds)
+        holds and refusals: `kept` is renewed meanwhile by a task beside the shift, until the
+        shift ends whichever way (done, rolled back, raised, cancelled by a stop)."""
         if kept is None:
             yield
             return
@@ -457,27 +422,16 @@ class Controller:
             if not renewing.cancelled() and renewing.exception() is not None:
                 log.warning("renewal of holds: %s", renewing.exception())
 
-    async def _sample(self, now_s: float) -> None:
+    async def _read_gateway(self) -> Readings:
+        """What the core reads: the gateway's pool and its Prometheus text, parsed."""
         instances = await self.gateway.instances()
         await self._register_missing(instances)
         text = await self.gateway.metrics()
         totals = gateway_totals(text)
-        names = [d.name for d in self.cfg.demands]
-        scale = self.cfg.time_scale if self.cfg.time_scale > 0 else 1.0
-        readings = self._sampler.sample(
-            now_s, names, instances, text, totals.num_queued, totals.queued_by_model
-        )
-        for name, sample in readings.items():
-            # sim engines at a time scale: latencies in the model's seconds, as SLOs are
-            self.samples[name].append(
-                dataclasses.replace(
-                    sample,
-                    ttft_p99_s=None if sample.ttft_p99_s is None else sample.ttft_p99_s / scale,
-                    tpot_p99_s=None if sample.tpot_p99_s is None else sample.tpot_p99_s / scale,
-                )
-            )
-            del self.samples[name][:-100]
-        self._rates.observe(now_s, totals.done_by_model, names, self.cfg.time_scale)
+        return Readings(
+            instances, parse_histograms(text, (TTFT_HISTOGRAM, TPOT_HISTOGRAM)),
+            totals.num_queued, totals.queued_by_model, totals.done_by_model,
+        )  # fmt: skip
 
     async def _register_missing(self, instances: Sequence[dict[str, Any]]) -> None:
         """A gateway that restarted has lost its pool: give it the running instances back.
@@ -495,17 +449,15 @@ class Controller:
                 await self.gateway.set_state(inst.url, State.ACTIVE.value)
 
     async def _reap_dead(self, now_s: float) -> None:
-        """An engine that exited: out of the gateway (its streams continue elsewhere), out of
-        the running plan; the policy sees the GPUs again and re-plans (an emergency)."""
-        for key, inst in list(self.running.items()):
-            if inst.handle.returncode is None:
-                continue
-            self.running.pop(key)
+        """An engine that exited: out of the running plan (the core), out of the gateway (its
+        streams continue elsewhere); the policy sees the GPUs again and re-plans (an
+        emergency). The simulator is told of a death when it happens instead."""
+        dead = [i for i in self.running.values() if i.handle.returncode is not None]
+        for key, inst in self.core.drop_dead(self.running, dead, now_s):
             with contextlib.suppress(GatewayError):
                 await self.gateway.remove(inst.url)
             inst.state = "gone"
             self._on_state(inst, "gone")
-            self.resources_changed_s = now_s
             why = f"{key} exited ({inst.handle.returncode}); its GPUs are re-planned"
             self.note("emergency", why, outcome="succeeded", trigger="lost")
             self.say(f"controller: instance {inst.planned.name} exited; re-planning")
@@ -519,8 +471,8 @@ class Controller:
     ) -> list[ResourceEvent]:
         self.resources = resources
         self._keep_occupations()
+        self.core.resources_changed(events, now_s)
         if events:
-            self.resources_changed_s = now_s
             self.note("resources", "; ".join(e.why for e in events), notes=[e.why for e in events])
             self._changed.set()
         return events
@@ -552,11 +504,6 @@ class Controller:
     ) -> None:
         running = [i.planned for i in self.running.values()]
         self.journal.note(kind, reason, running, notes, outcome, trigger)
-
-    def _own_pgids(self) -> set[int]:
-        """The process groups of our engines (their GPU memory is not another tenant's)."""
-        pids = (getattr(i.handle, "pid", None) for i in self.running.values())
-        return {p for p in pids if isinstance(p, int) and p > 0}
 
     # ------------------------------------------------------------------ admin API
     def _app(self) -> App:

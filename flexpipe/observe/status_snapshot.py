@@ -5,7 +5,7 @@ numbers); the GPUs and what occupies them; the last decision.
 
 Rates, percentiles and ratios are over the window since `before` (the previous reading) when
 there is one, else since the processes started (`window_s` None). Percentiles come from the
-histogram buckets (`control.samples.bucket_quantile`, what PromQL's histogram_quantile does).
+histogram buckets (`control.core.samples.bucket_quantile`, what PromQL's histogram_quantile does).
 Sim engines at a time scale report wall time; the controller compares modelled time with the
 SLOs, and so does the snapshot: latencies and rates here are in modelled seconds.
 """

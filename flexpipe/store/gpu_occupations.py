@@ -3,7 +3,7 @@ restarted controller (kill -9, `flexpipe up` starts it again) does not plan onto
 tenant holds.
 
 Table `gpu_occupations`: one row per deployment, its occupations as the JSON of
-`control.resources.Overrides.to_json()` (GPU id -> owner, since, until in UTC epoch seconds),
+`control.core.resources.Overrides.to_json()` (GPU id -> owner, since, until in UTC epoch seconds),
 rewritten on every change. The store keeps the document; what it means is the controller's.
 """
 

@@ -1,0 +1,37 @@
+"""The controller's planner (pure): `plan` with the gear table, for the GPUs free now, with
+one memo of the planner's evaluations kept across re-plans (a tick re-plans often, mostly for
+the same GPUs and demand). The live controller's and the simulator's, and what the shift
+policy and the standby check (`placeable`) call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flexpipe.cluster import Cluster
+from flexpipe.perf import Efficiency
+from flexpipe.perf.gear_lookup import GearLookup
+from flexpipe.policies.planner import ModelDemand, Plan, plan
+from flexpipe.policies.planner.memo import EvaluationMemo
+
+__all__ = ["ControllerPlanner"]
+
+
+class ControllerPlanner:
+    def __init__(self, performance: GearLookup, efficiency: Efficiency | None = None) -> None:
+        """`performance`: the gear table (the store's points, or the built-in one)."""
+        self.performance = performance
+        self.efficiency = efficiency
+        self.memo = EvaluationMemo()
+
+    def __call__(
+        self, cluster: Cluster, demands: Sequence[ModelDemand], now_s: float = 0.0
+    ) -> Plan:
+        """Planned fresh for `cluster`. The running plan is not passed (`plan(running=...)`
+        keeps what runs unless replacing it gains more than a margin at the demand as
+        measured): the shift policy prices each candidate against the running plan itself,
+        at the current and the expected load, so a bigger KV cache that pays only at the
+        expected load (the seed's freed gpu1) is still found."""
+        return plan(
+            cluster, demands, self.performance, now_s=now_s, efficiency=self.efficiency,
+            memo=self.memo,
+        )  # fmt: skip
