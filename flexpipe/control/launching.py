@@ -16,7 +16,7 @@ from flexpipe.perf.memory import engine_budget_bytes
 from flexpipe.policies.planner import ModelDemand, PlannedInstance, PlannerConfig, parse_models
 from flexpipe.policies.planner.checkpoint import checkpoint_for
 
-__all__ = ["ModelsFileError", "engine_spec", "gpu_memory_utilization", "load_models"]
+__all__ = ["ModelsFileError", "engine_spec", "gpu_memory_utilization", "gpu_places", "load_models"]
 
 _GPU_MEMORY_UTILIZATION = PlannerConfig().gpu_memory_utilization
 
@@ -33,6 +33,14 @@ def load_models(path: Path) -> tuple[ModelDemand, ...]:
     except yaml.YAMLError as exc:
         raise ModelsFileError(f"{path}: YAML syntax error: {exc}") from None
     return parse_models(doc, str(path))
+
+
+def gpu_places(cluster: Cluster, gpu_ids: Sequence[str]) -> tuple[GpuPlace, ...]:
+    """Where each GPU is: its node, its device index there and its type (what launchers on
+    other machines and the DCGM join, flexpipe/observe/dcgm.py, need)."""
+    return tuple(
+        GpuPlace(g, cluster.gpu(g).node, cluster.gpu(g).index, cluster.gpu(g).type) for g in gpu_ids
+    )
 
 
 def gpu_memory_utilization(
@@ -84,10 +92,7 @@ def engine_spec(
         served_model_name=inst.model,
         max_model_len=max_len,
         env=tuple(env),
-        placement=tuple(
-            GpuPlace(g, cluster.gpu(g).node, cluster.gpu(g).index, cluster.gpu(g).type)
-            for g in gpu_ids
-        ),
+        placement=gpu_places(cluster, gpu_ids),
         topology=sub_cluster(cluster, gpu_ids).to_yaml(),
         gpu_memory_utilization=gpu_memory_utilization(cluster, gpu_ids),
         weights=ckpt.path if ckpt else None,
