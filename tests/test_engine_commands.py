@@ -7,6 +7,7 @@ engine kinds' metric names are the engines' own."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,7 @@ def test_vllm_command_is_what_vllm_serve_accepts(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(set(SPECS) - {"sleep", "pp-across-nodes"}))
 def test_sglang_command_is_what_sglang_launch_server_accepts(name: str) -> None:
     argv, _ = LocalLauncher("sglang").command(_spec(name), 8123)
-    assert argv[:3] == ["python", "-m", "sglang.launch_server"]
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     check_argv(SGLANG, argv[3:], None)
 
 

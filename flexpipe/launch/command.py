@@ -36,7 +36,7 @@ __all__ = [
 
 SIM_COMMAND: tuple[str, ...] = (sys.executable, "-m", "flexpipe.engine.sim")
 VLLM_COMMAND: tuple[str, ...] = ("vllm", "serve")
-SGLANG_COMMAND: tuple[str, ...] = ("python", "-m", "sglang.launch_server")
+SGLANG_COMMAND: tuple[str, ...] = (sys.executable, "-m", "sglang.launch_server")
 ENGINES = tuple(ENGINE_KINDS)
 
 # flexpipe's KV cache dtypes -> each engine's `--kv-cache-dtype` (16-bit KV in the model's
