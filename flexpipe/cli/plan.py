@@ -26,6 +26,7 @@ from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
 from flexpipe.hardware import GB
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, Plan, PlannerConfig, parse_models, plan
+from flexpipe.policies.planner.checkpoint import unplanned_notes
 from flexpipe.store import Store
 
 
@@ -178,10 +179,20 @@ def plan_command(
             efficiency = st.efficiency()  # built-in calibration plus `flexpipe calibrate`'s
             performance = GearLookup(st.points(), efficiency)
         result = plan(cl, demands, performance, config=config, now_s=now_s, efficiency=efficiency)
+    notes = unplanned_notes(demands)
     if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
+        doc = result.to_dict()
+        doc["precisions_without_checkpoint"] = {
+            d.name: list(d.dtypes_without_checkpoint)
+            for d in demands
+            if d.dtypes_without_checkpoint
+        }
+        typer.echo(json.dumps(doc, indent=2))
         return
-    render(result, Console(width=200))
+    console = Console(width=200)
+    for note in notes:
+        console.print(f"[yellow]{escape(note)}[/]")
+    render(result, console)
 
 
 def register(app: typer.Typer) -> None:

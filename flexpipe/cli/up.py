@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
         models: Annotated[
             Path | None, typer.Option(help="Models file (default: the built-in one 7B model).")
         ] = None,
-        engine: Annotated[str, typer.Option(help="sim or vllm.")] = "sim",
+        engine: Annotated[str, typer.Option(help="sim, vllm or sglang.")] = "sim",
         host: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1",
         port: Annotated[int, typer.Option(help="Gateway port.")] = 8000,
         controller_port: Annotated[
@@ -157,7 +157,7 @@ def register(app: typer.Typer) -> None:
         console = make_console()
         with user_errors():
             if engine not in ENGINES:
-                raise UpError(f"unknown engine {engine!r}; use sim or vllm")
+                raise UpError(f"unknown engine {engine!r}; use {', '.join(ENGINES)}")
             if demo and cluster is not None:
                 raise UpError("--demo runs the built-in example cluster; leave out --cluster")
             cluster_path = cluster or DEFAULT_CLUSTER
@@ -182,7 +182,7 @@ def register(app: typer.Typer) -> None:
                     "the planner found nothing to run on the free GPUs: "
                     + "; ".join(f"{u.gpu_id}: {u.reason}" for u in the_plan.unused)
                 )
-            if engine == "vllm":
+            if engine != "sim":
                 nodes = {
                     the_cluster.gpu(g).node
                     for i in the_plan.instances
@@ -191,7 +191,7 @@ def register(app: typer.Typer) -> None:
                 if len(nodes) > 1:
                     raise UpError(
                         f"the plan uses GPUs of nodes {', '.join(sorted(nodes))}; the local "
-                        "launcher starts vLLM on this machine only (multi-node needs the Ray "
+                        f"launcher starts {engine} on this machine only (multi-node needs the Ray "
                         "launcher); use --engine sim or a single-node cluster file"
                     )
         console.print(f"cluster {the_cluster.name} ({cluster_path}); models from {models_path}")

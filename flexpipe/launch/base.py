@@ -55,7 +55,7 @@ class EngineSpec:
     cluster document (YAML), which a sim engine on a worker node reads instead of a file that
     only the controller's machine has."""
 
-    model: str
+    model: str  # the model spec id (what the sim engine stands for)
     gear: Gear = field(default_factory=Gear)
     name: str = "engine"  # instance name, for logs
     gpu_ids: tuple[str, ...] = ()  # cluster GPU ids in pipeline order, tp per stage
@@ -71,6 +71,12 @@ class EngineSpec:
     env: tuple[tuple[str, str], ...] = ()  # extra environment (VLLM_PP_LAYER_PARTITION)
     placement: tuple[GpuPlace, ...] = ()  # the GPUs in pipeline order, tp per stage
     topology: str | None = None  # cluster YAML of just the placement's GPUs and links
+    # What real engines load for the gear's precision (HF repo id or path; None: the catalog's
+    # repo id of `model`), and its quantization method as vLLM names it (None: unquantized, or
+    # fp8 made from bf16 weights as they load). policies/planner/checkpoint.py chooses them.
+    weights: str | None = None
+    quantization: str | None = None
+    enable_sleep_mode: bool = False  # vLLM: serve /sleep and /wake_up (engine_kinds.py)
 
 
 @runtime_checkable

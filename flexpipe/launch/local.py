@@ -1,9 +1,11 @@
 """Local-process launcher: each engine is a child process in its own process group.
 
 `engine="sim"` runs `python -m flexpipe.engine.sim MODEL <vllm flags> <sim flags>`;
-`engine="vllm"` runs `vllm serve MODEL <the same vllm flags>` with CUDA_VISIBLE_DEVICES set
-to the spec's GPU indices. `vllm_command` replaces `vllm serve` (tests point it at the sim
-engine, which accepts the same flags, so the vLLM path is exercised without GPUs).
+`engine="vllm"` runs `vllm serve WEIGHTS <the same vllm flags>` and `engine="sglang"`
+`python -m sglang.launch_server --model-path WEIGHTS ...` (flexpipe/launch/command.py), with
+CUDA_VISIBLE_DEVICES set to the spec's GPU indices. `vllm_command` replaces `vllm serve`
+(tests point it at the sim engine, which accepts the same flags, so the vLLM path is
+exercised without GPUs).
 
 Stopping sends SIGTERM to the whole process group (vLLM forks workers), waits `stop_grace_s`,
 then SIGKILLs the group. Ready means GET /health answers 200; the engine's output goes to a
@@ -24,7 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flexpipe.launch.base import EngineHandle, EngineSpec, HandleBase, LaunchError
-from flexpipe.launch.command import SIM_COMMAND, VLLM_COMMAND, check_engine, engine_argv
+from flexpipe.launch.command import (
+    SGLANG_COMMAND,
+    SIM_COMMAND,
+    VLLM_COMMAND,
+    check_engine,
+    engine_argv,
+    engine_env,
+)
 from flexpipe.launch.health import wait_ready
 from flexpipe.launch.process import (
     die_with_parent,
@@ -139,6 +148,7 @@ class LocalLauncher:
         vllm_command: Sequence[str] = VLLM_COMMAND,
         env: dict[str, str] | None = None,
         supervisor_pid: int | None = None,
+        sglang_command: Sequence[str] = SGLANG_COMMAND,
     ) -> None:
         """`supervisor_pid`: engines live as long as that process (through a guard,
         flexpipe/launch/guard.py) instead of as long as this one — a controller under
@@ -157,6 +167,7 @@ class LocalLauncher:
         # during a cold start leaves no engine its successor does not know of.
         self.on_spawn: Callable[[EngineSpec, int, str], None] | None = None
         self.vllm_command = tuple(vllm_command)
+        self.sglang_command = tuple(sglang_command)
         self.env = env or {}
         self.supervisor_pid = supervisor_pid
 
@@ -174,11 +185,7 @@ class LocalLauncher:
         """The argv and environment for a spec (public so users can see what runs)."""
         env = dict(os.environ)
         env.update(self.env)
-        env.update(dict(spec.env))
-        if self.engine == "vllm" and spec.gpu_indices:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_indices)
-        if self.engine == "sim":
-            env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(engine_env(self.engine, spec))
         argv = engine_argv(
             self.engine,
             spec,
@@ -186,6 +193,7 @@ class LocalLauncher:
             port,
             sim_command=self.sim_command,
             vllm_command=self.vllm_command,
+            sglang_command=self.sglang_command,
             cluster=spec.cluster_file,
             time_scale=self.time_scale,
             load_time_s=self.sim_load_time_s,

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from flexpipe import ray_client
 from flexpipe.cluster.ray_inventory import node_name, pg_name, pg_prefix
 from flexpipe.launch.base import EngineHandle, EngineSpec, HandleBase, LaunchError
-from flexpipe.launch.command import VLLM_COMMAND, check_engine, engine_argv
+from flexpipe.launch.command import VLLM_COMMAND, check_engine, engine_argv, engine_env
 from flexpipe.launch.health import wait_ready
 from flexpipe.launch.ray_actor import EngineProcess
 
@@ -222,7 +222,8 @@ class RayLauncher:
 
     def command(self, spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         """The engine's argv (with placeholders the actor fills on its node) and environment."""
-        env = {**self.env, **dict(spec.env)}
+        # (Ray sets CUDA_VISIBLE_DEVICES to the GPUs of the actor's bundle)
+        env = {**self.env, **engine_env(self.engine, spec, set_devices=False)}
         argv = engine_argv(
             self.engine,
             spec,

@@ -97,7 +97,8 @@ def test_vllm_path_passes_vllm_flags_and_cuda_visible_devices(marker: str, tmp_p
         "--tensor-parallel-size" in argv and argv[argv.index("--tensor-parallel-size") + 1] == "2"
     )
     assert "--time-scale" not in argv  # no sim-only flag on the vLLM path
-    assert argv[len(SIM) :] == vllm_flags(s, "127.0.0.1", 8123)
+    assert argv[len(SIM) :] == vllm_flags(s, "127.0.0.1", 8123, real=True)
+    assert argv[len(SIM)] == "meta-llama/Llama-2-7b-hf"  # vLLM loads weights, not a catalog id
 
     async def main() -> None:
         # The sim engine accepts exactly what `vllm serve` gets; the command's own prefix

@@ -508,6 +508,7 @@ def test_metric_names_follow_prometheus_conventions() -> None:
         "flexpipe_requests_migrated": "counter",
         "flexpipe_instances": "gauge",
         "flexpipe_slo_seconds": "gauge",
+        "flexpipe_gpu_instance": "gauge",
     }
     for name, f in families.items():
         assert name.startswith("flexpipe_") and name == name.lower()

@@ -14,11 +14,13 @@ outcomes, phases, methods, lifecycle states; `model` is the served model name).
     flexpipe_instances{model,state}                    live instances per lifecycle state
     flexpipe_slo_seconds{model,slo}                    each model's SLO: ttft_p99 | tpot_p99
                                                        (what dashboards draw latencies against)
+    flexpipe_gpu_instance{Hostname,gpu,                1 per GPU of a live instance: joins DCGM's
+                          flexpipe_instance,model}     per-GPU series to instances (observe/dcgm.py)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -77,6 +79,13 @@ class ControllerMetrics:
             ["model", "slo"],
             registry=r,
         )
+        self.gpu_instance = Gauge(
+            "flexpipe_gpu_instance",
+            "1 for each GPU of a live instance, labelled as NVIDIA's DCGM exporter labels GPUs "
+            "(Hostname, gpu), to join its series to instances.",
+            ["Hostname", "gpu", "flexpipe_instance", "model"],
+            registry=r,
+        )
         for method in METHODS:  # a counter that exists at 0 makes rate() work from the start
             self.migrated.labels(method=method)
         for decision in ("hold", "shift"):
@@ -121,6 +130,13 @@ class ControllerMetrics:
                 self.instances.labels(model=model, state=state.value).set(
                     counts.get((model, state), 0)
                 )
+
+    def set_gpu_instances(self, rows: Iterable[Mapping[str, str]]) -> None:
+        """Replace the GPU -> instance series with `rows`
+        (flexpipe.observe.dcgm.gpu_instance_labels of the live instances)."""
+        self.gpu_instance.clear()
+        for labels in rows:
+            self.gpu_instance.labels(**labels).set(1)
 
     def render(self) -> bytes:
         """The exposition (text format 0.0.4), served with CONTENT_TYPE."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -11,9 +12,13 @@ import yaml
 from flexpipe.cluster import Cluster
 from flexpipe.cluster.topology import sub_cluster
 from flexpipe.launch import EngineSpec, GpuPlace
-from flexpipe.policies.planner import ModelDemand, PlannedInstance, parse_models
+from flexpipe.perf.memory import engine_budget_bytes
+from flexpipe.policies.planner import ModelDemand, PlannedInstance, PlannerConfig, parse_models
+from flexpipe.policies.planner.checkpoint import checkpoint_for
 
-__all__ = ["ModelsFileError", "engine_spec", "load_models"]
+__all__ = ["ModelsFileError", "engine_spec", "gpu_memory_utilization", "gpu_places", "load_models"]
+
+_GPU_MEMORY_UTILIZATION = PlannerConfig().gpu_memory_utilization
 
 
 class ModelsFileError(ValueError):
@@ -30,17 +35,47 @@ def load_models(path: Path) -> tuple[ModelDemand, ...]:
     return parse_models(doc, str(path))
 
 
+def gpu_places(cluster: Cluster, gpu_ids: Sequence[str]) -> tuple[GpuPlace, ...]:
+    """Where each GPU is: its node, its device index there and its type (what launchers on
+    other machines and the DCGM join, flexpipe/observe/dcgm.py, need)."""
+    return tuple(
+        GpuPlace(g, cluster.gpu(g).node, cluster.gpu(g).index, cluster.gpu(g).type) for g in gpu_ids
+    )
+
+
+def gpu_memory_utilization(
+    cluster: Cluster, gpu_ids: Sequence[str], utilization: float = _GPU_MEMORY_UTILIZATION
+) -> float:
+    """The engine's `--gpu-memory-utilization` (vLLM: a fraction of each GPU's whole memory):
+    what the planner's memory plan gave it on its tightest GPU, other tenants' memory
+    subtracted (flexpipe.perf.memory.engine_budget_bytes), rounded down to 1/1000."""
+    fractions = [
+        engine_budget_bytes(cluster.slot(g), utilization) / cluster.gpu(g).spec.memory_bytes
+        for g in gpu_ids
+    ]
+    return math.floor(min(fractions, default=utilization) * 1000) / 1000
+
+
 def engine_spec(
     inst: PlannedInstance,
     cluster: Cluster,
     cluster_file: str,
     demands: Sequence[ModelDemand],
     admin_token: str | None = None,
+    *,
+    enable_sleep_mode: bool = False,
 ) -> EngineSpec:
     """The launcher's view of a planned instance. `admin_token` is handed to the engine
-    through its environment (not its command line), for the controller's KV moves."""
+    through its environment (not its command line), for the controller's KV moves. Real
+    engines load the checkpoint the models file names for the gear's precision."""
     gpu_ids = tuple(g for stage in inst.stages for g in stage)
-    max_len = next((d.max_model_len for d in demands if d.name == inst.model), None)
+    demand = next((d for d in demands if d.name == inst.model), None)
+    max_len = demand.max_model_len if demand else None
+    ckpt = (
+        checkpoint_for(inst.gear.dtype, demand.weights, demand.checkpoints)
+        if demand is not None and demand.weights
+        else None
+    )
     env: list[tuple[str, str]] = []
     if len(set(inst.layers_per_stage)) > 1:
         # vLLM reads an uneven pipeline split from this variable (the sim splits evenly).
@@ -57,9 +92,10 @@ def engine_spec(
         served_model_name=inst.model,
         max_model_len=max_len,
         env=tuple(env),
-        placement=tuple(
-            GpuPlace(g, cluster.gpu(g).node, cluster.gpu(g).index, cluster.gpu(g).type)
-            for g in gpu_ids
-        ),
+        placement=gpu_places(cluster, gpu_ids),
         topology=sub_cluster(cluster, gpu_ids).to_yaml(),
+        gpu_memory_utilization=gpu_memory_utilization(cluster, gpu_ids),
+        weights=ckpt.path if ckpt else None,
+        quantization=ckpt.quantization if ckpt else None,
+        enable_sleep_mode=enable_sleep_mode,
     )

@@ -14,6 +14,7 @@ from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.types import (
     Alternative,
     Baseline,
+    Checkpoint,
     InstanceChange,
     ModelDemand,
     ModelOutcome,
@@ -27,6 +28,7 @@ from flexpipe.policies.planner.types import (
 __all__ = [
     "Alternative",
     "Baseline",
+    "Checkpoint",
     "GearPerformance",
     "InstanceChange",
     "ModelDemand",

@@ -10,7 +10,15 @@ models:
     max_model_len: 4096       # optional
     priority: 2               # optional (default 1): weight of its requests in the objective
     min_instances: 1          # optional (default 0): never fewer when the GPUs allow it
+    weights: meta-llama/Llama-2-7b-hf   # optional: HF repo id or path real engines load
+                                        # (default: the catalog's repo id, or the config's folder)
+    checkpoints:              # optional: quantized weights per precision (checkpoint.py)
+      int4: {path: TheBloke/Llama-2-7B-AWQ, quantization: awq}
 ```
+
+A precision in `dtypes` that no checkpoint serves (int8 and int4 need a named one) is left out
+of the demand's `dtypes` and listed in `dtypes_without_checkpoint`; when none is left, that is
+an error.
 
 `parse_models` validates a parsed document (pure); reading the file is the caller's job.
 """
@@ -18,10 +26,12 @@ models:
 from __future__ import annotations
 
 import math
+from pathlib import PurePath
 from typing import Any
 
-from flexpipe.model_spec import ModelSpecError, load_model_spec
-from flexpipe.policies.planner.types import ModelDemand, Slo
+from flexpipe.model_spec import ModelSpec, ModelSpecError, load_model_spec
+from flexpipe.policies.planner.checkpoint import CheckpointError, checkpoint, family, servable
+from flexpipe.policies.planner.types import Checkpoint, ModelDemand, Slo
 from flexpipe.precision import PrecisionError, precision
 
 __all__ = ["ModelsFileError", "parse_models"]
@@ -35,9 +45,12 @@ _MODEL_KEYS = {
     "max_model_len",
     "priority",
     "min_instances",
+    "weights",
+    "checkpoints",
 }
 _DEMAND_KEYS = {"request_rate_per_s", "input_tokens", "output_tokens"}
 _SLO_KEYS = {"ttft_p99_ms", "tpot_p99_ms"}
+_CHECKPOINT_KEYS = {"path", "quantization"}
 
 
 class ModelsFileError(ValueError):
@@ -97,11 +110,12 @@ def parse_models(doc: object, source: str = "<models>") -> tuple[ModelDemand, ..
             errors.append(f"{place}: unknown key(s) {', '.join(map(str, unknown))}")
         model = item.get("model")
         name = item.get("name", model)
+        spec: ModelSpec | None = None
         if not isinstance(model, str):
             errors.append(f"{place}.model: expected a model id or config.json path")
         else:
             try:
-                load_model_spec(model)
+                spec = load_model_spec(model)
             except ModelSpecError as exc:
                 errors.append(f"{place}.model: {exc}")
         if not isinstance(name, str):
@@ -127,6 +141,15 @@ def parse_models(doc: object, source: str = "<models>") -> tuple[ModelDemand, ..
                     dtypes.append(precision(str(d)).name)
                 except PrecisionError as exc:
                     errors.append(f"{place}.dtypes: {exc}")
+        weights = _weights(item, model, spec, place, errors)
+        declared = _checkpoints(item.get("checkpoints", {}), place, errors)
+        planned, missing = servable(tuple(dtypes), weights, declared)
+        if dtypes and not planned and len(errors) == ok:
+            errors.append(
+                f"{place}.dtypes: no checkpoint serves {', '.join(missing)}; name one under "
+                f"`checkpoints:` (e.g. {family(missing[0])}: {{path: REPO, quantization: "
+                "METHOD}) or accept bf16"
+            )
         max_len = item.get("max_model_len")
         if max_len is not None and (
             isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1
@@ -158,12 +181,65 @@ def parse_models(doc: object, source: str = "<models>") -> tuple[ModelDemand, ..
                 input_tokens=int(inp),
                 output_tokens=int(outp),
                 slo=Slo(ttft_p99_s=ttft / 1e3, tpot_p99_s=tpot / 1e3),
-                dtypes=tuple(dtypes),
+                dtypes=planned,
                 max_model_len=max_len,
                 priority=float(priority),
                 min_instances=min_instances,
+                weights=weights,
+                checkpoints=declared,
+                dtypes_without_checkpoint=missing,
             )
         )
     if errors:
         raise ModelsFileError(errors)
+    return tuple(out)
+
+
+def _weights(
+    item: dict[str, Any], model: object, spec: ModelSpec | None, place: str, errors: list[str]
+) -> str:
+    """The weights real engines load: `weights:`, else the catalog's repo id, else the folder
+    of the config.json the model was read from."""
+    value = item.get("weights")
+    if value is not None:
+        if not isinstance(value, str) or not value.strip():
+            errors.append(f"{place}.weights: expected a Hugging Face repo id or a local path")
+            return ""
+        return value.strip()
+    if spec is not None and spec.hf_repo:
+        return spec.hf_repo
+    text = str(model)
+    return str(PurePath(text).parent) if text.endswith("config.json") else text
+
+
+def _checkpoints(value: object, place: str, errors: list[str]) -> tuple[Checkpoint, ...]:
+    """`checkpoints: {PRECISION: {path, quantization}}`, each checked (one line per problem)."""
+    if not isinstance(value, dict):
+        errors.append(
+            f"{place}.checkpoints: expected a mapping of precision -> {{path, quantization}}"
+        )
+        return ()
+    out: list[Checkpoint] = []
+    for key, entry in value.items():
+        at = f"{place}.checkpoints.{key}"
+        try:
+            fam = family(precision(str(key)).name)
+        except PrecisionError as exc:
+            errors.append(f"{at}: {exc}")
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            errors.append(f"{at}: expected {{path: REPO_OR_PATH, quantization: METHOD}}")
+            continue
+        unknown = sorted(set(entry) - _CHECKPOINT_KEYS)
+        if unknown:
+            errors.append(f"{at}: unknown key(s) {', '.join(map(str, unknown))}")
+            continue
+        method = entry.get("quantization")
+        if any(family(c.precision) == fam for c in out):
+            errors.append(f"{at}: a second {fam} checkpoint; name one per precision")
+            continue
+        try:
+            out.append(checkpoint(fam, entry["path"], None if method is None else str(method)))
+        except CheckpointError as exc:
+            errors.append(f"{at}: {exc}")
     return tuple(out)

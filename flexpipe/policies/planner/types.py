@@ -35,6 +35,15 @@ class Slo:
 
 
 @dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """The weights an engine loads to serve one precision (policies/planner/checkpoint.py)."""
+
+    precision: str  # what it runs as (bf16, fp8, int8, int4-awq, ...)
+    path: str  # HF repo id or local path
+    quantization: str | None  # its method as vLLM's --quantization names it; None: unquantized
+
+
+@dataclass(frozen=True, slots=True)
 class ModelDemand:
     """One model to serve: what clients call it, its shape, its load and its SLOs."""
 
@@ -51,6 +60,13 @@ class ModelDemand:
     priority: float = 1.0
     # Never fewer instances when the GPUs allow it, demand or not (0: may scale to zero).
     min_instances: int = 0
+    # The weights real engines load (HF repo id or path; None: the spec's own, `model`) and
+    # the quantized checkpoints named per precision (policies/planner/checkpoint.py).
+    weights: str | None = None
+    checkpoints: tuple[Checkpoint, ...] = ()
+    # Precisions the owner accepts that no checkpoint serves: left out of `dtypes`, said by
+    # `flexpipe plan`.
+    dtypes_without_checkpoint: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.request_rate_per_s < 0:
