@@ -7,7 +7,7 @@ launcher whose engines run on other machines (Ray) passes placeholders (`{host}`
 `{topology}`) that are filled in where the engine starts.
 
 Every flag and variable emitted here is checked against the engine's own argument table for a
-pinned release (tests/data/README-engine-args.md, tests/test_engine_commands.py).
+pinned release (tests/data/README-engine-args.md, tests/engine/test_engine_commands.py).
 """
 
 from __future__ import annotations

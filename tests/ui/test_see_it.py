@@ -213,7 +213,7 @@ def test_every_metric_the_board_queries_is_exported(up: Up) -> None:
     texts = [_get(f"http://127.0.0.1:{up.port}/metrics"), _get(up.controller + "/metrics")]
     texts += [_get(f"http://{g['targets'][0]}/metrics") for g in targets]
     have = set().union(*(exported(t) for t in texts))
-    # NVIDIA's dcgm-exporter's series come from outside flexpipe (tests/test_dcgm.py checks
+    # NVIDIA's dcgm-exporter's series come from outside flexpipe (tests/ui/test_dcgm.py checks
     # them against a recorded exposition)
     assert sorted(n for n in wanted - have if not n.startswith("DCGM_")) == []
 

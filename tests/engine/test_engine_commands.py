@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from flexpipe.cluster import load_cluster
-from flexpipe.control.launching import engine_spec, gpu_memory_utilization
+from flexpipe.control.engines.launching import engine_spec, gpu_memory_utilization
 from flexpipe.engine.args import parse_engine_args
 from flexpipe.engine_kinds import ENGINE_KINDS
 from flexpipe.examples import DEFAULT_CLUSTER
@@ -24,7 +24,7 @@ from flexpipe.launch import EngineSpec, GpuPlace, LocalLauncher
 from flexpipe.launch.command import EngineCommandError, engine_env, sglang_flags, vllm_flags
 from flexpipe.policies.planner import parse_models, plan
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 
 
 def _table(prefix: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from bench._gpu_check_compare import compare
 from flexpipe.perf.calibration import builtin_calibration
 from flexpipe.perf.sample import read_samples_csv
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 
 

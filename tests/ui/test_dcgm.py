@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_see_it import BOARD, SCRAPE, board_expressions, metric_names
 
 from flexpipe.cluster import load_cluster
-from flexpipe.control.launching import gpu_places
-from flexpipe.control.metrics import ControllerMetrics
+from flexpipe.control.api.controller_metrics import ControllerMetrics
+from flexpipe.control.engines.launching import gpu_places
 from flexpipe.examples import DEFAULT_CLUSTER
 from flexpipe.launch import GpuPlace
 from flexpipe.observe.dcgm import (
@@ -24,7 +24,7 @@ from flexpipe.observe.dcgm import (
     parse_dcgm,
 )
 
-EXPOSITION = (Path(__file__).parent / "data" / "dcgm_exposition.txt").read_text()
+EXPOSITION = (Path(__file__).parents[1] / "data" / "dcgm_exposition.txt").read_text()
 MiB = 1024 * 1024
 
 PLACEMENTS = {
