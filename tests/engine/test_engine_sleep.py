@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from flexpipe.engine.args import EngineArgsError, parse_engine_args
+from flexpipe.engine.sleep import SleepState
 from flexpipe.engine.testing import EngineProc, HttpResult, request, scrape, sim_engine
 from flexpipe.perf import perf_model_for
 from flexpipe.perf.weights import local_nvme
@@ -207,7 +209,7 @@ def test_sleep_mode_wait_finishes_running_requests_first(slow: EngineProc) -> No
 
 
 def test_sleep_mode_keep_resumes_running_requests_after_the_wake_up(slow: EngineProc) -> None:
-    fut = _stream_until_first_token(slow, 30)
+    fut = _stream_until_first_token(slow, 100)
     assert post(slow, "/sleep?level=1&mode=keep").status == 200
     time.sleep(0.1)
     assert not fut.done()  # frozen, its KV dropped
@@ -215,7 +217,7 @@ def test_sleep_mode_keep_resumes_running_requests_after_the_wake_up(slow: Engine
     out = fut.result(10)  # recomputed after the wake-up, every token delivered
     assert (out["choices"][0]["finish_reason"], out["usage"]["completion_tokens"]) == (
         "length",
-        30,
+        100,
     )
 
 
@@ -223,22 +225,28 @@ def test_wake_up_during_a_sleep_waits_for_it_and_sleep_takes_its_scaled_time(
     slow: EngineProc,
 ) -> None:
     before = state(slow)
+
+    def timed(path: str) -> tuple[int, float]:
+        r = post(slow, path)
+        return r.status, time.monotonic()
+
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         t0 = time.monotonic()
-        sleeping = pool.submit(post, slow, "/sleep?level=1")
-        time.sleep(0.05)  # the sleep is copying (~0.53 s at time scale 1)
-        assert is_sleeping(slow)
-        waking = pool.submit(post, slow, "/wake_up")
-        assert sleeping.result(10).status == 200
-        slept_s = time.monotonic() - t0
-        assert waking.result(10).status == 200
-        both_s = time.monotonic() - t0
-    assert slept_s >= PM.sleep_s(1)
-    assert both_s >= PM.sleep_s(1) + PM.wake_s(1)
+        sleeping = pool.submit(timed, "/sleep?level=1")
+        while not is_sleeping(slow):  # the sleep has begun: it copies for ~0.53 s
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.005)
+        waking = pool.submit(timed, "/wake_up")
+        slept = sleeping.result(10)
+        woke = waking.result(10)
+    assert slept[0] == woke[0] == 200
+    assert slept[1] - t0 >= PM.sleep_s(1)  # time scale 1
+    assert woke[1] - t0 >= PM.sleep_s(1) + PM.wake_s(1)  # after the sleep, not beside it
     st = state(slow)
     assert not st["is_sleeping"]
     assert (st["num_sleeps"], st["num_wakes"]) == (before["num_sleeps"] + 1,
                                                    before["num_wakes"] + 1)  # fmt: skip
+    assert st["last"]["op"] == "wake_up" and st["last"]["modelled_s"] == PM.wake_s(1)
 
 
 def test_without_dev_mode_the_endpoints_are_not_mounted() -> None:
@@ -265,3 +273,42 @@ def test_level2_wake_loads_from_the_weight_source() -> None:
         assert state(e)["last"]["modelled_s"] == expected
         # one GPU: the disk (7 GB/s) is slower than the host link (25.6 GB/s)
         assert expected == PM.memory.per_gpu[0].weights_bytes / 7e9
+
+
+def test_engine_flags_for_sleep_mode_and_the_weight_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = [MODEL, "--max-model-len", "512"]
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    cfg = parse_engine_args(base)
+    assert (cfg.enable_sleep_mode, cfg.server_dev_mode, cfg.weight_source) == (False, False, None)
+    assert cfg.load_time_s == PM.cold_start_s() == PM.memory.weights_bytes / 2e9 + 20.0
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    cfg = parse_engine_args([*base, "--enable-sleep-mode", "--weight-source", "local_nvme"])
+    assert (cfg.enable_sleep_mode, cfg.server_dev_mode) == (True, True)
+    assert cfg.weight_source == local_nvme()
+    assert cfg.load_time_s == PM.memory.per_gpu[0].weights_bytes / 7e9 + 20.0
+    cfg = parse_engine_args(
+        [*base, "--weight-source", "network_storage", "--weight-source-gb-per-s", "12.5"]
+    )
+    assert cfg.load_time_s == PM.memory.per_gpu[0].weights_bytes / 12.5e9 + 20.0
+    peer = parse_engine_args([*base, "--weight-source", "peer_gpu", "--link", "nvlink4"])
+    assert peer.load_time_s == PM.memory.per_gpu[0].weights_bytes / (450e9 * 0.8) + 20.0
+    with pytest.raises(EngineArgsError, match="needs --weight-source"):
+        parse_engine_args([*base, "--weight-source-gb-per-s", "3"])
+    with pytest.raises(EngineArgsError, match="> 0"):
+        parse_engine_args([*base, "--weight-source", "local_nvme", "--weight-source-gb-per-s", "0"])
+
+
+def test_memory_held_asleep_is_every_gpus_reserve() -> None:
+    pm = perf_model_for(MODEL, "pp=2", "A100-80G-SXM", max_model_len=512)
+    st = SleepState(pm)
+    awake = st.gpu_memory_bytes
+    per_gpu = pm.memory.per_gpu
+    assert awake == sum(g.reserve_bytes + g.weights_bytes + g.kv_bytes for g in per_gpu)
+    tags, duration_s = st.sleep_plan(1)
+    assert (tags, duration_s) == (("weights", "kv_cache"), pm.sleep_s(1))
+    st.apply_sleep(1, tags, duration_s)
+    assert st.gpu_memory_bytes == sum(g.reserve_bytes for g in per_gpu)
+    assert st.host_memory_bytes == sum(g.weights_bytes for g in per_gpu)
+    assert st.sleep_plan(2) == ((), 0.0)  # asleep already: nothing to do
+    assert st.wake_plan(("kv_cache",)) == (("kv_cache",), 0.0)
+    assert st.wake_plan(None) == (("weights", "kv_cache"), pm.wake_s(1))
