@@ -21,7 +21,7 @@ from flexpipe.perf import Efficiency, PerfModel
 from flexpipe.perf.actuation import node_sources, peer_link_for, source_rows
 from flexpipe.perf.calibration import NO_CALIBRATION
 from flexpipe.perf.steady_state import Workload, steady_state
-from flexpipe.perf.weights import WeightSource
+from flexpipe.perf.weights import HOST_RAM, PAGE_CACHE, WeightSource
 
 if TYPE_CHECKING:
     from flexpipe.cluster import Cluster
@@ -265,16 +265,24 @@ def _cluster_placement(
 def cluster_sources(pm: PerfModel, cluster: Cluster) -> tuple[WeightSource, ...]:
     """The sources of the nodes the placement spans, at the slowest node's figures (the peer:
     a GPU beside the first, over its NVLink or PCIe, or the network when it has no neighbour
-    in its node)."""
+    in its node). Neither a sleeping copy nor the page cache where a node's host RAM cannot
+    hold its GPUs' weights."""
     nodes = [cluster.node(cluster.gpu(g.name).node) for g in pm.placement.gpus]
     first = nodes[0]
     peer = peer_link_for(pm.placement.gpus[0].spec) if len(first.gpus) > 1 else None
-    return node_sources(
+    sources = node_sources(
         pm,
         min(n.local_nvme_bytes_per_s for n in nodes),
         min(n.network_storage_bytes_per_s for n in nodes),
         peer or first.network.spec,
     )
+    weights_per_node: dict[str, float] = {}
+    for g in pm.memory.per_gpu:
+        node = cluster.gpu(g.name).node
+        weights_per_node[node] = weights_per_node.get(node, 0.0) + g.weights_bytes
+    fits = all(b <= cluster.node(n).host_ram_capacity_bytes for n, b in weights_per_node.items())
+    in_ram = (HOST_RAM, PAGE_CACHE)
+    return sources if fits else tuple(s for s in sources if s.kind not in in_ram)
 
 
 def _node_of(cluster: Cluster) -> Callable[[str], str]:

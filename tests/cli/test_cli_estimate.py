@@ -156,3 +156,20 @@ def test_estimate_reads_the_nodes_storage_from_the_cluster_file() -> None:
     assert rows["peer_gpu"]["gb_per_s"] == 10.0
     # one stage per node: each node's disk reads only its stage's half
     assert rows["local_nvme"]["load_s"] == 0.963
+
+
+def test_estimate_offers_no_copy_in_ram_where_host_ram_cannot_hold_it(tmp_path: Path) -> None:
+    cluster = tmp_path / "small-ram.yaml"
+    cluster.write_text(
+        "name: small-ram\n"
+        "nodes:\n"
+        "  - name: n0\n"
+        "    host_ram_gib: 8\n"
+        "    gpus: [{id: g0, type: A100-80G-SXM}]\n"
+    )
+    args = ["estimate", "--model", "llama-2-7b", "--cluster", str(cluster), "--on", "g0"]
+    result = runner.invoke(app, [*args, "--batch", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    sources = [r["source"] for r in json.loads(result.output)["weight_sources"]]
+    # 12.6 GiB of weights > 8 GiB of RAM: neither a sleeping copy nor the page cache
+    assert sources == ["local_nvme", "network_storage", "peer_gpu", "storage"]  # peer: 25 GbE
