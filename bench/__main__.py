@@ -3,6 +3,7 @@
 python -m bench                          # all
 python -m bench engine_faithfulness      # one
 python -m bench engine_throughput -- --duration 5   # flags after -- go to main(argv)
+python -m bench actuation -- --no-live   # cold start vs sleep/wake, modelled only
 """
 
 from __future__ import annotations

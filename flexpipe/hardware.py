@@ -30,6 +30,15 @@ class GpuSpec:
     nvlink_bandwidth_bytes_per_s: float | None = None  # per GPU, one direction; None: no NVLink
     nvlink_generation: str | None = None  # link catalog name, e.g. "nvlink3"
     compute_capability: str = ""
+    # Host link (PCIe x16 to the CPU), per direction: what copying weights between host RAM
+    # and the GPU runs over (vLLM's sleep level 1 and its wake-up). The datasheets quote the
+    # bidirectional sum (gen3 32 GB/s, gen4 64 GB/s, gen5 128 GB/s); half of it here.
+    host_link_bandwidth_bytes_per_s: float = 32 * GB
+    host_link_generation: str = "pcie4"
+
+
+# PCIe x16 per direction by generation, as the GPU datasheets quote it (bidirectional / 2).
+PCIE_X16_GB_PER_S = {"pcie3": 16.0, "pcie4": 32.0, "pcie5": 64.0}
 
 
 def _gpu(
@@ -43,6 +52,7 @@ def _gpu(
     nvlink_gb_per_s: float | None = None,
     nvlink_generation: str | None = None,
     compute_capability: str = "",
+    pcie: str = "pcie4",
 ) -> GpuSpec:
     return GpuSpec(
         name=name,
@@ -55,10 +65,16 @@ def _gpu(
         nvlink_bandwidth_bytes_per_s=None if nvlink_gb_per_s is None else nvlink_gb_per_s * GB,
         nvlink_generation=nvlink_generation,
         compute_capability=compute_capability,
+        host_link_bandwidth_bytes_per_s=PCIE_X16_GB_PER_S[pcie] * GB,
+        host_link_generation=pcie,
     )
 
 
 # NVLink figures below are per GPU per direction (the datasheets quote the bidirectional sum).
+# Host links (the last argument, PCIe generation, x16; gen4 unless given) from the same
+# datasheets: A100 "PCIe Gen4 64 GB/s"; H100 SXM/PCIe, H200, H20 "PCIe Gen5 128 GB/s"; L40S,
+# L4, A10(G), A40, L20 and RTX 4090 PCIe Gen4 x16 (64 GB/s); V100 "PCIe Gen3 32 GB/s"; HGX/DGX
+# B200 PCIe Gen5; MI300X "PCIe Gen5 x16 128 GB/s".
 GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
@@ -74,12 +90,12 @@ GPUS: dict[str, GpuSpec] = {
         # NVIDIA H100 datasheet (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-
         # datasheet): SXM 3.35 TB/s, BF16 989 TF, FP8 1,979 TF, INT8 1,979 TOPS (dense = half
         # the sparse figures quoted), NVLink 900 GB/s bidirectional.
-        _gpu("H100-80G-SXM", 80, 3350, 989, 989, 1979, 1979, 450, "nvlink4", "9.0"),
+        _gpu("H100-80G-SXM", 80, 3350, 989, 989, 1979, 1979, 450, "nvlink4", "9.0", "pcie5"),
         # Same datasheet: H100 PCIe 2.0 TB/s, BF16 756 TF, FP8 1,513 TF, INT8 1,513 TOPS.
-        _gpu("H100-80G-PCIe", 80, 2000, 756, 756, 1513, 1513, None, None, "9.0"),
+        _gpu("H100-80G-PCIe", 80, 2000, 756, 756, 1513, 1513, None, None, "9.0", "pcie5"),
         # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200): 141 GB HBM3e at 4.8 TB/s;
         # tensor throughput as H100 SXM; NVLink 900 GB/s bidirectional.
-        _gpu("H200-141G", 141, 4800, 989, 989, 1979, 1979, 450, "nvlink4", "9.0"),
+        _gpu("H200-141G", 141, 4800, 989, 989, 1979, 1979, 450, "nvlink4", "9.0", "pcie5"),
         # NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s): 48 GB GDDR6 864 GB/s;
         # BF16 362 TF, FP8 733 TF, INT8 733 TOPS dense; no NVLink.
         _gpu("L40S", 48, 864, 362, 362, 733, 733, None, None, "8.9"),
@@ -93,7 +109,7 @@ GPUS: dict[str, GpuSpec] = {
         # NVIDIA V100 datasheet (images.nvidia.com/content/technologies/volta/pdf/volta-v100-
         # datasheet-update-us-1165301-r5.pdf): SXM2 32 GB 900 GB/s, FP16 tensor 125 TF; no
         # BF16, no INT8 tensor cores (DP4A only); NVLink 300 GB/s bidirectional.
-        _gpu("V100-32G", 32, 900, 125, None, None, None, 150, "nvlink2", "7.0"),
+        _gpu("V100-32G", 32, 900, 125, None, None, None, 150, "nvlink2", "7.0", "pcie3"),
         # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090): 24 GB GDDR6X 1,008 GB/s;
         # FP16/BF16 tensor with FP32 accumulate 165 TF dense, FP8 330 TF, INT8 661 TOPS.
         _gpu("RTX-4090", 24, 1008, 165, 165, 330, 661, None, None, "8.9"),
@@ -108,17 +124,19 @@ GPUS: dict[str, GpuSpec] = {
         # NVIDIA HGX H20 product brief (2024; Hopper for the China market): 96 GB HBM3 at
         # 4.0 TB/s; FP16/BF16 tensor 148 TF dense, FP8 296 TF, INT8 296 TOPS dense; NVLink
         # 900 GB/s bidirectional. The tensor rate is capped: decode-friendly, prefill-poor.
-        _gpu("H20-96G", 96, 4000, 148, 148, 296, 296, 450, "nvlink4", "9.0"),
+        _gpu("H20-96G", 96, 4000, 148, 148, 296, 296, 450, "nvlink4", "9.0", "pcie5"),
         # NVIDIA DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200): 8 GPUs, 1,440 GB
         # HBM3e = 180 GB per GPU at 8 TB/s, 72 PF FP8 training (sparse) = 4.5 PF dense FP8 per
         # GPU, BF16/FP16 half that (2.25 PF dense), INT8 4.5 POPS dense; NVLink 5 at 1.8 TB/s
         # bidirectional per GPU.
-        _gpu("B200-180G", 180, 8000, 2250, 2250, 4500, 4500, 900, "nvlink5", "10.0"),
+        _gpu("B200-180G", 180, 8000, 2250, 2250, 4500, 4500, 900, "nvlink5", "10.0", "pcie5"),
         # AMD Instinct MI300X data sheet (amd.com/.../instinct-mi300x-data-sheet.pdf): 192 GB
         # HBM3 at 5.3 TB/s; FP16/BF16 matrix 1,307.4 TF dense, FP8 2,614.9 TF, INT8 2,614.9
         # TOPS dense; 7 Infinity Fabric links, 896 GB/s aggregate bidirectional (448 per
         # direction). ROCm, so vLLM's ROCm build; compute capability is NVIDIA's notion: "".
-        _gpu("MI300X", 192, 5300, 1307.4, 1307.4, 2614.9, 2614.9, 448, "infinity-fabric", ""),
+        _gpu(
+            "MI300X", 192, 5300, 1307.4, 1307.4, 2614.9, 2614.9, 448, "infinity-fabric", "", "pcie5"
+        ),
     )
 }
 
@@ -211,6 +229,17 @@ LINK_ALIASES: dict[str, str] = {
     "100gbe": "eth100",
     "ethernet": "eth25",
 }
+
+# Storage a node reads weights from, where the cluster file says nothing (docs/cluster-file.md):
+# a PCIe gen4 x4 NVMe SSD reads ~7 GB/s sequentially (Samsung 990 PRO datasheet: 7,450 MB/s;
+# Samsung PM9A3 U.2 datasheet: 6,900 MB/s); network storage is read at the line rate of a
+# 25 GbE NIC (3.125 GB/s).
+DEFAULT_LOCAL_NVME_BYTES_PER_S = 7.0 * GB
+DEFAULT_NETWORK_STORAGE_BYTES_PER_S = 3.125 * GB
+# Host RAM, where the cluster file says nothing: twice the node's GPU memory. GPU servers
+# carry more (NVIDIA DGX H100 datasheet: 2 TB for 8 x 80 GB; DGX A100: 1 TB for 8 x 40 GB or
+# 2 TB for 8 x 80 GB); twice is the low end of what such servers ship with.
+DEFAULT_HOST_RAM_PER_GPU_MEMORY = 2.0
 
 # Links at or above this bandwidth count as "fast": tensor parallelism may span them.
 DEFAULT_FAST_LINK_BYTES_PER_S = 100 * GB

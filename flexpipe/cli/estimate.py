@@ -4,8 +4,9 @@ tokens/s of one gear at the batch sizes and request lengths asked, with the fact
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
@@ -17,8 +18,13 @@ from flexpipe.gears.gear import GearError, GpuSlot, Placement, parse_gear, unifo
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import Efficiency, PerfModel
+from flexpipe.perf.actuation import node_sources, peer_link_for, source_rows
 from flexpipe.perf.calibration import NO_CALIBRATION
 from flexpipe.perf.steady_state import Workload, steady_state
+from flexpipe.perf.weights import HOST_RAM, PAGE_CACHE, WeightSource
+
+if TYPE_CHECKING:
+    from flexpipe.cluster import Cluster
 
 GiB = float(2**30)
 
@@ -85,6 +91,8 @@ def estimate_report(
     prompt_len: int,
     output_len: int = 256,
     batches: list[int] | None = None,
+    sources: Sequence[WeightSource] | None = None,
+    node_of: Callable[[str], str] | None = None,
 ) -> dict[str, Any]:
     """The numbers `estimate` prints, as plain data (also its --json output).
 
@@ -150,6 +158,18 @@ def estimate_report(
         )
     report["prefill_ms"] = round(pm.prefill_s(prompt_len) * 1e3, 3)
     report["cold_start_s"] = round(pm.cold_start_s(), 2)
+    srcs = node_sources(pm) if sources is None else sources
+    report["weight_sources"] = [
+        {
+            "source": r.source,
+            "detail": r.detail,
+            "gb_per_s": round(r.bandwidth_bytes_per_s / 1e9, 3),
+            "load_s": round(r.load_s, 3),
+            "cold_start_s": round(r.cold_start_s, 3),
+            "wake_s": round(r.wake_s, 3),
+        }
+        for r in source_rows(pm, srcs, node_of)
+    ]
     return report
 
 
@@ -208,11 +228,30 @@ def _print_report(report: dict[str, Any], console: Console) -> None:
         f"prefill of {report['prompt_len']} tokens alone: {report['prefill_ms']:.1f} ms · "
         f"cold start: {report['cold_start_s']:.1f} s"
     )
+    src = Table(title="Cold start and wake-up by weight source (fastest first)")
+    for col in ("source", "GB/s", "load s", "cold start s", "wake s"):
+        src.add_column(col, justify="left" if col == "source" else "right")
+    for r in report["weight_sources"]:
+        src.add_row(
+            r["source"],
+            f"{r['gb_per_s']:.1f}",
+            f"{r['load_s']:.2f}",
+            f"{r['cold_start_s']:.1f}",
+            f"{r['wake_s']:.2f}",
+        )
+    console.print(src)
+    console.print(
+        "wake: host_ram is a level-1 wake (the sleeping copy), the others a level-2 wake "
+        "loading from that source; cold start adds the engine's fixed start-up",
+        highlight=False,
+    )
     for what, factors in report["factors"].items():
         console.print(f"factors for {what}: {factors}", highlight=False)
 
 
-def _cluster_placement(cluster_file: Path, on: str, tp: int, pp: int, num_layers: int) -> Placement:
+def _cluster_placement(
+    cluster_file: Path, on: str, tp: int, pp: int, num_layers: int
+) -> tuple[Placement, Cluster]:
     from flexpipe.cluster import load_cluster, placement_on
 
     ids = [p.strip() for p in on.split(",") if p.strip()]
@@ -220,7 +259,34 @@ def _cluster_placement(cluster_file: Path, on: str, tp: int, pp: int, num_layers
         raise GearError(f"--on names {len(ids)} GPUs; the gear needs tp x pp = {tp * pp}")
     cluster = load_cluster(cluster_file)
     stages = [ids[i * tp : (i + 1) * tp] for i in range(pp)]
-    return placement_on(cluster, stages, num_layers)
+    return placement_on(cluster, stages, num_layers), cluster
+
+
+def cluster_sources(pm: PerfModel, cluster: Cluster) -> tuple[WeightSource, ...]:
+    """The sources of the nodes the placement spans, at the slowest node's figures (the peer:
+    a GPU beside the first, over its NVLink or PCIe, or the network when it has no neighbour
+    in its node). Neither a sleeping copy nor the page cache where a node's host RAM cannot
+    hold its GPUs' weights."""
+    nodes = [cluster.node(cluster.gpu(g.name).node) for g in pm.placement.gpus]
+    first = nodes[0]
+    peer = peer_link_for(pm.placement.gpus[0].spec) if len(first.gpus) > 1 else None
+    sources = node_sources(
+        pm,
+        min(n.local_nvme_bytes_per_s for n in nodes),
+        min(n.network_storage_bytes_per_s for n in nodes),
+        peer or first.network.spec,
+    )
+    weights_per_node: dict[str, float] = {}
+    for g in pm.memory.per_gpu:
+        node = cluster.gpu(g.name).node
+        weights_per_node[node] = weights_per_node.get(node, 0.0) + g.weights_bytes
+    fits = all(b <= cluster.node(n).host_ram_capacity_bytes for n, b in weights_per_node.items())
+    in_ram = (HOST_RAM, PAGE_CACHE)
+    return sources if fits else tuple(s for s in sources if s.kind not in in_ram)
+
+
+def _node_of(cluster: Cluster) -> Callable[[str], str]:
+    return lambda gpu_id: cluster.gpu(gpu_id).node
 
 
 def register(app: typer.Typer) -> None:
@@ -269,10 +335,13 @@ def register(app: typer.Typer) -> None:
             g = parse_gear(gear)
             batches = parse_batches(batch)
             eff = load_efficiency(efficiency, set_ or [], store, generic)
+            the_cluster: Cluster | None = None
             if cluster is not None or on is not None:
                 if cluster is None or on is None:
                     raise GearError("--cluster and --on go together")
-                placement = _cluster_placement(cluster, on, g.tp, g.pp, spec.num_layers)
+                placement, the_cluster = _cluster_placement(
+                    cluster, on, g.tp, g.pp, spec.num_layers
+                )
             else:
                 types = parse_gpu_list(gpus or f"A100-80G-SXM:{g.num_gpus}")
                 if len(types) != g.num_gpus:
@@ -291,7 +360,11 @@ def register(app: typer.Typer) -> None:
             if prompt_len < 1 or output_len < 1:
                 raise ValueError("--prompt-len and --output-len must be >= 1")
             pm = PerfModel(spec, g, placement, eff, gpu_memory_utilization, max_model_len)
-            report = estimate_report(pm, prompt_len, output_len, batches)
+            sources, node_of = None, None
+            if the_cluster is not None and pm.feasible:
+                sources = cluster_sources(pm, the_cluster)
+                node_of = _node_of(the_cluster)
+            report = estimate_report(pm, prompt_len, output_len, batches, sources, node_of)
         if as_json:
             typer.echo(json.dumps(report, indent=2))
         else:

@@ -27,6 +27,10 @@ from flexpipe.cluster.topology import (
 from flexpipe.gears.gear import GpuSlot
 from flexpipe.hardware import (
     DEFAULT_FAST_LINK_BYTES_PER_S,
+    DEFAULT_HOST_RAM_PER_GPU_MEMORY,
+    DEFAULT_LOCAL_NVME_BYTES_PER_S,
+    DEFAULT_NETWORK_STORAGE_BYTES_PER_S,
+    GB,
     GiB,
     GpuSpec,
     LinkSpec,
@@ -115,11 +119,36 @@ class NodePairLink:
 
 @dataclass(frozen=True, slots=True)
 class Node:
+    """A node. Where its GPUs read weights from (docs/cluster-file.md, "Storage and host
+    RAM"): `local_nvme_gb_per_s`, `network_storage_gb_per_s` (GB = 1e9 B, sequential read)
+    and `host_ram_bytes` (for sleeping engines' weight copies); None: the catalog defaults."""
+
     name: str
     gpus: tuple[Gpu, ...]
     network: NetworkLink
     links: tuple[GpuGroupLink, ...] = ()
     note: str | None = None
+    local_nvme_gb_per_s: float | None = None
+    network_storage_gb_per_s: float | None = None
+    host_ram_bytes: float | None = None
+
+    @property
+    def local_nvme_bytes_per_s(self) -> float:
+        gb = self.local_nvme_gb_per_s
+        return DEFAULT_LOCAL_NVME_BYTES_PER_S if gb is None else gb * GB
+
+    @property
+    def network_storage_bytes_per_s(self) -> float:
+        gb = self.network_storage_gb_per_s
+        return DEFAULT_NETWORK_STORAGE_BYTES_PER_S if gb is None else gb * GB
+
+    @property
+    def host_ram_capacity_bytes(self) -> float:
+        """Host RAM as declared, or DEFAULT_HOST_RAM_PER_GPU_MEMORY x the GPUs' memory."""
+        if self.host_ram_bytes is not None:
+            return self.host_ram_bytes
+        gpu_bytes = sum(gpu_spec(g.type).memory_bytes for g in self.gpus)
+        return DEFAULT_HOST_RAM_PER_GPU_MEMORY * gpu_bytes
 
 
 @dataclass(frozen=True)
@@ -279,6 +308,12 @@ class Cluster:
                     gd["note"] = g.note
                 gpus.append(gd)
             n["gpus"] = gpus
+            if node.local_nvme_gb_per_s is not None:
+                n["local_nvme_gb_per_s"] = node.local_nvme_gb_per_s
+            if node.network_storage_gb_per_s is not None:
+                n["network_storage_gb_per_s"] = node.network_storage_gb_per_s
+            if node.host_ram_bytes is not None:
+                n["host_ram_gib"] = node.host_ram_bytes / GiB  # exact: a power of two
             if node.links:
                 n["links"] = [
                     {

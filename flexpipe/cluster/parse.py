@@ -69,7 +69,16 @@ def parse_bytes(value: str | float) -> float:
 
 _TOP_KEYS = ("name", "description", "defaults", "nodes", "node_links")
 _DEFAULT_KEYS = ("network", "intra_node_link")
-_NODE_KEYS = ("name", "note", "network", "gpus", "links")
+_NODE_KEYS = (
+    "name",
+    "note",
+    "network",
+    "gpus",
+    "links",
+    "local_nvme_gb_per_s",
+    "network_storage_gb_per_s",
+    "host_ram_gib",
+)
 _GPU_KEYS = (
     "id",
     "type",
@@ -282,6 +291,18 @@ def _gpu(
     return Gpu(gpu_id, node, spec.name, index, used, free_until, owner, note), gpu_id
 
 
+def _node_storage(
+    doc: Mapping[str, Any], place: str, errors: _Errors
+) -> tuple[float | None, float | None, float | None]:
+    """(local NVMe GB/s, network storage GB/s, host RAM bytes), each None when not given."""
+    out: list[float | None] = []
+    for key in ("local_nvme_gb_per_s", "network_storage_gb_per_s", "host_ram_gib"):
+        value = doc.get(key)
+        out.append(None if value is None else _positive(value, _join(place, key), errors))
+    nvme, network, ram_gib = out
+    return nvme, network, None if ram_gib is None else ram_gib * GiB
+
+
 def _group_links(
     node_doc: Mapping[str, Any],
     place: str,
@@ -423,7 +444,9 @@ def parse_cluster(
                 indexes[gpu.index] = gpu.id
                 gpus.append(gpu)
 
-        pending.append((place, node_doc, Node(node_name, tuple(gpus), network, (), note)))
+        storage = _node_storage(node_doc, place, errors)
+        node = Node(node_name, tuple(gpus), network, (), note, *storage)
+        pending.append((place, node_doc, node))
 
     for place, node_doc, node in pending:
         links = _group_links(node_doc, place, node, gpu_node, errors)

@@ -23,6 +23,7 @@ from flexpipe.gears.gear import Gear, GearError, GpuSlot, uniform_placement
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import PerfModel
+from flexpipe.perf.weights import KINDS, WeightSource, source_of
 from flexpipe.precision import precision
 
 
@@ -70,7 +71,19 @@ def build_parser(prog: str = "flexpipe engine sim") -> argparse.ArgumentParser:
         default="fcfs",
         help="waiting queue order: arrival, or the request's `priority` (lower first)",
     )
+    p.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="POST /sleep, /wake_up, GET /is_sleeping (mounted with VLLM_SERVER_DEV_MODE=1)",
+    )
     sim = p.add_argument_group("sim engine (flexpipe only)")
+    sim.add_argument(
+        "--weight-source",
+        default=None,
+        choices=KINDS,
+        help="where weights load from (cold start, level-2 wake); default: storage at 2 GB/s",
+    )
+    sim.add_argument("--weight-source-gb-per-s", type=float, default=None, help="its bandwidth")
     sim.add_argument("--gpu-type", default="A100-80G-SXM", help="GPU type each rank stands for")
     sim.add_argument("--link", default="nvlink3", help="link between tensor-parallel ranks")
     sim.add_argument("--pp-link", default=None, help="link between pipeline stages")
@@ -108,6 +121,9 @@ class EngineConfig:
     ignored_flags: tuple[str, ...]
     hardware: str  # one line: what the sim stands for
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (vLLM's --scheduling-policy)
+    enable_sleep_mode: bool = False  # vLLM's --enable-sleep-mode
+    server_dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: the sleep endpoints are mounted
+    weight_source: WeightSource | None = None  # None: the model's default (storage)
 
     @property
     def served_model_name(self) -> str:
@@ -176,7 +192,10 @@ def parse_engine_args(argv: Sequence[str]) -> EngineConfig:
         )
     if args.max_num_batched_tokens is None and not args.enable_chunked_prefill:
         gear = replace(gear, max_num_batched_tokens=max(8192, max_model_len))
-    load_time_s = args.load_time_s if args.load_time_s is not None else pm.cold_start_s()
+    source = _weight_source(args, pm)
+    load_time_s = args.load_time_s
+    if load_time_s is None:
+        load_time_s = pm.cold_start_s(None, source)
     names = tuple(args.served_model_name or [model_path])
     admin = _secret(args.admin_token, args.admin_token_file, "FLEXPIPE_ADMIN_TOKEN", "admin-token")
     api_key = _secret(args.api_key, args.api_key_file, "VLLM_API_KEY", "api-key")
@@ -204,7 +223,35 @@ def parse_engine_args(argv: Sequence[str]) -> EngineConfig:
         log_level=args.log_level,
         ignored_flags=ignored,
         hardware=hardware,
+        enable_sleep_mode=bool(args.enable_sleep_mode),
+        server_dev_mode=_env_flag("VLLM_SERVER_DEV_MODE"),
+        weight_source=source,
     )
+
+
+def _env_flag(name: str) -> bool:
+    """A 0/1 environment flag, read as vLLM reads its envs (`bool(int(...))`)."""
+    try:
+        return bool(int(os.environ.get(name, "0")))
+    except ValueError:
+        raise EngineArgsError(f"{name} must be 0 or 1") from None
+
+
+def _weight_source(args: argparse.Namespace, pm: PerfModel) -> WeightSource | None:
+    if args.weight_source is None:
+        if args.weight_source_gb_per_s is not None:
+            raise EngineArgsError("--weight-source-gb-per-s needs --weight-source")
+        return None
+    gb = args.weight_source_gb_per_s
+    try:
+        return source_of(
+            args.weight_source,
+            None if gb is None else gb * 1e9,
+            link_spec(args.link),
+            pm.efficiency.p2p_bandwidth_efficiency,
+        )
+    except ValueError as exc:
+        raise EngineArgsError(str(exc)) from None
 
 
 def _secret(value: str | None, path: str | None, env: str, flag: str) -> str | None:

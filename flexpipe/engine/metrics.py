@@ -21,6 +21,9 @@ waiting and running request: a load signal for least-load routing), flexpipe:max
 learns a sim engine's capacity from this and vLLM's from registration or
 vllm:cache_config_info's num_gpu_blocks x block_size), flexpipe:num_kv_blocks_free,
 flexpipe:engine_lag_seconds (how far the engine loop runs behind modelled time),
+with --enable-sleep-mode vLLM's vllm:engine_sleep_state{sleep_state} and flexpipe's
+flexpipe:gpu_memory_bytes / flexpipe:host_memory_bytes (what the engine holds, asleep or not:
+vLLM exports no memory gauge),
 flexpipe:engine_steps_total, flexpipe:modelled_busy_seconds_total; and what the engine's own
 timing costs at time scales > 0, for the faithfulness benchmark:
 flexpipe:engine_wakeup_late_seconds (how late the loop woke up after each step's deadline:
@@ -44,6 +47,7 @@ from prometheus_client.registry import Collector
 from flexpipe.engine.core import StepEvents
 from flexpipe.engine.request import EngineRequest
 from flexpipe.engine.scheduler import Scheduler, StepPlan
+from flexpipe.engine.sleep import SLEEP_STATES, SleepState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -201,8 +205,27 @@ class _StateCollector(Collector):
             ("flexpipe:engine_emit_cpu_seconds", _DOC_EMIT_CPU, m.emit_cpu_s),
         ):
             yield counter(name, doc, value)
+        sleep = m.sleep
+        if sleep is not None:
+            # vLLM registers this gauge only with --enable-sleep-mode: one series per state,
+            # 1 for the state the engine is in
+            state = GaugeMetricFamily(
+                "vllm:engine_sleep_state", _DOC_SLEEP_STATE, labels=[*names, "sleep_state"]
+            )
+            now = sleep.sleep_state
+            for label in SLEEP_STATES:
+                state.add_metric([*labels, label], 1.0 if label == now else 0.0)
+            yield state
+            yield gauge("flexpipe:gpu_memory_bytes", _DOC_GPU_MEMORY, sleep.gpu_memory_bytes)
+            yield gauge("flexpipe:host_memory_bytes", _DOC_HOST_MEMORY, sleep.host_memory_bytes)
 
 
+_DOC_SLEEP_STATE = (
+    "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+    "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2."
+)
+_DOC_GPU_MEMORY = "GPU memory the engine holds now, all its GPUs together (bytes; less asleep)."
+_DOC_HOST_MEMORY = "Host RAM holding the sleeping copy of the weights (bytes; level 1)."
 _DOC_RUNNING = "Number of requests in model execution batches."
 _DOC_WAITING = "Number of requests waiting to be processed."
 _DOC_USAGE = "KV-cache usage. 1 means 100 percent usage."
@@ -229,6 +252,7 @@ class EngineMetrics:
     ) -> None:
         self.model_name = model_name
         self.scheduler = scheduler
+        self.sleep: SleepState | None = None  # with --enable-sleep-mode: its gauges
         self.registry = CollectorRegistry()
         self.lag_s = 0.0
         self.num_steps = 0

@@ -64,14 +64,26 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._deferred: dict[str, EngineRequest] = {}  # request id -> told at the pass end
+        # Sleep mode (flexpipe.engine.sleep): while `hold_new`, new requests wait here, outside
+        # the core, until `resume` (vLLM queues adds while its scheduler is paused); while
+        # `paused`, the loop runs no step at all.
+        self.hold_new = False
+        self.paused = False
+        self._held: list[EngineRequest] = []
 
     # --- requests ------------------------------------------------------------------------
     def add(self, req: EngineRequest) -> None:
         self.requests[req.request_id] = req
+        if self.hold_new:
+            req.arrival_s = time.monotonic()
+            self._held.append(req)
+            return
         self.core.add(req, time.monotonic())
         self._wake.set()
 
     def abort(self, req: EngineRequest, reason: str = "abort") -> None:
+        if req in self._held:
+            self._held.remove(req)
         if self.core.abort(req, time.monotonic(), reason):
             self.metrics.observe_abort(req)
             self._notify(req)
@@ -105,6 +117,31 @@ class Engine:
         finally:
             req.waiter = None
 
+    # --- sleep mode (pause, hold, resume) --------------------------------------------------
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def pause(self, hold_new: bool = True, stop_steps: bool = True) -> None:
+        """Hold new requests outside the core; with `stop_steps`, run no step either (the step
+        in flight, if any, still completes)."""
+        self.hold_new = hold_new
+        self.paused = stop_steps
+
+    def resume(self) -> None:
+        """Admit the held requests (with their arrival times) and step again."""
+        self.hold_new = False
+        self.paused = False
+        held, self._held = self._held, []
+        for req in held:
+            self.core.add(req, req.arrival_s)
+        self._wake.set()
+
+    async def drained(self, poll_s: float = 0.001) -> None:
+        """Until the core has no request left (new ones are held: see `pause`)."""
+        while self.core.has_work:
+            await asyncio.sleep(poll_s)
+
     # --- loop ----------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -129,7 +166,7 @@ class Engine:
         num_pass_steps = 0  # time scale 0: steps run in this pass
         deferred = self._deferred
         while not self._stopping:
-            if not core.has_work:
+            if not core.has_work or self.paused:
                 self._notify_deferred()
                 self._wake.clear()
                 await self._wake.wait()

@@ -153,6 +153,16 @@ class Scheduler(LazyDecodes):
         else:
             self.waiting.appendleft(req)
 
+    def preempt_all(self) -> int:
+        """Every running request back to the waiting queue, its KV blocks freed (to recompute):
+        what vLLM does to running requests before a sleep drops the KV cache
+        (reset_prefix_cache with reset_running_requests). Returns how many."""
+        num = 0
+        while self.running:
+            self._preempt(self.running.pop())
+            num += 1
+        return num
+
     def _pop_victim(self) -> tuple[EngineRequest, int]:
         """The running request to preempt and where it was in `running`: the last admitted
         (FCFS), or the one latest in (priority, arrival) order (priority)."""

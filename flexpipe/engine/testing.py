@@ -54,11 +54,14 @@ def _wait_port(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> No
 
 
 @contextlib.contextmanager
-def sim_engine(args: Sequence[str], timeout_s: float = 30.0) -> Iterator[EngineProc]:
-    """A sim engine subprocess on a free 127.0.0.1 port; always stopped on exit."""
+def sim_engine(
+    args: Sequence[str], timeout_s: float = 30.0, env: dict[str, str] | None = None
+) -> Iterator[EngineProc]:
+    """A sim engine subprocess on a free 127.0.0.1 port (`env`: added to this process's
+    environment); always stopped on exit."""
     port = free_port()
     cmd = [sys.executable, "-m", "flexpipe.engine.sim", *args, "--port", str(port)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )

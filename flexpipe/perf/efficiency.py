@@ -45,6 +45,10 @@ class Efficiency:
     # cold) and the engine starts (CUDA init, NCCL, profiling run, CUDA-graph capture).
     storage_bandwidth_bytes_per_s: float = 2.0e9
     engine_startup_s: float = 20.0
+    # Pinned host<->device copies (vLLM's sleep level 1 offload and its wake-up) against the
+    # host link's datasheet rate: cudaMemcpy of pinned buffers reaches ~80% of PCIe x16
+    # (~25 GB/s on gen4, ~50 GB/s on gen5, as the PCIe links of the catalog).
+    host_link_efficiency: float = 0.80
     # Context length an engine is launched with unless told (vLLM's --max-model-len).
     default_max_model_len: int = 4096
     # Calibrated factor sets (built-in: fitted to public operator profiles).

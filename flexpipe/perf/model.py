@@ -7,15 +7,18 @@ the planner thousands of times.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from flexpipe.gears.gear import Gear, GpuSlot, Placement, parse_gear, uniform_placement
-from flexpipe.hardware import GpuSpec, LinkSpec, link_spec
+from flexpipe.hardware import GpuSpec, LinkSpec, gpu_spec, link_spec
 from flexpipe.model_spec import ModelSpec, load_model_spec
+from flexpipe.perf import weights
 from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY, Efficiency
 from flexpipe.perf.memory import InfeasibleGear, MemoryPlan, kv_heads_per_gpu, memory_plan
 from flexpipe.perf.operator import LayerShape, OperatorCost
 from flexpipe.perf.step_time import BatchShape, LinkCost, roofline_s
+from flexpipe.perf.weights import GpuShard, WeightSource
 from flexpipe.precision import (
     PRECISIONS,
     PrecisionError,
@@ -366,10 +369,76 @@ class PerfModel:
     def decode_tokens_per_s(self, batch_size: int, context_len: int) -> float:
         return batch_size / self.decode_interval_s(batch_size, context_len)
 
-    def cold_start_s(self, storage_bandwidth_bytes_per_s: float | None = None) -> float:
-        """Read every weight once from storage, plus engine start-up."""
-        bandwidth = storage_bandwidth_bytes_per_s or self.efficiency.storage_bandwidth_bytes_per_s
-        return self.memory.weights_bytes / bandwidth + self.efficiency.engine_startup_s
+    # -- start-up, sleep and wake (flexpipe/perf/weights.py) ---------------------------------
+
+    def weight_shards(self, node_of: Callable[[str], str] | None = None) -> tuple[GpuShard, ...]:
+        """What each GPU loads: its share of the weights (a stage its layers, a rank its
+        slice). `node_of`: GPU name -> node (a source like a disk is shared per node);
+        None: one node."""
+        eff = self.efficiency.host_link_efficiency
+        return tuple(
+            GpuShard(
+                g.name,
+                node_of(g.name) if node_of is not None else "",
+                g.weights_bytes,
+                gpu_spec(g.gpu_type).host_link_bandwidth_bytes_per_s * eff,
+            )
+            for g in self.memory.per_gpu
+        )
+
+    def default_weight_source(self) -> WeightSource:
+        """Today's assumption: the checkpoint read once at `storage_bandwidth_bytes_per_s`."""
+        return weights.storage(self.efficiency.storage_bandwidth_bytes_per_s)
+
+    def weights_load_s(
+        self, source: WeightSource | None = None, node_of: Callable[[str], str] | None = None
+    ) -> float:
+        """Bringing the weights onto the instance's GPUs from `source` (default: storage)."""
+        src = source or self.default_weight_source()
+        if src.kind == weights.STORAGE:
+            # one reader for the whole checkpoint, as the cold start has always been priced
+            assert src.bandwidth_bytes_per_s is not None
+            return self.memory.weights_bytes / src.bandwidth_bytes_per_s
+        return weights.load_s(self.weight_shards(node_of), src)
+
+    def cold_start_s(
+        self,
+        storage_bandwidth_bytes_per_s: float | None = None,
+        source: WeightSource | None = None,
+        node_of: Callable[[str], str] | None = None,
+    ) -> float:
+        """A new engine: its weights loaded from `source` (default: every weight read once
+        from storage), plus the engine's fixed start-up."""
+        if source is None:
+            bandwidth = (
+                storage_bandwidth_bytes_per_s or self.efficiency.storage_bandwidth_bytes_per_s
+            )
+            source = weights.storage(bandwidth)
+        return self.weights_load_s(source, node_of) + self.efficiency.engine_startup_s
+
+    def sleep_s(self, level: int) -> float:
+        """vLLM's sleep: level 1 copies every GPU's weights to host RAM over its host link
+        (device to host, the links run the same rate both ways) and drops the KV cache; level
+        2 drops both and level 0 only pauses scheduling: nothing to copy."""
+        _check_level(level)
+        return weights.load_s(self.weight_shards(), weights.host_ram()) if level == 1 else 0.0
+
+    def wake_s(
+        self,
+        level: int,
+        source: WeightSource | None = None,
+        node_of: Callable[[str], str] | None = None,
+    ) -> float:
+        """Waking an engine asleep at `level`: level 1 copies the sleeping copy back (host to
+        device); level 2 loads the weights from `source` (default: storage); no start-up
+        either way (the process, allocator and CUDA graphs stayed). The KV cache is only
+        re-mapped, empty: no copy."""
+        _check_level(level)
+        if level == 0:
+            return 0.0
+        if level == 1:
+            return weights.load_s(self.weight_shards(node_of), weights.host_ram())
+        return self.weights_load_s(source, node_of)
 
     def kv_transfer_s(
         self, num_tokens: int, bandwidth_bytes_per_s: float, latency_s: float = 0.0
@@ -383,6 +452,14 @@ class PerfModel:
     def _check_runnable(self) -> None:
         if self._unsupported is not None:
             raise InfeasibleGear(self._unsupported)
+
+
+SLEEP_LEVELS = (0, 1, 2)  # vLLM's: pause only; weights to host RAM; discard all
+
+
+def _check_level(level: int) -> None:
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
 
 
 def perf_model_for(

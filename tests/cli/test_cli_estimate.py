@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -11,6 +12,7 @@ from flexpipe.perf import perf_model_for
 from flexpipe.perf.steady_state import Workload, steady_state
 
 runner = CliRunner()
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_estimate_prints_plan_and_steps() -> None:
@@ -106,3 +108,68 @@ def test_estimate_bad_points_are_one_line_and_exit_2() -> None:
         result = runner.invoke(app, ["estimate", "--model", "llama-2-7b", *extra])
         assert result.exit_code == 2, (extra, result.output)
         assert "error:" in result.output and "Traceback" not in result.output
+
+
+def test_estimate_prints_cold_start_and_wake_per_weight_source() -> None:
+    result = runner.invoke(app, ["estimate", "--model", "llama-2-7b", "--batch", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["source"]: r for r in json.loads(result.output)["weight_sources"]}
+    pm = perf_model_for("llama-2-7b", "tp=1", "A100-80G-SXM")
+    assert list(rows) == [
+        "peer_gpu",
+        "host_ram",
+        "page_cache",
+        "local_nvme",
+        "network_storage",
+        "storage",
+    ]  # fastest first
+    assert rows["storage"]["cold_start_s"] == round(pm.cold_start_s(), 3)  # today's number
+    assert rows["host_ram"]["wake_s"] == round(pm.wake_s(1), 3)
+    assert rows["host_ram"]["gb_per_s"] == 25.6  # PCIe gen4 x16 at 80%
+    assert (rows["local_nvme"]["gb_per_s"], rows["peer_gpu"]["gb_per_s"]) == (7.0, 240.0)
+    text = runner.invoke(app, ["estimate", "--model", "llama-2-7b", "--batch", "1"]).output
+    assert "Cold start and wake-up by weight source" in text and "network_storage" in text
+
+
+def test_estimate_reads_the_nodes_storage_from_the_cluster_file() -> None:
+    result = runner.invoke(
+        app,
+        [
+            "estimate",
+            "--model",
+            "llama-2-7b",
+            "--gear",
+            "tp=1,pp=2",
+            "--cluster",
+            str(EXAMPLES / "clusters" / "fragmented-4gpu.yaml"),
+            "--on",
+            "gpu0,gpu3",
+            "--batch",
+            "1",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    rows = {r["source"]: r for r in json.loads(result.output)["weight_sources"]}
+    # gpu0 is alone in its node: its peer is across the node's 100 GbE
+    assert rows["peer_gpu"]["detail"] == "a peer GPU over eth100"
+    assert rows["peer_gpu"]["gb_per_s"] == 10.0
+    # one stage per node: each node's disk reads only its stage's half
+    assert rows["local_nvme"]["load_s"] == 0.963
+
+
+def test_estimate_offers_no_copy_in_ram_where_host_ram_cannot_hold_it(tmp_path: Path) -> None:
+    cluster = tmp_path / "small-ram.yaml"
+    cluster.write_text(
+        "name: small-ram\n"
+        "nodes:\n"
+        "  - name: n0\n"
+        "    host_ram_gib: 8\n"
+        "    gpus: [{id: g0, type: A100-80G-SXM}]\n"
+    )
+    args = ["estimate", "--model", "llama-2-7b", "--cluster", str(cluster), "--on", "g0"]
+    result = runner.invoke(app, [*args, "--batch", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    sources = [r["source"] for r in json.loads(result.output)["weight_sources"]]
+    # 12.6 GiB of weights > 8 GiB of RAM: neither a sleeping copy nor the page cache
+    assert sources == ["local_nvme", "network_storage", "peer_gpu", "storage"]  # peer: 25 GbE
