@@ -61,9 +61,8 @@ def build_parser(prog: str = "flexpipe engine sim") -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="or env VLLM_API_KEY, or --api-key-file")
     p.add_argument("--api-key-file", default=None, help="read the API key from this file")
     p.add_argument("--seed", type=int, default=0)
-    # accepted as vLLM takes them, without effect in the sim: it does not sleep, and stands for
-    # a pipeline across nodes in one process
-    p.add_argument("--enable-sleep-mode", action="store_true")
+    # accepted as vLLM takes it, without effect: the sim stands for a pipeline across nodes in
+    # one process
     p.add_argument("--distributed-executor-backend", default=None)
     p.add_argument(
         "--scheduling-policy",
