@@ -37,7 +37,7 @@ Each moved request's row also says how it moved (KV or recompute, the warm-up's 
 where to), its cadence before and after (about one step of each instance), the cut-over's
 floor (half a step where it was, as the client's gap starts at its last token there, plus
 the step in progress and one more where it went: no move pauses less; a gateway that cuts
-over at the source's next token, flexpipe.gateway.cut_over, saves the half step where it
+over at the source's next token, flexpipe.gateway.core.cut_over, saves the half step where it
 was, so there the floor is generous by that much) and, at or past one
 prefill, why (`why_paused`: a KV move, a recompute not warmed, a context whose prefill is
 under the floor, a stall the requests not moved saw too, new requests' prefills on its

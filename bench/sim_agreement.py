@@ -36,7 +36,7 @@ import openai
 import yaml
 
 from flexpipe.engine.testing import ROOT, free_port, request, sim_engine
-from flexpipe.gateway.pool import stream_tpot_s
+from flexpipe.gateway.core.pool import stream_tpot_s
 from flexpipe.gears.gear import Gear
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.policy import PolicyView

@@ -44,7 +44,7 @@ def config_knob(*candidates: str) -> tuple[str, ...] | None:
     """Where `GatewayConfig` keeps the first of `candidates` (limits and deadlines it may or
     may not have grown yet): ("name",) for a field of its own, ("outer", "name") for a field
     of a nested dataclass such as the HTTP limits; None if it has none of them."""
-    from flexpipe.gateway import GatewayConfig
+    from flexpipe.gateway.config import GatewayConfig
 
     cfg = GatewayConfig()
     for name in candidates:
@@ -58,7 +58,7 @@ def config_knob(*candidates: str) -> tuple[str, ...] | None:
 
 
 def knob_default(path: Sequence[str]) -> Any:
-    from flexpipe.gateway import GatewayConfig
+    from flexpipe.gateway.config import GatewayConfig
 
     value: Any = GatewayConfig()
     for name in path:

@@ -66,15 +66,15 @@ def gateway(
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Serve the OpenAI API on HOST:PORT and route to the backends."""
-    from flexpipe.gateway import (
+    from flexpipe.gateway.app import Gateway
+    from flexpipe.gateway.config import (
         BackendConfig,
         ConfigError,
-        Gateway,
         GatewayConfig,
         config_from_dict,
         load_config,
+        validate,
     )
-    from flexpipe.gateway.config import validate
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -51,7 +51,7 @@ from flexpipe.control.engines.takeover import stub
 from flexpipe.control.executor import LiveInstance
 from flexpipe.control.state.journal import first_plan_note
 from flexpipe.control.watch.discovery_watch import DiscoveryWatch
-from flexpipe.gateway.holds import STANDBY_HOLD_S
+from flexpipe.gateway.core.holds import STANDBY_HOLD_S
 from flexpipe.http.server import (
     App,
     HttpServer,

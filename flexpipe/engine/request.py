@@ -18,15 +18,17 @@ itself (an EOS, finish_reason "stop") after a deterministic 8 to 256 tokens.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexpipe.engine.block_manager import KVState
 from flexpipe.engine.tokenizer import EOS_ID
+
+if TYPE_CHECKING:
+    import asyncio
 
 NATURAL_LEN_RANGE = (8, 256)  # EOS after this many tokens when max_tokens is not given
 

@@ -1,28 +1,7 @@
 """The OpenAI-compatible gateway: routing, backpressure, retries, migration, tenants,
-metrics and an admin API in front of any OpenAI-compatible engines (docs/gateway.md)."""
+metrics and an admin API in front of any OpenAI-compatible engines (docs/gateway.md).
 
-from flexpipe.gateway.app import Gateway
-from flexpipe.gateway.config import (
-    BackendConfig,
-    ConfigError,
-    GatewayConfig,
-    TenantConfig,
-    config_from_dict,
-    load_config,
-)
-from flexpipe.gateway.pool import Instance, Pool, PoolError
-from flexpipe.lifecycle import State
-
-__all__ = [
-    "BackendConfig",
-    "ConfigError",
-    "Gateway",
-    "GatewayConfig",
-    "Instance",
-    "Pool",
-    "PoolError",
-    "State",
-    "TenantConfig",
-    "config_from_dict",
-    "load_config",
-]
+The server is `flexpipe.gateway.app.Gateway`, its configuration `flexpipe.gateway.config`;
+the pure cores the simulator shares are in `flexpipe.gateway.core`. This package imports
+nothing by itself, so that the simulator can import those cores without the server.
+"""

@@ -41,8 +41,8 @@ import hmac
 from typing import TYPE_CHECKING, Any
 
 from flexpipe.gateway.call import Move
-from flexpipe.gateway.holds import STANDBY_HOLD_S
-from flexpipe.gateway.pool import PoolError, TransitionError
+from flexpipe.gateway.core.holds import STANDBY_HOLD_S
+from flexpipe.gateway.core.pool import PoolError, TransitionError
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
 from flexpipe.lifecycle import LifecycleError, State, parse_state
 

@@ -34,17 +34,17 @@ from flexpipe.gateway.core.admission import (
     is_served,
     num_prompt_tokens,
 )
+from flexpipe.gateway.core.holds import Holds
+from flexpipe.gateway.core.pool import Instance, Pool, stream_tpot_s
+from flexpipe.gateway.core.router import NoInstance, Router
+from flexpipe.gateway.core.wait_queue import WaitQueue
 from flexpipe.gateway.gateway_metrics import GatewayMetrics
-from flexpipe.gateway.holds import Holds
-from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay, WarmOutcome
 from flexpipe.gateway.retry_later import RetryLater, retry_later
-from flexpipe.gateway.router import NoInstance, Router
 from flexpipe.gateway.signal import Signal
 from flexpipe.gateway.tenants import Tenants, completion_tokens
 from flexpipe.gateway.ui_routes import UiRoutes
-from flexpipe.gateway.wait_queue import WaitQueue
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError, UpstreamResponse
 from flexpipe.http.server import (
     App,

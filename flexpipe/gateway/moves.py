@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from flexpipe.gateway.call import Call, Move
-from flexpipe.gateway.core.warm_up import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome
-from flexpipe.gateway.cut_over import (
+from flexpipe.gateway.core.cut_over import (
     MAX_FENCE_S,
     MAX_TOKEN_WAIT_S,
     fence_until_s,
     mean_gap_s,
     token_wait_s,
 )
+from flexpipe.gateway.core.warm_up import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome
 from flexpipe.gateway.relay import move_relayed, warm_up
 from flexpipe.gateway.sse import kv_link_bytes_per_s
 from flexpipe.http.client import Timeouts, UpstreamError

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from flexpipe.gateway.core.engine_metrics import apply_engine_metrics, parse_engine_metrics
-from flexpipe.gateway.pool import Instance
+from flexpipe.gateway.core.pool import Instance
 from flexpipe.http.client import Timeouts, UpstreamError
 from flexpipe.lifecycle import State
 

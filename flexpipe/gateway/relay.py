@@ -20,6 +20,8 @@ import orjson
 
 from flexpipe.gateway import sse
 from flexpipe.gateway.call import Call, Move
+from flexpipe.gateway.core.cut_over import MAX_FENCE_S, fence_wait_s
+from flexpipe.gateway.core.pool import Instance
 from flexpipe.gateway.core.warm_up import (
     MOVE_PRIORITY,
     WARM_POLL_S,
@@ -27,8 +29,6 @@ from flexpipe.gateway.core.warm_up import (
     WarmOutcome,
     warms,
 )
-from flexpipe.gateway.cut_over import MAX_FENCE_S, fence_wait_s
-from flexpipe.gateway.pool import Instance
 from flexpipe.http.client import UpstreamError, UpstreamResponse
 from flexpipe.http.server import ChunkWriter, HttpError
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from flexpipe.gateway.call import Call
 from flexpipe.gateway.config import GatewayConfig
-from flexpipe.gateway.pool import Instance
+from flexpipe.gateway.core.pool import Instance
 from flexpipe.http.client import Timeouts, UpstreamResponse
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from flexpipe.gateway.pool import Instance
+from flexpipe.gateway.core.pool import Instance
 from flexpipe.http.client import Timeouts, UpstreamError
 from flexpipe.http.server import (
     App,

@@ -40,8 +40,8 @@ from flexpipe.control.core.tick import (
     cold_models,
     decision_brief,
 )
+from flexpipe.gateway.core.holds import STANDBY_HOLD_S
 from flexpipe.gateway.gateway_metrics import _LATENCY_BUCKETS_S, _TPOT_BUCKETS_S
-from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, PlannedInstance
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy

@@ -26,10 +26,10 @@ from flexpipe.engine.request import EngineRequest
 from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.core.admission import ROUTE, Fail, Queue, admit, is_served, num_prompt_tokens
 from flexpipe.gateway.core.engine_metrics import apply_engine_metrics
-from flexpipe.gateway.holds import Holds
-from flexpipe.gateway.pool import Instance, Pool, stream_tpot_s
-from flexpipe.gateway.router import NoInstance, Router
-from flexpipe.gateway.wait_queue import WaitQueue
+from flexpipe.gateway.core.holds import Holds
+from flexpipe.gateway.core.pool import Instance, Pool, stream_tpot_s
+from flexpipe.gateway.core.router import NoInstance, Router
+from flexpipe.gateway.core.wait_queue import WaitQueue
 from flexpipe.lifecycle import State
 from flexpipe.policies.routing import RoutingRequest
 from flexpipe.sim.instance import SimInstance
@@ -70,7 +70,7 @@ class SimGateway:
         self.num_queued_total = 0
         self._scraping = False
         self.log: list[tuple[float, str, str]] | None = None  # (time, event, detail) if kept
-        self.holds = Holds()  # the admin API's holds (flexpipe.gateway.holds, as live)
+        self.holds = Holds()  # the admin API's holds (flexpipe.gateway.core.holds, as live)
 
     def _log(self, now: float, event: str, detail: str) -> None:
         if self.log is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flexpipe.engine.request import EngineRequest
-from flexpipe.gateway.cut_over import (
+from flexpipe.gateway.core.cut_over import (
     MAX_FENCE_S,
     cut_over_s,
     fence_wait_s,

@@ -46,7 +46,7 @@ from flexpipe.control.core.move_inputs import (
 from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.control.core.shift_plan import plan_shift, probe_tokens
 from flexpipe.engine.request import EngineRequest, SamplingParams
-from flexpipe.gateway.holds import STANDBY_HOLD_S
+from flexpipe.gateway.core.holds import STANDBY_HOLD_S
 from flexpipe.gateway.relay import WARM_POLL_S
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import PlannedInstance

@@ -19,7 +19,7 @@ from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.engine.request import EngineRequest
-from flexpipe.gateway.cut_over import fence_until_s
+from flexpipe.gateway.core.cut_over import fence_until_s
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import (
     ModelDemand,

@@ -30,7 +30,7 @@ from flexpipe.control.api.gateway_client import GatewayClient
 from flexpipe.control.controller import Controller, ControllerConfig
 from flexpipe.control.engines.launching import engine_spec
 from flexpipe.control.standby import Renewal, renewal
-from flexpipe.gateway.holds import STANDBY_HOLD_S
+from flexpipe.gateway.core.holds import STANDBY_HOLD_S
 from flexpipe.launch import LocalLauncher, free_port
 from flexpipe.policies.planner import parse_models
 from flexpipe.policies.shift import ShiftParams

@@ -29,7 +29,7 @@ from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.control.core.standby import RefusalChange, Renewal, StandbyCommand
 from flexpipe.control.core.tick import Decided, Readings, TickCore, TickParams, decision_brief
 from flexpipe.control.executor import LiveInstance
-from flexpipe.gateway.holds import STANDBY_HOLD_S
+from flexpipe.gateway.core.holds import STANDBY_HOLD_S
 from flexpipe.launch import LocalLauncher
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, PlannedInstance, Slo

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from flexpipe.gateway.backpressure import DrainRate
+from flexpipe.gateway.core.backpressure import DrainRate
 
 
 def test_rate_converges_to_the_completion_rate() -> None:

@@ -1,11 +1,11 @@
-"""The cut-over's timing rule (flexpipe.gateway.cut_over), shared by the gateway and the
+"""The cut-over's timing rule (flexpipe.gateway.core.cut_over), shared by the gateway and the
 simulator: a recompute move waits, bounded, for its source's next token. Exact values."""
 
 from __future__ import annotations
 
 import pytest
 
-from flexpipe.gateway.cut_over import (
+from flexpipe.gateway.core.cut_over import (
     FENCE_STEPS,
     MAX_FENCE_S,
     MAX_TOKEN_WAIT_S,

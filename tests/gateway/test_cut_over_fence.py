@@ -1,7 +1,7 @@
 """A move's destination takes no other prefill while the move cuts over there: new requests
 are routed elsewhere (`Router.pick`, `fenced_last`), the next move's warm-up waits for the
 fence's end, and a cut-over waits for no client's or warm-up's prefill there
-(flexpipe.gateway.cut_over). The simulator runs the same rules; its run is deterministic,
+(flexpipe.gateway.core.cut_over). The simulator runs the same rules; its run is deterministic,
 so the figures are exact."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 from bench.sim_move_pauses import _seed_short, one_prefill_s
 from flexpipe.gateway import moves
-from flexpipe.gateway.cut_over import MAX_FENCE_S
-from flexpipe.gateway.pool import Instance, Pool
+from flexpipe.gateway.core.cut_over import MAX_FENCE_S
+from flexpipe.gateway.core.pool import Instance, Pool
 from flexpipe.sim import simulate
 
 

@@ -19,7 +19,7 @@ from flexpipe.gateway.core.admission import (
     is_served,
     num_prompt_tokens,
 )
-from flexpipe.gateway.holds import MAX_HELD_WAIT_S, REFUSED_RETRY_AFTER_S, Holds
+from flexpipe.gateway.core.holds import MAX_HELD_WAIT_S, REFUSED_RETRY_AFTER_S, Holds
 from flexpipe.gateway.retry_later import RetryLater
 from flexpipe.http.server import HttpError
 from flexpipe.policies.routing import RoutingRequest

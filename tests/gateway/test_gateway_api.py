@@ -13,7 +13,8 @@ import orjson
 import pytest
 from test_gateway_fakes import FakeEngine, LoopThread
 
-from flexpipe.gateway import Gateway, config_from_dict
+from flexpipe.gateway.app import Gateway
+from flexpipe.gateway.config import config_from_dict
 
 
 class Running:

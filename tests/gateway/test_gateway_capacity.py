@@ -15,7 +15,7 @@ from test_gateway_api import Running
 from test_gateway_fakes import LoopThread
 
 from flexpipe.engine.testing import request, scrape, sim_engine
-from flexpipe.gateway.pool import Pool, derive_max_concurrency
+from flexpipe.gateway.core.pool import Pool, derive_max_concurrency
 from flexpipe.gateway.prober import parse_engine_metrics
 
 MODEL = "llama-2-7b"

@@ -19,8 +19,8 @@ from test_gateway_fakes import LoopThread
 from flexpipe.engine.testing import EngineProc, sim_engine
 from flexpipe.engine.tokenizer import WORDS
 from flexpipe.gateway import moves
-from flexpipe.gateway.cut_over import MAX_FENCE_S
-from flexpipe.gateway.pool import Pool
+from flexpipe.gateway.core.cut_over import MAX_FENCE_S
+from flexpipe.gateway.core.pool import Pool
 
 MODEL = "llama-2-7b"
 ADMIN = "engine-admin"

@@ -14,7 +14,7 @@ from test_gateway_api import Running
 from test_gateway_exits import held_queue_then, idle
 from test_gateway_fakes import FakeEngine, LoopThread
 
-from flexpipe.gateway.holds import REFUSED_RETRY_AFTER_S, Holds
+from flexpipe.gateway.core.holds import REFUSED_RETRY_AFTER_S, Holds
 
 AUTH = {"authorization": "Bearer t", "content-type": "application/json"}
 WHY = "no GPU free to us can place fake-model: every GPU is held by batch job"

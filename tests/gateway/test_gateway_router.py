@@ -7,8 +7,8 @@ import random
 import pytest
 
 from flexpipe.gateway.config import GatewayConfig
-from flexpipe.gateway.pool import Pool
-from flexpipe.gateway.router import NoInstance, Router
+from flexpipe.gateway.core.pool import Pool
+from flexpipe.gateway.core.router import NoInstance, Router
 from flexpipe.lifecycle import State
 from flexpipe.policies.routing import RoutingRequest
 

@@ -1,5 +1,5 @@
-"""The gateway's wait queue: first come, first served per model (flexpipe/gateway/wait_queue.py).
-An exact test of the pure line, and the live gateway over real HTTP with the official client:
+"""The gateway's wait queue (flexpipe/gateway/core/wait_queue.py): first come, first served per
+model. An exact test of the pure line, and the live gateway over real HTTP with the official client:
 a slot that frees goes to a waiter of its own model."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from test_gateway_api import Running
 from test_gateway_fakes import FakeEngine, LoopThread
 
-from flexpipe.gateway.wait_queue import WaitQueue
+from flexpipe.gateway.core.wait_queue import WaitQueue
 
 
 def test_each_model_has_its_line_in_ticket_order_and_a_retry_keeps_its_place() -> None:

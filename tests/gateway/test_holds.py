@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flexpipe.gateway.holds import MAX_HELD_WAIT_S, MAX_HOLD_S, Holds
+from flexpipe.gateway.core.holds import MAX_HELD_WAIT_S, MAX_HOLD_S, Holds
 
 
 def test_a_hold_lasts_its_seconds_and_zero_ends_it() -> None:

@@ -1,4 +1,4 @@
-"""A recompute move cuts over right after its source's next token (flexpipe.gateway.cut_over):
+"""A recompute move cuts over right after its source's next token (flexpipe.gateway.core.cut_over):
 asked in the middle of a source step, it waits for that step's token, relays it, and sends the
 continuation with it; cut at once (`max_token_wait_s` 0, as before), it throws the step in
 progress away and the client's gap starts at the token before. Side by side, real sim
@@ -27,7 +27,7 @@ from test_move_priority import BASE, register
 from test_warm_moves import engine_metric
 
 from flexpipe.engine.testing import EngineProc, sim_engine
-from flexpipe.gateway.cut_over import MAX_TOKEN_WAIT_S
+from flexpipe.gateway.core.cut_over import MAX_TOKEN_WAIT_S
 
 NUM_PROMPT_WORDS = 40
 NUM_BEFORE = 3  # tokens streamed from the source before the move is asked

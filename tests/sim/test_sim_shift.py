@@ -509,7 +509,7 @@ def test_instances_go_through_the_pool_lifecycle_as_the_executor_tells_the_gatew
     starting and go active (nothing to rehearse against); the in-place shift's new instance
     is starting (loaded), rehearsing, active; the ones it replaces drain and are gone. Every
     change is checked by the pool against the one lifecycle (an illegal one would raise)."""
-    from flexpipe.gateway.pool import Pool
+    from flexpipe.gateway.core.pool import Pool
     from flexpipe.lifecycle import State
 
     states: dict[str, list[str]] = {}

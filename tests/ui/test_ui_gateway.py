@@ -15,7 +15,8 @@ import openai
 import pytest
 from test_gateway_fakes import FakeEngine, LoopThread, free_port
 
-from flexpipe.gateway import ConfigError, Gateway, config_from_dict
+from flexpipe.gateway.app import Gateway
+from flexpipe.gateway.config import ConfigError, config_from_dict
 
 INTERVAL_S = 0.2
 

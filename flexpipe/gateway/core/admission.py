@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flexpipe.gateway.holds import REFUSED_RETRY_AFTER_S, Holds
+from flexpipe.gateway.core.holds import REFUSED_RETRY_AFTER_S, Holds
 
 __all__ = [
     "ROUTE", "Decision", "Fail", "Queue", "Route", "admit", "is_served", "num_prompt_tokens",

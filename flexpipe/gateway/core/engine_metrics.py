@@ -9,7 +9,7 @@ import contextlib
 import re
 from collections.abc import Mapping
 
-from flexpipe.gateway.pool import Instance, Pool
+from flexpipe.gateway.core.pool import Instance, Pool
 
 __all__ = ["apply_engine_metrics", "parse_engine_metrics"]
 

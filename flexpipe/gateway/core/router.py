@@ -16,9 +16,9 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Mapping, Sequence
 
-from flexpipe.gateway.backpressure import DrainRate
 from flexpipe.gateway.config import GatewayConfig
-from flexpipe.gateway.pool import Instance, Pool
+from flexpipe.gateway.core.backpressure import DrainRate
+from flexpipe.gateway.core.pool import Instance, Pool
 from flexpipe.policies.routing import (
     InstanceView,
     PrefixIndex,
