@@ -47,6 +47,7 @@ from flexpipe.control.core.samples import (
 from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.control.core.standby import Renewal
 from flexpipe.control.core.tick import Decided, Readings, cold_models
+from flexpipe.control.engines.launching import gpu_places
 from flexpipe.control.engines.takeover import stub
 from flexpipe.control.executor import LiveInstance
 from flexpipe.control.state.journal import first_plan_note
@@ -59,6 +60,7 @@ from flexpipe.http.server import (
 )
 from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.lifecycle import State
+from flexpipe.observe.dcgm import gpu_instance_labels
 from flexpipe.perf import Efficiency
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, PlannedInstance, plan
@@ -222,6 +224,17 @@ class Controller:
     def _gauge(self) -> None:
         live = [(i.planned.model, State(i.state)) for i in self.running.values()]
         self.metrics.set_instances(live + self._gone[-1000:])
+        # which instance holds each GPU, in DCGM's labels: Grafana joins the exporter's
+        # per-GPU series to instances with it (docs/observability.md)
+        running = list(self.running.values())
+        cluster = self.cluster
+        placements = {
+            i.planned.name: gpu_places(cluster, [g for stage in i.planned.stages for g in stage])
+            for i in running
+        }
+        self.metrics.set_gpu_instances(
+            gpu_instance_labels(placements, {i.planned.name: i.planned.model for i in running})
+        )
 
     @property
     def rates_per_s(self) -> dict[str, float]:
