@@ -19,7 +19,6 @@ __all__ = [
     "SIGNALS",
     "EngineKind",
     "engine_kind",
-    "engine_signals",
     "kv_move_possible",
 ]
 
@@ -62,7 +61,7 @@ ENGINE_KINDS: Mapping[str, EngineKind] = {
         EngineKind(
             name="sim",
             kv_export_import=True,
-            sleep_levels=(),
+            sleep_levels=(1, 2),  # as vLLM's, with --enable-sleep-mode (docs/sim-engine.md)
             prefix_caching=True,
             prefix_caching_default=True,
             pp_across_nodes=True,  # a sim engine stands for any placement (Ray: one process)
@@ -127,26 +126,3 @@ def kv_move_possible(src_kind: str, dst_kind: str) -> bool:
     """Whether a request can move from an engine of `src_kind` to one of `dst_kind` with its
     KV cache (export on one end, import on the other); otherwise it moves by recompute."""
     return engine_kind(src_kind).kv_export_import and engine_kind(dst_kind).kv_export_import
-
-
-def engine_signals(kind: str, exposition: str) -> dict[str, float]:
-    """The gateway's signals from one scrape of an engine's /metrics: each sample of a declared
-    metric, summed over its label sets, under its signal's name."""
-    names = engine_kind(kind).metrics
-    out: dict[str, float] = {}
-    for line in exposition.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        end = min(i for i in (line.find("{"), line.find(" "), len(line)) if i >= 0)
-        signal = names.get(line[:end])
-        if signal is None:
-            continue
-        rest = line[end:]
-        if rest.startswith("{"):  # labels (their values may hold spaces)
-            rest = rest[rest.find("} ") + 1 :]
-        try:
-            value = float(rest.split()[0])  # (a timestamp may follow)
-        except (ValueError, IndexError):
-            continue
-        out[signal] = out.get(signal, 0.0) + value
-    return out

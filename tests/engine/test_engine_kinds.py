@@ -9,9 +9,9 @@ from flexpipe.engine_kinds import (
     ENGINE_KINDS,
     SIGNALS,
     engine_kind,
-    engine_signals,
     kv_move_possible,
 )
+from flexpipe.gateway.core.engine_metrics import parse_engine_metrics
 from flexpipe.launch import ENGINES
 
 
@@ -34,7 +34,7 @@ def test_what_each_kind_supports() -> None:
     assert {
         k: (v.kv_export_import, v.sleep_levels, v.pp_across_nodes) for k, v in ENGINE_KINDS.items()
     } == {
-        "sim": (True, (), True),
+        "sim": (True, (1, 2), True),
         "vllm": (False, (1, 2), True),
         "sglang": (False, (), False),
     }
@@ -67,29 +67,22 @@ sglang:cached_tokens_total{model_name="llama-7b"} 20480.0
 """
 
 
-def test_sglang_metrics_become_the_gateways_signals() -> None:
-    assert engine_signals("sglang", SGLANG_METRICS) == {
+def test_sglang_metrics_feed_the_gateways_routing_record() -> None:
+    """The gateway reads each kind's declared names: SGLang's running and queued requests, KV
+    usage and size land in the same fields as vLLM's."""
+    assert parse_engine_metrics(SGLANG_METRICS.encode()) == {
         "num_running": 12.0,
         "num_waiting": 3.0,
         "kv_usage": 0.42,
         "num_kv_tokens": 215040.0,
-        "num_generated_tokens": 9100.0,
-        "num_prefix_queries": 40960.0,
-        "num_prefix_hits": 20480.0,
     }
-    # the same text read as vLLM's has none of its names
-    assert engine_signals("vllm", SGLANG_METRICS) == {}
 
 
 def test_vllm_metrics_are_summed_over_label_sets() -> None:
     text = (
-        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
-        'vllm:num_requests_running{engine="1",model_name="m"} 3.0\n'
-        'vllm:kv_cache_usage_perc{engine="0",model_name="a b"} 0.25 1712000000000\n'
-        "vllm:num_requests_waiting 4\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        b'vllm:num_requests_running{engine="1",model_name="m"} 3.0\n'
+        b'vllm:kv_cache_usage_perc{engine="0",model_name="a b"} 0.25\n'
+        b"vllm:num_requests_waiting 4\n"
     )
-    assert engine_signals("vllm", text) == {
-        "num_running": 5.0,
-        "kv_usage": 0.25,
-        "num_waiting": 4.0,
-    }
+    assert parse_engine_metrics(text) == {"num_running": 5.0, "kv_usage": 0.25, "num_waiting": 4.0}

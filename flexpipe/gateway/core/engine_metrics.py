@@ -1,7 +1,8 @@
 """An engine's /metrics into the gateway's routing record (pure): the live prober scrapes
 over HTTP and the simulator's gateway reads its sim engines, and both hand the numbers to
-`apply_engine_metrics` (vLLM's metric names; the sim engine's exact token count and
-max_num_seqs; the KV cache's size from vllm:cache_config_info)."""
+`apply_engine_metrics` (the metric names each engine kind declares; the sim engine's exact
+token count and max_num_seqs; the KV cache's size from vllm:cache_config_info or SGLang's
+max_total_num_tokens)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,26 @@ import contextlib
 import re
 from collections.abc import Mapping
 
+from flexpipe.engine_kinds import ENGINE_KINDS
 from flexpipe.gateway.core.pool import Instance, Pool
 
 __all__ = ["apply_engine_metrics", "parse_engine_metrics"]
 
-# vLLM metric name -> Instance field (older vLLM spells the KV one gpu_cache_usage_perc)
+# Metric name -> Instance field: each engine kind's declared names (flexpipe/engine_kinds.py:
+# vLLM's, SGLang's) for the fields routing reads, older vLLM's spelling of the KV one, and the
+# sim engine's exact token count and scheduler limit.
+_ROUTING_FIELDS = ("num_running", "num_waiting", "kv_usage", "num_kv_tokens")
 _METRICS = {
-    b"vllm:num_requests_running": "num_running",
-    b"vllm:num_requests_waiting": "num_waiting",
-    b"vllm:kv_cache_usage_perc": "kv_usage",
+    name.encode(): signal
+    for kind in ENGINE_KINDS.values()
+    for name, signal in kind.metrics.items()
+    if signal in _ROUTING_FIELDS
+} | {
     b"vllm:gpu_cache_usage_perc": "kv_usage",
-    b"flexpipe:num_tokens_queued_running": "num_tokens",  # the sim engine's exact count
-    b"flexpipe:max_num_seqs": "max_num_seqs",  # the sim engine's scheduler limit
+    b"flexpipe:num_tokens_queued_running": "num_tokens",
+    b"flexpipe:max_num_seqs": "max_num_seqs",
 }
+_PREFIXES = tuple({name[: name.index(b":") + 1] for name in _METRICS})
 _CACHE_INFO = b"vllm:cache_config_info"
 _LABEL = re.compile(rb'(\w+)="([^"]*)"')
 
@@ -31,7 +39,7 @@ def parse_engine_metrics(text: bytes) -> dict[str, float]:
     size in tokens (`num_kv_tokens`) from vllm:cache_config_info's labels."""
     out: dict[str, float] = {}
     for line in text.split(b"\n"):
-        if not line.startswith((b"vllm:", b"flexpipe:")):
+        if not line.startswith(_PREFIXES):
             continue
         name_end = min(i for i in (line.find(b"{"), line.find(b" ")) if i >= 0)
         field = _METRICS.get(line[:name_end])
