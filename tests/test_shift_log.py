@@ -311,7 +311,7 @@ def test_a_store_from_before_the_lifecycle_columns_opens_and_grows(tmp_path: Pat
         (rec,) = InstanceRegistry(store).live_instances()
         assert (rec.id, rec.state, rec.pid, rec.plan_id) == (1, State.ACTIVE, None, None)
         assert rec.state_at == rec.started_at == datetime(2026, 11, 30, 10, tzinfo=UTC)
-        assert store.instances()[0]["gone_reason"] is None
+        assert rec.gone_reason is None
     with sqlite3.connect(path) as db:
         columns = [r[1] for r in db.execute("PRAGMA table_info(instances)")]
     assert columns[-6:] == ["state_at", "pid", "pgid", "plan_id", "gone_reason", "deployment"]

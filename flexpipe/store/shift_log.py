@@ -5,11 +5,11 @@ known later (outcome, rehearsal, phases, requests migrated, performance after), 
 fills in: a fact already written is never changed (writing the same value again is a no-op,
 so a restarted controller may replay), and an outcome moves only from `pending`.
 
-Table `shift_log` (a new table beside the older free-form `shifts`): the facts one filters or
-aggregates on are columns (time, kind, trigger, outcome, score, rehearsal pass/fail, each
-phase, each migration method, the performance after); the lists (signals, plans,
-alternatives, rehearsal checks, the price's terms) are JSON columns read back into the typed
-records of shift_entry.py. The schema grows by new nullable columns (see migrate.py).
+Table `shift_log`: the facts one filters or aggregates on are columns (time, kind, trigger,
+outcome, score, rehearsal pass/fail, each phase, each migration method, the performance after,
+the deployment that wrote it); the lists (signals, plans, alternatives, rehearsal checks, the
+price's terms) are JSON columns read back into the typed records of shift_entry.py.
+The schema grows by new nullable columns (see migrate.py).
 """
 
 from __future__ import annotations
