@@ -37,6 +37,7 @@ SCRAPE = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 
 class Up:
     def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp  # its TMPDIR: its run directory is found there, not another `up`'s
         self.marker = f"fp-see-{uuid.uuid4().hex[:10]}"
         self.port, self.cport = free_port(), free_port()
         self.store = f"sqlite:///{tmp / 'fp.db'}"
@@ -46,10 +47,18 @@ class Up:
             "--tick-s", "600",  # no shift while the test reads the plan
             "--models", str(write_models(tmp, self.marker)), "--store", self.store,
         ]  # fmt: skip
-        env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**self.env, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of `up` and of the commands run against it: no controller URL or
+        token given, its run directory in its own TMPDIR."""
+        drop = ("FLEXPIPE_CONTROLLER", "FLEXPIPE_CONTROLLER_TOKEN")
+        env = {k: v for k, v in os.environ.items() if k not in drop}
+        return {**env, "COLUMNS": "200", "TMPDIR": str(self.tmp)}
 
     @property
     def controller(self) -> str:
@@ -58,7 +67,7 @@ class Up:
     @property
     def token(self) -> str | None:
         """The admin token of the controller (`up` gives it the gateway's)."""
-        return find_admin_token(self.controller)
+        return find_admin_token(self.controller, self.tmp)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -101,7 +110,7 @@ def _get(url: str, token: str | None = None) -> str:
 def test_status_json_from_the_running_processes(up: Up) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "flexpipe", "status", "--json", "--controller", up.controller],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, env=up.env,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     snap = json.loads(res.stdout)
@@ -128,11 +137,26 @@ def test_top_draws_a_frame(up: Up) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "flexpipe", "top", "--frames", "1", "--interval", "0.5",
          "--controller", up.controller],  # the shift log: where the controller writes it
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
+        capture_output=True, text=True, timeout=60, env=up.env,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "flexpipe top" in res.stdout and up.marker in res.stdout
     assert "first plan" in res.stdout  # the shift log's plan entry, drawn as `flexpipe shifts`
+
+
+def test_status_and_cluster_find_the_running_up_on_its_ports(up: Up) -> None:
+    """`up` was given --port and --controller-port: `flexpipe status` and `flexpipe cluster
+    release`, given no URL, find its controller (not 127.0.0.1:8100) and its token."""
+    res = subprocess.run([sys.executable, "-m", "flexpipe", "status", "--json"],
+                         capture_output=True, text=True, timeout=60, env=up.env)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    snap = json.loads(res.stdout)
+    assert snap["controller_url"] == up.controller
+    assert snap["gateway_url"] == f"http://127.0.0.1:{up.port}"
+    res = subprocess.run([sys.executable, "-m", "flexpipe", "cluster", "release", "gpu3"],
+                         capture_output=True, text=True, timeout=60, env=up.env)  # fmt: skip
+    # the controller's own answer (gpu3 was never occupied): it was reached, with the token
+    assert res.returncode == 1 and "is not occupied through the admin API" in res.stderr
 
 
 def test_status_without_a_controller_is_one_line() -> None:

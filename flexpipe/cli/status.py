@@ -24,16 +24,11 @@ from rich.console import RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from flexpipe.cli.cluster import ControllerUrl, TimeoutS, Token, TokenFile
+from flexpipe.cli.cluster import ControllerUrl, TimeoutS, Token, TokenFile, connect
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console
-from flexpipe.cli.run_dir import admin_token
 from flexpipe.cli.shifts import entries_table
-from flexpipe.control.client import (
-    DEFAULT_CONTROLLER_URL,
-    ControllerClient,
-    ControllerError,
-)
+from flexpipe.control.client import ControllerClient, ControllerError
 from flexpipe.observe.readings import Readings, read
 from flexpipe.observe.render import status_view, top_view
 from flexpipe.observe.snapshot import snapshot
@@ -50,10 +45,10 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 
 def _client(
-    controller: str, token: str | None, token_file: Path | None, timeout_s: float
+    controller: str | None, token: str | None, token_file: Path | None, timeout_s: float
 ) -> ControllerClient:
     try:
-        return ControllerClient(controller, admin_token(controller, token, token_file), timeout_s)
+        return connect(controller, token, token_file, timeout_s)
     except ValueError as exc:
         raise _fail(str(exc), 2) from None
 
@@ -124,7 +119,7 @@ def register(app: typer.Typer) -> None:
         ] = False,
         watch: Annotated[bool, typer.Option("--watch", help="Refresh until Ctrl-C.")] = False,
         interval: Interval = 2.0,
-        controller: ControllerUrl = DEFAULT_CONTROLLER_URL,
+        controller: ControllerUrl = None,
         token: Token = None,
         token_file: TokenFile = None,
         timeout_s: TimeoutS = 5.0,
@@ -152,7 +147,7 @@ def register(app: typer.Typer) -> None:
     @app.command("top")
     def top(
         interval: Interval = 2.0,
-        controller: ControllerUrl = DEFAULT_CONTROLLER_URL,
+        controller: ControllerUrl = None,
         token: Token = None,
         token_file: TokenFile = None,
         timeout_s: TimeoutS = 5.0,
