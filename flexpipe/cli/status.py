@@ -60,12 +60,13 @@ def _read(client: ControllerClient, timeout_s: float) -> Readings:
         raise _fail(str(exc), 1) from None
 
 
-def _last_shifts(store: str | None, num: int) -> RenderableType:
-    """The newest changes of the shift log (holds left out), or why they cannot be shown."""
+def _last_shifts(store: str | None, num: int, deployment: str | None) -> RenderableType:
+    """The newest changes `deployment` logged (holds left out; the store is shared with other
+    deployments), or why they cannot be shown."""
     kinds = [k for k in KINDS if k != "hold"]
     try:
         with Store(store) as st:
-            entries = ShiftLog(st).entries(kinds=kinds, limit=num)
+            entries = ShiftLog(st).entries(kinds=kinds, limit=num, deployment=deployment)
     except Exception as exc:  # a store that cannot be read must not take the screen down
         return Text(f"shift log: cannot read the store: {str(exc).splitlines()[0]}", style="red")
     if not entries:
@@ -167,7 +168,8 @@ def register(app: typer.Typer) -> None:
         out = make_console()
         before = _read(client, timeout_s)
         store = store or before.status.get("store")  # the shift log the controller writes
-        view: RenderableType = top_view(snapshot(before), _last_shifts(store, num_shifts))
+        mine = before.status.get("deployment")  # what it writes its entries as
+        view: RenderableType = top_view(snapshot(before), _last_shifts(store, num_shifts, mine))
         num_frames = 0
         with (
             contextlib.suppress(KeyboardInterrupt),
@@ -183,7 +185,7 @@ def register(app: typer.Typer) -> None:
                 except ControllerError as exc:
                     live.update(Text(f"{exc} (retrying; q quits)", style="bold red"), refresh=True)
                     continue
-                live.update(top_view(snapshot(now, before), _last_shifts(store, num_shifts)),
+                live.update(top_view(snapshot(now, before), _last_shifts(store, num_shifts, mine)),
                             refresh=True)  # fmt: skip
                 before = now
                 num_frames += 1
