@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -88,6 +89,9 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     u = Up(tmp_path_factory.mktemp("see-it"))
     try:
         wait_for_line(u.proc, "serving", 90)
+        # the dashboard reads the engines every 2 s and counts from its first reading of
+        # each: let it have one, so that the requests below fall in its window
+        time.sleep(4)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{u.port}/v1", api_key="x")
         for i in range(6):  # streamed: the gateway observes TTFT and TPOT
             stream = client.completions.create(
@@ -107,13 +111,27 @@ def _get(url: str, token: str | None = None) -> str:
         return body.decode()
 
 
+def _status(up: Up) -> dict[str, Any]:
+    """`flexpipe status --json`, once the gateway's dashboard has read the requests the
+    fixture sent (one reading every 2 s): the models' figures are the dashboard's."""
+    deadline = time.monotonic() + 20
+    while True:
+        res = subprocess.run(
+            [sys.executable, "-m", "flexpipe", "status", "--json", "--controller", up.controller],
+            capture_output=True, text=True, timeout=60, env=up.env,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        snap: dict[str, Any] = json.loads(res.stdout)
+        model = snap["models"][0]
+        if model["ttft_p95_s"] is not None and model["prefix_hit_rate"] is not None:
+            return snap
+        if time.monotonic() > deadline:
+            return snap
+        time.sleep(0.5)
+
+
 def test_status_json_from_the_running_processes(up: Up) -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "flexpipe", "status", "--json", "--controller", up.controller],
-        capture_output=True, text=True, timeout=60, env=up.env,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    snap = json.loads(res.stdout)
+    snap = _status(up)
     assert snap["cluster"] == "fragmented-4gpu" and snap["engine"] == "sim"
     assert json.loads(_get(up.controller + "/admin/status", up.token))["store"] == up.store
     assert snap["gateway_url"] == f"http://127.0.0.1:{up.port}" and snap["gateway_up"]
@@ -128,7 +146,9 @@ def test_status_json_from_the_running_processes(up: Up) -> None:
     assert model["name"] == up.marker and model["num_instances"] == 3
     assert (model["ttft_slo_s"], model["tpot_slo_s"]) == (2.0, 0.06)
     assert model["error_rate"] == 0.0 and model["ttft_p95_s"] is not None
-    assert model["prefix_hit_rate"] is not None
+    assert model["prefix_hit_rate"] is not None and model["measured"]
+    # from one reading: the dashboard's figures, tokens and the sim engines' busy time too
+    assert model["generation_tokens_per_s"] > 0 and model["gpu_utilization"] is not None
     on = {g["id"]: g["instance"] for g in snap["gpus"]}
     assert on["gpu1"] == on["gpu2"] is not None and on["gpu0"] is not None
 
