@@ -19,7 +19,7 @@ from rich.table import Table
 
 from flexpipe.cli.common import console
 from flexpipe.cli.durations import DURATION_HELP, parse_until
-from flexpipe.cli.run_dir import admin_token
+from flexpipe.cli.run_dir import admin_token, controller_url
 from flexpipe.cluster import Cluster, ClusterError, load_cluster
 from flexpipe.cluster.generate import generate_cluster
 from flexpipe.control.api.client import (
@@ -235,9 +235,13 @@ def generate(
 
 
 ControllerUrl = Annotated[
-    str,
+    str | None,
     typer.Option(
-        "--controller", envvar="FLEXPIPE_CONTROLLER", help="The controller's admin API URL."
+        "--controller",
+        envvar="FLEXPIPE_CONTROLLER",
+        help="The controller's admin API URL (default: your running `flexpipe up`'s, whatever "
+        f"its ports, else {DEFAULT_CONTROLLER_URL}).",
+        show_default=False,
     ),
 ]
 Token = Annotated[
@@ -253,12 +257,21 @@ TokenFile = Annotated[
 TimeoutS = Annotated[float, typer.Option("--timeout-s", min=0.1, help="Seconds to wait.")]
 
 
+def connect(
+    controller: str | None, token: str | None, token_file: Path | None, timeout_s: float
+) -> ControllerClient:
+    """The client of the controller a command means (`run_dir.controller_url`), with its
+    token; a bad URL or token file, or several running `up`s: ValueError."""
+    url = controller_url(controller)
+    return ControllerClient(url, admin_token(url, token, token_file), timeout_s)
+
+
 def _client(
-    controller: str, token: str | None, token_file: Path | None, timeout_s: float
+    controller: str | None, token: str | None, token_file: Path | None, timeout_s: float
 ) -> ControllerClient:
     """Bad local input (URL, token file): one `error:` line, exit 2."""
     try:
-        return ControllerClient(controller, admin_token(controller, token, token_file), timeout_s)
+        return connect(controller, token, token_file, timeout_s)
     except ValueError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -283,7 +296,7 @@ def occupy(
     owner: Annotated[
         str | None, typer.Option(help="Who takes them (default: your user name).")
     ] = None,
-    controller: ControllerUrl = DEFAULT_CONTROLLER_URL,
+    controller: ControllerUrl = None,
     token: Token = None,
     token_file: TokenFile = None,
     timeout_s: TimeoutS = 10.0,
@@ -313,7 +326,7 @@ def release(
     gpus: Annotated[
         list[str], typer.Argument(metavar="GPU", help="GPU ids occupied with `occupy`.")
     ],
-    controller: ControllerUrl = DEFAULT_CONTROLLER_URL,
+    controller: ControllerUrl = None,
     token: Token = None,
     token_file: TokenFile = None,
     timeout_s: TimeoutS = 10.0,

@@ -1,7 +1,7 @@
 """The private directory of one `flexpipe up`: its admin token (gateway and controller), the
-engines' token, its pid and its URLs, so that `flexpipe cluster` and `flexpipe status` find
-the token of the `up` whose controller they talk to, and a later `up` can tell a directory
-left by a `kill -9` (its pid is dead) and remove it.
+engines' token, its pid and its URLs, so that `flexpipe cluster`, `status`, `top` and
+`shifts` find the running `up`'s controller (whatever ports it was given) and its token, and
+a later `up` can tell a directory left by a `kill -9` (its pid is dead) and remove it.
 
     $TMPDIR/flexpipe-up-<gateway port>-<random>/   (0700; files 0600)
         pid            the pid of `up`
@@ -22,10 +22,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from flexpipe.control.api.client import resolve_token
+from flexpipe.control.api.client import DEFAULT_CONTROLLER_URL, resolve_token
 from flexpipe.launch.process import pid_alive
 
-__all__ = ["PREFIX", "RunDir", "admin_token", "find_admin_token", "remove_stale", "run_dir"]
+__all__ = [
+    "PREFIX",
+    "RunDir",
+    "RunningUp",
+    "admin_token",
+    "controller_url",
+    "find_admin_token",
+    "remove_stale",
+    "run_dir",
+    "running_ups",
+]
 
 PREFIX = "flexpipe-up-"
 _LEGACY_FILES = {"gateway-token", "engine-token"}  # what an `up` before the pid file left
@@ -126,22 +136,57 @@ def _same_url(a: str, b: str) -> bool:
     return norm(a) == norm(b)
 
 
-def find_admin_token(controller_url: str, root: Path | None = None) -> str | None:
-    """The admin token of this user's running `up` whose controller is at `controller_url`."""
+@dataclass(frozen=True, slots=True)
+class RunningUp:
+    """What a running `flexpipe up` of this user recorded in its directory."""
+
+    path: Path
+    gateway_url: str
+    controller_url: str
+    admin_token: str | None
+
+
+def running_ups(root: Path | None = None) -> list[RunningUp]:
+    """This user's `flexpipe up`s whose pid lives, in directory order."""
+    out = []
     for path in sorted(Path(root or tempfile.gettempdir()).glob(PREFIX + "*")):
         pid = _owner_pid(path) if _mine(path) else None
         if pid is None or not pid_alive(pid):
             continue
         try:
             urls = json.loads((path / "urls.json").read_text())
-            if not _same_url(str(urls["controller"]), controller_url):
-                continue
-            token = (path / "admin-token").read_text().strip()
+            gateway, controller = str(urls["gateway"]), str(urls["controller"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if token:
-            return token
+        try:
+            token = (path / "admin-token").read_text().strip() or None
+        except OSError:
+            token = None
+        out.append(RunningUp(path, gateway, controller, token))
+    return out
+
+
+def find_admin_token(controller_url: str, root: Path | None = None) -> str | None:
+    """The admin token of this user's running `up` whose controller is at `controller_url`."""
+    for up in running_ups(root):
+        if up.admin_token and _same_url(up.controller_url, controller_url):
+            return up.admin_token
     return None
+
+
+def controller_url(given: str | None, root: Path | None = None) -> str:
+    """The controller a command talks to: `given` (--controller, $FLEXPIPE_CONTROLLER), else
+    the one of this user's running `flexpipe up` (its --port / --controller-port are in its
+    directory), else the default one (127.0.0.1:8100). Several running `up`s and none given:
+    a ValueError that names them (which one is meant cannot be guessed)."""
+    if given:
+        return given
+    ups = running_ups(root)
+    if len(ups) > 1:
+        names = ", ".join(u.controller_url for u in ups)
+        raise ValueError(f"{len(ups)} `flexpipe up` are running (controllers {names}): "
+                         "say which with --controller")  # fmt: skip
+    return ups[0].controller_url if ups else DEFAULT_CONTROLLER_URL
 
 
 def admin_token(controller: str, token: str | None, token_file: Path | None) -> str | None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated
 
 import typer
+from rich.console import JustifyMethod
 from rich.table import Table
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -56,11 +58,15 @@ def _why_text(entry: ShiftEntry) -> str:
     return entry.reason if not entry.error else f"{entry.reason}\n→ {entry.error}"
 
 
-def entries_table(entries: Sequence[ShiftEntry], now: datetime, title: str) -> Table:
+def entries_table(
+    entries: Sequence[ShiftEntry], now: datetime, title: str, with_deployment: bool = False
+) -> Table:
+    """`with_deployment`: a column saying which deployment wrote each entry."""
     table = Table(title=title, title_justify="left")
-    columns = (
+    columns: tuple[tuple[str, JustifyMethod, bool], ...] = (
         ("id", "right", True),
         ("time (UTC)", "left", True),
+        *((("deployment", "left", True),) if with_deployment else ()),
         ("kind", "left", True),
         ("trigger", "left", True),
         ("from → to", "left", False),
@@ -74,7 +80,7 @@ def entries_table(entries: Sequence[ShiftEntry], now: datetime, title: str) -> T
     for name, justify, no_wrap in columns:
         table.add_column(
             name,
-            justify=justify,  # type: ignore[arg-type]
+            justify=justify,
             no_wrap=no_wrap,
             overflow="ellipsis" if no_wrap else "fold",
         )
@@ -84,6 +90,7 @@ def entries_table(entries: Sequence[ShiftEntry], now: datetime, title: str) -> T
         table.add_row(
             str(e.id),
             stamp,
+            *((e.deployment or "—",) if with_deployment else ()),
             e.kind,
             e.trigger,
             moves_text(e),
@@ -102,16 +109,33 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
+@dataclass(frozen=True, slots=True)
+class _Found:
+    entries: list[ShiftEntry]  # the ones to show
+    num_matching: int  # of the deployment shown (every deployment's with --all)
+    deployment: str | None  # whose; None: every deployment's
+    num_others: int  # matching entries other deployments wrote
+
+
 def _read(
-    url: str | None, since: datetime | None, kinds: list[str] | None, limit: int
-) -> tuple[list[ShiftEntry], int]:
-    """The entries to show and how many match; a store that cannot be read is one line."""
+    url: str | None,
+    since: datetime | None,
+    kinds: list[str] | None,
+    limit: int,
+    deployment: str | None,
+    every: bool,
+) -> _Found:
+    """The entries to show: of `deployment`, else of the one that wrote the newest entry (the
+    store is shared: other ports, tests and earlier runs log there too), or every
+    deployment's with `every`. A store that cannot be read is one line."""
     try:
         with Store(url, create=False) as st:  # a read: never a new store
             log = ShiftLog(st)
-            return log.entries(since=since, kinds=kinds, limit=limit or None), log.count(
-                since=since, kinds=kinds
-            )
+            mine = None if every else deployment or log.newest_deployment()
+            entries = log.entries(since=since, kinds=kinds, limit=limit or None, deployment=mine)
+            num = log.count(since=since, kinds=kinds, deployment=mine)
+            others = 0 if mine is None else log.count(since=since, kinds=kinds) - num
+            return _Found(entries, num, mine, others)
     except StoreError as exc:
         raise StoreError(_first_line(exc)) from None
     except OSError as exc:  # the SQLite file's folder cannot be made
@@ -147,24 +171,42 @@ def register(app: typer.Typer) -> None:
         limit: Annotated[int, typer.Option(help="The newest N entries (0: all).")] = 50,
         as_json: Annotated[bool, typer.Option("--json", help="Print the entries as JSON.")] = False,
         store: StoreOpt = None,
+        deployment: Annotated[
+            str | None,
+            typer.Option(
+                help="Only this deployment's entries (its id: the gateway URL of its `flexpipe "
+                "up`) [default: the one that wrote the newest entry]."
+            ),
+        ] = None,
+        every: Annotated[
+            bool, typer.Option("--all", help="Every deployment's entries (the store is shared).")
+        ] = False,
     ) -> None:
         """The shift log: every decision (holds too), its trigger, score, phases, requests
-        migrated and outcome."""
+        migrated and outcome; one deployment's (the newest's by default), or --all."""
         now = datetime.now(UTC)
         with user_errors():
             start = None if since is None else parse_since(since, now)
             if limit < 0:
                 raise ValueError(f"bad --limit {limit}: expected >= 0")
-            entries, total = _read(store, start, kind, limit)
+            if every and deployment is not None:
+                raise ValueError("give --deployment or --all, not both")
+            found = _read(store, start, kind, limit, deployment, every)
+        entries = found.entries
         if as_json:
             typer.echo(json.dumps([e.to_dict() for e in entries], indent=2))
             return
         out = make_console()
         where = f" since {start:%Y-%m-%d %H:%M:%S} UTC" if start is not None else ""
+        whose = f" of {found.deployment}" if found.deployment else ""
         if not entries:
-            out.print(f"no shift log entries{where}", highlight=False)
-            return
-        title = f"shift log{where}: {len(entries)} of {total} entries"
-        out.print(entries_table(entries, now, title))
-        if len(entries) < total:
-            out.print(f"(the newest {len(entries)}; --limit 0 shows all)", highlight=False)
+            out.print(f"no shift log entries{whose}{where}", highlight=False)
+        else:
+            title = f"shift log{whose}{where}: {len(entries)} of {found.num_matching} entries"
+            several = len({e.deployment for e in entries}) > 1  # then say whose each is
+            out.print(entries_table(entries, now, title, with_deployment=several))
+            if len(entries) < found.num_matching:
+                out.print(f"(the newest {len(entries)}; --limit 0 shows all)", highlight=False)
+        if found.num_others:
+            out.print(f"({found.num_others} entries of other deployments; --all shows them)",
+                      highlight=False)  # fmt: skip

@@ -52,16 +52,10 @@ _ROWS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _cell(value: Any, none: str = "never") -> str:
-    if value is None:
-        return none  # (a latency: no request completed)
-    if isinstance(value, float):
-        return f"{value:,.3f}"
-    return f"{value:,}" if isinstance(value, int) else str(value)
-
-
 def compare_table(reports: list[dict[str, Any]]) -> Table:
     """One column per policy; overall rows, then per model latency and throughput."""
+    from flexpipe.sim.report import cell_text as _cell  # the HTML page formats with it too
+
     table = Table(title=f"scenario {reports[0]['scenario']}", title_justify="left")
     table.add_column("")
     for rep in reports:
@@ -71,15 +65,8 @@ def compare_table(reports: list[dict[str, Any]]) -> Table:
     table.add_row(
         "reservation / peak", *(_cell(r["reservation"]["share_of_peak"]) for r in reports)
     )
-    table.add_row(
-        "shifts by kind",
-        *(", ".join(f"{k} x{v}" for k, v in r["shifts_by_kind"].items()) or "-" for r in reports),
-    )
-    table.add_row(
-        "moved requests",
-        *(", ".join(f"{k} x{v}" for k, v in r["requests_migrated_by_method"].items()) or "-"
-          for r in reports),
-    )  # fmt: skip
+    table.add_row("shifts by kind", *(_cell(r["shifts_by_kind"]) for r in reports))
+    table.add_row("moved requests", *(_cell(r["requests_migrated_by_method"]) for r in reports))
     for model in reports[0]["models"]:
         per = [r["models"][model] for r in reports]
         table.add_row(f"[bold]{model}[/]", *("" for _ in reports))
@@ -96,10 +83,7 @@ def compare_table(reports: list[dict[str, Any]]) -> Table:
             "  prefix-cache hits (tok)", *(_cell(p["prefix_cache_hit_tokens"]) for p in per)
         )
         table.add_row("  preemptions", *(_cell(p["num_preemptions"]) for p in per))
-        table.add_row(
-            "  failed by reason",
-            *(", ".join(f"{k} x{v}" for k, v in p["failed_by_reason"].items()) or "-" for p in per),
-        )
+        table.add_row("  failed by reason", *(_cell(p["failed_by_reason"]) for p in per))
     return table
 
 

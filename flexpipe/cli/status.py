@@ -24,16 +24,11 @@ from rich.console import RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from flexpipe.cli.cluster import ControllerUrl, TimeoutS, Token, TokenFile
+from flexpipe.cli.cluster import ControllerUrl, TimeoutS, Token, TokenFile, connect
 from flexpipe.cli.common import console as make_console
 from flexpipe.cli.common import err_console
-from flexpipe.cli.run_dir import admin_token
 from flexpipe.cli.shifts import entries_table
-from flexpipe.control.api.client import (
-    DEFAULT_CONTROLLER_URL,
-    ControllerClient,
-    ControllerError,
-)
+from flexpipe.control.api.client import ControllerClient, ControllerError
 from flexpipe.observe.readings import Readings, read
 from flexpipe.observe.render import status_view, top_view
 from flexpipe.observe.status_snapshot import snapshot
@@ -50,10 +45,10 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 
 def _client(
-    controller: str, token: str | None, token_file: Path | None, timeout_s: float
+    controller: str | None, token: str | None, token_file: Path | None, timeout_s: float
 ) -> ControllerClient:
     try:
-        return ControllerClient(controller, admin_token(controller, token, token_file), timeout_s)
+        return connect(controller, token, token_file, timeout_s)
     except ValueError as exc:
         raise _fail(str(exc), 2) from None
 
@@ -65,12 +60,13 @@ def _read(client: ControllerClient, timeout_s: float) -> Readings:
         raise _fail(str(exc), 1) from None
 
 
-def _last_shifts(store: str | None, num: int) -> RenderableType:
-    """The newest changes of the shift log (holds left out), or why they cannot be shown."""
+def _last_shifts(store: str | None, num: int, deployment: str | None) -> RenderableType:
+    """The newest changes `deployment` logged (holds left out; the store is shared with other
+    deployments), or why they cannot be shown."""
     kinds = [k for k in KINDS if k != "hold"]
     try:
         with Store(store) as st:
-            entries = ShiftLog(st).entries(kinds=kinds, limit=num)
+            entries = ShiftLog(st).entries(kinds=kinds, limit=num, deployment=deployment)
     except Exception as exc:  # a store that cannot be read must not take the screen down
         return Text(f"shift log: cannot read the store: {str(exc).splitlines()[0]}", style="red")
     if not entries:
@@ -124,7 +120,7 @@ def register(app: typer.Typer) -> None:
         ] = False,
         watch: Annotated[bool, typer.Option("--watch", help="Refresh until Ctrl-C.")] = False,
         interval: Interval = 2.0,
-        controller: ControllerUrl = DEFAULT_CONTROLLER_URL,
+        controller: ControllerUrl = None,
         token: Token = None,
         token_file: TokenFile = None,
         timeout_s: TimeoutS = 5.0,
@@ -152,7 +148,7 @@ def register(app: typer.Typer) -> None:
     @app.command("top")
     def top(
         interval: Interval = 2.0,
-        controller: ControllerUrl = DEFAULT_CONTROLLER_URL,
+        controller: ControllerUrl = None,
         token: Token = None,
         token_file: TokenFile = None,
         timeout_s: TimeoutS = 5.0,
@@ -172,7 +168,8 @@ def register(app: typer.Typer) -> None:
         out = make_console()
         before = _read(client, timeout_s)
         store = store or before.status.get("store")  # the shift log the controller writes
-        view: RenderableType = top_view(snapshot(before), _last_shifts(store, num_shifts))
+        mine = before.status.get("deployment")  # what it writes its entries as
+        view: RenderableType = top_view(snapshot(before), _last_shifts(store, num_shifts, mine))
         num_frames = 0
         with (
             contextlib.suppress(KeyboardInterrupt),
@@ -188,7 +185,7 @@ def register(app: typer.Typer) -> None:
                 except ControllerError as exc:
                     live.update(Text(f"{exc} (retrying; q quits)", style="bold red"), refresh=True)
                     continue
-                live.update(top_view(snapshot(now, before), _last_shifts(store, num_shifts)),
+                live.update(top_view(snapshot(now, before), _last_shifts(store, num_shifts, mine)),
                             refresh=True)  # fmt: skip
                 before = now
                 num_frames += 1

@@ -7,9 +7,13 @@ controller (`controller_url`), the GPU map and the shift log from the controller
 GET /ui, /ui/              the page (reads are open, as /metrics is; an action on the page,
                            such as drain, goes to the admin API with the admin token)
 GET /ui/static/<file>      its CSS and JS (no CDN: works offline)
-GET /ui/api/view[?since=T] the view (`flexpipe.ui.view.assemble_view`); `since`: only the
-                           series points after unix time T
-GET /ui/events             text/event-stream: `event: view` with the whole view at once, then
+GET /ui/api/view[?since=T][&shifts=all]
+                           the view (`flexpipe.ui.view.assemble_view`); `since`: only the
+                           series points after unix time T; `shifts=all`: the shift log of
+                           every deployment on the store, earlier runs too (default: this
+                           run's, since this gateway started)
+GET /ui/events[?shifts=all]
+                           text/event-stream: `event: view` with the whole view at once, then
                            every interval with the points new to this client
 """
 
@@ -20,6 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -61,19 +66,30 @@ def _asset(name: str) -> bytes:
 
 
 class _Stream:
-    """One client of /ui/events: its writer and the newest point it has."""
+    """One client of /ui/events: its writer, the newest point it has, which shifts it sees."""
 
-    __slots__ = ("last_t", "writer")
+    __slots__ = ("every_shift", "last_t", "writer")
 
-    def __init__(self, writer: ChunkWriter) -> None:
+    def __init__(self, writer: ChunkWriter, every_shift: bool = False) -> None:
         self.writer = writer
         self.last_t: float | None = None
+        self.every_shift = every_shift
+
+
+def _every_shift(req: Request) -> bool:
+    """`shifts=all`: every deployment's shift log entries; `shifts=run` (the default): this
+    run's."""
+    given = (req.query_params().get("shifts") or ["run"])[0]
+    if given not in ("run", "all"):
+        raise HttpError(400, f"shifts must be run or all, got {given!r}", param="shifts")
+    return given == "all"
 
 
 class UiRoutes:
     def __init__(self, gw: Gateway, wall: Callable[[], float] = time.time) -> None:
         self.gw = gw
         self.wall = wall
+        self.started_at_s = wall()  # the timeline shows this run's shifts by default
         self.interval_s = gw.cfg.ui_interval_s
         self.history = History()
         self.controller: ControllerSnapshot | None = (
@@ -161,20 +177,25 @@ class UiRoutes:
         old = self.controller or ControllerSnapshot(url)
         try:
             s1, topo = await self._get(url, "/admin/topology", token)
-            s2, shifts = await self._get(url, f"/admin/shifts?limit={_MAX_SHIFTS}", token)
-            if s1 != 200 or s2 != 200:
-                raise ValueError(f"the controller answered {s1 if s1 != 200 else s2}")
+            s2, own = await self._get(url, f"/admin/shifts?limit={_MAX_SHIFTS}", token)
+            s3, every = await self._get(url, f"/admin/shifts?limit={_MAX_SHIFTS}&all=1", token)
+            bad = [s for s in (s1, s2, s3) if s != 200]
+            if bad:
+                raise ValueError(f"the controller answered {bad[0]}")
+            mine = orjson.loads(own)
             self.controller = ControllerSnapshot(
-                url, orjson.loads(topo), orjson.loads(shifts)["entries"], None, self.wall()
-            )
+                url, orjson.loads(topo), mine["entries"], None, self.wall(),
+                orjson.loads(every)["entries"], mine.get("deployment"),
+            )  # fmt: skip
         except (UpstreamError, ValueError, KeyError, TypeError) as exc:
             why = f"cannot read the controller at {url}: {exc}"
-            self.controller = ControllerSnapshot(url, old.topology, old.shifts, why, old.at_s)
+            self.controller = replace(old, url=url, error=why)
 
     # ---------------------------------------------------------------- the view
-    def view(self, since_s: float | None = None) -> dict[str, Any]:
+    def view(self, since_s: float | None = None, every_shift: bool = False) -> dict[str, Any]:
         return assemble_view(self.wall(), self.history, self.controller, self.interval_s,
-                             since_s, admin_enabled=bool(self.gw.cfg.admin_token))  # fmt: skip
+                             since_s, admin_enabled=bool(self.gw.cfg.admin_token),
+                             started_at_s=self.started_at_s, every_shift=every_shift)  # fmt: skip
 
     def push(self) -> None:
         """Each client gets the view with the points it lacks; one whose socket is full is
@@ -184,7 +205,7 @@ class UiRoutes:
                 self._send(stream)
 
     def _send(self, stream: _Stream) -> None:
-        doc = self.view(stream.last_t)
+        doc = self.view(stream.last_t, stream.every_shift)
         stream.writer.write(b"event: view\ndata: " + orjson.dumps(doc) + b"\n\n")
         if doc["series"]:
             stream.last_t = doc["series"][-1]["t"]
@@ -208,15 +229,15 @@ class UiRoutes:
         except ValueError:
             why = f"since must be unix seconds, got {raw!r}"
             raise HttpError(400, why, param="since") from None
-        return json_response(self.view(since))
+        return json_response(self.view(since, _every_shift(req)))
 
     async def _events(self, req: Request) -> PushResponse:
-        del req
+        every_shift = _every_shift(req)
 
         def start(writer: ChunkWriter) -> None:
             if writer.closed:  # the client left before the stream started
                 return
-            stream = _Stream(writer)
+            stream = _Stream(writer, every_shift)
             self.streams.add(stream)
             writer.on_close = lambda: self.streams.discard(stream)
             writer.write(b"retry: 2000\n\n")

@@ -1,10 +1,12 @@
-"""Fetch one reading: the controller's `GET /admin/status`, the gateway's `/metrics` and each
-instance's engine `/metrics`. Blocking (the CLI); every failure to reach the controller is a
+"""Fetch one reading: the controller's `GET /admin/status`, the gateway's `/metrics` and its
+dashboard view (`/ui/api/view`: each model's figures, computed where the dashboard's are) and
+each instance's engine `/metrics`. Blocking (the CLI); every failure to reach the controller is a
 `ControllerError` with one readable line; a gateway or engine that does not answer is recorded
 (`None`) and shown as such, since that is what an operator needs to see."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +18,9 @@ from flexpipe.control.api.client import ControllerClient, ControllerError
 
 __all__ = ["Readings", "fetch_text", "read"]
 
+# the view without its series: only points after this unix time (none)
+_VIEW_PATH = "/ui/api/view?since=1e18"
+
 
 @dataclass(frozen=True)
 class Readings:
@@ -26,6 +31,7 @@ class Readings:
     status: dict[str, Any]  # the controller's /admin/status
     gateway_metrics: str | None  # None: the gateway did not answer
     engine_metrics: dict[str, str | None] = field(default_factory=dict)  # url -> text | None
+    gateway_view: dict[str, Any] | None = None  # the dashboard's view; None: not got
 
 
 def fetch_text(url: str, timeout_s: float) -> str | None:
@@ -45,10 +51,20 @@ def read(controller: ControllerClient, timeout_s: float = 3.0) -> Readings:
         raise ControllerError(f"the controller at {controller.base} sent no status")
     urls = [str(i["url"]) for i in status["instances"] if i.get("url")]
     gateway = status.get("gateway")
-    targets = ([f"{gateway}/metrics"] if gateway else []) + [f"{u}/metrics" for u in urls]
+    ours = [f"{gateway}/metrics", f"{gateway}{_VIEW_PATH}"] if gateway else []
+    targets = ours + [f"{u}/metrics" for u in urls]
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(targets)))) as pool:
         texts = list(pool.map(lambda t: fetch_text(t, timeout_s), targets))
-    gateway_text = texts.pop(0) if gateway else None
+    gateway_text, view_text = (texts.pop(0), texts.pop(0)) if gateway else (None, None)
     return Readings(
-        time.time(), controller.base, status, gateway_text, dict(zip(urls, texts, strict=True))
-    )
+        time.time(), controller.base, status, gateway_text, dict(zip(urls, texts, strict=True)),
+        _json(view_text),
+    )  # fmt: skip
+
+
+def _json(text: str | None) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None

@@ -33,6 +33,9 @@ STATE_STYLE = {
 }
 _HEALTH_STYLE = {"ok": "green", "ejected": "red", "unreachable": "red"}
 NONE = "—"
+# measured, but its engines report no busy time (vLLM does not): the dashboard says the same
+NOT_REPORTED = "n/a"
+_NOT_REPORTED_WHY = "GPU util n/a: its engines report no busy time (vLLM does not)"
 
 
 def _pct(x: float | None) -> str:
@@ -64,11 +67,14 @@ def _table(title: str, columns: Sequence[str], right: Sequence[str] = ()) -> Tab
 def header(snap: Snapshot) -> Text:
     at = datetime.fromtimestamp(snap.at_s, UTC)
     window = "since start" if snap.window_s is None else f"last {snap.window_s:.0f} s"
+    models = "none yet"
+    if snap.gateway_window_s is not None:
+        models = f"the gateway's last {snap.gateway_window_s:.0f} s, as the dashboard"
     gateway = snap.gateway_url or NONE
     text = Text()
     text.append("flexpipe", style="bold")
     text.append(f" · cluster {snap.cluster} · engine {snap.engine} · {at:%H:%M:%S} UTC")
-    text.append(f" · rates and p95 {window}\n")
+    text.append(f" · models: {models} · instances: {window}\n")
     text.append(f"controller {snap.controller_url} · gateway {gateway} ")
     text.append(
         "up" if snap.gateway_up else "NOT ANSWERING",
@@ -104,14 +110,16 @@ def models_table(snap: Snapshot) -> Table:
             _pct(m.error_rate),
             _against(m.ttft_p95_s, m.ttft_slo_s),
             _against(m.tpot_p95_s, m.tpot_slo_s),
-            str(m.num_queued),
+            _num(m.num_queued, "d"),
             _pct(m.prefix_hit_rate),
-            _pct(m.gpu_utilization),
+            NOT_REPORTED if m.measured and m.gpu_utilization is None else _pct(m.gpu_utilization),
             _num(m.generation_tokens_per_s, ",.0f"),
         )
-    refused = [f"{m.name} refused: {m.refused}" for m in snap.models if m.refused is not None]
-    if refused:  # the reasons are long: under the table, not in a cell
-        table.caption = "\n".join(refused)
+    notes = [f"{m.name} refused: {m.refused}" for m in snap.models if m.refused is not None]
+    if any(m.measured and m.gpu_utilization is None for m in snap.models):
+        notes.append(_NOT_REPORTED_WHY)
+    if notes:  # the reasons are long: under the table, not in a cell
+        table.caption = "\n".join(notes)
         table.caption_justify = "left"
     return table
 

@@ -1,29 +1,28 @@
 """One snapshot of a running flexpipe, built purely from readings (`readings.Readings`): the
 instances with their lifecycle state, health and load; each model's rate, TTFT and TPOT p95
-against its SLO, queue, prefix-cache hit rate and GPU utilisation (seed 001 §5.3's five
-numbers); the GPUs and what occupies them; the last decision.
+against its SLO, queue, prefix-cache hit rate, GPU utilisation and output tokens/s (seed 001
+§5.3's numbers); the GPUs and what occupies them; the last decision.
 
-Rates, percentiles and ratios are over the window since `before` (the previous reading) when
-there is one, else since the processes started (`window_s` None). Percentiles come from the
-histogram buckets (`control.core.samples.bucket_quantile`, what PromQL's histogram_quantile does).
-Sim engines at a time scale report wall time; the controller compares modelled time with the
-SLOs, and so does the snapshot: latencies and rates here are in modelled seconds.
+A model's figures are the dashboard's: the gateway computes them over its last minute
+(flexpipe/ui/series.py, scaled to modelled seconds by flexpipe/ui/view.py) and the snapshot
+takes them from its view, so `flexpipe status` and the dashboard show the same numbers; a
+model's GPU utilisation is None where its engines report no busy time (both show "n/a").
+An instance's prefix-cache hit rate and GPU utilisation are over the window since `before`
+(the previous reading) when there is one, else since the engine started (`window_s` None);
+sim engines at a time scale report wall time, and these are in modelled seconds too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from flexpipe.control.core.samples import Buckets, bucket_delta, bucket_quantile, parse_histograms
 from flexpipe.observe.readings import Readings
 
 __all__ = [
-    "TPOT",
-    "TTFT",
     "GpuView",
     "InstanceView",
     "ModelView",
@@ -31,10 +30,6 @@ __all__ = [
     "parse_samples",
     "snapshot",
 ]
-
-TTFT = "flexpipe_time_to_first_token_seconds"
-TPOT = "flexpipe_time_per_output_token_seconds"
-P95 = 0.95
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> [(labels, value)]
 
@@ -78,17 +73,20 @@ class InstanceView:
 
 @dataclass(frozen=True)
 class ModelView:
+    """The figures the dashboard shows for the model (None: the gateway has none yet)."""
+
     name: str
     num_instances: int
-    request_rate_per_s: float | None  # finished at the gateway (no window: the controller's)
-    error_rate: float | None  # share of finished requests that were not 2xx
+    measured: bool  # the gateway's view has its figures (over `Snapshot.gateway_window_s`)
+    request_rate_per_s: float | None  # answered (200) at the gateway
+    error_rate: float | None  # share of finished requests that failed (a client leaving: not)
     ttft_p95_s: float | None
     tpot_p95_s: float | None
     ttft_slo_s: float | None  # the models file's p99 SLO
     tpot_slo_s: float | None
-    num_queued: int  # waiting in its engines (+ the gateway's queue for a lone model)
+    num_queued: int | None  # waiting in its engines (+ the gateway's queue for a lone model)
     prefix_hit_rate: float | None
-    gpu_utilization: float | None
+    gpu_utilization: float | None  # measured but None: its engines report no busy time
     generation_tokens_per_s: float | None
     refused: str | None = None  # why its requests are refused (no GPU free to us can place it)
 
@@ -115,7 +113,8 @@ class Snapshot:
     gateway_up: bool
     engine: str
     time_scale: float
-    window_s: float | None  # None: since start
+    window_s: float | None  # the instances' figures; None: since start
+    gateway_window_s: float | None  # the models' figures (the dashboard's); None: none yet
     cluster: str
     num_gateway_queued: int
     instances: tuple[InstanceView, ...]
@@ -155,7 +154,6 @@ class _Engine:
     hits: float | None
     queries: float | None
     busy_s: float | None
-    tokens: float | None
 
     @staticmethod
     def of(text: str | None) -> _Engine | None:
@@ -170,7 +168,6 @@ class _Engine:
             _value(s, "vllm:prefix_cache_hits_total"),
             _value(s, "vllm:prefix_cache_queries_total"),
             _value(s, "flexpipe:modelled_busy_seconds_total"),
-            _value(s, "vllm:generation_tokens_total"),
         )
 
 
@@ -194,13 +191,6 @@ def _outcome(doc: Any) -> str | None:
     return f"{word} in {took:.1f} s{reason}"
 
 
-def _mean(values: Iterable[tuple[float | None, float]]) -> float | None:
-    """Weighted mean of the known values."""
-    known = [(v, w) for v, w in values if v is not None]
-    total_w = sum(w for _, w in known)
-    return None if not known or total_w <= 0 else sum(v * w for v, w in known) / total_w
-
-
 @dataclass(frozen=True)
 class _Window:
     """The two readings a snapshot compares, parsed once."""
@@ -208,11 +198,8 @@ class _Window:
     scale: float  # wall seconds per modelled second
     modelled_s: float | None  # the window in modelled seconds; None: since start
     gw: Samples
-    gw0: Samples | None
     engines: dict[str, _Engine | None]
     engines0: dict[str, _Engine | None]
-    hist: dict[tuple[str, str], Buckets]
-    hist0: dict[tuple[str, str], Buckets]
 
     @staticmethod
     def of(now: Readings, before: Readings | None) -> _Window:
@@ -224,11 +211,8 @@ class _Window:
             scale,
             None if window_s is None else window_s / scale,
             parse_samples(now.gateway_metrics),
-            parse_samples(before.gateway_metrics) if before is not None else None,
             {u: _Engine.of(t) for u, t in now.engine_metrics.items()},
             {u: _Engine.of(t) for u, t in previous.items()},
-            parse_histograms(now.gateway_metrics or "", (TTFT, TPOT)),
-            parse_histograms(before.gateway_metrics or "", (TTFT, TPOT)) if before else {},
         )
 
     def counted(self, url: str, field: str) -> float | None:
@@ -277,54 +261,38 @@ def _instance_view(
     )
 
 
-def _finished(samples: Samples | None, model: str) -> tuple[float, float]:
-    """(all, 2xx) requests of `model` the gateway finished."""
-    rows = [
-        (lab, v)
-        for lab, v in (samples or {}).get("flexpipe_requests_total", [])
-        if lab.get("model") == model
-    ]
-    return sum(v for _, v in rows), sum(v for lab, v in rows if lab.get("status", "")[:1] == "2")
-
-
 def _model_view(
-    doc: Mapping[str, Any], mine: Sequence[InstanceView], w: _Window, num_queued_extra: int
+    doc: Mapping[str, Any], mine: Sequence[InstanceView], now: Mapping[str, Any] | None
 ) -> ModelView:
-    name = str(doc["name"])
-    done, ok = _finished(w.gw, name)
-    if w.gw0 is not None:
-        done0, ok0 = _finished(w.gw0, name)
-        if done >= done0:  # else the gateway restarted: its counters start again
-            done, ok = done - done0, ok - ok0
-    p95 = {}
-    for metric in (TTFT, TPOT):
-        q = bucket_quantile(
-            P95, bucket_delta(w.hist.get((metric, name), ()), w.hist0.get((metric, name)))
-        )
-        p95[metric] = None if q is None else q / w.scale
-    reached = [i for i in mine if w.engines.get(i.url) is not None]
-    hits = sum(w.counted(i.url, "hits") or 0.0 for i in reached)
-    queries = sum(w.counted(i.url, "queries") or 0.0 for i in reached)
-    tokens = None
-    if w.modelled_s:
-        tokens = sum(w.counted(i.url, "tokens") or 0.0 for i in reached) / w.modelled_s
+    """`doc`: the controller's part on the model; `now`: the dashboard's figures for it (the
+    view's `models[].now`; None: the gateway has none yet)."""
+    fig = now or {}
+    ok, errors = _float(fig.get("request_rate_per_s")), _float(fig.get("error_rate_per_s"))
+    finished = (ok or 0.0) + (errors or 0.0)
     slo = doc.get("slo") or {}
-    rate = doc.get("request_rate_per_s")  # the controller's: finished over its last minute
     return ModelView(
-        name=name,
+        name=str(doc["name"]),
         num_instances=len(mine),
-        request_rate_per_s=done / w.modelled_s if w.modelled_s else _float(rate),
-        error_rate=(done - ok) / done if done else None,
-        ttft_p95_s=p95[TTFT],
-        tpot_p95_s=p95[TPOT],
+        measured=now is not None,
+        request_rate_per_s=ok,
+        error_rate=(errors or 0.0) / finished if finished else None,
+        ttft_p95_s=_float((fig.get("ttft_s") or {}).get("p95")),
+        tpot_p95_s=_float((fig.get("tpot_s") or {}).get("p95")),
         ttft_slo_s=_float(slo.get("ttft_p99_s")),
         tpot_slo_s=_float(slo.get("tpot_p99_s")),
-        num_queued=sum(i.num_waiting or 0 for i in mine) + num_queued_extra,
-        prefix_hit_rate=_ratio(hits, queries),
-        gpu_utilization=_mean((i.gpu_utilization, float(len(i.gpus) or 1)) for i in mine),
-        generation_tokens_per_s=tokens,
+        num_queued=_int(_float(fig.get("queue"))),
+        prefix_hit_rate=_float(fig.get("prefix_hit_rate")),
+        gpu_utilization=_float(fig.get("gpu_utilization")),
+        generation_tokens_per_s=_float(fig.get("tokens_per_s")),
         refused=str(doc["refused"]) if doc.get("refused") else None,
     )
+
+
+def _figures(view: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
+    """The view's figures per model (those it has)."""
+    models = (view or {}).get("models") or []
+    return {str(m["name"]): m["now"] for m in models
+            if isinstance(m, Mapping) and isinstance(m.get("now"), Mapping)}  # fmt: skip
 
 
 def _float(x: Any) -> float | None:
@@ -367,11 +335,9 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
     model_docs = [m for m in st.get("models", []) if isinstance(m, Mapping)]
     if not model_docs:  # a controller without the models part: what its instances serve
         model_docs = [{"name": n} for n in sorted({i.model for i in instances})]
-    lone = len(model_docs) == 1  # the gateway's queue is that model's
+    figures = _figures(now.gateway_view)
     models = [
-        _model_view(
-            m, [i for i in instances if i.model == m["name"]], w, num_gateway_queued if lone else 0
-        )
+        _model_view(m, [i for i in instances if i.model == m["name"]], figures.get(m["name"]))
         for m in model_docs
     ]
     resources = st.get("resources") or {}
@@ -383,6 +349,7 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
         engine=str(st.get("engine", "")),
         time_scale=w.scale,
         window_s=None if before is None else max(1e-9, now.at_s - before.at_s),
+        gateway_window_s=_float((now.gateway_view or {}).get("window_s")) if figures else None,
         cluster=str(resources.get("cluster", "")),
         num_gateway_queued=num_gateway_queued,
         instances=tuple(instances),

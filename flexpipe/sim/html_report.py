@@ -14,6 +14,8 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
+from flexpipe.sim.report import cell_text
+
 __all__ = ["report_html"]
 
 _W, _H, _PAD_L, _PAD_B, _PAD_T = 880, 220, 60, 30, 12
@@ -133,8 +135,7 @@ def _occupancy_map(rows: Sequence[dict[str, Any]], x_max: float, models: Sequenc
 def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     th = "".join(f"<th>{_esc(h)}</th>" for h in head)
     body = "".join(
-        "<tr>" + "".join(f"<td>{'–' if c is None else _esc(c)}</td>" for c in r) + "</tr>"
-        for r in rows
+        "<tr>" + "".join(f"<td>{_esc(cell_text(c, '–'))}</td>" for c in r) + "</tr>" for r in rows
     )
     return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -204,8 +205,8 @@ th {{ background: #f3f3f3; }}
 h2 {{ margin-top: 28px; font-size: 17px; }}
 </style></head><body>
 <h1>{_esc(title)}</h1>
-<p>{_esc(rep["duration_s"])} s of arrivals simulated, the last request ended at
-{_esc(rep.get("run_end_s", rep["duration_s"]))} s; routing {_esc(rep["routing"])};
+<p>{_esc(cell_text(rep["duration_s"]))} s of arrivals simulated, the last request ended at
+{_esc(cell_text(rep.get("run_end_s", rep["duration_s"])))} s; routing {_esc(rep["routing"])};
 dashed lines: red = shifts, grey = resource timeline events.</p>
 {_table(["", "value"], head)}
 <h2>Throughput over time</h2>

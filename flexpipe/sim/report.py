@@ -39,6 +39,23 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[int(k)]
 
 
+def cell_text(value: Any, none: str = "never") -> str:
+    """A report value as the terminal table (`flexpipe sim`) and the HTML page both print it:
+    floats to 3 decimals with thousands separators, counts by kind as `kind xN`, None as
+    `none` (a latency of no completed request, a model never served)."""
+    if value is None:
+        return none
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:,.3f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} x{v}" for k, v in value.items()) or "-"
+    return str(value)
+
+
 def _r(x: float) -> float:
     return round(x, 6)
 

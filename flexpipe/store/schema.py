@@ -3,8 +3,10 @@
 `gear_points`: one row per (model, gear, GPU types, link class, batch size) — a point of a
 gear's curve, measured by gear_bench or predicted by the performance model, with its
 provenance. `calibrations`: the performance model's factor sets per GPU type and link
-class, fitted by `flexpipe calibrate`. `instances` and `shifts` are the controller's (room
-for it: written by `flexpipe up` today, read by the shift log later).
+class, fitted by `flexpipe calibrate`. `instances`: the engines the controllers launched, with
+their lifecycle, written and read through `InstanceRegistry` (instance_registry.py). The other
+tables live beside the code that owns them: `shift_log` (shift_log.py), `instance_transitions`
+(instance_registry.py), `controller_leases`, `gpu_occupations`, `rate_samples` (rate_history.py).
 """
 
 from __future__ import annotations
@@ -100,15 +102,3 @@ class InstanceRow(Base):
     # the deployment whose controller owns it (InstanceRegistry(store, deployment)); NULL:
     # written before deployments were recorded, owned by none
     deployment: Mapped[str | None] = mapped_column(String(300), nullable=True)
-
-
-class ShiftRow(Base):
-    """One entry of the shift log: what changed, why, with the inputs as JSON."""
-
-    __tablename__ = "shifts"
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
-    kind: Mapped[str] = mapped_column(String(40))  # "plan", "shift", ...
-    summary: Mapped[str] = mapped_column(Text)
-    detail_json: Mapped[str] = mapped_column(Text, default="{}")

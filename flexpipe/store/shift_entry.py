@@ -396,6 +396,8 @@ class ShiftEntry:
     phases: Phases = field(default_factory=Phases)
     after: After | None = None
     id: int | None = None  # given by the log
+    # the deployment whose controller wrote it (given by the log; None: written without one)
+    deployment: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -476,6 +478,7 @@ class ShiftEntry:
             "migrated": None if self.migrated is None else self.migrated.to_dict(),
             "phases": self.phases.to_dict(),
             "after": None if self.after is None else self.after.to_dict(),
+            "deployment": self.deployment,
         }
 
     @classmethod
@@ -501,4 +504,5 @@ class ShiftEntry:
             migrated=None if d.get("migrated") is None else Migrated.from_dict(d["migrated"]),
             phases=Phases.from_dict(d.get("phases", {})),
             after=None if d.get("after") is None else After.from_dict(d["after"]),
+            deployment=d.get("deployment"),
         )

@@ -5,11 +5,11 @@ known later (outcome, rehearsal, phases, requests migrated, performance after), 
 fills in: a fact already written is never changed (writing the same value again is a no-op,
 so a restarted controller may replay), and an outcome moves only from `pending`.
 
-Table `shift_log` (a new table beside the older free-form `shifts`): the facts one filters or
-aggregates on are columns (time, kind, trigger, outcome, score, rehearsal pass/fail, each
-phase, each migration method, the performance after); the lists (signals, plans,
-alternatives, rehearsal checks, the price's terms) are JSON columns read back into the typed
-records of shift_entry.py. The schema grows by new nullable columns (see migrate.py).
+Table `shift_log`: the facts one filters or aggregates on are columns (time, kind, trigger,
+outcome, score, rehearsal pass/fail, each phase, each migration method, the performance after,
+the deployment that wrote it); the lists (signals, plans, alternatives, rehearsal checks, the
+price's terms) are JSON columns read back into the typed records of shift_entry.py.
+The schema grows by new nullable columns (see migrate.py).
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ def _from_row(row: ShiftLogRow) -> ShiftEntry:
         migrated=migrated,
         phases=Phases(**{f"{p}_s": getattr(row, f"{p}_s") for p in PHASES}),
         after=after,
+        deployment=row.deployment,
     )
 
 
@@ -210,7 +211,7 @@ class ShiftLog:
             row.deployment = self.deployment
             session.add(row)
             session.flush()
-            return replace(entry, id=int(row.id))
+            return replace(entry, id=int(row.id), deployment=self.deployment)
 
     def get(self, entry_id: int) -> ShiftEntry:
         with Session(self.store.engine) as session:
@@ -277,9 +278,15 @@ class ShiftLog:
             return _from_row(row)
 
     def _query(
-        self, since: datetime | None, until: datetime | None, kinds: Collection[str] | None
+        self,
+        since: datetime | None,
+        until: datetime | None,
+        kinds: Collection[str] | None,
+        deployment: str | None = None,
     ) -> Select[ShiftLogRow]:
         query = select(ShiftLogRow)
+        if deployment is not None:
+            query = query.where(ShiftLogRow.deployment == deployment)
         if since is not None:
             query = query.where(ShiftLogRow.at >= since.astimezone(UTC))
         if until is not None:
@@ -304,10 +311,12 @@ class ShiftLog:
         until: datetime | None = None,
         kinds: Collection[str] | None = None,
         limit: int | None = None,
+        deployment: str | None = None,
     ) -> list[ShiftEntry]:
         """Entries with since <= at < until of the given kinds, oldest first; with `limit`,
-        the newest `limit` of them."""
-        query = self._query(since, until, kinds)
+        the newest `limit` of them. `deployment`: only the entries it wrote (None: every
+        deployment's, whatever this log writes as)."""
+        query = self._query(since, until, kinds, deployment)
         if limit is not None:
             query = query.order_by(ShiftLogRow.at.desc(), ShiftLogRow.id.desc()).limit(limit)
         else:
@@ -321,10 +330,19 @@ class ShiftLog:
         since: datetime | None = None,
         until: datetime | None = None,
         kinds: Collection[str] | None = None,
+        deployment: str | None = None,
     ) -> int:
-        sub = self._query(since, until, kinds).subquery()
+        sub = self._query(since, until, kinds, deployment).subquery()
         with Session(self.store.engine) as session:
             return int(session.scalar(select(func.count()).select_from(sub)) or 0)
+
+    def newest_deployment(self) -> str | None:
+        """The deployment that wrote the newest entry (the running one, or the last to run):
+        what `flexpipe shifts` shows by default. None: an empty log, or written without one."""
+        query = select(ShiftLogRow.deployment).order_by(ShiftLogRow.at.desc(),
+                                                        ShiftLogRow.id.desc()).limit(1)  # fmt: skip
+        with Session(self.store.engine) as session:
+            return session.scalar(query)
 
     def pending(self) -> list[ShiftEntry]:
         """Changes not finished: after a controller restart, ones it must close (aborted)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +22,7 @@ from flexpipe.gears.point import GearKey, GearPoint
 from flexpipe.perf.calibration import Calibration, GpuCalibration, LinkCalibration
 from flexpipe.perf.efficiency import Efficiency
 from flexpipe.store.migrate import add_missing_columns
-from flexpipe.store.schema import Base, CalibrationRow, GearPointRow, InstanceRow, ShiftRow
+from flexpipe.store.schema import Base, CalibrationRow, GearPointRow
 
 STORE_ENV = "FLEXPIPE_STORE"
 
@@ -213,79 +213,6 @@ class Store:
         with Session(self.engine) as session, session.begin():
             result = session.execute(delete(CalibrationRow).where(CalibrationRow.name == name))
             return int(getattr(result, "rowcount", 0) or 0)
-
-    # -- instances and shift log (the controller's; `flexpipe up` writes them) ---------------
-
-    def add_instance(
-        self,
-        name: str,
-        model: str,
-        gear: str,
-        gpu_ids: Sequence[str],
-        endpoint: str,
-        engine: str,
-        state: str = "starting",
-        cold_start_s: float | None = None,
-    ) -> int:
-        with Session(self.engine) as session, session.begin():
-            row = InstanceRow(
-                name=name,
-                model=model,
-                gear=gear,
-                gpu_ids=",".join(gpu_ids),
-                endpoint=endpoint,
-                engine=engine,
-                state=state,
-                started_at=datetime.now(UTC),
-                cold_start_s=cold_start_s,
-            )
-            session.add(row)
-            session.flush()
-            return int(row.id)
-
-    def set_instance_state(self, instance_id: int, state: str) -> None:
-        with Session(self.engine) as session, session.begin():
-            row = session.get(InstanceRow, instance_id)
-            if row is None:
-                raise StoreError(f"no instance {instance_id}")
-            row.state = state
-            if state == "gone":
-                row.stopped_at = datetime.now(UTC)
-
-    def instances(self, state: str | None = None) -> list[dict[str, Any]]:
-        query = select(InstanceRow).order_by(InstanceRow.id)
-        if state is not None:
-            query = query.where(InstanceRow.state == state)
-        with Session(self.engine) as session:
-            return [
-                {c.name: getattr(r, c.name) for c in InstanceRow.__table__.columns}
-                for r in session.scalars(query)
-            ]
-
-    def log_shift(self, kind: str, summary: str, detail: dict[str, Any] | None = None) -> int:
-        with Session(self.engine) as session, session.begin():
-            row = ShiftRow(
-                at=datetime.now(UTC),
-                kind=kind,
-                summary=summary,
-                detail_json=json.dumps(detail or {}, default=str),
-            )
-            session.add(row)
-            session.flush()
-            return int(row.id)
-
-    def shifts(self) -> list[dict[str, Any]]:
-        with Session(self.engine) as session:
-            return [
-                {
-                    "id": r.id,
-                    "at": r.at,
-                    "kind": r.kind,
-                    "summary": r.summary,
-                    "detail": json.loads(r.detail_json),
-                }
-                for r in session.scalars(select(ShiftRow).order_by(ShiftRow.id))
-            ]
 
 
 _POINT_NAMES = tuple(f.name for f in fields(GearPoint))

@@ -26,21 +26,24 @@ _TTFT = "flexpipe_time_to_first_token_seconds"
 _TPOT = "flexpipe_time_per_output_token_seconds"
 _REQUESTS = "flexpipe_requests"
 _NOT_AN_ERROR = ("200", "cancelled")  # cancelled: the client left, or a move re-sent it
-# vLLM's counter names (the sim engine exports the same) -> EngineCounters field
+# vLLM's counter names (the sim engine exports the same), and the sim engine's modelled busy
+# time (vLLM exports none: its GPU utilisation is not known here) -> EngineCounters field
 _ENGINE_COUNTERS = {
     b"vllm:generation_tokens_total": "num_generated_tokens",
     b"vllm:prefix_cache_queries_total": "num_prefix_queries",
     b"vllm:prefix_cache_hits_total": "num_prefix_hits",
+    b"flexpipe:modelled_busy_seconds_total": "busy_s",
 }
 
 
 @dataclass(frozen=True, slots=True)
 class EngineCounters:
-    """An engine's cumulative counters (tokens), from its /metrics."""
+    """An engine's cumulative counters (tokens, busy time), from its /metrics."""
 
     num_generated_tokens: float = 0.0
     num_prefix_queries: float = 0.0  # prompt tokens looked up in the prefix cache
     num_prefix_hits: float = 0.0  # of which found there
+    busy_s: float | None = None  # modelled seconds its GPUs computed; None: not exported
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +99,10 @@ def read_registry(families: Iterable[Metric]) -> dict[str, ModelReading]:
 
 
 def parse_engine_counters(text: bytes) -> EngineCounters:
-    """The three counters of an engine's Prometheus text, each summed over its label sets."""
+    """The counters of an engine's Prometheus text, each summed over its label sets."""
     out: dict[str, float] = {}
     for line in text.split(b"\n"):
-        if not line.startswith(b"vllm:"):
+        if not line.startswith((b"vllm:", b"flexpipe:")):
             continue
         end = min((i for i in (line.find(b"{"), line.find(b" ")) if i >= 0), default=len(line))
         name = _ENGINE_COUNTERS.get(line[:end])

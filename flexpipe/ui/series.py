@@ -2,14 +2,19 @@
 per pair of consecutive readings one point per model — request and error rates, TTFT and
 TPOT p50/p95/p99 over the interval (the difference of the cumulative histograms,
 interpolated inside the bucket as PromQL's histogram_quantile does: `bucket_quantile`, the
-controller's own), output tokens/s and prefix-cache hit rate from the engines' counters, and
-the queue and load at the end of the interval. Pure: readings carry their time.
+controller's own), output tokens/s, prefix-cache hit rate and busy time from the engines'
+counters, and the queue and load at the end of the interval. Pure: readings carry their time.
+Rates are per wall second here; the view (flexpipe/ui/view.py) turns them into modelled ones.
+
+`flexpipe status` and `top` show these same figures (they read the gateway's view), so the
+terminal and the dashboard never disagree about a model.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -36,31 +41,50 @@ def _grown(now: float, before: float) -> float:
     return now - before if now >= before else now
 
 
-def _engine_delta(r0: Reading, r1: Reading, urls: list[str]) -> EngineCounters:
+@dataclass(frozen=True, slots=True)
+class _Grown:
+    """The engines' growth over a span: tokens, and busy time against the time watched."""
+
+    counters: EngineCounters
+    watched_s: float = 0.0  # wall seconds x instances whose busy time was read at both ends
+
+    def __add__(self, other: _Grown) -> _Grown:
+        a, b = self.counters, other.counters
+        busy = None if a.busy_s is None and b.busy_s is None else (a.busy_s or 0) + (b.busy_s or 0)
+        return _Grown(
+            EngineCounters(a.num_generated_tokens + b.num_generated_tokens,
+                           a.num_prefix_queries + b.num_prefix_queries,
+                           a.num_prefix_hits + b.num_prefix_hits, busy),
+            self.watched_s + other.watched_s,
+        )  # fmt: skip
+
+
+def _engine_delta(r0: Reading, r1: Reading, urls: list[str]) -> _Grown:
     """Summed over `urls` present in both readings (a new instance's first reading only sets
     its baseline: its tokens before that are not in any interval)."""
-    gen = queries = hits = 0.0
+    out = _Grown(EngineCounters())
     for url in urls:
         a, b = r0.engines.get(url), r1.engines.get(url)
         if a is None or b is None:
             continue
-        gen += _grown(b.num_generated_tokens, a.num_generated_tokens)
-        queries += _grown(b.num_prefix_queries, a.num_prefix_queries)
-        hits += _grown(b.num_prefix_hits, a.num_prefix_hits)
-    return EngineCounters(gen, queries, hits)
+        busy, watched = None, 0.0
+        if a.busy_s is not None and b.busy_s is not None:
+            busy, watched = _grown(b.busy_s, a.busy_s), r1.at_s - r0.at_s
+        grown = EngineCounters(_grown(b.num_generated_tokens, a.num_generated_tokens),
+                               _grown(b.num_prefix_queries, a.num_prefix_queries),
+                               _grown(b.num_prefix_hits, a.num_prefix_hits), busy)  # fmt: skip
+        out = out + _Grown(grown, watched)
+    return out
 
 
-def _engines_between(model: str, readings: Sequence[Reading]) -> EngineCounters:
+def _engines_between(model: str, readings: Sequence[Reading]) -> _Grown:
     """The engines' growth over consecutive readings, each pair over the model's instances
     at its end: instances that came and went within the span count for their part."""
-    gen = queries = hits = 0.0
+    out = _Grown(EngineCounters())
     for r0, r1 in pairwise(readings):
         urls = [str(i["url"]) for i in r1.instances if i.get("model") == model]
-        d = _engine_delta(r0, r1, urls)
-        gen += d.num_generated_tokens
-        queries += d.num_prefix_queries
-        hits += d.num_prefix_hits
-    return EngineCounters(gen, queries, hits)
+        out = out + _engine_delta(r0, r1, urls)
+    return out
 
 
 def model_point(
@@ -73,7 +97,8 @@ def model_point(
         raise ValueError(f"readings out of order: {r0.at_s} then {r1.at_s}")
     m0, m1 = r0.models.get(model, ModelReading()), r1.models.get(model, ModelReading())
     mine = [i for i in r1.instances if i.get("model") == model]
-    engines = _engines_between(model, [r0, *between, r1])
+    grown = _engines_between(model, [r0, *between, r1])
+    engines = grown.counters
     models_at_gateway = {i.get("model") for i in r1.instances if i.get("model")}
     queued_here = r1.num_queued if len(models_at_gateway) == 1 else 0  # one model: all its
     return {
@@ -85,6 +110,13 @@ def model_point(
         "prefix_hit_rate": (
             round(engines.num_prefix_hits / engines.num_prefix_queries, 4)
             if engines.num_prefix_queries > 0
+            else None
+        ),
+        # modelled busy seconds per wall second per instance (the view scales it into a
+        # utilisation); None: no engine of the model reports its busy time (vLLM)
+        "busy_s_per_s": (
+            round(engines.busy_s / grown.watched_s, 6)
+            if engines.busy_s is not None and grown.watched_s > 0
             else None
         ),
         "queue": sum(int(i.get("num_waiting", 0)) for i in mine) + queued_here,

@@ -3,8 +3,11 @@ readings (flexpipe/ui/series.py), and, when the gateway knows its controller, th
 (`GET /admin/topology`) and the shift log (`GET /admin/shifts`). Pure: `now_s` and every
 snapshot come in; nothing here reads a clock or does I/O. docs/dashboard.md lists the fields.
 
-Latencies are in the model's seconds: sim engines at a time scale run `time_scale` wall
-seconds per modelled second, and SLOs are modelled seconds (what the controller does too).
+Latencies and rates are in the model's seconds: sim engines at a time scale run `time_scale`
+wall seconds per modelled second, and SLOs and the gear table are modelled (what the controller
+does too). A model's GPU utilisation is its engines' modelled busy time over the modelled time
+elapsed, the mean over its instances; None where its engines report no busy time (vLLM's do
+not), which the dashboard and `flexpipe status` both show as "n/a".
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 from flexpipe.ui.series import History, Point
 
-__all__ = ["VIEW_VERSION", "ControllerSnapshot", "assemble_view", "shift_row"]
+__all__ = ["VIEW_VERSION", "ControllerSnapshot", "assemble_view", "shift_row", "shifts_shown"]
 
 VIEW_VERSION = 1
 WINDOW_S = 60.0  # the "now" figures: over the last minute
@@ -28,23 +31,33 @@ class ControllerSnapshot:
 
     url: str
     topology: Mapping[str, Any] | None = None
-    shifts: Sequence[Mapping[str, Any]] | None = None
+    shifts: Sequence[Mapping[str, Any]] | None = None  # its deployment's newest entries
     error: str | None = None  # the last poll's failure, in one line
     at_s: float | None = None  # when the last poll succeeded
+    shifts_all: Sequence[Mapping[str, Any]] | None = None  # every deployment's on its store
+    deployment: str | None = None  # what its shift log entries are written as
+
+
+_RATES = ("request_rate_per_s", "error_rate_per_s", "tokens_per_s")
 
 
 def _scaled_model(fig: Mapping[str, Any], scale: float) -> dict[str, Any]:
-    out = dict(fig)
+    """A model's figures in modelled seconds: latencies / scale, rates x scale, and the busy
+    time per wall second as a utilisation (0..1)."""
+    out = {k: v for k, v in fig.items() if k != "busy_s_per_s"}
     for key in ("ttft_s", "tpot_s"):
         q = fig.get(key)
         if isinstance(q, Mapping):
             out[key] = {k: None if v is None else round(v / scale, 6) for k, v in q.items()}
+    for key in _RATES:
+        if fig.get(key) is not None:
+            out[key] = round(fig[key] * scale, 4)
+    busy = fig.get("busy_s_per_s")
+    out["gpu_utilization"] = None if busy is None else round(min(1.0, busy * scale), 4)
     return out
 
 
 def _scaled(point: Point, scale: float) -> Point:
-    if scale == 1.0:
-        return point
     models = {m: _scaled_model(f, scale) for m, f in point["models"].items()}
     return {**point, "models": models}
 
@@ -75,6 +88,32 @@ def shift_row(entry: Mapping[str, Any]) -> dict[str, Any]:
         "from_to": from_to,
         "duration_s": _seconds_between(entry.get("at"), entry.get("finished_at")),
     }
+
+
+def _at_s(entry: Mapping[str, Any]) -> float | None:
+    try:
+        return datetime.fromisoformat(str(entry.get("at"))).timestamp()
+    except ValueError:
+        return None
+
+
+def shifts_shown(
+    controller: ControllerSnapshot | None, started_at_s: float | None, every: bool = False
+) -> tuple[list[Mapping[str, Any]], int]:
+    """The shift log entries the timeline shows, and how many of those polled it leaves out.
+    By default this run's: entries of the controller's deployment since this gateway started
+    (the store is shared: other deployments write there, and an earlier `flexpipe up` on the
+    same port was the same deployment); `every`: every deployment's, earlier runs too."""
+    if controller is None:
+        return [], 0
+    own = list(controller.shifts or ())
+    run = [e for e in own
+           if started_at_s is None or (_at_s(e) or started_at_s) >= started_at_s]  # fmt: skip
+    polled = own if controller.shifts_all is None else list(controller.shifts_all)
+    if every:
+        return polled, 0
+    shown_ids = {e.get("id") for e in run}
+    return run, sum(1 for e in polled if e.get("id") not in shown_ids)
 
 
 def _instances(
@@ -178,9 +217,12 @@ def assemble_view(
     interval_s: float,
     since_s: float | None = None,
     admin_enabled: bool = False,
+    started_at_s: float | None = None,
+    every_shift: bool = False,
 ) -> dict[str, Any]:
     """The view at `now_s`; `series` holds the points after `since_s` (all for None: a
-    client that has the earlier ones asks only for what is new)."""
+    client that has the earlier ones asks only for what is new). `shifts`: this run's (since
+    `started_at_s`, when the gateway started), or every deployment's with `every_shift`."""
     topology = None if controller is None else controller.topology
     scale = float((topology or {}).get("time_scale") or 1.0)
     latest = history.latest
@@ -188,7 +230,7 @@ def assemble_view(
     window = history.window(WINDOW_S)
     if window is not None:
         window = _scaled(window, scale)
-    shifts = [] if controller is None or controller.shifts is None else controller.shifts
+    shifts, num_hidden = shifts_shown(controller, started_at_s, every_shift)
     return {
         "version": VIEW_VERSION,
         "source": "live",
@@ -204,6 +246,10 @@ def assemble_view(
         "series": [_scaled(p, scale) for p in history.since(since_s)],
         "cluster": _cluster(topology, instances),
         "shifts": [shift_row(e) for e in shifts],
+        "shifts_scope": "all" if every_shift else "run",
+        "num_hidden_shifts": num_hidden,  # of those polled: earlier runs, other deployments
+        "deployment": None if controller is None else controller.deployment,
+        "started_at_s": started_at_s,
         "controller": None
         if controller is None
         else {"url": controller.url, "error": controller.error, "at_s": controller.at_s},

@@ -20,7 +20,9 @@ from typer.testing import CliRunner
 
 from flexpipe.cli import app
 from flexpipe.launch import free_port
+from flexpipe.lifecycle import State
 from flexpipe.store import Store
+from flexpipe.store.instance_registry import InstanceRegistry
 
 MODELS = """
 models:
@@ -108,8 +110,8 @@ def test_up_serves_the_plan_and_stops_everything(
     assert "draining" in rest and "stopped 3 engine(s)" in rest
     assert processes_with(marker) == []
     with Store(store_url) as store:
-        rows = store.instances()
-    assert len(rows) == 3 and {r["state"] for r in rows} == {"gone"}
+        rows = InstanceRegistry(store).instances()
+    assert len(rows) == 3 and {r.state for r in rows} == {State.GONE}
 
 
 def test_up_dry_run_prints_the_plan(tmp_path: Path) -> None:

@@ -11,8 +11,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from flexpipe.cli.restart_budget import RestartBudget, RestartDecision, decide_restart
-from flexpipe.cli.run_dir import admin_token, find_admin_token, remove_stale, run_dir
+from flexpipe.cli.run_dir import (
+    admin_token,
+    controller_url,
+    find_admin_token,
+    remove_stale,
+    run_dir,
+)
 from flexpipe.cli.supervise import supervise
 from flexpipe.launch import free_port
 
@@ -177,3 +185,17 @@ def test_the_run_dir_holds_the_token_for_its_controller(tmp_path: Path) -> None:
         assert admin_token(url, "given", None) == "given"  # a flag wins
         assert remove_stale(tmp_path) == []  # its owner (this process) lives
     assert list(tmp_path.iterdir()) == []
+
+
+def test_commands_find_the_controller_of_the_running_up(tmp_path: Path) -> None:
+    """`flexpipe status` / `cluster` without --controller: the running `up`'s controller,
+    whatever ports it was given; none running: the default; two: an error naming both."""
+    assert controller_url(None, tmp_path) == "http://127.0.0.1:8100"
+    url = "http://127.0.0.1:18177"
+    with run_dir(18077, "http://127.0.0.1:18077", url, root=tmp_path):
+        assert controller_url(None, tmp_path) == url
+        assert controller_url("http://10.0.0.9:8100", tmp_path) == "http://10.0.0.9:8100"
+        with run_dir(18078, "http://127.0.0.1:18078", "http://127.0.0.1:18178", root=tmp_path):
+            with pytest.raises(ValueError, match="2 `flexpipe up` are running") as err:
+                controller_url(None, tmp_path)
+            assert url in str(err.value) and "http://127.0.0.1:18178" in str(err.value)

@@ -311,7 +311,7 @@ def test_a_store_from_before_the_lifecycle_columns_opens_and_grows(tmp_path: Pat
         (rec,) = InstanceRegistry(store).live_instances()
         assert (rec.id, rec.state, rec.pid, rec.plan_id) == (1, State.ACTIVE, None, None)
         assert rec.state_at == rec.started_at == datetime(2026, 11, 30, 10, tzinfo=UTC)
-        assert store.instances()[0]["gone_reason"] is None
+        assert rec.gone_reason is None
     with sqlite3.connect(path) as db:
         columns = [r[1] for r in db.execute("PRAGMA table_info(instances)")]
     assert columns[-6:] == ["state_at", "pid", "pgid", "plan_id", "gone_reason", "deployment"]
@@ -594,6 +594,40 @@ def test_shifts_command_table_and_json(tmp_path: Path) -> None:
     assert "1 of 3 entries" in result.output and "--limit 0 shows all" in result.output
     result = runner.invoke(app, ["shifts", "--store", url(tmp_path), "--since", "1s"])
     assert result.exit_code == 0 and "no shift log entries since" in result.output
+
+
+def test_shifts_command_shows_one_deployment_unless_all(tmp_path: Path) -> None:
+    """The store is shared (other ports, tests, earlier runs): `flexpipe shifts` shows the
+    entries of the deployment that wrote the newest one, --deployment another's, --all every
+    deployment's with a column saying whose."""
+    now = datetime.now(UTC)
+    with Store(url(tmp_path)) as store:
+        old, new = ShiftLog(store, "http://127.0.0.1:18000"), ShiftLog(store, "http://b:8000")
+        old.append(full_entry(at=now - timedelta(hours=3), kind="plan", trigger="none"))
+        old.append(full_entry(at=now - timedelta(hours=2), trigger="up"))
+        new.append(full_entry(at=now - timedelta(minutes=2), kind="plan", trigger="none"))
+    env = {"COLUMNS": "250"}
+    res = runner.invoke(app, ["shifts", "--store", url(tmp_path)], env=env)
+    assert res.exit_code == 0, res.output
+    assert "shift log of http://b:8000: 1 of 1 entries" in res.output
+    assert "(2 entries of other deployments; --all shows them)" in res.output
+    assert "┃ deployment" not in res.output  # one deployment: no column saying whose
+    res = runner.invoke(app, ["shifts", "--store", url(tmp_path), "--json"])
+    assert [(e["id"], e["deployment"]) for e in json.loads(res.output)] == [(3, "http://b:8000")]
+    res = runner.invoke(app, ["shifts", "--store", url(tmp_path), "--all", "--json"])
+    assert [e["deployment"] for e in json.loads(res.output)] == [
+        "http://127.0.0.1:18000", "http://127.0.0.1:18000", "http://b:8000"]  # fmt: skip
+    res = runner.invoke(app, ["shifts", "--store", url(tmp_path), "--all"], env=env)
+    assert "3 of 3 entries" in res.output and "other deployments" not in res.output
+    assert "┃ deployment " in res.output and "│ http://127.0.0.1:18000 │" in res.output
+    res = runner.invoke(
+        app, ["shifts", "--store", url(tmp_path), "--deployment", "http://127.0.0.1:18000"],
+        env=env,
+    )  # fmt: skip
+    assert "of http://127.0.0.1:18000: 2 of 2 entries" in res.output
+    assert "(1 entries of other deployments" in res.output
+    res = runner.invoke(app, ["shifts", "--store", url(tmp_path), "--all", "--deployment", "x"])
+    assert res.exit_code == 2 and "not both" in res.output
 
 
 def test_shifts_command_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:

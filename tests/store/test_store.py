@@ -7,9 +7,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from sqlalchemy import inspect
 
 from flexpipe.gears import MEASURED, GearPoint
 from flexpipe.store import Store, StoreError
+from flexpipe.store.instance_registry import InstanceRegistry
+from flexpipe.store.shift_log import ShiftLog
 
 
 def make_point(batch_size: int = 1, **changes: object) -> GearPoint:
@@ -83,15 +86,16 @@ def test_filters_and_curves(tmp_path: Path) -> None:
         assert store.points(model="mistral-7b") == []
 
 
-def test_instances_and_shift_log(tmp_path: Path) -> None:
-    with Store(f"sqlite:///{tmp_path / 'fp.db'}") as store:
-        iid = store.add_instance("i0", "llama-2-7b", "tp=1", ["gpu0"], "http://x", "sim")
-        store.set_instance_state(iid, "gone")
-        (row,) = store.instances()
-        assert row["state"] == "gone" and row["stopped_at"] is not None
-        assert row["gpu_ids"] == "gpu0"
-        store.log_shift("plan", "2 instances", {"gpus": 3})
-        assert store.shifts()[0]["detail"] == {"gpus": 3}
+def test_the_store_has_one_shift_log(tmp_path: Path) -> None:
+    """Instances and shifts are written through InstanceRegistry and ShiftLog only: opening a
+    store makes no second, free-form `shifts` table beside `shift_log`."""
+    url = f"sqlite:///{tmp_path / 'fp.db'}"
+    with Store(url) as store:
+        ShiftLog(store)
+        InstanceRegistry(store)
+        tables = set(inspect(store.engine).get_table_names())
+    assert "shifts" not in tables
+    assert {"shift_log", "instances", "instance_transitions"} <= tables
 
 
 def test_env_var_selects_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,7 @@
 """`flexpipe status` / `top`'s pure cores: a snapshot built from fixed readings (the gateway's
-metrics made by the gateway's own metrics class, engine texts in vLLM's names) gives exact
-numbers, and draws exactly the same text every time."""
+metrics made by the gateway's own metrics class, its dashboard view made by the dashboard's
+own functions, engine texts in vLLM's names) gives exact numbers, the dashboard's for each
+model, and draws exactly the same text every time."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from flexpipe.hardware import GiB
 from flexpipe.observe.readings import Readings
 from flexpipe.observe.render import gpus_table, instances_table, models_table
 from flexpipe.observe.status_snapshot import Snapshot, parse_samples, snapshot
+from flexpipe.ui.reading import EngineCounters, Reading, read_registry
+from flexpipe.ui.series import History
+from flexpipe.ui.view import ControllerSnapshot, assemble_view
 
 E1, E2 = "http://127.0.0.1:9001", "http://127.0.0.1:9002"
 GOLDEN = Path(__file__).parents[1] / "data" / "observe_tables.txt"
@@ -77,9 +81,29 @@ def engine_text(running: int, waiting: int, kv: float, hits: float, queries: flo
     )
 
 
-def readings() -> tuple[Readings, Readings]:
-    """Two readings 10 s apart (wall) at time scale 0.5: 20 modelled seconds."""
+def _pool(waiting: int, in_flight: int) -> tuple[dict[str, Any], ...]:
+    """The gateway pool's instances, as `Instance.as_dict()` has them."""
+    e1 = {"url": E1, "model": "m", "state": "active", "num_waiting": waiting,
+          "num_in_flight": in_flight}  # fmt: skip
+    return (e1, {"url": E2, "model": "m", "state": "draining", "num_waiting": 0})
+
+
+def gateway_view(gm: GatewayMetrics, history: History, at_s: float, time_scale: float,
+                 engines: dict[str, EngineCounters], waiting: int, queued: int,
+                 in_flight: int) -> dict[str, Any]:  # fmt: skip
+    """The gateway's dashboard view after one more of its readings, made as the gateway does
+    (flexpipe/gateway/ui_routes.py: its registry, the engines' counters, the pool)."""
+    history.add(Reading(at_s, read_registry(gm.registry.collect()), engines,
+                        _pool(waiting, in_flight), queued))  # fmt: skip
+    ctl = ControllerSnapshot("http://127.0.0.1:9100", {"time_scale": time_scale})
+    return assemble_view(at_s + 1, history, ctl, 2.0)
+
+
+def readings(busy_reported: bool = True) -> tuple[Readings, Readings]:
+    """Two readings 10 s apart (wall) at time scale 0.5: 20 modelled seconds. The gateway's
+    dashboard took its readings at the same two times."""
     gm = GatewayMetrics()
+    history = History()
     gm.instance_up.labels(E1, "active").set(1)
     gm.instance_up.labels(E2, "draining").set(0)
     for _ in range(10):
@@ -87,7 +111,11 @@ def readings() -> tuple[Readings, Readings]:
         gm.observe("ttft", "m", 0.04)
         gm.observe("tpot", "m", 0.012)
     engines = {E1: engine_text(1, 0, 0.1, 10, 100, 5.0, 100), E2: engine_text(0, 0, 0, 0, 0, 0, 0)}
-    before = Readings(1000.0, "http://127.0.0.1:9100", status(), gm.exposition().decode(), engines)
+    busy = (5.0, 0.0, 15.0) if busy_reported else (None, None, None)
+    counters = {E1: EngineCounters(100, 100, 10, busy[0]), E2: EngineCounters(0, 0, 0, busy[1])}
+    view = gateway_view(gm, history, 1000.0, 0.5, counters, 0, 0, 0)
+    before = Readings(1000.0, "http://127.0.0.1:9100", status(), gm.exposition().decode(),
+                      engines, view)  # fmt: skip
     # in the window: 20 requests (one 502), TTFTs 19 x 40 ms and 1 x 700 ms, TPOTs 12 ms
     for i in range(20):
         gm.request_done("m", E1, "502" if i == 0 else "200")
@@ -96,7 +124,10 @@ def readings() -> tuple[Readings, Readings]:
     gm.queued.set(2)
     gm.in_flight.labels(E1).set(5)
     engines = {E1: engine_text(4, 1, 0.25, 40, 200, 15.0, 500), E2: None}
-    now = Readings(1010.0, "http://127.0.0.1:9100", status(), gm.exposition().decode(), engines)
+    view = gateway_view(gm, history, 1010.0, 0.5, {E1: EngineCounters(500, 200, 40, busy[2])},
+                        1, 2, 5)  # fmt: skip
+    now = Readings(1010.0, "http://127.0.0.1:9100", status(), gm.exposition().decode(), engines,
+                   view)  # fmt: skip
     return before, now
 
 
@@ -109,9 +140,9 @@ def test_parse_samples_keeps_counter_names() -> None:
 def test_snapshot_over_a_window_in_modelled_seconds() -> None:
     before, now = readings()
     snap = snapshot(now, before)
-    assert snap.window_s == 10.0 and snap.time_scale == 0.5
+    assert snap.window_s == 10.0 and snap.time_scale == 0.5 and snap.gateway_window_s == 60.0
     (m,) = snap.models
-    assert m.request_rate_per_s == 20 / 20  # 20 finished over 20 modelled seconds
+    assert m.measured and m.request_rate_per_s == 19 / 20  # answered over 20 modelled s
     assert m.error_rate == 1 / 20
     # p95 of the window: rank 19 of 20 falls at the top of the 25-50 ms bucket: 50 ms wall
     assert m.ttft_p95_s == 0.05 / 0.5
@@ -126,6 +157,7 @@ def test_snapshot_over_a_window_in_modelled_seconds() -> None:
     e1, e2 = snap.instances
     assert (e1.health, e1.num_running, e1.num_waiting, e1.num_in_flight) == ("ok", 4, 1, 5)
     assert (e1.max_num_seqs, e1.kv_usage, e1.prefix_hit_rate) == (8, 0.25, 0.3)
+    assert e1.gpu_utilization == 0.5
     assert (e2.health, e2.state, e2.num_running, e2.gpu_utilization) == (
         "unreachable", "rehearsing", None, None)  # fmt: skip
     g0, g1, g2 = snap.gpus
@@ -136,19 +168,35 @@ def test_snapshot_over_a_window_in_modelled_seconds() -> None:
     assert snap.num_gateway_queued == 2 and snap.gateway_up and snap.num_shifts == 3
 
 
-def test_snapshot_without_a_previous_reading_is_since_start() -> None:
+def test_status_shows_the_dashboards_figures_from_one_reading() -> None:
+    """One `flexpipe status` (no earlier reading of its own) shows each model's figures as
+    the dashboard has them: the gateway's view, not "—" for lack of a window."""
     _, now = readings()
-    snap = snapshot(now)
-    (m,) = snap.models
-    assert snap.window_s is None
-    assert m.request_rate_per_s == 1.0  # the controller's measure
-    assert m.generation_tokens_per_s is None
-    assert m.error_rate == 1 / 30 and m.prefix_hit_rate == 40 / 200
-    assert m.gpu_utilization is None  # busy time needs an elapsed time
-    # 29 x 40 ms + 1 x 700 ms: rank 28.5 in the 25-50 ms bucket
-    assert (
-        m.ttft_p95_s is not None and abs(m.ttft_p95_s - (0.025 + 0.025 * 28.5 / 29) / 0.5) < 1e-12
-    )
+    assert now.gateway_view is not None
+    (fig,) = [m["now"] for m in now.gateway_view["models"]]
+    (m,) = snapshot(now).models
+    assert m.measured
+    assert m.generation_tokens_per_s == fig["tokens_per_s"] == 20.0
+    assert m.gpu_utilization == fig["gpu_utilization"] == 0.5
+    assert m.request_rate_per_s == fig["request_rate_per_s"]
+    assert (m.ttft_p95_s, m.tpot_p95_s) == (fig["ttft_s"]["p95"], fig["tpot_s"]["p95"])
+    assert (m.prefix_hit_rate, m.num_queued) == (fig["prefix_hit_rate"], fig["queue"])
+    instance = snapshot(now).instances[0]
+    assert instance.gpu_utilization is None  # an instance's busy time needs its own window
+
+
+def test_gpu_utilisation_not_reported_is_said_so_and_no_view_is_a_dash() -> None:
+    """Engines that report no busy time (vLLM): "n/a" with why, as on the dashboard; a
+    gateway whose view did not come back: "—" (nothing measured)."""
+    before, now = readings(busy_reported=False)
+    (m,) = snapshot(now, before).models
+    assert m.measured and m.gpu_utilization is None and m.generation_tokens_per_s == 20.0
+    drawn = _text(models_table(snapshot(now, before)))
+    assert " n/a " in drawn and "GPU util n/a: its engines report no busy time" in drawn
+    (m,) = snapshot(replace(now, gateway_view=None)).models
+    assert not m.measured and m.generation_tokens_per_s is None and m.num_queued is None
+    drawn = _text(models_table(snapshot(replace(now, gateway_view=None))))
+    assert "n/a" not in drawn
 
 
 def test_json_round_trips() -> None:

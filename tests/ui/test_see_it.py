@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ SCRAPE = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 
 class Up:
     def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp  # its TMPDIR: its run directory is found there, not another `up`'s
         self.marker = f"fp-see-{uuid.uuid4().hex[:10]}"
         self.port, self.cport = free_port(), free_port()
         self.store = f"sqlite:///{tmp / 'fp.db'}"
@@ -46,10 +48,18 @@ class Up:
             "--tick-s", "600",  # no shift while the test reads the plan
             "--models", str(write_models(tmp, self.marker)), "--store", self.store,
         ]  # fmt: skip
-        env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**self.env, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of `up` and of the commands run against it: no controller URL or
+        token given, its run directory in its own TMPDIR."""
+        drop = ("FLEXPIPE_CONTROLLER", "FLEXPIPE_CONTROLLER_TOKEN")
+        env = {k: v for k, v in os.environ.items() if k not in drop}
+        return {**env, "COLUMNS": "200", "TMPDIR": str(self.tmp)}
 
     @property
     def controller(self) -> str:
@@ -58,7 +68,7 @@ class Up:
     @property
     def token(self) -> str | None:
         """The admin token of the controller (`up` gives it the gateway's)."""
-        return find_admin_token(self.controller)
+        return find_admin_token(self.controller, self.tmp)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -79,6 +89,9 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     u = Up(tmp_path_factory.mktemp("see-it"))
     try:
         wait_for_line(u.proc, "serving", 90)
+        # the dashboard reads the engines every 2 s and counts from its first reading of
+        # each: let it have one, so that the requests below fall in its window
+        time.sleep(4)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{u.port}/v1", api_key="x")
         for i in range(6):  # streamed: the gateway observes TTFT and TPOT
             stream = client.completions.create(
@@ -98,13 +111,27 @@ def _get(url: str, token: str | None = None) -> str:
         return body.decode()
 
 
+def _status(up: Up) -> dict[str, Any]:
+    """`flexpipe status --json`, once the gateway's dashboard has read the requests the
+    fixture sent (one reading every 2 s): the models' figures are the dashboard's."""
+    deadline = time.monotonic() + 20
+    while True:
+        res = subprocess.run(
+            [sys.executable, "-m", "flexpipe", "status", "--json", "--controller", up.controller],
+            capture_output=True, text=True, timeout=60, env=up.env,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        snap: dict[str, Any] = json.loads(res.stdout)
+        model = snap["models"][0]
+        if model["ttft_p95_s"] is not None and model["prefix_hit_rate"] is not None:
+            return snap
+        if time.monotonic() > deadline:
+            return snap
+        time.sleep(0.5)
+
+
 def test_status_json_from_the_running_processes(up: Up) -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "flexpipe", "status", "--json", "--controller", up.controller],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    snap = json.loads(res.stdout)
+    snap = _status(up)
     assert snap["cluster"] == "fragmented-4gpu" and snap["engine"] == "sim"
     assert json.loads(_get(up.controller + "/admin/status", up.token))["store"] == up.store
     assert snap["gateway_url"] == f"http://127.0.0.1:{up.port}" and snap["gateway_up"]
@@ -119,7 +146,9 @@ def test_status_json_from_the_running_processes(up: Up) -> None:
     assert model["name"] == up.marker and model["num_instances"] == 3
     assert (model["ttft_slo_s"], model["tpot_slo_s"]) == (2.0, 0.06)
     assert model["error_rate"] == 0.0 and model["ttft_p95_s"] is not None
-    assert model["prefix_hit_rate"] is not None
+    assert model["prefix_hit_rate"] is not None and model["measured"]
+    # from one reading: the dashboard's figures, tokens and the sim engines' busy time too
+    assert model["generation_tokens_per_s"] > 0 and model["gpu_utilization"] is not None
     on = {g["id"]: g["instance"] for g in snap["gpus"]}
     assert on["gpu1"] == on["gpu2"] is not None and on["gpu0"] is not None
 
@@ -128,11 +157,26 @@ def test_top_draws_a_frame(up: Up) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "flexpipe", "top", "--frames", "1", "--interval", "0.5",
          "--controller", up.controller],  # the shift log: where the controller writes it
-        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"},
+        capture_output=True, text=True, timeout=60, env=up.env,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "flexpipe top" in res.stdout and up.marker in res.stdout
     assert "first plan" in res.stdout  # the shift log's plan entry, drawn as `flexpipe shifts`
+
+
+def test_status_and_cluster_find_the_running_up_on_its_ports(up: Up) -> None:
+    """`up` was given --port and --controller-port: `flexpipe status` and `flexpipe cluster
+    release`, given no URL, find its controller (not 127.0.0.1:8100) and its token."""
+    res = subprocess.run([sys.executable, "-m", "flexpipe", "status", "--json"],
+                         capture_output=True, text=True, timeout=60, env=up.env)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    snap = json.loads(res.stdout)
+    assert snap["controller_url"] == up.controller
+    assert snap["gateway_url"] == f"http://127.0.0.1:{up.port}"
+    res = subprocess.run([sys.executable, "-m", "flexpipe", "cluster", "release", "gpu3"],
+                         capture_output=True, text=True, timeout=60, env=up.env)  # fmt: skip
+    # the controller's own answer (gpu3 was never occupied): it was reached, with the token
+    assert res.returncode == 1 and "is not occupied through the admin API" in res.stderr
 
 
 def test_status_without_a_controller_is_one_line() -> None:

@@ -1,8 +1,10 @@
 """The dashboard in a real headless browser (Debian's chromium and chromedriver, driven by
 selenium; nothing is downloaded): `flexpipe up` on the seed's fragmented cluster with sim
-engines under streamed load, the page at /ui shows the GPU map without a console error, a
-shift made while it is open (another tenant takes gpu3) appears on the timeline and opens
-as a whole record, and the same page opens a simulator report.
+engines under streamed load, the page at /ui shows the GPU map without a console error, the
+GPU utilisation the sim engines report, the timeline leaves out what another deployment
+logged in the same store until asked, a shift made while it is open (another tenant takes
+gpu3) appears on the timeline and opens as a whole record, and the same page opens a
+simulator report.
 
 `FLEXPIPE_UI_SCREENSHOT=docs/img/dashboard.png` saves the page (after the shift) there.
 """
@@ -15,6 +17,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,9 @@ from test_controller_scenarios import SHARED, Load
 from test_up import write_models
 
 from flexpipe.launch import free_port
+from flexpipe.store import Store
+from flexpipe.store.shift_entry import ShiftEntry
+from flexpipe.store.shift_log import ShiftLog
 
 ROOT = Path(__file__).resolve().parents[2]
 FLEXPIPE = [sys.executable, "-m", "flexpipe"]
@@ -94,6 +100,10 @@ _TILES = """return Array.from(document.querySelectorAll('#gpu-map [data-gpu]')).
   (e) => [e.dataset.gpu, e.dataset.instance, e.dataset.state, e.innerText]);"""
 _ROWS = """return Array.from(document.querySelectorAll(
   '#shift-list tr.shift[data-kind="' + arguments[0] + '"]')).map((e) => e.innerText);"""
+_FIGURE = """return Array.from(document.querySelectorAll('#models .fig')).filter(
+  (f) => f.querySelector('.k').innerText === arguments[0]).map(
+  (f) => f.querySelector('.v').innerText);"""
+ELSEWHERE = "logged by another deployment on this store"
 
 
 def gpu_tiles(driver: webdriver.Chrome) -> dict[str, dict[str, str]]:
@@ -116,6 +126,9 @@ def click(driver: webdriver.Chrome, css: str) -> None:
 def test_the_dashboard_shows_the_map_and_a_shift_made_while_it_is_open(
     tmp_path: Path, browser: webdriver.Chrome
 ) -> None:
+    with Store(f"sqlite:///{tmp_path / 'fp.db'}") as store:  # the store up will share
+        ShiftLog(store, "http://127.0.0.1:1").append(ShiftEntry(
+            at=datetime.now(UTC) - timedelta(days=1), kind="plan", reason=ELSEWHERE))  # fmt: skip
     up = UpWithDashboard(tmp_path)
     load: Load | None = None
     try:
@@ -140,6 +153,18 @@ def test_the_dashboard_shows_the_map_and_a_shift_made_while_it_is_open(
         assert "nvlink3 300 GB/s" in browser.find_element(By.ID, "gpu-map").text
         assert up.model in browser.find_element(By.ID, "models").text
         assert shift_rows(browser, "reclaim") == []
+        # its engines report their busy time: a utilisation, as `flexpipe status` shows it
+        util = wait.until(lambda d: [v for v in d.execute_script(_FIGURE, "GPU util")
+                                     if v.endswith("%")])  # fmt: skip
+        assert len(util) == 1
+        # the other deployment's entry: left out, counted, shown on request with whose it is
+        wait.until(lambda d: d.find_element(By.ID, "shifts-hidden").text == "(1 hidden)")
+        assert not [r for r in shift_rows(browser, "plan") if ELSEWHERE in r]
+        click(browser, "#shifts-all")
+        rows = wait.until(lambda d: [r for r in shift_rows(d, "plan") if ELSEWHERE in r])
+        assert "http://127.0.0.1:1" in rows[0] and browser.current_url.endswith("?shifts=all")
+        click(browser, "#shifts-all")
+        wait.until(lambda d: not [r for r in shift_rows(d, "plan") if ELSEWHERE in r])
 
         # another tenant takes gpu3 while the page is open
         occupy = subprocess.run(

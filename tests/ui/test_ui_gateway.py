@@ -140,6 +140,11 @@ def test_the_view_counts_the_requests_it_saw(running: Running) -> None:
     assert status == 200 and all(p["t"] > later for p in json.loads(body)["series"])
     status, _, body = running.get("/ui/api/view?since=yesterday")
     assert status == 400 and json.loads(body)["error"]["param"] == "since"
+    status, _, body = running.get("/ui/api/view?shifts=all")
+    assert status == 200 and json.loads(body)["shifts_scope"] == "all"
+    assert view()["shifts_scope"] == "run"  # this run's shifts unless asked for every one
+    status, _, body = running.get("/ui/api/view?shifts=some")
+    assert status == 400 and json.loads(body)["error"]["param"] == "shifts"
 
 
 def test_events_push_the_view_then_what_is_new_and_a_leaving_client_frees_its_stream(

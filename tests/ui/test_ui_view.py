@@ -4,7 +4,8 @@ counter resets, the ring's horizon), the GPU map the controller serves, and the 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,9 @@ def test_engine_counters_are_summed_over_label_sets() -> None:
     )
     assert parse_engine_counters(text) == EngineCounters(150.0, 400.0, 100.0)
     assert parse_engine_counters(b"") == EngineCounters()
+    # the sim engine's modelled busy time; vLLM exports none (None: not known, not 0)
+    busy = b'flexpipe:modelled_busy_seconds_total{model_name="m"} 12.5\n'
+    assert parse_engine_counters(text + busy) == EngineCounters(150.0, 400.0, 100.0, 12.5)
 
 
 R0 = Reading(
@@ -90,6 +94,7 @@ R1_POINT = {
     "tpot_s": {"p50": None, "p95": None, "p99": None},
     "tokens_per_s": 300.0,
     "prefix_hit_rate": 0.5,
+    "busy_s_per_s": None,  # the engine reports no busy time (vLLM): utilisation not known
     "queue": 3,  # the engine's 1 waiting + the gateway's 2 (one model: all of them are its)
     "in_flight": 5,
     "num_instances": 1,
@@ -100,6 +105,39 @@ def test_a_point_is_the_difference_of_two_readings() -> None:
     assert model_point("a", R0, R1) == R1_POINT
     with pytest.raises(ValueError, match="out of order"):
         model_point("a", R1, R0)
+
+
+def test_busy_time_is_averaged_over_the_instances_that_report_it() -> None:
+    """Two engines busy 1.5 and 0.5 modelled s over 2 wall s: 0.5 busy s per wall s each on
+    average; a third that reports none (vLLM) counts for nothing. The view makes it busy time
+    over the modelled time elapsed (capped at 1); None where no engine reports it."""
+    u1, u2, u3 = inst("http://u1", "a"), inst("http://u2", "a"), inst("http://u3", "a")
+    r0 = Reading(
+        0.0,
+        engines={
+            "http://u1": EngineCounters(busy_s=10.0),
+            "http://u2": EngineCounters(busy_s=4.0),
+            "http://u3": EngineCounters(),
+        },
+        instances=(u1, u2, u3),
+    )
+    r1 = Reading(2.0, engines={"http://u1": EngineCounters(busy_s=11.5),
+                               "http://u2": EngineCounters(busy_s=4.5),
+                               "http://u3": EngineCounters()}, instances=(u1, u2, u3))  # fmt: skip
+    point = model_point("a", r0, r1)
+    assert point["busy_s_per_s"] == 0.5
+    h = History()
+    h.add(r0)
+    h.add(r1)
+    topo = {"time_scale": 0.25, "models": [], "instances": [], "nodes": []}
+    v = assemble_view(3.0, h, ControllerSnapshot("http://ctl", topo), 2.0)
+    # 2 wall s at 0.25 wall s per modelled s: 8 modelled s, 2 of them busy per engine
+    assert v["models"][0]["now"]["gpu_utilization"] == 0.125
+    assert "busy_s_per_s" not in v["models"][0]["now"]
+    v = assemble_view(3.0, h, ControllerSnapshot("http://ctl", {**topo, "time_scale": 4.0}), 2.0)
+    assert v["models"][0]["now"]["gpu_utilization"] == 1.0  # capped
+    only_vllm = Reading(4.0, engines={"http://u3": EngineCounters()}, instances=(u3,))
+    assert model_point("a", r1, only_vllm)["busy_s_per_s"] is None
 
 
 def test_restarted_and_new_engines_do_not_invent_tokens() -> None:
@@ -233,7 +271,9 @@ def test_the_view_joins_gateway_controller_and_series() -> None:
     assert model["name"] == "a" and model["slo"] == {"ttft_p99_s": 2.0, "tpot_p99_s": 0.06}
     # wall seconds / 0.05 = modelled seconds
     assert model["now"]["ttft_s"] == {"p50": 6.0, "p95": 9.6, "p99": 9.92}
-    assert model["now"]["request_rate_per_s"] == 2.0
+    # rates too: 2 per wall second at 0.05 wall s per modelled s
+    assert model["now"]["request_rate_per_s"] == 0.1 and model["now"]["tokens_per_s"] == 15.0
+    assert model["now"]["gpu_utilization"] is None  # its engine reports no busy time
     assert v["series"][0]["models"]["a"]["ttft_s"]["p50"] == 6.0
     assert [p["t"] for p in v["series"]] == [102.0]
     assert assemble_view(103.0, h, ctl, 2.0, since_s=102.0)["series"] == []
@@ -277,3 +317,26 @@ def test_the_window_counts_the_tokens_of_instances_replaced_within_it() -> None:
     assert p["models"]["a"]["prefix_hit_rate"] == round(35 / 40, 4)
     # the two ends alone know only u2, which has no reading at the start
     assert model_point("a", readings[0], readings[2])["tokens_per_s"] == 0.0
+
+
+def test_the_timeline_shows_this_runs_shifts_unless_every_one_is_asked_for() -> None:
+    """The store is shared: another deployment's entries, and this deployment's from before
+    this gateway started (an earlier `flexpipe up` on the same port), are left out by
+    default and counted; `every_shift` (?shifts=all) shows every one, with whose it is."""
+    start = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC).timestamp()
+
+    def entry(id_: int, minutes: int, deployment: str) -> dict[str, Any]:
+        at = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC) + timedelta(minutes=minutes)
+        return replace(_entry(), id=id_, at=at, deployment=deployment).to_dict()
+
+    mine, other = "http://127.0.0.1:8000", "http://127.0.0.1:18000"
+    earlier, now_run, theirs = entry(1, -30, mine), entry(3, 1, mine), entry(2, -5, other)
+    ctl = ControllerSnapshot("http://ctl", None, [earlier, now_run], None, 1.0,
+                             [earlier, theirs, now_run], mine)  # fmt: skip
+    v = assemble_view(start + 120, History(), ctl, 2.0, started_at_s=start)
+    assert [e["id"] for e in v["shifts"]] == [3] and v["num_hidden_shifts"] == 2
+    assert (v["shifts_scope"], v["deployment"], v["started_at_s"]) == ("run", mine, start)
+    v = assemble_view(start + 120, History(), ctl, 2.0, started_at_s=start, every_shift=True)
+    assert [(e["id"], e["deployment"]) for e in v["shifts"]] == [
+        (1, mine), (2, other), (3, mine)]  # fmt: skip
+    assert v["shifts_scope"] == "all" and v["num_hidden_shifts"] == 0

@@ -4,8 +4,11 @@ bearer token as the rest of its admin API:
     GET /admin/topology          the GPU map: nodes, GPUs (type, memory of other tenants and
                                  of flexpipe's engines), links (fast or slow), the instances on
                                  them with gear and lifecycle state, each model's SLOs
-    GET /admin/shifts?limit=N    the newest N entries of the shift log (holds left out), each
-                                 `ShiftEntry.to_dict()`, oldest first
+    GET /admin/shifts?limit=N[&all=1]
+                                 the newest N entries of the shift log (holds left out) that
+                                 this controller's deployment wrote (all=1: every
+                                 deployment's on the store), each `ShiftEntry.to_dict()`,
+                                 oldest first, and the deployment's id
 
 `topology_doc` is pure (cluster and instances in, JSON-ready dict out).
 """
@@ -162,6 +165,14 @@ class UiApi:
             raise HttpError(400, f"limit must be an integer, got {raw!r}", param="limit") from None
         if not 1 <= limit <= _MAX_SHIFTS:
             raise HttpError(400, f"limit must be 1 to {_MAX_SHIFTS}", param="limit")
+        every = (req.query_params().get("all") or ["0"])[0]
+        if every not in ("0", "1"):
+            raise HttpError(400, f"all must be 0 or 1, got {every!r}", param="all")
+        # one store may hold the logs of several deployments (other ports, earlier tests)
+        mine = None if every == "1" else self.c.deployment
         log = self.c.shift_log
-        entries = [] if log is None else log.entries(kinds=_SHOWN_KINDS, limit=limit)
-        return json_response({"entries": [e.to_dict() for e in entries]})
+        entries = [] if log is None else log.entries(kinds=_SHOWN_KINDS, limit=limit,
+                                                     deployment=mine)  # fmt: skip
+        return json_response(
+            {"deployment": self.c.deployment, "entries": [e.to_dict() for e in entries]}
+        )

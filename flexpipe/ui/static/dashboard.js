@@ -10,7 +10,8 @@ const METHODS = ["kv_moved", "recomputed", "finished_in_place", "rerun"];
 const Q_COLORS = { p50: "#1f6feb", p95: "#d99a00", p99: "#c62828" };
 const GiB = 1024 ** 3;
 
-const state = { view: null, source: null, events: null, selected: null };
+// everyShift: the shift timeline shows every deployment's entries (?shifts=all), not this run's
+const state = { view: null, source: null, events: null, selected: null, everyShift: false };
 
 // ------------------------------------------------------------------ helpers
 const $ = (id) => document.getElementById(id);
@@ -157,7 +158,7 @@ function renderModels(v) {
   const points = list(v.series);
   const scale = num(v.time_scale) || 1;
   $("latency-note").textContent = v.source === "report"
-    ? "" : `latencies over the last ${fmt(v.window_s, 0)} s${scale !== 1 ? `, in modelled seconds (time scale ${scale})` : ""}; charts: last ${fmt((v.max_age_s || 900) / 60, 0)} min`;
+    ? "" : `figures over the last ${fmt(v.window_s, 0)} s${scale !== 1 ? `; latencies and rates in modelled seconds (time scale ${scale})` : ""}; charts: last ${fmt((v.max_age_s || 900) / 60, 0)} min`;
   const models = list(v.models);
   if (!models.length) { setHtml($("models"), `<p class="muted">no model yet</p>`); return; }
   setHtml($("models"), models.map((m) => {
@@ -167,10 +168,13 @@ function renderModels(v) {
       const cls = val === null || lim === null ? "" : val > lim ? "bad" : "good";
       return `<div class="fig"><div class="k">${key === "ttft_s" ? "TTFT" : "TPOT"} ${q}${q === "p99" && lim !== null ? " / SLO " + ms(lim) : ""}</div><div class="v ${q === "p99" ? cls : ""}">${ms(val)}</div></div>`;
     }).join("");
-    const f = (k, val) => `<div class="fig"><div class="k">${k}</div><div class="v">${val}</div></div>`;
+    const f = (k, val, title = "") => `<div class="fig"${title ? ` title="${esc(title)}"` : ""}><div class="k">${k}</div><div class="v">${val}</div></div>`;
+    // n/a: a window was measured but the engines report no busy time (as `flexpipe status`)
+    const util = m.now ? (num(now.gpu_utilization) === null ? "n/a" : pct(now.gpu_utilization)) : "–";
     const figures = f("requests/s", fmt(now.request_rate_per_s)) + f("errors/s", fmt(now.error_rate_per_s)) +
       lat("ttft_s", "ttft_p99_s") + lat("tpot_s", "tpot_p99_s") + f("queue", fmt(now.queue, 0)) +
       f("prefix-cache hits", pct(now.prefix_hit_rate)) + f("output tokens/s", fmt(now.tokens_per_s, 0)) +
+      f("GPU util", util, "its engines' modelled busy time over the window; n/a: its engines report no busy time (vLLM does not)") +
       f("instances", list(m.instances).length || fmt(now.num_instances, 0));
     const q = (key) => ["p50", "p95", "p99"].map((name) => ({
       name, color: Q_COLORS[name], points: seriesOf(points, m.name, (x) => obj(x[key])[name]) }));
@@ -249,8 +253,22 @@ function migratedText(e) {
 
 function shiftKey(e, i) { return String(e.id ?? `i${i}`); }
 
+function renderShiftScope(v) {
+  const live = v.source !== "report";
+  $("shifts-all-label").hidden = !live;
+  $("shifts-all").checked = v.shifts_scope === "all";
+  if (!live) { $("shift-scope").textContent = ""; return; }
+  const since = num(v.started_at_s);
+  $("shift-scope").textContent = v.shifts_scope === "all" ? "every deployment on the store"
+    : `this run${since !== null ? ` (since ${clock(since)})` : ""}${v.deployment ? ` of ${v.deployment}` : ""}`;
+  const hidden = num(v.num_hidden_shifts) || 0;
+  $("shifts-hidden").textContent = v.shifts_scope !== "all" && hidden ? `(${hidden} hidden)` : "";
+}
+
 function renderShifts(v) {
+  renderShiftScope(v);
   const all = list(v.shifts);
+  const others = v.shifts_scope === "all";  // each entry says which deployment wrote it
   const entries = all.map((e, i) => ({ e, key: shiftKey(e, i), t: parseTime(e.at ?? e.at_s ?? e.t) }));
   if (!entries.length) {
     setHtml($("shift-strip"), "");
@@ -274,11 +292,11 @@ function renderShifts(v) {
   setHtml($("shift-strip"), `<svg viewBox="0 0 ${W} 48" preserveAspectRatio="none">${svg}</svg>`);
   const rows = entries.slice().reverse().map(({ e, key, t }) =>
     `<tr class="shift" data-shift-id="${esc(key)}" data-kind="${esc(e.kind)}"><td class="num">${esc(e.id ?? "")}</td><td>${t === null ? "–" : esc(clock(t))}</td>` +
-    `<td>${esc(e.kind)}</td><td>${esc(e.trigger ?? "–")}</td><td>${esc(e.from_to ?? fromTo(e))}</td>` +
+    `<td>${esc(e.kind)}</td><td>${esc(e.trigger ?? "–")}</td>${others ? `<td>${esc(e.deployment ?? "–")}</td>` : ""}<td>${esc(e.from_to ?? fromTo(e))}</td>` +
     `<td>${phaseBar(e)}<span class="muted">${num(e.duration_s) !== null ? fmt(e.duration_s, 1) + " s" : ""}</span></td>` +
     `<td>${migratedText(e)}</td><td class="outcome ${esc(e.outcome)}">${esc(e.outcome ?? "–")}</td>` +
     `<td>${esc(e.reason ?? "")}${e.error ? `<br><span class="muted">→ ${esc(e.error)}</span>` : ""}</td></tr>`).join("");
-  setHtml($("shift-list"), `<table><thead><tr><th>id</th><th>time</th><th>kind</th><th>trigger</th><th>from → to</th>` +
+  setHtml($("shift-list"), `<table><thead><tr><th>id</th><th>time</th><th>kind</th><th>trigger</th>${others ? "<th>deployment</th>" : ""}<th>from → to</th>` +
     `<th>phases (${PHASES.join("/")})</th><th>migrated (kv/rc/fin/rerun)</th><th>outcome</th><th>why</th></tr></thead><tbody>${rows}</tbody></table>`);
 }
 
@@ -364,7 +382,7 @@ function merge(old, incoming) {
 
 function connect() {
   if (state.events) state.events.close();
-  const es = new EventSource("/ui/events");
+  const es = new EventSource(state.everyShift ? "/ui/events?shifts=all" : "/ui/events");
   state.events = es;
   state.source = { kind: "live" };
   es.addEventListener("view", (ev) => {
@@ -508,7 +526,15 @@ function init() {
   $("live-button").addEventListener("click", () => {
     $("live-button").hidden = true;
     state.view = null;
-    history.replaceState(null, "", "/ui");
+    history.replaceState(null, "", state.everyShift ? "/ui?shifts=all" : "/ui");
+    connect();
+  });
+  state.everyShift = new URLSearchParams(location.search).get("shifts") === "all";
+  $("shifts-all").checked = state.everyShift;
+  $("shifts-all").addEventListener("change", () => {
+    state.everyShift = $("shifts-all").checked;
+    history.replaceState(null, "", state.everyShift ? "/ui?shifts=all" : "/ui");
+    state.view = null;  // the new stream starts with the whole view
     connect();
   });
   $("token-form").addEventListener("submit", (ev) => ev.preventDefault());
