@@ -92,7 +92,7 @@ class FakeWorld:
     def names(self, instances: Any) -> str:
         return ",".join(i.planned.name for i in instances)
 
-    def answer(self, c: Command) -> Any:  # noqa: C901 (one branch a command)
+    def answer(self, c: Command) -> Any:
         match c:
             case Launch(planned):
                 self.log.append(f"launch {','.join(p.name for p in planned)}")
@@ -140,6 +140,12 @@ class FakeWorld:
             case Drain(instances, deadline_s, waves):
                 self.log.append(f"drain {self.names(instances)} {deadline_s:g} s")
                 moved = [self.carry(w.moves, "early") for w in waves]
+                for i in instances:  # what has 10 tokens or fewer left ends by the deadline
+                    for r in [
+                        r for r in i.requests if r["max_tokens"] - r["num_output_tokens"] <= 10
+                    ]:
+                        self.log.append(f"finished {r['id']}")
+                        i.requests.remove(r)
                 self.now_s += deadline_s if any(i.requests for i in instances) else 0.0
                 outcomes = tuple(o for m in moved for o in m.outcomes)
                 return Drained(tuple(not i.requests for i in instances),
@@ -165,7 +171,8 @@ def drive(gen: Generator[Command, Reply, ShiftOutcome], world: FakeWorld) -> Shi
     try:
         command = next(gen)
         while True:
-            command = gen.send(Reply(world.now_s, world.answer(command)))
+            value = world.answer(command)
+            command = gen.send(Reply(world.now_s, value))
     except StopIteration as stop:
         out: ShiftOutcome = stop.value
         return out
@@ -205,34 +212,43 @@ def test_new_instances_serve_before_any_old_one_drains() -> None:
 
 
 def test_the_leaving_engine_is_released_only_after_its_requests_moved() -> None:
-    """The pair leaves; the L40S and the L4 stay. What outlives the 4 s deadline moves at
-    once (early, in the drain), the rest finishes in place or moves at the deadline; the
-    release comes after the last move."""
-    running = running_of(L40S, PAIR, L4)
-    source = running[instance_key(PAIR)]
-    source.requests = [req(1, 10, 2000, prompt=900), req(2, 20, 2000, prompt=1900),
-                       req(3, 60, 64), req(4, 0, 64), req(5, 5, 3000, prompt=3000)]  # fmt: skip
+    """A leaves; B (its NVLink neighbour, one slot free) and the L40S (across 25 GbE) stay.
+    What outlives the 4 s deadline moves at once (early, during the drain), what is short
+    finishes in place, the rest moves at the deadline: over NVLink as KV, to the L40S by
+    recompute; the release comes after the last move."""
+    a = replace(PAIR, name="llama-7b-a", stages=(("gpu1",),),
+                gear=replace(PAIR.gear, tp=1, max_num_seqs=32))  # fmt: skip
+    b = replace(a, name="llama-7b-b", stages=(("gpu2",),), gear=replace(a.gear, max_num_seqs=3))
+    running = running_of(a, b, L40S)
+    running[instance_key(b)].requests = [req(10, 5, 2000), req(11, 5, 2000)]
+    source = running[instance_key(a)]
+    source.requests = [req(1, 10, 2000, prompt=900), req(2, 20, 2000, prompt=3900),
+                       req(3, 60, 64), req(4, 0, 64), req(5, 25, 40, prompt=6000),
+                       req(6, 0, 40, prompt=6000)]  # fmt: skip
     world = FakeWorld()
     params = ShiftParams(drain_deadline_s=4.0)
-    out = drive(ShiftProcedure(running, [L40S, L4], params).run(world.now_s), world)
+    out = drive(ShiftProcedure(running, [b, L40S], params).run(world.now_s), world)
     assert world.log == [
-        "stop routing llama-7b-0",
-        "survey llama-7b-0",
-        "drain llama-7b-0 4 s",
-        "early 1 recompute llama-7b-0->llama-7b-1",
-        "early 2 recompute llama-7b-0->llama-7b-1",
-        "early 5 recompute llama-7b-0->llama-7b-1",
-        "survey llama-7b-0",
-        "wait 0.118",
-        "move 4 kv llama-7b-0->llama-7b-2",
-        "move 3 recompute llama-7b-0->llama-7b-1",
-        "drain llama-7b-0 10 s",
-        "release llama-7b-0",
+        "stop routing llama-7b-a",
+        "survey llama-7b-a",
+        "drain llama-7b-a 4 s",
+        "early 1 kv llama-7b-a->llama-7b-b",
+        "early 2 recompute llama-7b-a->llama-7b-1",
+        "finished 3",  # 4 tokens left: within the deadline
+        "survey llama-7b-a",
+        "move 4 kv llama-7b-a->llama-7b-b",
+        "move 6 recompute llama-7b-a->llama-7b-1",
+        "wait 0.270",  # after the recompute ahead of it on the L40S
+        "move 5 recompute llama-7b-a->llama-7b-1",
+        "drain llama-7b-a 10 s",
+        "release llama-7b-a",
     ]
-    release = world.log.index("release llama-7b-0")
-    assert release == max(i for i, line in enumerate(world.log) if "->" in line) + 2
-    assert out.migrated == {"recomputed": 4, "kv_moved": 1}  # 5 in flight, all moved
-    assert out.succeeded and out.stopped == [instance_key(PAIR)]
+    last_move = max(i for i, line in enumerate(world.log) if "->" in line)
+    assert world.log.index("release llama-7b-a") > last_move
+    # 6 in flight: 2 moved early, 3 at the deadline, 1 finished in place
+    assert out.migrated == {"kv_moved": 2, "recomputed": 3, "finished_in_place": 1}
+    assert out.succeeded and out.stopped == [instance_key(a)] and source.requests == []
+    assert out.phases_s["drain"] == 4.0
 
 
 def test_an_in_place_step_holds_its_model_for_two_cold_starts_and_the_drain() -> None:
@@ -260,8 +276,9 @@ def test_an_in_place_step_holds_its_model_for_two_cold_starts_and_the_drain() ->
         "hold llama-7b 0",
     ]
     assert out.succeeded and out.started == [instance_key(new)]
-    assert list(out.phases_s) == [f"{p}_in_place" for p in
-                                  ("drain", "migrate", "release", "warm", "rehearse", "switch")]
+    assert list(out.phases_s) == [
+        f"{p}_in_place" for p in ("drain", "migrate", "release", "warm", "rehearse", "switch")
+    ]
 
 
 def test_a_model_scaled_to_zero_is_held_for_the_standby_hold() -> None:

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from flexpipe.control.core import shift_procedure
 from flexpipe.control.move_inputs import warm_timeout_s
 from flexpipe.gateway.relay import warms
 from flexpipe.policies.shift.migration import perf_model_of
-from flexpipe.control.core import shift_procedure
 from flexpipe.sim import report, simulate
 from flexpipe.sim.controller import ControllerParams
 from flexpipe.sim.scenario import parse_scenario

@@ -191,9 +191,7 @@ class _LiveShift:
     """One shift's commands carried out on the real clock (the engines it launched, the
     stream ids its moves are logged by)."""
 
-    def __init__(
-        self, ex: Executor, cluster: Cluster, running: dict[str, LiveInstance]
-    ) -> None:
+    def __init__(self, ex: Executor, cluster: Cluster, running: dict[str, LiveInstance]) -> None:
         self.ex = ex
         self.cluster = cluster
         self.running = running
@@ -236,7 +234,7 @@ class _LiveShift:
                 orphans.setdefault(inst.url, inst)
         await self.ex._stop(list(orphans.values()))
 
-    async def _carry_out(self, command: Command) -> Any:  # noqa: C901 (one branch a command)
+    async def _carry_out(self, command: Command) -> Any:
         ex = self.ex
         match command:
             case Hold(model, seconds):
@@ -407,5 +405,3 @@ class _LiveShift:
                 f"{at_wall_s:.3f} in {took_s:.3f} s: {' '.join(ids)}"
             )
         return Moved(tuple(outcomes), len(outcomes))
-
-

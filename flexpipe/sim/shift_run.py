@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flexpipe.cluster import Cluster
@@ -209,7 +208,7 @@ class ShiftRun:
 
         return resume
 
-    def _carry_out(self, command: Command) -> Any:  # noqa: C901 (one branch a command)
+    def _carry_out(self, command: Command) -> Any:
         world = self.world
         now = world.loop.now_s
         match command:
@@ -347,8 +346,6 @@ def _alive(rec: Any) -> Any:
     return rec
 
 
-
-
 def rehearse(planned: PlannedInstance, cluster: Cluster, tolerance: float) -> dict[str, Any]:
     """The executor's probe, on a fresh copy of the instance's engine core: its modelled time
     against the gear table's prediction (TTFT + TPOT per further token at the full batch)."""
@@ -377,5 +374,3 @@ def rehearse(planned: PlannedInstance, cluster: Cluster, tolerance: float) -> di
     )  # fmt: skip
     return {"instance": key, "passed": passed, "why": why, "predicted_s": round(predicted_s, 4),
             "measured_s": round(measured_s, 4), "ratio": round(ratio, 3)}  # fmt: skip
-
-

@@ -42,8 +42,8 @@ from flexpipe.control.core.shift_commands import (
     Join,
     Launch,
     Move,
-    MoveOrder,
     Moved,
+    MoveOrder,
     NextReady,
     Record,
     Rehearse,
@@ -255,8 +255,11 @@ class ShiftProcedure:
         planned = [self._named(a) for a in adds]
         t0 = self.now_s
         tokens = yield from self._do(Launch(tuple(planned)))
-        failures = [f"instance {a.name} did not start: {t.why}"
-                    for a, t in zip(planned, tokens, strict=True) if isinstance(t, Failed)]  # fmt: skip
+        failures = [
+            f"instance {a.name} did not start: {t.why}"
+            for a, t in zip(planned, tokens, strict=True)
+            if isinstance(t, Failed)
+        ]
         launched = [t for t in tokens if not isinstance(t, Failed)]
         if failures and not (yield from self._judge(out, failures, launched, all_or_nothing)):
             return []
@@ -420,8 +423,9 @@ class ShiftProcedure:
             for src, src_reqs in zip(mine, survey.requests, strict=True):
                 interval_s = decode_interval_s(cluster, src.planned, src_reqs)
                 if outliving_s is not None:
-                    src_reqs = tuple(r for r in src_reqs
-                                     if outlives(tokens_left(r), interval_s, outliving_s))  # fmt: skip
+                    src_reqs = tuple(
+                        r for r in src_reqs if outlives(tokens_left(r), interval_s, outliving_s)
+                    )
                 for r in src_reqs:
                     reqs.append(MoveRequest(int(r["id"]), context_tokens(r), src.url, interval_s))
                     where[int(r["id"])] = (src, r)
