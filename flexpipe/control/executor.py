@@ -51,6 +51,7 @@ from flexpipe.control.gateway_client import GatewayClient, GatewayError
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.http.client import ClientPool
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher
+from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import link_between
 from flexpipe.policies.shift.snapshot import instance_key
@@ -154,7 +155,9 @@ class Executor:
             all_or_nothing=all_or_nothing,
         )  # fmt: skip
         self.names |= gather_names(running)  # (adopted after a restart)
-        procedure = ShiftProcedure(running, target, params, self.names)
+        planned = [*(i.planned for i in running.values()), *target]
+        specs = {p.model_id: load_model_spec(p.model_id) for p in planned}
+        procedure = ShiftProcedure(running, target, params, self.names, specs)
         return await _LiveShift(self, cluster, running).drive(procedure.run(self.clock()))
 
     # ------------------------------------------------------------------ the gateway

@@ -7,7 +7,7 @@ fences)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ from flexpipe.gateway.cut_over import (
     token_wait_s,
 )
 from flexpipe.gateway.relay import MOVE_PRIORITY, WARM_POLL_S, warms
+from flexpipe.model_spec import ModelSpec
 from flexpipe.policies.shift.migration import link_between, perf_model_of
 from flexpipe.sim.gateway import SimGateway
 from flexpipe.sim.loop import CONTROL, EventLoop
@@ -275,8 +276,11 @@ class GatewayMoves:
     `on_moved(method)`; `when_cut_over(callback)` calls back once no pre-copy is under way
     (the gateway answers a wave once its moves cut over)."""
 
-    def __init__(self, world: World, on_moved: Callable[[str], None]) -> None:
+    def __init__(
+        self, world: World, on_moved: Callable[[str], None], specs: Mapping[str, ModelSpec]
+    ) -> None:
         self.world = world
+        self.specs = specs  # model id -> spec: the KV a move carries
         self.on_moved = on_moved
         self.num_pre_copying = 0  # moves carried out, warming up, not cut over yet
         self._waiter: Callable[[float], None] | None = None
@@ -305,7 +309,8 @@ class GatewayMoves:
                 method = "kv_moved"
                 link = link_between(world.cluster, src.planned, dst.planned)
                 if link is not None:  # the engine imports what the context is now
-                    delay_s = perf_model_of(world.cluster, dst.planned).kv_transfer_s(
+                    spec = self.specs.get(dst.planned.model_id)
+                    delay_s = perf_model_of(world.cluster, dst.planned, spec=spec).kv_transfer_s(
                         num_prompt + num_out, link.bandwidth_bytes_per_s, link.latency_s
                     )
                 world.fence(req, dst, delay_s, now)

@@ -52,6 +52,7 @@ from flexpipe.control.shift_plan import probe_tokens
 from flexpipe.engine.request import EngineRequest, SamplingParams
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.lifecycle import State
+from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.sim.engine_factory import engine_core
@@ -157,11 +158,13 @@ class ShiftRun:
             drain_deadline_s=drain_deadline_s, standby_hold_s=standby_hold_s, time_scale=1.0,
             warm_moves=warm_moves, rehearse=rehearse, all_or_nothing=all_or_nothing,
         )  # fmt: skip
+        planned = [*(r.planned for r in running.values()), *target]
+        specs = {p.model_id: load_model_spec(p.model_id) for p in planned}
         # the world names its engines (World.launch): the planner's names are kept here
-        self.procedure = ShiftProcedure(running, target, params)
+        self.procedure = ShiftProcedure(running, target, params, None, specs)
         self._gen: Generator[Command, Reply, ShiftOutcome] | None = None
         self._token = 0  # which wait may resume the procedure (a drain has two ends)
-        self._moves = GatewayMoves(world, self._moved)
+        self._moves = GatewayMoves(world, self._moved, specs)
         self._outcomes: list[str] = []  # of the moves since the last reply
         self._num_moved = 0
         self._requests: dict[int, SimRequest] = {}  # the requests surveyed, by id

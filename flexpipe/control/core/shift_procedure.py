@@ -66,6 +66,7 @@ from flexpipe.control.move_inputs import (
 )
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.control.shift_plan import plan_shift
+from flexpipe.model_spec import ModelSpec
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import MoveRequest, outlives, plan_moves
 from flexpipe.policies.shift.snapshot import instance_key
@@ -135,7 +136,9 @@ class ShiftProcedure:
     """One shift from `running` (key -> instance, updated in place) to `target`. `names`:
     the names the deployment's instances had so far; given, each instance launched gets a
     name none had (and it is added); None: the planner's names are kept (the simulator's
-    world names its engines itself)."""
+    world names its engines itself). `specs`: model id -> its spec, for every model of
+    `running` and `target` (the performance model prices moves with it); None: the shipped
+    catalog's (`perf_model_of`)."""
 
     def __init__(
         self,
@@ -143,7 +146,9 @@ class ShiftProcedure:
         target: Sequence[PlannedInstance],
         params: ShiftParams,
         names: set[str] | None = None,
+        specs: Mapping[str, ModelSpec] | None = None,
     ) -> None:
+        self.specs = specs or {}
         self.running = running
         self.target = tuple(target)
         self.params = params
@@ -421,7 +426,8 @@ class ShiftProcedure:
             reqs: list[MoveRequest] = []
             where: dict[int, tuple[Any, Record]] = {}
             for src, src_reqs in zip(mine, survey.requests, strict=True):
-                interval_s = decode_interval_s(cluster, src.planned, src_reqs)
+                spec = self.specs.get(src.planned.model_id)
+                interval_s = decode_interval_s(cluster, src.planned, src_reqs, spec)
                 if outliving_s is not None:
                     src_reqs = tuple(
                         r for r in src_reqs if outlives(tokens_left(r), interval_s, outliving_s)
@@ -436,8 +442,11 @@ class ShiftProcedure:
                     self._count(Moved(tuple(outcomes)))
                 continue
             urls = [(s.url, s.planned) for s in sources]
-            destinations = [destination_of(cluster, urls, d.url, d.planned, d_reqs)
-                            for d, d_reqs in survey.destinations]  # fmt: skip
+            destinations = [
+                destination_of(cluster, urls, d.url, d.planned, d_reqs,
+                               self.specs.get(d.planned.model_id))
+                for d, d_reqs in survey.destinations
+            ]  # fmt: skip
             by_url = {d.url: d for d, _ in survey.destinations}
             for m in plan_moves(reqs, destinations, horizon_s, warm=self.params.warm_moves):
                 timeout_s = 0.0

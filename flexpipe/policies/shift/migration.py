@@ -24,7 +24,7 @@ from typing import Literal
 
 from flexpipe.cluster import Cluster, ClusterError, placement_on
 from flexpipe.hardware import LinkSpec
-from flexpipe.model_spec import load_model_spec
+from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import Efficiency, PerfModel
 from flexpipe.policies.planner import PlannedInstance
 
@@ -74,10 +74,17 @@ class MigrationChoice:
 
 
 def perf_model_of(
-    cluster: Cluster, instance: PlannedInstance, efficiency: Efficiency | None = None
+    cluster: Cluster,
+    instance: PlannedInstance,
+    efficiency: Efficiency | None = None,
+    *,
+    spec: ModelSpec | None = None,
 ) -> PerfModel:
-    """The performance model of a planned instance on the cluster as it is now."""
-    spec = load_model_spec(instance.model_id)
+    """The performance model of a planned instance on the cluster as it is now. `spec`: the
+    instance's model spec, read by the caller (a policy reads no file); None: looked up in
+    the shipped catalog here, for the callers not given it yet (pricing, triggers)."""
+    if spec is None:
+        spec = load_model_spec(instance.model_id)
     placement = placement_on(cluster, instance.stages, spec.num_layers, instance.layers_per_stage)
     return PerfModel(spec, instance.gear, placement, efficiency)
 
