@@ -48,7 +48,7 @@ from flexpipe.control.core.shift_commands import (
 )
 from flexpipe.control.core.shift_procedure import ShiftParams, ShiftProcedure
 from flexpipe.control.shift_outcome import ShiftOutcome
-from flexpipe.control.shift_plan import probe_tokens
+from flexpipe.control.shift_plan import probe_tokens, rehearsal_check
 from flexpipe.engine.request import EngineRequest, SamplingParams
 from flexpipe.gateway.holds import STANDBY_HOLD_S
 from flexpipe.lifecycle import State
@@ -366,14 +366,5 @@ def rehearse(planned: PlannedInstance, cluster: Cluster, tolerance: float) -> di
         plan = core.step(t)
         t += plan.duration_s
         core.complete(plan, t)
-    measured_s = probe.finished_s
     predicted_s = est.ttft_s + est.tpot_s * (n - 1)
-    ratio = measured_s / predicted_s if predicted_s > 0 else 1.0
-    passed = ratio <= tolerance
-    key = instance_key(planned)
-    why = "" if passed else (
-        f"{key}: probe took {measured_s:.3f} s against {predicted_s:.3f} s predicted "
-        f"(x{ratio:.2f}, tolerance x{tolerance:g})"
-    )  # fmt: skip
-    return {"instance": key, "passed": passed, "why": why, "predicted_s": round(predicted_s, 4),
-            "measured_s": round(measured_s, 4), "ratio": round(ratio, 3)}  # fmt: skip
+    return rehearsal_check(instance_key(planned), probe.finished_s, predicted_s, tolerance)
