@@ -317,18 +317,15 @@ class ShiftRun:
 
         if not any(world.requests_on(r) for r in recs):
             return over()
+        token = self._token
 
-        def ended(t: float) -> None:  # empty, or the deadline: whichever comes first
+        def end(t: float) -> None:  # empty, or the deadline: whichever comes first
+            if token != self._token:
+                return
+            self._token += 1
             value = over()
             if value is not _LATER:
                 self._step(Reply(t, value))
-
-        token = self._token
-
-        def end(t: float) -> None:
-            if token == self._token:
-                self._token += 1
-                ended(t)
 
         world.when_empty(recs, end)
         world.loop.at(now + deadline_s, CONTROL, end)
