@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 from flexpipe.control.core.shift_commands import (
     AwaitReady,
     Command,
-    Continue,
     Drain,
     Drained,
     Failed,
@@ -43,32 +42,21 @@ from flexpipe.control.core.shift_commands import (
     Launch,
     Move,
     Moved,
-    MoveOrder,
     NextReady,
-    Record,
     Rehearse,
     Release,
     Reply,
     SetState,
     StillAlive,
     StopRouting,
-    Survey,
-    Surveyed,
     Wait,
     Wave,
 )
-from flexpipe.control.move_inputs import (
-    context_tokens,
-    decode_interval_s,
-    destination_of,
-    tokens_left,
-    warm_timeout_s,
-)
+from flexpipe.control.core.shift_moves import plan_waves
 from flexpipe.control.shift_outcome import ShiftOutcome
 from flexpipe.control.shift_plan import plan_shift
 from flexpipe.model_spec import ModelSpec
 from flexpipe.policies.planner import PlannedInstance
-from flexpipe.policies.shift.migration import MoveRequest, outlives, plan_moves
 from flexpipe.policies.shift.snapshot import instance_key
 
 __all__ = [
@@ -79,7 +67,6 @@ __all__ = [
     "ShiftProcedure",
     "in_place_hold_s",
     "unique_name",
-    "waves_of",
 ]
 
 T = TypeVar("T")
@@ -88,7 +75,6 @@ Steps = Generator[Command, Reply, T]
 DEFAULT_COLD_START_S = 30.0  # an in-place step whose leaving instances' load time is unknown
 IN_PLACE_MARGIN_S = 30.0  # on top of the in-place hold's cold starts and drain
 MOVED_LEAVE_S = 10.0  # how long an instance whose requests all moved may take to be empty
-WAVE_S = 0.01  # moves planned within 10 ms of each other go together
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,15 +107,6 @@ def unique_name(name: str, taken: set[str]) -> str:
         k += 1
         out = f"{name}.{k}"
     return out
-
-
-def waves_of(orders: Sequence[tuple[float, MoveOrder]], time_scale: float) -> tuple[Wave, ...]:
-    """Moves planned (at modelled seconds from now) within 10 ms of each other go together;
-    each wave at its time in driver seconds."""
-    waves: dict[float, list[MoveOrder]] = {}
-    for at_s, order in orders:
-        waves.setdefault(round(at_s, 2), []).append(order)
-    return tuple(Wave(at_s * time_scale, tuple(w)) for at_s, w in sorted(waves.items()))
 
 
 class ShiftProcedure:
@@ -407,57 +384,13 @@ class ShiftProcedure:
     def _plan_moves(
         self, sources: Sequence[Any], leaving: Sequence[Any], outliving_s: float | None
     ) -> Steps[tuple[tuple[Wave, ...], int]]:
-        """Per model, what runs on `sources` (with `outliving_s`: only what would still run
-        that long from now) to the active instances of the model that stay, all of a model
-        planned together (`plan_moves`: where each pauses least, the wait for a free slot
-        there counted, and when, so that no move waits paused behind another on the same
-        destination or link). Returns the waves and how many requests had nowhere to go at
-        the deadline (the gateway continues them when their instance stops)."""
-        gone = {i.key for i in leaving}
-        horizon_s = math.inf if outliving_s is None else outliving_s
-        orders: list[tuple[float, MoveOrder]] = []
-        num_stuck = 0
-        for model in sorted({i.planned.model for i in sources}):
-            mine = tuple(i for i in sources if i.planned.model == model)
-            candidates = tuple(i for k, i in self.running.items()
-                               if i.planned.model == model and k not in gone)  # fmt: skip
-            survey: Surveyed = yield from self._do(Survey(mine, candidates))
-            cluster = survey.cluster
-            reqs: list[MoveRequest] = []
-            where: dict[int, tuple[Any, Record]] = {}
-            for src, src_reqs in zip(mine, survey.requests, strict=True):
-                spec = self.specs.get(src.planned.model_id)
-                interval_s = decode_interval_s(cluster, src.planned, src_reqs, spec)
-                if outliving_s is not None:
-                    src_reqs = tuple(
-                        r for r in src_reqs if outlives(tokens_left(r), interval_s, outliving_s)
-                    )
-                for r in src_reqs:
-                    reqs.append(MoveRequest(int(r["id"]), context_tokens(r), src.url, interval_s))
-                    where[int(r["id"])] = (src, r)
-            if not survey.destinations:
-                if outliving_s is None and where:
-                    num_stuck += len(where)
-                    outcomes = yield from self._do(Continue(tuple(where.values())))
-                    self._count(Moved(tuple(outcomes)))
-                continue
-            urls = [(s.url, s.planned) for s in sources]
-            destinations = [
-                destination_of(cluster, urls, d.url, d.planned, d_reqs,
-                               self.specs.get(d.planned.model_id))
-                for d, d_reqs in survey.destinations
-            ]  # fmt: skip
-            by_url = {d.url: d for d, _ in survey.destinations}
-            for m in plan_moves(reqs, destinations, horizon_s, warm=self.params.warm_moves):
-                timeout_s = 0.0
-                if m.choice.method == "recompute":  # the gateway's pre-copy: bounded
-                    timeout_s = warm_timeout_s(
-                        m.choice.done_s, self.params.time_scale, self.params.warm_moves
-                    )
-                order = MoveOrder(m.id, m.choice.method, where[m.id][0], by_url[m.destination],
-                                  m.choice.pause_s, timeout_s)  # fmt: skip
-                orders.append((m.at_s, order))
-        return waves_of(orders, self.params.time_scale), num_stuck
+        p = self.params
+        waves, num_stuck, continued = yield from plan_waves(
+            self._do, self.running, sources, leaving, outliving_s, p.time_scale, p.warm_moves,
+            self.specs,
+        )  # fmt: skip
+        self._count(Moved(continued))
+        return waves, num_stuck
 
 
 def gather_names(running: Mapping[str, Any]) -> set[str]:
