@@ -2,7 +2,7 @@
 
 Both read the controller's admin API (`GET /admin/status`: instances, lifecycle states, GPUs,
 SLOs, the gateway's URL), the gateway's `/metrics` and every engine's `/metrics`
-(flexpipe/observe/readings.py), build a snapshot (observe/snapshot.py, pure) and draw it
+(flexpipe/observe/readings.py), build a snapshot (observe/status_snapshot.py, pure) and draw it
 (observe/render.py, pure). `top` adds the shift log's last changes, read from the store as
 `flexpipe shifts` does and drawn with its table."""
 

@@ -16,7 +16,7 @@ Its collaborators are wired in control/assembly.py.
 
 Its admin API (`client.py` has the contract): POST /admin/gpus/occupy, /admin/gpus/release,
 GET /admin/status, GET /metrics, GET /sd/engines (the engines as Prometheus HTTP service
-discovery targets, control/targets.py).
+discovery targets, control/core/targets.py).
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class Controller:
         return self.core.expected_rates_per_s
 
     def status(self) -> dict[str, Any]:
-        """`GET /admin/status` (control/status_view.py)."""
+        """`GET /admin/status` (control/api/status_view.py)."""
         return controller_status(self)
 
     # ------------------------------------------------------------------ lifecycle

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from flexpipe.control.core.shift_plan import probe_tokens
+from flexpipe.control.core.shift_plan import probe_tokens, rehearsal_check
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.snapshot import instance_key
@@ -51,14 +51,4 @@ async def rehearse(
     if time_scale <= 0:  # no modelled time passes: nothing to compare
         return {"instance": key, "passed": True, "why": "", "skipped": "time scale 0"}
     measured_s = max(0.0, wall_s - probe_overhead_s) / time_scale
-    ratio = measured_s / predicted_s if predicted_s > 0 else 1.0
-    passed = ratio <= tolerance
-    why = ""
-    if not passed:
-        why = (
-            f"{key}: probe took {measured_s:.3f} s against {predicted_s:.3f} s "
-            f"predicted (x{ratio:.2f}, tolerance x{tolerance:g})"
-        )
-    return {"instance": key, "passed": passed, "why": why,
-            "predicted_s": round(predicted_s, 4), "measured_s": round(measured_s, 4),
-            "ratio": round(ratio, 3)}  # fmt: skip
+    return rehearsal_check(key, measured_s, predicted_s, tolerance)

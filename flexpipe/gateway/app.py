@@ -38,9 +38,10 @@ from flexpipe.gateway.core.holds import Holds
 from flexpipe.gateway.core.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.core.router import NoInstance, Router
 from flexpipe.gateway.core.wait_queue import WaitQueue
+from flexpipe.gateway.core.warm_up import WarmOutcome
 from flexpipe.gateway.gateway_metrics import GatewayMetrics
 from flexpipe.gateway.prober import Prober
-from flexpipe.gateway.relay import PushRelay, WarmOutcome
+from flexpipe.gateway.relay import PushRelay
 from flexpipe.gateway.retry_later import RetryLater, retry_later
 from flexpipe.gateway.signal import Signal
 from flexpipe.gateway.tenants import Tenants, completion_tokens

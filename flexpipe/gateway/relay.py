@@ -25,7 +25,6 @@ from flexpipe.gateway.core.pool import Instance
 from flexpipe.gateway.core.warm_up import (
     MOVE_PRIORITY,
     WARM_POLL_S,
-    WARM_TIMEOUT_S,
     WarmOutcome,
     warms,
 )
@@ -37,10 +36,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flexpipe.gateway")
 
-__all__ = [  # (the warm-up's rules live in core/warm_up.py; named here for their readers)
-    "MOVE_PRIORITY", "WARM_POLL_S", "WARM_TIMEOUT_S", "PushRelay", "WarmOutcome",
-    "migrate", "move_relayed", "num_stream_tokens", "relay_after_failure", "warm_up", "warms",
-]  # fmt: skip
+__all__ = [
+    "PushRelay",
+    "migrate",
+    "move_relayed",
+    "num_stream_tokens",
+    "relay_after_failure",
+    "warm_up",
+]
 
 _NO_PRIORITY = "Priority scheduling is not enabled"
 

@@ -147,7 +147,7 @@ class Launcher(Protocol):
 
 class AdoptingLauncher(Launcher, Protocol):
     """A launcher whose engines may outlive the controller that started them (the
-    controller's takeover after a restart, control/takeover.py, asks it for them)."""
+    controller's takeover after a restart, control/engines/takeover.py, asks it for them)."""
 
     async def adopt(self, records: Sequence[InstanceRecord]) -> Mapping[int, EngineHandle]:
         """Handles on the engines of `records` (the store's live instances after a

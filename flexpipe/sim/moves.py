@@ -1,14 +1,17 @@
 """The simulator's moves of requests between engines and the warm-ups of recompute moves:
 what `World.move`, `World.warm_up` and `World.awaits_first_token` do, and their bookkeeping
-(the continuation -> client request map, moves per request, warm-ups running, the move log)."""
+(the continuation -> client request map, moves per request, warm-ups running, the move log);
+and the simulated gateway's side of a shift's moves (`GatewayMoves`: pre-copy, cut-over,
+fences)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flexpipe.control.core.shift_commands import MoveOrder
 from flexpipe.engine.request import EngineRequest
 from flexpipe.gateway.core.cut_over import (
     MAX_FENCE_S,
@@ -17,12 +20,15 @@ from flexpipe.gateway.core.cut_over import (
     mean_gap_s,
     token_wait_s,
 )
-from flexpipe.gateway.relay import MOVE_PRIORITY, WARM_POLL_S, warms
+from flexpipe.gateway.core.warm_up import MOVE_PRIORITY, WARM_POLL_S, warms
+from flexpipe.model_spec import ModelSpec
+from flexpipe.policies.shift.migration import link_between, perf_model_of
 from flexpipe.sim.gateway import SimGateway
 from flexpipe.sim.loop import CONTROL, EventLoop
 from flexpipe.sim.request import SimRequest
 
 if TYPE_CHECKING:  # the simulator imports this module
+    from flexpipe.sim.shift_run import World
     from flexpipe.sim.simulator import InstanceRecord
 
 SEGMENT_ID_BASE = 1 << 40  # ids of a moved request's continuations (never an arrival's)
@@ -259,3 +265,109 @@ def cut_over_at_s(req: SimRequest, source: InstanceRecord, now: float) -> tuple[
     if req.context_of is None:
         gap_s = mean_gap_s(ereq.first_token_s, ereq.last_token_s, ereq.num_output_tokens)
     return cut_over_s(now, end_s, gap_s), token_wait_s(gap_s)
+
+
+class GatewayMoves:
+    """The simulated gateway's side of a shift's moves (its `POST /admin/moves`): a wave of
+    `MoveOrder`s carried out on `world`. A KV move continues its request on the destination
+    once the KV is across (fenced until then); a recompute is pre-copied first
+    (`World.warm_up`), then cut over at its source's next token (`cut_over_at_s`); a request
+    that had no token yet is sent again (`rerun`). What left its instance is told to
+    `on_moved(method)`; `when_cut_over(callback)` calls back once no pre-copy is under way
+    (the gateway answers a wave once its moves cut over)."""
+
+    def __init__(
+        self, world: World, on_moved: Callable[[str], None], specs: Mapping[str, ModelSpec]
+    ) -> None:
+        self.world = world
+        self.specs = specs  # model id -> spec: the KV a move carries
+        self.on_moved = on_moved
+        self.num_pre_copying = 0  # moves carried out, warming up, not cut over yet
+        self._waiter: Callable[[float], None] | None = None
+
+    def when_cut_over(self, callback: Callable[[float], None]) -> None:
+        """`callback(t)` on the loop once no pre-copy is under way (at once: now)."""
+        if self.num_pre_copying:
+            self._waiter = callback
+        else:
+            self.world.loop.at(self.world.loop.now_s, CONTROL, callback)
+
+    def carry(self, moves: Sequence[tuple[MoveOrder, SimRequest]], now: float) -> float:
+        """One wave: each request still running on its source continues on its destination,
+        ahead of its queue; returns when the last KV of the wave is across."""
+        world = self.world
+        end_s = now
+        for m, req in moves:
+            src, dst = m.source, m.destination
+            if not any(r is req for r in world.requests_on(src)):
+                continue  # it ended meanwhile (the gateway's "not_running")
+            num_prompt, num_out = world.context_tokens(req, src)
+            delay_s = 0.0
+            if num_out == 0:
+                method = "rerun"
+            elif m.method == "kv":
+                method = "kv_moved"
+                link = link_between(world.cluster, src.planned, dst.planned)
+                if link is not None:  # the engine imports what the context is now
+                    spec = self.specs.get(dst.planned.model_id)
+                    delay_s = perf_model_of(world.cluster, dst.planned, spec=spec).kv_transfer_s(
+                        num_prompt + num_out, link.bandwidth_bytes_per_s, link.latency_s
+                    )
+                world.fence(req, dst, delay_s, now)
+            else:
+                self._pre_copy(req, src, dst, m.warm_timeout_s, now)
+                continue
+            world.move(req, src, dst, method, delay_s, now)
+            self.on_moved(method)
+            end_s = max(end_s, now + delay_s)
+        return end_s
+
+    def _pre_copy(
+        self, req: SimRequest, src: InstanceRecord, dst: InstanceRecord, timeout_s: float,
+        now: float,
+    ) -> None:  # fmt: skip
+        """The gateway's recompute move (`gateway.moves.move_request`): the destination
+        warmed with the context (`World.warm_up`), then, warmed, at most `timeout_s` more
+        until no stream there awaits its first token (`gateway.moves.between_prefills`,
+        polled as the gateway does), then the cut-over; the request generates on its source
+        all the while."""
+        self.num_pre_copying += 1
+        world = self.world
+        bound_s = 0.0  # warmed: until when it waits for no prefill on the destination
+
+        def cut_over(warm: str, t: float) -> None:
+            """At its source's next token (`cut_over_at_s`), as the gateway does."""
+            ran = any(r is req for r in world.requests_on(src))
+            at_s = t
+            if ran:  # new requests keep off the destination until it has the stream, fenced
+                at_s, wait_s = cut_over_at_s(req, src, t)  # for the wait's bound, as
+                world.fence(req, dst, wait_s, t)  # `gateway.moves.fence_target` does
+            if at_s > t:
+                world.loop.at(at_s, CONTROL, functools.partial(carried_out, warm))
+            else:
+                carried_out(warm, t)
+
+        def carried_out(warm: str, t: float) -> None:
+            if any(r is req for r in world.requests_on(src)):  # else it ended meanwhile
+                world.move(req, src, dst, "recomputed", 0.0, t, warm)
+                self.on_moved("recomputed")
+            self.num_pre_copying -= 1
+            if not self.num_pre_copying and self._waiter is not None:
+                waiter, self._waiter = self._waiter, None
+                world.loop.at(t, CONTROL, waiter)
+
+        def between_prefills(t: float) -> None:
+            if world.awaits_first_token(dst) and t < bound_s:
+                world.loop.at(t + WARM_POLL_S, CONTROL, between_prefills)
+            else:
+                cut_over("warmed", t)
+
+        def warmed(outcome: str, t: float) -> None:
+            nonlocal bound_s
+            if outcome == "warmed":
+                bound_s = t + timeout_s
+                between_prefills(t)
+            else:
+                cut_over(outcome, t)
+
+        world.warm_up(req, src, dst, timeout_s, now, warmed)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flexpipe.cluster import Cluster
+from flexpipe.control.core.shift_procedure import unique_name
 from flexpipe.engine.request import EngineRequest
 from flexpipe.gateway.core.cut_over import fence_until_s
 from flexpipe.lifecycle import State
@@ -62,6 +63,14 @@ class InstanceRecord:
     @property
     def key(self) -> str:
         return instance_key(self.planned) if self.planned is not None else self.dep.name
+
+    @property
+    def url(self) -> str:
+        return self.instance.url if self.instance is not None else ""
+
+    @property
+    def cold_start_s(self) -> float:
+        return self.ready_s - self.launched_s
 
 
 @dataclass
@@ -215,11 +224,7 @@ class _Run:
         return self.controller.cluster if self.controller is not None else self.file
 
     def launch(self, planned: PlannedInstance, now: float) -> InstanceRecord | str:
-        name, k = planned.name, 1
-        while name in self._names:
-            k += 1
-            name = f"{planned.name}.{k}"
-        dep = replace(Deployment.of(planned), name=name)
+        dep = replace(Deployment.of(planned), name=unique_name(planned.name, self._names))
         return self._new_record(dep, now, planned)
 
     def set_state(self, rec: InstanceRecord, state: State, now: float) -> None:

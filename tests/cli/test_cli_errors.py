@@ -108,7 +108,7 @@ def test_any_yaml_error_is_one_line(tmp_path: Path) -> None:
         raw = exc
     assert str(raw).count("\n") >= 4  # PyYAML's own
     assert one_line(raw).startswith("line 2, column 3: YAML syntax error: ")
-    try:  # a loader that quoted PyYAML's message (control/launching.py's load_models does)
+    try:  # a loader that quoted PyYAML's message (control/engines/launching.py's load_models does)
         try:
             yaml.safe_load(bad.read_text())
         except yaml.YAMLError as exc:

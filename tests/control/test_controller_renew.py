@@ -180,7 +180,8 @@ def test_a_held_model_stays_held_through_a_wake_shift_longer_than_the_hold(
         sent_s = time.monotonic()
         out = client.completions.create(model="held-m", prompt="during the shift", max_tokens=4)
         assert out.usage is not None and out.usage.completion_tokens == 4
-        ready_s = said.when("held-m-0 ready at", shift_s)
+        # (the deployment's second instance on that plan slot: a name no earlier one had)
+        ready_s = said.when("held-m-0.2 ready at", shift_s)
         # it was sent during the cold start, well after the hold would have lapsed
         assert ready_s is not None and shift_s + 2 * HOLD_S < sent_s < ready_s, (
             shift_s, sent_s, ready_s,

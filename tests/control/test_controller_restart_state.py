@@ -1,5 +1,5 @@
 """What a restarted controller keeps of the one before it (kill -9; `flexpipe up` starts it
-again): the admin's GPU occupations (control/occupation_memory.py), read back from a real
+again): the admin's GPU occupations (control/state/occupation_memory.py), read back from a real
 SQLite store before the first plan, those that ran out while it was stopped dropped; and its
 first log entry says what it adopted. Also what the controller's log says: an engine lost has
 a trigger, a shift lists what it started and stopped, waiting requests are said once."""

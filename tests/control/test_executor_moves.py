@@ -16,7 +16,8 @@ import yaml
 from flexpipe.cluster import load_cluster
 from flexpipe.control.core.move_inputs import decode_interval_s
 from flexpipe.control.core.shift_outcome import ShiftOutcome
-from flexpipe.control.executor import Executor, LiveInstance
+from flexpipe.control.core.shift_procedure import ShiftParams, ShiftProcedure
+from flexpipe.control.executor import Executor, LiveInstance, _LiveShift
 from flexpipe.policies.planner import parse_models, plan
 from flexpipe.policies.shift.migration import perf_model_of, warmed_recompute_s
 from flexpipe.policies.shift.snapshot import instance_key
@@ -48,6 +49,29 @@ def req(call_id: int, output: int, max_tokens: int, prompt: int = 1000) -> dict[
             "max_tokens": max_tokens, "request_id": f"r{call_id}"}  # fmt: skip
 
 
+async def move_off(
+    ex: Executor,
+    sources: list[LiveInstance],
+    running: dict[str, LiveInstance],
+    leaving: list[LiveInstance],
+    out: ShiftOutcome,
+    outliving_s: float | None = None,
+) -> int:
+    """A retire's moves off `sources`: planned by the shift procedure, carried out by the
+    executor (before the deadline: as the drain's early waves). Returns how many requests
+    moved, or had nowhere to go at the deadline."""
+    params = ShiftParams(time_scale=ex.time_scale, warm_moves=ex.warm_moves)
+    procedure = ShiftProcedure(running, [], params)
+    procedure.out = out
+    live = _LiveShift(ex, CLUSTER, running)
+    waves, num_stuck = await live.drive(procedure._plan_moves(sources, leaving, outliving_s))
+    if outliving_s is not None:
+        return procedure._count(await live._early_waves(waves, asyncio.Event()))
+    for wave in waves:
+        num_stuck += procedure._count(await live._move_wave(wave, "at the deadline"))
+    return int(num_stuck)
+
+
 def setup(requests: dict[str, list[dict[str, Any]]], warm_moves: bool = True) -> tuple[Any, ...]:
     running: dict[str, LiveInstance] = {}
     for p in plan(CLUSTER, [DEMAND]).instances:
@@ -73,7 +97,7 @@ def test_moves_land_on_the_instance_with_free_slots_not_the_full_one() -> None:
         "l40s": [req(20, 1, 64)],  # one of its many slots taken
     })  # fmt: skip
     out = ShiftOutcome(succeeded=True)
-    num = asyncio.run(ex._move_off(CLUSTER, [source], running, [source], out))
+    num = asyncio.run(move_off(ex, [source], running, [source], out))
     assert l4.planned.gear.max_num_seqs <= l4_slots and l40s.planned.gear.max_num_seqs > 2
     assert num == 2
     assert sorted((m["id"], m["target"]) for m in gw.moves) == [(1, l40s.url), (2, l40s.url)]
@@ -92,13 +116,13 @@ def test_before_the_deadline_only_what_would_outlive_it_moves() -> None:
         "source": [req(1, 10, 2000), req(2, 60, 64), req(3, 0, 64)],
     })  # fmt: skip
     out = ShiftOutcome(succeeded=True)
-    num = asyncio.run(ex._move_off(CLUSTER, [source], running, [source], out, outliving_s=4.0))
+    num = asyncio.run(move_off(ex, [source], running, [source], out, outliving_s=4.0))
     assert num == 1 and [m["id"] for m in gw.moves] == [1]  # 1,990 tokens left: ~100 s
     assert "before the drain deadline" in lines[0]
     # nowhere to go: nothing moves early, and all of it counts as still running at the end
     running_alone = {k: i for k, i in running.items() if i is source}
-    assert asyncio.run(ex._move_off(CLUSTER, [source], running_alone, [source], out, 4.0)) == 0
-    assert asyncio.run(ex._move_off(CLUSTER, [source], running_alone, [source], out)) == 3
+    assert asyncio.run(move_off(ex, [source], running_alone, [source], out, 4.0)) == 0
+    assert asyncio.run(move_off(ex, [source], running_alone, [source], out)) == 3
 
 
 def test_and_the_other_way_round_when_the_big_instance_is_full() -> None:
@@ -108,7 +132,7 @@ def test_and_the_other_way_round_when_the_big_instance_is_full() -> None:
     })  # fmt: skip
     assert l40s.planned.gear.max_num_seqs <= 64
     out = ShiftOutcome(succeeded=True)
-    assert asyncio.run(ex._move_off(CLUSTER, [source], running, [source], out)) == 1
+    assert asyncio.run(move_off(ex, [source], running, [source], out)) == 1
     assert [m["target"] for m in gw.moves] == [l4.url]
 
 
@@ -117,7 +141,7 @@ def test_a_warmed_move_is_priced_at_its_cut_over_and_its_warm_up_bounded_by_both
     moved = {}
     for warm in (True, False):
         ex, gw, running, source, l40s, _, lines = setup(requests, warm_moves=warm)
-        asyncio.run(ex._move_off(CLUSTER, [source], running, [source], ShiftOutcome(True)))
+        asyncio.run(move_off(ex, [source], running, [source], ShiftOutcome(True)))
         ((m,),) = [gw.moves]
         priced_ms = int(re.search(r": r1=(\d+)ms", lines[0])[1])  # type: ignore[index]
         moved[warm] = (m, priced_ms)

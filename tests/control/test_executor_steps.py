@@ -9,10 +9,10 @@ from typing import Any
 import yaml
 
 from flexpipe.cluster import load_cluster
-from flexpipe.control.core.shift_plan import plan_shift, rolling_steps
 from flexpipe.control.executor import LiveInstance
 from flexpipe.policies.planner import PlannedInstance, parse_models, plan
 from flexpipe.policies.shift.snapshot import instance_key
+from flexpipe.policies.shift.step_order import plan_shift, rolling_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = load_cluster(ROOT / "examples/clusters/fragmented-4gpu.yaml")

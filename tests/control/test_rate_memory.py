@@ -1,4 +1,4 @@
-"""The measured rates survive a controller restart (control/rate_memory.py): written to a real
+"""The measured rates survive a controller restart (control/state/rate_memory.py): written to a real
 SQLite store a sample a minute, pruned past what the forecast reads, and read back into a new
 controller's clock, so "the same time yesterday" is there at once."""
 

@@ -24,10 +24,10 @@ from test_controller_renew import _short, _zero
 from test_executor_steps import relaunched
 from test_shift_policy import CLUSTER, FREED, decide, demand, policy, running_for, steady
 
-from flexpipe.control.core.shift_plan import plan_shift as executor_plan_shift
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift import ModelState, Sample, ShiftSnapshot, instance_key
 from flexpipe.policies.shift.step_order import plan_shift, rolling_steps
+from flexpipe.policies.shift.step_order import plan_shift as executor_plan_shift
 from flexpipe.sim import simulate
 from flexpipe.sim.scenario import parse_scenario
 

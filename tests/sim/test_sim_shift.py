@@ -18,10 +18,11 @@ from typer.testing import CliRunner
 from flexpipe.cli import app
 from flexpipe.cluster import load_cluster
 from flexpipe.control.core.observe import RateWindow
-from flexpipe.control.core.shift_plan import plan_shift, probe_tokens
+from flexpipe.control.core.shift_plan import probe_tokens
 from flexpipe.gears.gear import Gear
 from flexpipe.policies.planner import plan
 from flexpipe.policies.shift import instance_key
+from flexpipe.policies.shift.step_order import plan_shift
 from flexpipe.sim import report, simulate
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.engine_factory import engine_config
@@ -374,7 +375,7 @@ def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute(
     moved (KV over NVLink from gpu1 where that beats recomputing, else recomputed), admitted
     on its destination ahead of the queue (priority -1, as the gateway sends it), and ends
     with all its tokens; none fails."""
-    from flexpipe.gateway.relay import MOVE_PRIORITY
+    from flexpipe.gateway.core.warm_up import MOVE_PRIORITY
     from flexpipe.sim.controller import ControllerParams
     from flexpipe.sim.gateway import SimGateway
 

@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from flexpipe.control.core import shift_moves
 from flexpipe.control.core.move_inputs import warm_timeout_s
-from flexpipe.gateway.relay import warms
+from flexpipe.gateway.core.warm_up import warms
 from flexpipe.policies.shift.migration import perf_model_of
-from flexpipe.sim import report, shift_run, simulate
+from flexpipe.sim import report, simulate
 from flexpipe.sim.controller import ControllerParams
 from flexpipe.sim.scenario import parse_scenario
 
@@ -58,14 +59,14 @@ def test_a_recompute_move_is_priced_warm_and_pre_copied_on_the_destinations_engi
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     planned: list[tuple[bool, Any]] = []
-    plan_moves = shift_run.plan_moves
+    plan_moves = shift_moves.plan_moves
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         out = plan_moves(*args, **kwargs)
         planned.extend((kwargs.get("warm", False), m) for m in out)
         return out
 
-    monkeypatch.setattr(shift_run, "plan_moves", spy)
+    monkeypatch.setattr(shift_moves, "plan_moves", spy)
     sc = _one_move()
     r = simulate(sc, "flexpipe")
     rep = report(r)
@@ -111,7 +112,7 @@ def test_without_a_free_slot_or_bound_the_move_cuts_over_unwarmed(
 ) -> None:
     """A bound of 0 (the executor with `warm_moves` off) skips the warm-up: the cut-over
     prefills the whole context, with no prefix-cache hit, as before the pre-copy."""
-    monkeypatch.setattr(shift_run, "warm_timeout_s", lambda done_s, scale, warm: 0.0)
+    monkeypatch.setattr(shift_moves, "warm_timeout_s", lambda done_s, scale, warm: 0.0)
     r = simulate(_one_move(), "flexpipe")
     (move,) = [m for m in r.moves if m.method == "recomputed"]
     assert move.warm == "skipped" and r.warm_ups == {"skipped": 1}

@@ -6,7 +6,7 @@
     GET  /sd/engines              the engines as Prometheus HTTP service-discovery targets
     GET  /health, GET /metrics    (no token)
 
-The request and answer shapes live in `control/client.py`, shared with `flexpipe cluster`.
+The request and answer shapes live in `control/api/client.py`, shared with `flexpipe cluster`.
 """
 
 from __future__ import annotations

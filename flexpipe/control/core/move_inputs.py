@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flexpipe.cluster import Cluster
+from flexpipe.model_spec import ModelSpec
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import Destination, link_between, perf_model_of
 
@@ -35,12 +36,17 @@ def tokens_left(req: Record) -> int:
     return max(0, int(req.get("max_tokens") or 0) - int(req["num_output_tokens"]))
 
 
-def decode_interval_s(cluster: Cluster, instance: PlannedInstance, reqs: Sequence[Record]) -> float:
+def decode_interval_s(
+    cluster: Cluster,
+    instance: PlannedInstance,
+    reqs: Sequence[Record],
+    spec: ModelSpec | None = None,
+) -> float:
     """Modelled time between two tokens of a request on `instance` at its current batch and
-    mean context (the performance model's)."""
+    mean context (the performance model's; `spec`: its model's, see `perf_model_of`)."""
     batch = max(1, len(reqs))
     context = sum(context_tokens(r) for r in reqs) // batch if reqs else 1
-    return perf_model_of(cluster, instance).decode_interval_s(batch, max(1, context))
+    return perf_model_of(cluster, instance, spec=spec).decode_interval_s(batch, max(1, context))
 
 
 def destination_of(
@@ -49,18 +55,19 @@ def destination_of(
     name: str,
     target: PlannedInstance,
     reqs: Sequence[Record],
+    spec: ModelSpec | None = None,
 ) -> Destination:
     """`target` (called `name`) as a move destination, from the requests it serves: its
     slots, the time left of each, the prompts it admitted and has not prefilled yet (the rest
     waits behind them), the link from each source (url, planned) and its batch (what a warmed
     recompute's cut-over waits for a step of)."""
-    interval_s = decode_interval_s(cluster, target, reqs)
+    interval_s = decode_interval_s(cluster, target, reqs, spec)
     slots = target.gear.max_num_seqs
     decoding = sum(1 for r in reqs if int(r["num_output_tokens"]) > 0)
     fresh = [int(r["num_prompt_tokens"]) for r in reqs if int(r["num_output_tokens"]) == 0]
     return Destination(
         name,
-        perf_model_of(cluster, target),
+        perf_model_of(cluster, target, spec=spec),
         {url: link_between(cluster, p, target) for url, p in sources},
         slots,
         tuple(tokens_left(r) * interval_s for r in reqs),

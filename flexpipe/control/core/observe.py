@@ -5,7 +5,7 @@
   second (`time_scale`: wall seconds per modelled second of sim engines); it keeps each
   model's rates for `keep_s` (a day and a horizon by default) and forecasts the rate
   expected over the next horizon from them (`expected_rates_per_s`: policies/shift/forecast.py;
-  `restore` takes back what an earlier run kept in the store, control/rate_memory.py);
+  `restore` takes back what an earlier run kept in the store, control/state/rate_memory.py);
 - `model_state`: the `ModelState` of one model from its demand, the rate measured now, the
   rate expected, its recent samples and the floor under its minimum (a model whose minimum
   is 0 may be idle at rate 0, and so scale to zero).

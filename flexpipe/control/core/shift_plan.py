@@ -1,33 +1,20 @@
-"""A shift's step order and its rehearsal probe (pure; issue 9 §4).
-
-The step order (`plan_shift`: which instances start first, which roll in place, which retire
-last, or why no order keeps every model serving) lives in `flexpipe.policies.shift.step_order`,
-where the shift policy checks its targets with it; it is re-exported here for the executor and
-the simulator. The probe size is here.
+"""A shift's rehearsal probe (pure; docs/controller.md, "A shift, make-before-break"): its
+size and its verdict. The live probe goes over HTTP, the simulator's runs on a copy of the
+engine core; both ask these. The step order (`plan_shift`) is the shift policy's, in
+`flexpipe.policies.shift.step_order`.
 """
 
 from __future__ import annotations
 
 import math
-
-from flexpipe.policies.shift.step_order import (
-    ShiftSteps,
-    Step,
-    capacity_gap,
-    plan_shift,
-    rolling_steps,
-)
+from typing import Any
 
 __all__ = [
     "MAX_PROBE_TOKENS",
     "MIN_PROBE_TOKENS",
     "PROBE_MIN_OVERHEADS",
-    "ShiftSteps",
-    "Step",
-    "capacity_gap",
-    "plan_shift",
     "probe_tokens",
-    "rolling_steps",
+    "rehearsal_check",
 ]
 
 MIN_PROBE_TOKENS = 16
@@ -46,3 +33,18 @@ def probe_tokens(ttft_s: float, tpot_s: float, time_scale: float, overhead_s: fl
     want_s = PROBE_MIN_OVERHEADS * overhead_s / time_scale  # modelled
     n = math.ceil((want_s - ttft_s) / tpot_s) + 1
     return max(MIN_PROBE_TOKENS, min(MAX_PROBE_TOKENS, n))
+
+
+def rehearsal_check(
+    key: str, measured_s: float, predicted_s: float, tolerance: float
+) -> dict[str, Any]:
+    """A rehearsal's verdict, as the outcome and the shift log record it: the probe's time
+    against the gear table's prediction for it; passed within `tolerance` times."""
+    ratio = measured_s / predicted_s if predicted_s > 0 else 1.0
+    passed = ratio <= tolerance
+    why = "" if passed else (
+        f"{key}: probe took {measured_s:.3f} s against {predicted_s:.3f} s "
+        f"predicted (x{ratio:.2f}, tolerance x{tolerance:g})"
+    )  # fmt: skip
+    return {"instance": key, "passed": passed, "why": why, "predicted_s": round(predicted_s, 4),
+            "measured_s": round(measured_s, 4), "ratio": round(ratio, 3)}  # fmt: skip

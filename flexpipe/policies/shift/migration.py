@@ -1,11 +1,11 @@
 """What moving a running request costs, from the one performance model (flexpipe.perf).
 
-A request still running when its instance is drained either has its KV cache moved to the
-successor instance (bytes over the link between them) or is continued there by recomputing
-the prefill of its context; it pauses for the cheaper of the two (seed 000 §3.1, issue 9 §4).
-flexpipe.perf has both times (`kv_transfer_s`, `prefill_s`); the choice between them and the
-link between two instances are new here. The controller can call `choose_migration` per
-request at its drain deadline; the pricing calls it for the mean context.
+A request still running when its instance is drained either has its KV cache moved to the successor
+instance (bytes over the link between them) or is continued there by recomputing the prefill of its
+context; it pauses for the cheaper of the two (seed 000 §3.1; docs/controller.md, "Moving
+requests"). flexpipe.perf has both times (`kv_transfer_s`, `prefill_s`); the choice between them and
+the link between two instances are new here. The controller can call `choose_migration` per request
+at its drain deadline; the pricing calls it for the mean context.
 
 A recompute the gateway pre-copies (`warm=True`: flexpipe.gateway.relay.warm_up sends the
 destination the context for one token while the request keeps generating on its source) does
@@ -24,7 +24,7 @@ from typing import Literal
 
 from flexpipe.cluster import Cluster, ClusterError, placement_on
 from flexpipe.hardware import LinkSpec
-from flexpipe.model_spec import load_model_spec
+from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import Efficiency, PerfModel
 from flexpipe.policies.planner import PlannedInstance
 
@@ -74,10 +74,17 @@ class MigrationChoice:
 
 
 def perf_model_of(
-    cluster: Cluster, instance: PlannedInstance, efficiency: Efficiency | None = None
+    cluster: Cluster,
+    instance: PlannedInstance,
+    efficiency: Efficiency | None = None,
+    *,
+    spec: ModelSpec | None = None,
 ) -> PerfModel:
-    """The performance model of a planned instance on the cluster as it is now."""
-    spec = load_model_spec(instance.model_id)
+    """The performance model of a planned instance on the cluster as it is now. `spec`: the
+    instance's model spec, read by the caller (a policy reads no file); None: looked up in
+    the shipped catalog here, for the callers not given it yet (pricing, triggers)."""
+    if spec is None:
+        spec = load_model_spec(instance.model_id)
     placement = placement_on(cluster, instance.stages, spec.num_layers, instance.layers_per_stage)
     return PerfModel(spec, instance.gear, placement, efficiency)
 
