@@ -212,9 +212,16 @@ def controller(
 
         with user_errors():
             watch, launcher = ray_backend(
-                ray, cluster, ray_deployment, engine, time_scale, sim_load_time_s,
-                ready_timeout_s, vllm_command, engine_host,
-            )  # fmt: skip
+                ray,
+                cluster,
+                ray_deployment,
+                engine,
+                time_scale,
+                sim_load_time_s,
+                ready_timeout_s,
+                vllm_command,
+                engine_host,
+            )
 
     def say(line: str) -> None:
         typer.echo(line)
@@ -237,8 +244,9 @@ def controller(
                 watch=watch,
             )
         except (OSError, ValueError) as exc:
-            err_console.print(f"[bold red]error:[/] {escape(one_line(exc))}", highlight=False,
-                              soft_wrap=True)  # fmt: skip
+            err_console.print(
+                f"[bold red]error:[/] {escape(one_line(exc))}", highlight=False, soft_wrap=True
+            )
             return 2
         try:
             start = asyncio.ensure_future(ctl.start())
@@ -254,8 +262,9 @@ def controller(
                 say(f"{SERVING_LINE}http://{cfg.host}:{cfg.port}")
                 await ctl.run(stop)
         except (OSError, RuntimeError, ValueError) as exc:
-            err_console.print(f"[bold red]error:[/] {escape(one_line(exc))}", highlight=False,
-                              soft_wrap=True)  # fmt: skip
+            err_console.print(
+                f"[bold red]error:[/] {escape(one_line(exc))}", highlight=False, soft_wrap=True
+            )
             return 2
         finally:
             num = len(ctl.running)

@@ -111,9 +111,12 @@ def remove_stale(root: Path | None = None) -> list[Path]:
 
 @contextlib.contextmanager
 def run_dir(
-    port: int, gateway_url: str, controller_url: str, admin_token: str | None = None,
+    port: int,
+    gateway_url: str,
+    controller_url: str,
+    admin_token: str | None = None,
     root: Path | None = None,
-) -> Iterator[RunDir]:  # fmt: skip
+) -> Iterator[RunDir]:
     """Make the directory (removing stale ones first); remove it on the way out."""
     remove_stale(root)
     path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{port}-", dir=root))  # 0700
@@ -121,8 +124,9 @@ def run_dir(
         rd = RunDir(path)
         _write_private(rd.admin_token_file, admin_token or secrets.token_urlsafe(24))
         _write_private(rd.engine_token_file, secrets.token_urlsafe(24))
-        _write_private(path / "urls.json", json.dumps(
-            {"gateway": gateway_url, "controller": controller_url}))  # fmt: skip
+        _write_private(
+            path / "urls.json", json.dumps({"gateway": gateway_url, "controller": controller_url})
+        )
         _write_private(path / "pid", str(os.getpid()))  # last: a whole directory
         yield rd
     finally:
@@ -184,8 +188,10 @@ def controller_url(given: str | None, root: Path | None = None) -> str:
     ups = running_ups(root)
     if len(ups) > 1:
         names = ", ".join(u.controller_url for u in ups)
-        raise ValueError(f"{len(ups)} `flexpipe up` are running (controllers {names}): "
-                         "say which with --controller")  # fmt: skip
+        raise ValueError(
+            f"{len(ups)} `flexpipe up` are running (controllers {names}): "
+            "say which with --controller"
+        )
     return ups[0].controller_url if ups else DEFAULT_CONTROLLER_URL
 
 

@@ -208,5 +208,7 @@ def register(app: typer.Typer) -> None:
             if len(entries) < found.num_matching:
                 out.print(f"(the newest {len(entries)}; --limit 0 shows all)", highlight=False)
         if found.num_others:
-            out.print(f"({found.num_others} entries of other deployments; --all shows them)",
-                      highlight=False)  # fmt: skip
+            out.print(
+                f"({found.num_others} entries of other deployments; --all shows them)",
+                highlight=False,
+            )

@@ -165,9 +165,11 @@ def register(app: typer.Typer) -> None:
 
                 with user_errors():
                     result = simulate(
-                        sc, name, stretches=not every_step,
+                        sc,
+                        name,
+                        stretches=not every_step,
                         progress=advance,
-                    )  # fmt: skip
+                    )
             rep = report(result)
             reports.append(rep)
             if out is not None:

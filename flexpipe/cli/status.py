@@ -185,7 +185,9 @@ def register(app: typer.Typer) -> None:
                 except ControllerError as exc:
                     live.update(Text(f"{exc} (retrying; q quits)", style="bold red"), refresh=True)
                     continue
-                live.update(top_view(snapshot(now, before), _last_shifts(store, num_shifts, mine)),
-                            refresh=True)  # fmt: skip
+                live.update(
+                    top_view(snapshot(now, before), _last_shifts(store, num_shifts, mine)),
+                    refresh=True,
+                )
                 before = now
                 num_frames += 1

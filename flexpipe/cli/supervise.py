@@ -154,8 +154,11 @@ async def supervise(
         await controller.start()
         while True:
             waits: list[asyncio.Future[object]] = [asyncio.ensure_future(stop.wait())]
-            waits += [asyncio.ensure_future(c.proc.wait())
-                      for c in (gateway, controller) if c.running and c.proc]  # fmt: skip
+            waits += [
+                asyncio.ensure_future(c.proc.wait())
+                for c in (gateway, controller)
+                if c.running and c.proc
+            ]
             due = [c.restart_at_s for c in (gateway, controller) if c.restart_at_s is not None]
             timeout_s = max(0.0, min(due) - clock()) if due else None
             await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)

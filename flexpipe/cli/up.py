@@ -212,26 +212,58 @@ def register(app: typer.Typer) -> None:
             token_file = str(rd.admin_token_file)
             # one admin token: the gateway's, the controller's (`flexpipe cluster occupy`),
             # and the dashboard's reads of the controller
-            say(f"admin token in {token_file} (`flexpipe cluster` and `flexpipe status` "
-                "find it)")  # fmt: skip
+            say(f"admin token in {token_file} (`flexpipe cluster` and `flexpipe status` find it)")
             me = [sys.executable, "-m", "flexpipe"]
-            gateway_argv = [*me, "gateway", "--host", host, "--port", str(port),
-                            "--admin-token-file", token_file,
-                            "--shutdown-grace-s", str(drain_timeout_s),
-                            "--controller-url", controller_url,  # the dashboard's GPU map
-                            "--controller-token-file", token_file]  # fmt: skip
+            gateway_argv = [
+                *me,
+                "gateway",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--admin-token-file",
+                token_file,
+                "--shutdown-grace-s",
+                str(drain_timeout_s),
+                "--controller-url",
+                controller_url,  # the dashboard's GPU map
+                "--controller-token-file",
+                token_file,
+            ]
             controller_argv = [
-                *me, "controller", "--gateway", f"http://{host}:{port}",
-                "--gateway-token-file", token_file, "--token-file", token_file,
-                "--cluster", str(cluster_path), "--models", str(models_path),
-                "--port", str(controller_port or port + 100),
-                "--engine", engine, "--time-scale", str(time_scale),
-                "--ready-timeout-s", str(ready_timeout_s), "--tick-s", str(tick_s),
-                "--drain-deadline-s", str(drain_timeout_s), "--vllm-command", vllm_command,
-                "--engine-token-file", str(rd.engine_token_file),
-                "--supervisor-pid", str(os.getpid()),
-                "--rehearsal-tolerance", str(rehearsal_tolerance),
-            ]  # fmt: skip
+                *me,
+                "controller",
+                "--gateway",
+                f"http://{host}:{port}",
+                "--gateway-token-file",
+                token_file,
+                "--token-file",
+                token_file,
+                "--cluster",
+                str(cluster_path),
+                "--models",
+                str(models_path),
+                "--port",
+                str(controller_port or port + 100),
+                "--engine",
+                engine,
+                "--time-scale",
+                str(time_scale),
+                "--ready-timeout-s",
+                str(ready_timeout_s),
+                "--tick-s",
+                str(tick_s),
+                "--drain-deadline-s",
+                str(drain_timeout_s),
+                "--vllm-command",
+                vllm_command,
+                "--engine-token-file",
+                str(rd.engine_token_file),
+                "--supervisor-pid",
+                str(os.getpid()),
+                "--rehearsal-tolerance",
+                str(rehearsal_tolerance),
+            ]
             if scale_to_zero:
                 controller_argv.append("--scale-to-zero")
             if sim_load_time_s is not None:
@@ -255,9 +287,16 @@ def register(app: typer.Typer) -> None:
                     demo_run.start()
                 with user_errors():
                     rc = asyncio.run(
-                        supervise(gateway_argv, controller_argv, host, port, say,
-                                  drain_timeout_s, on_stop=demo_run.halt if demo_run else None)
-                    )  # fmt: skip
+                        supervise(
+                            gateway_argv,
+                            controller_argv,
+                            host,
+                            port,
+                            say,
+                            drain_timeout_s,
+                            on_stop=demo_run.halt if demo_run else None,
+                        )
+                    )
             finally:
                 if demo_run is not None:
                     demo_run.stop()

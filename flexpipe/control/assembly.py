@@ -124,8 +124,9 @@ def assemble(
         pricing=dataclasses.replace(cfg.shift.pricing, drain_deadline_s=cfg.drain_deadline_s),
     )
     policy = ShiftPolicy(shift, planner=planner, efficiency=efficiency)
-    params = TickParams(cfg.demands, cfg.standby_hold_s, cfg.tick_s, cfg.min_instances_floor,
-                        cfg.time_scale)  # fmt: skip
+    params = TickParams(
+        cfg.demands, cfg.standby_hold_s, cfg.tick_s, cfg.min_instances_floor, cfg.time_scale
+    )
     core = TickCore(params, policy, planner, random.Random(cfg.seed))
     rate_memory = RateMemory.of(store, cfg.shift.forecast.keep_s)  # for a restart
     if rate_memory is not None:  # core.samples: keyed by the models served
@@ -134,8 +135,16 @@ def assemble(
     registry = InstanceRegistry(store, deployment) if store is not None else None
     metrics = ControllerMetrics()
     metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
-    takeover = Takeover(registry, shift_log, launcher, gateway, cfg.engine_kind,
-                        cfg.engine_admin_token, cfg.drain_deadline_s, say)  # fmt: skip
+    takeover = Takeover(
+        registry,
+        shift_log,
+        launcher,
+        gateway,
+        cfg.engine_kind,
+        cfg.engine_admin_token,
+        cfg.drain_deadline_s,
+        say,
+    )
     if registry is not None and hasattr(launcher, "on_spawn"):
         # (the local launcher's hook; not in the Protocol)
         launcher.on_spawn = takeover.spawned
@@ -153,19 +162,39 @@ def assemble(
         clock=clock,
     )
     standby = StandbyModels(
-        gateway, core.standby_state,
+        gateway,
+        core.standby_state,
         lambda: core.standby_models(i.planned.model for i in running.values()),
-        cfg.tick_s, cfg.standby_hold_s, say, note,
-    )  # fmt: skip
+        cfg.tick_s,
+        cfg.standby_hold_s,
+        say,
+        note,
+    )
     return ControllerParts(
-        gateway=gateway, store=store, clock=clock, wall=wall, say=say, watch=source,
-        deployment=deployment, occupation_memory=occupation_memory, resources=resources,
-        pinned=pinned, discovery=discovery, planner=planner, core=core,
-        rate_memory=rate_memory, running=running, shift_log=shift_log, registry=registry,
-        lease=Lease.of(store, deployment, say), metrics=metrics,
-        journal=Journal(shift_log, metrics, cfg.rehearsal_tolerance), takeover=takeover,
-        executor=executor, standby=standby,
-    )  # fmt: skip
+        gateway=gateway,
+        store=store,
+        clock=clock,
+        wall=wall,
+        say=say,
+        watch=source,
+        deployment=deployment,
+        occupation_memory=occupation_memory,
+        resources=resources,
+        pinned=pinned,
+        discovery=discovery,
+        planner=planner,
+        core=core,
+        rate_memory=rate_memory,
+        running=running,
+        shift_log=shift_log,
+        registry=registry,
+        lease=Lease.of(store, deployment, say),
+        metrics=metrics,
+        journal=Journal(shift_log, metrics, cfg.rehearsal_tolerance),
+        takeover=takeover,
+        executor=executor,
+        standby=standby,
+    )
 
 
 def _discovery(
@@ -181,8 +210,9 @@ def _discovery(
         interval_s = DEFAULT_DISCOVER_INTERVAL_S if DISCOVERED_MARK in described else 0.0
     if interval_s <= 0:
         return None
-    return DiscoveryWatch(resources.file, interval_s, nvml=nvml,
-                          own_pgids=lambda: own_pgids(running.values()))  # fmt: skip
+    return DiscoveryWatch(
+        resources.file, interval_s, nvml=nvml, own_pgids=lambda: own_pgids(running.values())
+    )
 
 
 def own_pgids(instances: Iterable[LiveInstance]) -> set[int]:

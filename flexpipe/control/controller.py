@@ -141,10 +141,20 @@ class Controller:
         `assembly.assemble` (`watch`: where the cluster comes from and changes; default: the
         cluster file)."""
         parts = assemble(
-            cfg, launcher, gateway, spec_of, cluster=lambda: self.cluster,
-            on_state=self._on_state, note=self.note, store=store, clock=clock, wall=wall,
-            say=say, watch=watch, nvml=nvml,
-        )  # fmt: skip
+            cfg,
+            launcher,
+            gateway,
+            spec_of,
+            cluster=lambda: self.cluster,
+            on_state=self._on_state,
+            note=self.note,
+            store=store,
+            clock=clock,
+            wall=wall,
+            say=say,
+            watch=watch,
+            nvml=nvml,
+        )
         self.cfg = cfg
         self.gateway = parts.gateway
         self.store = parts.store
@@ -268,16 +278,22 @@ class Controller:
         survivors = await self.takeover.survivors()
         if survivors:  # what a previous controller left serving stays, where it still pays
             stubs = [stub(r, first.instances) for r in survivors]
-            first = plan(self.cluster, self.cfg.demands, self.planner.performance,
-                         running=[s for s in stubs if s is not None], now_s=self.clock(),
-                         efficiency=self.planner.efficiency)  # fmt: skip
+            first = plan(
+                self.cluster,
+                self.cfg.demands,
+                self.planner.performance,
+                running=[s for s in stubs if s is not None],
+                now_s=self.clock(),
+                efficiency=self.planner.efficiency,
+            )
         leftovers = await self.takeover.adopt(first.instances, survivors, self.running)
         adopted = list(self.running)
         if survivors:
             self._gauge()
         # what a new instance needs the GPUs of goes first; the rest once the plan serves
-        wanted = {g for p in first.instances if instance_key(p) not in self.running
-                  for g in p.gpu_ids}  # fmt: skip
+        wanted = {
+            g for p in first.instances if instance_key(p) not in self.running for g in p.gpu_ids
+        }
         in_way = [r for r in leftovers if wanted & set(r.gpu_ids)]
         await self.takeover.retire(in_way)
         # While the first engines load, the gateway queues their models' requests instead of
@@ -289,16 +305,24 @@ class Controller:
             # resource change meanwhile stays unanswered: its watches start after this.)
             async with self._renewing(held):
                 outcome = await self.executor.shift(
-                    self.cluster, self.running, first.instances, rehearse=False,
+                    self.cluster,
+                    self.running,
+                    first.instances,
+                    rehearse=False,
                     all_or_nothing=False,
-                )  # fmt: skip
+                )
         finally:
             await self._hold_all(held, 0)
         self.takeover.sweep_spawned()
         await self.takeover.retire([r for r in leftovers if r not in in_way])
         why, notes = first_plan_note(adopted, leftovers, outcome)
-        self.note("plan", why, notes, outcome="succeeded" if self.running else "failed",
-                   trigger="restart" if survivors else "start")  # fmt: skip
+        self.note(
+            "plan",
+            why,
+            notes,
+            outcome="succeeded" if self.running else "failed",
+            trigger="restart" if survivors else "start",
+        )
         if outcome.reason:
             self.say(f"error: {outcome.reason}")
         if not self.running:
@@ -442,9 +466,12 @@ class Controller:
         text = await self.gateway.metrics()
         totals = gateway_totals(text)
         return Readings(
-            instances, parse_histograms(text, (TTFT_HISTOGRAM, TPOT_HISTOGRAM)),
-            totals.num_queued, totals.queued_by_model, totals.done_by_model,
-        )  # fmt: skip
+            instances,
+            parse_histograms(text, (TTFT_HISTOGRAM, TPOT_HISTOGRAM)),
+            totals.num_queued,
+            totals.queued_by_model,
+            totals.done_by_model,
+        )
 
     async def _register_missing(self, instances: Sequence[dict[str, Any]]) -> None:
         """A gateway that restarted has lost its pool: give it the running instances back.
@@ -454,9 +481,12 @@ class Controller:
             if inst.state != "active" or self._lock.locked():
                 continue  # a shift in progress moves its instances itself
             if inst.url not in known:
-                await self.gateway.add(inst.url, inst.planned.model,
-                                       inst.planned.gear.max_num_seqs,
-                                       admin_token=self.cfg.engine_admin_token)  # fmt: skip
+                await self.gateway.add(
+                    inst.url,
+                    inst.planned.model,
+                    inst.planned.gear.max_num_seqs,
+                    admin_token=self.cfg.engine_admin_token,
+                )
                 self.say(f"controller: {inst.planned.name} registered again in the gateway")
             elif known[inst.url] in (State.STARTING.value, State.REHEARSING.value):
                 await self.gateway.set_state(inst.url, State.ACTIVE.value)

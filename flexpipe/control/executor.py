@@ -150,10 +150,13 @@ class Executor:
         """Move from `running` (updated in place) to `target`. `all_or_nothing` False (the
         first plan): instances that start serve even when others could not."""
         params = ShiftParams(
-            drain_deadline_s=self.drain_deadline_s, standby_hold_s=self.standby_hold_s,
-            time_scale=self.time_scale, warm_moves=self.warm_moves, rehearse=rehearse,
+            drain_deadline_s=self.drain_deadline_s,
+            standby_hold_s=self.standby_hold_s,
+            time_scale=self.time_scale,
+            warm_moves=self.warm_moves,
+            rehearse=rehearse,
             all_or_nothing=all_or_nothing,
-        )  # fmt: skip
+        )
         self.names |= gather_names(running)  # (adopted after a restart)
         planned = [*(i.planned for i in running.values()), *target]
         specs = {p.model_id: load_model_spec(p.model_id) for p in planned}
@@ -255,8 +258,9 @@ class _LiveShift:
                 return [self._loaded(t, r) for t, r in zip(tokens, results, strict=True)]
             case NextReady(tokens):
                 done, _ = await asyncio.wait(tokens, return_when=asyncio.FIRST_COMPLETED)
-                return [(t, self._loaded(t, t.exception() or t.result()))
-                        for t in tokens if t in done]  # fmt: skip
+                return [
+                    (t, self._loaded(t, t.exception() or t.result())) for t in tokens if t in done
+                ]
             case Join(instances):
                 return [await self._join(i) for i in instances]
             case SetState(instances, state):
@@ -267,11 +271,19 @@ class _LiveShift:
                     ex._set(inst, state)
                 return None
             case Rehearse(instances):
-                return await asyncio.gather(*(
-                    rehearsal.rehearse(ex._probe_pool, i.planned, i.url, ex.time_scale,
-                                       ex.probe_overhead_s, ex.rehearsal_tolerance)
-                    for i in instances
-                ))  # fmt: skip
+                return await asyncio.gather(
+                    *(
+                        rehearsal.rehearse(
+                            ex._probe_pool,
+                            i.planned,
+                            i.url,
+                            ex.time_scale,
+                            ex.probe_overhead_s,
+                            ex.rehearsal_tolerance,
+                        )
+                        for i in instances
+                    )
+                )
             case StillAlive(instances):
                 return list(instances)  # an engine that exits is the controller's to notice
             case Release(instances):
@@ -291,9 +303,10 @@ class _LiveShift:
                 for reqs in found:
                     self.stream_ids.update((int(r["id"]), r.get("request_id")) for r in reqs)
                 return Surveyed(
-                    self.cluster, tuple(tuple(r) for r in found),
+                    self.cluster,
+                    tuple(tuple(r) for r in found),
                     tuple((t, tuple(r)) for t, r in zip(targets, theirs, strict=True)),
-                )  # fmt: skip
+                )
             case Drain(instances, deadline_s, waves):
                 return await self._drain(instances, deadline_s, waves)
             case Move(wave):
@@ -317,8 +330,13 @@ class _LiveShift:
         p = inst.planned
         ex._set(inst, "starting")
         try:
-            await ex.gateway.add(inst.url, p.model, p.gear.max_num_seqs,
-                                 admin_token=ex.engine_admin_token, state="starting")  # fmt: skip
+            await ex.gateway.add(
+                inst.url,
+                p.model,
+                p.gear.max_num_seqs,
+                admin_token=ex.engine_admin_token,
+                state="starting",
+            )
         except GatewayError as exc:
             await ex._stop([inst])
             return f"instance {p.name}: the gateway refused it: {exc}"
@@ -399,8 +417,10 @@ class _LiveShift:
             if r.get("warmed"):
                 counts["warmed"] = counts.get("warmed", 0) + 1
             how = outcome if r.get("warm") is None else f"{outcome}:{r['warm']}"
-            ids.append(f"{self.stream_ids.get(m.id) or '-'}={m.pause_s * 1e3:.0f}ms:"
-                       f"{how}@{m.destination.url}")  # fmt: skip
+            ids.append(
+                f"{self.stream_ids.get(m.id) or '-'}={m.pause_s * 1e3:.0f}ms:"
+                f"{how}@{m.destination.url}"
+            )
         for url, (counts, ids) in by_source.items():
             self.ex.on_moves(
                 f"controller: moved {len(ids)} request(s) off {url} {when} "

@@ -30,8 +30,14 @@ async def rehearse(
     key = instance_key(planned)
     est = planned.estimate
     num_probe_tokens = probe_tokens(est.ttft_s, est.tpot_s, time_scale, probe_overhead_s)
-    body = orjson.dumps({"model": planned.model, "prompt": "rehearsal " * 32,
-                         "max_tokens": num_probe_tokens, "ignore_eos": True})  # fmt: skip
+    body = orjson.dumps(
+        {
+            "model": planned.model,
+            "prompt": "rehearsal " * 32,
+            "max_tokens": num_probe_tokens,
+            "ignore_eos": True,
+        }
+    )
     headers = {"content-type": "application/json"}
     t0 = time.monotonic()
     try:

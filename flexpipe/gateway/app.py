@@ -192,9 +192,18 @@ class Gateway:
         hashes = prompt_block_hashes(prompt, self.cfg.block_chars)
         routing = RoutingRequest(num_prompt, num_out, hashes, valid.user)
         return Call(
-            path, chat, model, valid.body, req.body, valid.stream, routing,
-            float(num_prompt + num_out), self.clock(), None, num_prompt_tokens=num_prompt,
-        )  # fmt: skip
+            path,
+            chat,
+            model,
+            valid.body,
+            req.body,
+            valid.stream,
+            routing,
+            float(num_prompt + num_out),
+            self.clock(),
+            None,
+            num_prompt_tokens=num_prompt,
+        )
 
     async def _proxy(
         self, req: Request, path: str, chat: bool
@@ -395,10 +404,19 @@ class Gateway:
             except NoInstance as exc:
                 pick, no_instance = None, str(exc)
             decision = admit(
-                call.model, pick is not None, no_instance, self.holds, now, call.t0,
-                own_deadline, len(self._waiters), self._waiters.count(call.model),
-                cfg.max_queue, cfg.max_queue_wait_s, jumps_line=prefer is not None,
-            )  # fmt: skip
+                call.model,
+                pick is not None,
+                no_instance,
+                self.holds,
+                now,
+                call.t0,
+                own_deadline,
+                len(self._waiters),
+                self._waiters.count(call.model),
+                cfg.max_queue,
+                cfg.max_queue_wait_s,
+                jumps_line=prefer is not None,
+            )
             if woken and (call.excluded or call.failed) and _waits_for_a_slot(decision):
                 # woken for a slot on an instance it may not use (one it left or failed on):
                 # the slot goes to the next waiter of its model
@@ -539,8 +557,15 @@ class Gateway:
         log.warning("ejected %s for %.1f s", inst.url, inst.backoff_s)
 
     # ---------------------------------------------------------------- streaming relay
-    def stream_done(self, call: Call, inst: Instance, t_first: float, t_last: float,
-                     num_tokens: int, measured_speed: bool) -> None:  # fmt: skip
+    def stream_done(
+        self,
+        call: Call,
+        inst: Instance,
+        t_first: float,
+        t_last: float,
+        num_tokens: int,
+        measured_speed: bool,
+    ) -> None:
         """A stream ended well: TPOT and the instance's measured decode speed."""
         tpot = stream_tpot_s(num_tokens, t_first, t_last)
         if tpot is not None:

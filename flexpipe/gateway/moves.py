@@ -54,8 +54,12 @@ async def move_request(gw: MoveHost, call_id: int, move: Move) -> tuple[str, War
     if move.method == "kv":
         call.export = await export_state(gw, call.instance, call.upstream_request_id, move)
         if call.export is None:
-            move = Move("recompute", move.target, warm_timeout_s=move.warm_timeout_s,
-                        max_token_wait_s=move.max_token_wait_s)  # fmt: skip
+            move = Move(
+                "recompute",
+                move.target,
+                warm_timeout_s=move.warm_timeout_s,
+                max_token_wait_s=move.max_token_wait_s,
+            )
     warm: WarmOutcome | None = None
     if move.method == "recompute" and move.target is not None:
         timeout_s = WARM_TIMEOUT_S if move.warm_timeout_s is None else move.warm_timeout_s

@@ -55,8 +55,22 @@ class PushRelay:
     go out in one write. A mid-stream failure hands over to `relay_after_failure` (migration) in
     a task; a client that leaves aborts the upstream request at once."""
 
-    __slots__ = ("call", "done", "gw", "inst", "loop", "num_events", "pending", "resp", "sent",
-                 "t_first", "t_last", "tail", "task", "writer")  # fmt: skip
+    __slots__ = (
+        "call",
+        "done",
+        "gw",
+        "inst",
+        "loop",
+        "num_events",
+        "pending",
+        "resp",
+        "sent",
+        "t_first",
+        "t_last",
+        "tail",
+        "task",
+        "writer",
+    )
 
     def __init__(self, gw: RelayHost, call: Call, inst: Instance, resp: UpstreamResponse) -> None:
         self.gw = gw
@@ -209,8 +223,16 @@ class PushRelay:
     async def _failover(self, error: UpstreamError) -> None:
         writer = self.writer
         assert writer is not None
-        relay = relay_after_failure(self.gw, self.call, self.inst, self.resp, self.sent, error,
-                               self.t_first, self.num_events)  # fmt: skip
+        relay = relay_after_failure(
+            self.gw,
+            self.call,
+            self.inst,
+            self.resp,
+            self.sent,
+            error,
+            self.t_first,
+            self.num_events,
+        )
         resumed: asyncio.Future[None] | None = None
 
         def on_resume() -> None:

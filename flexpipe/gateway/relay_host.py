@@ -51,8 +51,15 @@ class RelayHost(Protocol):
     def failure(self, inst: Instance) -> None:
         """A passive failure of `inst` (a broken stream)."""
 
-    def stream_done(self, call: Call, inst: Instance, t_first: float, t_last: float,
-                    num_tokens: int, measured_speed: bool) -> None:  # fmt: skip
+    def stream_done(
+        self,
+        call: Call,
+        inst: Instance,
+        t_first: float,
+        t_last: float,
+        num_tokens: int,
+        measured_speed: bool,
+    ) -> None:
         """A stream ended well on `inst`."""
 
     def relay_started(self, relay: PushRelay) -> None:

@@ -157,8 +157,7 @@ class UiRoutes:
 
     async def _get(self, base: str, path: str, token: str | None) -> tuple[int, bytes]:
         headers = {"authorization": f"Bearer {token}"} if token else None
-        resp = await self.gw.client.request(base, "GET", path, headers=headers,
-                                            timeouts=_TIMEOUTS)  # fmt: skip
+        resp = await self.gw.client.request(base, "GET", path, headers=headers, timeouts=_TIMEOUTS)
         try:
             return resp.status, await resp.read()
         finally:
@@ -184,18 +183,30 @@ class UiRoutes:
                 raise ValueError(f"the controller answered {bad[0]}")
             mine = orjson.loads(own)
             self.controller = ControllerSnapshot(
-                url, orjson.loads(topo), mine["entries"], None, self.wall(),
-                orjson.loads(every)["entries"], mine.get("deployment"),
-            )  # fmt: skip
+                url,
+                orjson.loads(topo),
+                mine["entries"],
+                None,
+                self.wall(),
+                orjson.loads(every)["entries"],
+                mine.get("deployment"),
+            )
         except (UpstreamError, ValueError, KeyError, TypeError) as exc:
             why = f"cannot read the controller at {url}: {exc}"
             self.controller = replace(old, url=url, error=why)
 
     # ---------------------------------------------------------------- the view
     def view(self, since_s: float | None = None, every_shift: bool = False) -> dict[str, Any]:
-        return assemble_view(self.wall(), self.history, self.controller, self.interval_s,
-                             since_s, admin_enabled=bool(self.gw.cfg.admin_token),
-                             started_at_s=self.started_at_s, every_shift=every_shift)  # fmt: skip
+        return assemble_view(
+            self.wall(),
+            self.history,
+            self.controller,
+            self.interval_s,
+            since_s,
+            admin_enabled=bool(self.gw.cfg.admin_token),
+            started_at_s=self.started_at_s,
+            every_shift=every_shift,
+        )
 
     def push(self) -> None:
         """Each client gets the view with the points it lacks; one whose socket is full is
@@ -213,13 +224,17 @@ class UiRoutes:
     # ---------------------------------------------------------------- handlers
     async def _index(self, req: Request) -> Response:
         del req
-        return Response(self._page, content_type="text/html; charset=utf-8",
-                        headers={"cache-control": "no-cache"})  # fmt: skip
+        return Response(
+            self._page,
+            content_type="text/html; charset=utf-8",
+            headers={"cache-control": "no-cache"},
+        )
 
     async def _file(self, req: Request) -> Response:
         name = req.path.rsplit("/", 1)[1]
-        return Response(self._static[name], content_type=_STATIC[name],
-                        headers={"cache-control": "no-cache"})  # fmt: skip
+        return Response(
+            self._static[name], content_type=_STATIC[name], headers={"cache-control": "no-cache"}
+        )
 
     async def _view(self, req: Request) -> Response:
         given = req.query_params().get("since")

@@ -57,9 +57,13 @@ def read(controller: ControllerClient, timeout_s: float = 3.0) -> Readings:
         texts = list(pool.map(lambda t: fetch_text(t, timeout_s), targets))
     gateway_text, view_text = (texts.pop(0), texts.pop(0)) if gateway else (None, None)
     return Readings(
-        time.time(), controller.base, status, gateway_text, dict(zip(urls, texts, strict=True)),
+        time.time(),
+        controller.base,
+        status,
+        gateway_text,
+        dict(zip(urls, texts, strict=True)),
         _json(view_text),
-    )  # fmt: skip
+    )
 
 
 def _json(text: str | None) -> dict[str, Any] | None:

@@ -291,8 +291,11 @@ def _model_view(
 def _figures(view: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
     """The view's figures per model (those it has)."""
     models = (view or {}).get("models") or []
-    return {str(m["name"]): m["now"] for m in models
-            if isinstance(m, Mapping) and isinstance(m.get("now"), Mapping)}  # fmt: skip
+    return {
+        str(m["name"]): m["now"]
+        for m in models
+        if isinstance(m, Mapping) and isinstance(m.get("now"), Mapping)
+    }
 
 
 def _float(x: Any) -> float | None:

@@ -171,16 +171,30 @@ class SimController:
     # ------------------------------------------------------------------ lifecycle
     def start(self, now: float) -> None:
         first = self.planner(self.cluster, self.demands, now)
-        self.decisions.append({"at_s": now, "action": "shift", "trigger": "plan",
-                               "reason": "the first plan", "score": None,
-                               "target": [i.name for i in first.instances]})  # fmt: skip
+        self.decisions.append(
+            {
+                "at_s": now,
+                "action": "shift",
+                "trigger": "plan",
+                "reason": "the first plan",
+                "score": None,
+                "target": [i.name for i in first.instances],
+            }
+        )
         # the first plan's models are held while their engines load (queued, not 404); the
         # live controller's `start` adopts what a previous one left running first
         held = cold_models(first.instances, [r.planned for r in self.running.values()])
         for model in held:
             self.world.hold(model, STANDBY_HOLD_S, now)
-        self._carry_out(list(first.instances), now, None, self.core.renewal(held),
-                        rehearse=False, all_or_nothing=False, release=held)  # fmt: skip
+        self._carry_out(
+            list(first.instances),
+            now,
+            None,
+            self.core.renewal(held),
+            rehearse=False,
+            all_or_nothing=False,
+            release=held,
+        )
 
     def _schedule_tick(self, at_s: float) -> None:
         self._tick_version += 1
@@ -194,8 +208,9 @@ class SimController:
         self.core.resources_changed(events, now)
         if events:
             for e in events:
-                self.resource_events.append({"at_s": now, "gpu": e.gpu, "kind": e.kind.value,
-                                             "why": e.why})  # fmt: skip
+                self.resource_events.append(
+                    {"at_s": now, "gpu": e.gpu, "kind": e.kind.value, "why": e.why}
+                )
             if not self._shifting:
                 self._schedule_tick(now)
         return events
@@ -221,9 +236,12 @@ class SimController:
             if change is not None:
                 self.refusals.append({"at_s": now, "model": change.model, "refused": change.why})
         readings = Readings(
-            self.gateway_pool(), {**self.ttft.read(), **self.tpot.read()}, self.num_queued(),
-            self.queued_by_model(), self._done,
-        )  # fmt: skip
+            self.gateway_pool(),
+            {**self.ttft.read(), **self.tpot.read()},
+            self.num_queued(),
+            self.queued_by_model(),
+            self._done,
+        )
         core.observe(now, readings)
         decided = core.decide(now, self.cluster, [r.planned for r in self.running.values()])
         self.num_decisions += 1
@@ -283,26 +301,38 @@ class SimController:
                 self.world.hold(model, 0.0, end)
             # refused: no failure of the target (no blacklist)
             self.core.shift_finished(outcome, end, decided=decision is not None)
-            self.on_shift({
-                "at_s": now, "finished_s": end,
-                "trigger": decision.trigger if decision is not None else "plan",
-                "reason": decision.reason if decision is not None else "the first plan",
-                "score": None if decision is None or decision.score is None
-                else round(decision.score, 3),
-                "succeeded": outcome.succeeded, "refused": outcome.refused,
-                "outcome": _outcome(outcome), "why_failed": outcome.reason,
-                "phases_s": {k: round(v, 6) for k, v in outcome.phases_s.items()},
-                "migrated": dict(sorted(outcome.migrated.items())),
-                "rehearsal": outcome.rehearsal,
-                "started": outcome.started, "stopped": outcome.stopped,
-            })  # fmt: skip
+            self.on_shift(
+                {
+                    "at_s": now,
+                    "finished_s": end,
+                    "trigger": decision.trigger if decision is not None else "plan",
+                    "reason": decision.reason if decision is not None else "the first plan",
+                    "score": None
+                    if decision is None or decision.score is None
+                    else round(decision.score, 3),
+                    "succeeded": outcome.succeeded,
+                    "refused": outcome.refused,
+                    "outcome": _outcome(outcome),
+                    "why_failed": outcome.reason,
+                    "phases_s": {k: round(v, 6) for k, v in outcome.phases_s.items()},
+                    "migrated": dict(sorted(outcome.migrated.items())),
+                    "rehearsal": outcome.rehearsal,
+                    "started": outcome.started,
+                    "stopped": outcome.stopped,
+                }
+            )
             self._schedule_tick(end + p.tick_s)
 
         run = ShiftRun(
-            self.world, self.running, target, done,
-            drain_deadline_s=p.drain_deadline_s, rehearsal_tolerance=p.rehearsal_tolerance,
-            rehearse=rehearse, all_or_nothing=all_or_nothing,
-        )  # fmt: skip
+            self.world,
+            self.running,
+            target,
+            done,
+            drain_deadline_s=p.drain_deadline_s,
+            rehearsal_tolerance=p.rehearsal_tolerance,
+            rehearse=rehearse,
+            all_or_nothing=all_or_nothing,
+        )
         run.start(now)
 
 

@@ -86,9 +86,11 @@ class SimGateway:
         self.instances[inst.url] = inst
         self._log(now, "ready", inst.dep.name)
         record = self.pool.add(
-            inst.url, model=inst.model, max_num_seqs=max_num_seqs or inst.max_num_seqs,
+            inst.url,
+            model=inst.model,
+            max_num_seqs=max_num_seqs or inst.max_num_seqs,
             state=state,
-        )  # fmt: skip
+        )
         self._scrape_one(record, now)
         if not self._scraping:
             self._scraping = True
@@ -157,10 +159,18 @@ class SimGateway:
         waiters = self._waiters
         cfg = self.cfg
         decision = admit(
-            model, pick is not None, no_instance, self.holds, now, call.req.arrival_s,
-            call.deadline_s if call.deadline_s >= 0 else None, len(waiters),
-            waiters.count(model), cfg.max_queue, cfg.max_queue_wait_s,
-        )  # fmt: skip
+            model,
+            pick is not None,
+            no_instance,
+            self.holds,
+            now,
+            call.req.arrival_s,
+            call.deadline_s if call.deadline_s >= 0 else None,
+            len(waiters),
+            waiters.count(model),
+            cfg.max_queue,
+            cfg.max_queue_wait_s,
+        )
         if decision is not ROUTE:
             if isinstance(decision, Fail):
                 message = _SIM_WORDS.get(decision.reason, decision.message)

@@ -106,15 +106,30 @@ class Moves:
         wait_s = fence_wait_s(fenced_until_s, now, MAX_FENCE_S - fence_waited_s)
         if wait_s > 0:  # a move cuts over there: not into its step (`relay.warm_up`; polled)
             wait_s = min(wait_s, WARM_POLL_S)
-            self.loop.at(now + wait_s, CONTROL, functools.partial(
-                self.warm_up, req, source, target, timeout_s, done=done,
-                fence_waited_s=fence_waited_s + wait_s,
-            ))  # fmt: skip
+            self.loop.at(
+                now + wait_s,
+                CONTROL,
+                functools.partial(
+                    self.warm_up,
+                    req,
+                    source,
+                    target,
+                    timeout_s,
+                    done=done,
+                    fence_waited_s=fence_waited_s + wait_s,
+                ),
+            )
             return
         rid = str(req.request_id)
         src.sync(now)  # inside a stretch: its tokens so far, as stepping would have them
-        ereq = next((r for r in (*src.core.scheduler.running, *src.core.scheduler.waiting)
-                     if r.request_id == rid), None)  # fmt: skip
+        ereq = next(
+            (
+                r
+                for r in (*src.core.scheduler.running, *src.core.scheduler.waiting)
+                if r.request_id == rid
+            ),
+            None,
+        )
         fits = record is not None and warms(timeout_s, record.num_slots, record.num_in_flight)
         if ereq is None or not fits:
             self._warmed("skipped", done, now)
@@ -127,9 +142,15 @@ class Moves:
         root = self.roots.get(req.request_id, req)
         self._num_warm_ups += 1
         warm = SimRequest(
-            WARM_UP_ID_BASE + self._num_warm_ups, now, root.model, req.num_prompt_tokens + n, 1,
-            root.prefix_ids, priority=MOVE_PRIORITY, context_of=root,
-        )  # fmt: skip
+            WARM_UP_ID_BASE + self._num_warm_ups,
+            now,
+            root.model,
+            req.num_prompt_tokens + n,
+            1,
+            root.prefix_ids,
+            priority=MOVE_PRIORITY,
+            context_of=root,
+        )
         if inst.refusal(warm):
             self._warmed("failed", done, now)
             return
@@ -213,9 +234,13 @@ class Moves:
         self._num_segments += 1
         seg = SimRequest(
             SEGMENT_ID_BASE + self._num_segments,
-            root.arrival_s, root.model, req.num_prompt_tokens + n, req.num_output_tokens - n,
-            root.prefix_ids, context_of=root,
-        )  # fmt: skip
+            root.arrival_s,
+            root.model,
+            req.num_prompt_tokens + n,
+            req.num_output_tokens - n,
+            root.prefix_ids,
+            context_of=root,
+        )
         self.log.append(
             MoveRecord(root.request_id, method, warm, now, ereq.last_token_s, seg, source.dep.name)
         )
@@ -323,9 +348,13 @@ class GatewayMoves:
         return end_s
 
     def _pre_copy(
-        self, req: SimRequest, src: InstanceRecord, dst: InstanceRecord, timeout_s: float,
+        self,
+        req: SimRequest,
+        src: InstanceRecord,
+        dst: InstanceRecord,
+        timeout_s: float,
         now: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """The gateway's recompute move (`gateway.moves.move_request`): the destination
         warmed with the context (`World.warm_up`), then, warmed, at most `timeout_s` more
         until no stream there awaits its first token (`gateway.moves.between_prefills`,

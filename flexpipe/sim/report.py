@@ -238,16 +238,21 @@ def phase_rows(result: SimResult) -> list[dict[str, Any]]:
     for lo, hi in itertools.pairwise(cuts):
         last = hi == end  # (the run's last completion ends it)
         done = [
-            r for r in result.requests
+            r
+            for r in result.requests
             if r.completed and lo <= r.finish_s and (r.finish_s < hi or last)
-        ]  # fmt: skip
+        ]
         what = [e.note or e.describe() for e in result.scenario.resources if e.at_s == lo]
-        rows.append({
-            "start_s": _r(lo), "end_s": _r(hi), "after": "; ".join(what) or "start",
-            "completed": len(done),
-            "tokens_per_s": _r(sum(r.num_generated_tokens for r in done) / (hi - lo)),
-            "goodput_requests_per_s": _r(sum(1 for r in done if _good(r, slos)) / (hi - lo)),
-        })  # fmt: skip
+        rows.append(
+            {
+                "start_s": _r(lo),
+                "end_s": _r(hi),
+                "after": "; ".join(what) or "start",
+                "completed": len(done),
+                "tokens_per_s": _r(sum(r.num_generated_tokens for r in done) / (hi - lo)),
+                "goodput_requests_per_s": _r(sum(1 for r in done if _good(r, slos)) / (hi - lo)),
+            }
+        )
     return rows
 
 
@@ -289,8 +294,14 @@ def occupancy(result: SimResult) -> list[dict[str, Any]]:
         for rec in result.instances:
             if gid in rec.dep.gpu_ids:
                 stop = rec.released_s if rec.released_s >= 0 else end
-                segs.append({"start_s": _r(rec.launched_s), "end_s": _r(min(stop, end)),
-                             "holder": rec.dep.name, "model": rec.dep.model})  # fmt: skip
+                segs.append(
+                    {
+                        "start_s": _r(rec.launched_s),
+                        "end_s": _r(min(stop, end)),
+                        "holder": rec.dep.name,
+                        "model": rec.dep.model,
+                    }
+                )
         segs.sort(key=lambda s: (s["start_s"], s["holder"]))
         out.append({"gpu": gid, "node": gpu.node, "type": gpu.type, "segments": segs})
     return out
@@ -328,9 +339,19 @@ def timeline_rows(result: SimResult) -> list[dict[str, float | None]]:
 
 
 REQUEST_FIELDS = (
-    "request_id", "model", "arrival_s", "instance", "num_prompt_tokens", "num_output_tokens",
-    "num_generated_tokens", "num_cached_tokens", "ttft_s", "tpot_s", "e2e_s", "failed",
-)  # fmt: skip
+    "request_id",
+    "model",
+    "arrival_s",
+    "instance",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "num_generated_tokens",
+    "num_cached_tokens",
+    "ttft_s",
+    "tpot_s",
+    "e2e_s",
+    "failed",
+)
 
 
 def requests_csv(result: SimResult) -> str:
@@ -341,12 +362,20 @@ def requests_csv(result: SimResult) -> str:
         ok = r.completed
         w.writerow(
             [
-                r.request_id, r.model, f"{r.arrival_s:.6f}", r.instance, r.num_prompt_tokens,
-                r.num_output_tokens, r.num_generated_tokens, r.num_cached_tokens,
-                f"{r.ttft_s:.6f}" if ok else "", f"{r.tpot_s:.6f}" if ok else "",
-                f"{r.e2e_s:.6f}" if ok else "", r.failed,
+                r.request_id,
+                r.model,
+                f"{r.arrival_s:.6f}",
+                r.instance,
+                r.num_prompt_tokens,
+                r.num_output_tokens,
+                r.num_generated_tokens,
+                r.num_cached_tokens,
+                f"{r.ttft_s:.6f}" if ok else "",
+                f"{r.tpot_s:.6f}" if ok else "",
+                f"{r.e2e_s:.6f}" if ok else "",
+                r.failed,
             ]
-        )  # fmt: skip
+        )
     return out.getvalue()
 
 
@@ -359,8 +388,19 @@ def timeline_csv(result: SimResult) -> str:
     return out.getvalue()
 
 
-SHIFT_FIELDS = ("at_s", "finished_s", "trigger", "succeeded", "outcome", "score", "phases",
-                "migrated", "started", "stopped", "reason")  # fmt: skip
+SHIFT_FIELDS = (
+    "at_s",
+    "finished_s",
+    "trigger",
+    "succeeded",
+    "outcome",
+    "score",
+    "phases",
+    "migrated",
+    "started",
+    "stopped",
+    "reason",
+)
 
 
 def shifts_csv(rep: dict[str, Any]) -> str:
@@ -369,13 +409,21 @@ def shifts_csv(rep: dict[str, Any]) -> str:
     w = csv.writer(out, lineterminator="\n")
     w.writerow(SHIFT_FIELDS)
     for s in rep["shifts"]:
-        w.writerow([
-            f"{s['at_s']:.6f}", f"{s['finished_s']:.6f}", s["trigger"], s["succeeded"],
-            s["outcome"], s["score"],
-            ";".join(f"{k}={v}" for k, v in s["phases_s"].items()),
-            ";".join(f"{k}={v}" for k, v in s["migrated"].items()),
-            ";".join(s["started"]), ";".join(s["stopped"]), s["reason"],
-        ])  # fmt: skip
+        w.writerow(
+            [
+                f"{s['at_s']:.6f}",
+                f"{s['finished_s']:.6f}",
+                s["trigger"],
+                s["succeeded"],
+                s["outcome"],
+                s["score"],
+                ";".join(f"{k}={v}" for k, v in s["phases_s"].items()),
+                ";".join(f"{k}={v}" for k, v in s["migrated"].items()),
+                ";".join(s["started"]),
+                ";".join(s["stopped"]),
+                s["reason"],
+            ]
+        )
     return out.getvalue()
 
 

@@ -121,8 +121,12 @@ class World(Protocol):
 
 def _as_gateway(req: SimRequest, num_prompt: int, num_out: int) -> dict[str, Any]:
     """`req` as the gateway's `GET /admin/requests` lists it (what the executor reads)."""
-    return {"id": req.request_id, "num_prompt_tokens": num_prompt,
-            "num_output_tokens": num_out, "max_tokens": req.num_output_tokens}  # fmt: skip
+    return {
+        "id": req.request_id,
+        "num_prompt_tokens": num_prompt,
+        "num_output_tokens": num_out,
+        "max_tokens": req.num_output_tokens,
+    }
 
 
 class _Drain:
@@ -155,9 +159,13 @@ class ShiftRun:
         self.on_done = on_done
         self.rehearsal_tolerance = rehearsal_tolerance
         params = ShiftParams(
-            drain_deadline_s=drain_deadline_s, standby_hold_s=standby_hold_s, time_scale=1.0,
-            warm_moves=warm_moves, rehearse=rehearse, all_or_nothing=all_or_nothing,
-        )  # fmt: skip
+            drain_deadline_s=drain_deadline_s,
+            standby_hold_s=standby_hold_s,
+            time_scale=1.0,
+            warm_moves=warm_moves,
+            rehearse=rehearse,
+            all_or_nothing=all_or_nothing,
+        )
         planned = [*(r.planned for r in running.values()), *target]
         specs = {p.model_id: load_model_spec(p.model_id) for p in planned}
         # the world names its engines (World.launch): the planner's names are kept here
@@ -223,14 +231,19 @@ class ShiftRun:
                 return [Failed(r) if isinstance(r, str) else r for r in launched]
             case AwaitReady(recs):
                 ready_s = max(r.ready_s for r in recs)  # (alive: as it is when loaded)
-                world.loop.at(now + max(0.0, ready_s - now), CONTROL,
-                              self._resumer(lambda: [_alive(r) for r in recs]))  # fmt: skip
+                world.loop.at(
+                    now + max(0.0, ready_s - now),
+                    CONTROL,
+                    self._resumer(lambda: [_alive(r) for r in recs]),
+                )
                 return _LATER
             case NextReady(recs):
                 ready_s = min(r.ready_s for r in recs)
-                world.loop.at(now + max(0.0, ready_s - now), CONTROL, self._resumer(
-                    lambda: [(r, _alive(r)) for r in recs if r.ready_s == ready_s]
-                ))  # fmt: skip
+                world.loop.at(
+                    now + max(0.0, ready_s - now),
+                    CONTROL,
+                    self._resumer(lambda: [(r, _alive(r)) for r in recs if r.ready_s == ready_s]),
+                )
                 return _LATER
             case Join(recs):
                 for rec in recs:  # loaded: in the gateway's pool, not routed
@@ -241,8 +254,9 @@ class ShiftRun:
                     world.set_state(rec, State(state), now)
                 return None
             case Rehearse(recs):
-                checks = [rehearse(r.planned, world.cluster, self.rehearsal_tolerance)
-                          for r in recs]  # fmt: skip
+                checks = [
+                    rehearse(r.planned, world.cluster, self.rehearsal_tolerance) for r in recs
+                ]
                 self._resume_at(now + max(c["measured_s"] for c in checks), checks)
                 return _LATER
             case StillAlive(recs):
@@ -265,8 +279,7 @@ class ShiftRun:
                 return self._after_moves(lambda: self._take_moved(end_s))
             case Continue(requests):
                 for src, record in requests:  # the gateway continues them wherever it can
-                    world.move(self._requests[int(record["id"])], src, None, "recomputed", 0.0,
-                               now)  # fmt: skip
+                    world.move(self._requests[int(record["id"])], src, None, "recomputed", 0.0, now)
                     self._outcomes.append("recomputed")
                 return self._take_moved().outcomes
         raise TypeError(f"not a shift command: {command!r}")
@@ -297,15 +310,17 @@ class ShiftRun:
     def _orders(self, wave: Wave) -> list[tuple[Any, SimRequest]]:
         return [(m, self._requests[m.id]) for m in wave.moves]
 
-    def _drain(self, recs: Sequence[Any], deadline_s: float, waves: Sequence[Wave],
-               now: float) -> Any:  # fmt: skip
+    def _drain(
+        self, recs: Sequence[Any], deadline_s: float, waves: Sequence[Wave], now: float
+    ) -> Any:
         """Until `recs` are empty or the deadline, the early waves going out meanwhile; then
         until their pre-copies cut over."""
         world = self.world
         drain = _Drain()
         for wave in waves:
-            world.loop.at(now + wave.at_s, CONTROL,
-                          functools.partial(self._early, drain, self._orders(wave)))  # fmt: skip
+            world.loop.at(
+                now + wave.at_s, CONTROL, functools.partial(self._early, drain, self._orders(wave))
+            )
 
         def drained() -> Drained:
             empty = tuple(not world.requests_on(r) for r in recs)
@@ -355,8 +370,9 @@ def rehearse(planned: PlannedInstance, cluster: Cluster, tolerance: float) -> di
     est = planned.estimate
     n = probe_tokens(est.ttft_s, est.tpot_s, 1.0, PROBE_OVERHEAD_S)
     core = engine_core(engine_config(Deployment.of(planned), cluster))
-    probe = EngineRequest("probe", list(range(PROBE_PROMPT_TOKENS)),
-                          SamplingParams(max_tokens=n), n, SIM_GEN_IDS)  # fmt: skip
+    probe = EngineRequest(
+        "probe", list(range(PROBE_PROMPT_TOKENS)), SamplingParams(max_tokens=n), n, SIM_GEN_IDS
+    )
     core.add(probe, 0.0)
     t = 0.0
     while not probe.finished_s and core.has_work:

@@ -130,12 +130,16 @@ class _Run:
         self.controller: SimController | None = None
         if isinstance(policy, ShiftingPolicy):
             self.controller = SimController(
-                self, scenario.cluster, self.demands,
+                self,
+                scenario.cluster,
+                self.demands,
                 lambda: [i.as_dict() for i in self.gateway.pool.instances.values()],
-                lambda: self.gateway.num_waiting, self.gateway.queued_by_model,
+                lambda: self.gateway.num_waiting,
+                self.gateway.queued_by_model,
                 policy.params or scenario.controller,
-                random.Random(f"{scenario.seed}:controller"), self.shifts.append,
-            )  # fmt: skip
+                random.Random(f"{scenario.seed}:controller"),
+                self.shifts.append,
+            )
 
     def _explain_unplaced(self, peak: Plan) -> None:
         """Each model asked for that never had an instance: why, in a note, and in each of
@@ -188,15 +192,23 @@ class _Run:
         except ValueError as exc:
             return str(exc)
         inst = SimInstance(
-            dep, cfg, self.loop, self._engine_done,
+            dep,
+            cfg,
+            self.loop,
+            self._engine_done,
             functools.partial(self.usage.busy, dep.num_gpus),  # (its GPUs computed then)
             stretches=self.stretches,
             on_first_token=self._first_token,
-        )  # fmt: skip
+        )
         rec = InstanceRecord(
-            dep, now, now + cfg.load_time_s, num_kv_blocks=cfg.num_kv_blocks,
-            max_model_len=cfg.max_model_len, instance=inst, planned=planned,
-        )  # fmt: skip
+            dep,
+            now,
+            now + cfg.load_time_s,
+            num_kv_blocks=cfg.num_kv_blocks,
+            max_model_len=cfg.max_model_len,
+            instance=inst,
+            planned=planned,
+        )
         self.records.append(rec)
         self._names.add(dep.name)
         return rec
@@ -476,9 +488,13 @@ class _Run:
         # release, a step), at the duration at the earliest: GPUs held until then are
         # billed, as is every step computed
         run_end_s = max(
-            [scenario.duration_s, self.usage.last_busy_s, *(r.finish_s for r in self.requests),
-             *(r.released_s for r in self.records)]
-        )  # fmt: skip
+            [
+                scenario.duration_s,
+                self.usage.last_busy_s,
+                *(r.finish_s for r in self.requests),
+                *(r.released_s for r in self.records),
+            ]
+        )
         for rec in self.records:
             stop = rec.released_s if rec.released_s >= 0 else run_end_s
             self.usage.reserve(rec.dep.num_gpus, rec.launched_s, stop)
@@ -496,15 +512,26 @@ class _Run:
         peak = plan(scenario.cluster, self.peaks, now_s=0.0)
         self._explain_unplaced(peak)
         return SimResult(
-            scenario, self.policy.name, self.routing, self.demands, self.requests,
-            list(self.records), self.usage,
-            max((r.finish_s for r in self.requests), default=0.0), self.loop.num_events,
-            self.notes, self.shifts, ctl.decisions if ctl else [],
-            ctl.num_decisions if ctl else 0, ctl.resource_events if ctl else [],
-            dict(sorted(self.failovers.items())), self.moves.num_moves,
+            scenario,
+            self.policy.name,
+            self.routing,
+            self.demands,
+            self.requests,
+            list(self.records),
+            self.usage,
+            max((r.finish_s for r in self.requests), default=0.0),
+            self.loop.num_events,
+            self.notes,
+            self.shifts,
+            ctl.decisions if ctl else [],
+            ctl.num_decisions if ctl else 0,
+            ctl.resource_events if ctl else [],
+            dict(sorted(self.failovers.items())),
+            self.moves.num_moves,
             sum(i.num_gpus for i in peak.instances),
-            warm_ups=dict(sorted(self.moves.warm_ups.items())), moves=self.moves.log,
-        )  # fmt: skip
+            warm_ups=dict(sorted(self.moves.warm_ups.items())),
+            moves=self.moves.log,
+        )
 
 
 def _unplaced_note(policy: str, demand: ModelDemand, peak: Plan) -> str:

@@ -339,8 +339,11 @@ class ShiftLog:
     def newest_deployment(self) -> str | None:
         """The deployment that wrote the newest entry (the running one, or the last to run):
         what `flexpipe shifts` shows by default. None: an empty log, or written without one."""
-        query = select(ShiftLogRow.deployment).order_by(ShiftLogRow.at.desc(),
-                                                        ShiftLogRow.id.desc()).limit(1)  # fmt: skip
+        query = (
+            select(ShiftLogRow.deployment)
+            .order_by(ShiftLogRow.at.desc(), ShiftLogRow.id.desc())
+            .limit(1)
+        )
         with Session(self.store.engine) as session:
             return session.scalar(query)
 

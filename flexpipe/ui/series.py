@@ -52,11 +52,14 @@ class _Grown:
         a, b = self.counters, other.counters
         busy = None if a.busy_s is None and b.busy_s is None else (a.busy_s or 0) + (b.busy_s or 0)
         return _Grown(
-            EngineCounters(a.num_generated_tokens + b.num_generated_tokens,
-                           a.num_prefix_queries + b.num_prefix_queries,
-                           a.num_prefix_hits + b.num_prefix_hits, busy),
+            EngineCounters(
+                a.num_generated_tokens + b.num_generated_tokens,
+                a.num_prefix_queries + b.num_prefix_queries,
+                a.num_prefix_hits + b.num_prefix_hits,
+                busy,
+            ),
             self.watched_s + other.watched_s,
-        )  # fmt: skip
+        )
 
 
 def _engine_delta(r0: Reading, r1: Reading, urls: list[str]) -> _Grown:
@@ -70,9 +73,12 @@ def _engine_delta(r0: Reading, r1: Reading, urls: list[str]) -> _Grown:
         busy, watched = None, 0.0
         if a.busy_s is not None and b.busy_s is not None:
             busy, watched = _grown(b.busy_s, a.busy_s), r1.at_s - r0.at_s
-        grown = EngineCounters(_grown(b.num_generated_tokens, a.num_generated_tokens),
-                               _grown(b.num_prefix_queries, a.num_prefix_queries),
-                               _grown(b.num_prefix_hits, a.num_prefix_hits), busy)  # fmt: skip
+        grown = EngineCounters(
+            _grown(b.num_generated_tokens, a.num_generated_tokens),
+            _grown(b.num_prefix_queries, a.num_prefix_queries),
+            _grown(b.num_prefix_hits, a.num_prefix_hits),
+            busy,
+        )
         out = out + _Grown(grown, watched)
     return out
 

@@ -107,8 +107,7 @@ def shifts_shown(
     if controller is None:
         return [], 0
     own = list(controller.shifts or ())
-    run = [e for e in own
-           if started_at_s is None or (_at_s(e) or started_at_s) >= started_at_s]  # fmt: skip
+    run = [e for e in own if started_at_s is None or (_at_s(e) or started_at_s) >= started_at_s]
     polled = own if controller.shifts_all is None else list(controller.shifts_all)
     if every:
         return polled, 0
@@ -151,13 +150,22 @@ def _instances(
     for url, ctl in planned.items():  # launched, not in the gateway's pool yet
         out.append(
             {
-                "url": url, "model": ctl.get("model"), "state": ctl.get("state"),
-                "gateway_state": None, "name": ctl.get("name"), "key": ctl.get("key"),
-                "gear": ctl.get("gear"), "stages": ctl.get("stages"), "num_in_flight": 0,
-                "num_running": 0, "num_waiting": 0, "max_concurrency": 0, "kv_usage": 0.0,
+                "url": url,
+                "model": ctl.get("model"),
+                "state": ctl.get("state"),
+                "gateway_state": None,
+                "name": ctl.get("name"),
+                "key": ctl.get("key"),
+                "gear": ctl.get("gear"),
+                "stages": ctl.get("stages"),
+                "num_in_flight": 0,
+                "num_running": 0,
+                "num_waiting": 0,
+                "max_concurrency": 0,
+                "kv_usage": 0.0,
                 "weight": 0.0,
             }
-        )  # fmt: skip
+        )
     return out
 
 

@@ -54,8 +54,9 @@ class ControllerApi:
     def _auth(self, req: Request) -> None:
         authorize(req, self.ctl.cfg.token)
 
-    def _change(self, call: Callable[[], tuple[Resources, list[ResourceEvent]]],
-                gpus: Sequence[str]) -> Response:  # fmt: skip
+    def _change(
+        self, call: Callable[[], tuple[Resources, list[ResourceEvent]]], gpus: Sequence[str]
+    ) -> Response:
         try:
             events = self.ctl.change_resources(call)
         except UnknownGpuError as exc:

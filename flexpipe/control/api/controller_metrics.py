@@ -34,8 +34,22 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # A switch takes milliseconds; a cold start of a large model minutes; a drain up to its
 # deadline (30 s by default).
 PHASE_BUCKETS_S = (
-    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-)  # fmt: skip
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 
 
 class ControllerMetrics:

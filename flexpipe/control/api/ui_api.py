@@ -63,8 +63,15 @@ def _link(spec: LinkSpec) -> dict[str, Any]:
 
 
 def _instance(i: UiInstance) -> dict[str, Any]:
-    return {"key": i.key, "name": i.name, "model": i.model, "gear": i.gear,
-            "stages": [list(s) for s in i.stages], "url": i.url, "state": i.state}  # fmt: skip
+    return {
+        "key": i.key,
+        "name": i.name,
+        "model": i.model,
+        "gear": i.gear,
+        "stages": [list(s) for s in i.stages],
+        "url": i.url,
+        "state": i.state,
+    }
 
 
 def topology_doc(
@@ -109,8 +116,9 @@ def topology_doc(
             for i, a in enumerate(ids)
             for b in ids[i + 1 :]
         ]
-        nodes.append({"name": node.name, "network": _link(node.network.spec), "gpus": gpus,
-                      "links": links})  # fmt: skip
+        nodes.append(
+            {"name": node.name, "network": _link(node.network.spec), "gpus": gpus, "links": links}
+        )
     names = [n.name for n in cluster.nodes]
     node_links = [
         {"nodes": [a, b], **_link(cluster.network_between(a, b))}
@@ -171,8 +179,9 @@ class UiApi:
         # one store may hold the logs of several deployments (other ports, earlier tests)
         mine = None if every == "1" else self.c.deployment
         log = self.c.shift_log
-        entries = [] if log is None else log.entries(kinds=_SHOWN_KINDS, limit=limit,
-                                                     deployment=mine)  # fmt: skip
+        entries = (
+            [] if log is None else log.entries(kinds=_SHOWN_KINDS, limit=limit, deployment=mine)
+        )
         return json_response(
             {"deployment": self.c.deployment, "entries": [e.to_dict() for e in entries]}
         )

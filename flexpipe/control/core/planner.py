@@ -32,6 +32,10 @@ class ControllerPlanner:
         at the current and the expected load, so a bigger KV cache that pays only at the
         expected load (the seed's freed gpu1) is still found."""
         return plan(
-            cluster, demands, self.performance, now_s=now_s, efficiency=self.efficiency,
+            cluster,
+            demands,
+            self.performance,
+            now_s=now_s,
+            efficiency=self.efficiency,
             memo=self.memo,
-        )  # fmt: skip
+        )

@@ -247,6 +247,19 @@ class Continue:
 
 
 Command = (
-    Launch | AwaitReady | NextReady | Join | SetState | Rehearse | StillAlive | Hold | Release
-    | Wait | StopRouting | Survey | Drain | Move | Continue
-)  # fmt: skip
+    Launch
+    | AwaitReady
+    | NextReady
+    | Join
+    | SetState
+    | Rehearse
+    | StillAlive
+    | Hold
+    | Release
+    | Wait
+    | StopRouting
+    | Survey
+    | Drain
+    | Move
+    | Continue
+)

@@ -70,8 +70,9 @@ def plan_waves(
     continued: list[str] = []
     for model in sorted({i.planned.model for i in sources}):
         mine = tuple(i for i in sources if i.planned.model == model)
-        candidates = tuple(i for k, i in running.items()
-                           if i.planned.model == model and k not in gone)  # fmt: skip
+        candidates = tuple(
+            i for k, i in running.items() if i.planned.model == model and k not in gone
+        )
         survey: Surveyed = yield from do(Survey(mine, candidates))
         cluster = survey.cluster
         reqs: list[MoveRequest] = []
@@ -93,16 +94,21 @@ def plan_waves(
             continue
         urls = [(s.url, s.planned) for s in sources]
         destinations = [
-            destination_of(cluster, urls, d.url, d.planned, d_reqs,
-                           specs.get(d.planned.model_id))
+            destination_of(cluster, urls, d.url, d.planned, d_reqs, specs.get(d.planned.model_id))
             for d, d_reqs in survey.destinations
-        ]  # fmt: skip
+        ]
         by_url = {d.url: d for d, _ in survey.destinations}
         for m in plan_moves(reqs, destinations, horizon_s, warm=warm_moves):
             timeout_s = 0.0
             if m.choice.method == "recompute":  # the gateway's pre-copy: bounded
                 timeout_s = warm_timeout_s(m.choice.done_s, time_scale, warm_moves)
-            order = MoveOrder(m.id, m.choice.method, where[m.id][0], by_url[m.destination],
-                              m.choice.pause_s, timeout_s)  # fmt: skip
+            order = MoveOrder(
+                m.id,
+                m.choice.method,
+                where[m.id][0],
+                by_url[m.destination],
+                m.choice.pause_s,
+                timeout_s,
+            )
             orders.append((m.at_s, order))
     return waves_of(orders, time_scale), num_stuck, tuple(continued)

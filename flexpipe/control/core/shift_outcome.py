@@ -49,5 +49,10 @@ def finished_record(record: ShiftRecord, outcome: ShiftOutcome, now_s: float) ->
     of its target."""
     failed = tuple(c["instance"] for c in outcome.rehearsal if not c.get("passed"))
     keys = failed if not outcome.succeeded and failed else record.target_keys
-    return dataclasses.replace(record, finished_s=now_s, succeeded=outcome.succeeded,
-                               target_keys=keys, refused=outcome.refused)  # fmt: skip
+    return dataclasses.replace(
+        record,
+        finished_s=now_s,
+        succeeded=outcome.succeeded,
+        target_keys=keys,
+        refused=outcome.refused,
+    )

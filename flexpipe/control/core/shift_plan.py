@@ -42,9 +42,19 @@ def rehearsal_check(
     against the gear table's prediction for it; passed within `tolerance` times."""
     ratio = measured_s / predicted_s if predicted_s > 0 else 1.0
     passed = ratio <= tolerance
-    why = "" if passed else (
-        f"{key}: probe took {measured_s:.3f} s against {predicted_s:.3f} s "
-        f"predicted (x{ratio:.2f}, tolerance x{tolerance:g})"
-    )  # fmt: skip
-    return {"instance": key, "passed": passed, "why": why, "predicted_s": round(predicted_s, 4),
-            "measured_s": round(measured_s, 4), "ratio": round(ratio, 3)}  # fmt: skip
+    why = (
+        ""
+        if passed
+        else (
+            f"{key}: probe took {measured_s:.3f} s against {predicted_s:.3f} s "
+            f"predicted (x{ratio:.2f}, tolerance x{tolerance:g})"
+        )
+    )
+    return {
+        "instance": key,
+        "passed": passed,
+        "why": why,
+        "predicted_s": round(predicted_s, 4),
+        "measured_s": round(measured_s, 4),
+        "ratio": round(ratio, 3),
+    }

@@ -144,8 +144,9 @@ class ShiftProcedure:
         out = self.out
         p = self.params
         # a model the target has no instance of scales to zero
-        plan = plan_shift([i.planned for i in self.running.values()], self.target,
-                          scale_to_zero=True)  # fmt: skip
+        plan = plan_shift(
+            [i.planned for i in self.running.values()], self.target, scale_to_zero=True
+        )
         if plan.refusal:  # before anything changed: refused, not failed
             return ShiftOutcome(False, plan.refusal, refused=True)
         kept_models = {t.model for t in self.target}
@@ -386,9 +387,15 @@ class ShiftProcedure:
     ) -> Steps[tuple[tuple[Wave, ...], int]]:
         p = self.params
         waves, num_stuck, continued = yield from plan_waves(
-            self._do, self.running, sources, leaving, outliving_s, p.time_scale, p.warm_moves,
+            self._do,
+            self.running,
+            sources,
+            leaving,
+            outliving_s,
+            p.time_scale,
+            p.warm_moves,
             self.specs,
-        )  # fmt: skip
+        )
         self._count(Moved(continued))
         return waves, num_stuck
 

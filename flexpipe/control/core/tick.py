@@ -172,11 +172,15 @@ class TickCore:
         p = self.params
         next_change_s = resources.next_change_s()
         return self.standby_state.commands(
-            p.demands, set(serving), resources.effective, now_s, self.planner,
+            p.demands,
+            set(serving),
+            resources.effective,
+            now_s,
+            self.planner,
             self.policy.params.wake_request_rate_per_s,
             None if next_change_s is None else next_change_s - resources_now_s,
             p.standby_hold_s,
-        )  # fmt: skip
+        )
 
     def standby_models(self, serving: Iterable[str]) -> list[str]:
         """The models with no instance (those not `serving`), in demand order."""
@@ -190,9 +194,13 @@ class TickCore:
         names = [d.name for d in p.demands]
         scale = p.time_scale if p.time_scale > 0 else 1.0
         samples = self.sampler.sample_histograms(
-            now_s, names, readings.instances, readings.histograms, readings.num_queued,
+            now_s,
+            names,
+            readings.instances,
+            readings.histograms,
+            readings.num_queued,
             readings.queued_by_model,
-        )  # fmt: skip
+        )
         for name, sample in samples.items():
             if scale != 1.0:  # latencies in the model's seconds, as SLOs are
                 sample = dataclasses.replace(
@@ -216,12 +224,15 @@ class TickCore:
             cluster,
             running,
             model_states(
-                p.demands, self.rates.rates_per_s, self.samples, p.min_instances_floor,
+                p.demands,
+                self.rates.rates_per_s,
+                self.samples,
+                p.min_instances_floor,
                 self.expected_rates_per_s,
             ),
             self.history,
             self.resources_changed_s,
-        )  # fmt: skip
+        )
         decision = self.policy.decide(snapshot, now_s, self.rng)
         if decision.action != "shift" or decision.target is None:
             return Decided(decision, snapshot)

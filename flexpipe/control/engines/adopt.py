@@ -21,8 +21,9 @@ async def healthy(handles: Mapping[int, EngineHandle], timeout_s: float = 3.0) -
     pool = ClientPool(max_idle_per_backend=1)
     timeouts = Timeouts(timeout_s, timeout_s, 1.0)
     try:
-        flags = await asyncio.gather(*(health_ok(pool, h.endpoint, timeouts)
-                                       for h in handles.values()))  # fmt: skip
+        flags = await asyncio.gather(
+            *(health_ok(pool, h.endpoint, timeouts) for h in handles.values())
+        )
     finally:
         await pool.close()
     return {i for i, good in zip(handles, flags, strict=True) if good}

@@ -24,8 +24,15 @@ from dataclasses import dataclass
 from flexpipe.gateway.core.holds import REFUSED_RETRY_AFTER_S, Holds
 
 __all__ = [
-    "ROUTE", "Decision", "Fail", "Queue", "Route", "admit", "is_served", "num_prompt_tokens",
-]  # fmt: skip
+    "ROUTE",
+    "Decision",
+    "Fail",
+    "Queue",
+    "Route",
+    "admit",
+    "is_served",
+    "num_prompt_tokens",
+]
 
 
 def num_prompt_tokens(num_prompt_bytes: int) -> int:

@@ -244,8 +244,10 @@ def plan_moves(
     placed = [0] * len(destinations)
     placed_context = [0] * len(destinations)  # the contexts of those, summed
     lane_free_s: dict[tuple[int, str], float] = {}  # (destination, lane) -> free from
-    busy_s = [d.perf.prefill_s(d.num_prefill_tokens) if d.num_prefill_tokens else 0.0
-              for d in destinations]  # fmt: skip
+    busy_s = [
+        d.perf.prefill_s(d.num_prefill_tokens) if d.num_prefill_tokens else 0.0
+        for d in destinations
+    ]
     out = []
     for req in sorted(requests, key=lambda r: (r.context_tokens, r.id)):
         best: tuple[tuple[bool, float, float], PlannedMove] | None = None
@@ -268,8 +270,11 @@ def plan_moves(
                     source_interval_s=req.interval_s,
                 )
                 choice = replace(priced, method=method)
-                key = (at_s > horizon_s, choice.pause_s if at_s <= horizon_s else 0.0,
-                       at_s + choice.done_s)  # fmt: skip
+                key = (
+                    at_s > horizon_s,
+                    choice.pause_s if at_s <= horizon_s else 0.0,
+                    at_s + choice.done_s,
+                )
                 if best is None or key < best[0]:
                     best = (key, PlannedMove(req.id, d.name, choice, at_s))
         if best is None:
