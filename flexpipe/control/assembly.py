@@ -34,6 +34,7 @@ from flexpipe.control.state.occupation_memory import OccupationMemory
 from flexpipe.control.state.rate_memory import RateMemory
 from flexpipe.control.watch.cluster_watch import ClusterWatch
 from flexpipe.control.watch.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
+from flexpipe.engine_kinds import kv_move_possible
 from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import PlannedInstance
@@ -121,7 +122,11 @@ def assemble(
     # A shift is priced with the drain deadline the executor will keep (one fact, here).
     shift = dataclasses.replace(
         cfg.shift,
-        pricing=dataclasses.replace(cfg.shift.pricing, drain_deadline_s=cfg.drain_deadline_s),
+        pricing=dataclasses.replace(
+            cfg.shift.pricing,
+            drain_deadline_s=cfg.drain_deadline_s,
+            kv_moves=kv_move_possible(cfg.engine_kind, cfg.engine_kind),
+        ),
     )
     policy = ShiftPolicy(shift, planner=planner, efficiency=efficiency)
     params = TickParams(
@@ -157,6 +162,7 @@ def assemble(
         drain_deadline_s=cfg.drain_deadline_s,
         rehearsal_tolerance=cfg.rehearsal_tolerance,
         standby_hold_s=cfg.standby_hold_s,
+        kv_moves=kv_move_possible(cfg.engine_kind, cfg.engine_kind),
         on_state=on_state,
         on_moves=say,
         clock=clock,

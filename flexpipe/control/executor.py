@@ -107,6 +107,7 @@ class Executor:
         probe_overhead_s: float = 0.05,
         standby_hold_s: float = 600.0,
         warm_moves: bool = True,
+        kv_moves: bool = True,
         on_state: OnState | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_moves: Callable[[str], None] | None = None,
@@ -122,6 +123,8 @@ class Executor:
         self.standby_hold_s = standby_hold_s
         # the gateway pre-copies recompute moves (relay.warm_up): priced so, and bounded
         self.warm_moves = warm_moves
+        # both ends can hand a request's KV over (the engine kind's declaration)
+        self.kv_moves = kv_moves
         self.on_state = on_state or (lambda inst, state: None)
         self.clock = clock
         # one line per batch of moves (which requests left which instance, how): the
@@ -154,6 +157,7 @@ class Executor:
             standby_hold_s=self.standby_hold_s,
             time_scale=self.time_scale,
             warm_moves=self.warm_moves,
+            kv_moves=self.kv_moves,
             rehearse=rehearse,
             all_or_nothing=all_or_nothing,
         )

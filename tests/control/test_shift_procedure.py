@@ -251,6 +251,24 @@ def test_the_leaving_engine_is_released_only_after_its_requests_moved() -> None:
     assert out.phases_s["drain"] == 4.0
 
 
+def test_engines_that_cannot_hand_kv_over_have_every_request_recomputed() -> None:
+    """The same drain between engines of a kind without KV export/import (vLLM, SGLang:
+    flexpipe/engine_kinds.py): no move is offered as a KV move, the NVLink neighbour included;
+    the same requests move, each by recompute."""
+    a = replace(PAIR, name="llama-7b-a", stages=(("gpu1",),),
+                gear=replace(PAIR.gear, tp=1, max_num_seqs=32))  # fmt: skip
+    b = replace(a, name="llama-7b-b", stages=(("gpu2",),), gear=replace(a.gear, max_num_seqs=8))
+    running = running_of(a, b)
+    running[instance_key(a)].requests = [req(1, 10, 2000, prompt=900), req(2, 0, 64)]
+    world = FakeWorld()
+    params = ShiftParams(drain_deadline_s=4.0, kv_moves=False)
+    out = drive(ShiftProcedure(running, [b], params).run(world.now_s), world)
+    moves = [line for line in world.log if "->" in line]
+    assert moves == ["early 1 recompute llama-7b-a->llama-7b-b",
+                     "move 2 recompute llama-7b-a->llama-7b-b"]  # fmt: skip
+    assert out.migrated == {"recomputed": 2}
+
+
 def test_an_in_place_step_holds_its_model_for_two_cold_starts_and_the_drain() -> None:
     """The L40S is replaced on its own GPU: its model is held for 2 * 12.5 s (its cold
     start) + 30 s (the drain) + 30 s while it is released and its successor starts, and

@@ -538,6 +538,37 @@ def test_price_of_dropping_an_instance_with_long_requests() -> None:
     assert p.score == pytest.approx(p.gain - p.migration_cost)
 
 
+def test_without_kv_hand_over_the_price_counts_recomputes_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engines that cannot hand KV over (`PricingParams.kv_moves` False, from the engine
+    kind's declaration): the price of the requests still running at the deadline is their
+    recompute, and no link between the instances is even looked at."""
+    from flexpipe.policies.shift import pricing
+
+    long = replace(demand(4.0), output_tokens=1024)
+    running = running_for(FREED, long)
+    victim = next(i for i in running if i.gpu_ids == ("gpu3",))
+    target = tuple(i for i in running if i is not victim)
+    tp2 = next(i for i in target if i.num_gpus == 2)
+    links: list[str] = []
+    real = pricing.link_between
+    monkeypatch.setattr(
+        pricing, "link_between", lambda c, a, b: links.append(a.name) or real(c, a, b)
+    )
+    loads = {"llama-7b": (4.0, 4.0)}
+    no_kv = price(
+        FREED, running, target, [ModelState(long)], loads, 0.0, PricingParams(kv_moves=False)
+    )
+    assert links == []
+    rate = 4.0 * victim.capacity_requests_per_s / sum(i.capacity_requests_per_s for i in running)
+    share = 1 - 30.0 / victim.estimate.e2e_s
+    recompute = choose_migration(perf_model_of(FREED, tp2), 2048 + 512, None)
+    assert no_kv.migration_cost == pytest.approx(rate * share * recompute.pause_s)
+    price(FREED, running, target, [ModelState(long)], loads, 0.0, PricingParams())
+    assert links == [victim.name]  # with KV hand-over the link is priced
+
+
 def test_same_inputs_same_decision_and_it_is_json() -> None:
     running = running_for(CLUSTER, demand(1.5))
     s = snap(running, [up(t) for t in (10, 20, 30, 40, 50)])

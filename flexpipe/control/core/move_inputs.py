@@ -56,11 +56,13 @@ def destination_of(
     target: PlannedInstance,
     reqs: Sequence[Record],
     spec: ModelSpec | None = None,
+    kv_moves: bool = True,
 ) -> Destination:
     """`target` (called `name`) as a move destination, from the requests it serves: its
     slots, the time left of each, the prompts it admitted and has not prefilled yet (the rest
     waits behind them), the link from each source (url, planned) and its batch (what a warmed
-    recompute's cut-over waits for a step of)."""
+    recompute's cut-over waits for a step of). Without `kv_moves` (engines that cannot hand
+    KV over) there is no link to move KV on: `plan_moves` offers only recomputes."""
     interval_s = decode_interval_s(cluster, target, reqs, spec)
     slots = target.gear.max_num_seqs
     decoding = sum(1 for r in reqs if int(r["num_output_tokens"]) > 0)
@@ -68,7 +70,7 @@ def destination_of(
     return Destination(
         name,
         perf_model_of(cluster, target, spec=spec),
-        {url: link_between(cluster, p, target) for url, p in sources},
+        {url: link_between(cluster, p, target) if kv_moves else None for url, p in sources},
         slots,
         tuple(tokens_left(r) * interval_s for r in reqs),
         sum(fresh[: max(0, slots - decoding)]),

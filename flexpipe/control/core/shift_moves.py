@@ -57,10 +57,12 @@ def plan_waves(
     time_scale: float,
     warm_moves: bool,
     specs: Mapping[str, ModelSpec],
+    kv_moves: bool = True,
 ) -> Generator[Command, Reply, tuple[tuple[Wave, ...], int, tuple[str, ...]]]:
     """The waves that move what runs on `sources` (with `outliving_s`, modelled seconds:
     only what would still run that long from now) to the active instances of `running` that
     do not leave. `warm_moves`: the gateway pre-copies recomputes (priced so, and bounded).
+    `kv_moves` False: the engines cannot hand KV over, so every move recomputes.
     Returns the waves, how many requests had nowhere to go at the deadline (the gateway
     continues them when their instance stops) and the outcomes of those it moved at once."""
     gone = {i.key for i in leaving}
@@ -94,7 +96,9 @@ def plan_waves(
             continue
         urls = [(s.url, s.planned) for s in sources]
         destinations = [
-            destination_of(cluster, urls, d.url, d.planned, d_reqs, specs.get(d.planned.model_id))
+            destination_of(
+                cluster, urls, d.url, d.planned, d_reqs, specs.get(d.planned.model_id), kv_moves
+            )
             for d, d_reqs in survey.destinations
         ]
         by_url = {d.url: d for d, _ in survey.destinations}

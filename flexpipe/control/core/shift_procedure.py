@@ -81,12 +81,15 @@ MOVED_LEAVE_S = 10.0  # how long an instance whose requests all moved may take t
 class ShiftParams:
     """`time_scale`: driver seconds per modelled second (the live sim engines' time scale;
     1 in the simulator): the drain deadline is in driver seconds, moves are planned in
-    modelled ones. `warm_moves`: the gateway pre-copies recompute moves (priced so)."""
+    modelled ones. `warm_moves`: the gateway pre-copies recompute moves (priced so).
+    `kv_moves`: the engines can hand a request's KV cache over (the engine kind's declaration,
+    flexpipe/engine_kinds.py); without it every move recomputes."""
 
     drain_deadline_s: float = 30.0
     standby_hold_s: float = 600.0
     time_scale: float = 1.0
     warm_moves: bool = True
+    kv_moves: bool = True
     rehearse: bool = True
     all_or_nothing: bool = True
 
@@ -395,6 +398,7 @@ class ShiftProcedure:
             p.time_scale,
             p.warm_moves,
             self.specs,
+            p.kv_moves,
         )
         self._count(Moved(continued))
         return waves, num_stuck

@@ -25,6 +25,7 @@ across nodes): the chance its predicted gain does not materialise.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -72,6 +73,8 @@ class PricingParams:
     risk_restart: float = 0.05  # a one-GPU instance, or the same GPUs and shape re-launched
     risk_new_group: float = 0.2  # a new TP/PP group inside one node
     risk_cross_node: float = 0.5  # an instance spanning nodes
+    # the engines can hand a request's KV over (flexpipe/engine_kinds.py); else moves recompute
+    kv_moves: bool = True
 
     def __post_init__(self) -> None:
         if self.horizon_s <= 0 or not 0 <= self.current_load_weight <= 1:
@@ -269,10 +272,10 @@ def price(
         if succ is None or share <= 0 or rate <= 0:
             continue
         context = model.demand.workload.mean_context_tokens
-        try:
-            link = link_between(cluster, r, succ)
-        except ClusterError:
-            link = None
+        link = None
+        if params.kv_moves:
+            with contextlib.suppress(ClusterError):
+                link = link_between(cluster, r, succ)
         choice = choose_migration(perf_model_of(cluster, succ, efficiency), context, link)
         cost = model.priority * rate * share * choice.pause_s
         migration_cost += cost
