@@ -63,6 +63,20 @@ def gateway(
         Path | None,
         typer.Option(help="The controller's admin token (else $FLEXPIPE_CONTROLLER_TOKEN)."),
     ] = None,
+    dcgm: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A DCGM exporter (http://HOST:9400; repeat for each GPU node): the dashboard's "
+            "GPU utilisation measured on the GPUs (needs --controller-url)."
+        ),
+    ] = None,
+    dcgm_hostname: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NODE=HOSTNAME: the Hostname a node's DCGM exporter reports, where it is not "
+            "the cluster's node name (repeat)."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Serve the OpenAI API on HOST:PORT and route to the backends."""
@@ -105,6 +119,12 @@ def gateway(
                 raise ConfigError(f"cannot read {controller_token_file}: {exc.strerror}") from None
         if max_concurrency is not None:
             cfg.max_concurrency_per_instance = max_concurrency
+        cfg.dcgm_urls += [u.rstrip("/") for u in dcgm or []]
+        for pair in dcgm_hostname or []:
+            node, sep, hostname = pair.partition("=")
+            if not sep or not node or not hostname:
+                raise ConfigError(f"--dcgm-hostname {pair!r}: expected NODE=HOSTNAME")
+            cfg.dcgm_hostnames[node] = hostname
         validate(cfg)
         if not cfg.backends and not cfg.admin_token:
             raise ConfigError(

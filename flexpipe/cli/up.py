@@ -144,6 +144,17 @@ def register(app: typer.Typer) -> None:
                 "in placement groups; --cluster then only adds links and names (docs/ray.md)."
             ),
         ] = None,
+        dcgm: Annotated[
+            list[str] | None,
+            typer.Option(
+                help="A DCGM exporter (http://HOST:9400; repeat for each GPU node): GPU "
+                "utilisation measured on the GPUs, on the dashboard and in `flexpipe status`."
+            ),
+        ] = None,
+        dcgm_hostname: Annotated[
+            list[str] | None,
+            typer.Option(help="NODE=HOSTNAME where a node's exporter reports another name."),
+        ] = None,
         demo: Annotated[
             bool,
             typer.Option(
@@ -229,6 +240,8 @@ def register(app: typer.Typer) -> None:
                 controller_url,  # the dashboard's GPU map
                 "--controller-token-file",
                 token_file,
+                *[a for url in dcgm or [] for a in ("--dcgm", url)],
+                *[a for pair in dcgm_hostname or [] for a in ("--dcgm-hostname", pair)],
             ]
             controller_argv = [
                 *me,

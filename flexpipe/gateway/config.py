@@ -13,6 +13,8 @@ tenants:                          # optional; without it no API key is required
   - {key: sk-team-a, name: team-a, requests_per_min: 600, tokens_per_min: 200000,
      max_concurrency: 32}
 tenants_file: keys.yaml           # optional: the same list in its own file
+dcgm_urls: [http://gpu-node-1:9400]   # optional: GPU utilisation from dcgm-exporter
+dcgm_hostnames: {node1: gpu-node-1}   # optional: cluster node -> the Hostname DCGM reports
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ class GatewayConfig:
     controller_url: str | None = None
     controller_token: str | None = None  # or env FLEXPIPE_CONTROLLER_TOKEN
     ui_interval_s: float = 2.0  # one dashboard reading (and SSE push) per interval
+    # GPU utilisation measured on the GPUs (docs/observability.md): NVIDIA's dcgm-exporter on
+    # each GPU node (http://HOST:9400, /metrics unless the URL names a path), scraped with the
+    # dashboard's readings and joined to instances through the controller's GPU map;
+    # `dcgm_hostnames`: cluster node name -> the Hostname its exporter reports (default: same)
+    dcgm_urls: list[str] = field(default_factory=list)
+    dcgm_hostnames: dict[str, str] = field(default_factory=dict)
 
 
 def _build(cls: type[Any], data: Any, where: str) -> Any:
@@ -180,9 +188,29 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError(f"controller_url {cfg.controller_url!r}: expected http://HOST:PORT")
     if not cfg.ui_interval_s > 0:
         raise ConfigError("ui_interval_s must be > 0")
+    _validate_dcgm(cfg)
     if cfg.max_queue < 0 or cfg.max_concurrency_per_instance < 1:
         raise ConfigError("max_queue must be >= 0 and max_concurrency_per_instance >= 1")
     try:
         create_policy(cfg.policy, **cfg.policy_params)
     except ValueError as exc:
         raise ConfigError(f"routing: {exc}") from None
+
+
+def _validate_dcgm(cfg: GatewayConfig) -> None:
+    """The DCGM exporters' settings: http:// URLs, and a node -> hostname map of strings."""
+    if not isinstance(cfg.dcgm_urls, list):
+        raise ConfigError("dcgm_urls: expected a list of http://HOST:PORT URLs")
+    for url in cfg.dcgm_urls:
+        if not isinstance(url, str) or not url.startswith("http://"):
+            raise ConfigError(f"dcgm_urls: {url!r}: expected http://HOST:PORT")
+    if cfg.dcgm_urls and cfg.controller_url is None:
+        raise ConfigError(
+            "dcgm_urls need controller_url: which GPUs each instance runs on comes from the "
+            "controller's GPU map"
+        )
+    hostnames = cfg.dcgm_hostnames
+    if not isinstance(hostnames, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v for k, v in hostnames.items()
+    ):
+        raise ConfigError("dcgm_hostnames: expected a mapping of node name -> hostname")

@@ -2,7 +2,9 @@
 JSON view and a server-sent event stream of it; and the loop that feeds them — every
 `ui_interval_s` one reading of the gateway (its metrics registry, its pool, the engines'
 token and prefix-cache counters) into a 15-minute ring, and, when the gateway knows its
-controller (`controller_url`), the GPU map and the shift log from the controller's admin API.
+controller (`controller_url`), the GPU map and the shift log from the controller's admin API;
+and, when the operator names NVIDIA's DCGM exporters (`dcgm_urls`), how busy each instance's
+GPUs are (joined through the GPU map: flexpipe/observe/dcgm.py; docs/observability.md).
 
 GET /ui, /ui/              the page (reads are open, as /metrics is; an action on the page,
                            such as drain, goes to the admin API with the admin token)
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from importlib import resources
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -41,9 +44,16 @@ from flexpipe.http.server import (
     Response,
     json_response,
 )
+from flexpipe.observe.dcgm import (
+    GpuReading,
+    gpu_busy_by_instance,
+    join_instances,
+    parse_dcgm,
+    topology_places,
+)
 from flexpipe.ui.reading import EngineCounters, Reading, parse_engine_counters, read_registry
 from flexpipe.ui.series import History
-from flexpipe.ui.view import ControllerSnapshot, assemble_view
+from flexpipe.ui.view import ControllerSnapshot, ExporterState, assemble_view
 
 if TYPE_CHECKING:
     from flexpipe.gateway.app import Gateway
@@ -59,6 +69,14 @@ _STATIC = {  # file -> content type; the page's whole set (exact routes, nothing
 }
 _TIMEOUTS = Timeouts(connect_s=1.0, ttfb_s=3.0, idle_s=3.0)
 _MAX_SHIFTS = 100
+
+
+def _base_and_path(url: str) -> tuple[str, str]:
+    """An exporter's URL as the HTTP client takes it: http://HOST:PORT, and the path
+    (`/metrics` where the URL names none, as dcgm-exporter serves it)."""
+    parts = urlsplit(url.rstrip("/"))
+    path = (parts.path or "/metrics") + (f"?{parts.query}" if parts.query else "")
+    return f"{parts.scheme}://{parts.netloc}", path
 
 
 def _asset(name: str) -> bytes:
@@ -97,6 +115,9 @@ class UiRoutes:
         )
         self.streams: set[_Stream] = set()
         self._engines: dict[str, EngineCounters] = {}  # url -> last counters scraped
+        # the DCGM exporters: each one's state for the view, and the GPUs it last reported
+        self.exporters = {u: ExporterState(u) for u in gw.cfg.dcgm_urls}
+        self._gpus: dict[str, dict[tuple[str, int], GpuReading]] = {}
         self._task: asyncio.Task[None] | None = None
         self._page = _asset("index.html")
         self._static = {name: _asset(name) for name in _STATIC}
@@ -143,6 +164,7 @@ class UiRoutes:
         polls: list[Any] = [self._scrape(i) for i in instances]
         if self.controller is not None:
             polls.append(self._poll_controller(self.controller.url))
+        polls += [self._scrape_dcgm(url) for url in self.exporters]
         await asyncio.gather(*polls)
         live = {i.url for i in instances}
         self._engines = {u: c for u, c in self._engines.items() if u in live}
@@ -152,8 +174,21 @@ class UiRoutes:
             engines=dict(self._engines),
             instances=tuple(i.as_dict() for i in self.gw.pool.instances.values()),
             num_queued=self.gw.num_waiting,
+            gpu_busy=self._gpu_busy(),
         )
         self.history.add(reading)
+
+    def _gpu_busy(self) -> dict[str, tuple[float, ...]]:
+        """Each instance's GPUs (from the controller's GPU map) with what the exporters
+        reported for them: instance url -> busy fractions."""
+        if not self._gpus or self.controller is None:
+            return {}
+        readings: dict[tuple[str, int], GpuReading] = {}
+        for url in sorted(self._gpus):
+            readings.update(self._gpus[url])
+        places = topology_places(self.controller.topology)
+        rows = join_instances(readings, places, self.gw.cfg.dcgm_hostnames)
+        return gpu_busy_by_instance(rows)
 
     async def _get(self, base: str, path: str, token: str | None) -> tuple[int, bytes]:
         headers = {"authorization": f"Bearer {token}"} if token else None
@@ -170,6 +205,28 @@ class UiRoutes:
             status, body = await self._get(inst.url, "/metrics", inst.api_key)
             if status == 200:
                 self._engines[inst.url] = parse_engine_counters(body)
+
+    async def _scrape_dcgm(self, url: str) -> None:
+        """One DCGM exporter's GPUs, with the engines' timeouts. A dead one's GPUs are
+        dropped (an old reading would pass for a measurement) and it is said once, in the log
+        and in the view, until it answers again; the others are used meanwhile."""
+        base, path = _base_and_path(url)
+        try:
+            status, body = await self._get(base, path, None)
+            if status != 200:
+                raise ValueError(f"it answered {status}")
+            readings = parse_dcgm(body.decode("utf-8", "replace"))
+        except (UpstreamError, OSError, ValueError) as exc:
+            self._gpus.pop(url, None)
+            why = f"cannot read the DCGM exporter at {url}: {exc}"
+            if self.exporters[url].error is None:
+                log.warning("%s; its GPUs' utilisation is left out until it answers", why)
+            self.exporters[url] = ExporterState(url, 0, why)
+            return
+        if self.exporters[url].error is not None:
+            log.warning("the DCGM exporter at %s answers again", url)
+        self._gpus[url] = readings
+        self.exporters[url] = ExporterState(url, len(readings))
 
     async def _poll_controller(self, url: str) -> None:
         token = self.gw.cfg.controller_token
@@ -206,6 +263,7 @@ class UiRoutes:
             admin_enabled=bool(self.gw.cfg.admin_token),
             started_at_s=self.started_at_s,
             every_shift=every_shift,
+            exporters=list(self.exporters.values()) if self.exporters else None,
         )
 
     def push(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from flexpipe.launch.base import GpuPlace
 
@@ -23,10 +24,12 @@ __all__ = [
     "BUSY_METRICS",
     "GpuReading",
     "InstanceGpu",
+    "gpu_busy_by_instance",
     "gpu_instance_labels",
     "instance_busy",
     "join_instances",
     "parse_dcgm",
+    "topology_places",
 ]
 
 # the busy metric, best first, and what divides it into a fraction (GPU_UTIL is in percent)
@@ -139,13 +142,42 @@ def join_instances(
     return rows
 
 
-def instance_busy(rows: Sequence[InstanceGpu]) -> dict[str, float]:
-    """Each instance's mean busy fraction over its GPUs that reported one."""
+def gpu_busy_by_instance(rows: Sequence[InstanceGpu]) -> dict[str, tuple[float, ...]]:
+    """Each instance's busy fractions, one per GPU of it that reported one (instances with
+    none left out): a model's utilisation is the mean over all its instances' GPUs."""
     seen: dict[str, list[float]] = {}
     for row in rows:
         if row.reading is not None and row.reading.busy is not None:
             seen.setdefault(row.instance, []).append(row.reading.busy)
-    return {name: sum(v) / len(v) for name, v in sorted(seen.items())}
+    return {name: tuple(v) for name, v in sorted(seen.items())}
+
+
+def instance_busy(rows: Sequence[InstanceGpu]) -> dict[str, float]:
+    """Each instance's mean busy fraction over its GPUs that reported one."""
+    return {name: sum(v) / len(v) for name, v in gpu_busy_by_instance(rows).items()}
+
+
+def topology_places(topology: Mapping[str, Any] | None) -> dict[str, tuple[GpuPlace, ...]]:
+    """Each instance's GPUs, by its URL, from the controller's GPU map (`GET /admin/topology`,
+    control/api/ui_api.py: nodes with their GPUs' ids and device indices, instances with the
+    GPU ids of each stage): what the gateway joins DCGM's readings to. GPU ids the map does
+    not place are left out."""
+    where: dict[str, GpuPlace] = {}
+    for node in (topology or {}).get("nodes", []) or []:
+        for gpu in node.get("gpus", []) or []:
+            try:
+                where[str(gpu["id"])] = GpuPlace(
+                    str(gpu["id"]), str(node["name"]), int(gpu["index"]), str(gpu.get("type", ""))
+                )
+            except (KeyError, TypeError, ValueError):
+                continue
+    out: dict[str, tuple[GpuPlace, ...]] = {}
+    for inst in (topology or {}).get("instances", []) or []:
+        if not inst.get("url"):
+            continue
+        ids = [str(g) for stage in inst.get("stages") or [] for g in stage]
+        out[str(inst["url"])] = tuple(where[g] for g in ids if g in where)
+    return out
 
 
 def gpu_instance_labels(

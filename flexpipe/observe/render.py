@@ -33,9 +33,18 @@ STATE_STYLE = {
 }
 _HEALTH_STYLE = {"ok": "green", "ejected": "red", "unreachable": "red"}
 NONE = "—"
-# measured, but its engines report no busy time (vLLM does not): the dashboard says the same
+# measured, but no DCGM exporter reports its GPUs and its engines report no busy time (vLLM
+# does not): the dashboard says the same
 NOT_REPORTED = "n/a"
-_NOT_REPORTED_WHY = "GPU util n/a: its engines report no busy time (vLLM does not)"
+_NOT_REPORTED_WHY = (
+    "GPU util n/a: no DCGM exporter reports its GPUs and its engines report no busy time "
+    "(vLLM does not; docs/observability.md)"
+)
+# where a model's GPU utilisation came from (`gpu_utilization_source`), under the table
+SOURCE_WORDS = {
+    "dcgm": "measured on its GPUs by DCGM",
+    "modelled": "its sim engines' modelled busy time",
+}
 
 
 def _pct(x: float | None) -> str:
@@ -116,6 +125,10 @@ def models_table(snap: Snapshot) -> Table:
             _num(m.generation_tokens_per_s, ",.0f"),
         )
     notes = [f"{m.name} refused: {m.refused}" for m in snap.models if m.refused is not None]
+    for source, words in SOURCE_WORDS.items():
+        names = [m.name for m in snap.models if m.gpu_utilization_source == source]
+        if names:
+            notes.append(f"GPU util of {', '.join(names)}: {words}")
     if any(m.measured and m.gpu_utilization is None for m in snap.models):
         notes.append(_NOT_REPORTED_WHY)
     if notes:  # the reasons are long: under the table, not in a cell

@@ -6,10 +6,12 @@ against its SLO, queue, prefix-cache hit rate, GPU utilisation and output tokens
 A model's figures are the dashboard's: the gateway computes them over its last minute
 (flexpipe/ui/series.py, scaled to modelled seconds by flexpipe/ui/view.py) and the snapshot
 takes them from its view, so `flexpipe status` and the dashboard show the same numbers; a
-model's GPU utilisation is None where its engines report no busy time (both show "n/a").
-An instance's prefix-cache hit rate and GPU utilisation are over the window since `before`
-(the previous reading) when there is one, else since the engine started (`window_s` None);
-sim engines at a time scale report wall time, and these are in modelled seconds too.
+model's GPU utilisation comes from DCGM where the gateway scrapes exporters, else from the sim
+engines' modelled busy time (`gpu_utilization_source` says which), and is None where neither
+exists (both show "n/a"). An instance's prefix-cache hit rate and modelled GPU utilisation are
+over the window since `before` (the previous reading) when there is one, else since the engine
+started (`window_s` None); sim engines at a time scale report wall time, and these are in
+modelled seconds too. An instance's DCGM figure is the gateway's last reading of its GPUs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from flexpipe.observe.readings import Readings
+from flexpipe.ui.view import GPU_UTILIZATION_SOURCES
 
 __all__ = [
     "GpuView",
@@ -68,7 +71,8 @@ class InstanceView:
     max_num_seqs: int | None
     kv_usage: float | None  # 0..1
     prefix_hit_rate: float | None  # 0..1
-    gpu_utilization: float | None  # 0..1: modelled busy time over (modelled) elapsed time
+    gpu_utilization: float | None  # 0..1: measured (DCGM) or modelled busy time over time
+    gpu_utilization_source: str | None = None  # "dcgm" | "modelled" | None (not known)
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,10 @@ class ModelView:
     tpot_slo_s: float | None
     num_queued: int | None  # waiting in its engines (+ the gateway's queue for a lone model)
     prefix_hit_rate: float | None
-    gpu_utilization: float | None  # measured but None: its engines report no busy time
+    gpu_utilization: float | None  # measured but None: no DCGM figure nor modelled busy time
     generation_tokens_per_s: float | None
     refused: str | None = None  # why its requests are refused (no GPU free to us can place it)
+    gpu_utilization_source: str | None = None  # "dcgm" | "modelled" | None (the view's)
 
 
 @dataclass(frozen=True)
@@ -235,14 +240,22 @@ def _health(reachable: bool, pool: tuple[str, float] | None) -> str:
 
 
 def _instance_view(
-    doc: Mapping[str, Any], w: _Window, pool: Mapping[str, tuple[str, float]]
+    doc: Mapping[str, Any],
+    w: _Window,
+    pool: Mapping[str, tuple[str, float]],
+    measured: Mapping[str, Mapping[str, Any]],
 ) -> InstanceView:
+    """`measured`: the gateway view's instances by URL (DCGM's figure for each, where the
+    gateway has one)."""
     url = str(doc.get("url", ""))
     e, e0 = w.engines.get(url), w.engines0.get(url)
     health = _health(e is not None, pool.get(url))
-    util = None
+    util, source = None, None
     if e is not None and e0 is not None and w.modelled_s and e.busy_s is not None:
         util = min(1.0, (w.counted(url, "busy_s") or 0.0) / w.modelled_s)
+        source = "modelled"
+    elif (dcgm := _float((measured.get(url) or {}).get("gpu_utilization"))) is not None:
+        util, source = dcgm, "dcgm"
     return InstanceView(
         name=str(doc.get("name", "")),
         model=str(doc.get("model", "")),
@@ -258,6 +271,7 @@ def _instance_view(
         kv_usage=e.kv if e else None,
         prefix_hit_rate=_ratio(w.counted(url, "hits"), w.counted(url, "queries")),
         gpu_utilization=util,
+        gpu_utilization_source=source,
     )
 
 
@@ -285,7 +299,22 @@ def _model_view(
         gpu_utilization=_float(fig.get("gpu_utilization")),
         generation_tokens_per_s=_float(fig.get("tokens_per_s")),
         refused=str(doc["refused"]) if doc.get("refused") else None,
+        gpu_utilization_source=_source(fig.get("gpu_utilization_source")),
     )
+
+
+def _source(x: Any) -> str | None:
+    return str(x) if x in GPU_UTILIZATION_SOURCES else None
+
+
+def _measured(view: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
+    """The view's instances by URL (those that carry DCGM's figure)."""
+    rows = (view or {}).get("instances") or []
+    return {
+        str(i["url"]): i
+        for i in rows
+        if isinstance(i, Mapping) and i.get("url") and i.get("gpu_utilization_source") == "dcgm"
+    }
 
 
 def _figures(view: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any]]:
@@ -333,7 +362,8 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
         lab["instance"]: (lab.get("state", ""), v)
         for lab, v in w.gw.get("flexpipe_instance_up", [])
     }
-    instances = [_instance_view(doc, w, pool) for doc in st.get("instances", [])]
+    measured = _measured(now.gateway_view)
+    instances = [_instance_view(doc, w, pool, measured) for doc in st.get("instances", [])]
     num_gateway_queued = _int(_value(w.gw, "flexpipe_queued_requests")) or 0
     model_docs = [m for m in st.get("models", []) if isinstance(m, Mapping)]
     if not model_docs:  # a controller without the models part: what its instances serve

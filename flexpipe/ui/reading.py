@@ -1,5 +1,6 @@
 """One reading of the gateway for the dashboard: cumulative counters and histogram buckets per
-model, the engines' counters per instance, and the load right now. Pure: the I/O side
+model, the engines' counters per instance, the load right now and, where the operator named
+DCGM exporters, how busy each instance's GPUs are. Pure: the I/O side
 (flexpipe/gateway/ui_routes.py) hands in what it collected; rates and percentiles come from
 the difference of two readings (flexpipe/ui/series.py).
 """
@@ -63,6 +64,9 @@ class Reading:
     engines: Mapping[str, EngineCounters] = field(default_factory=dict)  # instance url -> counters
     instances: tuple[Mapping[str, Any], ...] = ()  # the pool's `Instance.as_dict()`
     num_queued: int = 0  # requests waiting at the gateway for a free instance
+    # instance url -> how busy each of its GPUs was, as the DCGM exporters report it now (0..1
+    # per GPU that reported one; flexpipe/observe/dcgm.py); empty without exporters
+    gpu_busy: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 def read_registry(families: Iterable[Metric]) -> dict[str, ModelReading]:

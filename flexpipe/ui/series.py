@@ -3,8 +3,9 @@ per pair of consecutive readings one point per model — request and error rates
 TPOT p50/p95/p99 over the interval (the difference of the cumulative histograms,
 interpolated inside the bucket as PromQL's histogram_quantile does: `bucket_quantile`, the
 controller's own), output tokens/s, prefix-cache hit rate and busy time from the engines'
-counters, and the queue and load at the end of the interval. Pure: readings carry their time.
-Rates are per wall second here; the view (flexpipe/ui/view.py) turns them into modelled ones.
+counters, how busy the DCGM exporters saw its GPUs, and the queue and load at the end of the
+interval. Pure: readings carry their time. Rates are per wall second here; the view
+(flexpipe/ui/view.py) turns them into modelled ones.
 
 `flexpipe status` and `top` show these same figures (they read the gateway's view), so the
 terminal and the dashboard never disagree about a model.
@@ -21,7 +22,7 @@ from typing import Any
 from flexpipe.control.core.samples import Buckets, bucket_delta, bucket_quantile
 from flexpipe.ui.reading import EngineCounters, ModelReading, Reading
 
-__all__ = ["QUANTILES", "History", "model_point", "window_point"]
+__all__ = ["QUANTILES", "History", "dcgm_busy_now", "model_point", "window_point"]
 
 QUANTILES = (("p50", 0.50), ("p95", 0.95), ("p99", 0.99))
 Point = dict[str, Any]  # {"t": unix s, "dt_s": s, "models": {model: figures}}
@@ -93,6 +94,35 @@ def _engines_between(model: str, readings: Sequence[Reading]) -> _Grown:
     return out
 
 
+def _is_sim(counters: EngineCounters | None) -> bool:
+    """An engine that exports its modelled busy time: the sim engine (what its GPU does is
+    not what serves it; the model says how busy it would be)."""
+    return counters is not None and counters.busy_s is not None
+
+
+def _dcgm_busy(model: str, readings: Sequence[Reading]) -> float | None:
+    """The mean busy fraction of the model's GPUs as DCGM reported them at `readings` (each
+    reading's instances of the model, one value per GPU that reported one; sim engines left
+    out: their busy time is modelled); None where no GPU of the model reported."""
+    values: list[float] = []
+    for r in readings:
+        for inst in r.instances:
+            url = str(inst.get("url"))
+            if inst.get("model") == model and not _is_sim(r.engines.get(url)):
+                values.extend(r.gpu_busy.get(url, ()))
+    return sum(values) / len(values) if values else None
+
+
+def dcgm_busy_now(reading: Reading) -> dict[str, float]:
+    """Each instance's mean busy fraction over its GPUs as DCGM reported them at `reading`
+    (sim engines and instances no exporter reports left out)."""
+    return {
+        url: sum(v) / len(v)
+        for url, v in sorted(reading.gpu_busy.items())
+        if v and not _is_sim(reading.engines.get(url))
+    }
+
+
 def model_point(
     model: str, r0: Reading, r1: Reading, between: Sequence[Reading] = ()
 ) -> dict[str, Any]:
@@ -105,6 +135,7 @@ def model_point(
     mine = [i for i in r1.instances if i.get("model") == model]
     grown = _engines_between(model, [r0, *between, r1])
     engines = grown.counters
+    dcgm = _dcgm_busy(model, [*between, r1])  # gauges: those at the interval's end and within
     models_at_gateway = {i.get("model") for i in r1.instances if i.get("model")}
     queued_here = r1.num_queued if len(models_at_gateway) == 1 else 0  # one model: all its
     return {
@@ -125,6 +156,9 @@ def model_point(
             if engines.busy_s is not None and grown.watched_s > 0
             else None
         ),
+        # the mean busy fraction of its GPUs over the interval's readings as the DCGM
+        # exporters measured them (what the view prefers); None: no exporter reports them
+        "gpu_busy": None if dcgm is None else round(dcgm, 6),
         "queue": sum(int(i.get("num_waiting", 0)) for i in mine) + queued_here,
         "in_flight": sum(int(i.get("num_in_flight", 0)) for i in mine),
         "num_instances": len(mine),

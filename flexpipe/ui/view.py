@@ -5,9 +5,11 @@ snapshot come in; nothing here reads a clock or does I/O. docs/dashboard.md list
 
 Latencies and rates are in the model's seconds: sim engines at a time scale run `time_scale`
 wall seconds per modelled second, and SLOs and the gear table are modelled (what the controller
-does too). A model's GPU utilisation is its engines' modelled busy time over the modelled time
-elapsed, the mean over its instances; None where its engines report no busy time (vLLM's do
-not), which the dashboard and `flexpipe status` both show as "n/a".
+does too). A model's GPU utilisation, and where it came from (`gpu_utilization_source`):
+"dcgm", the mean over its instances' GPUs of how busy the DCGM exporters measured them (real
+engines: vLLM, SGLang; wall time, never scaled); else "modelled", its sim engines' modelled busy
+time over the modelled time elapsed, the mean over its instances; else None, where neither
+exists, which the dashboard and `flexpipe status` both show as "n/a".
 """
 
 from __future__ import annotations
@@ -17,9 +19,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from flexpipe.ui.series import History, Point
+from flexpipe.ui.series import History, Point, dcgm_busy_now
 
-__all__ = ["VIEW_VERSION", "ControllerSnapshot", "assemble_view", "shift_row", "shifts_shown"]
+__all__ = [
+    "GPU_UTILIZATION_SOURCES",
+    "VIEW_VERSION",
+    "ControllerSnapshot",
+    "ExporterState",
+    "assemble_view",
+    "gpu_utilization",
+    "shift_row",
+    "shifts_shown",
+]
 
 VIEW_VERSION = 1
 WINDOW_S = 60.0  # the "now" figures: over the last minute
@@ -38,13 +49,37 @@ class ControllerSnapshot:
     deployment: str | None = None  # what its shift log entries are written as
 
 
+@dataclass(frozen=True, slots=True)
+class ExporterState:
+    """One DCGM exporter the gateway scrapes (its `dcgm_urls`), as its last scrape left it."""
+
+    url: str
+    num_gpus: int = 0  # GPUs its last answer reported
+    error: str | None = None  # why its last scrape failed, in one line (None: it answered)
+
+
 _RATES = ("request_rate_per_s", "error_rate_per_s", "tokens_per_s")
+# where a GPU utilisation came from: measured on the GPUs, or the sim engine's model of them
+GPU_UTILIZATION_SOURCES = ("dcgm", "modelled")
+
+
+def gpu_utilization(fig: Mapping[str, Any], scale: float) -> tuple[float | None, str | None]:
+    """A model's utilisation (0..1) and its source, from a series point's figures: measured
+    beats modelled (DCGM's figure leaves the sim engines out, so the two never describe the
+    same instance); the modelled busy time per wall second is scaled to modelled seconds."""
+    measured = fig.get("gpu_busy")
+    if measured is not None:
+        return round(min(1.0, float(measured)), 4), "dcgm"
+    busy = fig.get("busy_s_per_s")
+    if busy is not None:
+        return round(min(1.0, busy * scale), 4), "modelled"
+    return None, None
 
 
 def _scaled_model(fig: Mapping[str, Any], scale: float) -> dict[str, Any]:
-    """A model's figures in modelled seconds: latencies / scale, rates x scale, and the busy
-    time per wall second as a utilisation (0..1)."""
-    out = {k: v for k, v in fig.items() if k != "busy_s_per_s"}
+    """A model's figures in modelled seconds: latencies / scale, rates x scale, and its GPU
+    utilisation (0..1) with its source."""
+    out = {k: v for k, v in fig.items() if k not in ("busy_s_per_s", "gpu_busy")}
     for key in ("ttft_s", "tpot_s"):
         q = fig.get(key)
         if isinstance(q, Mapping):
@@ -52,8 +87,7 @@ def _scaled_model(fig: Mapping[str, Any], scale: float) -> dict[str, Any]:
     for key in _RATES:
         if fig.get(key) is not None:
             out[key] = round(fig[key] * scale, 4)
-    busy = fig.get("busy_s_per_s")
-    out["gpu_utilization"] = None if busy is None else round(min(1.0, busy * scale), 4)
+    out["gpu_utilization"], out["gpu_utilization_source"] = gpu_utilization(fig, scale)
     return out
 
 
@@ -116,11 +150,15 @@ def shifts_shown(
 
 
 def _instances(
-    gateway: Sequence[Mapping[str, Any]], topology: Mapping[str, Any] | None
+    gateway: Sequence[Mapping[str, Any]],
+    topology: Mapping[str, Any] | None,
+    dcgm: Mapping[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """The gateway's pool joined with the controller's instances by URL. `state` is the
     lifecycle state where the controller knows it (starting, rehearsing, active, draining),
-    else the gateway's (active, draining, ejected); an ejected instance stays ejected."""
+    else the gateway's (active, draining, ejected); an ejected instance stays ejected.
+    `dcgm`: url -> how busy DCGM saw its GPUs at the last reading (mean over them)."""
+    busy = dcgm or {}
     planned = {str(i["url"]): i for i in (topology or {}).get("instances", [])}
     out = []
     for inst in gateway:
@@ -145,6 +183,7 @@ def _instances(
                 "max_concurrency": inst.get("max_concurrency", 0),
                 "kv_usage": inst.get("kv_usage", 0.0),
                 "weight": inst.get("weight", 1.0),
+                **_measured(busy.get(url)),
             }
         )
     for url, ctl in planned.items():  # launched, not in the gateway's pool yet
@@ -164,9 +203,19 @@ def _instances(
                 "max_concurrency": 0,
                 "kv_usage": 0.0,
                 "weight": 0.0,
+                **_measured(busy.get(url)),
             }
         )
     return out
+
+
+def _measured(busy: float | None) -> dict[str, Any]:
+    """An instance's GPU utilisation as DCGM measured it (the modelled one needs two readings
+    of its engine: `flexpipe status` has it)."""
+    return {
+        "gpu_utilization": None if busy is None else round(min(1.0, busy), 4),
+        "gpu_utilization_source": None if busy is None else "dcgm",
+    }
 
 
 def _models(
@@ -227,14 +276,17 @@ def assemble_view(
     admin_enabled: bool = False,
     started_at_s: float | None = None,
     every_shift: bool = False,
+    exporters: Sequence[ExporterState] | None = None,
 ) -> dict[str, Any]:
     """The view at `now_s`; `series` holds the points after `since_s` (all for None: a
     client that has the earlier ones asks only for what is new). `shifts`: this run's (since
-    `started_at_s`, when the gateway started), or every deployment's with `every_shift`."""
+    `started_at_s`, when the gateway started), or every deployment's with `every_shift`.
+    `exporters`: the DCGM exporters the gateway scrapes (None: it was given none)."""
     topology = None if controller is None else controller.topology
     scale = float((topology or {}).get("time_scale") or 1.0)
     latest = history.latest
-    instances = _instances(latest.instances if latest else (), topology)
+    dcgm = dcgm_busy_now(latest) if latest else {}
+    instances = _instances(latest.instances if latest else (), topology, dcgm)
     window = history.window(WINDOW_S)
     if window is not None:
         window = _scaled(window, scale)
@@ -261,4 +313,11 @@ def assemble_view(
         "controller": None
         if controller is None
         else {"url": controller.url, "error": controller.error, "at_s": controller.at_s},
+        "dcgm": None
+        if exporters is None
+        else {
+            "exporters": [
+                {"url": e.url, "num_gpus": e.num_gpus, "error": e.error} for e in exporters
+            ]
+        },
     }

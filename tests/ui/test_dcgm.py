@@ -13,15 +13,18 @@ from test_see_it import BOARD, SCRAPE, board_expressions, metric_names
 
 from flexpipe.cluster import load_cluster
 from flexpipe.control.api.controller_metrics import ControllerMetrics
+from flexpipe.control.api.ui_api import UiInstance, topology_doc
 from flexpipe.control.engines.launching import gpu_places
 from flexpipe.examples import DEFAULT_CLUSTER
 from flexpipe.launch import GpuPlace
 from flexpipe.observe.dcgm import (
     GpuReading,
+    gpu_busy_by_instance,
     gpu_instance_labels,
     instance_busy,
     join_instances,
     parse_dcgm,
+    topology_places,
 )
 
 EXPOSITION = (Path(__file__).parents[1] / "data" / "dcgm_exposition.txt").read_text()
@@ -86,6 +89,28 @@ def test_the_example_clusters_instances_are_placed_by_node_and_index() -> None:
         "NVIDIA A100-SXM4-80GB",
         "NVIDIA L40S",
     ]
+
+
+def test_the_gateway_finds_each_instances_gpus_on_the_controllers_map() -> None:
+    """The gateway knows instances by URL and their GPUs from the controller's GPU map
+    (`GET /admin/topology`): node and device index, what DCGM's readings are joined on."""
+    tp2 = UiInstance(
+        "k1", "llama-7b-0", "llama-7b", "tp2", (("gpu1", "gpu2"),), "http://u1", "active"
+    )
+    l40s = UiInstance("k2", "llama-7b-1", "llama-7b", "tp1", (("gpu3",),), "http://u2", "active")
+    places = topology_places(topology_doc(load_cluster(DEFAULT_CLUSTER), [tp2, l40s], []))
+    assert places == {
+        "http://u1": (
+            GpuPlace("gpu1", "node1", 0, "A100-80G-SXM"),
+            GpuPlace("gpu2", "node1", 1, "A100-80G-SXM"),
+        ),
+        "http://u2": (GpuPlace("gpu3", "node2", 0, "L40S"),),
+    }
+    rows = join_instances(parse_dcgm(EXPOSITION), places)
+    assert gpu_busy_by_instance(rows) == {"http://u1": (0.912345, 0.604118), "http://u2": (0.35,)}
+    assert topology_places(None) == {} and topology_places({"instances": [{"url": "x"}]}) == {
+        "x": ()
+    }
 
 
 def test_the_controllers_join_series_uses_dcgms_label_names() -> None:

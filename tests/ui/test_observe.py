@@ -192,7 +192,7 @@ def test_gpu_utilisation_not_reported_is_said_so_and_no_view_is_a_dash() -> None
     (m,) = snapshot(now, before).models
     assert m.measured and m.gpu_utilization is None and m.generation_tokens_per_s == 20.0
     drawn = _text(models_table(snapshot(now, before)))
-    assert " n/a " in drawn and "GPU util n/a: its engines report no busy time" in drawn
+    assert " n/a " in drawn and "GPU util n/a: no DCGM exporter reports its GPUs" in drawn
     (m,) = snapshot(replace(now, gateway_view=None)).models
     assert not m.measured and m.generation_tokens_per_s is None and m.num_queued is None
     drawn = _text(models_table(snapshot(replace(now, gateway_view=None))))

@@ -26,7 +26,7 @@ from flexpipe.ui.reading import (
     read_registry,
 )
 from flexpipe.ui.series import History, model_point, window_point
-from flexpipe.ui.view import ControllerSnapshot, assemble_view, shift_row
+from flexpipe.ui.view import ControllerSnapshot, ExporterState, assemble_view, shift_row
 
 ROOT = Path(__file__).resolve().parents[2]
 INF = float("inf")
@@ -95,6 +95,7 @@ R1_POINT = {
     "tokens_per_s": 300.0,
     "prefix_hit_rate": 0.5,
     "busy_s_per_s": None,  # the engine reports no busy time (vLLM): utilisation not known
+    "gpu_busy": None,  # and no DCGM exporter reports its GPUs
     "queue": 3,  # the engine's 1 waiting + the gateway's 2 (one model: all of them are its)
     "in_flight": 5,
     "num_instances": 1,
@@ -133,7 +134,8 @@ def test_busy_time_is_averaged_over_the_instances_that_report_it() -> None:
     v = assemble_view(3.0, h, ControllerSnapshot("http://ctl", topo), 2.0)
     # 2 wall s at 0.25 wall s per modelled s: 8 modelled s, 2 of them busy per engine
     assert v["models"][0]["now"]["gpu_utilization"] == 0.125
-    assert "busy_s_per_s" not in v["models"][0]["now"]
+    assert v["models"][0]["now"]["gpu_utilization_source"] == "modelled"
+    assert "busy_s_per_s" not in v["models"][0]["now"] and "gpu_busy" not in v["models"][0]["now"]
     v = assemble_view(3.0, h, ControllerSnapshot("http://ctl", {**topo, "time_scale": 4.0}), 2.0)
     assert v["models"][0]["now"]["gpu_utilization"] == 1.0  # capped
     only_vllm = Reading(4.0, engines={"http://u3": EngineCounters()}, instances=(u3,))
@@ -184,6 +186,47 @@ CLUSTER = ROOT / "examples/clusters/fragmented-4gpu.yaml"
 TP2 = UiInstance("llama-7b|tp2|gpu1,gpu2", "llama-7b-1", "llama-7b", "tp2-pp1-bf16-kvauto-s48",
                  (("gpu1", "gpu2"),), "http://u1", "rehearsing")  # fmt: skip
 DEMAND = ModelDemand("a", "llama-2-7b", 8, 2048, 256, Slo(ttft_p99_s=2.0, tpot_p99_s=0.06))
+
+
+def test_dcgm_is_the_mean_over_the_models_gpus_unscaled_and_leaves_sim_engines_out() -> None:
+    """Model a on two vLLM engines (three GPUs), model b on a sim engine whose GPU DCGM also
+    reports: a's utilisation is the mean over its GPUs of DCGM's gauges at the readings in the
+    window (wall time: never scaled); b's is its modelled busy time, scaled, whatever DCGM says
+    of its GPU. Each instance shows DCGM's figure at the last reading."""
+    v1, v2, s1 = inst("http://v1", "a"), inst("http://v2", "a"), inst("http://s1", "b")
+
+    def reading(at_s: float, busy_s: float, v1_gpus: tuple[float, ...], v2_gpu: float) -> Reading:
+        engines = {"http://v1": EngineCounters(), "http://v2": EngineCounters(),
+                   "http://s1": EngineCounters(busy_s=busy_s)}  # fmt: skip
+        gpu_busy = {"http://v1": v1_gpus, "http://v2": (v2_gpu,), "http://s1": (0.9,)}
+        return Reading(at_s, engines=engines, instances=(v1, v2, s1), gpu_busy=gpu_busy)
+
+    r0, r1, r2 = reading(0.0, 1.0, (0.5, 0.7), 0.3), reading(2.0, 2.0, (0.6, 0.8), 0.4), reading(
+        4.0, 3.0, (0.2, 0.2), 0.2)  # fmt: skip
+    assert model_point("a", r0, r1)["gpu_busy"] == 0.6  # (0.6 + 0.8 + 0.4) / 3: r1's gauges
+    assert model_point("b", r0, r1)["gpu_busy"] is None  # a sim engine's GPU: left out
+    h = History()
+    for r in (r0, r1, r2):
+        h.add(r)
+    topo = {"time_scale": 0.5, "models": [], "instances": [], "nodes": []}
+    v = assemble_view(5.0, h, ControllerSnapshot("http://ctl", topo), 2.0)
+    a, b = (m["now"] for m in v["models"])
+    # the window's gauges, at 2 s and 4 s: (0.6 + 0.8 + 0.4 + 3 x 0.2) / 6
+    assert (a["gpu_utilization"], a["gpu_utilization_source"]) == (0.4, "dcgm")
+    # 1 modelled busy s per 2 wall s, at 0.5 wall s per modelled s
+    assert (b["gpu_utilization"], b["gpu_utilization_source"]) == (0.25, "modelled")
+    assert [p["models"]["a"]["gpu_utilization"] for p in v["series"]] == [0.6, 0.2]
+    assert [(i["url"], i["gpu_utilization"], i["gpu_utilization_source"])
+            for i in v["instances"]] == [("http://v1", 0.2, "dcgm"), ("http://v2", 0.2, "dcgm"),
+                                         ("http://s1", None, None)]  # fmt: skip
+    # the exporters the gateway scrapes, and what each last said
+    why = "cannot read the DCGM exporter at http://gpu-b:9400: connect: refused"
+    dead = ExporterState("http://gpu-b:9400", 0, why)
+    v = assemble_view(5.0, h, None, 2.0, exporters=[ExporterState("http://gpu-a:9400", 3), dead])
+    assert v["dcgm"] == {"exporters": [
+        {"url": "http://gpu-a:9400", "num_gpus": 3, "error": None},
+        {"url": "http://gpu-b:9400", "num_gpus": 0, "error": why},
+    ]}  # fmt: skip
 
 
 def test_the_gpu_map_of_the_seed_cluster() -> None:
@@ -274,6 +317,9 @@ def test_the_view_joins_gateway_controller_and_series() -> None:
     # rates too: 2 per wall second at 0.05 wall s per modelled s
     assert model["now"]["request_rate_per_s"] == 0.1 and model["now"]["tokens_per_s"] == 15.0
     assert model["now"]["gpu_utilization"] is None  # its engine reports no busy time
+    assert model["now"]["gpu_utilization_source"] is None and v["dcgm"] is None
+    assert (v["instances"][0]["gpu_utilization"], v["instances"][0]["gpu_utilization_source"]) == (
+        None, None)  # fmt: skip
     assert v["series"][0]["models"]["a"]["ttft_s"]["p50"] == 6.0
     assert [p["t"] for p in v["series"]] == [102.0]
     assert assemble_view(103.0, h, ctl, 2.0, since_s=102.0)["series"] == []

@@ -154,6 +154,13 @@ function seriesOf(points, model, get) {
   return points.map((p) => [p.t, get(obj(obj(p.models)[model]))]);
 }
 
+// where a model's GPU utilisation came from (the view's gpu_utilization_source)
+const UTIL_WHY = {
+  dcgm: "measured: how busy DCGM saw its GPUs over the window (DCGM_FI_PROF_GR_ENGINE_ACTIVE, else DCGM_FI_DEV_GPU_UTIL), the mean over its instances' GPUs",
+  modelled: "modelled: its sim engines' busy time over the window, as the performance model gives it, the mean over its instances",
+  none: "n/a: no DCGM exporter reports its GPUs and its engines report no busy time (vLLM does not); give the gateway --dcgm URL",
+};
+
 function renderModels(v) {
   const points = list(v.series);
   const scale = num(v.time_scale) || 1;
@@ -168,13 +175,16 @@ function renderModels(v) {
       const cls = val === null || lim === null ? "" : val > lim ? "bad" : "good";
       return `<div class="fig"><div class="k">${key === "ttft_s" ? "TTFT" : "TPOT"} ${q}${q === "p99" && lim !== null ? " / SLO " + ms(lim) : ""}</div><div class="v ${q === "p99" ? cls : ""}">${ms(val)}</div></div>`;
     }).join("");
-    const f = (k, val, title = "") => `<div class="fig"${title ? ` title="${esc(title)}"` : ""}><div class="k">${k}</div><div class="v">${val}</div></div>`;
-    // n/a: a window was measured but the engines report no busy time (as `flexpipe status`)
+    const f = (k, val, title = "", note = "") => `<div class="fig"${title ? ` title="${esc(title)}"` : ""}><div class="k">${k}</div><div class="v">${val}</div>${note ? `<div class="src">${esc(note)}</div>` : ""}</div>`;
+    // n/a: a window was measured but no DCGM exporter reports its GPUs and its engines report
+    // no busy time (as `flexpipe status`); the label under it says where the figure came from
     const util = m.now ? (num(now.gpu_utilization) === null ? "n/a" : pct(now.gpu_utilization)) : "–";
+    const source = now.gpu_utilization_source;
+    const utilWhy = UTIL_WHY[source] || UTIL_WHY.none;
     const figures = f("requests/s", fmt(now.request_rate_per_s)) + f("errors/s", fmt(now.error_rate_per_s)) +
       lat("ttft_s", "ttft_p99_s") + lat("tpot_s", "tpot_p99_s") + f("queue", fmt(now.queue, 0)) +
       f("prefix-cache hits", pct(now.prefix_hit_rate)) + f("output tokens/s", fmt(now.tokens_per_s, 0)) +
-      f("GPU util", util, "its engines' modelled busy time over the window; n/a: its engines report no busy time (vLLM does not)") +
+      f("GPU util", util, utilWhy, source === "dcgm" ? "DCGM" : source === "modelled" ? "modelled" : "") +
       f("instances", list(m.instances).length || fmt(now.num_instances, 0));
     const q = (key) => ["p50", "p95", "p99"].map((name) => ({
       name, color: Q_COLORS[name], points: seriesOf(points, m.name, (x) => obj(x[key])[name]) }));
@@ -361,7 +371,8 @@ function render() {
   renderInstances(v);
   renderShifts(v);
   const ctl = obj(v.controller);
-  if (v.source !== "report") banner(ctl.error ? ctl.error : "");
+  const dead = list(obj(v.dcgm).exporters).map(obj).filter((e) => e.error).map((e) => e.error);
+  if (v.source !== "report") banner([ctl.error, ...dead].filter(Boolean).join(" · "));
 }
 
 function setStatus(kind, text) {
