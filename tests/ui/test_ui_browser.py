@@ -103,6 +103,9 @@ _ROWS = """return Array.from(document.querySelectorAll(
 _FIGURE = """return Array.from(document.querySelectorAll('#models .fig')).filter(
   (f) => f.querySelector('.k').innerText === arguments[0]).map(
   (f) => f.querySelector('.v').innerText);"""
+_SOURCE = """return Array.from(document.querySelectorAll('#models .fig')).filter(
+  (f) => f.querySelector('.k').innerText === arguments[0]).map(
+  (f) => f.querySelector('.src') ? f.querySelector('.src').textContent : '');"""
 ELSEWHERE = "logged by another deployment on this store"
 
 
@@ -157,6 +160,8 @@ def test_the_dashboard_shows_the_map_and_a_shift_made_while_it_is_open(
         util = wait.until(lambda d: [v for v in d.execute_script(_FIGURE, "GPU util")
                                      if v.endswith("%")])  # fmt: skip
         assert len(util) == 1
+        # and says where it came from: the sim engines' model (no DCGM exporter here)
+        assert browser.execute_script(_SOURCE, "GPU util") == ["modelled"]
         # the other deployment's entry: left out, counted, shown on request with whose it is
         wait.until(lambda d: d.find_element(By.ID, "shifts-hidden").text == "(1 hidden)")
         assert not [r for r in shift_rows(browser, "plan") if ELSEWHERE in r]
