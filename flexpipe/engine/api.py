@@ -26,7 +26,7 @@ from flexpipe.engine.build import engine_core
 from flexpipe.engine.metrics import CONTENT_TYPE, EngineMetrics
 from flexpipe.engine.request import EngineRequest, SamplingParams, context_error
 from flexpipe.engine.runner import Engine
-from flexpipe.engine.sleep import MODES, SleepState
+from flexpipe.engine.sleep_api import SleepApi
 from flexpipe.engine.stream import FinishSink, SseStream
 from flexpipe.engine.tokenizer import Tokenizer, message_text
 from flexpipe.http.server import (
@@ -38,7 +38,6 @@ from flexpipe.http.server import (
     error_response,
     json_response,
 )
-from flexpipe.perf.model import SLEEP_LEVELS
 from flexpipe.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,7 +66,6 @@ class SimServer:
         self.tokenizer = Tokenizer(cfg.model.vocab_size)
         core = engine_core(cfg)
         self.scheduler = core.scheduler
-        self.block_manager = core.scheduler.bm
         cache_config = {
             "block_size": gear.block_size,
             "cache_dtype": gear.kv_cache_dtype,
@@ -85,11 +83,9 @@ class SimServer:
             cfg.served_model_name, self.scheduler, cfg.max_model_len, cache_config
         )
         self.engine = Engine(self.scheduler, core.step_time_s, self.metrics, cfg.time_scale)
-        # sleep mode: the state, and one lock so sleeps and wake-ups run one at a time
-        self.sleep_state = SleepState(pm, cfg.weight_source)
-        self._sleep_lock = asyncio.Lock()
+        self.sleep_api = SleepApi(cfg, self.engine, self.scheduler, self._check_admin)
         if cfg.enable_sleep_mode:
-            self.metrics.sleep = self.sleep_state
+            self.metrics.sleep = self.sleep_api.state
         self.model_name = cfg.served_model_name
         self._model_json = orjson.dumps(self.model_name)
         # secrets as bytes, compared in constant time (hmac.compare_digest)
@@ -134,11 +130,11 @@ class SimServer:
         a.add_route("GET", "/admin/requests", self.admin_requests)
         a.add_route("POST", "/admin/export", self.admin_export)
         a.add_route("POST", "/admin/import", self.admin_import)
-        a.add_route("GET", "/admin/sleep", self.admin_sleep)
+        a.add_route("GET", "/admin/sleep", self.sleep_api.admin_sleep)
         if self.cfg.server_dev_mode:  # as vLLM: dev-mode endpoints only
-            a.add_route("POST", "/sleep", self.sleep)
-            a.add_route("POST", "/wake_up", self.wake_up)
-            a.add_route("GET", "/is_sleeping", self.is_sleeping)
+            a.add_route("POST", "/sleep", self.sleep_api.sleep)
+            a.add_route("POST", "/wake_up", self.sleep_api.wake_up)
+            a.add_route("GET", "/is_sleeping", self.sleep_api.is_sleeping)
 
     # --- checks --------------------------------------------------------------------------
     def _check_api_key(self, req: Request) -> None:
@@ -468,83 +464,6 @@ class SimServer:
                     else text[:idx]
                 )
         return text.lstrip(" ") if strip else text
-
-    # --- sleep mode (vLLM's dev endpoints; docs/sim-engine.md "Sleep mode") ---------------
-    def _check_sleep_mode(self) -> None:
-        if not self.cfg.enable_sleep_mode:
-            raise HttpError(400, "sleep mode is not enabled: start with --enable-sleep-mode")
-
-    async def sleep(self, req: Request) -> Response:
-        """POST /sleep?level=0|1|2&mode=abort|wait|keep: an empty 200 once asleep."""
-        self._check_sleep_mode()
-        params = req.query_params()
-        level_text = params.get("level", ["1"])[-1]
-        try:
-            level = int(level_text)
-        except ValueError:
-            level = -1
-        if level not in SLEEP_LEVELS:
-            raise HttpError(400, f"level must be 0, 1 or 2, got {level_text!r}", param="level")
-        mode = params.get("mode", ["abort"])[-1]
-        if mode not in MODES:
-            raise HttpError(400, f"mode must be one of {', '.join(MODES)}", param="mode")
-        async with self._sleep_lock:
-            state = self.sleep_state
-            if state.is_sleeping:
-                return Response(b"")  # already asleep: a no-op, as in vLLM
-            tags, duration_s = state.sleep_plan(level)
-            state.paused = True  # is_sleeping from here on, as vLLM pauses its scheduler first
-            engine = self.engine
-            engine.pause(hold_new=True, stop_steps=mode != "wait")
-            if mode == "abort":
-                for ereq in list(engine.requests.values()):
-                    if not ereq.is_finished:
-                        engine.abort(ereq)
-            elif mode == "wait":
-                await engine.drained()
-                engine.pause(hold_new=True, stop_steps=True)
-            if level >= 1:
-                # the KV cache goes: running requests recompute after the wake-up (keep mode)
-                self.scheduler.preempt_all()
-                self.block_manager.reset_prefix_cache()
-            await self._modelled_wait(duration_s)
-            state.apply_sleep(level, tags, duration_s)
-        return Response(b"")
-
-    async def wake_up(self, req: Request) -> Response:
-        """POST /wake_up[?tags=weights][&tags=kv_cache]: an empty 200 once the tags are back;
-        scheduling resumes when nothing is asleep any more."""
-        self._check_sleep_mode()
-        given = req.query_params().get("tags")
-        tags = tuple(given) if given else None
-        async with self._sleep_lock:
-            state = self.sleep_state
-            if not state.is_sleeping:
-                return Response(b"")  # awake: a no-op
-            waking, duration_s = state.wake_plan(tags)
-            await self._modelled_wait(duration_s)
-            state.apply_wake(waking, duration_s)
-            if not state.is_sleeping:
-                self.engine.resume()
-        return Response(b"")
-
-    async def is_sleeping(self, req: Request) -> Response:
-        return json_response({"is_sleeping": self.sleep_state.is_sleeping})
-
-    async def admin_sleep(self, req: Request) -> Response:
-        """The sleep state and the memory the engine holds (for the controller's accounting)."""
-        self._check_admin(req)
-        return json_response(
-            {
-                "enable_sleep_mode": self.cfg.enable_sleep_mode,
-                **self.sleep_state.as_dict(),
-                "num_held_requests": self.engine.num_held,
-            }
-        )
-
-    async def _modelled_wait(self, duration_s: float) -> None:
-        if duration_s > 0 and self.cfg.time_scale > 0:
-            await asyncio.sleep(duration_s * self.cfg.time_scale)
 
     # --- migration hooks (admin) ---------------------------------------------------------
     async def admin_requests(self, req: Request) -> Response:
