@@ -66,6 +66,7 @@ class SimServer:
         self.tokenizer = Tokenizer(cfg.model.vocab_size)
         core = engine_core(cfg)
         self.scheduler = core.scheduler
+        self.block_manager = core.scheduler.bm
         cache_config = {
             "block_size": gear.block_size,
             "cache_dtype": gear.kv_cache_dtype,
