@@ -123,6 +123,7 @@ class _Connection(asyncio.Protocol):
         server = self.server
         server._connections.discard(self)
         server._idle.pop(self, None)
+        server._heads.pop(self, None)
         if self._refused:
             self._refused = False
             server._num_refusing -= 1
@@ -227,7 +228,10 @@ class _Connection(asyncio.Protocol):
         self._body = []
         self._body_len = 0
         self._read_phase = _HEAD
-        self.server._idle.pop(self, None)
+        server = self.server
+        server._idle.pop(self, None)
+        if self._task is None and not self._pending:  # (a pipelined head is not sheddable)
+            server._heads[self] = self.loop.time()
         if self._num_requests:  # the first request's head is timed from the connection
             self._set_deadline(self.limits.header_timeout_s)
 
@@ -248,6 +252,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._read_phase = _BODY
+        self.server._heads.pop(self, None)
         self._head_bytes = 0
         self._set_deadline(self.limits.body_timeout_s)
         try:
@@ -255,6 +260,11 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserInvalidURLError:
             self._error = (400, "Malformed request URL")
             raise _LimitExceeded from None
+        if "host" not in self._headers and self.parser.get_http_version() == "1.1":
+            # RFC 9112 section 3.2: an HTTP/1.1 request without Host is answered 400
+            # (HTTP/1.0 clients may leave it out)
+            self._error = (400, "Bad request: an HTTP/1.1 request must carry a Host header")
+            raise _LimitExceeded
         self._path = url.path.decode("latin-1")
         self._query = url.query.decode("latin-1") if url.query else ""
         self._method = self.parser.get_method().decode("latin-1")
@@ -368,6 +378,7 @@ class _Connection(asyncio.Protocol):
             return
         self._refusing = True
         self.server._idle.pop(self, None)
+        self.server._heads.pop(self, None)
         if self._task is not None or self._push is not None:
             # an answer is in progress: an error cannot follow it on this connection
             self._closed = True
@@ -394,6 +405,22 @@ class _Connection(asyncio.Protocol):
         head = encode_head(503, resp.content_type, {"retry-after": "1"}, len(resp.body), False)
         transport.write(head + resp.body)
         self._linger()
+
+    def _shed(self) -> None:
+        """Shed at the connection cap (`HttpServer._reap_idle`) while its request head still
+        arrives: 408 and close, lingering like a refusal (a flood of them is reset at once)."""
+        server = self.server
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if server._num_refusing >= _MAX_REFUSING:
+            self._refusing = self._closed = True
+            transport.abort()
+            return
+        self._refused = True
+        server._num_refusing += 1
+        cap = server.max_connections
+        self._fail(408, f"Request head too slow: the server is at its limit of {cap} connections")
 
     def _linger(self) -> None:
         transport = self.transport
