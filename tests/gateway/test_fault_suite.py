@@ -274,6 +274,73 @@ def test_kill_9_engines_under_streamed_and_plain_requests(
             assert_serves(c)
 
 
+# =============================================================================== 1b. a hung engine
+HUNG_TOKENS = 300  # ~3 s of generation at time scale 1
+HUNG_FOR_S = 15.0  # SIGSTOP this long: a stream waiting it out takes longer than the bound
+STREAM_SILENCE_S = 1.5  # the gateway's bound on a started stream's silence (config)
+MAX_STALL_S = 6.0  # the longest gap allowed between two tokens: the bound, a prefill, slack
+
+
+def test_streams_of_a_hung_engine_continue_elsewhere_within_the_silence_bound() -> None:
+    """SIGSTOP breaks no connection: only the gateway's silence bound on a started stream
+    (`stream_silence_s`) moves it to the other engine, complete and ungarbled."""
+    prompt = "a stream on an engine that hangs"
+    with sim_engine(engine_args(0)) as eng:
+        ref = request("POST", eng.url + "/v1/completions",
+                      orjson.loads(completion_body(prompt, HUNG_TOKENS, False)),
+                      timeout_s=30).json()["choices"][0]["text"]  # fmt: skip
+    config = {"stream_silence_s": STREAM_SILENCE_S, "routing": {"policy": "round_robin"}}
+    with cluster(2, 1.0, config) as c:
+        stopped: list[EngineProc] = []
+
+        def wake(e: EngineProc) -> None:
+            os.kill(e.proc.pid, signal.SIGCONT)
+
+        async def go() -> tuple[str, str, list[float], set[str], str | None]:
+            client = c.client()
+            text, before_stop, gaps, ids, finish = "", "", [], set(), None
+            try:
+                raw = await client.completions.with_raw_response.create(
+                    model=MODEL, prompt=prompt, max_tokens=HUNG_TOKENS, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                serving = raw.headers.get("x-flexpipe-instance", "")
+                victim = next(e for e in c.engines if e.url == serving)
+                t_last = time.monotonic()
+                async for ch in raw.parse():
+                    now = time.monotonic()
+                    gaps.append(now - t_last)
+                    t_last = now
+                    ids.add(ch.id)
+                    text += ch.choices[0].text
+                    finish = ch.choices[0].finish_reason or finish
+                    if not stopped and len(gaps) == 30:
+                        os.kill(victim.proc.pid, signal.SIGSTOP)
+                        stopped.append(victim)
+                        asyncio.get_running_loop().call_later(HUNG_FOR_S, wake, victim)
+                        before_stop = text
+                        gaps.clear()  # the gaps after the stop
+            finally:
+                await client.close()
+                for e in stopped:
+                    os.kill(e.proc.pid, signal.SIGCONT)
+            return text, before_stop, gaps, ids, finish
+
+        try:
+            text, before_stop, gaps, ids, finish = asyncio.run(go())
+        finally:
+            for e in stopped:  # (a failure before the SIGCONT above)
+                os.kill(e.proc.pid, signal.SIGCONT)
+        assert stopped, "the stream never started"
+        print(f"longest gap after the SIGSTOP: {max(gaps):.2f} s")
+        assert max(gaps) < MAX_STALL_S, f"the stream stalled {max(gaps):.1f} s"
+        assert finish == "length" and len(ids) == 1
+        assert ref.startswith(before_stop)
+        assert text_problems(text, HUNG_TOKENS, chat=False) == []
+        wait_settled(c.gw, c.engine_urls, 10)  # every slot released, on both engines
+        assert_serves(c)
+
+
 # =============================================================================== 2. disconnects
 LONG_TOKENS = 2000  # ~20 s of generation at time scale 1: only an abort ends it in time
 SETTLE_S = 3.0  # what "released at once" means here, on a loaded 2-core machine
