@@ -404,8 +404,7 @@ def num_stream_tokens(num_events: int, call: Call, ended: bool) -> int:
     tenant's settlement and the measured TPOT read this.)"""
     num = num_events - (1 if call.chat else 0)
     if ended:
-        options = call.body.get("stream_options")
-        num -= 2 if isinstance(options, dict) and options.get("include_usage") else 1
+        num -= 2 if call.include_usage else 1
     return max(0, num)
 
 

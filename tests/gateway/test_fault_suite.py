@@ -803,6 +803,73 @@ def test_slow_and_idle_connections_are_closed() -> None:
         assert leftovers(c.gw, c.engine_urls) == []
 
 
+BIG_BODY_PARTS = 118_000  # message parts: a 3.9 MiB body, ~300 ms of validation
+NUM_BIG_BODIES = 4
+MAX_EXTRA_GAP_S = 0.12  # what the big bodies may add to the stream's longest gap
+
+
+def _big_chat_body() -> bytes:
+    parts = [{"type": "text", "text": "hi there"}] * BIG_BODY_PARTS
+    # a model nobody serves: parsed in full, then 404 (no engine spends time on it)
+    body = orjson.dumps({"model": "nobody-serves-this", "max_tokens": 1,
+                         "messages": [{"role": "user", "content": parts}]})  # fmt: skip
+    assert 3.8 * (1 << 20) < len(body) < 4 * (1 << 20)  # under the gateway's 4 MiB limit
+    return body
+
+
+def test_a_large_body_does_not_freeze_the_streams_being_relayed() -> None:
+    """The gateway validates a body on its event loop only when it is small: a 3.9 MiB one
+    (the most pydantic work per byte: many small parts) read there froze every stream it
+    relayed for ~300 ms. The stream's longest gap between tokens while big bodies arrive is
+    compared with its longest gap just before, on the same machine at the same time."""
+    big = post("/v1/chat/completions", _big_chat_body())
+    with cluster(1, 1.0) as c:
+
+        async def go() -> tuple[list[float], list[float], list[int]]:
+            client = c.client()
+            base: list[float] = []
+            during: list[float] = []
+            statuses: list[int] = []
+            phase = base
+            sender: asyncio.Task[None] | None = None
+
+            async def send_big() -> None:
+                nonlocal phase
+                phase = during
+                for _ in range(NUM_BIG_BODIES):
+                    statuses.append((await raw_call(c.gw.port, big, timeout_s=30)).status)
+                phase = []  # done: later gaps count for neither
+
+            try:
+                stream = await client.completions.create(
+                    model=MODEL, prompt="a steady stream", max_tokens=1500, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                t_last = 0.0
+                async for _ in stream:
+                    now = time.monotonic()
+                    if t_last:
+                        phase.append(now - t_last)
+                    t_last = now
+                    if sender is None and len(base) >= 150:
+                        sender = asyncio.create_task(send_big())
+                    if sender is not None and sender.done():
+                        break
+                assert sender is not None
+                await sender
+            finally:
+                await client.close()
+            return base, during, statuses
+
+        base, during, statuses = asyncio.run(go())
+        print(f"longest gap: {max(base) * 1e3:.0f} ms before, {max(during) * 1e3:.0f} ms while "
+              f"{NUM_BIG_BODIES} bodies of 3.9 MiB were read")  # fmt: skip
+        assert statuses == [404] * NUM_BIG_BODIES
+        assert len(during) > 20, "the stream ended before the bodies were read"
+        assert max(during) < max(base) + MAX_EXTRA_GAP_S
+        wait_settled(c.gw, c.engine_urls, 10)
+
+
 # =============================================================================== 6. siblings
 def test_head_is_get_without_a_body_and_http_1_0_streams_are_not_chunked(edge: Cluster) -> None:
     head = request("HEAD", edge.gw.url + "/metrics", timeout_s=5)
