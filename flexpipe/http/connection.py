@@ -84,6 +84,7 @@ class _Connection(asyncio.Protocol):
         self._read_phase = _IDLE
         self._head_bytes = 0  # received while waiting for a request head
         self._num_requests = 0
+        self._accepted_s = 0.0  # loop time (a new connection is not reaped at once at the cap)
         self._reading_paused = False
         self._unparsed = bytearray()  # read but held back while too many requests wait
         self._deadline_s = math.inf  # loop time at which the read side times out
@@ -116,6 +117,7 @@ class _Connection(asyncio.Protocol):
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
         server._connections.add(self)
         server._idle[self] = None
+        self._accepted_s = self.loop.time()
         self._set_deadline(self.limits.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -231,7 +233,7 @@ class _Connection(asyncio.Protocol):
         server = self.server
         server._idle.pop(self, None)
         if self._task is None and not self._pending:  # (a pipelined head is not sheddable)
-            server._heads[self] = self.loop.time()
+            server._heads[self] = None
         if self._num_requests:  # the first request's head is timed from the connection
             self._set_deadline(self.limits.header_timeout_s)
 

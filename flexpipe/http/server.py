@@ -116,9 +116,9 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BODY_BYTES = HttpLimits().max_body_bytes
-# a head younger than this is not shed at the cap: one split over a few TCP segments may take a
-# round trip or two to arrive; a slowloris head (a byte a second) is older within a second
-MIN_SHED_HEAD_AGE_S = 0.25
+# a new connection that has sent nothing yet is not closed at the cap before this age: a
+# working client's first request is on its way
+NEW_CONNECTION_GRACE_S = 0.25
 
 
 class App:
@@ -201,7 +201,7 @@ class HttpServer:
         self._idle: dict[_Connection, None] = {}
         # connections whose request head is still arriving, in the order their heads began
         # (the oldest, i.e. slowest, is shed first at the cap when none is idle)
-        self._heads: dict[_Connection, float] = {}  # connection -> loop time its head began
+        self._heads: dict[_Connection, None] = {}
         self._num_refusing = 0  # refused connections still lingering
         self.num_refused = 0
         self.num_reaped = 0
@@ -229,17 +229,20 @@ class HttpServer:
     def _reap_idle(self) -> bool:
         """At the cap: close the longest-idle connection to make room, else shed the one whose
         request head has been arriving longest (a slow client must not hold a place a working
-        one needs: docs/http.md); False if there is neither."""
+        one needs: docs/http.md); False if there is neither. A new connection that has not
+        sent a byte yet is spared for NEW_CONNECTION_GRACE_S. A head of any age may be shed
+        (oldest first): a client that reconnects its slow heads as soon as they are shed would
+        otherwise keep every head young, and every newcomer out."""
+        now_s = asyncio.get_running_loop().time()
         for conn in self._idle:
+            if not conn._num_requests and now_s - conn._accepted_s < NEW_CONNECTION_GRACE_S:
+                continue
             del self._idle[conn]
             self._connections.discard(conn)
             conn._close()
             self.num_reaped += 1
             return True
-        now_s = asyncio.get_running_loop().time()
-        for conn, began_s in self._heads.items():
-            if now_s - began_s < MIN_SHED_HEAD_AGE_S:
-                break  # the rest began later still: heads in flight, not slow ones
+        for conn in self._heads:
             del self._heads[conn]
             self._connections.discard(conn)
             conn._shed()

@@ -803,6 +803,54 @@ def test_slow_and_idle_connections_are_closed() -> None:
         assert leftovers(c.gw, c.engine_urls) == []
 
 
+SLOW_CAP = 24  # the gateway's connection cap in the next test (its `http.max_connections`)
+
+
+def test_slow_heads_filling_the_connection_cap_do_not_shut_clients_out() -> None:
+    """Connections that send their request heads a byte a second, as many as the cap, and a
+    client that opens new ones as fast as they are shed: `openai` clients are still served
+    (the slowest head is shed for each of them, with a 408 and a close)."""
+    config = {"http": {"max_connections": SLOW_CAP, "header_timeout_s": 60}}
+    with cluster(1, 0.0, config) as c:
+        port = c.gw.port
+        stop = threading.Event()
+        num_shed = [0]
+
+        def slow_head() -> None:
+            with socket.create_connection(("127.0.0.1", port), 5) as sock:
+                sock.settimeout(1.0)
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+                    while not stop.is_set():
+                        try:
+                            answer = sock.recv(65536)
+                            if answer.startswith(b"HTTP/1.1 408"):
+                                num_shed[0] += 1
+                            if not answer or answer.startswith(b"HTTP/1.1 408"):
+                                return  # shed: a reconnecting client opens another
+                        except TimeoutError:
+                            pass
+                        sock.sendall(b"x")  # a byte a second, never the end of the head
+
+        def reconnecting() -> None:
+            while not stop.is_set():
+                slow_head()
+
+        threads = [threading.Thread(target=reconnecting, daemon=True) for _ in range(SLOW_CAP)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.5)  # the cap is full of slow heads
+            assert_serves(c, num=8)
+            assert_serves(c, num=8)
+            assert num_shed[0] >= 8, f"only {num_shed[0]} slow heads shed"
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+        assert leftovers(c.gw, c.engine_urls) == []
+
+
 BIG_BODY_PARTS = 118_000  # message parts: a 3.9 MiB body, ~300 ms of validation
 NUM_BIG_BODIES = 4
 MAX_EXTRA_GAP_S = 0.12  # what the big bodies may add to the stream's longest gap
