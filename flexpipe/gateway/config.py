@@ -70,7 +70,7 @@ class GatewayConfig:
     idle_timeout_s: float = 60.0
     # a stream that has sent tokens and then goes silent this long (or STREAM_SILENCE_TPOTS
     # times its instance's measured time per token, if longer) is continued on another
-    # instance, as one whose engine died (docs/gateway.md, "Failures")
+    # instance, as one whose engine died (docs/gateway.md, "Nothing accepted is lost")
     stream_silence_s: float = 5.0
     retry_jitter_s: float = 0.05
     max_retries: int = 1  # 429 / 503 answers, before the first byte
