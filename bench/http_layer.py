@@ -137,7 +137,7 @@ async def _body_stall_once(port: int, body_bytes: int) -> tuple[float, float, fl
     """The longest gap between a /ticks stream's events before and while a `body_bytes` JSON
     body is posted (and parsed) on another connection, and that POST's time."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /ticks HTTP/1.1\r\n\r\n")
+    writer.write(b"GET /ticks HTTP/1.1\r\nhost: x\r\n\r\n")
     loop = asyncio.get_running_loop()
     arrivals: list[float] = []
     post: dict[str, float] = {}
@@ -155,7 +155,8 @@ async def _body_stall_once(port: int, body_bytes: int) -> tuple[float, float, fl
         body = b'{"model":"m","prompt":"' + filler + b'"}'
         r2, w2 = await asyncio.open_connection("127.0.0.1", port)
         post["t0"] = loop.time()
-        w2.write(b"POST /parse HTTP/1.1\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        w2.write(b"POST /parse HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(body))
+        w2.write(body)
         await r2.readuntil(b"}")
         post["t1"] = loop.time()
         w2.close()
@@ -208,7 +209,7 @@ def idle_flood(roots: dict[str, Path], num_idle: int) -> None:
             t0 = time.monotonic()
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-                    sock.sendall(b"GET /json HTTP/1.1\r\n\r\n")
+                    sock.sendall(b"GET /json HTTP/1.1\r\nhost: x\r\n\r\n")
                     line = sock.recv(4096).split(b"\r\n", 1)[0].decode() or "closed"
             except OSError as exc:
                 line = type(exc).__name__

@@ -59,6 +59,10 @@ class RequestError(ValueError):
         self.message = message
         self.param = param
 
+    def __reduce__(self) -> tuple[Any, tuple[str, str | None]]:
+        # raised in the gateway's parser process: `param` must cross back with the message
+        return self.__class__, (self.message, self.param)
+
     def body(self) -> dict[str, Any]:
         """OpenAI's error shape (vLLM's too: `code` is the HTTP status)."""
         return {

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from flexpipe.gateway.sse import StreamState
 from flexpipe.gateway.tenants import Tenant
 from flexpipe.http.client import UpstreamResponse
@@ -43,7 +45,7 @@ class Call:
     path: str
     chat: bool
     model: str
-    body: dict[str, Any]
+    json_body: dict[str, Any] | None  # the body as parsed (None: not yet, see `body`)
     raw: bytes
     stream: bool
     routing: RoutingRequest
@@ -75,6 +77,16 @@ class Call:
     # continued on `instance` (moved, or failed over) and no token from there yet: its context
     # is being prefilled there (the failover pump's; `relay_after_failure`)
     continuing: bool = False
+    include_usage: bool = False  # stream_options.include_usage: the stream ends with usage
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The request body as a dict. A large body was validated in a parser process
+        (`Gateway._parse`), and is parsed here again only when a move or a continuation
+        needs it."""
+        if self.json_body is None:
+            self.json_body = orjson.loads(self.raw)
+        return self.json_body
 
     @property
     def awaits_first_token(self) -> bool:

@@ -70,6 +70,10 @@ class GatewayConfig:
     connect_timeout_s: float = 3.0
     ttfb_timeout_s: float = 300.0
     idle_timeout_s: float = 60.0
+    # a stream that has sent tokens and then goes silent this long (or STREAM_SILENCE_TPOTS
+    # times its instance's measured time per token, if longer) is continued on another
+    # instance, as one whose engine died (docs/gateway.md, "Nothing accepted is lost")
+    stream_silence_s: float = 5.0
     retry_jitter_s: float = 0.05
     max_retries: int = 1  # 429 / 503 answers, before the first byte
     max_failovers: int = 3  # instances failing before a response head, tried in turn
@@ -188,6 +192,8 @@ def validate(cfg: GatewayConfig) -> None:
         raise ConfigError(f"controller_url {cfg.controller_url!r}: expected http://HOST:PORT")
     if not cfg.ui_interval_s > 0:
         raise ConfigError("ui_interval_s must be > 0")
+    if not cfg.stream_silence_s > 0:
+        raise ConfigError("stream_silence_s must be > 0")
     _validate_dcgm(cfg)
     if cfg.max_queue < 0 or cfg.max_concurrency_per_instance < 1:
         raise ConfigError("max_queue must be >= 0 and max_concurrency_per_instance >= 1")

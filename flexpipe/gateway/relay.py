@@ -32,6 +32,7 @@ from flexpipe.http.client import UpstreamError, UpstreamResponse
 from flexpipe.http.server import ChunkWriter, HttpError
 
 if TYPE_CHECKING:
+    from flexpipe.gateway.config import GatewayConfig
     from flexpipe.gateway.relay_host import RelayHost
 
 log = logging.getLogger("flexpipe.gateway")
@@ -42,10 +43,27 @@ __all__ = [
     "move_relayed",
     "num_stream_tokens",
     "relay_after_failure",
+    "stream_silence_s",
     "warm_up",
 ]
 
 _NO_PRIORITY = "Priority scheduling is not enabled"
+# a started stream's silence bound, in its instance's measured times per token, where that is
+# longer than `GatewayConfig.stream_silence_s` (a slow instance is not taken for a hung one)
+STREAM_SILENCE_TPOTS = 100
+
+
+def stream_silence_s(cfg: GatewayConfig, inst: Instance) -> float:
+    """How long a stream that has sent tokens may stay silent before it is continued
+    elsewhere, as one whose engine died: a hung engine (stopped, deadlocked, its host
+    unreachable) breaks no connection, and without this bound its streams would wait for the
+    upstream idle timeout. Before the first token (queueing, prefill) that timeout stands;
+    after it, this bound is never looser than it."""
+    speed = inst.speed_tokens_per_s
+    bound_s = cfg.stream_silence_s
+    if speed > 0:
+        bound_s = max(bound_s, STREAM_SILENCE_TPOTS / speed)
+    return min(bound_s, cfg.idle_timeout_s)
 
 
 class PushRelay:
@@ -158,7 +176,10 @@ class PushRelay:
             self.t_first = t
             self.gw.observe_ttft(self.call.model, t - self.call.t0)
         self.t_last = t
+        num_before = self.num_events
         self.num_events += out.count(b"\n\n")
+        if num_before <= self.call.chat < self.num_events:  # its first token: silence is bounded
+            self.resp.set_idle_timeout(stream_silence_s(self.gw.cfg, self.inst))
         self.sent.append(out)
         return out
 
@@ -334,7 +355,10 @@ async def relay_after_failure(
                 t_first = t_last
                 gw.observe_ttft(call.model, t_first - call.t0)
             if state is None:
+                num_before = num_events
                 num_events += out.count(b"\n\n")
+                if num_before <= call.chat < num_events:  # its first token (as `PushRelay`)
+                    resp.set_idle_timeout(stream_silence_s(gw.cfg, inst))
                 sent.append(out)
                 yield out
             else:
@@ -348,6 +372,7 @@ async def relay_after_failure(
                 if call.continuing and num_new_tokens:  # (not chat's role-only event)
                     call.continuing = False  # its first token there: the move's fence is through
                     gw.unfence(inst.url, call.id)
+                    resp.set_idle_timeout(stream_silence_s(gw.cfg, inst))
                 if parts:
                     yield b"".join(parts)
             if call.cut is not None and call.relayed is resp:
@@ -379,8 +404,7 @@ def num_stream_tokens(num_events: int, call: Call, ended: bool) -> int:
     tenant's settlement and the measured TPOT read this.)"""
     num = num_events - (1 if call.chat else 0)
     if ended:
-        options = call.body.get("stream_options")
-        num -= 2 if isinstance(options, dict) and options.get("include_usage") else 1
+        num -= 2 if call.include_usage else 1
     return max(0, num)
 
 

@@ -29,7 +29,7 @@ import contextlib
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -201,7 +201,10 @@ class _Conn(asyncio.Protocol):
     def _on_timer(self) -> None:
         self._timer = None
         if self.sink_end is not None:  # pipe mode: idle since the last chunk?
-            if self.loop.time() >= self._deadline_s:
+            now_s = self.loop.time()
+            if self.paused:  # we stopped reading (a slow client): no silence of the upstream's
+                self._deadline_s = now_s + self.idle_s
+            if now_s >= self._deadline_s:
                 self.error = UpstreamError("idle", f"no data for {self.idle_s:g} s")
                 self.keep_alive = False
                 self._sink_failed()
@@ -293,6 +296,21 @@ class UpstreamResponse:
         conn._deadline_s = conn.loop.time() + conn.idle_s
         conn.stop_timer()
         conn._timer = conn.loop.call_at(conn._deadline_s, conn._on_timer)
+
+    def set_idle_timeout(self, idle_s: float) -> None:
+        """From now on, wait at most `idle_s` between two body chunks (a stream that has
+        started may be held to a tighter bound than the wait for its first chunk)."""
+        self._timeouts = replace(self._timeouts, idle_s=idle_s)
+        conn = self._conn
+        if conn.sink_end is None:
+            return  # `next_chunk` reads the new bound at its next wait
+        conn.idle_s = idle_s
+        deadline_s = conn._deadline_s = conn.loop.time() + idle_s
+        timer = conn._timer
+        if timer is None or timer.when() > deadline_s:
+            if timer is not None:
+                timer.cancel()
+            conn._timer = conn.loop.call_at(deadline_s, conn._on_timer)
 
     def pause_reading(self) -> None:
         conn = self._conn

@@ -84,6 +84,7 @@ class _Connection(asyncio.Protocol):
         self._read_phase = _IDLE
         self._head_bytes = 0  # received while waiting for a request head
         self._num_requests = 0
+        self._accepted_s = 0.0  # loop time (a new connection is not reaped at once at the cap)
         self._reading_paused = False
         self._unparsed = bytearray()  # read but held back while too many requests wait
         self._deadline_s = math.inf  # loop time at which the read side times out
@@ -116,6 +117,7 @@ class _Connection(asyncio.Protocol):
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
         server._connections.add(self)
         server._idle[self] = None
+        self._accepted_s = self.loop.time()
         self._set_deadline(self.limits.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -123,6 +125,7 @@ class _Connection(asyncio.Protocol):
         server = self.server
         server._connections.discard(self)
         server._idle.pop(self, None)
+        server._heads.pop(self, None)
         if self._refused:
             self._refused = False
             server._num_refusing -= 1
@@ -227,7 +230,10 @@ class _Connection(asyncio.Protocol):
         self._body = []
         self._body_len = 0
         self._read_phase = _HEAD
-        self.server._idle.pop(self, None)
+        server = self.server
+        server._idle.pop(self, None)
+        if self._task is None and not self._pending:  # (a pipelined head is not sheddable)
+            server._heads[self] = None
         if self._num_requests:  # the first request's head is timed from the connection
             self._set_deadline(self.limits.header_timeout_s)
 
@@ -248,6 +254,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._read_phase = _BODY
+        self.server._heads.pop(self, None)
         self._head_bytes = 0
         self._set_deadline(self.limits.body_timeout_s)
         try:
@@ -255,6 +262,11 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserInvalidURLError:
             self._error = (400, "Malformed request URL")
             raise _LimitExceeded from None
+        if "host" not in self._headers and self.parser.get_http_version() == "1.1":
+            # RFC 9112 section 3.2: an HTTP/1.1 request without Host is answered 400
+            # (HTTP/1.0 clients may leave it out)
+            self._error = (400, "Bad request: an HTTP/1.1 request must carry a Host header")
+            raise _LimitExceeded
         self._path = url.path.decode("latin-1")
         self._query = url.query.decode("latin-1") if url.query else ""
         self._method = self.parser.get_method().decode("latin-1")
@@ -368,6 +380,7 @@ class _Connection(asyncio.Protocol):
             return
         self._refusing = True
         self.server._idle.pop(self, None)
+        self.server._heads.pop(self, None)
         if self._task is not None or self._push is not None:
             # an answer is in progress: an error cannot follow it on this connection
             self._closed = True
@@ -394,6 +407,22 @@ class _Connection(asyncio.Protocol):
         head = encode_head(503, resp.content_type, {"retry-after": "1"}, len(resp.body), False)
         transport.write(head + resp.body)
         self._linger()
+
+    def _shed(self) -> None:
+        """Shed at the connection cap (`HttpServer._reap_idle`) while its request head still
+        arrives: 408 and close, lingering like a refusal (a flood of them is reset at once)."""
+        server = self.server
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if server._num_refusing >= _MAX_REFUSING:
+            self._refusing = self._closed = True
+            transport.abort()
+            return
+        self._refused = True
+        server._num_refusing += 1
+        cap = server.max_connections
+        self._fail(408, f"Request head too slow: the server is at its limit of {cap} connections")
 
     def _linger(self) -> None:
         transport = self.transport

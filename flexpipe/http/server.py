@@ -60,7 +60,9 @@ API (stable; other modules depend on it)::
   (431), URL bytes (414), body bytes per route (413, as soon as Content-Length or the bytes
   received exceed it, without reading the rest), header and body read timeouts (408), idle
   keep-alive timeout (closed), write timeout (a client that stops reading is aborted), a cap
-  on connections (the longest-idle keep-alive connection is closed to make room, else 503).
+  on connections (the longest-idle keep-alive connection is closed to make room, else the
+  connection whose request head has been arriving longest gets 408 and is closed, else 503),
+  and 400 for an HTTP/1.1 request without Host (RFC 9112 section 3.2).
   Every error body is OpenAI's error shape; after an error the connection closes.
 
 Disconnect contract: when a client's connection closes (or a timeout aborts it) while its
@@ -114,6 +116,9 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BODY_BYTES = HttpLimits().max_body_bytes
+# a new connection that has sent nothing yet is not closed at the cap before this age: a
+# working client's first request is on its way
+NEW_CONNECTION_GRACE_S = 0.25
 
 
 class App:
@@ -194,9 +199,13 @@ class HttpServer:
         self._connections: set[_Connection] = set()
         # connections with no request in progress, oldest first (closed first at the cap)
         self._idle: dict[_Connection, None] = {}
+        # connections whose request head is still arriving, in the order their heads began
+        # (the oldest, i.e. slowest, is shed first at the cap when none is idle)
+        self._heads: dict[_Connection, None] = {}
         self._num_refusing = 0  # refused connections still lingering
         self.num_refused = 0
         self.num_reaped = 0
+        self.num_shed = 0  # slow heads closed to make room
         self.host = ""
         self.port = 0
 
@@ -218,12 +227,26 @@ class HttpServer:
         return len(self._connections)
 
     def _reap_idle(self) -> bool:
-        """At the cap: close the longest-idle connection to make room; False if none is idle."""
+        """At the cap: close the longest-idle connection to make room, else shed the one whose
+        request head has been arriving longest (a slow client must not hold a place a working
+        one needs: docs/http.md); False if there is neither. A new connection that has not
+        sent a byte yet is spared for NEW_CONNECTION_GRACE_S. A head of any age may be shed
+        (oldest first): a client that reconnects its slow heads as soon as they are shed would
+        otherwise keep every head young, and every newcomer out."""
+        now_s = asyncio.get_running_loop().time()
         for conn in self._idle:
+            if not conn._num_requests and now_s - conn._accepted_s < NEW_CONNECTION_GRACE_S:
+                continue
             del self._idle[conn]
             self._connections.discard(conn)
             conn._close()
             self.num_reaped += 1
+            return True
+        for conn in self._heads:
+            del self._heads[conn]
+            self._connections.discard(conn)
+            conn._shed()
+            self.num_shed += 1
             return True
         self.num_refused += 1
         return False

@@ -407,7 +407,7 @@ def test_slow_reader_gets_every_token_and_blocks_no_one() -> None:
                 % name.encode()
             )
             writer.write(
-                b"POST /v1/completions HTTP/1.1\r\ncontent-type: application/json\r\n"
+                b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\n\r\n%s" % (len(body), body)
             )
             await asyncio.sleep(0.3)  # the engine ran far ahead of this reader

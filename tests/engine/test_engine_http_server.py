@@ -81,15 +81,19 @@ def make_app(closed: list[str]) -> App:
 
 # Pipelined requests and the answers they must get, in order.
 PIPELINE = [
-    (b"GET /a?x=1 HTTP/1.1\r\nuser-agent: t\r\n\r\n", 200, b'{"q":"x=1","ua":"t"}'),
-    (b"GET /nope HTTP/1.1\r\n\r\n", 404, None),
-    (b"POST /a HTTP/1.1\r\ncontent-length: 0\r\n\r\n", 405, None),
-    (b'POST /json HTTP/1.1\r\ncontent-length: 3\r\n\r\n{"a', 400, None),
-    (b'POST /json HTTP/1.1\r\ncontent-length: 7\r\n\r\n{"a":1}', 200, b'{"a":1}'),
-    (b"GET /stream HTTP/1.1\r\n\r\n", 200, b"data: 0\n\ndata: 1\n\ndata: 2\n\n"),
-    (b"GET /push HTTP/1.1\r\n\r\n", 200, b"data: p0\n\ndata: p1\n\ndata: p2\n\ndata: [DONE]\n\n"),
-    (b"GET /push?fail HTTP/1.1\r\n\r\n", 409, None),
-    (b"GET /a?y HTTP/1.1\r\nuser-agent: zz\r\n\r\n", 200, b'{"q":"y","ua":"zz"}'),
+    (b"GET /a?x=1 HTTP/1.1\r\nhost: t\r\nuser-agent: t\r\n\r\n", 200, b'{"q":"x=1","ua":"t"}'),
+    (b"GET /nope HTTP/1.1\r\nhost: t\r\n\r\n", 404, None),
+    (b"POST /a HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n", 405, None),
+    (b'POST /json HTTP/1.1\r\nhost: t\r\ncontent-length: 3\r\n\r\n{"a', 400, None),
+    (b'POST /json HTTP/1.1\r\nhost: t\r\ncontent-length: 7\r\n\r\n{"a":1}', 200, b'{"a":1}'),
+    (b"GET /stream HTTP/1.1\r\nhost: t\r\n\r\n", 200, b"data: 0\n\ndata: 1\n\ndata: 2\n\n"),
+    (
+        b"GET /push HTTP/1.1\r\nhost: t\r\n\r\n",
+        200,
+        b"data: p0\n\ndata: p1\n\ndata: p2\n\ndata: [DONE]\n\n",
+    ),
+    (b"GET /push?fail HTTP/1.1\r\nhost: t\r\n\r\n", 409, None),
+    (b"GET /a?y HTTP/1.1\r\nhost: t\r\nuser-agent: zz\r\n\r\n", 200, b'{"q":"y","ua":"zz"}'),
 ]
 
 
@@ -186,7 +190,7 @@ def test_push_stream_disconnect_and_backpressure() -> None:
         try:
             # the client leaves mid-stream: on_close is called once
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /push?hang HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /push?hang HTTP/1.1\r\nhost: t\r\n\r\n")
             await asyncio.wait_for(reader.readuntil(b"data: p2\n\n"), READ_TIMEOUT_S)
             assert closed == []
             writer.close()
@@ -197,7 +201,9 @@ def test_push_stream_disconnect_and_backpressure() -> None:
             assert closed == ["push hang"]
             # a slow reader: the producer sees writable False, then on_resume
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /flood HTTP/1.1\r\n\r\nGET /a HTTP/1.1\r\n\r\n")
+            writer.write(
+                b"GET /flood HTTP/1.1\r\nhost: t\r\n\r\nGET /a HTTP/1.1\r\nhost: t\r\n\r\n"
+            )
             await asyncio.sleep(0.1)
             status, headers, body = await read_response(reader)
             assert status == 200 and headers["content-type"] == "application/octet-stream"
@@ -238,10 +244,10 @@ def test_routes_keepalive_pipelining_errors() -> None:
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(
-                b"GET /a?x=1 HTTP/1.1\r\nuser-agent: t\r\n\r\n"
-                b"GET /nope HTTP/1.1\r\n\r\n"
-                b"POST /a HTTP/1.1\r\ncontent-length: 0\r\n\r\n"
-                b'POST /json HTTP/1.1\r\ncontent-length: 3\r\n\r\n{"a'
+                b"GET /a?x=1 HTTP/1.1\r\nhost: t\r\nuser-agent: t\r\n\r\n"
+                b"GET /nope HTTP/1.1\r\nhost: t\r\n\r\n"
+                b"POST /a HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n"
+                b'POST /json HTTP/1.1\r\nhost: t\r\ncontent-length: 3\r\n\r\n{"a'
             )
             status, _, body = await read_response(reader)
             assert status == 200 and body == b'{"q":"x=1","ua":"t"}'
@@ -251,13 +257,13 @@ def test_routes_keepalive_pipelining_errors() -> None:
             assert status == 405
             status, _, body = await read_response(reader)
             assert status == 400 and b'"type":"BadRequestError"' in body
-            writer.write(b'POST /json HTTP/1.1\r\ncontent-length: 10\r\n\r\n{"fail":1}')
+            writer.write(b'POST /json HTTP/1.1\r\nhost: t\r\ncontent-length: 10\r\n\r\n{"fail":1}')
             status, _, body = await read_response(reader)
             assert status == 422 and b'"param":"fail"' in body
-            writer.write(b"GET /boom HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /boom HTTP/1.1\r\nhost: t\r\n\r\n")
             status, _, body = await read_response(reader)
             assert status == 500 and b"kaput" in body
-            writer.write(b"GET /stream HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /stream HTTP/1.1\r\nhost: t\r\n\r\n")
             status, headers, body = await read_response(reader)
             assert headers["transfer-encoding"] == "chunked"
             assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
@@ -273,14 +279,16 @@ def test_oversized_body_gets_413_and_connection_closes() -> None:
         server = await serve(make_app([]), "127.0.0.1", 0)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"POST /json HTTP/1.1\r\ncontent-length: 5000\r\n\r\n" + b"x" * 5000)
+            writer.write(
+                b"POST /json HTTP/1.1\r\nhost: t\r\ncontent-length: 5000\r\n\r\n" + b"x" * 5000
+            )
             status, headers, body = await read_response(reader)
             assert status == 413 and headers["connection"] == "close"
             assert b'"code":413' in body
             assert await asyncio.wait_for(reader.read(), READ_TIMEOUT_S) == b""
             # the server still serves new connections
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /a HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n")
             assert (await read_response(reader))[0] == 200
             writer.close()
         finally:
@@ -295,7 +303,7 @@ def test_client_disconnect_closes_the_stream_iterator() -> None:
         server = await serve(make_app(closed), "127.0.0.1", 0)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /stream?hang HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /stream?hang HTTP/1.1\r\nhost: t\r\n\r\n")
             await asyncio.wait_for(reader.readuntil(b"data: 2\n\n"), READ_TIMEOUT_S)
             assert closed == []
             writer.close()
@@ -325,12 +333,14 @@ def test_failure_while_answering_aborts_instead_of_stalling() -> None:
         server = await serve(app, "127.0.0.1", 0)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /badheader HTTP/1.1\r\n\r\nGET /a HTTP/1.1\r\n\r\n")
+            writer.write(
+                b"GET /badheader HTTP/1.1\r\nhost: t\r\n\r\nGET /a HTTP/1.1\r\nhost: t\r\n\r\n"
+            )
             assert await asyncio.wait_for(reader.read(), READ_TIMEOUT_S) == b""
             writer.close()
             # the server still serves
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(b"GET /a HTTP/1.1\r\n\r\n")
+            writer.write(b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n")
             assert (await read_response(reader))[0] == 200
             writer.close()
         finally:

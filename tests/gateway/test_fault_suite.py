@@ -274,6 +274,73 @@ def test_kill_9_engines_under_streamed_and_plain_requests(
             assert_serves(c)
 
 
+# =============================================================================== 1b. a hung engine
+HUNG_TOKENS = 300  # ~3 s of generation at time scale 1
+HUNG_FOR_S = 15.0  # SIGSTOP this long: a stream waiting it out takes longer than the bound
+STREAM_SILENCE_S = 1.5  # the gateway's bound on a started stream's silence (config)
+MAX_STALL_S = 6.0  # the longest gap allowed between two tokens: the bound, a prefill, slack
+
+
+def test_streams_of_a_hung_engine_continue_elsewhere_within_the_silence_bound() -> None:
+    """SIGSTOP breaks no connection: only the gateway's silence bound on a started stream
+    (`stream_silence_s`) moves it to the other engine, complete and ungarbled."""
+    prompt = "a stream on an engine that hangs"
+    with sim_engine(engine_args(0)) as eng:
+        ref = request("POST", eng.url + "/v1/completions",
+                      orjson.loads(completion_body(prompt, HUNG_TOKENS, False)),
+                      timeout_s=30).json()["choices"][0]["text"]  # fmt: skip
+    config = {"stream_silence_s": STREAM_SILENCE_S, "routing": {"policy": "round_robin"}}
+    with cluster(2, 1.0, config) as c:
+        stopped: list[EngineProc] = []
+
+        def wake(e: EngineProc) -> None:
+            os.kill(e.proc.pid, signal.SIGCONT)
+
+        async def go() -> tuple[str, str, list[float], set[str], str | None]:
+            client = c.client()
+            text, before_stop, gaps, ids, finish = "", "", [], set(), None
+            try:
+                raw = await client.completions.with_raw_response.create(
+                    model=MODEL, prompt=prompt, max_tokens=HUNG_TOKENS, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                serving = raw.headers.get("x-flexpipe-instance", "")
+                victim = next(e for e in c.engines if e.url == serving)
+                t_last = time.monotonic()
+                async for ch in raw.parse():
+                    now = time.monotonic()
+                    gaps.append(now - t_last)
+                    t_last = now
+                    ids.add(ch.id)
+                    text += ch.choices[0].text
+                    finish = ch.choices[0].finish_reason or finish
+                    if not stopped and len(gaps) == 30:
+                        os.kill(victim.proc.pid, signal.SIGSTOP)
+                        stopped.append(victim)
+                        asyncio.get_running_loop().call_later(HUNG_FOR_S, wake, victim)
+                        before_stop = text
+                        gaps.clear()  # the gaps after the stop
+            finally:
+                await client.close()
+                for e in stopped:
+                    os.kill(e.proc.pid, signal.SIGCONT)
+            return text, before_stop, gaps, ids, finish
+
+        try:
+            text, before_stop, gaps, ids, finish = asyncio.run(go())
+        finally:
+            for e in stopped:  # (a failure before the SIGCONT above)
+                os.kill(e.proc.pid, signal.SIGCONT)
+        assert stopped, "the stream never started"
+        print(f"longest gap after the SIGSTOP: {max(gaps):.2f} s")
+        assert max(gaps) < MAX_STALL_S, f"the stream stalled {max(gaps):.1f} s"
+        assert finish == "length" and len(ids) == 1
+        assert ref.startswith(before_stop)
+        assert text_problems(text, HUNG_TOKENS, chat=False) == []
+        wait_settled(c.gw, c.engine_urls, 10)  # every slot released, on both engines
+        assert_serves(c)
+
+
 # =============================================================================== 2. disconnects
 LONG_TOKENS = 2000  # ~20 s of generation at time scale 1: only an abort ends it in time
 SETTLE_S = 3.0  # what "released at once" means here, on a loaded 2-core machine
@@ -734,6 +801,121 @@ def test_slow_and_idle_connections_are_closed() -> None:
             f"{config or 'none found in GatewayConfig'}"
         )
         assert leftovers(c.gw, c.engine_urls) == []
+
+
+SLOW_CAP = 24  # the gateway's connection cap in the next test (its `http.max_connections`)
+
+
+def test_slow_heads_filling_the_connection_cap_do_not_shut_clients_out() -> None:
+    """Connections that send their request heads a byte a second, as many as the cap, and a
+    client that opens new ones as fast as they are shed: `openai` clients are still served
+    (the slowest head is shed for each of them, with a 408 and a close)."""
+    config = {"http": {"max_connections": SLOW_CAP, "header_timeout_s": 60}}
+    with cluster(1, 0.0, config) as c:
+        port = c.gw.port
+        stop = threading.Event()
+        num_shed = [0]
+
+        def slow_head() -> None:
+            with socket.create_connection(("127.0.0.1", port), 5) as sock:
+                sock.settimeout(1.0)
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+                    while not stop.is_set():
+                        try:
+                            answer = sock.recv(65536)
+                            if answer.startswith(b"HTTP/1.1 408"):
+                                num_shed[0] += 1
+                            if not answer or answer.startswith(b"HTTP/1.1 408"):
+                                return  # shed: a reconnecting client opens another
+                        except TimeoutError:
+                            pass
+                        sock.sendall(b"x")  # a byte a second, never the end of the head
+
+        def reconnecting() -> None:
+            while not stop.is_set():
+                slow_head()
+
+        threads = [threading.Thread(target=reconnecting, daemon=True) for _ in range(SLOW_CAP)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.5)  # the cap is full of slow heads
+            assert_serves(c, num=8)
+            assert_serves(c, num=8)
+            assert num_shed[0] >= 8, f"only {num_shed[0]} slow heads shed"
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+        assert leftovers(c.gw, c.engine_urls) == []
+
+
+BIG_BODY_PARTS = 118_000  # message parts: a 3.9 MiB body, ~300 ms of validation
+NUM_BIG_BODIES = 4
+MAX_EXTRA_GAP_S = 0.12  # what the big bodies may add to the stream's longest gap
+
+
+def _big_chat_body() -> bytes:
+    parts = [{"type": "text", "text": "hi there"}] * BIG_BODY_PARTS
+    # a model nobody serves: parsed in full, then 404 (no engine spends time on it)
+    body = orjson.dumps({"model": "nobody-serves-this", "max_tokens": 1,
+                         "messages": [{"role": "user", "content": parts}]})  # fmt: skip
+    assert 3.8 * (1 << 20) < len(body) < 4 * (1 << 20)  # under the gateway's 4 MiB limit
+    return body
+
+
+def test_a_large_body_does_not_freeze_the_streams_being_relayed() -> None:
+    """The gateway validates a body on its event loop only when it is small: a 3.9 MiB one
+    (the most pydantic work per byte: many small parts) read there froze every stream it
+    relayed for ~300 ms. The stream's longest gap between tokens while big bodies arrive is
+    compared with its longest gap just before, on the same machine at the same time."""
+    big = post("/v1/chat/completions", _big_chat_body())
+    with cluster(1, 1.0) as c:
+
+        async def go() -> tuple[list[float], list[float], list[int]]:
+            client = c.client()
+            base: list[float] = []
+            during: list[float] = []
+            statuses: list[int] = []
+            phase = base
+            sender: asyncio.Task[None] | None = None
+
+            async def send_big() -> None:
+                nonlocal phase
+                phase = during
+                for _ in range(NUM_BIG_BODIES):
+                    statuses.append((await raw_call(c.gw.port, big, timeout_s=30)).status)
+                phase = []  # done: later gaps count for neither
+
+            try:
+                stream = await client.completions.create(
+                    model=MODEL, prompt="a steady stream", max_tokens=1500, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                t_last = 0.0
+                async for _ in stream:
+                    now = time.monotonic()
+                    if t_last:
+                        phase.append(now - t_last)
+                    t_last = now
+                    if sender is None and len(base) >= 150:
+                        sender = asyncio.create_task(send_big())
+                    if sender is not None and sender.done():
+                        break
+                assert sender is not None
+                await sender
+            finally:
+                await client.close()
+            return base, during, statuses
+
+        base, during, statuses = asyncio.run(go())
+        print(f"longest gap: {max(base) * 1e3:.0f} ms before, {max(during) * 1e3:.0f} ms while "
+              f"{NUM_BIG_BODIES} bodies of 3.9 MiB were read")  # fmt: skip
+        assert statuses == [404] * NUM_BIG_BODIES
+        assert len(during) > 20, "the stream ended before the bodies were read"
+        assert max(during) < max(base) + MAX_EXTRA_GAP_S
+        wait_settled(c.gw, c.engine_urls, 10)
 
 
 # =============================================================================== 6. siblings

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from test_gateway_fakes import FakeEngine, LoopThread
 
-from flexpipe.gateway.app import Gateway
+from flexpipe.gateway.app import PARSE_OFF_LOOP_BYTES, Gateway
 from flexpipe.gateway.config import config_from_dict
 
 
@@ -120,6 +120,41 @@ def test_bad_input_is_a_clear_4xx_and_the_gateway_keeps_serving(
     err = orjson.loads(raw)["error"]
     assert got == status and needle in err["message"] and err["code"] == status
     assert gw.client().completions.create(model="fake-model", prompt="x", max_tokens=1)
+
+
+def test_a_large_body_is_validated_off_the_loop_and_served_as_a_small_one(
+    lt: LoopThread,
+) -> None:
+    """Over PARSE_OFF_LOOP_BYTES the body is validated in a parser process: the same answers
+    (a 400 naming its field, usage with include_usage), and a stream that must continue
+    elsewhere gets its continuation from the body parsed again on the gateway."""
+    dying, healthy = FakeEngine(mode="die", die_after=2, token_delay_s=0.3), FakeEngine()
+    r = Running(lt, [dying, healthy])
+    prompt = "w" * (PARSE_OFF_LOOP_BYTES + 1000)
+    try:
+        bad = orjson.dumps({"model": "fake-model", "prompt": prompt, "max_tokens": "9"})
+        status, _, raw = r.http(
+            "POST", "/v1/completions", bad, {"content-type": "application/json"}
+        )
+        assert status == 400 and orjson.loads(raw)["error"]["param"] == "max_tokens", raw[:300]
+        r.gw.pool.drain(healthy.url)  # the stream starts on the dying engine
+        stream = r.client().completions.create(
+            model="fake-model", prompt=prompt, max_tokens=5, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        it = iter(stream)
+        first = next(it)
+        r.gw.pool.activate(healthy.url)
+        chunks = [first, *it]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == "t0 t1 t0 t1 t2 "  # two from the dying engine, three continued
+        assert healthy.bodies[-1]["prompt"] == prompt + "t0 t1 "
+        assert healthy.bodies[-1]["max_tokens"] == 3
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+        assert {c.id for c in chunks} == {first.id}
+        assert sum(i.num_in_flight for i in r.gw.pool.instances.values()) == 0
+    finally:
+        r.close()
 
 
 def test_bad_chat_and_oversized_body(lt: LoopThread) -> None:

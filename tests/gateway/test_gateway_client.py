@@ -126,6 +126,50 @@ def test_pipe_hands_chunks_over_as_they_arrive_and_times_out_a_stall() -> None:
     assert kind == "idle"
 
 
+def test_a_tightened_idle_bound_cuts_a_stall_but_not_a_read_we_paused() -> None:
+    """`set_idle_timeout` (a started stream's silence bound) takes effect at once; while we
+    hold the upstream's reads back (a slow client), its silence is not counted."""
+    go_on = asyncio.Event()
+
+    async def handler(writer: asyncio.StreamWriter) -> None:
+        writer.write(_HEAD + _chunk(b"t0;"))
+        await writer.drain()
+        await go_on.wait()  # silent while the reader is paused
+        writer.write(_chunk(b"t1;"))
+        await writer.drain()
+        await asyncio.sleep(5)  # then stall
+
+    async def main() -> tuple[list[bytes], str, float]:
+        server, url = await _serve(handler)
+        pool = ClientPool()
+        loop = asyncio.get_running_loop()
+        try:
+            resp = await pool.request(url, "GET", "/", timeouts=Timeouts(1, 1, idle_s=30))
+            got: list[bytes] = []
+            ended: asyncio.Future[UpstreamError | None] = loop.create_future()
+            resp.pipe(got.append, ended.set_result)
+            resp.set_idle_timeout(0.2)
+            resp.pause_reading()
+            await asyncio.sleep(0.6)  # three bounds: paused, so no time-out
+            assert not ended.done()
+            resp.resume_reading()
+            go_on.set()
+            t0 = loop.time()
+            err = await asyncio.wait_for(ended, 3)
+            resp.release()
+            assert err is not None
+            return got, err.kind, loop.time() - t0
+        finally:
+            await pool.close()
+            server.close()
+            await server.wait_closed()
+
+    got, kind, stalled_s = asyncio.run(main())
+    assert b"".join(got) == b"t0;t1;"
+    assert kind == "idle"
+    assert 0.15 < stalled_s < 1.0  # the tightened bound, not the 30 s one
+
+
 def test_pipe_ends_cleanly_and_the_connection_is_reused() -> None:
     async def handler(writer: asyncio.StreamWriter) -> None:
         writer.write(_HEAD + _chunk(b"a"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import select
 import socket
 import threading
@@ -265,7 +266,7 @@ def get_ok(port: int) -> float:
     """Seconds for a GET /a on a new connection (asserting it is answered)."""
     t0 = time.monotonic()
     with connect(port) as sock:
-        sock.sendall(b"GET /a HTTP/1.1\r\n\r\n")
+        sock.sendall(b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n")
         status, _, _ = read_response(sock)
         assert status == 200
     return time.monotonic() - t0
@@ -307,7 +308,7 @@ def test_a_64mb_header_is_refused_at_once_and_others_are_still_served(server: Se
     with connect(server.port) as sock:
         t0 = time.monotonic()
         answer, sent = send_until_answered(
-            sock, b"GET /a HTTP/1.1\r\nx-big: ", b"a" * 65536, 64 << 20
+            sock, b"GET /a HTTP/1.1\r\nhost: t\r\nx-big: ", b"a" * 65536, 64 << 20
         )
         refused_s = time.monotonic() - t0
         status, _, body = read_response(sock, bytearray(answer))
@@ -323,7 +324,9 @@ def test_a_64mb_header_is_refused_at_once_and_others_are_still_served(server: Se
 def test_100000_headers_are_refused_at_once(server: Server) -> None:
     with connect(server.port) as sock:
         t0 = time.monotonic()
-        answer, _ = send_until_answered(sock, b"GET /a HTTP/1.1\r\n", b"x-h: v\r\n", 100_000 * 8)
+        answer, _ = send_until_answered(
+            sock, b"GET /a HTTP/1.1\r\nhost: t\r\n", b"x-h: v\r\n", 100_000 * 8
+        )
         status, headers, body = read_response(sock, bytearray(answer))
         assert time.monotonic() - t0 < 1.0
         assert status == 431 and headers["connection"] == "close"
@@ -346,9 +349,25 @@ def test_the_header_count_limit_is_exact(server: Server, num_headers: int, statu
         assert error_of(body)["message"] == "Too many request header fields: the limit is 50"
 
 
+def test_an_http11_request_without_host_gets_400_and_http10_is_served(server: Server) -> None:
+    with connect(server.port) as sock:  # RFC 9112 section 3.2
+        sock.sendall(b"GET /a HTTP/1.1\r\n\r\n")
+        status, headers, body = read_response(sock)
+        assert status == 400 and headers["connection"] == "close"
+        assert error_of(body) == {
+            "message": "Bad request: an HTTP/1.1 request must carry a Host header",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    with connect(server.port) as sock:  # an HTTP/1.0 client may leave Host out
+        sock.sendall(b"GET /a HTTP/1.0\r\n\r\n")
+        assert read_response(sock)[:1] == (200,)
+
+
 def test_a_long_url_gets_414(server: Server) -> None:
     with connect(server.port) as sock:
-        sock.sendall(b"GET /a?" + b"q" * 2000 + b" HTTP/1.1\r\n\r\n")
+        sock.sendall(b"GET /a?" + b"q" * 2000 + b" HTTP/1.1\r\nhost: t\r\n\r\n")
         status, _, body = read_response(sock)
         assert status == 414
         assert error_of(body)["code"] == 414
@@ -358,7 +377,7 @@ def test_a_long_url_gets_414(server: Server) -> None:
 def test_a_body_over_the_route_limit_gets_413_before_it_is_sent(server: Server) -> None:
     with connect(server.port) as sock:
         # the head alone: the 413 comes without a byte of the body
-        sock.sendall(b"POST /small HTTP/1.1\r\ncontent-length: 10000000\r\n\r\n")
+        sock.sendall(b"POST /small HTTP/1.1\r\nhost: t\r\ncontent-length: 10000000\r\n\r\n")
         status, headers, body = read_response(sock)
         assert status == 413 and headers["connection"] == "close"
         assert error_of(body)["message"] == "Request body too large: the limit is 1000 bytes"
@@ -369,24 +388,31 @@ def test_a_body_over_the_route_limit_gets_413_before_it_is_sent(server: Server) 
             time.sleep(0.02)
         assert time.monotonic() - t0 > 0.3
     with connect(server.port) as sock:  # a chunked body: 413 once the bytes pass the limit
-        sock.sendall(b"POST /small HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n")
+        sock.sendall(b"POST /small HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n")
         sock.sendall(b"400\r\n" + b"x" * 1024 + b"\r\n")
         status, _, _ = read_response(sock)
         assert status == 413
     with connect(server.port) as sock:  # Expect: 100-continue gets 413 or 100 at once
         sock.sendall(
-            b"POST /small HTTP/1.1\r\ncontent-length: 5000\r\nexpect: 100-continue\r\n\r\n"
+            b"POST /small HTTP/1.1\r\nhost: t\r\ncontent-length: 5000\r\n"
+            b"expect: 100-continue\r\n\r\n"
         )
         assert read_response(sock)[0] == 413
     with connect(server.port) as sock:
-        sock.sendall(b"POST /small HTTP/1.1\r\ncontent-length: 3\r\nexpect: 100-continue\r\n\r\n")
+        sock.sendall(
+            b"POST /small HTTP/1.1\r\nhost: t\r\ncontent-length: 3\r\nexpect: 100-continue\r\n\r\n"
+        )
         assert sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
         sock.sendall(b"abc")
         assert read_response(sock)[2] == b'{"n":3}'
     with connect(server.port) as sock:  # under the limit, and another route's larger limit
-        sock.sendall(b"POST /small HTTP/1.1\r\ncontent-length: 1000\r\n\r\n" + b"x" * 1000)
+        sock.sendall(
+            b"POST /small HTTP/1.1\r\nhost: t\r\ncontent-length: 1000\r\n\r\n" + b"x" * 1000
+        )
         assert read_response(sock)[2] == b'{"n":1000}'
-        sock.sendall(b"POST /big HTTP/1.1\r\ncontent-length: 50000\r\n\r\n" + b"x" * 50000)
+        sock.sendall(
+            b"POST /big HTTP/1.1\r\nhost: t\r\ncontent-length: 50000\r\n\r\n" + b"x" * 50000
+        )
         assert read_response(sock)[2] == b'{"n":50000}'
 
 
@@ -394,7 +420,7 @@ def test_a_body_over_the_route_limit_gets_413_before_it_is_sent(server: Server) 
 def test_a_slowloris_head_gets_408_after_the_header_timeout(server: Server) -> None:
     with connect(server.port) as sock:
         t0 = time.monotonic()
-        sock.sendall(b"GET /a HTTP/1.1\r\nx-slow: ")
+        sock.sendall(b"GET /a HTTP/1.1\r\nhost: t\r\nx-slow: ")
         answer = b""
         sock.setblocking(False)
         while time.monotonic() - t0 < 3.0 and b"}" not in answer:
@@ -413,7 +439,7 @@ def test_a_slowloris_head_gets_408_after_the_header_timeout(server: Server) -> N
 def test_a_slow_body_gets_408_after_the_body_timeout(server: Server) -> None:
     with connect(server.port) as sock:
         t0 = time.monotonic()
-        sock.sendall(b"POST /big HTTP/1.1\r\ncontent-length: 100\r\n\r\nabc")
+        sock.sendall(b"POST /big HTTP/1.1\r\nhost: t\r\ncontent-length: 100\r\n\r\nabc")
         status, _, body = read_response(sock)
         assert status == 408 and "body" in error_of(body)["message"]
         assert 0.4 < time.monotonic() - t0 < 1.5
@@ -421,7 +447,7 @@ def test_a_slow_body_gets_408_after_the_body_timeout(server: Server) -> None:
 
 def test_idle_connections_are_closed(server: Server) -> None:
     with connect(server.port) as idle_keep_alive, connect(server.port) as silent:
-        idle_keep_alive.sendall(b"GET /a HTTP/1.1\r\n\r\n")
+        idle_keep_alive.sendall(b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n")
         assert read_response(idle_keep_alive)[0] == 200
         assert 0.3 < closed_by_server(idle_keep_alive) < 1.5  # keep_alive_timeout_s 0.4
         assert closed_by_server(silent) < 1.5  # sent nothing: header_timeout_s 0.5, no answer
@@ -432,7 +458,7 @@ def test_a_client_that_stops_reading_is_aborted_and_its_stream_closed(
 ) -> None:
     with connect(server.port) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(b"GET /firehose HTTP/1.1\r\n\r\n")
+        sock.sendall(b"GET /firehose HTTP/1.1\r\nhost: t\r\n\r\n")
         assert events.wait_for("firehose closed") < 3.0  # write_timeout_s 0.4
     assert server.call(lambda: server.server.num_connections) == 0  # type: ignore[union-attr]
 
@@ -445,7 +471,7 @@ def test_past_the_cap_idle_ones_make_room_then_a_clear_refusal(
     idle = [connect(server.port) for _ in range(8)]
     try:
         for sock in idle:
-            sock.sendall(b"GET /a HTTP/1.1\r\n\r\n")
+            sock.sendall(b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n")
             assert read_response(sock)[0] == 200
         assert get_ok(server.port) < 0.5
         assert closed_by_server(idle[0], 1.0) < 1.0
@@ -456,10 +482,10 @@ def test_past_the_cap_idle_ones_make_room_then_a_clear_refusal(
     busy = [connect(server.port) for _ in range(8)]
     try:
         for sock in busy:
-            sock.sendall(b"GET /wait HTTP/1.1\r\n\r\n")
+            sock.sendall(b"GET /wait HTTP/1.1\r\nhost: t\r\n\r\n")
         time.sleep(0.2)
         with connect(server.port) as sock:
-            sock.sendall(b"GET /a HTTP/1.1\r\n\r\n")
+            sock.sendall(b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n")
             status, headers, body = read_response(sock)
             assert status == 503 and headers["connection"] == "close"
             assert "limit of 8 connections" in error_of(body)["message"]
@@ -473,10 +499,51 @@ def test_past_the_cap_idle_ones_make_room_then_a_clear_refusal(
     assert get_ok(server.port) < 0.5  # served again once the others closed
 
 
+def open_slow_heads(port: int, num: int) -> list[socket.socket]:
+    """`num` connections that each sent the start of a request head, and nothing more."""
+    socks = []
+    for _ in range(num):
+        sock = connect(port)
+        socks.append(sock)
+        with contextlib.suppress(OSError):  # (one shed at once is the server's right)
+            sock.sendall(b"GET /a HTTP/1.1\r\nhost: t\r\nx-slow: a")
+    return socks
+
+
+def test_slow_heads_at_the_cap_are_shed_for_working_clients(events: Events) -> None:
+    # the header timeout is long: only the cap's shedding can make room
+    app = make_app(events)
+    app.limits = dataclasses.replace(LIMITS, header_timeout_s=30.0)
+    srv = Server(app, "asyncio")
+    slow: list[socket.socket] = []
+    try:
+        slow = open_slow_heads(srv.port, 8)  # the whole cap: 8 heads arriving a byte at a time
+        time.sleep(0.4)  # older than NEW_CONNECTION_GRACE_S (a slow head is shed at any age)
+        assert get_ok(srv.port) < 1.0  # it sheds the slowest head
+        status, headers, body = read_response(slow[0])  # a clean 408 in OpenAI's shape
+        assert status == 408 and headers["connection"] == "close"
+        assert error_of(body)["message"] == (
+            "Request head too slow: the server is at its limit of 8 connections"
+        )
+        assert closed_by_server(slow[0], 2.0) < 2.0  # then closed
+        assert srv.call(lambda: srv.server.num_shed) == 1  # type: ignore[union-attr]
+        # a client that reconnects its slow heads as fast as they are shed keeps nobody out
+        for _ in range(5):
+            slow += open_slow_heads(srv.port, 3)
+            time.sleep(0.3)
+            assert get_ok(srv.port) < 1.0
+        assert srv.call(lambda: srv.server.num_refused) == 0  # type: ignore[union-attr]
+        assert srv.call(lambda: srv.server.num_connections) <= 8  # type: ignore[union-attr]
+    finally:
+        for sock in slow:
+            sock.close()
+        srv.stop()
+
+
 # --- pipelining ------------------------------------------------------------------------------
 def test_a_pipelined_flood_is_not_buffered_without_bound(server: Server) -> None:
     num_requests = 1_000_000  # 19 MB, and 100 MB of answers: more than socket buffers hold
-    request = b"GET /a HTTP/1.1\r\n\r\n"
+    request = b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n"
     with connect(server.port) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
         sock.setblocking(False)
@@ -524,10 +591,10 @@ def test_an_http10_client_gets_a_stream_without_chunks(server: Server) -> None:
 
 def test_head_is_answered_like_get_without_a_body(server: Server, events: Events) -> None:
     with connect(server.port) as sock:
-        sock.sendall(b"GET /a HTTP/1.1\r\n\r\n")
+        sock.sendall(b"GET /a HTTP/1.1\r\nhost: t\r\n\r\n")
         _, get_headers, get_body = read_response(sock)
         # HEAD then GET pipelined: the HEAD answer has the GET's head and no body at all
-        sock.sendall(b"HEAD /a HTTP/1.1\r\n\r\nGET /a?x HTTP/1.1\r\n\r\n")
+        sock.sendall(b"HEAD /a HTTP/1.1\r\nhost: t\r\n\r\nGET /a?x HTTP/1.1\r\nhost: t\r\n\r\n")
         buf = bytearray()
         while b"\r\n\r\n" not in buf:
             buf.extend(sock.recv(65536))
@@ -539,14 +606,14 @@ def test_head_is_answered_like_get_without_a_body(server: Server, events: Events
         assert status == 200 and body == b'{"path":"/a","query":"x"}'
         assert get_headers["content-length"] == str(len(get_body))
         # a stream route: the head only, and the producer is told
-        sock.sendall(b"HEAD /push HTTP/1.1\r\n\r\nGET /a HTTP/1.1\r\n\r\n")
+        sock.sendall(b"HEAD /push HTTP/1.1\r\nhost: t\r\n\r\nGET /a HTTP/1.1\r\nhost: t\r\n\r\n")
         buf = bytearray()
         while buf.count(b"\r\n\r\n") < 2:
             buf.extend(sock.recv(65536))
         assert bytes(buf).startswith(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
         events.wait_for("push closed")
         # HEAD on a POST-only route is a 405 that names the allowed methods
-        sock.sendall(b"HEAD /small HTTP/1.1\r\n\r\n")
+        sock.sendall(b"HEAD /small HTTP/1.1\r\nhost: t\r\n\r\n")
         buf = bytearray()
         while b"\r\n\r\n" not in buf:
             buf.extend(sock.recv(65536))
@@ -556,13 +623,16 @@ def test_head_is_answered_like_get_without_a_body(server: Server, events: Events
 # --- the disconnect contract -----------------------------------------------------------------
 def test_a_client_that_leaves_cancels_its_handler(server: Server, events: Events) -> None:
     with connect(server.port) as sock:
-        sock.sendall(b"GET /sleep?gone HTTP/1.1\r\n\r\n")
+        sock.sendall(b"GET /sleep?gone HTTP/1.1\r\nhost: t\r\n\r\n")
         time.sleep(0.1)
     assert events.wait_for("finally gone") < 1.0
     assert events.log.index("cancelled gone") < events.log.index("finally gone")
     # the same when the client half-closes, and when it leaves with requests queued behind
     with connect(server.port) as sock:
-        sock.sendall(b"GET /sleep?queued HTTP/1.1\r\n\r\nGET /sleep?never HTTP/1.1\r\n\r\n")
+        sock.sendall(
+            b"GET /sleep?queued HTTP/1.1\r\nhost: t\r\n\r\n"
+            b"GET /sleep?never HTTP/1.1\r\nhost: t\r\n\r\n"
+        )
         time.sleep(0.1)
         sock.shutdown(socket.SHUT_WR)
         assert events.wait_for("finally queued") < 1.0
