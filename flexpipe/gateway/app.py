@@ -17,15 +17,19 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import random
 import time
 from collections.abc import Callable, Collection
-from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 from flexpipe.gateway import moves
 from flexpipe.gateway.admin import AdminApi
+from flexpipe.gateway.body_parser import (
+    PARSE_OFF_LOOP_BYTES,
+    BodyParser,
+    summarize,
+    validate_body,
+)
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.core.admission import (
@@ -35,7 +39,6 @@ from flexpipe.gateway.core.admission import (
     Route,
     admit,
     is_served,
-    num_prompt_tokens,
 )
 from flexpipe.gateway.core.holds import Holds
 from flexpipe.gateway.core.pool import Instance, Pool, stream_tpot_s
@@ -62,12 +65,9 @@ from flexpipe.http.server import (
     json_response,
     serve,
 )
-from flexpipe.policies.routing import RoutingRequest, prompt_block_hashes
+from flexpipe.policies.routing import RoutingRequest
 from flexpipe.protocol import (
     RequestError,
-    ValidRequest,
-    parse_chat_request,
-    parse_completion_request,
 )
 
 log = logging.getLogger("flexpipe.gateway")
@@ -77,57 +77,12 @@ _ADMIN_BODY_BYTES = 1 << 20  # every route but the two that carry prompts
 _DEAD = ("connect", "closed", "protocol")  # the instance failed before a response head
 _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
-# request bodies larger than this are validated in a parser process, not on the event loop:
-# a 256 KiB body validates in ~13 ms at worst (thousands of small message parts); below it,
-# sending a body to a process and back would cost more than the stall it saves (a common 1 KiB
-# body validates in 0.016 ms)
-PARSE_OFF_LOOP_BYTES = 256 * 1024
-_NUM_PARSER_PROCESSES = 2  # large bodies validated at once; the rest wait their turn
 
 
 def _waits_for_a_slot(decision: Decision) -> bool:
     """The request found its model served (or held) and took no slot: it queues, or its
     queue's wait is over."""
     return isinstance(decision, Queue) or (isinstance(decision, Fail) and decision.busy)
-
-
-class BodySummary(NamedTuple):
-    """What routing and accounting need of a request body: small, so it crosses from a
-    parser process cheaply (the body itself is parsed again only if a move needs it)."""
-
-    model: str
-    stream: bool
-    max_tokens: int | None
-    user: str
-    include_usage: bool
-    num_prompt_tokens: int
-    block_hashes: tuple[int, ...]
-
-
-def validate_body(raw: bytes, content_type: str | None, chat: bool) -> ValidRequest[Any]:
-    """The body validated against the OpenAI schema (RequestError: a 400 naming the field)."""
-    parse = parse_chat_request if chat else parse_completion_request
-    return parse(raw, content_type)
-
-
-def summarize(valid: ValidRequest[Any], block_chars: int) -> BodySummary:
-    prompt = valid.prompt_bytes
-    return BodySummary(
-        valid.model,
-        valid.stream,
-        valid.max_tokens,
-        valid.user,
-        valid.include_usage,
-        num_prompt_tokens(len(prompt)),
-        prompt_block_hashes(prompt, block_chars),
-    )
-
-
-def summarize_body(
-    raw: bytes, content_type: str | None, chat: bool, block_chars: int
-) -> BodySummary:
-    """`validate_body` then `summarize`, in one call a parser process runs (pure: no state)."""
-    return summarize(validate_body(raw, content_type, chat), block_chars)
 
 
 class Gateway:
@@ -155,7 +110,7 @@ class Gateway:
         self._grace_over = False  # and, past the grace period, queued ones too
         self._idle: asyncio.Event | None = None  # set when the last call ends (shutdown)
         self.prober = Prober(self)
-        self._parsers: ProcessPoolExecutor | None = None  # validate large bodies (`_parse`)
+        self._parsers = BodyParser()  # validates large bodies off the event loop (`_parse`)
         self.server: HttpServer | None = None
         for b in cfg.backends:
             self.pool.add(b.url, b.model, b.weight, b.max_concurrency, b.api_key, b.max_num_seqs)
@@ -178,9 +133,7 @@ class Gateway:
         if self.server is not None:
             await self.server.close()
         await self.client.close()
-        if self._parsers is not None:
-            self._parsers.shutdown(wait=False, cancel_futures=True)
-            self._parsers = None
+        self._parsers.close()
 
     def _build_app(self) -> App:
         app = App(max_body_bytes=_ADMIN_BODY_BYTES, limits=self.cfg.http)
@@ -234,15 +187,15 @@ class Gateway:
 
     async def _parse(self, req: Request, path: str, chat: bool) -> Call:
         """Validate the body against the OpenAI schema (flexpipe.protocol: a 400 naming the
-        offending field for any violation) and reduce it to what routing needs. A body over
-        `PARSE_OFF_LOOP_BYTES` is validated in a parser process: a 4 MiB body of many small
-        message parts takes ~300 ms to validate, and on the event loop (or a thread: pydantic
-        and orjson hold the GIL for long stretches) it froze every stream the gateway relays."""
+        offending field for any violation) and reduce it to what routing needs; a body over
+        `PARSE_OFF_LOOP_BYTES` in a parser process (`body_parser`)."""
         content_type = req.headers.get("content-type")
         body: dict[str, Any] | None = None
         try:
             if len(req.body) > PARSE_OFF_LOOP_BYTES:
-                summary = await self._summarize_off_loop(req.body, content_type, chat)
+                summary = await self._parsers.summarize(
+                    req.body, content_type, chat, self.cfg.block_chars
+                )
             else:
                 valid = validate_body(req.body, content_type, chat)
                 summary, body = summarize(valid, self.cfg.block_chars), valid.body
@@ -268,30 +221,6 @@ class Gateway:
             num_prompt_tokens=num_prompt,
             include_usage=summary.include_usage,
         )
-
-    async def _summarize_off_loop(
-        self, raw: bytes, content_type: str | None, chat: bool
-    ) -> BodySummary:
-        """`summarize_body` in a parser process (started at the first large body); a pool
-        whose process died is replaced once."""
-        loop = asyncio.get_running_loop()
-        for attempt in range(2):
-            if self._parsers is None:
-                context = multiprocessing.get_context("spawn")  # no fork of a threaded loop
-                self._parsers = ProcessPoolExecutor(_NUM_PARSER_PROCESSES, mp_context=context)
-            parsers = self._parsers
-            try:
-                return await loop.run_in_executor(
-                    parsers, summarize_body, raw, content_type, chat, self.cfg.block_chars
-                )
-            except BrokenExecutor:
-                log.warning("a request parser process died: starting another")
-                if self._parsers is parsers:
-                    self._parsers = None
-                parsers.shutdown(wait=False, cancel_futures=True)
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
 
     async def _proxy(
         self, req: Request, path: str, chat: bool

@@ -13,7 +13,8 @@ import orjson
 import pytest
 from test_gateway_fakes import FakeEngine, LoopThread
 
-from flexpipe.gateway.app import PARSE_OFF_LOOP_BYTES, Gateway
+from flexpipe.gateway.app import Gateway
+from flexpipe.gateway.body_parser import PARSE_OFF_LOOP_BYTES
 from flexpipe.gateway.config import config_from_dict
 
 
