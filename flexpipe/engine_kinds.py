@@ -36,6 +36,17 @@ SIGNALS = (
 )
 
 
+# vLLM's metric names; the sim engine exports the same (docs/sim-engine.md)
+_VLLM_METRICS: Mapping[str, str] = {
+    "vllm:num_requests_running": "num_running",
+    "vllm:num_requests_waiting": "num_waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:generation_tokens_total": "num_generated_tokens",
+    "vllm:prefix_cache_queries_total": "num_prefix_queries",
+    "vllm:prefix_cache_hits_total": "num_prefix_hits",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class EngineKind:
     """One kind of engine and what it supports."""
@@ -65,14 +76,7 @@ ENGINE_KINDS: Mapping[str, EngineKind] = {
             prefix_caching=True,
             prefix_caching_default=True,
             pp_across_nodes=True,  # a sim engine stands for any placement (Ray: one process)
-            metrics={
-                "vllm:num_requests_running": "num_running",
-                "vllm:num_requests_waiting": "num_waiting",
-                "vllm:kv_cache_usage_perc": "kv_usage",
-                "vllm:generation_tokens_total": "num_generated_tokens",
-                "vllm:prefix_cache_queries_total": "num_prefix_queries",
-                "vllm:prefix_cache_hits_total": "num_prefix_hits",
-            },
+            metrics=_VLLM_METRICS,
         ),
         EngineKind(
             name="vllm",
@@ -81,14 +85,7 @@ ENGINE_KINDS: Mapping[str, EngineKind] = {
             prefix_caching=True,
             prefix_caching_default=True,
             pp_across_nodes=True,  # --distributed-executor-backend ray
-            metrics={
-                "vllm:num_requests_running": "num_running",
-                "vllm:num_requests_waiting": "num_waiting",
-                "vllm:kv_cache_usage_perc": "kv_usage",
-                "vllm:generation_tokens_total": "num_generated_tokens",
-                "vllm:prefix_cache_queries_total": "num_prefix_queries",
-                "vllm:prefix_cache_hits_total": "num_prefix_hits",
-            },
+            metrics=_VLLM_METRICS,
         ),
         EngineKind(
             name="sglang",
