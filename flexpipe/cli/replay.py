@@ -439,7 +439,7 @@ def report_table(rep: dict[str, Any]) -> Table:
     from flexpipe.cli.sim import add_model_rows
     from flexpipe.sim.report import cell_text
 
-    title = f"replay {rep['trace']} -> {rep['url']} (x{rep['speed_up']:g})"
+    title = f"replay {Path(rep['trace']).name} x{rep['speed_up']:g} -> {rep['url']}"
     if rep["interrupted"]:
         title += " [interrupted]"
     table = Table(title=title, title_justify="left")
@@ -447,7 +447,10 @@ def report_table(rep: dict[str, Any]) -> Table:
     table.add_column("replay", justify="right")
     for label, key in _ROWS:
         table.add_row(label, cell_text(rep[key]))
-    table.add_row("failed by why", cell_text(rep["failed_by_why"]))
+    whys: Counter[str] = Counter()
+    for why, n in rep["failed_by_why"].items():
+        whys[why if len(why) <= 60 else why[:59] + "…"] += n
+    table.add_row("failed by why", cell_text(dict(whys)))  # (--json: in full)
     for name, entry in rep["models"].items():
         label = name if entry["pool_model"] == name else f"{name} -> {entry['pool_model']}"
         add_model_rows(table, label, [entry])

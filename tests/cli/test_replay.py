@@ -114,9 +114,11 @@ def test_mooncake_shared_blocks_reach_the_engines_prefix_cache(gateway: str) -> 
 
 def test_requests_beyond_the_concurrency_bound_wait_and_count_as_late(gateway: str) -> None:
     rep = _json([str(MOONCAKE), "--url", gateway, "--speed-up", "1e6", "--max-requests", "8",
-                 "--max-concurrency", "1"])  # fmt: skip
+                 "--max-concurrency", "1", "--slo-ttft-ms", "0.001"])  # fmt: skip
     assert rep["num_sent"] == rep["num_completed"] == 8  # none dropped
     assert rep["num_late"] == 7  # all eight are due at once; one slot
+    # no TTFT is a microsecond: completed, yet none met the SLO
+    assert (rep["slo_attainment"], rep["goodput_requests_per_s"]) == (0.0, 0.0)
     sent = [r["sent_s"] for r in rep["requests"]]
     assert sent == sorted(sent)
 
@@ -178,3 +180,18 @@ def test_a_url_that_does_not_answer_is_one_line() -> None:
     url = f"http://127.0.0.1:{free_port()}/v1"
     line = _one_error_line([str(AZURE), "--url", url])
     assert line.startswith(f"error: {url}/models does not answer: connect:")
+
+
+def test_every_failure_is_counted_with_its_reason(gateway: str) -> None:
+    rows = [json.loads(line) for line in (DATA / "mooncake_head.jsonl").read_text().splitlines()]
+    too_long = sum(1 for r in rows[:12] if r["input_length"] + r["output_length"] > 16384)
+    rep = _json([str(DATA / "mooncake_head.jsonl"), "--url", gateway, "--speed-up", "1e6",
+                 "--max-requests", "12"])  # fmt: skip
+    assert too_long == 4 and rep["failed_by_reason"] == {"http 400": too_long}
+    assert (rep["num_sent"], rep["num_completed"], rep["num_failed"]) == (12, 8, 4)
+    failed = [r for r in rep["requests"] if r["failed"]]
+    assert all(r["ttft_s"] is None and not r["slo_met"] for r in failed)
+    rep = _json([str(AZURE), "--url", gateway, "--max-requests", "3", "--timeout-s", "1e-6",
+                 "--speed-up", "1000"])  # fmt: skip
+    assert rep["failed_by_reason"] == {"timeout": 3} and rep["num_completed"] == 0
+    assert rep["slo_attainment"] == 0.0
