@@ -232,7 +232,7 @@ async def send_one(
                     buf += chunk
                     *events, buf = buf.split(b"\n\n")
                     for event in events:
-                        data = event.removeprefix(b"data: ").strip()
+                        data = _sse_data(event)
                         if data == b"[DONE]":
                             done = True
                             break
@@ -269,6 +269,12 @@ async def send_one(
     except asyncio.CancelledError:
         req.failed = INTERRUPTED
         raise
+
+
+def _sse_data(event: bytes) -> bytes:
+    """The data of one SSE event (its `data:` lines; comments and other fields left out)."""
+    lines = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+    return b"\n".join(lines)
 
 
 def _usage(req: SimRequest, usage: Any) -> None:
@@ -599,6 +605,11 @@ async def _main(
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
+    err_console.print(
+        f"replaying {len(reqs)} requests to {target.backend}{target.prefix} (Ctrl-C: stop and "
+        "report what was sent)",
+        highlight=False,
+    )
     try:
         return await replay(reqs, target, mapping, slos, max_concurrency=max_concurrency,
                             stream=stream, timeout_s=timeout_s, on_change=on_change,

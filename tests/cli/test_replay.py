@@ -8,6 +8,11 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -195,3 +200,23 @@ def test_every_failure_is_counted_with_its_reason(gateway: str) -> None:
                  "--speed-up", "1000"])  # fmt: skip
     assert rep["failed_by_reason"] == {"timeout": 3} and rep["num_completed"] == 0
     assert rep["slo_attainment"] == 0.0
+
+
+def test_ctrl_c_prints_what_it_has_and_exits_130(gateway: str) -> None:
+    argv = [sys.executable, "-m", "flexpipe", "replay", str(MOONCAKE), "--url", gateway, "--json"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert proc.stderr is not None
+        assert b"replaying 24 requests" in proc.stderr.readline()  # Ctrl-C is handled now
+        time.sleep(1.0)  # the first two rows sent (the third is due at 3 s)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    rep = json.loads(out)
+    assert rep["interrupted"] and rep["num_in_slice"] == 24
+    assert rep["num_sent"] == rep["num_completed"] + rep["num_failed"] == 2
