@@ -111,6 +111,38 @@ def load_requests(
     return out
 
 
+def is_scenario(trace: str) -> bool:
+    """A scenario file (.yaml, .yml) or a built-in scenario's name, not a trace file."""
+    from flexpipe.sim.scenario import builtin_scenarios
+
+    return Path(trace).suffix.lower() in (".yaml", ".yml") or trace in builtin_scenarios()
+
+
+def scenario_requests(
+    name: str, speed_up: float, duration_s: float | None, max_requests: int | None
+) -> tuple[list[SimRequest], dict[str, Slo], float]:
+    """A scenario's requests as `flexpipe sim` generates them (every workload, traces and
+    synthetic, merged), its models' SLOs, and the window in replay seconds."""
+    from dataclasses import replace
+
+    from flexpipe.sim.arrivals import generate_requests, model_demands
+    from flexpipe.sim.scenario import load_scenario, resolve, with_duration
+
+    sc = load_scenario(resolve(name))
+    if duration_s is not None:
+        sc = with_duration(sc, duration_s)
+    generated = generate_requests(sc)
+    demands, _ = model_demands(sc, generated)
+    if max_requests is not None:
+        generated = generated[:max_requests]
+    if not generated:
+        raise ValueError(f"{name}: no request in the slice (--duration-s / --max-requests)")
+    reqs = [replace(r, arrival_s=r.arrival_s / speed_up) for r in generated]
+    cut = max_requests is not None and len(reqs) == max_requests
+    window_s = reqs[-1].arrival_s if cut else sc.duration_s / speed_up
+    return reqs, {d.name: d.slo for d in demands}, window_s
+
+
 def parse_model_map(items: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
@@ -122,14 +154,19 @@ def parse_model_map(items: list[str]) -> dict[str, str]:
 
 
 def model_slos(
-    models: Path | None, names: set[str], ttft_ms: float | None, tpot_ms: float | None
+    models: Path | None,
+    names: set[str],
+    ttft_ms: float | None,
+    tpot_ms: float | None,
+    scenario_slos: dict[str, Slo] | None = None,
 ) -> dict[str, Slo]:
-    """Each model's SLO: the models file's entry (when given), the flags overriding it."""
+    """Each model's SLO: the scenario's, the models file's entry (when given) over it, the
+    flags over both."""
     from flexpipe.policies.planner.demand import parse_models
 
-    base: dict[str, Slo] = {}
+    base: dict[str, Slo] = dict(scenario_slos or {})
     if models is not None:
-        base = {d.name: d.slo for d in parse_models(read_yaml(models), str(models))}
+        base.update({d.name: d.slo for d in parse_models(read_yaml(models), str(models))})
     out: dict[str, Slo] = {}
     for name in sorted(names):
         known = base.get(name)
@@ -477,7 +514,10 @@ def register(app: typer.Typer) -> None:
 
     @app.command("replay")
     def replay_cmd(
-        trace: Annotated[Path, typer.Argument(help="Azure trace CSV or Mooncake JSONL.")],
+        trace: Annotated[
+            str,
+            typer.Argument(help="Azure trace CSV, Mooncake JSONL, or a `flexpipe sim` scenario."),
+        ],
         url: Annotated[
             str, typer.Option(help="The OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1.")
         ],
@@ -525,8 +565,6 @@ def register(app: typer.Typer) -> None:
         from flexpipe.sim.workload import WorkloadError
 
         with user_errors():
-            if not trace.is_file():
-                raise ValueError(f"trace file {trace} does not exist")
             if not (math.isfinite(speed_up) and speed_up > 0):
                 raise ValueError(f"--speed-up: must be > 0 (got {speed_up:g})")
             if max_concurrency < 1 or timeout_s <= 0:
@@ -535,20 +573,42 @@ def register(app: typer.Typer) -> None:
                 raise ValueError("--max-requests must be >= 1")
             target = Target.parse(url, api_key)
             mapping = parse_model_map(model_map or [])
-            the_kind = trace_kind(trace, kind)
+            scenario = is_scenario(trace)
+            if scenario and model is not None:
+                raise ValueError("--model: a scenario names its models (--model-map A=B)")
+            if not scenario and not Path(trace).is_file():
+                raise ValueError(f"trace file {trace} does not exist")
+            the_kind = "scenario" if scenario else trace_kind(Path(trace), kind)
             served = asyncio.run(_served(target))
-            name = model or (served[0] if len(served) == 1 else None)
-            if name is None:
-                raise ValueError(f"{url} serves {', '.join(served) or 'no model'}: give --model")
+            scenario_slos: dict[str, Slo] = {}
             try:
-                reqs = load_requests(trace, the_kind, name, speed_up, duration_s, max_requests)
+                if scenario:
+                    reqs, scenario_slos, window_s = scenario_requests(
+                        trace, speed_up, duration_s, max_requests
+                    )
+                else:
+                    name = model or (served[0] if len(served) == 1 else None)
+                    if name is None:
+                        raise ValueError(
+                            f"{url} serves {', '.join(served) or 'no model'}: give --model"
+                        )
+                    reqs = load_requests(
+                        Path(trace), the_kind, name, speed_up, duration_s, max_requests
+                    )
+                    window_s = reqs[-1].arrival_s if duration_s is None else duration_s / speed_up
             except WorkloadError as exc:
                 raise ValueError(str(exc)) from None
-            if models is None:  # the flags, or their defaults
+            names = {r.model for r in reqs}
+            missing = sorted(n for n in names if mapping.get(n, n) not in served)
+            if missing:
+                raise ValueError(
+                    f"{url} serves {', '.join(served) or 'no model'}, not "
+                    f"{', '.join(mapping.get(n, n) for n in missing)}: give --model-map or --model"
+                )
+            if models is None and not scenario:  # the flags, or their defaults
                 slo_ttft_ms = 2000.0 if slo_ttft_ms is None else slo_ttft_ms
                 slo_tpot_ms = 100.0 if slo_tpot_ms is None else slo_tpot_ms
-            slos = model_slos(models, {r.model for r in reqs}, slo_ttft_ms, slo_tpot_ms)
-        window_s = reqs[-1].arrival_s if duration_s is None else duration_s / speed_up
+            slos = model_slos(models, names, slo_ttft_ms, slo_tpot_ms, scenario_slos)
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -559,7 +619,7 @@ def register(app: typer.Typer) -> None:
             transient=True,
             disable=quiet or not err_console.is_terminal,
         ) as bar:
-            task = bar.add_task(f"replay {trace.name}", total=len(reqs), stats="")
+            task = bar.add_task(f"replay {Path(trace).name}", total=len(reqs), stats="")
 
             def on_change(run: ReplayRun) -> None:
                 done = run.num_finished + run.num_failed
@@ -568,7 +628,7 @@ def register(app: typer.Typer) -> None:
             run = asyncio.run(
                 _main(reqs, target, mapping, slos, max_concurrency, stream, timeout_s, on_change)
             )
-        meta = {"trace": str(trace), "kind": the_kind, "url": url, "speed_up": speed_up,
+        meta = {"trace": trace, "kind": the_kind, "url": url, "speed_up": speed_up,
                 "stream": stream, "max_concurrency": max_concurrency}  # fmt: skip
         rep = build_report(run, reqs, slos, mapping, window_s, meta)
         if json_out:

@@ -220,3 +220,19 @@ def test_ctrl_c_prints_what_it_has_and_exits_130(gateway: str) -> None:
     rep = json.loads(out)
     assert rep["interrupted"] and rep["num_in_slice"] == 24
     assert rep["num_sent"] == rep["num_completed"] + rep["num_failed"] == 2
+
+
+def test_a_scenario_replays_its_traffic_with_its_slos_mapped_to_the_pool(gateway: str) -> None:
+    rep = _json(["azure-conversation", "--url", gateway, "--speed-up", "1000",
+                 "--max-requests", "10", "--model-map", f"llama-8b={MODEL}"])  # fmt: skip
+    assert (rep["kind"], rep["num_sent"], rep["num_completed"]) == ("scenario", 10, 10)
+    entry = rep["models"]["llama-8b"]
+    assert entry["pool_model"] == MODEL
+    assert entry["slo"] == {"ttft_s": 2.0, "tpot_s": 0.06}  # the scenario's models section
+    rows = _trace_rows()[:10]  # its trace is the same conversation trace, from its start
+    assert [r["num_prompt_tokens"] for r in rep["requests"]] == [p for p, _ in rows]
+
+
+def test_a_model_the_endpoint_does_not_serve_is_one_line(gateway: str) -> None:
+    line = _one_error_line([str(AZURE), "--url", gateway, "--model", "nope"])
+    assert line == f"error: {gateway} serves {MODEL}, not nope: give --model-map or --model"
