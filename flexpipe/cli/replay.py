@@ -365,6 +365,8 @@ async def replay(
                                timeout_s, clock)  # fmt: skip
         except asyncio.CancelledError:
             req.failed = req.failed or INTERRUPTED
+        except Exception as exc:  # counted, never lost (an answer this client cannot read)
+            req.failed = f"client: {type(exc).__name__}: {exc}"
         if req.completed:
             run.num_finished += 1
             run.num_good += meets_slo(req, slos[req.model])
