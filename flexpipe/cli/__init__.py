@@ -17,6 +17,7 @@ from flexpipe.cli import (
     gateway,
     gears,
     plan,
+    replay,
     shifts,
     sim,
     status,
@@ -61,6 +62,7 @@ for _module in (
     shifts,
     status,
     sim,
+    replay,
 ):
     _module.register(app)
 

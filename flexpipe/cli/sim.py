@@ -68,23 +68,29 @@ def compare_table(reports: list[dict[str, Any]]) -> Table:
     table.add_row("shifts by kind", *(_cell(r["shifts_by_kind"]) for r in reports))
     table.add_row("moved requests", *(_cell(r["requests_migrated_by_method"]) for r in reports))
     for model in reports[0]["models"]:
-        per = [r["models"][model] for r in reports]
-        table.add_row(f"[bold]{model}[/]", *("" for _ in reports))
-        table.add_row("  tokens/s", *(_cell(p["throughput_tokens_per_s"]) for p in per))
-        table.add_row(
-            "  tokens/s over the span",
-            *(_cell(p["span_throughput_tokens_per_s"]) for p in per),
-        )
-        for metric in ("ttft_s", "tpot_s", "e2e_s"):
-            for q in ("p50", "p90", "p99"):
-                table.add_row(f"  {metric[:-2]} {q} (s)", *(_cell(p[metric][q], "-") for p in per))
-        table.add_row("  first served (s)", *(_cell(p["first_served_s"]) for p in per))
-        table.add_row(
-            "  prefix-cache hits (tok)", *(_cell(p["prefix_cache_hit_tokens"]) for p in per)
-        )
-        table.add_row("  preemptions", *(_cell(p["num_preemptions"]) for p in per))
-        table.add_row("  failed by reason", *(_cell(p["failed_by_reason"]) for p in per))
+        add_model_rows(table, model, [r["models"][model] for r in reports])
     return table
+
+
+def add_model_rows(table: Table, model: str, per: list[dict[str, Any]]) -> None:
+    """A model's throughput and latency rows, one column per report's entry for it (the
+    simulator's and `flexpipe replay`'s, which measures no preemptions)."""
+    from flexpipe.sim.report import cell_text as _cell
+
+    table.add_row(f"[bold]{model}[/]", *("" for _ in per))
+    table.add_row("  tokens/s", *(_cell(p["throughput_tokens_per_s"]) for p in per))
+    table.add_row(
+        "  tokens/s over the span",
+        *(_cell(p["span_throughput_tokens_per_s"]) for p in per),
+    )
+    for metric in ("ttft_s", "tpot_s", "e2e_s"):
+        for q in ("p50", "p90", "p99"):
+            table.add_row(f"  {metric[:-2]} {q} (s)", *(_cell(p[metric][q], "-") for p in per))
+    table.add_row("  first served (s)", *(_cell(p["first_served_s"]) for p in per))
+    table.add_row("  prefix-cache hits (tok)", *(_cell(p["prefix_cache_hit_tokens"]) for p in per))
+    if all("num_preemptions" in p for p in per):
+        table.add_row("  preemptions", *(_cell(p["num_preemptions"]) for p in per))
+    table.add_row("  failed by reason", *(_cell(p["failed_by_reason"]) for p in per))
 
 
 def policy_names(compare: str | None, policy: str | None, default: str) -> list[str]:

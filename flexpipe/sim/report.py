@@ -21,7 +21,7 @@ import itertools
 import json
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +91,29 @@ def _span_throughput(done: list[SimRequest]) -> float:
     return sum(r.num_generated_tokens for r in done) / span if span > 0 else 0.0
 
 
-def _summary(
-    reqs: list[SimRequest], duration_s: float, ttft_s: float, tpot_s: float
+def meets_slo(r: SimRequest, slo: Slo) -> bool:
+    """Completed within both the TTFT and the TPOT threshold (each request against the SLO's
+    values): what goodput and SLO attainment count, in the simulator and `flexpipe replay`."""
+    return r.completed and r.ttft_s <= slo.ttft_p99_s and r.tpot_s <= slo.tpot_p99_s
+
+
+def num_good(reqs: Sequence[SimRequest], slos: Mapping[str, Slo]) -> int:
+    """The requests that met their model's SLO."""
+    return sum(1 for r in reqs if meets_slo(r, slos[r.model]))
+
+
+def slo_attainment(reqs: Sequence[SimRequest], slos: Mapping[str, Slo]) -> float:
+    """The share of all requests (failed ones included) that met their model's SLO."""
+    return _r(num_good(reqs, slos) / len(reqs)) if reqs else 0.0
+
+
+def summary(
+    reqs: Sequence[SimRequest], duration_s: float, slos: Mapping[str, Slo]
 ) -> dict[str, Any]:
+    """Counts, goodput, attainment and latency percentiles of `reqs` (each against its
+    model's SLO), goodput and throughput per second of `duration_s`: a model's entry in the
+    simulator's report, and `flexpipe replay`'s."""
     done = [r for r in reqs if r.completed]
-    good = [r for r in done if r.ttft_s <= ttft_s and r.tpot_s <= tpot_s]
     failed = Counter(
         r.failed.split(":")[0] if ":" in r.failed else r.failed for r in reqs if r.failed
     )
@@ -104,8 +122,8 @@ def _summary(
         "num_completed": len(done),
         "num_failed": len(reqs) - len(done),
         "failed_by_reason": dict(sorted(failed.items())),
-        "goodput_requests_per_s": _r(len(good) / duration_s),
-        "slo_attainment": _r(len(good) / len(reqs)) if reqs else 0.0,
+        "goodput_requests_per_s": _r(num_good(done, slos) / duration_s),
+        "slo_attainment": slo_attainment(reqs, slos),
         "throughput_tokens_per_s": _r(sum(r.num_generated_tokens for r in done) / duration_s),
         "span_throughput_tokens_per_s": _r(_span_throughput(done)),
         "ttft_s": _latency([r.ttft_s for r in done]),
@@ -126,14 +144,10 @@ def report(result: SimResult) -> dict[str, Any]:
         mine = [r for r in result.requests if r.model == m.name]
         models[m.name] = {
             "slo": {"ttft_s": m.slo.ttft_p99_s, "tpot_s": m.slo.tpot_p99_s},
-            **_summary(mine, d, m.slo.ttft_p99_s, m.slo.tpot_p99_s),
+            **summary(mine, d, slos),
         }
     done = [r for r in result.requests if r.completed]
-    good = sum(
-        1
-        for r in done
-        if r.ttft_s <= slos[r.model].ttft_p99_s and r.tpot_s <= slos[r.model].tpot_p99_s
-    )
+    good = num_good(done, slos)
     u = result.usage
     reserved = sum(u.reserved_gpu_s)
     busy = sum(u.busy_gpu_s)
@@ -161,7 +175,7 @@ def report(result: SimResult) -> dict[str, Any]:
         "num_completed": len(done),
         "num_failed": len(result.requests) - len(done),
         "goodput_requests_per_s": _r(good / d),
-        "slo_attainment": _r(good / len(result.requests)) if result.requests else 0.0,
+        "slo_attainment": slo_attainment(result.requests, slos),
         "gpu_hours_reserved": _r(reserved / 3600),
         "gpu_hours_used": _r(busy / 3600),
         "utilisation": _r(busy / reserved) if reserved else 0.0,
@@ -223,11 +237,6 @@ def _distinct(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _good(r: SimRequest, slos: dict[str, Slo]) -> bool:
-    slo = slos[r.model]
-    return r.completed and r.ttft_s <= slo.ttft_p99_s and r.tpot_s <= slo.tpot_p99_s
-
-
 def phase_rows(result: SimResult) -> list[dict[str, Any]]:
     """Throughput per phase: the run cut at each resource-timeline event (before the other
     tenant leaves, after, ...). Requests count in the phase they completed in."""
@@ -250,7 +259,7 @@ def phase_rows(result: SimResult) -> list[dict[str, Any]]:
                 "after": "; ".join(what) or "start",
                 "completed": len(done),
                 "tokens_per_s": _r(sum(r.num_generated_tokens for r in done) / (hi - lo)),
-                "goodput_requests_per_s": _r(sum(1 for r in done if _good(r, slos)) / (hi - lo)),
+                "goodput_requests_per_s": _r(num_good(done, slos) / (hi - lo)),
             }
         )
     return rows
@@ -332,7 +341,7 @@ def timeline_rows(result: SimResult) -> list[dict[str, float | None]]:
                 "ttft_p99_s": _pct_or_none(ttfts, 99),
                 "tpot_p50_s": _pct_or_none(tpots, 50),
                 "tpot_p99_s": _pct_or_none(tpots, 99),
-                "goodput_requests_per_s": _r(sum(1 for r in ends[i] if _good(r, slos)) / span),
+                "goodput_requests_per_s": _r(num_good(ends[i], slos) / span),
             }
         )
     return rows

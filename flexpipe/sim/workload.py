@@ -14,9 +14,21 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from flexpipe.sim.request import PREFIX_BLOCK_TOKENS
+from flexpipe.sim.request import PREFIX_BLOCK_TOKENS, SimRequest
 
 Arrival = tuple[float, int, int, tuple[int, ...]]  # (time_s, prompt, output, prefix ids)
+
+
+def prompt_text(request: SimRequest) -> str:
+    """The request's prompt as text, for an OpenAI-compatible endpoint (`flexpipe replay`):
+    one word per token of the simulator's `prompt_token_ids()` (the id in hex), so the sim
+    engine's tokenizer (flexpipe/engine/tokenizer.py: a word is a token, BOS comes first, so
+    one word fewer) counts `num_prompt_tokens`, and requests that share prefix ids share that
+    text exactly: prefix caching and prefix-aware routing see the trace's sharing. (A real
+    tokenizer splits these words into several tokens: the sharing holds, the count does not.)
+    """
+    ids = request.prompt_token_ids()
+    return " ".join([format(t, "x") for t in ids[: max(1, request.num_prompt_tokens - 1)]])
 
 
 class WorkloadError(ValueError):
