@@ -347,7 +347,9 @@ class KpaAutoscaler:
             scaler = self._scalers.get(demand.name)
             mine = [d for d in wanted if d.model == demand.name]
             if scaler is None:
-                scaler = self._scalers[demand.name] = KpaScaler(shape.target_concurrency, self.params)
+                scaler = self._scalers[demand.name] = KpaScaler(
+                    shape.target_concurrency, self.params
+                )
                 num = self.params.initial_scale
             else:
                 scaler.observe(now, float(view.in_flight.get(demand.name, 0)))
