@@ -11,8 +11,8 @@ defaults of its `config-autoscaler` ConfigMap (docs "Configuring the autoscaler"
   [floor(ready / `max-scale-down-rate` 2), ceil(ready x `max-scale-up-rate` 1000)] with
   ready = max(1, ready replicas);
 - panic when the panic window's desired count / ready >= `panic-threshold-percentage` 200 %;
-  while panicking the count only rises (the most asked for since the panic began), and the
-  panic ends a stable window after the last time it was over the threshold;
+  while panicking the count only rises (the most either window asked for since the panic
+  began), and the panic ends a stable window after the last time it was over the threshold;
 - scale to zero once the stable window has seen no request in flight (Knative's
   `scale-to-zero-grace-period` 30 s is shorter than that window, so never binds here);
   `initial-scale` 1;
@@ -97,7 +97,9 @@ class KpaScaler:
             self.panic_since_s = None
             self.max_panic_replicas = 0
         if self.panic_since_s is not None:
-            self.max_panic_replicas = max(self.max_panic_replicas, desired_panic)
+            # (the larger of the two windows' asks: the stable one may be the larger)
+            wanted = max(desired_stable, desired_panic)
+            self.max_panic_replicas = max(self.max_panic_replicas, wanted)
             return self.max_panic_replicas  # never down while panicking
         if desired_stable == 0 and not self._idle_long_enough(now):
             return max(p.initial_scale, num_ready)  # the window has not seen its length yet

@@ -150,8 +150,8 @@ def test_a_model_at_zero_is_buffered_and_woken_by_its_requests() -> None:
 
 
 def test_on_off_arrivals_come_in_bursts() -> None:
-    bursts = Bursts(off_mean_s=200.0, burst_min_s=10.0, burst_max_s=60.0)
-    src = Synthetic(20.0, LengthDist(), LengthDist(), arrival="onoff", bursts=bursts)
+    on_off = Bursts(off_mean_s=200.0, burst_min_s=10.0, burst_max_s=60.0)
+    src = Synthetic(20.0, LengthDist(), LengthDist(), arrival="onoff", bursts=on_off)
     times = [a[0] for a in src.arrivals(random.Random(1), 20_000.0)]
     assert times == [a[0] for a in src.arrivals(random.Random(1), 20_000.0)]  # seeded
     assert times == sorted(times) and times[-1] <= 20_000.0
@@ -166,7 +166,7 @@ def test_on_off_arrivals_come_in_bursts() -> None:
     assert 40 <= len(bursts) <= 110 and min(spans) >= 5.0
     assert sum(span <= 60.0 for span in spans) >= 0.9 * len(spans)
     # the mean rate is the burst rate x the duty (35 / 235)
-    assert len(times) / 20_000.0 == pytest.approx(20.0 * bursts.duty, rel=0.2)
+    assert len(times) / 20_000.0 == pytest.approx(20.0 * on_off.duty, rel=0.2)
 
 
 def test_on_off_keys_are_checked() -> None:
