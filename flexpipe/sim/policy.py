@@ -203,8 +203,8 @@ def mmc_ttft_p99_s(instances: Sequence[PlannedInstance], rate_per_s: float) -> f
 class PeakSloPolicy:
     """Peak provisioning sized at the SLO: the planner's plan at each model's peak rate (the
     busiest report interval), then each model whose M/M/c TTFT p99 (`mmc_ttft_p99_s`) misses
-    its SLO is planned again for a rate `step` times higher, until every model meets it or
-    the plan stops growing. Never changed."""
+    its SLO is planned again for a rate `step` times higher, until every model meets it (or
+    `max_rounds`: the cluster may hold no more). Never changed."""
 
     name: str = "peak-slo"
     routing: str | None = None
@@ -250,10 +250,7 @@ def peak_slo_plan(
             break
         for m in short:
             asked[m] = at_rate(asked[m], asked[m].request_rate_per_s * step)
-        bigger = plan(cluster, asked, None, config=PlannerConfig(), now_s=now)
-        if len(bigger.instances) <= len(the_plan.instances):
-            break  # the cluster holds no more
-        the_plan = bigger
+        the_plan = plan(cluster, asked, None, config=PlannerConfig(), now_s=now)
     return the_plan.instances
 
 

@@ -10,10 +10,19 @@ from typing import Any
 import pytest
 from test_sim_shift import ROOT, SEED_CLUSTER, seven_b
 
+from flexpipe.cluster.generate import generate_cluster
+from flexpipe.policies.planner import ModelDemand, parse_models, plan
 from flexpipe.sim import simulate
 from flexpipe.sim.arrivals import generate_requests, model_demands
 from flexpipe.sim.autoscaler import KpaParams, KpaScaler
-from flexpipe.sim.policy import KpaAutoscaler, PolicyView, create_policy, peak_slo_plan
+from flexpipe.sim.policy import (
+    KpaAutoscaler,
+    PolicyView,
+    create_policy,
+    erlang_c,
+    mmc_ttft_p99_s,
+    peak_slo_plan,
+)
 from flexpipe.sim.scenario import ScenarioError, load_scenario, parse_scenario, resolve
 from flexpipe.sim.workload import Bursts, LengthDist, Synthetic
 
@@ -191,3 +200,26 @@ def test_bursty_serverless_is_serverless_and_its_peak_slo_plan_fits() -> None:
     assert {i.model for i in instances} == {d.name for d in demands}  # every model placed
     assert len(gpus) < len(sc.cluster.gpu_ids)  # it fits, with GPUs to spare
     assert load_scenario(resolve("bursty-serverless-small")).name == "bursty-serverless-small"
+
+
+def test_erlang_c_and_the_mmc_check() -> None:
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: the utilisation
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)  # (1/2 / (1 - 1/2)) / (1 + 1 + 1)
+
+
+def test_peak_slo_replicates_until_the_mmc_ttft_meets_the_slo() -> None:
+    """16 req/s on one 7B instance of ~22 req/s (SLO-meeting, at 0.85 load): the M/M/1 wait
+    puts its TTFT p99 near 0.47 s. A 2 s SLO: peak-slo is the planner's peak plan; 300 ms:
+    a second instance."""
+    cluster = generate_cluster(1, 8, 1)
+
+    def chat(ttft_ms: int) -> tuple[ModelDemand, ...]:
+        entry = {**seven_b("chat"), "slo": {"ttft_p99_ms": ttft_ms, "tpot_p99_ms": 60}}
+        entry["demand"] = {**entry["demand"], "request_rate_per_s": 16}
+        return parse_models({"models": [entry]}, "test")
+
+    loose = peak_slo_plan(cluster, chat(2000))
+    assert loose == plan(cluster, chat(2000)).instances and len(loose) == 1
+    assert 0.3 < mmc_ttft_p99_s(loose, 16.0) < 2.0
+    tight = peak_slo_plan(cluster, chat(300))
+    assert len(tight) == 2 and mmc_ttft_p99_s(tight, 16.0) <= 0.3
