@@ -10,7 +10,9 @@ finish times, tokens generated and cached, preemptions, failure) plus the run's 
 engine steps. `speed:D` is `bench.sim_speed`'s scenario (256 GPUs, 100 req/s) for D seconds;
 any other name is a built-in scenario (`flexpipe sim list`), D its duration (0: its own).
 Each run is a fresh process importing the checkout's flexpipe; with `--baseline`, the exit
-status is 1 when any fingerprint differs.
+status is 1 when any fingerprint differs. The scenario files are the input, read from this
+checkout for both sides: a scenario renamed since the baseline (`bursty-serverless-small`,
+the first `bursty-serverless`) still runs the same file on both.
 """
 
 from __future__ import annotations
@@ -22,20 +24,19 @@ from pathlib import Path
 from bench._checkout import run_child
 
 DEFAULT_RUNS = ("speed:300,seed-fragmented:0,mooncake-prefix:300,multi-model-diurnal:1800,"
-                "bursty-serverless:600,azure-conversation:600")  # fmt: skip
+                "bursty-serverless-small:600,azure-conversation:600")  # fmt: skip
 
 _CHILD = """
 import dataclasses, hashlib, json, sys, time
 from pathlib import Path
-import flexpipe
 from bench.sim_speed import scenario_doc
 from flexpipe.sim.scenario import load_scenario, parse_scenario
 from flexpipe.sim.simulator import simulate
-name, duration_s = sys.argv[1], float(sys.argv[2])
+name, duration_s, scenarios = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
 if name == "speed":
     sc = parse_scenario(scenario_doc(256, duration_s, 100.0), Path("."))
 else:
-    sc = load_scenario(Path(flexpipe.__file__).parent / "sim" / "scenarios" / f"{name}.yaml")
+    sc = load_scenario(scenarios / f"{name}.yaml")
     if duration_s:
         sc = dataclasses.replace(sc, duration_s=duration_s)
 t0 = time.process_time()
@@ -53,9 +54,13 @@ print(json.dumps({"fingerprint": h.hexdigest()[:16], "requests": len(res.request
 """
 
 
+SCENARIOS = Path(__file__).resolve().parents[1] / "flexpipe" / "sim" / "scenarios"
+
+
 def fingerprint(checkout: Path, name: str, duration_s: float) -> dict[str, object]:
-    """One run in a fresh process importing `checkout`'s flexpipe."""
-    return run_child(checkout, _CHILD, name, str(duration_s))
+    """One run in a fresh process importing `checkout`'s flexpipe, on this checkout's
+    scenario file."""
+    return run_child(checkout, _CHILD, name, str(duration_s), str(SCENARIOS))
 
 
 def main(argv: Sequence[str] = ()) -> int:

@@ -27,7 +27,8 @@ from flexpipe.sim.simulator import simulate
 RUNS: dict[str, tuple[str, ...]] = {
     "seed-fragmented": ("flexpipe", "static", "peak", "wait-for-ideal", "round_robin"),
     "seed-3way": ("tp2-fast-pair", "forced-3way"),
-    "bursty-serverless": ("flexpipe", "static", "peak"),
+    "bursty-serverless": ("peak-slo", "static", "autoscaler", "flexpipe"),
+    "bursty-serverless-small": ("flexpipe", "static", "peak"),
     "multi-model-diurnal": ("flexpipe", "static", "peak"),
     "cluster-1024": ("flexpipe",),
 }

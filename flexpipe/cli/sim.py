@@ -118,7 +118,8 @@ def register(app: typer.Typer) -> None:
         policy: Annotated[
             str | None,
             typer.Option(
-                help="flexpipe, round_robin, static, peak, wait-for-ideal or a scenario plan."
+                help="flexpipe, round_robin, static, peak, peak-slo, autoscaler, wait-for-ideal "
+                "or a scenario plan."
             ),
         ] = None,
         compare: Annotated[

@@ -17,6 +17,10 @@ Registered by name (`create_policy`):
 - `static`: the planner's plan for the free GPUs at t = 0, never changed (the best static
   plan without shifts: what `flexpipe up` ran before the controller);
 - `peak`: the planner's plan for the workload's peak rate (peak provisioning), never changed;
+- `peak-slo`: `peak`, each model then given replicas until an M/M/c check of its TTFT at the
+  peak rate meets its SLO (`PeakSloPolicy`), never changed;
+- `autoscaler`: Knative's reactive autoscaler (KPA, flexpipe.sim.autoscaler) per model over
+  replicas of its best single-instance gear, scale to zero with the activator's buffering;
 - `wait-for-ideal`: seed 000 §4.1's fixed template, tp=4 on four identical, fully free,
   fast-linked GPUs, checked every minute on the cluster as it is then; serves nothing until
   such four exist;
@@ -25,15 +29,19 @@ Registered by name (`create_policy`):
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from flexpipe.cluster import Cluster
 from flexpipe.gears.gear import Gear
 from flexpipe.model_spec import load_model_spec
-from flexpipe.policies.planner import ModelDemand, PlannerConfig, plan
+from flexpipe.perf.gear_lookup import GearLookup
+from flexpipe.policies.planner import ModelDemand, PlannedInstance, PlannerConfig, plan
+from flexpipe.policies.planner.candidates import Candidate, Evaluator
+from flexpipe.sim.autoscaler import KpaParams, KpaScaler
 from flexpipe.sim.controller import ControllerParams
 from flexpipe.sim.deployment import Deployment
 
@@ -47,9 +55,18 @@ class PolicyView:
     demands: tuple[ModelDemand, ...]  # mean demand per model (what the planner is given)
     peak_demands: tuple[ModelDemand, ...]  # the same at each model's peak rate
     running: tuple[Deployment, ...]
+    # requests in flight per served model: on its engines plus waiting at the gateway (what
+    # Knative's queue-proxies and activator report as concurrency)
+    in_flight: Mapping[str, int] = field(default_factory=dict)
+    ready: frozenset[str] = frozenset()  # names of the running deployments taking requests
+    draining_gpu_ids: frozenset[str] = frozenset()  # GPUs of instances still draining
 
 
 class Policy(Protocol):
+    """A policy may also say `buffers_at_zero = True` (read with getattr, default False): the
+    simulator then holds the requests of a model with no instance in the gateway's queue
+    until one is ready, as Knative's activator buffers them, instead of a 404."""
+
     name: str
     routing: str | None  # routing policy name; None: the scenario's / gateway default
     interval_s: float | None  # how often `decide` is asked after t = 0; None: never
@@ -152,11 +169,218 @@ class WaitForIdeal:
         return out
 
 
+def erlang_c(num_servers: int, offered_load: float) -> float:
+    """The probability that an arrival waits in an M/M/c queue (`offered_load` = lambda / mu,
+    below `num_servers`)."""
+    term = 1.0
+    total = 1.0
+    for k in range(1, num_servers):
+        term *= offered_load / k
+        total += term
+    last = term * offered_load / num_servers / (1.0 - offered_load / num_servers)
+    return last / (total + last)
+
+
+def mmc_ttft_p99_s(instances: Sequence[PlannedInstance], rate_per_s: float) -> float:
+    """A model's TTFT p99 at `rate_per_s` over `instances`, each a server of its SLO-meeting
+    request rate at full load (its planned capacity / the planner's target utilisation): its
+    predicted TTFT plus the M/M/c wait's 99th percentile. Infinite when over capacity."""
+    if not instances:
+        return math.inf
+    util = PlannerConfig().target_utilization
+    mu = sum(i.capacity_requests_per_s for i in instances) / util / len(instances)
+    c = len(instances)
+    if rate_per_s <= 0:
+        return max(i.estimate.ttft_s for i in instances)
+    if mu <= 0 or rate_per_s >= c * mu:
+        return math.inf
+    p_wait = erlang_c(c, rate_per_s / mu)
+    wait_p99_s = max(0.0, math.log(p_wait / 0.01)) / (c * mu - rate_per_s) if p_wait > 0 else 0.0
+    return max(i.estimate.ttft_s for i in instances) + wait_p99_s
+
+
+@dataclass(slots=True)
+class PeakSloPolicy:
+    """Peak provisioning sized at the SLO: the planner's plan at each model's peak rate (the
+    busiest report interval), then each model whose M/M/c TTFT p99 (`mmc_ttft_p99_s`) misses
+    its SLO is planned again for a rate `step` times higher, until every model meets it (or
+    `max_rounds`: the cluster may hold no more). Never changed."""
+
+    name: str = "peak-slo"
+    routing: str | None = None
+    interval_s: float | None = None
+    step: float = 1.25
+    max_rounds: int = 20
+
+    def decide(
+        self, view: PolicyView, now: float, rng: random.Random
+    ) -> Sequence[Deployment] | None:
+        del rng
+        if view.running:
+            return None
+        peaks = view.peak_demands
+        the_plan = peak_slo_plan(view.cluster, peaks, now, self.step, self.max_rounds)
+        return [Deployment.of(i) for i in the_plan]
+
+    def __post_init__(self) -> None:
+        if self.step <= 1:
+            raise ValueError("step must be > 1")
+
+
+def peak_slo_plan(
+    cluster: Cluster,
+    peaks: Sequence[ModelDemand],
+    now: float = 0.0,
+    step: float = 1.25,
+    max_rounds: int = 20,
+) -> tuple[PlannedInstance, ...]:
+    """`PeakSloPolicy`'s plan (the tests check it fits the cluster)."""
+    asked = list(peaks)
+    the_plan = plan(cluster, asked, None, config=PlannerConfig(), now_s=now)
+    for _ in range(max_rounds):
+        short = [
+            m
+            for m, d in enumerate(peaks)
+            if mmc_ttft_p99_s(
+                [i for i in the_plan.instances if i.model == d.name], d.request_rate_per_s
+            )
+            > d.slo.ttft_p99_s
+        ]
+        if not short:
+            break
+        for m in short:
+            asked[m] = at_rate(asked[m], asked[m].request_rate_per_s * step)
+        the_plan = plan(cluster, asked, None, config=PlannerConfig(), now_s=now)
+    return the_plan.instances
+
+
+@dataclass(slots=True)
+class _Shape:
+    """A model's replica: its template gear's tensor-parallel size and dtype, and the
+    concurrency a replica is meant to carry."""
+
+    tp: int
+    dtype: str
+    target_concurrency: float
+
+
+@dataclass(slots=True)
+class KpaAutoscaler:
+    """Knative's KPA per model (flexpipe.sim.autoscaler, with its defaults) over replicas of
+    the model's best single-instance gear: the planner's evaluation (SLO-meeting batch and
+    capacity) of every free GPU group of one stage, smallest tensor-parallel size that runs,
+    best SLO-meeting capacity per GPU. Each replica goes on the best free group of that size
+    (free: not running, not draining); the newest leave first. A model with no instance has
+    its requests buffered at the gateway (`buffers_at_zero`) as Knative's activator does."""
+
+    name: str = "autoscaler"
+    routing: str | None = None
+    interval_s: float | None = 2.0  # tick-interval
+    params: KpaParams = field(default_factory=KpaParams)
+    buffers_at_zero: bool = True
+    _scalers: dict[str, KpaScaler] = field(default_factory=dict)
+    _shapes: dict[str, _Shape | None] = field(default_factory=dict)
+    _evaluator: tuple[Cluster, Evaluator] | None = None
+    _num_launched: int = 0
+
+    def _evaluator_for(self, view: PolicyView) -> Evaluator:
+        if self._evaluator is None or self._evaluator[0] is not view.cluster:
+            specs = tuple(load_model_spec(d.model) for d in view.demands)
+            ev = Evaluator(view.cluster, view.demands, specs, GearLookup(), PlannerConfig())
+            self._evaluator = (view.cluster, ev)
+        return self._evaluator[1]
+
+    def _groups(self, view: PolicyView, tp: int, taken: set[str]) -> list[tuple[str, ...]]:
+        """Free groups of `tp` GPUs of one type in one fast domain, in the cluster's order."""
+        out: list[tuple[str, ...]] = []
+        fast = PlannerConfig().fast_link_bytes_per_s
+        for domain in view.cluster.fast_domains(fast):
+            by_type: dict[str, list[str]] = {}
+            for gid in domain:
+                if gid not in taken and view.cluster.gpu(gid).free_bytes > 0:
+                    by_type.setdefault(view.cluster.gpu(gid).type, []).append(gid)
+            for ids in by_type.values():
+                out.extend(tuple(ids[k : k + tp]) for k in range(0, len(ids) - tp + 1, tp))
+        return out
+
+    def _best(
+        self, view: PolicyView, m: int, tp: int, dtypes: Sequence[str], taken: set[str]
+    ) -> Candidate | None:
+        ev = self._evaluator_for(view)
+        best: Candidate | None = None
+        for group in self._groups(view, tp, taken):
+            for dtype in dtypes:
+                c = ev.evaluate(m, (group,), dtype)
+                if isinstance(c, Candidate) and (
+                    best is None or c.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu
+                ):
+                    best = c
+        return best
+
+    def _shape(self, view: PolicyView, m: int, taken: set[str]) -> _Shape | None:
+        demand = view.demands[m]
+        if demand.name not in self._shapes:
+            shape = None
+            for tp in (1, 2, 4, 8):
+                best = self._best(view, m, tp, demand.dtypes, taken)
+                if best is not None:
+                    target = best.gear.max_num_seqs * self.params.target_utilization
+                    shape = _Shape(tp, best.gear.dtype, target)
+                    break
+            self._shapes[demand.name] = shape
+        return self._shapes[demand.name]
+
+    def decide(
+        self, view: PolicyView, now: float, rng: random.Random
+    ) -> Sequence[Deployment] | None:
+        del rng
+        taken = {g for d in view.running for g in d.gpu_ids} | set(view.draining_gpu_ids)
+        wanted = list(view.running)
+        changed = False
+        for m, demand in enumerate(view.demands):
+            shape = self._shape(view, m, taken)
+            if shape is None:
+                continue
+            scaler = self._scalers.get(demand.name)
+            mine = [d for d in wanted if d.model == demand.name]
+            if scaler is None:
+                scaler = self._scalers[demand.name] = KpaScaler(
+                    shape.target_concurrency, self.params
+                )
+                num = self.params.initial_scale
+            else:
+                scaler.observe(now, float(view.in_flight.get(demand.name, 0)))
+                num = scaler.scale(now, sum(d.name in view.ready for d in mine))
+            while len(mine) > num:
+                wanted.remove(mine.pop())
+                changed = True
+            while len(mine) < num:
+                best = self._best(view, m, shape.tp, (shape.dtype,), taken)
+                if best is None:
+                    break
+                self._num_launched += 1
+                dep = Deployment(
+                    f"{demand.name}-r{self._num_launched}",
+                    demand.name,
+                    demand.model,
+                    best.gear,
+                    best.stages,
+                    best.layers_per_stage,
+                )
+                taken.update(dep.gpu_ids)
+                mine.append(dep)
+                wanted.append(dep)
+                changed = True
+        return wanted if changed else None
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     "flexpipe": ShiftingPolicy,
     "round_robin": lambda: ShiftingPolicy(name="round_robin", routing="round_robin"),
     "static": lambda: PlannerPolicy(name="static"),
     "peak": lambda: PlannerPolicy(name="peak", at_peak=True),
+    "peak-slo": PeakSloPolicy,
+    "autoscaler": KpaAutoscaler,
     "wait-for-ideal": WaitForIdeal,
 }
 

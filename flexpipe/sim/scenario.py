@@ -58,6 +58,7 @@ from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.timeline import TimelineError, TimelineEvent, parse_timeline
 from flexpipe.sim.trace import TraceReplay
 from flexpipe.sim.workload import (
+    Bursts,
     Diurnal,
     LengthDist,
     SharedPrefix,
@@ -131,9 +132,10 @@ def _mapping(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
+_BURST_KEYS = ("off_mean_s", "burst_min_s", "burst_max_s")  # onoff arrivals (workload.Bursts)
 _GENERATE_KEYS = ("nodes", "gpus_per_node", "seed")
 _CLUSTER_KEYS = ("file", "inline", "generate")
-_ARRIVAL_KEYS = ("process", "rate_per_s", "cv", "start_s")
+_ARRIVAL_KEYS = ("process", "rate_per_s", "cv", "start_s", *_BURST_KEYS)
 _TRACE_KEYS = ("kind", "file", "speedup", "offset_s")
 MAX_REPORT_INTERVALS = 1_000_000  # duration_s / report_interval_s: the report's timeline rows
 MAX_EXPECTED_REQUESTS = 10_000_000  # generated up front: ~2-3 GB, ~45 CPU minutes
@@ -202,9 +204,17 @@ def _workload(value: Any, base: Path, where: str, models: list[str]) -> Workload
     if "rate_per_s" not in arrivals:
         raise ScenarioError(f"{place}.rate_per_s: missing (requests per second, > 0)")
     try:
+        process = str(arrivals.get("process", "poisson"))
+        bursts = None
+        if process == "onoff":
+            given = {k: arrivals[k] for k in _BURST_KEYS if k in arrivals}
+            bursts = fields.build(Bursts, given, place)
+        elif any(k in arrivals for k in _BURST_KEYS):
+            raise ScenarioError(f"{place}: {', '.join(_BURST_KEYS)} are for process: onoff")
         source = Synthetic(
             rate_per_s=fields.number(arrivals["rate_per_s"], f"{place}.rate_per_s"),
-            arrival=str(arrivals.get("process", "poisson")),
+            arrival=process,
+            bursts=bursts,
             cv=fields.number(arrivals.get("cv", 1.0), f"{place}.cv"),
             start_s=fields.number(arrivals.get("start_s", 0.0), f"{place}.start_s"),
             prompt=fields.build(LengthDist, doc.get("prompt_tokens", {}), f"{where}.prompt_tokens"),

@@ -162,12 +162,34 @@ class _Run:
     # --- the static policies ----------------------------------------------------------
     def _decide(self, now: float) -> None:
         running = tuple(r.dep for r in self.live.values())
-        view = PolicyView(self.file, self.demands, self.peaks, running)
+        view = PolicyView(self.file, self.demands, self.peaks, running, *self._observed())
         wanted = self.policy.decide(view, now, self.rng)
         if wanted is not None:
             self._apply_plan(list(wanted), now)
+        if getattr(self.policy, "buffers_at_zero", False):
+            self._buffer_at_zero(now)
         if self.policy.interval_s is not None:
             self.loop.at(now + self.policy.interval_s, CONTROL, self._decide)
+
+    def _observed(self) -> tuple[dict[str, int], frozenset[str], frozenset[str]]:
+        """What a reactive policy observes (`PolicyView`): requests in flight per model (on
+        its engines, and waiting at the gateway), the deployments taking requests, and the
+        GPUs still held by draining instances."""
+        in_flight = dict(self.gateway.queued_by_model())
+        for inst in self.gateway.pool.instances.values():
+            if inst.model is not None:
+                in_flight[inst.model] = in_flight.get(inst.model, 0) + inst.num_in_flight
+        ready = frozenset(n for n, r in self.live.items() if r.active)
+        draining = frozenset(g for r in self.draining for g in r.dep.gpu_ids)
+        return in_flight, ready, draining
+
+    def _buffer_at_zero(self, now: float) -> None:
+        """Knative's activator: a model with no instance in the pool is held (its requests
+        wait for one) until the next decision, and then again while it has none."""
+        assert self.policy.interval_s is not None
+        for demand in self.demands:
+            if not self.gateway.pool.has_model(demand.name):
+                self.gateway.hold(demand.name, 2 * self.policy.interval_s, now)
 
     def _apply_plan(self, wanted: list[Deployment], now: float) -> None:
         names = {d.name for d in wanted}

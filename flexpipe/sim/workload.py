@@ -3,7 +3,9 @@
 Arrivals are Poisson (exponential gaps) or Gamma (gaps with a coefficient of variation `cv`:
 cv > 1 is bursty, cv = 1 is Poisson); a diurnal pattern modulates the rate as
 `rate x (1 + amplitude x cos(2 pi (t - peak_s) / period_s))`, by thinning (candidates at the
-peak rate, each kept with probability rate(t) / peak rate). Lengths come from `LengthDist`.
+peak rate, each kept with probability rate(t) / peak rate). On/off (`onoff`, `Bursts`) is
+serverless traffic: idle for exponential off periods, then a burst of uniform length at
+`rate_per_s` (Poisson inside the burst). Lengths come from `LengthDist`.
 Everything random comes from the `random.Random` passed in: same seed, same requests.
 """
 
@@ -118,21 +120,49 @@ class SharedPrefix:
 
 
 @dataclass(frozen=True, slots=True)
+class Bursts:
+    """On/off arrivals: off periods exponential with mean `off_mean_s`, bursts uniform in
+    [`burst_min_s`, `burst_max_s`]; a stream starts with an off period."""
+
+    off_mean_s: float = 300.0
+    burst_min_s: float = 10.0
+    burst_max_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _above("off_mean_s", self.off_mean_s, 0)
+        _above("burst_min_s", self.burst_min_s, 0)
+        if not (math.isfinite(self.burst_max_s) and self.burst_max_s >= self.burst_min_s):
+            raise WorkloadError(
+                f"burst_max_s: must be >= burst_min_s ({self.burst_min_s:g}) "
+                f"(got {self.burst_max_s:g})"
+            )
+
+    @property
+    def duty(self) -> float:
+        """The share of time in bursts (the mean rate over the burst rate)."""
+        on = (self.burst_min_s + self.burst_max_s) / 2
+        return on / (on + self.off_mean_s)
+
+
+@dataclass(frozen=True, slots=True)
 class Synthetic:
     rate_per_s: float
     prompt: LengthDist
     output: LengthDist
-    arrival: str = "poisson"  # or "gamma"
+    arrival: str = "poisson"  # or "gamma", or "onoff" (with `bursts`)
     cv: float = 1.0  # gamma: coefficient of variation of the gaps
     diurnal: Diurnal | None = None
     shared_prefix: SharedPrefix | None = None
     start_s: float = 0.0
+    bursts: Bursts | None = None  # onoff: the on/off periods (`rate_per_s` is the burst's)
 
     def __post_init__(self) -> None:
-        if self.arrival not in ("poisson", "gamma"):
+        if self.arrival not in ("poisson", "gamma", "onoff"):
             raise WorkloadError(
-                f"process: unknown arrival process {self.arrival!r}: use poisson or gamma"
+                f"process: unknown arrival process {self.arrival!r}: use poisson, gamma or onoff"
             )
+        if (self.arrival == "onoff") != (self.bursts is not None):
+            raise WorkloadError("process: onoff arrivals, and only they, take bursts")
         _above("rate_per_s", self.rate_per_s, 0)
         _above("cv", self.cv, 0)
         _at_least("start_s", self.start_s, 0)
@@ -142,6 +172,9 @@ class Synthetic:
         return self.rate_per_s * (1.0 + (self.diurnal.amplitude if self.diurnal else 0.0))
 
     def arrivals(self, rng: random.Random, until_s: float) -> Iterator[Arrival]:
+        if self.bursts is not None:
+            yield from self._on_off(self.bursts, rng, until_s)
+            return
         peak = self.peak_rate_per_s
         shape = 1.0 / (self.cv * self.cv)
         t = self.start_s
@@ -156,10 +189,32 @@ class Synthetic:
                 self.diurnal.factor(t)
             ):
                 continue
-            prefix: tuple[int, ...] = ()
-            if self.shared_prefix is not None:
-                prefix = self.shared_prefix.ids(rng.randrange(self.shared_prefix.num_groups))
-            prompt = self.prompt.sample(rng)
-            if prefix:
-                prompt = max(prompt, self.shared_prefix.num_tokens + 1)  # type: ignore[union-attr]
-            yield t, prompt, self.output.sample(rng), prefix
+            yield self._request(t, rng)
+
+    def _on_off(self, bursts: Bursts, rng: random.Random, until_s: float) -> Iterator[Arrival]:
+        """Off (exponential), then a burst (uniform length, Poisson at `rate_per_s`), again.
+        (Diurnal and shared prefixes apply as to the other processes.)"""
+        on_until_s = self.start_s
+        t = self.start_s
+        while t <= until_s:
+            t = on_until_s + rng.expovariate(1.0 / bursts.off_mean_s)
+            on_until_s = t + rng.uniform(bursts.burst_min_s, bursts.burst_max_s)
+            while True:
+                t += rng.expovariate(self.peak_rate_per_s)
+                if t > min(on_until_s, until_s):
+                    break
+                if self.diurnal is not None and rng.random() * self.peak_rate_per_s > (
+                    self.rate_per_s * self.diurnal.factor(t)
+                ):
+                    continue
+                yield self._request(t, rng)
+            t = on_until_s
+
+    def _request(self, t: float, rng: random.Random) -> Arrival:
+        prefix: tuple[int, ...] = ()
+        if self.shared_prefix is not None:
+            prefix = self.shared_prefix.ids(rng.randrange(self.shared_prefix.num_groups))
+        prompt = self.prompt.sample(rng)
+        if prefix:
+            prompt = max(prompt, self.shared_prefix.num_tokens + 1)  # type: ignore[union-attr]
+        return t, prompt, self.output.sample(rng), prefix

@@ -73,9 +73,9 @@ R = "workloads[0].arrivals"
         ("workloads.0.arrivals.start_s", -1, f"s.yaml: {R}.start_s: must be a finite number "
          ">= 0 (got -1)"),
         ("workloads.0.arrivals.rate_per_sec", 2, f"s.yaml: {R}: unknown key(s) rate_per_sec; "
-         "known: process, rate_per_s, cv, start_s"),
+         "known: process, rate_per_s, cv, start_s, off_mean_s, burst_min_s, burst_max_s"),
         ("workloads.0.arrivals.process", "weibull", f"s.yaml: {R}.process: unknown arrival "
-         "process 'weibull': use poisson or gamma"),
+         "process 'weibull': use poisson, gamma or onoff"),
         ("workloads.0.prompt_tokens.maxx", 3, "s.yaml: workloads[0].prompt_tokens: unknown "
          "key(s) maxx; known: dist, mean, cv, min, max"),
         ("workloads.0.prompt_tokens.mean", INF, "s.yaml: workloads[0].prompt_tokens.mean: "

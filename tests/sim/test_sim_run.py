@@ -274,7 +274,8 @@ def test_public_api() -> None:
          "write_reports"]
     )  # fmt: skip
     assert all(hasattr(sim, name) for name in sim.__all__)
-    assert set(sim.POLICIES) == {"flexpipe", "round_robin", "static", "peak", "wait-for-ideal"}
+    assert set(sim.POLICIES) == {"flexpipe", "round_robin", "static", "peak", "peak-slo",
+                                 "autoscaler", "wait-for-ideal"}  # fmt: skip
 
 
 def test_the_gateway_queue_serves_in_order_and_times_out() -> None:
