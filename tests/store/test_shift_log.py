@@ -340,22 +340,38 @@ def test_lifecycle_transition_table() -> None:
         ("rehearsing", "draining"),
         ("rehearsing", "gone"),
         ("active", "draining"),
+        ("active", "asleep"),
         ("active", "gone"),
         ("draining", "active"),
+        ("draining", "asleep"),
         ("draining", "gone"),
+        ("asleep", "waking"),
+        ("asleep", "gone"),
+        ("waking", "active"),
+        ("waking", "gone"),
     }
     assert set(TRANSITIONS) == set(State)
-    assert {State.STARTING, State.REHEARSING, State.ACTIVE, State.DRAINING} == LIVE_STATES
+    assert {
+        State.STARTING,
+        State.REHEARSING,
+        State.ACTIVE,
+        State.DRAINING,
+        State.ASLEEP,
+        State.WAKING,
+    } == LIVE_STATES
     assert check_transition("active", "draining") is State.DRAINING
     with pytest.raises(
         LifecycleError,
-        match="illegal transition active → rehearsing: from active only to draining, gone",
+        match="illegal transition active → rehearsing: from active only to asleep, draining, gone",
     ):
         check_transition("active", "rehearsing")
     with pytest.raises(LifecycleError, match="already active"):
         check_transition("active", "active")
     with pytest.raises(LifecycleError, match="gone → active: gone is final"):
         check_transition("gone", "active")
+    # an asleep engine wakes before it serves: never straight back to active
+    with pytest.raises(LifecycleError, match="asleep → active: from asleep only to gone, waking"):
+        check_transition("asleep", "active")
     with pytest.raises(LifecycleError, match="unknown instance state 'removed': expected one"):
         check_transition("active", "removed")
 

@@ -3,7 +3,9 @@
 // docs/dashboard.md describes the view's fields.
 "use strict";
 
-const STATES = ["starting", "rehearsing", "active", "draining", "ejected"];
+const STATES = [
+  "starting", "rehearsing", "active", "draining", "asleep", "waking", "ejected",
+];
 const PHASES = ["warm", "rehearse", "switch", "drain", "migrate", "release"];
 const PHASE_COLORS = ["#8a9bb3", "#d99a00", "#1f6feb", "#e8743b", "#9c27b0", "#2e9d5b"];
 const METHODS = ["kv_moved", "recomputed", "finished_in_place", "rerun"];
