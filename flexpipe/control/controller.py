@@ -380,6 +380,7 @@ class Controller:
             for inst in self.running.values():
                 inst.state = "gone"
                 self._on_state(inst, "gone")
+            await self.executor.stop_sleepers(list(self.executor.sleepers.values()))
         await self.executor.close()
         await self.gateway.close()
         if self.server is not None:
@@ -396,6 +397,7 @@ class Controller:
         now_s = self.clock()
         await self._reap_dead(now_s)
         self._resource_events(*self.resources.tick(self.wall()), now_s)
+        await self._release_taken_sleepers()
         serving = {i.planned.model for i in self.running.values()}
         try:
             commands = core.standby(serving, self.resources, self.wall(), now_s)
@@ -495,6 +497,12 @@ class Controller:
         """An engine that exited: out of the running plan (the core), out of the gateway (its
         streams continue elsewhere); the policy sees the GPUs again and re-plans (an
         emergency). The simulator is told of a death when it happens instead."""
+        for inst in self.executor.dead_sleepers():  # asleep: nothing served, nothing re-planned
+            with contextlib.suppress(GatewayError):
+                await self.gateway.remove(inst.url)
+            inst.state = "gone"
+            self._on_state(inst, "gone")
+            self.say(f"controller: sleeping instance {inst.planned.name} exited")
         dead = [i for i in self.running.values() if i.handle.returncode is not None]
         for key, inst in self.core.drop_dead(self.running, dead, now_s):
             with contextlib.suppress(GatewayError):
@@ -504,6 +512,15 @@ class Controller:
             why = f"{key} exited ({inst.handle.returncode}); its GPUs are re-planned"
             self.note("emergency", why, outcome="succeeded", trigger="lost")
             self.say(f"controller: instance {inst.planned.name} exited; re-planning")
+
+    async def _release_taken_sleepers(self) -> None:
+        """A sleeping engine on a GPU another tenant occupied since it fell asleep stops
+        (the tenant wants the GPU; a later target for its model cold-starts elsewhere)."""
+        occupied = set(self.resources.overrides.active(self.wall()))
+        taken = [i for i in self.executor.sleepers.values() if occupied & set(i.planned.gpu_ids)]
+        for inst in taken:
+            self.say(f"controller: sleeping {inst.planned.name} stopped: its GPU was occupied")
+        await self.executor.stop_sleepers(taken)
 
     def _keep_occupations(self) -> None:
         if self.occupation_memory is not None:

@@ -93,7 +93,9 @@ class ControllerParams:
     drain_deadline_s: float = 30.0
     rehearsal_tolerance: float = 2.0
     min_instances_floor: int = 1
-    shift: ShiftParams = dataclasses.field(default_factory=ShiftParams)
+    # the simulator sleeps nothing unless a scenario turns sleep mode on (`controller.shift.
+    # sleep_mode`): its runs stay what they were before sleep mode existed
+    shift: ShiftParams = dataclasses.field(default_factory=lambda: ShiftParams(sleep_mode="off"))
 
 
 class SimController:
