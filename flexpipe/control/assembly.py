@@ -26,6 +26,7 @@ from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.control.core.resources import Occupation, Resources
 from flexpipe.control.core.sleeping import sleep_mode_on
 from flexpipe.control.core.tick import TickCore, TickParams
+from flexpipe.control.engines.launching import with_sleep_mode
 from flexpipe.control.engines.takeover import Takeover
 from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.standby import Note, StandbyModels
@@ -161,7 +162,7 @@ def assemble(
 
     def spec_now(p: PlannedInstance) -> EngineSpec:
         spec = spec_of(p, cluster())
-        return dataclasses.replace(spec, enable_sleep_mode=True) if sleeps else spec
+        return with_sleep_mode(spec) if sleeps else spec
 
     executor = Executor(
         launcher,

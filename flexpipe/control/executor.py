@@ -261,6 +261,7 @@ class Executor:
         """Asleep once its requests finished (mode=wait) and its weights are offloaded."""
         why = await self._engine_post(inst, f"/sleep?level={level}&mode=wait")
         if why:
+            log.warning("instance %s did not sleep (it stops): %s", inst.planned.name, why)
             return Failed(f"instance {inst.planned.name} did not sleep: {why}")
         inst.sleep_level = level
         await self._tell(inst, "asleep")
