@@ -38,8 +38,6 @@ Paths are relative to the scenario file. Every mistake is one readable line (Sce
 
 from __future__ import annotations
 
-import dataclasses
-
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -234,7 +232,7 @@ def _controller(value: Any, where: str) -> ControllerParams:
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{where}: {exc}") from None
     if "sleep_mode" not in shift_doc:  # a scenario sleeps only where it says so
-        shift = dataclasses.replace(shift, sleep_mode="off")
+        shift = replace(shift, sleep_mode="off")
     d = ControllerParams()
     return ControllerParams(
         tick_s=fields.number(doc.get("tick_s", d.tick_s), f"{where}.tick_s", min_value=MIN_TICK_S),
