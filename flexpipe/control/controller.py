@@ -409,7 +409,9 @@ class Controller:
         core.observe(now_s, readings)
         if self.rate_memory is not None:
             self.rate_memory.keep(core.rates, now_s, self.wall())
-        decided = core.decide(now_s, self.cluster, [i.planned for i in self.running.values()])
+        asleep = [(i.planned, i.sleep_level) for i in self.executor.sleepers.values()]
+        running = [i.planned for i in self.running.values()]
+        decided = core.decide(now_s, self.cluster, running, asleep)
         self.last_decision = decided.decision
         if not decided.shift:
             self.journal.decision(decided.decision, decided.snapshot.running)
