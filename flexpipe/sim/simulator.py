@@ -61,7 +61,8 @@ class InstanceRecord:
     active: bool = False  # in the gateway's pool, taking requests
     died: str = ""  # why its engine died with its GPUs ("" if it did not)
     # sleep mode (docs/controller.md, "Sleep instead of stop"): what is asleep, and each
-    # sleep's [start, end, level] (end -1: asleep still, or until it was released)
+    # sleep's [start, end, level, GPU bytes, host RAM bytes held asleep] (end -1: asleep
+    # still, or until it was released)
     sleep: SleepState | None = None
     asleep_spans: list[list[float]] = field(default_factory=list)
 
@@ -271,7 +272,8 @@ class _Run:
         rec.sleep = state
         rec.active = False
         self.gateway.set_state(rec.instance.url, State.ASLEEP, now)
-        rec.asleep_spans.append([now, -1.0, float(level)])
+        held = [state.gpu_memory_bytes, state.host_memory_bytes]
+        rec.asleep_spans.append([now, -1.0, float(level), *held])
         return duration_s
 
     def wake(self, rec: InstanceRecord, now: float) -> float | str:
@@ -527,7 +529,13 @@ class _Run:
         )
         for rec in self.records:
             stop = rec.released_s if rec.released_s >= 0 else run_end_s
-            self.usage.reserve(rec.dep.num_gpus, rec.launched_s, stop)
+            start = rec.launched_s
+            for t0, t1, _, gpu_bytes, host_bytes in rec.asleep_spans:  # awake apart from asleep
+                end = t1 if t1 >= 0 else stop
+                self.usage.reserve(rec.dep.num_gpus, start, t0)
+                self.usage.asleep(rec.dep.num_gpus, t0, end, gpu_bytes, host_bytes)
+                start = end
+            self.usage.reserve(rec.dep.num_gpus, start, stop)
         self.usage.close(run_end_s)
         for ev in scenario.resources[self._num_events_applied :]:  # (sorted by time)
             self.notes.append(

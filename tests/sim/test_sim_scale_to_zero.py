@@ -12,6 +12,7 @@ from typing import Any
 from test_sim_shift import ROOT, SEED_CLUSTER, fixed_workload, seven_b
 
 from flexpipe.sim import simulate
+from flexpipe.sim.report import report
 from flexpipe.sim.scenario import parse_scenario
 
 
@@ -92,3 +93,15 @@ def test_with_sleep_mode_the_idle_model_sleeps_and_its_engine_wakes_for_its_requ
     assert woken_ttft_s < cold_ttft_s / 4  # (both wait for the controller to notice)
     # the chat model never noticed: same requests served either way
     assert all(q.completed for q in r.requests if q.model == "chat")
+    # the report counts the sleeping engine's time apart from the GPU-hours reserved
+    ((t0, t1, level, gpu_bytes, host_bytes),) = rec.asleep_spans
+    assert (t0, t1, level) == (down["finished_s"] - pm.sleep_s(1), wake["at_s"], 1.0)
+    assert host_bytes == sum(g.weights_bytes for g in pm.memory.per_gpu)
+    assert gpu_bytes == sum(g.reserve_bytes for g in pm.memory.per_gpu)
+    asleep = report(r)["asleep"]
+    assert asleep == {
+        "gpu_hours": round((t1 - t0) / 3600, 6),
+        "gpu_memory_gib_hours": round(gpu_bytes * (t1 - t0) / 3600 / 1024**3, 6),
+        "host_ram_gib_hours": round(host_bytes * (t1 - t0) / 3600 / 1024**3, 6),
+    }
+    assert "asleep" not in report(cold)

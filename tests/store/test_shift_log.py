@@ -586,7 +586,13 @@ def test_shifts_command_table_and_json(tmp_path: Path) -> None:
     shift_row = [c.strip() for c in rows[0].split("│")[1:-1]]
     assert shift_row[0] == "2" and shift_row[2:4] == ["shift", "resource"]
     assert shift_row[4] == "llama-7b tp1-pp1@gpu2 → llama-7b tp2-pp1@gpu1+gpu2"
-    assert shift_row[5:10] == ["107.1", "27.2/5.0/0.0/30.0/0.8/0.5/-/-", "3/2/11/1", "ok", "succeeded"]
+    assert shift_row[5:10] == [
+        "107.1",
+        "27.2/5.0/0.0/30.0/0.8/0.5/-/-",
+        "3/2/11/1",
+        "ok",
+        "succeeded",
+    ]
     hold_row = [c.strip() for c in rows[1].split("│")[1:-1]]
     assert hold_row[2:] == [
         "hold",
