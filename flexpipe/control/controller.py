@@ -59,7 +59,7 @@ from flexpipe.http.server import (
     serve,
 )
 from flexpipe.launch import AdoptingLauncher, EngineSpec
-from flexpipe.lifecycle import State
+from flexpipe.lifecycle import DORMANT_STATES, State
 from flexpipe.observe.dcgm import gpu_instance_labels
 from flexpipe.perf import Efficiency
 from flexpipe.perf.gear_lookup import GearLookup
@@ -276,6 +276,11 @@ class Controller:
         if resumed is not None:
             self.core.history = resumed
         survivors = await self.takeover.survivors()
+        # engines a previous controller left asleep (or waking) are not adopted: they serve
+        # nothing and hold their GPUs, so they stop (their GPUs are planned afresh)
+        dormant = [r for r in survivors if r.state in DORMANT_STATES]
+        await self.takeover.retire(dormant)
+        survivors = [r for r in survivors if r not in dormant]
         if survivors:  # what a previous controller left serving stays, where it still pays
             stubs = [stub(r, first.instances) for r in survivors]
             first = plan(
