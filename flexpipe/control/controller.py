@@ -233,6 +233,7 @@ class Controller:
 
     def _gauge(self) -> None:
         live = [(i.planned.model, State(i.state)) for i in self.running.values()]
+        live += [(i.planned.model, State(i.state)) for i in self.executor.sleepers.values()]
         self.metrics.set_instances(live + self._gone[-1000:])
         # which instance holds each GPU, in DCGM's labels: Grafana joins the exporter's
         # per-GPU series to instances with it (docs/observability.md)
