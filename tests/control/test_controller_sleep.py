@@ -184,3 +184,43 @@ def test_a_sleeping_engine_that_died_is_replaced_by_a_cold_start(tmp_path: Path)
     finally:
         up.stop()
     assert up.proc.returncode == 0, up.out.text[-3000:]
+
+
+def test_a_restarted_controller_stops_the_engine_its_predecessor_left_asleep(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of the controller while an engine sleeps: the controller `up` starts again
+    does not adopt it (it serves nothing and holds its GPU) but stops it, and serves."""
+    from test_controller import _is_controller
+    from test_launcher import processes_with
+
+    up = Up(tmp_path, SLEEPY, models_yaml=TWO, extra=("--scale-to-zero",))
+    idle = f"{up.model}-idle"
+    try:
+        up.ready()
+        registry = InstanceRegistry(up.store)
+
+        def asleep() -> list[object]:
+            return [r for r in registry.live_instances(model=idle) if r.state is State.ASLEEP]
+
+        up.wait_until("the idle model's engine asleep", asleep, 90)
+        (sleeper,) = asleep()
+        (controller,) = [p for p in processes_with(str(tmp_path)) if _is_controller(p)]
+        os.kill(controller, signal.SIGKILL)
+        up.out.wait_for("instance(s) serving", 90, len(up.out.lines))
+        gone = registry.get(sleeper.id)
+        assert gone.state is State.GONE, gone
+        assert gone.gone_reason == "not in the plan after a controller restart"
+        assert sleeper.pid is not None and not _alive(sleeper.pid)
+    finally:
+        up.stop()
+    assert up.proc.returncode == 0, up.out.text[-3000:]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie no parent reaped yet is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
