@@ -273,7 +273,7 @@ class ShiftProcedure:
         none serves."""
         if not adds:
             return []
-        woken, adds = yield from self._wake([a for a in adds], suffix, out)
+        woken, adds = yield from self._wake(adds, suffix, out)
         if not adds:
             return woken
         started = yield from self._launch(adds, suffix, rehearse, all_or_nothing, out)
