@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from flexpipe.cluster import Cluster
 from flexpipe.perf import PerfModel
 from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.candidates import keepable
 from flexpipe.policies.shift.params import SLEEP_MODES
 from flexpipe.policies.shift.snapshot import instance_key
 
@@ -59,15 +60,20 @@ def sleep_levels(
 ) -> dict[str, int]:
     """Instance key -> the level each of `leaving` sleeps at (absent: it stops). Host RAM is
     each node's capacity less what level-1 sleepers hold already and what the earlier of
-    `leaving` take (in order)."""
+    `leaving` take (in order). An instance on a GPU that is gone, or that another tenant
+    holds whole now (an occupation, a reclaim), stops: that GPU is not ours to keep."""
     if not sleep_mode_on(mode, kind_levels):
         return {}
     free: dict[str, float] = {n.name: n.host_ram_capacity_bytes for n in cluster.nodes}
     for inst in asleep_at_level1:
+        if not keepable(cluster, inst.gpu_ids):
+            continue
         for node, held in host_ram_by_node(cluster, perf_model(inst)).items():
             free[node] = free.get(node, 0.0) - held
     out: dict[str, int] = {}
     for inst in leaving:
+        if not keepable(cluster, inst.gpu_ids):
+            continue
         need = host_ram_by_node(cluster, perf_model(inst))
         if 1 in kind_levels and all(b <= free.get(n, 0.0) for n, b in need.items()):
             for node, held in need.items():

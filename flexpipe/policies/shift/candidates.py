@@ -32,6 +32,7 @@ __all__ = [
     "additive",
     "default_planner",
     "keep_minimums",
+    "keepable",
     "priority_first",
     "replan",
     "shrink",
@@ -103,15 +104,27 @@ def additive(
     )
 
 
+def keepable(cluster: Cluster, gpu_ids: Collection[str]) -> bool:
+    """Every GPU is still there and not held whole by another tenant (an occupation, a
+    reclaim): an engine there may sleep on, or wake."""
+    ids = set(cluster.gpu_ids)
+    return all(g in ids and cluster.gpu(g).free_bytes > 0 for g in gpu_ids)
+
+
 def woken(
+    cluster: Cluster,
     running: Sequence[PlannedInstance],
     asleep: Sequence[PlannedInstance],
     names: Collection[str],
 ) -> Candidate | None:
     """Every running instance kept, and the sleeping instances of the models `names` woken
-    (those on GPUs no running instance holds). None when none sleeps."""
+    (those on GPUs no running instance holds, still `keepable`). None when none sleeps."""
     held = {g for i in running for g in i.gpu_ids}
-    wake = [i for i in asleep if i.model in names and not held & set(i.gpu_ids)]
+    wake = [
+        i
+        for i in asleep
+        if i.model in names and not held & set(i.gpu_ids) and keepable(cluster, i.gpu_ids)
+    ]
     if not wake:
         return None
     where = ", ".join(f"{i.model} on {'+'.join(i.gpu_ids)}" for i in wake)

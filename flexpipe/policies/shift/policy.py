@@ -189,7 +189,7 @@ class ShiftPolicy:
         if pf is not None:
             out.append(pf)
         if adding:
-            wake = woken(running, [i for i, _ in snapshot.asleep], adding)
+            wake = woken(snapshot.cluster, running, [i for i, _ in snapshot.asleep], adding)
             if wake is not None:
                 out.append(wake)
             add = additive(
