@@ -65,6 +65,7 @@ from flexpipe.perf import Efficiency
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, PlannedInstance, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
+from flexpipe.policies.shift.candidates import keepable
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.snapshot import (
     ShiftRecord,
@@ -522,13 +523,17 @@ class Controller:
             self.say(f"controller: instance {inst.planned.name} exited; re-planning")
 
     async def _release_taken_sleepers(self) -> None:
-        """A sleeping engine on a GPU another tenant occupied since it fell asleep stops
-        (the tenant wants the GPU; a later target for its model cold-starts elsewhere)."""
-        occupied = set(self.resources.overrides.active(self.wall()))
-        taken = [i for i in self.executor.sleepers.values() if occupied & set(i.planned.gpu_ids)]
+        """A sleeping engine on a GPU that is gone, or that another tenant took whole since
+        it fell asleep, stops (`keepable`, as the sleep levels decide; the simulator's engines
+        die with such GPUs): a later target for its model cold-starts elsewhere."""
+        cluster = self.cluster
+        taken = [
+            i for i in self.executor.sleepers.values() if not keepable(cluster, i.planned.gpu_ids)
+        ]
         for inst in taken:
-            self.say(f"controller: sleeping {inst.planned.name} stopped: its GPU was occupied")
-        await self.executor.stop_sleepers(taken)
+            self.say(f"controller: sleeping {inst.planned.name} stopped: its GPU was taken")
+        if taken:
+            await self.executor.stop_sleepers(taken)
 
     def _keep_occupations(self) -> None:
         if self.occupation_memory is not None:
