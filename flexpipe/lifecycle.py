@@ -1,4 +1,5 @@
-"""An instance's one lifecycle (pure): starting → rehearsing → active → draining → gone.
+"""An instance's one lifecycle (pure): starting → rehearsing → active → draining → gone,
+and beside the main line asleep → waking → active.
 
 The gateway's pool, the store and the controller all check a change of state here, so an
 instance can never be, say, drained before it started. Health is not a state: an instance
@@ -9,7 +10,13 @@ probe succeeds. Legal moves besides the main line:
 - rehearsing → draining: a rehearsal missed and the target is rolled back (it already
   served a slice of live traffic, so it drains rather than drops it);
 - draining → active: a rollback after the switch brings a draining instance back;
-- any live state → gone: the engine died, failed to start or was found unreachable.
+- active/draining → asleep: the engine sleeps (vLLM's sleep mode) instead of stopping, once
+  its requests moved or finished; it holds only what vLLM keeps on the GPU while asleep and is
+  never routed to;
+- asleep → waking → active: a later plan wants the same model, gear and GPUs, and waking it
+  is faster than a cold start (docs/controller.md, "Sleep instead of stop");
+- any live state → gone: the engine died, failed to start or was found unreachable (an asleep
+  or waking one too: a wake that fails falls back to a cold start elsewhere).
 
 `gone` is final: a new engine on the same GPUs is a new instance.
 """
@@ -20,6 +27,7 @@ import enum
 from collections.abc import Mapping
 
 __all__ = [
+    "DORMANT_STATES",
     "LIVE_STATES",
     "TRANSITIONS",
     "LifecycleError",
@@ -35,6 +43,8 @@ class State(enum.StrEnum):
     REHEARSING = "rehearsing"
     ACTIVE = "active"
     DRAINING = "draining"
+    ASLEEP = "asleep"
+    WAKING = "waking"
     GONE = "gone"
 
 
@@ -42,13 +52,18 @@ class State(enum.StrEnum):
 TRANSITIONS: Mapping[State, frozenset[State]] = {
     State.STARTING: frozenset({State.REHEARSING, State.ACTIVE, State.GONE}),
     State.REHEARSING: frozenset({State.ACTIVE, State.DRAINING, State.GONE}),
-    State.ACTIVE: frozenset({State.DRAINING, State.GONE}),
-    State.DRAINING: frozenset({State.ACTIVE, State.GONE}),
+    State.ACTIVE: frozenset({State.DRAINING, State.ASLEEP, State.GONE}),
+    State.DRAINING: frozenset({State.ACTIVE, State.ASLEEP, State.GONE}),
+    State.ASLEEP: frozenset({State.WAKING, State.GONE}),
+    State.WAKING: frozenset({State.ACTIVE, State.GONE}),
     State.GONE: frozenset(),
 }
 
 # states of an instance whose engine may still be running (a restarted controller adopts them)
 LIVE_STATES: frozenset[State] = frozenset(s for s in State if s is not State.GONE)
+
+# states of an instance whose engine sleeps or is waking: it holds GPU memory but serves nothing
+DORMANT_STATES: frozenset[State] = frozenset({State.ASLEEP, State.WAKING})
 
 
 class LifecycleError(ValueError):

@@ -71,7 +71,7 @@ def entries_table(
         ("trigger", "left", True),
         ("from → to", "left", False),
         ("score", "right", True),
-        ("phases s\nwarm/reh/sw/drain/mig/rel", "left", True),
+        ("phases s\nwarm/reh/sw/drain/mig/rel/sleep/wake", "left", True),
         ("migrated\nkv/rc/fin/rerun", "left", True),
         ("rehearsal", "left", True),
         ("outcome", "left", True),

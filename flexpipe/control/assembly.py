@@ -24,7 +24,9 @@ from flexpipe.control.api.controller_metrics import ControllerMetrics
 from flexpipe.control.api.gateway_client import GatewayClient
 from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.control.core.resources import Occupation, Resources
+from flexpipe.control.core.sleeping import sleep_mode_on
 from flexpipe.control.core.tick import TickCore, TickParams
+from flexpipe.control.engines.launching import with_sleep_mode
 from flexpipe.control.engines.takeover import Takeover
 from flexpipe.control.executor import Executor, LiveInstance
 from flexpipe.control.standby import Note, StandbyModels
@@ -34,7 +36,7 @@ from flexpipe.control.state.occupation_memory import OccupationMemory
 from flexpipe.control.state.rate_memory import RateMemory
 from flexpipe.control.watch.cluster_watch import ClusterWatch
 from flexpipe.control.watch.discovery_watch import DISCOVERED_MARK, DiscoveryWatch
-from flexpipe.engine_kinds import kv_move_possible
+from flexpipe.engine_kinds import engine_kind, kv_move_possible
 from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import PlannedInstance
@@ -153,10 +155,19 @@ def assemble(
     if registry is not None and hasattr(launcher, "on_spawn"):
         # (the local launcher's hook; not in the Protocol)
         launcher.on_spawn = takeover.spawned
+    # sleep instead of stop where the engine kind can (control/core/sleeping.py): its engines
+    # are launched able to sleep
+    kind_sleep_levels = engine_kind(cfg.engine_kind).sleep_levels
+    sleeps = sleep_mode_on(cfg.shift.sleep_mode, kind_sleep_levels)
+
+    def spec_now(p: PlannedInstance) -> EngineSpec:
+        spec = spec_of(p, cluster())
+        return with_sleep_mode(spec) if sleeps else spec
+
     executor = Executor(
         launcher,
         gateway,
-        lambda p: spec_of(p, cluster()),
+        spec_now,
         engine_admin_token=cfg.engine_admin_token,
         time_scale=cfg.time_scale,
         drain_deadline_s=cfg.drain_deadline_s,
@@ -166,6 +177,9 @@ def assemble(
         on_state=on_state,
         on_moves=say,
         clock=clock,
+        sleep_mode=cfg.shift.sleep_mode,
+        kind_sleep_levels=kind_sleep_levels,
+        cluster_now=cluster,
     )
     standby = StandbyModels(
         gateway,

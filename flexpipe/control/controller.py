@@ -59,12 +59,13 @@ from flexpipe.http.server import (
     serve,
 )
 from flexpipe.launch import AdoptingLauncher, EngineSpec
-from flexpipe.lifecycle import State
+from flexpipe.lifecycle import DORMANT_STATES, State
 from flexpipe.observe.dcgm import gpu_instance_labels
 from flexpipe.perf import Efficiency
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, PlannedInstance, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
+from flexpipe.policies.shift.candidates import keepable
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.snapshot import (
     ShiftRecord,
@@ -233,6 +234,7 @@ class Controller:
 
     def _gauge(self) -> None:
         live = [(i.planned.model, State(i.state)) for i in self.running.values()]
+        live += [(i.planned.model, State(i.state)) for i in self.executor.sleepers.values()]
         self.metrics.set_instances(live + self._gone[-1000:])
         # which instance holds each GPU, in DCGM's labels: Grafana joins the exporter's
         # per-GPU series to instances with it (docs/observability.md)
@@ -276,6 +278,11 @@ class Controller:
         if resumed is not None:
             self.core.history = resumed
         survivors = await self.takeover.survivors()
+        # engines a previous controller left asleep (or waking) are not adopted: they serve
+        # nothing and hold their GPUs, so they stop (their GPUs are planned afresh)
+        dormant = [r for r in survivors if r.state in DORMANT_STATES]
+        await self.takeover.retire(dormant)
+        survivors = [r for r in survivors if r not in dormant]
         if survivors:  # what a previous controller left serving stays, where it still pays
             stubs = [stub(r, first.instances) for r in survivors]
             first = plan(
@@ -380,6 +387,7 @@ class Controller:
             for inst in self.running.values():
                 inst.state = "gone"
                 self._on_state(inst, "gone")
+            await self.executor.stop_sleepers(list(self.executor.sleepers.values()))
         await self.executor.close()
         await self.gateway.close()
         if self.server is not None:
@@ -396,6 +404,7 @@ class Controller:
         now_s = self.clock()
         await self._reap_dead(now_s)
         self._resource_events(*self.resources.tick(self.wall()), now_s)
+        await self._release_taken_sleepers()
         serving = {i.planned.model for i in self.running.values()}
         try:
             commands = core.standby(serving, self.resources, self.wall(), now_s)
@@ -407,7 +416,9 @@ class Controller:
         core.observe(now_s, readings)
         if self.rate_memory is not None:
             self.rate_memory.keep(core.rates, now_s, self.wall())
-        decided = core.decide(now_s, self.cluster, [i.planned for i in self.running.values()])
+        asleep = [(i.planned, i.sleep_level) for i in self.executor.sleepers.values()]
+        running = [i.planned for i in self.running.values()]
+        decided = core.decide(now_s, self.cluster, running, asleep)
         self.last_decision = decided.decision
         if not decided.shift:
             self.journal.decision(decided.decision, decided.snapshot.running)
@@ -495,6 +506,12 @@ class Controller:
         """An engine that exited: out of the running plan (the core), out of the gateway (its
         streams continue elsewhere); the policy sees the GPUs again and re-plans (an
         emergency). The simulator is told of a death when it happens instead."""
+        for inst in self.executor.dead_sleepers():  # asleep: nothing served, nothing re-planned
+            with contextlib.suppress(GatewayError):
+                await self.gateway.remove(inst.url)
+            inst.state = "gone"
+            self._on_state(inst, "gone")
+            self.say(f"controller: sleeping instance {inst.planned.name} exited")
         dead = [i for i in self.running.values() if i.handle.returncode is not None]
         for key, inst in self.core.drop_dead(self.running, dead, now_s):
             with contextlib.suppress(GatewayError):
@@ -504,6 +521,19 @@ class Controller:
             why = f"{key} exited ({inst.handle.returncode}); its GPUs are re-planned"
             self.note("emergency", why, outcome="succeeded", trigger="lost")
             self.say(f"controller: instance {inst.planned.name} exited; re-planning")
+
+    async def _release_taken_sleepers(self) -> None:
+        """A sleeping engine on a GPU that is gone, or that another tenant took whole since
+        it fell asleep, stops (`keepable`, as the sleep levels decide; the simulator's engines
+        die with such GPUs): a later target for its model cold-starts elsewhere."""
+        cluster = self.cluster
+        taken = [
+            i for i in self.executor.sleepers.values() if not keepable(cluster, i.planned.gpu_ids)
+        ]
+        for inst in taken:
+            self.say(f"controller: sleeping {inst.planned.name} stopped: its GPU was taken")
+        if taken:
+            await self.executor.stop_sleepers(taken)
 
     def _keep_occupations(self) -> None:
         if self.occupation_memory is not None:

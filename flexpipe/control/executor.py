@@ -8,6 +8,11 @@ gateway waits for the drain; a recompute move is pre-copied by the gateway. Canc
 part-way (the controller stops while engines load), every engine the shift launched that does
 not serve yet is stopped before the cancellation goes on: nothing is left for
 PR_SET_PDEATHSIG.
+
+Sleep and wake go to the engine's own HTTP endpoints (vLLM's sleep mode, mounted with
+`VLLM_SERVER_DEV_MODE=1`): `POST /sleep?level=N&mode=wait` (the requests still on it finish
+first, none is lost), `POST /wake_up`. Sleeping instances are kept in `Executor.sleepers`
+between shifts.
 """
 
 from __future__ import annotations
@@ -40,20 +45,23 @@ from flexpipe.control.core.shift_commands import (
     Release,
     Reply,
     SetState,
+    Sleep,
     StillAlive,
     StopRouting,
     Survey,
     Surveyed,
     Wait,
+    Wake,
     Wave,
 )
 from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.control.core.shift_procedure import ShiftParams, ShiftProcedure, gather_names
-from flexpipe.http.client import ClientPool
+from flexpipe.control.core.sleeping import leaving_of, sleep_levels
+from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher
 from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import PlannedInstance
-from flexpipe.policies.shift.migration import link_between
+from flexpipe.policies.shift.migration import link_between, perf_model_of
 from flexpipe.policies.shift.snapshot import instance_key
 
 __all__ = ["Executor", "LiveInstance"]
@@ -67,8 +75,9 @@ class LiveInstance:
 
     planned: PlannedInstance
     handle: EngineHandle
-    state: str = "starting"  # starting | rehearsing | active | draining | gone
+    state: str = "starting"  # a lifecycle state (flexpipe/lifecycle.py)
     store_id: int | None = None
+    sleep_level: int = 0  # the level it sleeps at (0: awake)
 
     @property
     def key(self) -> str:
@@ -111,6 +120,10 @@ class Executor:
         on_state: OnState | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_moves: Callable[[str], None] | None = None,
+        sleep_mode: str = "off",
+        kind_sleep_levels: tuple[int, ...] = (),
+        sleep_timeout_s: float = 600.0,
+        cluster_now: Callable[[], Cluster] | None = None,
     ) -> None:
         self.launcher = launcher
         self.gateway = gateway
@@ -133,6 +146,13 @@ class Executor:
         self._probe_pool = ClientPool(max_idle_per_backend=2)
         # every instance name this deployment had: a new instance gets a name none had
         self.names: set[str] = set()
+        # sleep instead of stop (control/core/sleeping.py): the mode, the engine kind's levels
+        self.sleep_mode = sleep_mode
+        self.kind_sleep_levels = kind_sleep_levels
+        self.sleep_timeout_s = sleep_timeout_s  # one sleep or wake-up, wall s
+        self.sleepers: dict[str, LiveInstance] = {}  # instance key -> sleeping instance
+        # the GPUs as free to us now (a wake checks nobody took its GPUs since the decision)
+        self.cluster_now = cluster_now
 
     async def close(self) -> None:
         await self._probe_pool.close()
@@ -162,10 +182,35 @@ class Executor:
             all_or_nothing=all_or_nothing,
         )
         self.names |= gather_names(running)  # (adopted after a restart)
-        planned = [*(i.planned for i in running.values()), *target]
+        asleep = [i.planned for i in self.sleepers.values()]
+        planned = [*(i.planned for i in running.values()), *target, *asleep]
         specs = {p.model_id: load_model_spec(p.model_id) for p in planned}
-        procedure = ShiftProcedure(running, target, params, self.names, specs)
+        levels = sleep_levels(
+            self.sleep_mode,
+            self.kind_sleep_levels,
+            cluster,
+            leaving_of({k: i.planned for k, i in running.items()}, target),
+            [i.planned for i in self.sleepers.values() if i.sleep_level == 1],
+            lambda p: perf_model_of(cluster, p, spec=specs[p.model_id]),
+        )
+        procedure = ShiftProcedure(
+            running, target, params, self.names, specs, self.sleepers, levels
+        )
         return await _LiveShift(self, cluster, running).drive(procedure.run(self.clock()))
+
+    async def stop_sleepers(self, asleep: Sequence[LiveInstance]) -> None:
+        """Stop these sleeping engines (the controller stops, or another tenant took a GPU
+        of theirs)."""
+        for inst in asleep:
+            self.sleepers.pop(inst.key, None)
+        await self._stop(list(asleep))
+
+    def dead_sleepers(self) -> list[LiveInstance]:
+        """Sleeping engines that exited: out of `sleepers` (a later target cold-starts)."""
+        dead = [i for i in self.sleepers.values() if i.handle.returncode is not None]
+        for inst in dead:
+            del self.sleepers[inst.key]
+        return dead
 
     # ------------------------------------------------------------------ the gateway
     async def _tell(self, inst: LiveInstance, state: str) -> None:
@@ -195,6 +240,50 @@ class Executor:
             return await self.gateway.requests_on(inst.url)
         except GatewayError:
             return []
+
+    # ------------------------------------------------------------------ sleep mode
+    async def _engine_post(self, inst: LiveInstance, path: str) -> str:
+        """POST `path` to the engine; "" once it answered 200, else why not."""
+        if inst.handle.returncode is not None:
+            return f"its engine exited ({inst.handle.returncode})"
+        timeouts = Timeouts(3.0, self.sleep_timeout_s, self.sleep_timeout_s)
+        try:
+            resp = await self._probe_pool.request(inst.url, "POST", path, b"", {}, timeouts)
+            body = await resp.read()
+            resp.release()
+        except UpstreamError as exc:
+            return f"{path}: {exc}"
+        if resp.status != 200:
+            return f"{path} answered {resp.status}: {body[:200].decode(errors='replace')}"
+        return ""
+
+    async def _sleep(self, inst: LiveInstance, level: int) -> LiveInstance | Failed:
+        """Asleep once its requests finished (mode=wait) and its weights are offloaded."""
+        why = await self._engine_post(inst, f"/sleep?level={level}&mode=wait")
+        if why:
+            log.warning("instance %s did not sleep (it stops): %s", inst.planned.name, why)
+            return Failed(f"instance {inst.planned.name} did not sleep: {why}")
+        inst.sleep_level = level
+        await self._tell(inst, "asleep")
+        self._set(inst, "asleep")
+        return inst
+
+    async def _wake(self, inst: LiveInstance, cluster: Cluster) -> LiveInstance | Failed:
+        """Waking, then awake (the procedure sets it active). Its GPUs taken by another
+        tenant meanwhile, or its engine gone: Failed (the procedure cold-starts instead)."""
+        now = self.cluster_now() if self.cluster_now is not None else cluster
+        for g in inst.planned.gpu_ids:
+            then_gpu, now_gpu = cluster.gpu(g), now.gpu(g)
+            if now_gpu.used_bytes > then_gpu.used_bytes:
+                why = f"its GPU {g} was taken by {now_gpu.owner or 'another tenant'} meanwhile"
+                return Failed(f"instance {inst.planned.name}: {why}")
+        await self._tell(inst, "waking")
+        self._set(inst, "waking")
+        why = await self._engine_post(inst, "/wake_up")
+        if why:
+            return Failed(f"instance {inst.planned.name} did not wake: {why}")
+        inst.sleep_level = 0
+        return inst
 
 
 class _LiveShift:
@@ -317,6 +406,10 @@ class _LiveShift:
                 return await self._move_wave(wave, "at the deadline")
             case Continue():
                 return []  # the gateway continues them when their instance stops
+            case Sleep(instances, level):
+                return list(await asyncio.gather(*(ex._sleep(i, level) for i in instances)))
+            case Wake(instances):
+                return list(await asyncio.gather(*(ex._wake(i, self.cluster) for i in instances)))
         raise TypeError(f"not a shift command: {command!r}")
 
     def _loaded(self, task: Start, result: EngineHandle | BaseException) -> LiveInstance | Failed:

@@ -32,6 +32,7 @@ from flexpipe.cluster import Cluster
 from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.control.core.resources import ResourceEvent, Resources
 from flexpipe.control.core.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Buckets
+from flexpipe.control.core.sleeping import leaving_of, sleep_levels
 from flexpipe.control.core.standby import Renewal, StandbyCommand
 from flexpipe.control.core.tick import (
     Readings,
@@ -40,12 +41,15 @@ from flexpipe.control.core.tick import (
     cold_models,
     decision_brief,
 )
+from flexpipe.engine_kinds import engine_kind
 from flexpipe.gateway.core.holds import STANDBY_HOLD_S
 from flexpipe.gateway.gateway_metrics import _LATENCY_BUCKETS_S, _TPOT_BUCKETS_S
+from flexpipe.model_spec import load_model_spec
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, PlannedInstance
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
+from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.sim.loop import CONTROL
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.shift_run import ShiftOutcome, ShiftRun, World
@@ -93,7 +97,9 @@ class ControllerParams:
     drain_deadline_s: float = 30.0
     rehearsal_tolerance: float = 2.0
     min_instances_floor: int = 1
-    shift: ShiftParams = dataclasses.field(default_factory=ShiftParams)
+    # the simulator sleeps nothing unless a scenario turns sleep mode on (`controller.shift.
+    # sleep_mode`): its runs stay what they were before sleep mode existed
+    shift: ShiftParams = dataclasses.field(default_factory=lambda: ShiftParams(sleep_mode="off"))
 
 
 class SimController:
@@ -133,6 +139,7 @@ class SimController:
         self.ttft = LatencyBuckets(TTFT_HISTOGRAM, _LATENCY_BUCKETS_S)
         self.tpot = LatencyBuckets(TPOT_HISTOGRAM, _TPOT_BUCKETS_S)
         self.running: dict[str, Any] = {}  # instance key -> record
+        self.sleepers: dict[str, Any] = {}  # instance key -> record of a sleeping engine
         self.decisions: list[dict[str, Any]] = []  # shifts and holds under a trigger
         self.num_decisions = 0
         self.resource_events: list[dict[str, Any]] = []
@@ -243,7 +250,13 @@ class SimController:
             self._done,
         )
         core.observe(now, readings)
-        decided = core.decide(now, self.cluster, [r.planned for r in self.running.values()])
+        asleep = [
+            (r.planned, r.sleep.level)
+            for r in self.sleepers.values()
+            if r.released_s < 0 and r.sleep is not None and r.sleep.level is not None
+        ]
+        running = [r.planned for r in self.running.values()]
+        decided = core.decide(now, self.cluster, running, asleep)
         self.num_decisions += 1
         if decided.logged:
             self.decisions.append(decision_brief(decided.decision))
@@ -332,8 +345,39 @@ class SimController:
             rehearsal_tolerance=p.rehearsal_tolerance,
             rehearse=rehearse,
             all_or_nothing=all_or_nothing,
+            sleepers=self.sleepers,
+            sleep_levels=self._sleep_levels(target),
         )
         run.start(now)
+
+    def _sleep_levels(self, target: Sequence[PlannedInstance]) -> dict[str, int]:
+        """Which of the running instances `target` lacks sleep instead of stopping, and how
+        deep (control/core/sleeping.py; none with `shift.sleep_mode` off, the default). A
+        sleeper whose engine died with its GPUs is forgotten first."""
+        for key in [k for k, r in self.sleepers.items() if r.released_s >= 0]:
+            del self.sleepers[key]
+        mode = self.params.shift.sleep_mode
+        if mode == "off":
+            return {}
+        cluster = self.cluster
+        specs = {
+            r.planned.model_id: load_model_spec(r.planned.model_id) for r in self.running.values()
+        }
+        specs |= {
+            r.planned.model_id: load_model_spec(r.planned.model_id) for r in self.sleepers.values()
+        }
+        return sleep_levels(
+            mode,
+            engine_kind("sim").sleep_levels,
+            cluster,
+            leaving_of({k: r.planned for k, r in self.running.items()}, target),
+            [
+                r.planned
+                for r in self.sleepers.values()
+                if r.sleep is not None and r.sleep.level == 1
+            ],
+            lambda p: perf_model_of(cluster, p, spec=specs[p.model_id]),
+        )
 
 
 def _outcome(out: ShiftOutcome) -> str:

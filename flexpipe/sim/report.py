@@ -28,6 +28,7 @@ from typing import Any
 from flexpipe.policies.planner import Slo
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.simulator import SimResult
+from flexpipe.sim.usage import Usage
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -179,6 +180,7 @@ def report(result: SimResult) -> dict[str, Any]:
         "gpu_hours_reserved": _r(reserved / 3600),
         "gpu_hours_used": _r(busy / 3600),
         "utilisation": _r(busy / reserved) if reserved else 0.0,
+        **_asleep(u),
         "first_served_s": _first_served(done),
         "reservation": {
             "peak_gpus": result.peak_gpus,
@@ -459,3 +461,18 @@ def write_reports(result: SimResult, out_dir: Path) -> list[Path]:
         path.write_text(text, encoding="utf-8")
         paths.append(path)
     return paths
+
+
+def _asleep(u: Usage) -> dict[str, Any]:
+    """What sleeping engines held, apart from the GPU-hours reserved (only where an engine
+    slept: a run without sleep mode reports as before)."""
+    if not u.asleep_gpu_s:
+        return {}
+    gib_h = 3600 * 1024**3
+    return {
+        "asleep": {
+            "gpu_hours": _r(u.asleep_gpu_s / 3600),
+            "gpu_memory_gib_hours": _r(u.asleep_gpu_memory_byte_s / gib_h),
+            "host_ram_gib_hours": _r(u.asleep_host_ram_byte_s / gib_h),
+        }
+    }

@@ -237,9 +237,12 @@ def _controller(value: Any, where: str) -> ControllerParams:
     if unknown:
         raise ScenarioError(f"{where}: unknown key(s) {', '.join(unknown)}")
     try:
-        shift = ShiftParams.from_mapping(doc.pop("shift", {}) or {})
+        shift_doc = doc.pop("shift", {}) or {}
+        shift = ShiftParams.from_mapping(shift_doc)
     except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{where}: {exc}") from None
+    if "sleep_mode" not in shift_doc:  # a scenario sleeps only where it says so
+        shift = replace(shift, sleep_mode="off")
     d = ControllerParams()
     return ControllerParams(
         tick_s=fields.number(doc.get("tick_s", d.tick_s), f"{where}.tick_s", min_value=MIN_TICK_S),

@@ -12,13 +12,16 @@ every step, docs/controller.md). Here each of its commands is carried out on the
   go out at their times; a wave is the simulated gateway's moves (`sim.moves.GatewayMoves`:
   a KV move fenced until its KV is across, a recompute pre-copied and cut over at its
   source's next token), answered once its pre-copies cut over;
-- release: their GPUs are free.
+- release: their GPUs are free;
+- sleep: drained engines (their requests finished first, as vLLM's `mode=wait`) sleep for
+  the performance model's sleep time and keep their GPUs; wake: a sleeping engine is back
+  after the modelled wake time (`World.sleep`, `World.wake`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Protocol
 
 from flexpipe.cluster import Cluster
@@ -39,11 +42,13 @@ from flexpipe.control.core.shift_commands import (
     Release,
     Reply,
     SetState,
+    Sleep,
     StillAlive,
     StopRouting,
     Survey,
     Surveyed,
     Wait,
+    Wake,
     Wave,
 )
 from flexpipe.control.core.shift_outcome import ShiftOutcome
@@ -112,6 +117,10 @@ class World(Protocol):
 
     def release(self, rec: Any, now: float) -> None: ...
 
+    def sleep(self, rec: Any, level: int, now: float) -> float: ...  # modelled seconds
+
+    def wake(self, rec: Any, now: float) -> float | str: ...  # modelled seconds, or why not
+
     def hold(self, model: str, seconds: float, now: float) -> None: ...  # the admin API's
 
     def refuse(self, model: str, reason: str, seconds: float, now: float) -> None: ...  # admin
@@ -154,6 +163,8 @@ class ShiftRun:
         all_or_nothing: bool = True,
         warm_moves: bool = True,
         standby_hold_s: float = STANDBY_HOLD_S,
+        sleepers: dict[str, Any] | None = None,
+        sleep_levels: Mapping[str, int] | None = None,
     ) -> None:
         self.world = world
         self.on_done = on_done
@@ -166,10 +177,13 @@ class ShiftRun:
             rehearse=rehearse,
             all_or_nothing=all_or_nothing,
         )
-        planned = [*(r.planned for r in running.values()), *target]
+        asleep = [r.planned for r in (sleepers or {}).values()]
+        planned = [*(r.planned for r in running.values()), *target, *asleep]
         specs = {p.model_id: load_model_spec(p.model_id) for p in planned}
         # the world names its engines (World.launch): the planner's names are kept here
-        self.procedure = ShiftProcedure(running, target, params, None, specs)
+        self.procedure = ShiftProcedure(
+            running, target, params, None, specs, sleepers, sleep_levels
+        )
         self._gen: Generator[Command, Reply, ShiftOutcome] | None = None
         self._token = 0  # which wait may resume the procedure (a drain has two ends)
         self._moves = GatewayMoves(world, self._moved, specs)
@@ -277,6 +291,16 @@ class ShiftRun:
             case Move(wave):
                 end_s = self._moves.carry(self._orders(wave), now)
                 return self._after_moves(lambda: self._take_moved(end_s))
+            case Sleep(recs, level):
+                return self._sleep(recs, level, now)
+            case Wake(recs):
+                took = [world.wake(r, now) for r in recs]
+                woken = [
+                    Failed(t) if isinstance(t, str) else r for r, t in zip(recs, took, strict=True)
+                ]
+                wake_s = max((t for t in took if not isinstance(t, str)), default=0.0)
+                self._resume_at(now + wake_s, woken)
+                return _LATER
             case Continue(requests):
                 for src, record in requests:  # the gateway continues them wherever it can
                     world.move(self._requests[int(record["id"])], src, None, "recomputed", 0.0, now)
@@ -344,6 +368,24 @@ class ShiftRun:
 
         world.when_empty(recs, end)
         world.loop.at(now + deadline_s, CONTROL, end)
+        return _LATER
+
+    def _sleep(self, recs: Sequence[Any], level: int, now: float) -> Any:
+        """Once `recs` run nothing (what is left of their requests finishes first, as
+        vLLM's `POST /sleep?mode=wait`), they sleep; the procedure resumes when they are."""
+        world = self.world
+        token = self._token
+
+        def sleep_all(t: float) -> None:
+            if token != self._token:
+                return
+            sleep_s = max(world.sleep(r, level, t) for r in recs)
+            self._resume_at(t + sleep_s, list(recs))
+
+        if any(world.requests_on(r) for r in recs):
+            world.when_empty(recs, sleep_all)
+        else:
+            sleep_all(now)
         return _LATER
 
     def _early(self, drain: _Drain, orders: Sequence[tuple[Any, SimRequest]], now: float) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from flexpipe.cluster import Cluster
 from flexpipe.control.core.shift_procedure import unique_name
 from flexpipe.engine.request import EngineRequest
+from flexpipe.engine.sleep import SleepState
 from flexpipe.gateway.core.cut_over import fence_until_s
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import (
@@ -59,6 +60,11 @@ class InstanceRecord:
     planned: PlannedInstance | None = None  # the controller's instances: what was planned
     active: bool = False  # in the gateway's pool, taking requests
     died: str = ""  # why its engine died with its GPUs ("" if it did not)
+    # sleep mode (docs/controller.md, "Sleep instead of stop"): what is asleep, and each
+    # sleep's [start, end, level, GPU bytes, host RAM bytes held asleep] (end -1: asleep
+    # still, or until it was released)
+    sleep: SleepState | None = None
+    asleep_spans: list[list[float]] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -276,6 +282,32 @@ class _Run:
         else:
             rec.active = state is State.ACTIVE
             self.gateway.set_state(url, state, now)
+
+    def sleep(self, rec: InstanceRecord, level: int, now: float) -> float:
+        """Put a drained engine to sleep (the gateway lists it asleep; its GPUs stay held,
+        with what vLLM keeps of them asleep: `SleepState.gpu_memory_bytes`); the modelled
+        seconds it takes."""
+        assert rec.instance is not None
+        state = rec.sleep or SleepState(rec.instance.cfg.pm)
+        tags, duration_s = state.sleep_plan(level)
+        state.apply_sleep(level, tags, duration_s)
+        rec.sleep = state
+        rec.active = False
+        self.gateway.set_state(rec.instance.url, State.ASLEEP, now)
+        held = [state.gpu_memory_bytes, state.host_memory_bytes]
+        rec.asleep_spans.append([now, -1.0, float(level), *held])
+        return duration_s
+
+    def wake(self, rec: InstanceRecord, now: float) -> float | str:
+        """Wake a sleeping engine: the modelled seconds it takes (waking meanwhile), or why
+        it cannot (its engine died with its GPUs)."""
+        if rec.released_s >= 0 or rec.instance is None or rec.sleep is None:
+            return f"instance {rec.dep.name} cannot wake: {rec.died or 'it was released'}"
+        tags, duration_s = rec.sleep.wake_plan(None)
+        rec.sleep.apply_wake(tags, duration_s)
+        rec.asleep_spans[-1][1] = now
+        self.gateway.set_state(rec.instance.url, State.WAKING, now)
+        return duration_s
 
     def hold(self, model: str, seconds: float, now: float) -> None:
         self.gateway.hold(model, seconds, now)
@@ -519,7 +551,13 @@ class _Run:
         )
         for rec in self.records:
             stop = rec.released_s if rec.released_s >= 0 else run_end_s
-            self.usage.reserve(rec.dep.num_gpus, rec.launched_s, stop)
+            start = rec.launched_s
+            for t0, t1, _, gpu_bytes, host_bytes in rec.asleep_spans:  # awake apart from asleep
+                end = t1 if t1 >= 0 else stop
+                self.usage.reserve(rec.dep.num_gpus, start, t0)
+                self.usage.asleep(rec.dep.num_gpus, t0, end, gpu_bytes, host_bytes)
+                start = end
+            self.usage.reserve(rec.dep.num_gpus, start, stop)
         self.usage.close(run_end_s)
         for ev in scenario.resources[self._num_events_applied :]:  # (sorted by time)
             self.notes.append(

@@ -3,7 +3,12 @@
 
 The intervals cover the whole run: the scenario's duration (arrivals) and the drain after
 it, until the last accepted request ended, so every GPU-second spent on a request the report
-counts is billed (`close` pads the series to the run's end)."""
+counts is billed (`close` pads the series to the run's end).
+
+A sleeping engine (sleep mode) is not reserved: it serves nothing and keeps only part of its
+GPUs' memory (vLLM's allocator context, not weights or KV cache) and, at level 1, its weights
+in host RAM. Its time is counted apart (`asleep`): GPU-seconds, GPU memory and host RAM
+byte-seconds, so that reservation against the peak stays honest."""
 
 from __future__ import annotations
 
@@ -18,6 +23,10 @@ class Usage:
         self.busy_gpu_s = [0.0] * n
         self.end_s = duration_s  # the run's end (`close`)
         self.last_busy_s = 0.0  # when the last step computed ended
+        # held by sleeping engines (totals over the run)
+        self.asleep_gpu_s = 0.0
+        self.asleep_gpu_memory_byte_s = 0.0
+        self.asleep_host_ram_byte_s = 0.0
 
     def _add(self, buckets: list[float], num_gpus: int, start_s: float, end_s: float) -> None:
         if end_s <= start_s:
@@ -41,6 +50,16 @@ class Usage:
 
     def reserve(self, num_gpus: int, start_s: float, end_s: float) -> None:
         self._add(self.reserved_gpu_s, num_gpus, start_s, end_s)
+
+    def asleep(
+        self, num_gpus: int, start_s: float, end_s: float, gpu_bytes: float, host_bytes: float
+    ) -> None:
+        """An engine on `num_gpus` asleep from `start_s` to `end_s`, holding `gpu_bytes` of
+        their memory and `host_bytes` of host RAM."""
+        span_s = max(0.0, end_s - start_s)
+        self.asleep_gpu_s += num_gpus * span_s
+        self.asleep_gpu_memory_byte_s += gpu_bytes * span_s
+        self.asleep_host_ram_byte_s += host_bytes * span_s
 
     def busy(self, num_gpus: int, start_s: float, end_s: float) -> None:
         if end_s > self.last_busy_s:

@@ -89,7 +89,7 @@ class InstanceRow(Base):
     gpu_ids: Mapped[str] = mapped_column(String(500))  # ","-joined cluster GPU ids
     endpoint: Mapped[str] = mapped_column(String(300))
     engine: Mapped[str] = mapped_column(String(40))
-    state: Mapped[str] = mapped_column(String(20))  # starting|rehearsing|active|draining|gone
+    state: Mapped[str] = mapped_column(String(20))  # a lifecycle.State value
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     cold_start_s: Mapped[float | None] = mapped_column(Float, nullable=True)

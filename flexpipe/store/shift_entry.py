@@ -57,7 +57,9 @@ FIXED_OUTCOMES: Mapping[str, Outcome] = {"hold": "held", "resources": "noted"}  
 FINAL_OUTCOMES: frozenset[Outcome] = frozenset(OUTCOMES) - {"pending"}
 # gateway move results (POST /admin/requests/move) -> migration methods
 _METHOD_ALIASES = {"kv": "kv_moved", "recompute": "recomputed"}
-PHASES = ("warm", "rehearse", "switch", "drain", "migrate", "release")
+# sleep: leaving engines put to sleep instead of stopped; wake: sleeping ones woken instead
+# of a cold start (docs/controller.md, "Sleep instead of stop")
+PHASES = ("warm", "rehearse", "switch", "drain", "migrate", "release", "sleep", "wake")
 METHODS = ("kv_moved", "recomputed", "finished_in_place", "rerun")
 
 
@@ -309,6 +311,8 @@ class Phases:
     drain_s: float | None = None
     migrate_s: float | None = None
     release_s: float | None = None  # old engines stopped, GPUs free
+    sleep_s: float | None = None  # old engines put to sleep (they keep their GPUs)
+    wake_s: float | None = None  # sleeping engines woken (instead of warm's cold start)
 
     def __post_init__(self) -> None:
         for name, seconds in self.items():

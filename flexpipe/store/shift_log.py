@@ -76,6 +76,8 @@ class ShiftLogRow(Base):
     drain_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     migrate_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     release_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    sleep_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    wake_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     # requests migrated by method (NULL: not known yet)
     num_kv_moved: Mapped[int | None] = mapped_column(Integer, nullable=True)
     num_recomputed: Mapped[int | None] = mapped_column(Integer, nullable=True)

@@ -87,6 +87,8 @@ def test_an_idle_model_scales_to_zero_and_its_next_request_cold_starts_one(
         taken = cluster_cli(up, "occupy")
         assert taken.returncode == 0, taken.stdout + taken.stderr
         up.wait_until("the model refused", lambda: up.status()["models"][0]["refused"], 30)
+        # its engine slept (sleep mode) on a GPU the tenant now holds whole: it stopped
+        assert "stopped: its GPU was taken" in up.out.text and not up.status()["asleep"]
         why = up.status()["models"][0]["refused"]
         assert why.startswith(f"no GPU free to us can place {up.model}"), why
         t0 = time.monotonic()

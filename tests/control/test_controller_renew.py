@@ -136,6 +136,10 @@ class Said:
         raise AssertionError(f"no {needle!r} within {timeout_s} s in:\n{text}")
 
 
+# the wake must cold-start (in sleep mode it would wake the engine the down shift put to sleep)
+COLD = ShiftParams.from_mapping({**yaml.safe_load(ZERO)["shift"], "sleep_mode": "off"})
+
+
 def test_a_held_model_stays_held_through_a_wake_shift_longer_than_the_hold(
     lt: LoopThread,
 ) -> None:
@@ -144,7 +148,7 @@ def test_a_held_model_stays_held_through_a_wake_shift_longer_than_the_hold(
     cfg = ControllerConfig(
         CLUSTER, demands, port=free_port(), tick_s=TICK_S, drain_deadline_s=2.0,
         time_scale=TIME_SCALE, engine_admin_token="engines", min_instances_floor=0,
-        standby_hold_s=HOLD_S, shift=ShiftParams.from_mapping(yaml.safe_load(ZERO)["shift"]),
+        standby_hold_s=HOLD_S, shift=COLD,
     )  # fmt: skip
     said = Said()
     ctl = Controller(

@@ -19,6 +19,7 @@ from flexpipe.control.core.shift_commands import (
     Continue,
     Drain,
     Drained,
+    Failed,
     Hold,
     Join,
     Launch,
@@ -29,11 +30,13 @@ from flexpipe.control.core.shift_commands import (
     Release,
     Reply,
     SetState,
+    Sleep,
     StillAlive,
     StopRouting,
     Survey,
     Surveyed,
     Wait,
+    Wake,
 )
 from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.control.core.shift_procedure import (
@@ -84,10 +87,11 @@ class FakeWorld:
     """Answers every command at once (Wait and the waits for engines advance the clock);
     records each as a short line. `missed`: instance names whose rehearsal misses."""
 
-    def __init__(self, missed: tuple[str, ...] = ()) -> None:
+    def __init__(self, missed: tuple[str, ...] = (), dead: tuple[str, ...] = ()) -> None:
         self.now_s = 100.0
         self.log: list[str] = []
         self.missed = missed
+        self.dead = dead  # sleeping instances whose engine died: their wake fails
 
     def names(self, instances: Any) -> str:
         return ",".join(i.planned.name for i in instances)
@@ -155,6 +159,16 @@ class FakeWorld:
             case Continue(requests):
                 self.log.append(f"continue {len(requests)}")
                 return []
+            case Sleep(instances, level):
+                self.now_s += 2.0
+                self.log.append(f"sleep {self.names(instances)} level {level}")
+                return list(instances)
+            case Wake(instances):
+                self.now_s += 0.5
+                self.log.append(f"wake {self.names(instances)}")
+                return [
+                    Failed("engine died") if i.planned.name in self.dead else i for i in instances
+                ]
         raise AssertionError(c)
 
     def carry(self, moves: Any, what: str) -> Moved:
@@ -363,3 +377,73 @@ def test_each_instance_gets_a_name_no_earlier_one_had() -> None:
     drive(ShiftProcedure(running, [PAIR, L40S, L4], ShiftParams(), names).run(0.0), world)
     assert world.log[0] == "launch llama-7b-2.2"
     assert "llama-7b-2.2" in names
+
+
+def test_a_model_scaled_to_zero_sleeps_and_a_later_target_wakes_it() -> None:
+    """Down to zero with a sleep level: drained, then put to sleep, not released; the next
+    target with the same model, gear and GPUs wakes it (no launch, no rehearsal)."""
+    running = running_of(L4)
+    sleepers: dict[str, Any] = {}
+    world = FakeWorld()
+    params = ShiftParams(standby_hold_s=123.0)
+    levels = {instance_key(L4): 1}
+    out = drive(
+        ShiftProcedure(running, [], params, None, None, sleepers, levels).run(world.now_s), world
+    )
+    assert world.log == [
+        "hold llama-7b 123",
+        "stop routing llama-7b-2",
+        "survey llama-7b-2",
+        "drain llama-7b-2 30 s",
+        "drain llama-7b-2 10 s",
+        "sleep llama-7b-2 level 1",
+    ]
+    assert out.succeeded and out.slept == [instance_key(L4)] and out.stopped == []
+    assert running == {} and list(sleepers) == [instance_key(L4)]
+    assert out.phases_s["sleep"] == 2.0 and "release" not in out.phases_s
+    world.log.clear()
+    out = drive(ShiftProcedure(running, [L4], params, None, None, sleepers).run(world.now_s), world)
+    assert world.log == ["wake llama-7b-2", "active llama-7b-2"]
+    assert out.succeeded and out.woken == out.started == [instance_key(L4)]
+    assert list(running) == [instance_key(L4)] and sleepers == {}
+    assert out.phases_s == {"wake": 0.5}
+
+
+def test_without_a_sleep_level_the_leaving_instance_is_released_as_before() -> None:
+    running = running_of(L4)
+    world = FakeWorld()
+    out = drive(ShiftProcedure(running, [], ShiftParams(), None, None, {}, {}).run(100.0), world)
+    assert world.log[-1] == "release llama-7b-2" and out.slept == []
+
+
+def test_a_wake_that_fails_releases_the_sleeper_and_cold_starts_the_instance() -> None:
+    sleepers: dict[str, Any] = {instance_key(L4): Inst(L4)}
+    running: dict[str, Inst] = {}
+    world = FakeWorld(dead=("llama-7b-2",))
+    out = drive(ShiftProcedure(running, [L4], ShiftParams(), None, None, sleepers).run(1.0), world)
+    assert world.log == [
+        "wake llama-7b-2",
+        "release llama-7b-2",
+        "launch llama-7b-2",
+        "ready llama-7b-2",
+        "join llama-7b-2",
+        "rehearsing llama-7b-2",
+        "rehearse llama-7b-2",
+        "active llama-7b-2",
+    ]
+    assert out.succeeded and out.woken == [] and out.stopped == [instance_key(L4)]
+    assert out.started == [instance_key(L4)] and sleepers == {}
+
+
+def test_a_sleeper_on_gpus_another_target_needs_is_released_first() -> None:
+    """The L4 sleeps on gpu0; the target puts another gear there: the sleeper stops before
+    the launch (its engine holds the GPU); a sleeper no target needs sleeps on."""
+    other = relaunched(L4)
+    sleepers: dict[str, Any] = {instance_key(L4): Inst(L4), instance_key(L40S): Inst(L40S)}
+    running: dict[str, Inst] = {}
+    world = FakeWorld()
+    out = drive(
+        ShiftProcedure(running, [other], ShiftParams(), None, None, sleepers).run(1.0), world
+    )
+    assert world.log[:2] == ["release llama-7b-2", "launch llama-7b-2"]
+    assert list(sleepers) == [instance_key(L40S)] and out.stopped == [instance_key(L4)]

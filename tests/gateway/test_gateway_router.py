@@ -7,7 +7,7 @@ import random
 import pytest
 
 from flexpipe.gateway.config import GatewayConfig
-from flexpipe.gateway.core.pool import Pool
+from flexpipe.gateway.core.pool import Pool, TransitionError
 from flexpipe.gateway.core.router import NoInstance, Router
 from flexpipe.lifecycle import State
 from flexpipe.policies.routing import RoutingRequest
@@ -200,3 +200,24 @@ def test_a_health_probe_that_answers_empties_the_window(monkeypatch: pytest.Monk
         return inst.healthy, inst.num_consecutive_failures
 
     assert asyncio.run(scenario()) == (True, 2)
+
+
+def test_an_asleep_or_waking_instance_is_never_routed_to() -> None:
+    r = make()
+    r.pool.set_state(A, State.ASLEEP)
+    picks = set()
+    for _ in range(6):
+        pick = r.pick("m", REQ, 0.0)
+        assert pick is not None
+        picks.add(pick.instance.url)
+    assert picks == {B, C}
+    r.pool.set_state(A, State.WAKING)
+    r.pool.set_state(B, State.DRAINING)
+    r.pool.set_state(B, State.ASLEEP)
+    for _ in range(4):
+        pick = r.pick("m", REQ, 0.0)
+        assert pick is not None and pick.instance.url == C
+    with pytest.raises(TransitionError, match="asleep → active"):
+        r.pool.set_state(B, State.ACTIVE)  # it wakes first
+    r.pool.set_state(A, State.ACTIVE)
+    assert {r.pick("m", REQ, 0.0).instance.url for _ in range(4)} == {A, C}  # type: ignore[union-attr]

@@ -623,3 +623,35 @@ def test_public_api() -> None:
     assert sorted(shift_pkg.__all__) == shift_pkg.__all__
     for name in shift_pkg.__all__:
         assert hasattr(shift_pkg, name), name
+
+
+def test_an_instance_that_wakes_is_priced_at_its_wake_time_not_a_cold_start() -> None:
+    """The same target twice: with the added instance asleep (sleep mode), it is ready after
+    its level-1 wake instead of a cold start, so its gain accrues for that much longer."""
+    running = running_for(FREED, demand(4.0))
+    added = running[-1]
+    target, before = running, running[:-1]
+    loads = {"llama-7b": (4.0, 4.0)}
+    model = [ModelState(demand(4.0))]
+    cold = price(FREED, before, target, model, loads, 0.0, PricingParams())
+    key = instance_key(added)
+    warm = price(FREED, before, target, model, loads, 0.0, PricingParams(), asleep_levels={key: 1})
+    pm = perf_model_of(FREED, added)
+    per_s = cold.gain / (cold.horizon_s - pm.cold_start_s())
+    assert warm.gain == pytest.approx(per_s * (warm.horizon_s - pm.wake_s(1)))
+    assert warm.gain - cold.gain == pytest.approx(per_s * (pm.cold_start_s() - pm.wake_s(1)))
+    assert f"{key} wakes from sleep level 1 in {pm.wake_s(1):.2f} s" in warm.notes
+
+
+def test_a_wake_trigger_wakes_the_sleeping_instance_rather_than_cold_starting_one() -> None:
+    """A model with no instance has requests queued; its instance sleeps on gpu3: the policy
+    takes the candidate that wakes it (ready after the wake, not a cold start), though the
+    planner alone would place it elsewhere."""
+    (asleep,) = [i for i in running_for(FREED, demand(8.0)) if i.gpu_ids == ("gpu3",)]
+    waiting = [Sample(40, 3, 100, None, None, 0.0)]
+    s = replace(snap((), waiting, cluster=FREED, rate=1.0), asleep=((asleep, 1),))
+    d = decide(policy(), s, 40)
+    assert d.action == "shift" and d.trigger == "wake", d.reason
+    assert d.target == (asleep,), d.alternatives
+    cold = decide(policy(), replace(s, asleep=()), 40)
+    assert cold.target is not None and cold.target != (asleep,)  # no sleeper: a cold start

@@ -340,22 +340,38 @@ def test_lifecycle_transition_table() -> None:
         ("rehearsing", "draining"),
         ("rehearsing", "gone"),
         ("active", "draining"),
+        ("active", "asleep"),
         ("active", "gone"),
         ("draining", "active"),
+        ("draining", "asleep"),
         ("draining", "gone"),
+        ("asleep", "waking"),
+        ("asleep", "gone"),
+        ("waking", "active"),
+        ("waking", "gone"),
     }
     assert set(TRANSITIONS) == set(State)
-    assert {State.STARTING, State.REHEARSING, State.ACTIVE, State.DRAINING} == LIVE_STATES
+    assert {
+        State.STARTING,
+        State.REHEARSING,
+        State.ACTIVE,
+        State.DRAINING,
+        State.ASLEEP,
+        State.WAKING,
+    } == LIVE_STATES
     assert check_transition("active", "draining") is State.DRAINING
     with pytest.raises(
         LifecycleError,
-        match="illegal transition active → rehearsing: from active only to draining, gone",
+        match="illegal transition active → rehearsing: from active only to asleep, draining, gone",
     ):
         check_transition("active", "rehearsing")
     with pytest.raises(LifecycleError, match="already active"):
         check_transition("active", "active")
     with pytest.raises(LifecycleError, match="gone → active: gone is final"):
         check_transition("gone", "active")
+    # an asleep engine wakes before it serves: never straight back to active
+    with pytest.raises(LifecycleError, match="asleep → active: from asleep only to gone, waking"):
+        check_transition("asleep", "active")
     with pytest.raises(LifecycleError, match="unknown instance state 'removed': expected one"):
         check_transition("active", "removed")
 
@@ -570,7 +586,13 @@ def test_shifts_command_table_and_json(tmp_path: Path) -> None:
     shift_row = [c.strip() for c in rows[0].split("│")[1:-1]]
     assert shift_row[0] == "2" and shift_row[2:4] == ["shift", "resource"]
     assert shift_row[4] == "llama-7b tp1-pp1@gpu2 → llama-7b tp2-pp1@gpu1+gpu2"
-    assert shift_row[5:10] == ["107.1", "27.2/5.0/0.0/30.0/0.8/0.5", "3/2/11/1", "ok", "succeeded"]
+    assert shift_row[5:10] == [
+        "107.1",
+        "27.2/5.0/0.0/30.0/0.8/0.5/-/-",
+        "3/2/11/1",
+        "ok",
+        "succeeded",
+    ]
     hold_row = [c.strip() for c in rows[1].split("│")[1:-1]]
     assert hold_row[2:] == [
         "hold",

@@ -30,6 +30,20 @@ def controller_status(ctl: Controller) -> dict[str, Any]:
             }
             for i in ctl.running.values()
         ],
+        # engines asleep (sleep mode, docs/controller.md): they hold their GPUs, serve nothing
+        "asleep": [
+            {
+                "key": i.key,
+                "name": i.planned.name,
+                "model": i.planned.model,
+                "gear": i.planned.gear.key(),
+                "gpus": list(i.planned.gpu_ids),
+                "url": i.url,
+                "state": i.state,
+                "level": i.sleep_level,
+            }
+            for i in ctl.executor.sleepers.values()
+        ],
         "resources": ctl.resources.to_json(),
         # what `flexpipe status` / `top` compare against and how to read the engines
         "gateway": ctl.gateway.url,

@@ -35,11 +35,13 @@ __all__ = [
     "Reply",
     "SetState",
     "ShiftInstance",
+    "Sleep",
     "StillAlive",
     "StopRouting",
     "Survey",
     "Surveyed",
     "Wait",
+    "Wake",
     "Wave",
 ]
 
@@ -156,6 +158,27 @@ class Wait:
     seconds: float
 
 
+# ---------------------------------------------------------------- sleeping and waking
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Put the engines of drained `instances` to sleep at `level` (vLLM's sleep mode: 1
+    keeps the weights in host RAM, 2 drops them) instead of stopping them; the gateway's pool
+    marks them asleep (never routed). Requests still on them finish first. Reply: per
+    instance, itself or `Failed` (then the procedure releases it)."""
+
+    instances: tuple[Any, ...]
+    level: int
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Wake sleeping engines (waking, then loaded: the procedure sets them active). Reply:
+    per instance, itself or `Failed` (its engine died, or its GPUs were taken meanwhile:
+    the procedure releases it and cold-starts the planned instance instead)."""
+
+    instances: tuple[Any, ...]
+
+
 # ---------------------------------------------------------------- draining and moving
 @dataclass(frozen=True, slots=True)
 class StopRouting:
@@ -257,6 +280,8 @@ Command = (
     | Hold
     | Release
     | Wait
+    | Sleep
+    | Wake
     | StopRouting
     | Survey
     | Drain

@@ -21,6 +21,8 @@ class ShiftOutcome:
     rehearsal: list[dict[str, Any]] = field(default_factory=list)
     started: list[str] = field(default_factory=list)  # instance keys
     stopped: list[str] = field(default_factory=list)
+    slept: list[str] = field(default_factory=list)  # put to sleep instead of stopped
+    woken: list[str] = field(default_factory=list)  # woken instead of cold-started
     # refused before anything changed (the target was not tried: no failure of it)
     refused: bool = False
 
@@ -39,6 +41,8 @@ class ShiftOutcome:
             "rehearsal": self.rehearsal,
             "started": self.started,
             "stopped": self.stopped,
+            **({"slept": self.slept} if self.slept else {}),
+            **({"woken": self.woken} if self.woken else {}),
         }
 
 

@@ -10,7 +10,14 @@
    have the free slots this traffic is about to take); what still runs at the deadline
    moves then, each to where it pauses least (`plan_moves`: its KV over the link, or
    recomputed), and the method is recorded;
-5. release: the old engines stop, their GPUs are free.
+5. release: the old engines stop, their GPUs are free; or sleep: an instance given a sleep
+   level (`sleep_levels`: the shell decides which may sleep, and how deep) whose GPUs the
+   target does not need is put to sleep instead (vLLM's sleep mode), kept in `sleepers`.
+
+A target instance with the model, gear and GPUs of a sleeping one wakes it instead of a cold
+start (no rehearsal: it served on that gear before); a wake that fails releases it and
+cold-starts the instance. A sleeper on GPUs another target instance needs is released first
+(docs/controller.md, "Sleep instead of stop").
 
 The order comes from `plan_shift`: new instances on free GPUs first, then rolling in-place
 replacements (a new instance that needs the GPUs of a leaving one starts after that one is
@@ -47,9 +54,11 @@ from flexpipe.control.core.shift_commands import (
     Release,
     Reply,
     SetState,
+    Sleep,
     StillAlive,
     StopRouting,
     Wait,
+    Wake,
     Wave,
 )
 from flexpipe.control.core.shift_moves import plan_waves
@@ -118,7 +127,9 @@ class ShiftProcedure:
     name none had (and it is added); None: the planner's names are kept (the simulator's
     world names its engines itself). `specs`: model id -> its spec, for every model of
     `running` and `target` (the performance model prices moves with it); None: the shipped
-    catalog's (`perf_model_of`)."""
+    catalog's (`perf_model_of`). `sleepers`: key -> sleeping instance (updated in place);
+    `sleep_levels`: key -> the level a leaving instance sleeps at instead of stopping (absent
+    or 0: it stops)."""
 
     def __init__(
         self,
@@ -127,7 +138,11 @@ class ShiftProcedure:
         params: ShiftParams,
         names: set[str] | None = None,
         specs: Mapping[str, ModelSpec] | None = None,
+        sleepers: dict[str, Any] | None = None,
+        sleep_levels: Mapping[str, int] | None = None,
     ) -> None:
+        self.sleepers = sleepers if sleepers is not None else {}
+        self.sleep_levels = sleep_levels or {}
         self.specs = specs or {}
         self.running = running
         self.target = tuple(target)
@@ -159,6 +174,7 @@ class ShiftProcedure:
             if why:
                 return ShiftOutcome(False, f"{model}: cannot hold it at zero: {why}", refused=True)
         by_key = dict(self.running)
+        yield from self._evict_sleepers()
         started = yield from self._bring_up(plan.now_adds, "", p.rehearse, p.all_or_nothing, out)
         if not out.succeeded:
             return out
@@ -180,8 +196,27 @@ class ShiftProcedure:
             if not out.succeeded:
                 return out
         rest = [by_key[instance_key(b)] for b in plan.rest]
-        yield from self._retire(rest, "_rest" if plan.steps else "")
+        yield from self._retire(rest, "_rest" if plan.steps else "", may_sleep=True)
         return out
+
+    def _evict_sleepers(self) -> Steps[None]:
+        """Sleepers the target does not wake but whose GPUs it needs stop first (a sleeping
+        engine keeps its process and some memory on them)."""
+        wanted = {instance_key(t) for t in self.target}
+        needed = {g for t in self.target if instance_key(t) not in self.sleepers for g in t.gpu_ids}
+        evict = [
+            i
+            for k, i in self.sleepers.items()
+            if k not in wanted and set(i.planned.gpu_ids) & needed
+        ]
+        if not evict:
+            return
+        t0 = self.now_s
+        yield from self._do(Release(tuple(evict)))
+        for inst in evict:
+            self.sleepers.pop(inst.key, None)
+            self.out.stopped.append(inst.key)
+        self.out.phases_s["release_asleep"] = self.now_s - t0
 
     def _hold(self, adds: Sequence[PlannedInstance], leaving: Sequence[Any]) -> Steps[list[str]]:
         """The models of an in-place step's successors, held for `in_place_hold_s`; returns
@@ -238,6 +273,49 @@ class ShiftProcedure:
         none serves."""
         if not adds:
             return []
+        woken, adds = yield from self._wake(adds, suffix, out)
+        if not adds:
+            return woken
+        started = yield from self._launch(adds, suffix, rehearse, all_or_nothing, out)
+        return [*woken, *started]
+
+    def _wake(
+        self, adds: Sequence[PlannedInstance], suffix: str, out: ShiftOutcome
+    ) -> Steps[tuple[list[Any], list[PlannedInstance]]]:
+        """Wake the sleepers `adds` want; returns (those that serve, the adds still to
+        launch: those with no sleeper, and those whose sleeper did not wake)."""
+        sleeping = [
+            self.sleepers[instance_key(a)] for a in adds if instance_key(a) in self.sleepers
+        ]
+        if not sleeping:
+            return [], list(adds)
+        t0 = self.now_s
+        results = yield from self._do(Wake(tuple(sleeping)))
+        woken = []
+        dead = []
+        for inst, result in zip(sleeping, results, strict=True):
+            self.sleepers.pop(inst.key, None)
+            if isinstance(result, Failed):
+                dead.append(inst)
+                continue
+            yield from self._activate(result, out)
+            out.woken.append(result.key)
+            woken.append(result)
+        if dead:  # its engine died or its GPUs were taken: stopped, cold-started instead
+            yield from self._do(Release(tuple(dead)))
+            out.stopped.extend(i.key for i in dead)
+        out.phases_s["wake" + suffix] = self.now_s - t0
+        woke = {i.key for i in woken}
+        return woken, [a for a in adds if instance_key(a) not in woke]
+
+    def _launch(
+        self,
+        adds: Sequence[PlannedInstance],
+        suffix: str,
+        rehearse: bool,
+        all_or_nothing: bool,
+        out: ShiftOutcome,
+    ) -> Steps[list[Any]]:
         planned = [self._named(a) for a in adds]
         t0 = self.now_s
         tokens = yield from self._do(Launch(tuple(planned)))
@@ -343,7 +421,9 @@ class ShiftProcedure:
         return served
 
     # ------------------------------------------------------------------ retiring
-    def _retire(self, leaving: Sequence[Any], suffix: str) -> Steps[None]:
+    def _retire(self, leaving: Sequence[Any], suffix: str, may_sleep: bool = False) -> Steps[None]:
+        """Drain `leaving`, move what would outlive the deadline, then stop them (or, with
+        `may_sleep`, put those with a sleep level to sleep)."""
         if not leaving:
             return
         out = self.out
@@ -373,12 +453,38 @@ class ShiftProcedure:
             yield from self._do(Wait(busy_until_s - self.now_s))
         out.count("finished_in_place", max(0, num_in_flight - num_moved))
         out.phases_s["migrate" + suffix] = self.now_s - t1
+        stopping = list(leaving)
+        if may_sleep:
+            stopping = yield from self._sleep(leaving, suffix)
+        if not stopping:
+            return
         t2 = self.now_s
-        yield from self._do(Release(tuple(leaving)))
-        for inst in leaving:
+        yield from self._do(Release(tuple(stopping)))
+        for inst in stopping:
             self.running.pop(inst.key, None)
             out.stopped.append(inst.key)
         out.phases_s["release" + suffix] = self.now_s - t2
+
+    def _sleep(self, leaving: Sequence[Any], suffix: str) -> Steps[list[Any]]:
+        """Put the drained instances that have a sleep level to sleep, a Sleep per level;
+        returns those still to stop (no level, or the sleep failed)."""
+        levels = sorted({self.sleep_levels.get(i.key, 0) for i in leaving} - {0})
+        if not levels:
+            return list(leaving)
+        t0 = self.now_s
+        asleep: set[str] = set()
+        for level in levels:
+            group = [i for i in leaving if self.sleep_levels.get(i.key, 0) == level]
+            results = yield from self._do(Sleep(tuple(group), level))
+            for inst, result in zip(group, results, strict=True):
+                if isinstance(result, Failed):
+                    continue
+                self.running.pop(inst.key, None)
+                self.sleepers[inst.key] = result
+                self.out.slept.append(inst.key)
+                asleep.add(inst.key)
+        self.out.phases_s["sleep" + suffix] = self.now_s - t0
+        return [i for i in leaving if i.key not in asleep]
 
     def _count(self, moved: Moved) -> int:
         for outcome in moved.outcomes:

@@ -213,9 +213,16 @@ class TickCore:
             del kept[:-MAX_SAMPLES_KEPT]
         self.rates.observe(now_s, readings.done_by_model, names, p.time_scale)
 
-    def decide(self, now_s: float, cluster: Cluster, running: Sequence[PlannedInstance]) -> Decided:
+    def decide(
+        self,
+        now_s: float,
+        cluster: Cluster,
+        running: Sequence[PlannedInstance],
+        asleep: Sequence[tuple[PlannedInstance, int]] = (),
+    ) -> Decided:
         """The policy's decision on the snapshot of now (after `observe`). A shift is entered
-        in the history at once (the policy's cooldown counts from its start)."""
+        in the history at once (the policy's cooldown counts from its start). `asleep`: the
+        sleeping instances and their levels (a target may wake one)."""
         p = self.params
         self.expected_rates_per_s = self.rates.expected_rates_per_s(
             now_s, self.policy.params.forecast
@@ -232,6 +239,7 @@ class TickCore:
             ),
             self.history,
             self.resources_changed_s,
+            asleep,
         )
         decision = self.policy.decide(snapshot, now_s, self.rng)
         if decision.action != "shift" or decision.target is None:

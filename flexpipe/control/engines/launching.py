@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +17,14 @@ from flexpipe.perf.memory import engine_budget_bytes
 from flexpipe.policies.planner import ModelDemand, PlannedInstance, PlannerConfig, parse_models
 from flexpipe.policies.planner.checkpoint import checkpoint_for
 
-__all__ = ["ModelsFileError", "engine_spec", "gpu_memory_utilization", "gpu_places", "load_models"]
+__all__ = [
+    "ModelsFileError",
+    "engine_spec",
+    "gpu_memory_utilization",
+    "gpu_places",
+    "load_models",
+    "with_sleep_mode",
+]
 
 _GPU_MEMORY_UTILIZATION = PlannerConfig().gpu_memory_utilization
 
@@ -82,7 +90,7 @@ def engine_spec(
         env.append(("VLLM_PP_LAYER_PARTITION", ",".join(map(str, inst.layers_per_stage))))
     if admin_token:
         env.append(("FLEXPIPE_ADMIN_TOKEN", admin_token))
-    return EngineSpec(
+    spec = EngineSpec(
         model=inst.model_id,
         gear=inst.gear,
         name=inst.name,
@@ -97,5 +105,15 @@ def engine_spec(
         gpu_memory_utilization=gpu_memory_utilization(cluster, gpu_ids),
         weights=ckpt.path if ckpt else None,
         quantization=ckpt.quantization if ckpt else None,
-        enable_sleep_mode=enable_sleep_mode,
+    )
+    return with_sleep_mode(spec) if enable_sleep_mode else spec
+
+
+def with_sleep_mode(spec: EngineSpec) -> EngineSpec:
+    """`spec` able to sleep and wake: `--enable-sleep-mode`, and the endpoints mounted
+    (vLLM serves /sleep, /wake_up and /is_sleeping only with VLLM_SERVER_DEV_MODE=1; the
+    sim engine reads the same variable)."""
+    env = tuple((k, v) for k, v in spec.env if k != "VLLM_SERVER_DEV_MODE")
+    return dataclasses.replace(
+        spec, enable_sleep_mode=True, env=(*env, ("VLLM_SERVER_DEV_MODE", "1"))
     )

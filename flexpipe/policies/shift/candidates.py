@@ -8,6 +8,8 @@
 - `additive`: the running plan kept as it is, plus instances of the models named (a wake's
   models with no instance) planned by the planner on the GPUs no running instance holds:
   nothing running moves, so no step of it is in place.
+- `woken`: the running plan kept, plus the sleeping instances (sleep mode) of the models
+  named, on their own GPUs: woken rather than cold-started (priced at the wake time).
 - `shrink`: the running plan minus instances of an idle model, down to its minimum, while
   the rest still carries its load: gives GPUs back without touching anything else.
 - `keep_minimums`: repairs a candidate that would leave a model below `min_instances` by
@@ -30,9 +32,11 @@ __all__ = [
     "additive",
     "default_planner",
     "keep_minimums",
+    "keepable",
     "priority_first",
     "replan",
     "shrink",
+    "woken",
 ]
 
 # (cluster with the GPUs free now, demands, now) -> plan; the planner by default
@@ -97,6 +101,37 @@ def additive(
         f"add {', '.join(sorted({i.model for i in added}))}",
         (*running, *added),
         f"the running plan kept, {where} added on GPUs free now",
+    )
+
+
+def keepable(cluster: Cluster, gpu_ids: Collection[str]) -> bool:
+    """Every GPU is still there and not held whole by another tenant (an occupation, a
+    reclaim): an engine there may sleep on, or wake."""
+    ids = set(cluster.gpu_ids)
+    return all(g in ids and cluster.gpu(g).free_bytes > 0 for g in gpu_ids)
+
+
+def woken(
+    cluster: Cluster,
+    running: Sequence[PlannedInstance],
+    asleep: Sequence[PlannedInstance],
+    names: Collection[str],
+) -> Candidate | None:
+    """Every running instance kept, and the sleeping instances of the models `names` woken
+    (those on GPUs no running instance holds, still `keepable`). None when none sleeps."""
+    held = {g for i in running for g in i.gpu_ids}
+    wake = [
+        i
+        for i in asleep
+        if i.model in names and not held & set(i.gpu_ids) and keepable(cluster, i.gpu_ids)
+    ]
+    if not wake:
+        return None
+    where = ", ".join(f"{i.model} on {'+'.join(i.gpu_ids)}" for i in wake)
+    return Candidate(
+        f"wake {', '.join(sorted({i.model for i in wake}))}",
+        (*running, *wake),
+        f"the running plan kept, {where} woken from sleep",
     )
 
 

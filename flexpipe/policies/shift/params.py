@@ -16,7 +16,12 @@ from flexpipe.policies.shift.pricing import PricingParams
 from flexpipe.policies.shift.signals import Thresholds
 from flexpipe.policies.shift.triggers import TriggerParams
 
-__all__ = ["ShiftParams"]
+__all__ = ["SLEEP_MODES", "ShiftParams"]
+
+# what a leaving instance does where the engine kind can sleep (control/core/sleeping.py):
+# off: it stops; level1: it sleeps where its node's host RAM holds its weights, else stops;
+# auto: level 1 where the RAM holds them, else level 2
+SLEEP_MODES = ("off", "level1", "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +35,15 @@ class ShiftParams:
     forecast: ForecastParams = field(default_factory=ForecastParams)
     # A model woken from zero instances is planned for at least this rate.
     wake_request_rate_per_s: float = 0.1
+    # sleep instead of stop (SLEEP_MODES). The live controller's default; the simulator's
+    # scenarios default to off (flexpipe/sim/scenario.py) unless they turn it on.
+    sleep_mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.sleep_mode not in SLEEP_MODES:
+            raise ValueError(
+                f"sleep_mode must be one of {', '.join(SLEEP_MODES)}, got {self.sleep_mode!r}"
+            )
 
     @classmethod
     def from_mapping(cls, doc: Mapping[str, Any]) -> ShiftParams:
@@ -55,6 +69,10 @@ class ShiftParams:
                 for k, v in values.items()
             }
             for k, v in kwargs.items():
+                if kind is ShiftParams and k == "sleep_mode":
+                    if not isinstance(v, str):
+                        raise ValueError(f"{place}.{k}: expected one of {', '.join(SLEEP_MODES)}")
+                    continue
                 if k not in nested and (isinstance(v, bool) or not isinstance(v, int | float)):
                     raise ValueError(f"{place}.{k}: expected a number, got {v!r}")
                 if k not in nested and not math.isfinite(v):

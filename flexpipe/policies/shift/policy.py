@@ -48,6 +48,7 @@ from flexpipe.policies.shift.candidates import (
     priority_first,
     replan,
     shrink,
+    woken,
 )
 from flexpipe.policies.shift.decision import ScoredCandidate, ShiftDecision, Trigger
 from flexpipe.policies.shift.params import ShiftParams
@@ -188,6 +189,9 @@ class ShiftPolicy:
         if pf is not None:
             out.append(pf)
         if adding:
+            wake = woken(snapshot.cluster, running, [i for i, _ in snapshot.asleep], adding)
+            if wake is not None:
+                out.append(wake)
             add = additive(
                 snapshot.cluster, running, demands, adding, now_s, self.planner, self.capacity
             )
@@ -247,6 +251,7 @@ class ShiftPolicy:
                 self.params.pricing,
                 self.capacity,
                 self.efficiency,
+                snapshot.asleep_levels,
             )
             cap_running = sum(self.capacity(i) for i in running)
             cap_target = sum(self.capacity(i) for i in fixed.instances)

@@ -13,7 +13,9 @@ Every term is in one unit, *priority-weighted SLO-meeting requests* over the pri
 `cap` is the SLO-meeting capacity of a model's instances (requests/s) from an injected
 `Capacity` (default: the planner's own estimate); `horizon_s` is cut to the earliest lease end
 of the target's GPUs, and the gain accrues only once the target is ready (`ready_s`: the
-slowest cold start of a started instance, or the in-place gap). An instance whose GPUs the
+slowest cold start of a started instance, or the in-place gap). A started instance that wakes
+a sleeping engine (sleep mode: the same model, gear and GPUs) is ready after its wake time
+(`PerfModel.wake_s` at its sleep level), not a cold start. An instance whose GPUs the
 target reuses (in place) must be drained and stopped before its successor starts: the
 *interim* plan lacks it for `gap_s` = drain + cold start. A removed instance's requests still
 running at the drain deadline (the share `max(0, 1 - deadline / e2e)` of them) pause for the
@@ -205,8 +207,11 @@ def price(
     params: PricingParams,
     capacity: Capacity = planned_capacity,
     efficiency: Efficiency | None = None,
+    asleep_levels: Mapping[str, int] | None = None,
 ) -> Price:
-    """Price moving from `running` to `target` (see the module docstring)."""
+    """Price moving from `running` to `target` (see the module docstring). `asleep_levels`:
+    instance key -> sleep level of the engines asleep (a target instance among them wakes)."""
+    asleep_levels = asleep_levels or {}
     by_name = {m.name: m for m in models}
     running_keys = {instance_key(i) for i in running}
     target_keys = {instance_key(i) for i in target}
@@ -230,9 +235,14 @@ def price(
     gpus_tgt = sum(i.num_gpus for i in target)
 
     # Gap: removed instances whose GPUs an added one reuses stop before it starts.
-    cold: dict[str, float] = {}  # added key -> cold start, s
+    cold: dict[str, float] = {}  # added key -> cold start (or wake), s
     for inst in added:
-        cold[instance_key(inst)] = perf_model_of(cluster, inst, efficiency).cold_start_s()
+        key = instance_key(inst)
+        pm = perf_model_of(cluster, inst, efficiency)
+        level = asleep_levels.get(key)
+        cold[key] = pm.cold_start_s() if level is None else pm.wake_s(level)
+        if level is not None:
+            notes.append(f"{key} wakes from sleep level {level} in {cold[key]:.2f} s")
     in_place = [r for r in removed if any(_overlap(r, a) for a in added)]
     gap_s = 0.0
     for r in in_place:

@@ -101,6 +101,8 @@ class ShiftSnapshot:
     not (the running instances are re-planned onto it). `resources_changed_s` is when the GPUs
     free to us last changed after the running plan was made (a tenant left, a GPU came back);
     None when they have not, so the resource-driven trigger need not ask the planner.
+    `asleep`: instance key -> sleep level of the engines asleep on GPUs free to us (sleep
+    mode): a target with one of them wakes it, priced at its wake time, not a cold start.
     """
 
     cluster: Cluster
@@ -108,6 +110,11 @@ class ShiftSnapshot:
     models: tuple[ModelState, ...]
     history: tuple[ShiftRecord, ...] = ()
     resources_changed_s: float | None = None
+    asleep: tuple[tuple[PlannedInstance, int], ...] = ()  # (instance, its sleep level)
+
+    @property
+    def asleep_levels(self) -> dict[str, int]:
+        return {instance_key(i): level for i, level in self.asleep}
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.models]
@@ -130,7 +137,13 @@ class ShiftSnapshot:
         models: Sequence[ModelState],
         history: Sequence[ShiftRecord] = (),
         resources_changed_s: float | None = None,
+        asleep: Sequence[tuple[PlannedInstance, int]] = (),
     ) -> ShiftSnapshot:
         return ShiftSnapshot(
-            cluster, tuple(running), tuple(models), tuple(history), resources_changed_s
+            cluster,
+            tuple(running),
+            tuple(models),
+            tuple(history),
+            resources_changed_s,
+            tuple(asleep),
         )

@@ -3,9 +3,13 @@
 // docs/dashboard.md describes the view's fields.
 "use strict";
 
-const STATES = ["starting", "rehearsing", "active", "draining", "ejected"];
-const PHASES = ["warm", "rehearse", "switch", "drain", "migrate", "release"];
-const PHASE_COLORS = ["#8a9bb3", "#d99a00", "#1f6feb", "#e8743b", "#9c27b0", "#2e9d5b"];
+const STATES = [
+  "starting", "rehearsing", "active", "draining", "asleep", "waking", "ejected",
+];
+const PHASES = ["warm", "rehearse", "switch", "drain", "migrate", "release", "sleep", "wake"];
+const PHASE_COLORS = [
+  "#8a9bb3", "#d99a00", "#1f6feb", "#e8743b", "#9c27b0", "#2e9d5b", "#5c6bc0", "#26a6b8",
+];
 const METHODS = ["kv_moved", "recomputed", "finished_in_place", "rerun"];
 const Q_COLORS = { p50: "#1f6feb", p95: "#d99a00", p99: "#c62828" };
 const GiB = 1024 ** 3;
