@@ -63,8 +63,9 @@ class InstanceView:
     gear: str
     gpus: tuple[str, ...]
     url: str
-    state: str  # lifecycle: starting, rehearsing, active, draining
-    health: str  # "ok"; "ejected" (active, failed its probes); "unreachable"; "not routed"
+    state: str  # lifecycle: starting, rehearsing, active, draining, asleep, waking
+    # "ok"; "ejected" (active, failed its probes); "unreachable"; "not routed"; "asleep (level N)"
+    health: str
     num_running: int | None
     num_waiting: int | None
     num_in_flight: int | None  # open at the gateway
@@ -275,6 +276,27 @@ def _instance_view(
     )
 
 
+def _asleep_view(doc: Mapping[str, Any]) -> InstanceView:
+    """An engine asleep: its state and level, nothing measured (it is not scraped)."""
+    level = doc.get("level")
+    return InstanceView(
+        name=str(doc.get("name", "")),
+        model=str(doc.get("model", "")),
+        gear=str(doc.get("gear", "")),
+        gpus=tuple(str(g) for g in doc.get("gpus", [])),
+        url=str(doc.get("url", "")),
+        state=str(doc.get("state", "asleep")),
+        health="asleep" if level is None else f"asleep (level {level})",
+        num_running=None,
+        num_waiting=None,
+        num_in_flight=None,
+        max_num_seqs=None,
+        kv_usage=None,
+        prefix_hit_rate=None,
+        gpu_utilization=None,
+    )
+
+
 def _model_view(
     doc: Mapping[str, Any], mine: Sequence[InstanceView], now: Mapping[str, Any] | None
 ) -> ModelView:
@@ -364,6 +386,9 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
     }
     measured = _measured(now.gateway_view)
     instances = [_instance_view(doc, w, pool, measured) for doc in st.get("instances", [])]
+    # engines asleep (docs/controller.md, "Sleep instead of stop"): listed with their state;
+    # they hold their GPUs and serve nothing, so no model counts them among its instances
+    asleep = [_asleep_view(doc) for doc in st.get("asleep", []) or [] if isinstance(doc, Mapping)]
     num_gateway_queued = _int(_value(w.gw, "flexpipe_queued_requests")) or 0
     model_docs = [m for m in st.get("models", []) if isinstance(m, Mapping)]
     if not model_docs:  # a controller without the models part: what its instances serve
@@ -373,6 +398,7 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
         _model_view(m, [i for i in instances if i.model == m["name"]], figures.get(m["name"]))
         for m in model_docs
     ]
+    instances += asleep
     resources = st.get("resources") or {}
     return Snapshot(
         at_s=now.at_s,

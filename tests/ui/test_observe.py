@@ -245,3 +245,22 @@ def test_a_refused_model_shows_its_reason_in_the_models_table() -> None:
     drawn = " ".join(_text(models_table(snap)).split())
     assert "m (refused)" in drawn and f"m refused: {why}" in drawn
     assert snapshot(now, before).models[0].refused is None
+
+
+def test_an_engine_asleep_is_listed_with_its_level_and_counted_by_no_model() -> None:
+    """`flexpipe status`: the controller's `asleep` engines (sleep mode) are drawn in the
+    instances table with their state and level; the model's instance count is of those that
+    serve."""
+    before, now = readings()
+    doc = status()
+    awake = snapshot(now, before).models[0].num_instances
+    doc["asleep"] = [{"key": "k", "name": "m-0.2", "model": "m", "gear": "tp1-pp1-bf16",
+                      "gpus": ["gpu0"], "url": "http://127.0.0.1:9", "state": "asleep",
+                      "level": 1}]  # fmt: skip
+    snap = snapshot(replace(now, status=doc), before)
+    sleeper = snap.instances[-1]
+    assert (sleeper.name, sleeper.state, sleeper.health) == ("m-0.2", "asleep", "asleep (level 1)")
+    assert sleeper.gpu_utilization is None and sleeper.num_in_flight is None
+    assert snap.models[0].num_instances == awake
+    drawn = " ".join(_text(instances_table(snap)).split())
+    assert "m-0.2" in drawn and "asleep (level 1)" in drawn
