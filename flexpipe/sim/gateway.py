@@ -80,7 +80,6 @@ class SimGateway:
         self.holds = Holds()  # the admin API's holds (flexpipe.gateway.core.holds, as live)
         # deadline-aware order and shedding, when configured (as `Gateway.deadlines`)
         self.deadlines = Deadlines(cfg.admission) if cfg.admission.enabled else None
-        self.num_shed = 0
 
     def _log(self, now: float, event: str, detail: str) -> None:
         if self.log is not None:
@@ -194,7 +193,6 @@ class SimGateway:
         )
         if decision is not ROUTE:
             if isinstance(decision, Fail) and decision.shed:
-                self.num_shed += 1
                 self._fail(call.req, now, SHED_PREFIX + decision.message)
                 return
             if isinstance(decision, Fail):

@@ -149,41 +149,44 @@ def _call(gw: Any, t0: float) -> Any:
 
 
 def test_a_shed_waiter_passes_its_slot_on_and_every_exit_empties_the_queue() -> None:
-    """Two waiters for one full instance, the first already past its deadline + margin when
-    the slot frees: it is shed (429) and the slot goes at once to the second; the queue's
-    counts return to zero."""
+    """Two waiters for one full instance (TTFT SLO 1 s, no margin). The slot frees at 1.2 s
+    on the gateway's clock, before the first waiter's own timer has fired: woken, it is past
+    its deadline and shed (429, `slo_late`), and the slot goes at once to the second (within
+    its SLO), not when the second's timer fires a second later. The queue ends empty."""
     from flexpipe.gateway.app import Gateway
 
-    async def scenario() -> tuple[str, float, int, int, dict[str, int]]:
+    fake = [0.0]
+
+    async def scenario() -> tuple[str, float, int, int, int, dict[str, int]]:
         gw = Gateway(config_from_dict({
             "backends": [{"url": "http://a", "model": "m"}],
             "max_concurrency_per_instance": 1, "max_queue": 8, "max_queue_wait_s": 5,
             "admission": {"shed_late": True, "ttft_slo_s": {"m": 1.0}},
-        }))  # fmt: skip
+        }), clock=lambda: fake[0])  # fmt: skip
         a = gw.pool.get("http://a")
         assert a is not None
         gw.router.acquire(a, 1)  # full
-        now = gw.clock()
-        late = asyncio.create_task(gw._pick(_call(gw, now - 0.99)))  # 10 ms left
-        await asyncio.sleep(0.005)
-        ok = asyncio.create_task(gw._pick(_call(gw, now)))
-        await asyncio.sleep(0.05)  # `late` passed its deadline while queued: it was shed
-        assert late.done()
-        status = late.exception().status  # type: ignore[union-attr]
-        assert gw.queued_by_model() == {"m": 1}
-        t0 = gw.clock()
-        gw.finish(a, _call(gw, now), "200")  # the slot frees: `ok` takes it
+        late = asyncio.create_task(gw._pick(_call(gw, 0.0)))
+        await asyncio.sleep(0.01)
+        fake[0] = 0.5
+        ok = asyncio.create_task(gw._pick(_call(gw, 0.5)))
+        await asyncio.sleep(0.01)
+        assert gw.queued_by_model() == {"m": 2}
+        fake[0] = 1.2
+        t0 = time.monotonic()
+        gw.finish(a, _call(gw, 0.0), "200")  # the slot frees: wakes `late` first
         inst = await asyncio.wait_for(ok, 2.0)
-        waited_s = gw.clock() - t0
+        waited_s = time.monotonic() - t0
+        exc = late.exception()
+        status = exc.status if isinstance(exc, Exception) and hasattr(exc, "status") else 0
         shed = int(gw.metrics.rejected.labels("slo_late")._value.get())
-        counts = gw.queued_by_model()
-        num = gw.num_waiting
+        counts, num = gw.queued_by_model(), gw.num_waiting
         await gw.close()
-        return inst.url, waited_s, status, shed + 100 * num, counts
+        return inst.url, waited_s, status, shed, num, counts
 
-    url, waited_s, status, shed, counts = asyncio.run(scenario())
+    url, waited_s, status, shed, num, counts = asyncio.run(scenario())
     assert url == "http://a" and waited_s < 0.5 and status == 429
-    assert shed == 1 and counts == {}
+    assert shed == 1 and num == 0 and counts == {}
 
 
 # --- the live gateway over real HTTP ------------------------------------------------------

@@ -84,7 +84,7 @@ class Shed:
         return self.ttft_deadline_s + self.margin_s
 
     def message(self, model: str, now: float, has_slot: bool) -> str:
-        late_s = -self.slack_s(now, has_slot)
+        late_s = max(0.0, -self.slack_s(now, has_slot))
         return (
             f"The request cannot meet the TTFT SLO of {self.ttft_slo_s:g} s of model "
             f"`{model}`: its first token would come about {late_s:.1f} s past it, so it is "
