@@ -18,7 +18,6 @@ import contextlib
 import itertools
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -434,8 +433,7 @@ class Gateway:
             if deadlines is not None:
                 if ticket is None:
                     rank = deadlines.rank(call.model, call.t0, tenant, now)
-                num_ahead = self._waiters.num_ahead(call.model, ticket or sys.maxsize, rank)
-                shed = deadlines.shed(call.model, call.t0, num_ahead, now)
+                shed = deadlines.shed_in(self._waiters, call.model, call.t0, ticket, rank, now)
             decision = admit(
                 call.model,
                 pick is not None,

@@ -22,7 +22,6 @@ controller registers it.
 from __future__ import annotations
 
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -174,9 +173,8 @@ class SimGateway:
             arrival_s = call.req.arrival_s
             if call.ticket < 0:
                 call.rank = deadlines.rank(model, arrival_s, None, now)
-            ticket = call.ticket if call.ticket >= 0 else sys.maxsize
-            num_ahead = waiters.num_ahead(model, ticket, call.rank)
-            shed = deadlines.shed(model, arrival_s, num_ahead, now)
+            ticket = call.ticket if call.ticket >= 0 else None
+            shed = deadlines.shed_in(waiters, model, arrival_s, ticket, call.rank, now)
         decision = admit(
             model,
             pick is not None,

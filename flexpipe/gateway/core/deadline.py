@@ -17,11 +17,13 @@ it has a slot; none either while no rate is measured yet: no evidence, no sheddi
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from flexpipe.gateway.config import AdmissionConfig
-from flexpipe.gateway.core.wait_queue import Rank
+from flexpipe.gateway.core.wait_queue import Rank, WaitQueue
 
 __all__ = [
     "Deadlines",
@@ -166,6 +168,20 @@ class Deadlines:
             return None
         wait_s = expected_wait_s(num_ahead, self.rates.rate(model, now))
         return Shed(slo_s, arrival_s + slo_s, wait_s, self.cfg.shed_margin_s)
+
+    def shed_in(
+        self,
+        waiters: WaitQueue[Any],
+        model: str,
+        arrival_s: float,
+        ticket: int | None,
+        place: Rank,
+        now: float,
+    ) -> Shed | None:
+        """`shed` for a request at its place in `waiters` (`ticket` None: not yet queued, so
+        behind every waiter of its rank)."""
+        num_ahead = waiters.num_ahead(model, sys.maxsize if ticket is None else ticket, place)
+        return self.shed(model, arrival_s, num_ahead, now)
 
     def finished(self, model: str, now: float) -> None:
         self.rates.record(model, now)
