@@ -222,6 +222,7 @@ class SimGateway:
             self.router.finish(inst, call.num_tokens, now)
             self.router.succeeded(inst)
             self._fail(call.req, now, refusal)
+            self._finished(model, now)
             self._wake(model, now)
             return
         self._calls[call.req.request_id] = call

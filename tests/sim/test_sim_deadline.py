@@ -9,11 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.sim_agreement import Fixed  # runs the given deployments from t = 0
 from flexpipe.gears.gear import Gear
 from flexpipe.sim import report, simulate
 from flexpipe.sim.deployment import Deployment
-from flexpipe.sim.scenario import parse_scenario
+from flexpipe.sim.scenario import ScenarioError, parse_scenario
 
 ONE_L4 = {"name": "a", "nodes": [{"name": "n0", "gpus": [{"id": "g0", "type": "L4"}]}]}
 DEPS = (Deployment("l4", "m", "llama-2-7b", Gear(max_num_seqs=4), (("g0",),)),)
@@ -72,3 +74,6 @@ def test_a_scenario_without_the_block_leaves_admission_off() -> None:
     }  # fmt: skip
     adm = parse_scenario(doc, Path(".")).gateway.admission
     assert not adm.enabled and adm.ttft_slo_s == {} and adm.priority == {}
+    doc["gateway"] = {"admission": {"order": "edf"}}
+    with pytest.raises(ScenarioError, match=r"gateway: admission\.order: expected one of"):
+        parse_scenario(doc, Path("."))
