@@ -265,7 +265,7 @@ def test_a_request_that_cannot_make_its_ttft_slo_gets_a_429_with_retry_after(
         with pytest.raises(openai.RateLimitError) as info:
             client.completions.create(model="fake-model", prompt="late", max_tokens=2, stream=True)
         waited_s = time.monotonic() - t0
-        assert 0.7 <= waited_s < 1.5
+        assert 0.7 <= waited_s < 1.9  # shed at 0.75 s, well before the slot frees at ~2 s
         resp = info.value.response
         assert resp.status_code == 429 and float(resp.headers["retry-after"]) >= 1
         err = resp.json()["error"]
