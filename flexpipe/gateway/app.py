@@ -40,10 +40,11 @@ from flexpipe.gateway.core.admission import (
     admit,
     is_served,
 )
+from flexpipe.gateway.core.deadline import Deadlines
 from flexpipe.gateway.core.holds import Holds
 from flexpipe.gateway.core.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.core.router import NoInstance, Router
-from flexpipe.gateway.core.wait_queue import WaitQueue
+from flexpipe.gateway.core.wait_queue import Rank, WaitQueue
 from flexpipe.gateway.core.warm_up import WarmOutcome
 from flexpipe.gateway.gateway_metrics import GatewayMetrics
 from flexpipe.gateway.prober import Prober
@@ -96,6 +97,8 @@ class Gateway:
         self.tenants = Tenants(cfg.tenants, clock())
         self.timeouts = Timeouts(cfg.connect_timeout_s, cfg.ttfb_timeout_s, cfg.idle_timeout_s)
         self._waiters = WaitQueue[asyncio.Future[None]]()  # requests waiting for a slot
+        # deadline-aware order and shedding, when configured (gateway/core/deadline.py)
+        self.deadlines = Deadlines(cfg.admission) if cfg.admission.enabled else None
         self.queued_signal = Signal(clock)  # a request queued (the demand trigger)
         self._tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
         self._calls: dict[int, Call] = {}  # accepted, not yet ended, whatever their phase
@@ -403,11 +406,17 @@ class Gateway:
     async def _pick(self, call: Call) -> Instance:
         """The router's pick, and what admission makes of it (gateway/core/admission.py):
         while every instance is at its limit, a place in a bounded FIFO queue until a slot
-        frees (or 429 when the queue is full or the wait too long)."""
+        frees (or 429 when the queue is full or the wait too long); with `admission`
+        configured, a place by slack and a 429 when it cannot meet its TTFT SLO."""
         own_deadline: float | None = None  # the queue's own wait, from the first refusal
         ticket: int | None = None  # its place in its model's line, from when it first queued
+        rank: Rank = ()  # and its rank there (deadline-aware order; fcfs: none)
         woken = False  # by a freed slot (not its wait's end)
         cfg = self.cfg
+        deadlines = self.deadlines
+        tenant: str | None = None  # (its name: the fair share's key)
+        if deadlines is not None and call.tenant is not None:
+            tenant = call.tenant.name
         while True:
             if self._grace_over:
                 raise HttpError(503, "the gateway is shutting down")
@@ -420,6 +429,11 @@ class Gateway:
                 )
             except NoInstance as exc:
                 pick, no_instance = None, str(exc)
+            shed = None
+            if deadlines is not None:
+                if ticket is None:
+                    rank = deadlines.rank(call.model, call.t0, tenant, now)
+                shed = deadlines.shed_in(self._waiters, call.model, call.t0, ticket, rank, now)
             decision = admit(
                 call.model,
                 pick is not None,
@@ -433,16 +447,20 @@ class Gateway:
                 cfg.max_queue,
                 cfg.max_queue_wait_s,
                 jumps_line=prefer is not None,
+                shed=shed,
             )
-            if woken and (call.excluded or call.failed) and _waits_for_a_slot(decision):
-                # woken for a slot on an instance it may not use (one it left or failed on):
-                # the slot goes to the next waiter of its model
-                self._wake_one(call.model, after=ticket or 0)
+            shed_now = isinstance(decision, Fail) and decision.shed
+            if woken and (call.excluded or call.failed or shed_now) and _waits_for_a_slot(decision):
+                # woken for a slot on an instance it may not use (one it left or failed on),
+                # or shed: the slot goes to the next waiter of its model
+                self._wake_one(call.model, after=ticket or 0, rank=rank)
             woken = False
             if isinstance(decision, Fail):
                 raise self._refusal(decision, now)
             if isinstance(decision, Route):
                 assert pick is not None
+                if deadlines is not None:
+                    deadlines.served(tenant, now)
                 self.metrics.decision(self.router.policy.name, pick.reason)
                 if pick.num_blocks:
                     self.metrics.prefix_all.inc(pick.num_blocks)
@@ -452,7 +470,7 @@ class Gateway:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             if ticket is None:
                 ticket = self._waiters.ticket()
-            self._waiters.push(call.model, fut, ticket)
+            self._waiters.push(call.model, fut, ticket, rank)
             self.queued_signal.notify()
             try:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation
@@ -477,7 +495,7 @@ class Gateway:
         self.metrics.rejected.labels(fail.reason).inc()
         if fail.busy:  # Retry-After: the queue ahead at the measured drain rate
             wait_s = self.router.retry_after_s(len(self._waiters), now)
-            return RetryLater(fail.status, fail.message, wait_s)
+            return RetryLater(fail.status, fail.message, wait_s, fail.param)
         if fail.retry_after_s is not None:
             return RetryLater(fail.status, fail.message, fail.retry_after_s, fail.param)
         return HttpError(fail.status, fail.message, param=fail.param)
@@ -513,18 +531,20 @@ class Gateway:
         if new:
             self._wake_all()
 
-    def _wake_one(self, model: str, after: int = 0) -> None:
-        """A slot of `model` freed: its oldest waiter not woken yet (with a ticket past
-        `after`) looks again; it leaves the line itself, as it resumes."""
-        for fut in self._waiters.line(model, after):
+    def _wake_one(self, model: str, after: int = 0, rank: Rank = ()) -> None:
+        """A slot of `model` freed: its first waiter not woken yet (placed after ticket
+        `after` at `rank`) looks again; it leaves the line itself, as it resumes."""
+        for fut in self._waiters.line(model, after, rank):
             if not fut.done():
                 fut.set_result(None)
                 return
 
     def _wake_all(self) -> None:
         """The pool changed (an instance joined, came back, got more weight): every waiter
-        looks again, as many may fit now."""
-        for fut in self._waiters.waiters():
+        looks again, as many may fit now (a higher-priority model's line first, when the
+        order is by slack)."""
+        priority = self.deadlines.priority if self.deadlines is not None else None
+        for fut in self._waiters.waiters(priority):
             if not fut.done():
                 fut.set_result(None)
 
@@ -552,6 +572,8 @@ class Gateway:
         if call.instance == inst.url:
             call.instance = None
         self.metrics.request_done(call.model, inst.url, status)
+        if self.deadlines is not None:
+            self.deadlines.finished(call.model, now)
         if status == "200":
             self.metrics.observe("e2e", call.model, now - call.t0)
         self._wake_one(call.model)

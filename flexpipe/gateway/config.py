@@ -15,6 +15,12 @@ tenants:                          # optional; without it no API key is required
 tenants_file: keys.yaml           # optional: the same list in its own file
 dcgm_urls: [http://gpu-node-1:9400]   # optional: GPU utilisation from dcgm-exporter
 dcgm_hostnames: {node1: gpu-node-1}   # optional: cluster node -> the Hostname DCGM reports
+admission:                        # optional, off by default (docs/gateway.md)
+  order: slack                    # fcfs (default) | slack: least slack first in a model's line
+  shed_late: true                 # 429 + Retry-After for a request that cannot meet its TTFT SLO
+  shed_margin_s: 0.5
+  ttft_slo_s: {llama-2-7b: 2.0}   # model -> TTFT SLO (the models file's ttft_p99_ms)
+  priority: {llama-2-7b: 2}       # model -> priority (the models file's): lines looked at first
 """
 
 from __future__ import annotations
@@ -54,6 +60,47 @@ class TenantConfig:
 
     def __repr__(self) -> str:  # never show the key
         return f"TenantConfig(name={self.name!r})"
+
+
+# --- deadline-aware admission (docs/gateway.md, "Deadline-aware admission") ---------------
+ADMISSION_ORDERS = ("fcfs", "slack")
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    """How the wait queue orders a model's line and whether it sheds late requests
+    (gateway/core/deadline.py). The default is first come, first served, nothing shed."""
+
+    order: str = "fcfs"  # fcfs | slack (least slack first, then tenant fair share)
+    shed_late: bool = False  # 429 a request whose slack is below -shed_margin_s
+    shed_margin_s: float = 0.0
+    ttft_slo_s: dict[str, float] = field(default_factory=dict)  # model -> TTFT SLO
+    priority: dict[str, float] = field(default_factory=dict)  # model -> priority (default 1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.order != "fcfs" or self.shed_late
+
+
+def _admission(data: Any) -> AdmissionConfig:
+    adm: AdmissionConfig = _build(AdmissionConfig, data, "admission")
+    if adm.order not in ADMISSION_ORDERS:
+        raise ConfigError(f"admission.order: expected one of fcfs, slack, got {adm.order!r}")
+    if not isinstance(adm.shed_late, bool):
+        raise ConfigError("admission.shed_late: expected true or false")
+    if not isinstance(adm.shed_margin_s, (int, float)) or adm.shed_margin_s < 0:
+        raise ConfigError("admission.shed_margin_s: expected a number >= 0")
+    for key in ("ttft_slo_s", "priority"):
+        value = getattr(adm, key)
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+            for k, v in value.items()
+        ):
+            raise ConfigError(f"admission.{key}: expected a mapping of model -> number > 0")
+    return adm
+
+
+# ------------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -103,6 +150,7 @@ class GatewayConfig:
     # `dcgm_hostnames`: cluster node name -> the Hostname its exporter reports (default: same)
     dcgm_urls: list[str] = field(default_factory=list)
     dcgm_hostnames: dict[str, str] = field(default_factory=dict)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
 
 def _build(cls: type[Any], data: Any, where: str) -> Any:
@@ -141,6 +189,7 @@ def config_from_dict(data: dict[str, Any], base_dir: Path | None = None) -> Gate
             path = base_dir / path
         tenants += _tenants(_read_yaml(path), str(path))
     http = _build(HttpLimits, data.pop("http", None) or {}, "http")
+    admission = _admission(data.pop("admission", None) or {})
     routing = data.pop("routing", None) or {}
     if not isinstance(routing, dict):
         raise ConfigError("routing: expected a mapping with `policy` and `params`")
@@ -148,6 +197,7 @@ def config_from_dict(data: dict[str, Any], base_dir: Path | None = None) -> Gate
     cfg.backends = backends
     cfg.tenants = tenants
     cfg.http = http
+    cfg.admission = admission
     cfg.policy = str(routing.get("policy", cfg.policy))
     cfg.policy_params = dict(routing.get("params") or {})
     for key, value in cfg.policy_params.items():

@@ -6,7 +6,10 @@ gateway's admission decision (gateway/core/admission.py `admit`, which `Gateway.
 too): routed; queued in its model's FIFO line (at most `max_queue`, at most
 `max_queue_wait_s`, a hold's wait), each freed slot waking the oldest waiter; or failed with
 the live gateway's status and words (the 404 / 503 of a model with no instance). The engine's
-400 for a context that does not fit fails it too. Network time is not modelled.
+400 for a context that does not fit fails it too. Network time is not modelled. With the
+scenario's `gateway: {admission: ...}`, lines are ordered by slack and late requests shed as
+live (gateway/core/deadline.py); a shed request ends as failed with `SHED_PREFIX`, which the
+report counts apart.
 
 The scrape writes what the engine's /metrics reports into the routing record with the
 prober's own `apply_engine_metrics` (counts, queued tokens, and the capacity the engine
@@ -25,11 +28,12 @@ from dataclasses import dataclass
 from flexpipe.engine.request import EngineRequest
 from flexpipe.gateway.config import GatewayConfig
 from flexpipe.gateway.core.admission import ROUTE, Fail, Queue, admit, is_served, num_prompt_tokens
+from flexpipe.gateway.core.deadline import Deadlines
 from flexpipe.gateway.core.engine_metrics import apply_engine_metrics
 from flexpipe.gateway.core.holds import Holds
 from flexpipe.gateway.core.pool import Instance, Pool, stream_tpot_s
 from flexpipe.gateway.core.router import NoInstance, Router
-from flexpipe.gateway.core.wait_queue import WaitQueue
+from flexpipe.gateway.core.wait_queue import Rank, WaitQueue
 from flexpipe.lifecycle import State
 from flexpipe.policies.routing import RoutingRequest
 from flexpipe.sim.instance import SimInstance
@@ -41,6 +45,7 @@ Ended = Callable[[SimRequest], None]
 # Where a simulated outcome's words differ from the client's (`Fail.message`): the
 # simulator's recorded outcomes (tests, fingerprints of past runs) keep their wording.
 _SIM_WORDS = {"queue_full": "all instances are busy and the queue is full"}
+SHED_PREFIX = "shed: "  # a shed request's `failed` starts so (report.py counts them apart)
 
 
 @dataclass(slots=True)
@@ -53,6 +58,7 @@ class _Call:
     queued: bool = False
     ticket: int = -1  # its place in its model's wait line, from when it first queued
     timeout_s: float = -1.0  # when its queue timeout is scheduled (a hold may extend it)
+    rank: Rank = ()  # its rank in its model's line (deadline-aware order; fcfs: none)
 
 
 class SimGateway:
@@ -71,6 +77,8 @@ class SimGateway:
         self._scraping = False
         self.log: list[tuple[float, str, str]] | None = None  # (time, event, detail) if kept
         self.holds = Holds()  # the admin API's holds (flexpipe.gateway.core.holds, as live)
+        # deadline-aware order and shedding, when configured (as `Gateway.deadlines`)
+        self.deadlines = Deadlines(cfg.admission) if cfg.admission.enabled else None
 
     def _log(self, now: float, event: str, detail: str) -> None:
         if self.log is not None:
@@ -124,7 +132,8 @@ class SimGateway:
             self._reroute(now)
 
     def _reroute(self, now: float) -> None:
-        for call in self._waiters.pop_all():
+        priority = self.deadlines.priority if self.deadlines is not None else None
+        for call in self._waiters.pop_all(priority):
             call.queued = False
             self._route(call, now)
 
@@ -158,6 +167,14 @@ class SimGateway:
             pick, no_instance = None, str(exc)
         waiters = self._waiters
         cfg = self.cfg
+        deadlines = self.deadlines
+        shed = None
+        if deadlines is not None:
+            arrival_s = call.req.arrival_s
+            if call.ticket < 0:
+                call.rank = deadlines.rank(model, arrival_s, None, now)
+            ticket = call.ticket if call.ticket >= 0 else None
+            shed = deadlines.shed_in(waiters, model, arrival_s, ticket, call.rank, now)
         decision = admit(
             model,
             pick is not None,
@@ -170,8 +187,12 @@ class SimGateway:
             waiters.count(model),
             cfg.max_queue,
             cfg.max_queue_wait_s,
+            shed=shed,
         )
         if decision is not ROUTE:
+            if isinstance(decision, Fail) and decision.shed:
+                self._fail(call.req, now, SHED_PREFIX + decision.message)
+                return
             if isinstance(decision, Fail):
                 message = _SIM_WORDS.get(decision.reason, decision.message)
                 self._fail(call.req, now, f"{decision.status}: {message}")
@@ -187,7 +208,7 @@ class SimGateway:
             call.queued = True
             if call.ticket < 0:
                 call.ticket = waiters.ticket()
-            waiters.push(model, call, call.ticket)
+            waiters.push(model, call, call.ticket, call.rank)
             self._log(now, "queue", str(call.req.request_id))
             return
         assert pick is not None
@@ -201,6 +222,7 @@ class SimGateway:
             self.router.finish(inst, call.num_tokens, now)
             self.router.succeeded(inst)
             self._fail(call.req, now, refusal)
+            self._finished(model, now)
             self._wake(model, now)
             return
         self._calls[call.req.request_id] = call
@@ -213,6 +235,7 @@ class SimGateway:
         call = self._calls.pop(req.request_id)
         assert call.instance is not None
         self.router.finish(call.instance, call.num_tokens, now)
+        self._finished(req.model, now)
         self._wake(req.model, now)
 
     def place(self, req: SimRequest, url: str, now: float) -> None:
@@ -238,10 +261,11 @@ class SimGateway:
     def _wake(self, model: str, now: float) -> None:
         """A slot of `model` may have freed: its oldest waiter tries again
         (`Gateway._wake_one`)."""
-        call = self._waiters.pop_first(model)
-        if call is not None:
+        while (call := self._waiters.pop_first(model)) is not None:
             call.queued = False
             self._route(call, now)
+            if not call.req.failed.startswith(SHED_PREFIX):
+                return  # (shed instead: the slot goes to the next waiter, as live)
 
     def done(self, engine: SimInstance, req: SimRequest, ereq: EngineRequest, now: float) -> None:
         """The engine finished `req` at `now` (a full response, or the engine's error)."""
@@ -266,7 +290,13 @@ class SimGateway:
             if self.log is not None:  # (the detail costs a format per request)
                 self._log(now, "done", f"{req.request_id} {n} tokens")
             self.on_end(req)
+        self._finished(req.model, now)
         self._wake(req.model, now)
+
+    def _finished(self, model: str, now: float) -> None:
+        """A request of `model` left its slot (the pace of its line, as `Gateway.finish`)."""
+        if self.deadlines is not None:
+            self.deadlines.finished(model, now)
 
     def _fail(self, req: SimRequest, now: float, why: str) -> None:
         req.failed = why

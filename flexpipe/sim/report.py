@@ -6,6 +6,8 @@ byte-identical files.
 goodput: completed requests that met both their model's TTFT and TPOT SLOs (each request
 against the SLO thresholds), per second of the scenario's duration (the arrivals' window).
 SLO attainment: the share of all requests (failed ones included) that did.
+shed: with the gateway's `admission: {shed_late: true}`, the requests refused early because
+they could not meet their TTFT SLO (`num_shed`, apart from `num_failed`).
 
 GPU time, the timeline, the phases and the occupancy map cover the whole run: the duration
 and the drain after it, until the last accepted request ended (`run_end_s`), so what the
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from flexpipe.policies.planner import Slo
+from flexpipe.sim.gateway import SHED_PREFIX
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.simulator import SimResult
 from flexpipe.sim.usage import Usage
@@ -158,6 +161,8 @@ def report(result: SimResult) -> dict[str, Any]:
         for r in result.requests
         if r.failed
     ]
+    num_shed = sum(1 for r in result.requests if r.failed.startswith(SHED_PREFIX))
+    shed = {"num_shed": num_shed} if sc.gateway.admission.shed_late else {}
     peak_gpu_hours = result.peak_gpus * run_end_s / 3600  # held as long as ours were
     migrated: Counter[str] = Counter()
     for sh in result.shifts:
@@ -174,7 +179,8 @@ def report(result: SimResult) -> dict[str, Any]:
         "run_end_s": _r(run_end_s),
         "num_requests": len(result.requests),
         "num_completed": len(done),
-        "num_failed": len(result.requests) - len(done),
+        "num_failed": len(result.requests) - len(done) - num_shed,
+        **shed,
         "goodput_requests_per_s": _r(good / d),
         "slo_attainment": slo_attainment(result.requests, slos),
         "gpu_hours_reserved": _r(reserved / 3600),

@@ -22,6 +22,9 @@ workloads:
   - model: llama-7b
     trace: {kind: azure, file: azure.csv, speedup: 1.0, offset_s: 0}     # or mooncake
 gateway: {routing: {policy: prefix_affinity}, max_queue: 1024}          # GatewayConfig
+  # optional: deadline-aware admission (docs/simulator.md); the models' TTFT SLOs and
+  # priorities fill `ttft_slo_s` and `priority` where the block does not name them
+  # admission: {order: slack, shed_late: true, shed_margin_s: 0.5}
 report_interval_s: 60
 resources:                           # the resource timeline (flexpipe.sim.timeline)
   - {at_s: 600, release: [gpu1]}
@@ -304,6 +307,24 @@ def _plans(
     return out
 
 
+def _admission_from_models(
+    gateway: GatewayConfig, models: list[dict[str, Any]], names: list[str]
+) -> None:
+    """The gateway's deadline-aware admission knows each model's TTFT SLO and priority from
+    the scenario's models (as the live gateway's config names them), unless it names them."""
+    adm = gateway.admission
+    if not adm.enabled:
+        return
+    for name, m in zip(names, models, strict=True):
+        slo = m.get("slo")
+        ttft_ms = slo.get("ttft_p99_ms") if isinstance(slo, dict) else None
+        if isinstance(ttft_ms, int | float) and ttft_ms > 0:
+            adm.ttft_slo_s.setdefault(name, ttft_ms / 1000)
+        priority = m.get("priority")
+        if isinstance(priority, int | float) and priority > 0:
+            adm.priority.setdefault(name, float(priority))
+
+
 def parse_scenario(doc: Any, base: Path, source: str = "<scenario>") -> Scenario:
     try:
         return _parse(doc, base, source)
@@ -331,6 +352,7 @@ def _parse(doc: Any, base: Path, source: str) -> Scenario:
         gateway = config_from_dict(_mapping(doc.get("gateway") or {}, f"{source}: gateway"))
     except ConfigError as exc:
         raise ScenarioError(f"{source}: gateway: {exc}") from None
+    _admission_from_models(gateway, models, names)
     cluster = _cluster(doc.get("cluster"), base, f"{source}: cluster")
     try:
         resources = parse_timeline(doc.get("resources"), cluster, f"{source}: resources")

@@ -15,16 +15,23 @@ do with it, and carry the answer out on their own clock. The rules, in order:
 4. No slot: a request not yet queued finds the queue full (`max_queue`): 429. Else it waits
    until its deadline (`max_queue_wait_s` from when it first queued, or a hold's, holds.py
    `wait_deadline`); a deadline already past: 429.
+5. Deadline-aware shedding (opt-in, `shed`: core/deadline.py): a request whose slack is below
+   -margin is refused with 429 (reason `slo_late`) instead of served late: when it would
+   queue (with the wait its place implies) or when it looks again (with a slot: no wait).
+   A queued one waits at most until its TTFT deadline plus the margin; past it, still
+   without a slot, it is late whatever the estimate and is shed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flexpipe.gateway.core.deadline import Shed, is_late
 from flexpipe.gateway.core.holds import REFUSED_RETRY_AFTER_S, Holds
 
 __all__ = [
     "ROUTE",
+    "SHED_REASON",
     "Decision",
     "Fail",
     "Queue",
@@ -33,6 +40,9 @@ __all__ = [
     "is_served",
     "num_prompt_tokens",
 ]
+
+
+SHED_REASON = "slo_late"  # a Fail's reason when a late request is shed (rule 5)
 
 
 def num_prompt_tokens(num_prompt_bytes: int) -> int:
@@ -82,6 +92,11 @@ class Fail:
     def busy(self) -> bool:
         return self.status == 429
 
+    @property
+    def shed(self) -> bool:
+        """A late request refused before it was served late (rule 5)."""
+        return self.reason == SHED_REASON
+
 
 Decision = Route | Queue | Fail
 
@@ -99,12 +114,14 @@ def admit(
     max_queue: int,
     max_queue_wait_s: float,
     jumps_line: bool = False,
+    shed: Shed | None = None,
 ) -> Decision:
     """What to do with a request of `model` at `now` (the module's rules). `has_slot`: the
     router picked an instance with a free slot; `no_instance`: the router's `NoInstance`
     words (None: it raised none); `own_deadline_s`: the `Queue.own_deadline_s` of its last
     wait (None: it never queued); `num_waiting`, `num_waiting_for_model`: the queue's length
-    and its model's line; `jumps_line`: a move names its target (rule 2 does not apply)."""
+    and its model's line; `jumps_line`: a move names its target (rule 2 does not apply);
+    `shed`: its TTFT deadline and expected wait, to shed it when late (None: never, rule 5)."""
     if no_instance is not None:
         why = holds.refused(model, now)
         if why is not None:  # no instance of it can come: say why, do not wait
@@ -115,6 +132,9 @@ def admit(
         has_slot = False  # held: wait for an instance
     if own_deadline_s is None and not jumps_line and num_waiting_for_model:
         has_slot = False  # others of its model wait: first come, first served
+    if shed is not None and is_late(shed.slack_s(now, has_slot), shed.margin_s):
+        message = shed.message(model, now, has_slot)
+        return Fail(429, message, SHED_REASON, "model")
     if has_slot:
         return ROUTE
     if own_deadline_s is None:
@@ -124,6 +144,10 @@ def admit(
     # a shift takes capacity away for a while (or a model scaled to zero cold-starts): wait
     # it out; once the hold is over, the queue's wait from its end (holds.py)
     deadline_s = holds.wait_deadline(model, own_deadline_s, arrival_s, max_queue_wait_s)
+    if shed is not None and shed.last_s < deadline_s:
+        if shed.last_s <= now:  # no slot at its deadline plus the margin: late in any case
+            return Fail(429, shed.message(model, now, True), SHED_REASON, "model")
+        deadline_s = shed.last_s
     if deadline_s <= now:
         return Fail(429, "all instances stayed busy", "queue_timeout")
     return Queue(deadline_s, own_deadline_s)

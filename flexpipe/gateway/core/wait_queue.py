@@ -12,6 +12,10 @@ ordered by each request's ticket (taken when it first queued):
 - while a model has waiters, a new request of it queues behind them rather than taking a
   slot first (the caller asks `count(model)` before it takes one).
 
+With `admission: {order: slack}` a waiter's place is its rank (core/deadline.py `rank`: least
+slack first, then the tenant below its fair share), then its ticket; with the default order the
+rank is empty and tickets alone decide.
+
 Pure bookkeeping, no clock, no I/O: the live gateway keeps its waiters' futures here, the
 simulator its calls.
 """
@@ -19,20 +23,28 @@ simulator its calls.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 from typing import Generic, TypeVar
 
 __all__ = ["WaitQueue"]
 
 T = TypeVar("T")
 
+Rank = tuple[float, ...]
 
-def _ticket_of(entry: tuple[int, object]) -> int:
-    return entry[0]
+
+def _place_of(entry: tuple[Rank, int, object]) -> tuple[Rank, int]:
+    return entry[0], entry[1]
+
+
+def _ticket_of(entry: tuple[Rank, int, object]) -> int:
+    return entry[1]
 
 
 class WaitQueue(Generic[T]):
     def __init__(self) -> None:
-        self._lines: dict[str, list[tuple[int, T]]] = {}  # model -> (ticket, waiter), in order
+        # model -> (rank, ticket, waiter), in order
+        self._lines: dict[str, list[tuple[Rank, int, T]]] = {}
         self._num = 0
         self._next_ticket = 0
 
@@ -41,10 +53,10 @@ class WaitQueue(Generic[T]):
         self._next_ticket += 1
         return self._next_ticket
 
-    def push(self, model: str, waiter: T, ticket: int) -> None:
-        """`waiter` waits in `model`'s line at `ticket`'s place."""
+    def push(self, model: str, waiter: T, ticket: int, rank: Rank = ()) -> None:
+        """`waiter` waits in `model`'s line at its place: `rank`, then `ticket`."""
         line = self._lines.setdefault(model, [])
-        bisect.insort(line, (ticket, waiter), key=_ticket_of)
+        bisect.insort(line, (rank, ticket, waiter), key=_place_of)
         self._num += 1
 
     def remove(self, model: str, waiter: T) -> bool:
@@ -52,7 +64,7 @@ class WaitQueue(Generic[T]):
         line = self._lines.get(model)
         if not line:
             return False
-        for i, (_, w) in enumerate(line):
+        for i, (_, _, w) in enumerate(line):
             if w is waiter:
                 del line[i]
                 self._num -= 1
@@ -61,30 +73,42 @@ class WaitQueue(Generic[T]):
                 return True
         return False
 
-    def line(self, model: str, after: int = 0) -> list[T]:
-        """`model`'s waiters with a ticket past `after`, oldest first."""
-        return [w for t, w in self._lines.get(model, ()) if t > after]
+    def line(self, model: str, after: int = 0, rank: Rank = ()) -> list[T]:
+        """`model`'s waiters in order; with `after`, those placed after ticket `after` at
+        `rank` (its place: the waiters behind it)."""
+        if not after:
+            return [w for _, _, w in self._lines.get(model, ())]
+        return [w for r, t, w in self._lines.get(model, ()) if (r, t) > (rank, after)]
+
+    def num_ahead(self, model: str, ticket: int, rank: Rank = ()) -> int:
+        """How many of `model`'s waiters come before the place (`rank`, `ticket`)."""
+        line = self._lines.get(model, [])
+        return bisect.bisect_left(line, (rank, ticket), key=_place_of)
 
     def pop_first(self, model: str) -> T | None:
         """`model`'s oldest waiter, out of the line (None: nobody waits for it)."""
         line = self._lines.get(model)
         if not line:
             return None
-        _, waiter = line.pop(0)
+        _, _, waiter = line.pop(0)
         self._num -= 1
         if not line:
             del self._lines[model]
         return waiter
 
-    def waiters(self) -> list[T]:
-        """Every waiter, by ticket (the order they first queued in)."""
+    def waiters(self, priority: Mapping[str, float] | None = None) -> list[T]:
+        """Every waiter, by ticket (the order they first queued in); with `priority` (model ->
+        priority, 1 when not named), a higher-priority model's line first, each in its order."""
+        if priority is not None:
+            order = sorted(self._lines, key=lambda m: -priority.get(m, 1.0))
+            return [w for m in order for _, _, w in self._lines[m]]
         entries = [e for line in self._lines.values() for e in line]
         entries.sort(key=_ticket_of)
-        return [w for _, w in entries]
+        return [w for _, _, w in entries]
 
-    def pop_all(self) -> list[T]:
-        """`waiters()`, and the queue is empty."""
-        out = self.waiters()
+    def pop_all(self, priority: Mapping[str, float] | None = None) -> list[T]:
+        """`waiters(priority)`, and the queue is empty."""
+        out = self.waiters(priority)
         self._lines.clear()
         self._num = 0
         return out
