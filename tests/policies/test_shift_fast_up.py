@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
 from test_shift_policy import (
     CLUSTER,
     FREED,
@@ -194,3 +195,14 @@ def test_a_replan_that_robs_the_urgent_higher_priority_model_is_refused() -> Non
     unguarded = decide(fast_policy(), snap, 50)
     priced = next(a for a in unguarded.alternatives if a.name == "replan")
     assert priced.score is not None  # the rule is off: pricing alone judges it
+
+
+def test_the_switches_read_from_yaml_as_booleans_only() -> None:
+    doc = {"triggers": {"fast_up_samples": 1, "cooldown_blocks_up": False}}
+    assert ShiftParams.from_mapping(doc).triggers == FAST
+    with pytest.raises(
+        ValueError, match=r"^shift\.triggers\.cooldown_blocks_up: expected true or false, got 0$"
+    ):
+        ShiftParams.from_mapping({"triggers": {"cooldown_blocks_up": 0}})
+    with pytest.raises(ValueError, match="fast_up_samples must be >= 0"):
+        TriggerParams(fast_up_samples=-1)
