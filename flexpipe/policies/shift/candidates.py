@@ -12,6 +12,8 @@
   named, on their own GPUs: woken rather than cold-started (priced at the wake time).
 - `shrink`: the running plan minus instances of an idle model, down to its minimum, while
   the rest still carries its load: gives GPUs back without touching anything else.
+- `protects_priority`: refuses a candidate that gives a running instance's GPUs of a model
+  in or near its up zone to a model of lower priority (`TriggerParams.protect_priority`).
 - `keep_minimums`: repairs a candidate that would leave a model below `min_instances` by
   keeping running instances of it on GPUs the candidate does not use, or says why not.
 """
@@ -34,6 +36,7 @@ __all__ = [
     "keep_minimums",
     "keepable",
     "priority_first",
+    "protects_priority",
     "replan",
     "shrink",
     "woken",
@@ -245,3 +248,32 @@ def keep_minimums(
         return candidate
     note = f"{candidate.note}; kept running {', '.join(added)} for minimums".lstrip("; ")
     return Candidate(candidate.name, tuple(instances), note)
+
+
+def protects_priority(
+    candidate: Candidate,
+    running: Sequence[PlannedInstance],
+    models: Sequence[ModelState],
+    pressed: Collection[str],
+) -> str | None:
+    """Why `candidate` may not be taken: it drops a running instance of a model in `pressed`
+    (in or near its up zone) and gives one of its GPUs to a model of lower priority. None:
+    it robs no such model. Pricing weighs goodput by priority at the measured loads, which
+    lag a burst: this rule holds while the higher model's own need is still rising."""
+    if not pressed:
+        return None
+    priority = {m.name: m.priority for m in models}
+    kept = {instance_key(i) for i in candidate.instances}
+    owner = {g: i.model for i in candidate.instances for g in i.gpu_ids}
+    for inst in running:
+        if inst.model not in pressed or instance_key(inst) in kept:
+            continue
+        for g in inst.gpu_ids:
+            taker = owner.get(g)
+            if taker is not None and priority[taker] < priority[inst.model]:
+                return (
+                    f"takes {g} from {inst.name} ({inst.model}, priority "
+                    f"{priority[inst.model]:g}, near its up zone) for {taker} "
+                    f"(priority {priority[taker]:g})"
+                )
+    return None

@@ -73,6 +73,10 @@ class ShiftParams:
                     if not isinstance(v, str):
                         raise ValueError(f"{place}.{k}: expected one of {', '.join(SLEEP_MODES)}")
                     continue
+                if k not in nested and fields[k].type in (bool, "bool"):  # a switch
+                    if not isinstance(v, bool):
+                        raise ValueError(f"{place}.{k}: expected true or false, got {v!r}")
+                    continue
                 if k not in nested and (isinstance(v, bool) or not isinstance(v, int | float)):
                     raise ValueError(f"{place}.{k}: expected a number, got {v!r}")
                 if k not in nested and not math.isfinite(v):

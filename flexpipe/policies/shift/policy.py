@@ -46,6 +46,7 @@ from flexpipe.policies.shift.candidates import (
     default_planner,
     keep_minimums,
     priority_first,
+    protects_priority,
     replan,
     shrink,
     woken,
@@ -54,7 +55,7 @@ from flexpipe.policies.shift.decision import ScoredCandidate, ShiftDecision, Tri
 from flexpipe.policies.shift.params import ShiftParams
 from flexpipe.policies.shift.pricing import Capacity, Price, planned_capacity, price
 from flexpipe.policies.shift.signals import Zone
-from flexpipe.policies.shift.snapshot import ShiftSnapshot, instance_key
+from flexpipe.policies.shift.snapshot import ModelState, ShiftSnapshot, instance_key
 from flexpipe.policies.shift.step_order import plan_shift
 from flexpipe.policies.shift.triggers import (
     ModelSignal,
@@ -63,6 +64,7 @@ from flexpipe.policies.shift.triggers import (
     last_shift_end_s,
     lost_instances,
     model_signal,
+    near_up,
 )
 
 __all__ = ["ShiftPolicy"]
@@ -87,7 +89,11 @@ class ShiftPolicy:
     def decide(self, snapshot: ShiftSnapshot, now_s: float, rng: random.Random) -> ShiftDecision:
         tp = self.params.triggers
         since = last_shift_end_s(snapshot.history)
-        signals = tuple(model_signal(m, now_s, since, tp) for m in snapshot.models)
+        caps: dict[str, float] = {m.name: 0.0 for m in snapshot.models}
+        if tp.fast_up_samples > 0:  # the fast path's predicted wait reads the capacity
+            for inst in snapshot.running:
+                caps[inst.model] = caps.get(inst.model, 0.0) + self.capacity(inst)
+        signals = tuple(model_signal(m, now_s, since, tp, caps[m.name]) for m in snapshot.models)
 
         def hold(reason: str) -> ShiftDecision:
             return ShiftDecision(now_s, "hold", "none", reason, signals)
@@ -113,12 +119,16 @@ class ShiftPolicy:
         if waking:
             return self._evaluate(snapshot, now_s, rng, signals, "wake", set(), set(), waking)
         until = cooldown_until(snapshot.history, tp)
-        if until is not None and now_s < until:
-            return hold(f"cooldown after the last shift: {until - now_s:.0f} s left")
         up = {s.model for s in signals if s.fired is Zone.UP}
         down = {s.model for s in signals if s.fired is Zone.DOWN}
+        if until is not None and now_s < until and (tp.cooldown_blocks_up or not up):
+            return hold(f"cooldown after the last shift: {until - now_s:.0f} s left")
+        cooling = until is not None and now_s < until  # only an up-shift gets this far
         if up:
-            return self._evaluate(snapshot, now_s, rng, signals, "up", up, down, [])
+            decision = self._evaluate(snapshot, now_s, rng, signals, "up", up, down, [])
+            if decision.action == "shift" or cooling or not down or tp.fast_up_samples == 0:
+                return decision
+            # fast up: an urgent model none can help holds no other model's down-shift
         if down:
             return self._evaluate(snapshot, now_s, rng, signals, "down", up, down, [])
         changed = snapshot.resources_changed_s
@@ -143,11 +153,21 @@ class ShiftPolicy:
             now, expected = m.request_rate_per_s, m.expected_rate_per_s
             if m.name in up:
                 now *= 1 + pp.up_step
+                queue = self._queue_now(m)
+                if self.params.triggers.fast_up_samples > 0 and queue > 0:
+                    # fast up: enough to serve the arrivals and drain the queue within the SLO
+                    now = max(now, m.request_rate_per_s + queue / m.demand.slo.ttft_p99_s)
+                    expected = max(expected, now)
             if m.name in waking:  # (as `placeable.placement` checks it can be placed)
                 now = max(now, self.params.wake_request_rate_per_s, m.declared_request_rate_per_s)
                 expected = max(expected, now)
             loads[m.name] = (now, expected)
         return loads
+
+    def _queue_now(self, model: ModelState) -> int:
+        """The newest sample's queue (0 without one)."""
+        newest = max(model.samples, key=lambda x: x.at_s, default=None)
+        return 0 if newest is None else newest.queue_depth
 
     def _demands(
         self, snapshot: ShiftSnapshot, loads: Mapping[str, tuple[float, float]], down: set[str]
@@ -168,14 +188,35 @@ class ShiftPolicy:
         now_s: float,
         down: set[str],
         adding: Sequence[str] = (),
+        grow: Sequence[str] = (),
+        keep_running: bool = False,
     ) -> list[Candidate]:
-        """`adding`: models a candidate adds instances of, everything running kept."""
+        """`adding`: models a candidate adds instances of, everything running kept; `grow`:
+        models fast up adds to the same way (sleeping instances woken first: the cheapest
+        up-shift). `keep_running`: only those (a fast up-shift moves nothing: a re-plan in
+        place takes minutes, longer than the burst it answers)."""
         out: list[Candidate] = []
+        if keep_running and grow:
+            return self._added(snapshot, running, demands, now_s, [*adding, *grow], wake_first=True)
         for m, d in zip(snapshot.models, demands, strict=True):
             if m.name in down:
                 c = shrink(running, m, d.request_rate_per_s, self.capacity)
                 if c is not None:
                     out.append(c)
+        if keep_running:
+            if len(out) > 1:  # every idle model at once: one shift instead of one each
+                both = running
+                for m, d in zip(snapshot.models, demands, strict=True):
+                    c = (
+                        shrink(both, m, d.request_rate_per_s, self.capacity)
+                        if m.name in down
+                        else None
+                    )
+                    both = both if c is None else c.instances
+                out.append(
+                    Candidate(f"shrink {len(out)} models", tuple(both), "every shrink at once")
+                )
+            return out
         out.append(replan(snapshot.cluster, demands, now_s, self.planner))
         pf = priority_first(
             snapshot.cluster,
@@ -188,15 +229,33 @@ class ShiftPolicy:
         )
         if pf is not None:
             out.append(pf)
-        if adding:
-            wake = woken(snapshot.cluster, running, [i for i, _ in snapshot.asleep], adding)
-            if wake is not None:
-                out.append(wake)
-            add = additive(
-                snapshot.cluster, running, demands, adding, now_s, self.planner, self.capacity
-            )
-            if add is not None:
-                out.append(add)
+        return [*out, *self._added(snapshot, running, demands, now_s, [*adding, *grow])]
+
+    def _added(
+        self,
+        snapshot: ShiftSnapshot,
+        running: Sequence[PlannedInstance],
+        demands: Sequence[ModelDemand],
+        now_s: float,
+        names: Sequence[str],
+        wake_first: bool = False,
+    ) -> list[Candidate]:
+        """Everything running kept, instances of `names` woken from sleep or added.
+        `wake_first`: only the wake where one sleeps (the cheapest and quickest up-shift; a
+        next tick adds more if the need stays)."""
+        if not names:
+            return []
+        out: list[Candidate] = []
+        wake = woken(snapshot.cluster, running, [i for i, _ in snapshot.asleep], names)
+        if wake is not None:
+            out.append(wake)
+            if wake_first:
+                return out
+        add = additive(
+            snapshot.cluster, running, demands, names, now_s, self.planner, self.capacity
+        )
+        if add is not None:
+            out.append(add)
         return out
 
     def _score(
@@ -207,8 +266,11 @@ class ShiftPolicy:
         loads: Mapping[str, tuple[float, float]],
         now_s: float,
         trigger: Trigger,
+        signals: Sequence[ModelSignal] = (),
     ) -> list[ScoredCandidate]:
-        banned = blacklist(snapshot.history, now_s, self.params.triggers)
+        tp = self.params.triggers
+        banned = blacklist(snapshot.history, now_s, tp)
+        pressed = {s.model for s in signals if near_up(s, tp)} if tp.protect_priority else set()
         running_keys = {instance_key(i) for i in running}
         out: list[ScoredCandidate] = []
         seen: dict[frozenset[str], str] = {}  # instance keys -> the first candidate with them
@@ -234,6 +296,10 @@ class ShiftPolicy:
                 out.append(ScoredCandidate(fixed.name, False, reason, None, fixed.instances))
                 continue
             seen[frozenset(keys)] = fixed.name
+            robbed = protects_priority(fixed, running, snapshot.models, pressed)
+            if robbed is not None:
+                out.append(ScoredCandidate(fixed.name, False, robbed, None, fixed.instances))
+                continue
             # what the executor checks first, from what truly runs (lost instances included);
             # a model the target leaves out (its minimum allows it) leaves on purpose
             refusal = plan_shift(snapshot.running, fixed.instances, scale_to_zero=True).refusal
@@ -345,12 +411,33 @@ class ShiftPolicy:
     ) -> ShiftDecision:
         loads = self._loads(snapshot, up, waking)
         demands = self._demands(snapshot, loads, down)
+        tp = self.params.triggers
         adding = waking if trigger == "wake" else ()
-        candidates = self._candidates(snapshot, snapshot.running, demands, now_s, down, adding)
-        scored = self._score(snapshot, snapshot.running, candidates, loads, now_s, trigger)
-        n = self.params.triggers.num_samples
+        grow = sorted(up) if trigger == "up" and tp.fast_up_samples > 0 else []
+        fast = sorted(s.model for s in signals if s.fast)
+        slow = sorted(up - set(fast))
+        # fast up moves nothing running: an up-shift of urgent models only adds, a down-shift
+        # only shrinks (a re-plan in place holds every trigger for minutes)
+        keep_running = tp.fast_up_samples > 0 and (
+            (trigger == "up" and not slow) or trigger == "down"
+        )
+        candidates = self._candidates(
+            snapshot, snapshot.running, demands, now_s, down, adding, grow, keep_running
+        )
+        scored = self._score(snapshot, snapshot.running, candidates, loads, now_s, trigger, signals)
+        n = tp.num_samples
+        why_up = "; ".join(
+            [
+                *([f"{', '.join(slow)} in the up zone {n} samples in a row"] if slow else []),
+                *(
+                    [f"{', '.join(fast)} urgent {tp.fast_up_samples} sample(s) in a row (fast up)"]
+                    if fast
+                    else []
+                ),
+            ]
+        )
         why = {
-            "up": f"{', '.join(sorted(up))} in the up zone {n} samples in a row",
+            "up": why_up,
             "down": f"{', '.join(sorted(down))} in the down zone {n} samples in a row",
             "resource": "the GPUs free to us changed",
             "wake": f"requests wait for {', '.join(waking)}, which has no instance",

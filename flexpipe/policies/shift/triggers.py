@@ -15,6 +15,7 @@ from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.signals import (
     Pressure,
+    Sample,
     Thresholds,
     Zone,
     pressure_of,
@@ -32,6 +33,8 @@ __all__ = [
     "last_shift_end_s",
     "lost_instances",
     "model_signal",
+    "near_up",
+    "urgent_run",
 ]
 
 
@@ -59,10 +62,27 @@ class TriggerParams:
     # An instance whose GPUs now leave room for less than this share of the KV cache it
     # holds overlaps a tenant that came back: vacated like a reclaim.
     squeeze_kv_fraction: float = 0.95
+    # Fast up (docs/shift-policy.md, "Fast up, slow down"): an up-shift fires after this many
+    # urgent samples in a row — the queue rose since the sample before, or the queue over the
+    # model's SLO-meeting capacity would wait past its TTFT SLO, or the measured rate is over
+    # that capacity. 0: off (only `num_samples` in the up zone fire).
+    fast_up_samples: int = 0
+    # False: the cooldown after a shift holds down- and resource-shifts only; an up-shift the
+    # SLO needs (fired) goes through at once. Scaling down keeps its samples and cooldown.
+    cooldown_blocks_up: bool = True
+    # True: no candidate takes a running instance's GPUs from a model in or near its up zone
+    # (urgent, or both pressures over `near_up_fraction` of their up thresholds) to give them
+    # to a model of lower priority (candidates.py `protects_priority`).
+    protect_priority: bool = False
+    near_up_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.num_samples < 1 or self.max_failures < 1:
             raise ValueError("num_samples and max_failures must be >= 1")
+        if self.fast_up_samples < 0:
+            raise ValueError("fast_up_samples must be >= 0 (0: off)")
+        if not 0 <= self.near_up_fraction <= 1:
+            raise ValueError("near_up_fraction must be in [0, 1]")
         if min(self.window_s, self.failure_window_s) <= 0:
             raise ValueError("window_s and failure_window_s must be positive")
         if min(self.cooldown_s, self.blacklist_s, self.resource_settle_s) < 0:
@@ -81,6 +101,9 @@ class ModelSignal:
     run: int  # consecutive samples ending in `zone`
     fired: Zone  # `zone` once `run` reaches num_samples (UP or DOWN), else HOLD
     num_samples: int  # samples in the window (after the last shift)
+    # urgent samples in a row ending now (fast up; 0 when it is off)
+    urgent_run: int = 0
+    fast: bool = False  # fired UP by the fast path (urgent_run >= fast_up_samples)
 
     def to_dict(self) -> dict[str, object]:
         p = self.pressure
@@ -96,11 +119,37 @@ class ModelSignal:
         }
 
 
+def urgent_run(
+    samples: Sequence[Sample], ttft_slo_s: float, rate_per_s: float, capacity_per_s: float
+) -> int:
+    """How many samples in a row, ending with the newest, say the model needs more now: its
+    queue rose since the sample before, or the queue drained at `capacity_per_s` (its
+    instances' SLO-meeting capacity) would keep a new request waiting past its TTFT SLO. The
+    newest is urgent too when the measured rate is over the capacity (the queue will grow)."""
+    n = 0
+    for i in range(len(samples) - 1, -1, -1):
+        s = samples[i]
+        grew = i > 0 and s.queue_depth > samples[i - 1].queue_depth
+        waits = s.queue_depth > 0 and (
+            capacity_per_s <= 0 or s.queue_depth / capacity_per_s > ttft_slo_s
+        )
+        overloaded = i == len(samples) - 1 and s.queue_depth > 0 and rate_per_s > capacity_per_s
+        if not (grew or waits or overloaded):
+            break
+        n += 1
+    return n
+
+
 def model_signal(
-    model: ModelState, now_s: float, since_s: float | None, params: TriggerParams
+    model: ModelState,
+    now_s: float,
+    since_s: float | None,
+    params: TriggerParams,
+    capacity_per_s: float = 0.0,
 ) -> ModelSignal:
     """Zone run of `model`'s samples in the window. Samples from before `since_s` (the end of
-    the last shift) describe the old plan and are ignored."""
+    the last shift) describe the old plan and are ignored. `capacity_per_s`: the SLO-meeting
+    capacity of its running instances (read only by the fast path)."""
     samples = [
         s
         for s in recent(model.samples, now_s, params.window_s)
@@ -110,9 +159,30 @@ def model_signal(
     pressures = [pressure_of(s, slo.ttft_p99_s, slo.tpot_p99_s) for s in samples]
     zone, run = trailing_run([zone_of(p, params.thresholds) for p in pressures])
     fired = zone if run >= params.num_samples else Zone.HOLD
+    urgent, fast = 0, False
+    if params.fast_up_samples > 0:
+        urgent = urgent_run(samples, slo.ttft_p99_s, model.request_rate_per_s, capacity_per_s)
+        if fired is not Zone.UP and urgent >= params.fast_up_samples:
+            fired, fast = Zone.UP, True
     return ModelSignal(
-        model.name, pressures[-1] if pressures else None, zone, run, fired, len(samples)
+        model.name,
+        pressures[-1] if pressures else None,
+        zone,
+        run,
+        fired,
+        len(samples),
+        urgent,
+        fast,
     )
+
+
+def near_up(signal: ModelSignal, params: TriggerParams) -> bool:
+    """In or near the up zone: fired or urgent now, or both pressures over `near_up_fraction`
+    of their up thresholds (what `protect_priority` guards)."""
+    if signal.fired is Zone.UP or signal.zone is Zone.UP or signal.urgent_run > 0:
+        return True
+    p, t, f = signal.pressure, params.thresholds, params.near_up_fraction
+    return p is not None and p.queue > f * t.up_queue and p.latency > f * t.up_latency
 
 
 def last_shift_end_s(history: Sequence[ShiftRecord]) -> float | None:
