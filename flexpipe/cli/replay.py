@@ -361,8 +361,9 @@ async def replay(
             async with slots:
                 run.sent_s[req.request_id] = clock()
                 on_change(run)
-                await send_one(pool, target, req, model_map.get(req.model, req.model), stream,
-                               timeout_s, clock)  # fmt: skip
+                await send_one(
+                    pool, target, req, model_map.get(req.model, req.model), stream, timeout_s, clock
+                )
         except asyncio.CancelledError:
             req.failed = req.failed or INTERRUPTED
         except Exception as exc:  # counted, never lost (an answer this client cannot read)
@@ -630,8 +631,14 @@ def register(app: typer.Typer) -> None:
             run = asyncio.run(
                 _main(reqs, target, mapping, slos, max_concurrency, stream, timeout_s, on_change)
             )
-        meta = {"trace": trace, "kind": the_kind, "url": url, "speed_up": speed_up,
-                "stream": stream, "max_concurrency": max_concurrency}  # fmt: skip
+        meta = {
+            "trace": trace,
+            "kind": the_kind,
+            "url": url,
+            "speed_up": speed_up,
+            "stream": stream,
+            "max_concurrency": max_concurrency,
+        }
         rep = build_report(run, reqs, slos, mapping, window_s, meta)
         if json_out:
             typer.echo(json.dumps(rep, indent=2))
@@ -673,9 +680,17 @@ async def _main(
         highlight=False,
     )
     try:
-        return await replay(reqs, target, mapping, slos, max_concurrency=max_concurrency,
-                            stream=stream, timeout_s=timeout_s, on_change=on_change,
-                            stop=stop)  # fmt: skip
+        return await replay(
+            reqs,
+            target,
+            mapping,
+            slos,
+            max_concurrency=max_concurrency,
+            stream=stream,
+            timeout_s=timeout_s,
+            on_change=on_change,
+            stop=stop,
+        )
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
