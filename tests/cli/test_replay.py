@@ -23,11 +23,12 @@ from test_gateway_fakes import LoopThread
 from typer.testing import CliRunner
 
 from flexpipe.cli import app
-from flexpipe.cli.replay import Target, build_report, load_requests, model_slos, replay
+from flexpipe.cli.replay import model_slos
 from flexpipe.engine.testing import sim_engine
 from flexpipe.engine.tokenizer import Tokenizer
 from flexpipe.launch import free_port
 from flexpipe.policies.planner import Slo
+from flexpipe.replay import Target, build_report, load_requests, replay
 from flexpipe.sim.request import PREFIX_BLOCK_TOKENS, SimRequest
 from flexpipe.sim.workload import prompt_text
 
