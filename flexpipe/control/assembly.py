@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.api.controller_metrics import ControllerMetrics
-from flexpipe.control.api.gateway_client import GatewayClient
+from flexpipe.control.api.gateway_client import GatewayAdmin
 from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.control.core.resources import Occupation, Resources
 from flexpipe.control.core.sleeping import sleep_mode_on
@@ -59,7 +59,7 @@ OnState = Callable[[LiveInstance, str], None]
 class ControllerParts:
     """Everything a `Controller` runs with besides its own state."""
 
-    gateway: GatewayClient
+    gateway: GatewayAdmin
     store: Store | None
     clock: Callable[[], float]  # the policy's clock
     wall: Callable[[], float]  # unix time: occupations, the store
@@ -87,7 +87,7 @@ class ControllerParts:
 def assemble(
     cfg: ControllerConfig,
     launcher: AdoptingLauncher,
-    gateway: GatewayClient,
+    gateway: GatewayAdmin,
     spec_of: Callable[[PlannedInstance, Cluster], EngineSpec],
     *,
     cluster: Callable[[], Cluster],
