@@ -123,15 +123,21 @@ def test_releases_are_sent_again_until_the_hold_they_lifted_would_have_run_out()
     assert catch_up(intent, [], 20.0, standby=True) == [SendHold("n", 40.0)]
 
 
-def test_merge_pools_keeps_what_every_replica_holds_and_adds_up_what_each_routed() -> None:
+def test_merge_pools_lists_what_the_replicas_in_step_hold_and_adds_up_what_each_routed() -> None:
+    intent = Intent()
+    intent.registered(_reg(A))
     one = [
         _seen(A, "active", num_in_flight=3, num_running=5, num_queued_tokens=10.0, healthy=False),
         _seen(B, "active", num_in_flight=1, num_running=2, num_queued_tokens=0.0),
     ]
-    two = [_seen(A, "starting", num_in_flight=2, num_running=5, num_queued_tokens=4.5)]
-    intent = Intent()
-    intent.registered(_reg(A))
-    assert merge_pools([one, two], intent) == [
+    lagging = [_seen(A, "starting", num_in_flight=2, num_running=5, num_queued_tokens=4.5)]
+    # the lagging replica (A not yet active there) does not hide B; its load on A counts
+    assert merge_pools([one, lagging], intent) == [
+        _seen(A, "active", num_in_flight=5, num_running=5, num_queued_tokens=14.5, healthy=True),
+        _seen(B, "active", num_in_flight=1, num_running=2, num_queued_tokens=0.0, healthy=True),
+    ]
+    # none in step (a controller that just started): what every replica holds
+    assert merge_pools([one, lagging], Intent()) == [
         _seen(A, "active", num_in_flight=5, num_running=5, num_queued_tokens=14.5, healthy=True)
     ]
     assert merge_pools([one]) == one  # one replica: its pool as it is

@@ -267,22 +267,26 @@ def differences(intent: Intent, seen: Sequence[Mapping[str, Any]]) -> list[str]:
 def merge_pools(
     pools: Sequence[Sequence[Mapping[str, Any]]], intent: Intent | None = None
 ) -> list[dict[str, Any]]:
-    """One pool from the pools of the replicas that answered: the instances every one of them
-    holds (one missing somewhere is registered again by whoever reads this), in the first's
-    order; what each replica routed there (in flight, queued tokens) added up, the engine's
-    own figures (running, waiting, KV) as the first saw them, healthy where any sees it so,
-    and the state the controller wants where it said one. One pool is returned as it is."""
+    """One pool from the pools of the replicas that answered. Its instances are those every
+    replica in step with the intent holds (a replica that lags, say restarted a moment ago, is
+    caught up rather than trusted; when none is in step, every one counts, and an instance
+    one of them lacks is registered again by whoever reads this), in the first's order. What
+    each replica routed there (in flight, queued tokens) is added up over every replica, the
+    engine's own figures (running, waiting, KV) are as the first saw them, it is healthy where
+    any sees it so, and in the state the controller wants where it said one. One pool is
+    returned as it is."""
     if len(pools) == 1:
         return [dict(i) for i in pools[0]]
-    if not pools:
-        return []
+    in_step = [p for p in pools if intent is None or not differences(intent, p)]
+    deciding = in_step or list(pools)
     by_url = [{str(i.get("url")): i for i in pool} for pool in pools]
+    members = [{str(i.get("url")) for i in pool} for pool in deciding]
     out = []
-    for first in pools[0]:
+    for first in deciding[0] if deciding else ():
         url = str(first.get("url"))
-        theirs = [p[url] for p in by_url if url in p]
-        if len(theirs) < len(pools):
+        if not all(url in m for m in members):
             continue
+        theirs = [p[url] for p in by_url if url in p]
         merged = dict(first)
         for name in _ADDITIVE_FIELDS:
             if name in first:
