@@ -272,7 +272,7 @@ def test_an_engine_asleep_is_listed_with_its_level_and_counted_by_no_model() -> 
     assert "m-0.2" in drawn and "asleep (level 1)" in drawn
 
 
-def test_the_gateway_replicas_are_drawn_with_their_load_and_their_pool_against_the_controllers() -> (
+def test_gateway_replicas_are_drawn_with_their_load_and_their_pool_against_the_controllers() -> (
     None
 ):
     """`flexpipe status` with a controller driving two gateway replicas (control/gateway_fleet.py):
