@@ -25,7 +25,18 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 	$(SUDO) apt-get update -q
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver
 
-test: $(STAMP) /usr/bin/chromedriver
+# HAProxy from Debian's packages, unpacked under .deps/haproxy (downloaded, not installed: no
+# root), for the test of the front over gateway replicas (tests/control/test_gateway_front.py,
+# docs/gateway-front.md).
+HAPROXY := .deps/haproxy/usr/sbin/haproxy
+HAPROXY_DEBS := haproxy liblua5.3-0 libopentracing-c-wrapper0 libopentracing1
+$(HAPROXY):
+	rm -rf .deps/debs && mkdir -p .deps/debs
+	cd .deps/debs && (apt-get download $(HAPROXY_DEBS) || \
+		($(SUDO) apt-get update -q && apt-get download $(HAPROXY_DEBS)))
+	for deb in .deps/debs/*.deb; do dpkg-deb -x $$deb .deps/haproxy; done
+
+test: $(STAMP) /usr/bin/chromedriver $(HAPROXY)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

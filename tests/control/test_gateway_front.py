@@ -1,0 +1,129 @@
+"""The front of docs/gateway-front.md, as written there (its HAProxy config, only the
+addresses changed), in front of two `flexpipe gateway` processes on 127.0.0.1 that the
+controller's fleet client registered one sim engine in: the `openai` client's requests are
+spread over both replicas; a stream comes through token by token (nothing buffered); a replica
+killed with SIGKILL is taken out, and every request sent after the kill is served by the other
+one (HAProxy retries only the connections it could not make). HAProxy is Debian's, unpacked by
+`make test` into .deps/haproxy; without it the test is skipped."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from test_gateway_fleet_live import ROOT, TOKEN, _gateway, _processes, _wait
+
+from flexpipe.control.gateway_fleet import GatewayFleet
+from flexpipe.engine.testing import free_port, request, scrape, sim_engine
+
+MODEL = "llama-2-7b"
+DOC = ROOT / "docs" / "gateway-front.md"
+
+
+def _haproxy() -> tuple[str, dict[str, str]] | None:
+    """HAProxy's binary and its environment: .deps/haproxy's (make test), else the PATH's."""
+    local = ROOT / ".deps" / "haproxy"
+    binary = local / "usr" / "sbin" / "haproxy"
+    if binary.is_file():
+        libs = [str(p) for p in sorted((local / "usr" / "lib").glob("*-linux-gnu"))]
+        return str(binary), {"LD_LIBRARY_PATH": ":".join(libs)}
+    found = shutil.which("haproxy")
+    return (found, {}) if found else None
+
+
+def _config(port: int, replicas: list[int]) -> str:
+    """The doc's HAProxy config on 127.0.0.1:`port` over `replicas`, its checks every 200 ms
+    (the doc's 1 s would only make the test slower), at most 1,000 connections (the doc's
+    20,000 need twice that many descriptors)."""
+    text = DOC.read_text()
+    (block,) = re.findall(r"```haproxy\n(.*?)```", text, re.S)
+    block = block.replace("bind :8000", f"bind 127.0.0.1:{port}")
+    block = block.replace("inter 1s", "inter 200ms").replace("maxconn 20000", "maxconn 1000")
+    servers = "\n".join(f"    server gw{i + 1} 127.0.0.1:{p} check" for i, p in enumerate(replicas))
+    block = re.sub(r"(    server gw\d .*\n)+", servers + "\n", block)
+    assert f"127.0.0.1:{replicas[1]} check" in block
+    return block
+
+
+def _served(gateway: str) -> float:
+    text = request("GET", gateway + "/metrics", timeout_s=5).text
+    return scrape(text, "flexpipe_requests_total", model=MODEL, status="200")
+
+
+def test_haproxy_spreads_clients_streams_unbuffered_and_takes_a_killed_replica_out(
+    tmp_path: Path,
+) -> None:
+    found = _haproxy()
+    if found is None:
+        pytest.skip("no haproxy: `make test` unpacks Debian's into .deps/haproxy")
+    binary, env = found
+    ports = [free_port(), free_port()]
+    g1, g2 = (f"http://127.0.0.1:{p}" for p in ports)
+    front_port = free_port()
+    front = f"http://127.0.0.1:{front_port}"
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(_config(front_port, ports))
+    log = tmp_path / "log.txt"
+    args = [MODEL, "--load-time-s", "0", "--time-scale", "1"]
+    with sim_engine(args) as engine, _processes() as procs:
+        procs += [_gateway(p, log) for p in ports]
+
+        async def register() -> None:
+            fleet = GatewayFleet([g1, g2], TOKEN)
+            try:
+                await fleet.add(engine.url, MODEL, 64)
+            finally:
+                await fleet.close()
+
+        asyncio.run(register())
+        haproxy = [binary, "-db", "-f", str(cfg)]
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                haproxy, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        procs.append(proc)
+        client = openai.OpenAI(base_url=front + "/v1", api_key="none", timeout=30)
+        _wait(
+            lambda: request("GET", front + "/v1/models", timeout_s=1).status == 200,
+            10,
+            lambda: log.read_text()[-2000:],
+        )
+
+        # spread: leastconn over idle replicas alternates
+        for _ in range(10):
+            r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert r.usage is not None and r.usage.completion_tokens == 2
+        assert _served(g1) > 0 and _served(g2) > 0
+        assert _served(g1) + _served(g2) == 10
+
+        # a stream comes through as the engine makes it: the first token long before the last
+        t0 = time.monotonic()
+        arrivals = []
+        for ch in client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=40, stream=True,
+            extra_body={"ignore_eos": True},
+        ):  # fmt: skip
+            if ch.choices and ch.choices[0].text:
+                arrivals.append(time.monotonic() - t0)
+        assert len(arrivals) == 40
+        assert arrivals[0] < 0.5 * arrivals[-1], arrivals
+
+        # replica 1 dies: every request after the kill is served, by replica 2, with no
+        # retry of the client's own (HAProxy resends what it could not connect for)
+        before = _served(g2)
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(5)
+        once = client.with_options(max_retries=0)
+        for _ in range(20):
+            r = once.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert r.usage is not None and r.usage.completion_tokens == 2
+        assert _served(g2) - before == 20
