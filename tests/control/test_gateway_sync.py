@@ -4,11 +4,13 @@ tagged with their replica, and the deployment id of a fleet."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from flexpipe.cli.controller import replica_urls
 from flexpipe.control.core.gateway_sync import (
     AddInstance,
     Intent,
@@ -198,3 +200,17 @@ def test_the_deployment_id_survives_a_replica_added_or_retired() -> None:
     assert choose_deployment("prod-eu", [A, C], fleets, ()) == "prod-eu"
     with pytest.raises(ValueError, match=r"belong to 2 deployments.*--deployment-id"):
         choose_deployment(None, [A, C], {"x": [A], "y": [C]}, ())
+
+
+def test_the_replicas_are_read_from_flags_comma_lists_and_a_yaml_list(tmp_path: Path) -> None:
+    listed = tmp_path / "gateways.yaml"
+    listed.write_text(f"gateways: [{C}, {A}]\n")
+    assert replica_urls([f"{A}/", f"{B},{A}"], listed) == [A, B, C]
+    listed.write_text(f"- {C}\n")
+    assert replica_urls([], listed) == [C]
+    assert replica_urls([], None) == ["http://127.0.0.1:8000"]
+    with pytest.raises(ValueError, match="expected an http:// or https:// URL"):
+        replica_urls(["gw-0:8000"], None)
+    listed.write_text("gateways: 3\n")
+    with pytest.raises(ValueError, match="expected a list of gateway URLs"):
+        replica_urls([], listed)
