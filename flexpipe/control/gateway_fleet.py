@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -62,6 +62,8 @@ log = logging.getLogger("flexpipe.control")
 
 T = TypeVar("T")
 _ALREADY = "already in the pool"  # the gateway's 400 for a registration it holds
+# how long a replica may answer after the first one did before it is counted down (wall s)
+STRAGGLER_S = 1.0
 
 
 @dataclass
@@ -96,6 +98,7 @@ class GatewayFleet:
         *,
         timeout_s: float = 10.0,
         connect_s: float = 3.0,
+        straggler_s: float = STRAGGLER_S,
         wall: Callable[[], float] = time.time,
         say: Callable[[str], None] | None = None,
     ) -> None:
@@ -108,6 +111,7 @@ class GatewayFleet:
             Replica(i, GatewayClient(u, token, timeout_s, connect_s)) for i, u in enumerate(unique)
         ]
         self.intent = Intent()
+        self.straggler_s = straggler_s
         self.wall = wall
         self.say = say or (lambda line: log.warning("%s", line))
 
@@ -148,19 +152,33 @@ class GatewayFleet:
             r.seen_at_s = self.wall()
 
     async def _each(
-        self, call: Callable[[GatewayClient], Awaitable[T]], every: bool = False
+        self,
+        call: Callable[[GatewayClient], Awaitable[T]],
+        every: bool = False,
+        wait_all: bool = False,
     ) -> list[tuple[Replica, T]]:
         """`call` on every replica that is up (`every`, or none is up: on all), at once; the
-        answers of those that took it. None took it: the first failure is raised."""
+        answers of those that took it. None took it: the first failure is raised. One that
+        has not answered `straggler_s` after another did is cut off and counted down (unless
+        `wait_all`: a drain, where each replica waits for its own requests): a replica that
+        hangs (stopped, swapping) holds neither the tick nor a shift for longer."""
+        straggler_s = None if wait_all else self.straggler_s
         # none up: every one is tried (a gateway that starts after the controller)
         targets = [r for r in self.replicas if every or r.up] or list(self.replicas)
         for r in self.replicas:
             if r not in targets:
                 r.missed = True
-        results = await asyncio.gather(*(call(r.client) for r in targets), return_exceptions=True)
+        tasks = {asyncio.ensure_future(call(r.client)): r for r in targets}
+        late = await _stragglers(tasks, straggler_s)
         done: list[tuple[Replica, T]] = []
         failures: list[GatewayError] = []
-        for r, result in zip(targets, results, strict=True):
+        for task, r in tasks.items():
+            if task in late:
+                result: T | BaseException = GatewayError(
+                    f"gateway {r.url}: no answer {straggler_s:g} s after another replica's"
+                )
+            else:
+                result = task.exception() or task.result()
             if isinstance(result, GatewayError):
                 self._failed(r, result)
                 failures.append(result)
@@ -281,7 +299,8 @@ class GatewayFleet:
         """Every replica up stops routing to `url` and waits for its own requests there;
         drained when every one that answered is empty."""
         self.intent.set_state(url, "draining")
-        return all(ok for _, ok in await self._each(lambda c: c.drain(url, wait_s)))
+        answered = await self._each(lambda c: c.drain(url, wait_s), wait_all=True)
+        return all(ok for _, ok in answered)
 
     async def move(self, moves: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Each move to the replica that holds its stream (its id says which), together."""
@@ -418,6 +437,31 @@ class GatewayFleet:
                 }
             )
         return out
+
+
+async def _stragglers(tasks: Collection[asyncio.Future[Any]], after_s: float | None) -> set[Any]:
+    """Wait for `tasks`; those still running `after_s` after the first one that succeeded are
+    cancelled and returned (None: wait for all)."""
+    loop = asyncio.get_running_loop()
+    pending = set(tasks)
+    first_ok_at: float | None = None
+    try:
+        while pending:
+            timeout = None
+            if after_s is not None and first_ok_at is not None:
+                timeout = max(0.0, first_ok_at + after_s - loop.time())
+            done, pending = await asyncio.wait(
+                pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                break
+            if first_ok_at is None and any(t.exception() is None for t in done):
+                first_ok_at = loop.time()
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return pending
 
 
 def fleet_view(gateway: object) -> list[dict[str, Any]] | None:

@@ -8,6 +8,7 @@ replica has a request waiting."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -161,14 +162,19 @@ def test_demand_answers_as_soon_as_one_replica_has_a_request_waiting(
     gw2, url2 = _gateway(lt)
     fleet = GatewayFleet([url1, url2], TOKEN)
     asked: Any = None
+    answers: list[int] = []
+
+    def ask() -> None:
+        client = openai.OpenAI(base_url=url2 + "/v1", api_key="none", max_retries=0, timeout=3)
+        try:
+            client.completions.create(model="cold", prompt="hi", max_tokens=1)
+        except openai.APIStatusError as exc:  # released with no instance: a 503
+            answers.append(exc.status_code)
+
     try:
         lt.run(fleet.hold("cold", 30.0))
         t0 = time.monotonic()
-        asked = threading.Thread(
-            target=lambda: openai.OpenAI(
-                base_url=url2 + "/v1", api_key="none", max_retries=0, timeout=3
-            ).completions.create(model="cold", prompt="hi", max_tokens=1)
-        )
+        asked = threading.Thread(target=ask)
         asked.start()
         queued = lt.run(fleet.demand(["cold"], 10.0))
         assert queued == {"cold": 1}
@@ -180,3 +186,46 @@ def test_demand_answers_as_soon_as_one_replica_has_a_request_waiting(
         lt.run(fleet.close())
         lt.run(gw1.close())
         lt.run(gw2.close())
+    assert answers == [503]
+
+
+def test_a_replica_that_hangs_holds_neither_commands_nor_reads_for_long(lt: LoopThread) -> None:
+    """A replica that accepts connections and never answers (a stopped process; the kernel
+    still accepts): cut off `straggler_s` after the other replica answered and counted down;
+    the next commands skip it, the tick's reads ask it again with the same bound."""
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client gives up
+
+    async def serve() -> asyncio.Server:
+        return await asyncio.start_server(hang, "127.0.0.1", 0)
+
+    server = lt.run(serve())
+    hung = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    gw1, url1 = _gateway(lt)
+    said: list[str] = []
+    fleet = GatewayFleet([url1, hung], TOKEN, straggler_s=0.3, say=said.append)
+    try:
+        t0 = time.monotonic()
+        lt.run(fleet.hold("m", 30.0))
+        took_s = time.monotonic() - t0
+        assert 0.3 <= took_s < 1.0, took_s
+        assert [(v["url"], v["up"]) for v in fleet.view()] == [(url1, True), (hung, False)]
+        assert said == [
+            f"controller: gateway {hung} does not answer: gateway {hung}: no answer 0.3 s "
+            "after another replica's"
+        ]
+        t0 = time.monotonic()
+        lt.run(fleet.hold("m", 30.0))  # skipped: it is down
+        assert time.monotonic() - t0 < 0.2
+        t0 = time.monotonic()
+        assert lt.run(fleet.instances()) == []  # asked again, cut off again
+        assert 0.3 <= time.monotonic() - t0 < 1.0
+    finally:
+        lt.run(fleet.close())
+        lt.run(gw1.close())
+
+        async def close() -> None:
+            server.close()
+
+        lt.run(close())
