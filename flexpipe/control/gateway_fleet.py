@@ -359,6 +359,8 @@ class GatewayFleet:
             for step in steps:
                 if self._wanted(step):
                     await self._send(r.client, step)
+            if steps:
+                r.pool = await r.client.instances()  # what the fleet's view compares
         except GatewayError as exc:
             self._failed(r, exc)
             return
@@ -420,7 +422,8 @@ class GatewayFleet:
             elif r.catching_up is not None and not r.catching_up.done():
                 pool = "catching up"
             elif diff or r.missed:
-                pool = "stale: " + "; ".join(diff or ["missed a command"])
+                more = f"; and {len(diff) - 3} more" if len(diff) > 3 else ""
+                pool = "stale: " + "; ".join(diff[:3] or ["missed a command"]) + more
             else:
                 pool = "in sync"
             out.append(
