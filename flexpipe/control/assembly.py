@@ -29,6 +29,7 @@ from flexpipe.control.core.tick import TickCore, TickParams
 from flexpipe.control.engines.launching import with_sleep_mode
 from flexpipe.control.engines.takeover import Takeover
 from flexpipe.control.executor import Executor, LiveInstance
+from flexpipe.control.gateway_fleet import GatewayFleet
 from flexpipe.control.standby import Note, StandbyModels
 from flexpipe.control.state.journal import Journal
 from flexpipe.control.state.lease import Lease
@@ -141,6 +142,8 @@ def assemble(
     shift_log = ShiftLog(store, deployment) if store is not None else None
     registry = InstanceRegistry(store, deployment) if store is not None else None
     metrics = ControllerMetrics()
+    if isinstance(gateway, GatewayFleet):  # several replicas: each one's state at a scrape
+        metrics.watch_gateways(gateway.view)
     metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
     takeover = Takeover(
         registry,

@@ -22,7 +22,7 @@ from typing import Any
 import openai
 import orjson
 
-from flexpipe.engine.testing import free_port, request
+from flexpipe.engine.testing import free_port, request, scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "examples/clusters/fragmented-4gpu.yaml"
@@ -169,6 +169,12 @@ def test_a_controller_drives_two_gateway_replicas_and_catches_up_one_killed_and_
             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
             timeout=30, check=True,
         )  # fmt: skip
+        metrics = request("GET", ctl + "/metrics", timeout_s=5).text
+        for g in (g1, g2):
+            assert scrape(metrics, "flexpipe_gateway_replica_up", gateway=g) == 1.0
+            assert scrape(metrics, "flexpipe_gateway_replica_in_sync", gateway=g) == 1.0
+        caught = scrape(metrics, "flexpipe_gateway_replica_catch_ups_total", gateway=g2)
+        assert caught >= 1.0
         fleet = json.loads(shown.stdout)["gateways"]
         assert [(g["url"], g["up"], g["pool"]) for g in fleet] == [
             (g2, True, "in sync"),
