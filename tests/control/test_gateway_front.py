@@ -1,10 +1,11 @@
 """The front of docs/gateway-front.md, as written there (its HAProxy config, only the
 addresses changed), in front of two `flexpipe gateway` processes on 127.0.0.1 that the
 controller's fleet client registered one sim engine in: the `openai` client's requests are
-spread over both replicas; a stream comes through token by token (nothing buffered); a replica
-killed with SIGKILL is taken out, and every request sent after the kill is served by the other
-one (HAProxy retries only the connections it could not make). HAProxy is Debian's, unpacked by
-`make test` into .deps/haproxy; without it the test is skipped."""
+spread over both replicas; a stream comes through token by token (nothing buffered); when the
+replica holding an open stream is killed with SIGKILL, that stream ends with an error, and the
+client's retry and every request after it are served by the other replica, with no retry of
+the client's own (HAProxy resends only the connections it could not make). HAProxy is
+Debian's, unpacked by `make test` into .deps/haproxy; without it the test is skipped."""
 
 from __future__ import annotations
 
@@ -51,6 +52,11 @@ def _config(port: int, replicas: list[int]) -> str:
     block = re.sub(r"(    server gw\d .*\n)+", servers + "\n", block)
     assert f"127.0.0.1:{replicas[1]} check" in block
     return block
+
+
+def _in_flight(gateway: str) -> int:
+    text = request("GET", gateway + "/metrics", timeout_s=5).text
+    return round(scrape(text, "flexpipe_in_flight_requests"))
 
 
 def _served(gateway: str) -> float:
@@ -117,13 +123,28 @@ def test_haproxy_spreads_clients_streams_unbuffered_and_takes_a_killed_replica_o
         assert len(arrivals) == 40
         assert arrivals[0] < 0.5 * arrivals[-1], arrivals
 
-        # replica 1 dies: every request after the kill is served, by replica 2, with no
-        # retry of the client's own (HAProxy resends what it could not connect for)
-        before = _served(g2)
-        procs[0].send_signal(signal.SIGKILL)
-        procs[0].wait(5)
+        # the replica holding an open stream dies: that stream ends with an error, the
+        # client's retry and every request after the kill are served by the other one, with
+        # no retry of the client's own (HAProxy resends what it could not connect for)
         once = client.with_options(max_retries=0)
+        stream = once.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=400, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        num_tokens = sum(1 for _, _ in zip(range(5), chunks, strict=False))
+        in_flight = [_in_flight(g) for g in (g1, g2)]
+        assert sorted(in_flight) == [0, 1], in_flight
+        dead = in_flight.index(1)
+        survivor = (g1, g2)[1 - dead]
+        before = _served(survivor)
+        procs[dead].send_signal(signal.SIGKILL)
+        procs[dead].wait(5)
+        with pytest.raises(Exception):  # noqa: B017 (httpx's or openai's, as it breaks)
+            for ch in chunks:
+                num_tokens += len([c for c in ch.choices if c.text])
+        assert num_tokens < 400
         for _ in range(20):
             r = once.completions.create(model=MODEL, prompt="hi", max_tokens=2)
             assert r.usage is not None and r.usage.completion_tokens == 2
-        assert _served(g2) - before == 20
+        assert _served(survivor) - before == 20
