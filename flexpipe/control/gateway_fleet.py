@@ -350,42 +350,29 @@ class GatewayFleet:
         r.catching_up = asyncio.ensure_future(self._catch_up(r))
 
     async def _catch_up(self, r: Replica) -> None:
-        """Bring `r` to the intent, step by step; a step the intent no longer wants (a
-        command overtook it) is skipped, and a failure leaves it for the next read."""
+        """Bring `r` to the intent, step by step, from a read of its pool. A command sent
+        meanwhile (the intent's version moved) stops the steps: they start again from a
+        fresh read (three times at most; then the next tick's read). A failure leaves it
+        for the next read."""
         try:
-            pool = await r.client.instances()
-            now_s = self.wall()
-            steps = catch_up(self.intent, pool, now_s, standby=r.missed)
-            for step in steps:
-                if self._wanted(step):
+            for _ in range(3):
+                version = self.intent.version
+                pool = await r.client.instances()
+                steps = catch_up(self.intent, pool, self.wall(), standby=r.missed)
+                for step in steps:
+                    if self.intent.version != version:
+                        break
                     await self._send(r.client, step)
-            if steps:
-                r.pool = await r.client.instances()  # what the fleet's view compares
+                if self.intent.version != version:
+                    continue
+                r.pool = await r.client.instances() if steps else pool
+                r.missed = False
+                if steps:
+                    r.num_catch_ups += 1
+                    self.say(f"controller: gateway {r.url} caught up ({len(steps)} command(s))")
+                return
         except GatewayError as exc:
             self._failed(r, exc)
-            return
-        r.missed = False
-        if steps:
-            r.num_catch_ups += 1
-            self.say(f"controller: gateway {r.url} caught up ({len(steps)} command(s))")
-
-    def _wanted(self, step: Step) -> bool:
-        """Whether the intent still wants `step` (a command sent meanwhile may have moved on)."""
-        intent = self.intent
-        match step:
-            case AddInstance(reg, _):
-                return intent.pool.get(reg.url) == reg
-            case SetState(url, _) | SetWeight(url, _):
-                return url in intent.pool
-            case RemoveInstance(url):
-                return url not in intent.pool
-            case SendHold(model, seconds):
-                held = intent.standby.get(model)
-                return (held is None) == (seconds == 0) and (held is None or held.reason is None)
-            case SendRefusal(model, _, _):
-                held = intent.standby.get(model)
-                return held is not None and held.reason is not None
-        return False
 
     async def _send(self, client: GatewayClient, step: Step) -> None:
         match step:

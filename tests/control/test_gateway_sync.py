@@ -87,6 +87,7 @@ def test_a_lagging_replica_walks_each_instance_to_its_state_and_loses_what_was_r
     intent.set_weight(B, 2.0)
     intent.remove(C)
     seen = [_seen(A, "starting"), _seen(B, "draining"), _seen(C, "active")]
+    assert intent.version == 8  # every change counted (a catch-up under way starts again)
     assert catch_up(intent, seen, 0.0, standby=False) == [
         RemoveInstance(C),
         SetState(A, "rehearsing"),

@@ -95,29 +95,35 @@ class Intent:
     # model -> when the hold or refusal it lifted would have run out (unix s): a replica that
     # missed the release is told again until then
     released: dict[str, float] = field(default_factory=dict)
+    version: int = 0  # counts the changes: a catch-up under way sees one came meanwhile
 
     def registered(self, reg: Registration) -> None:
+        self.version += 1
         self.pool[reg.url] = reg
         if reg.url in self.removed:
             self.removed.remove(reg.url)
 
     def set_state(self, url: str, state: str) -> None:
+        self.version += 1
         if state == State.GONE.value:
             self.remove(url)
         elif url in self.pool:
             self.pool[url] = replace(self.pool[url], state=state)
 
     def set_weight(self, url: str, weight: float) -> None:
+        self.version += 1
         if url in self.pool:
             self.pool[url] = replace(self.pool[url], weight=weight)
 
     def remove(self, url: str) -> None:
+        self.version += 1
         self.pool.pop(url, None)
         if url not in self.removed:
             self.removed.append(url)
 
     def hold(self, model: str, seconds: float, now_s: float) -> None:
         """A hold of `seconds` (0: the end of its hold or refusal, as the gateway's)."""
+        self.version += 1
         if seconds > 0:
             self.standby[model] = Standby(model, now_s + seconds)
             self.released.pop(model, None)
@@ -127,6 +133,7 @@ class Intent:
             self.released[model] = max(lifted.until_s, self.released.get(model, 0.0))
 
     def refuse(self, model: str, reason: str, seconds: float, now_s: float) -> None:
+        self.version += 1
         self.standby[model] = Standby(model, now_s + seconds, reason)
         self.released.pop(model, None)
 
