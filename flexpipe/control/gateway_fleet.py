@@ -63,7 +63,7 @@ log = logging.getLogger("flexpipe.control")
 T = TypeVar("T")
 _ALREADY = "already in the pool"  # the gateway's 400 for a registration it holds
 # how long a replica may answer after the first one did before it is counted down (wall s)
-STRAGGLER_S = 1.0
+STRAGGLER_S = 2.0
 
 
 @dataclass
