@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -20,10 +21,12 @@ import pytest
 from test_gateway_fakes import LoopThread
 
 from flexpipe.control.core.gateway_sync import local_request_id
-from flexpipe.control.gateway_fleet import GatewayFleet
+from flexpipe.control.gateway_fleet import GatewayFleet, deployment_of, keep_replicas
 from flexpipe.engine.testing import EngineProc, sim_engine
 from flexpipe.gateway.app import Gateway
 from flexpipe.gateway.config import config_from_dict
+from flexpipe.store import Store
+from flexpipe.store.controller_lease import ControllerLeases
 
 MODEL = "llama-2-7b"
 ENGINE_ADMIN = "engine-admin"
@@ -229,3 +232,26 @@ def test_a_replica_that_hangs_holds_neither_commands_nor_reads_for_long(lt: Loop
             server.close()
 
         lt.run(close())
+
+
+def test_the_store_keeps_a_fleets_deployment_through_a_replica_added_or_retired(
+    tmp_path: Path,
+) -> None:
+    """`deployment_of` / `keep_replicas` on a real SQLite store: the replicas recorded under
+    the deployment once its controller holds the lease find it again with one more or fewer;
+    a single gateway's deployment from before (a lease under its URL) is found by its URL."""
+    a, b, c = "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"
+    with Store(f"sqlite:///{tmp_path / 'fleet.db'}") as store:
+        first = deployment_of(store, None, [b, a])
+        assert first == f"{a},{b}"
+        keep_replicas(store, first, [b, a])
+        assert deployment_of(store, None, [a, b, c]) == first  # one added
+        keep_replicas(store, first, [a, b, c])
+        assert deployment_of(store, None, [c]) == first  # two retired
+        assert deployment_of(store, "prod", [a]) == "prod"
+        ControllerLeases(store).acquire("http://10.0.0.9:8000", 4242, "host", 1.0, bool)
+        assert deployment_of(store, None, ["http://10.0.0.9:8000", "http://10.0.0.8:8000"]) == (
+            "http://10.0.0.9:8000"
+        )
+        with pytest.raises(ValueError, match="belong to 2 deployments"):
+            deployment_of(store, None, [a, "http://10.0.0.9:8000"])

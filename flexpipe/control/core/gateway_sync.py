@@ -399,16 +399,20 @@ def choose_deployment(
 ) -> str:
     """The deployment this controller serves: `configured` when given; else the one deployment
     of the store whose recorded replicas (`fleets`: id -> URLs) share one with `urls` (a
-    replica added or retired keeps the deployment, its engines and its shift log); else the
-    one of `urls` that is already a deployment of the store (`known_ids`: a single gateway's,
-    from before replicas were recorded); else `derived_deployment(urls)`. Two candidates are
+    replica added or retired keeps the deployment, its engines and its shift log), or the one
+    of `urls` that is already a deployment of the store and is no recorded fleet's replica
+    (`known_ids`: a single gateway's, from before replicas were recorded); else
+    `derived_deployment(urls)`. Two candidates are
     a ValueError (one line): which is meant is the operator's to say."""
     if configured:
         return configured
     mine = {u.rstrip("/") for u in urls}
-    matching = sorted(d for d, theirs in fleets.items() if mine & {u.rstrip("/") for u in theirs})
-    if not matching:
-        matching = sorted(mine & set(known_ids))
+    recorded = {d: {u.rstrip("/") for u in theirs} for d, theirs in fleets.items()}
+    listed = set().union(*recorded.values())
+    matching = sorted(
+        {d for d, theirs in recorded.items() if mine & theirs}
+        | {u for u in mine & set(known_ids) if u not in listed}
+    )
     if len(matching) > 1:
         raise ValueError(
             f"the gateways {', '.join(sorted(mine))} belong to {len(matching)} deployments in "
