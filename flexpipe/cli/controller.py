@@ -295,7 +295,8 @@ def controller(
             else:
                 stopped.cancel()
                 await start  # raises what went wrong
-                keep_replicas(st, ctl.deployment, gateway_urls)  # the lease is ours now
+                if ray is None:  # (with --ray the deployment is Ray's, named by its flag)
+                    keep_replicas(st, ctl.deployment, gateway_urls)  # the lease is ours now
                 say(f"{SERVING_LINE}http://{cfg.host}:{cfg.port}")
                 await ctl.run(stop)
         except (OSError, RuntimeError, ValueError) as exc:
