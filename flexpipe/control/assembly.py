@@ -142,7 +142,7 @@ def assemble(
     shift_log = ShiftLog(store, deployment) if store is not None else None
     registry = InstanceRegistry(store, deployment) if store is not None else None
     metrics = ControllerMetrics()
-    if isinstance(gateway, GatewayFleet):  # several replicas: each one's state at a scrape
+    if isinstance(gateway, GatewayFleet):  # each replica's state, read at a scrape
         metrics.watch_gateways(gateway.view)
     metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
     takeover = Takeover(
