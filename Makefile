@@ -25,7 +25,21 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 	$(SUDO) apt-get update -q
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver
 
-test: $(STAMP) /usr/bin/chromedriver
+# HAProxy and nginx from Debian's packages, unpacked under .deps/ (downloaded, not installed:
+# no root), for the test of the fronts over gateway replicas (tests/control/test_gateway_front.py,
+# docs/gateway-front.md).
+HAPROXY := .deps/haproxy/usr/sbin/haproxy
+NGINX := .deps/nginx/usr/sbin/nginx
+# $(call unpack,NAME,PACKAGES): download PACKAGES and unpack them into .deps/NAME
+unpack = rm -rf .deps/debs-$(1) && mkdir -p .deps/debs-$(1) && cd .deps/debs-$(1) && \
+	(apt-get download $(2) || ($(SUDO) apt-get update -q && apt-get download $(2))) && \
+	for deb in *.deb; do dpkg-deb -x $$deb ../$(1); done
+$(HAPROXY):
+	$(call unpack,haproxy,haproxy liblua5.3-0 libopentracing-c-wrapper0 libopentracing1)
+$(NGINX):
+	$(call unpack,nginx,nginx)
+
+test: $(STAMP) /usr/bin/chromedriver $(HAPROXY) $(NGINX)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

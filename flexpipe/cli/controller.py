@@ -11,11 +11,12 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+import yaml
 from rich.markup import escape
 
 from flexpipe.cli.common import err_console, load_shift_params, one_line, user_errors
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 
 SERVING_LINE = "controller: admin API on "  # `up` reads it: the controller served
+DEFAULT_GATEWAY = "http://127.0.0.1:8000"
 
 
 def _secret(value: str | None, path: Path | None, env: str) -> str | None:
@@ -50,14 +52,44 @@ def unix_clock() -> Callable[[], float]:
     return lambda: time.monotonic() + offset_s
 
 
+def replica_urls(values: Sequence[str], path: Path | None) -> list[str]:
+    """The gateway replicas: each `--gateway` (a URL or a comma list), then the YAML list in
+    `path` (or its `gateways:` list), without repeats; the default gateway when none."""
+    urls = [u.strip() for v in values for u in v.split(",") if u.strip()]
+    if path is not None:
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not YAML: {one_line(exc)}") from None
+        if isinstance(doc, dict):
+            doc = doc.get("gateways")
+        if not isinstance(doc, list) or not all(isinstance(u, str) for u in doc):
+            raise ValueError(f"{path}: expected a list of gateway URLs (or `gateways:` with one)")
+        urls += [u.strip() for u in doc]
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"gateway {url!r}: expected an http:// or https:// URL")
+    return list(dict.fromkeys(u.rstrip("/") for u in urls)) or [DEFAULT_GATEWAY]
+
+
 def register(app: typer.Typer) -> None:
     app.command("controller")(controller)
 
 
 def controller(
-    gateway: Annotated[str, typer.Option(help="The gateway's base URL (its admin API).")] = (
-        "http://127.0.0.1:8000"
-    ),
+    gateway: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A gateway's base URL (its admin API); repeat it, or give a comma list, for "
+            "several replicas of one gateway service [http://127.0.0.1:8000]."
+        ),
+    ] = None,
+    gateways_file: Annotated[
+        Path | None,
+        typer.Option(help="YAML list of the gateway replicas' URLs (with or beside --gateway)."),
+    ] = None,
     gateway_token_file: Annotated[
         Path | None,
         typer.Option(help="The gateway's admin token (else env FLEXPIPE_GATEWAY_TOKEN)."),
@@ -144,16 +176,17 @@ def controller(
         str | None,
         typer.Option(
             help="What owns this controller's instances, shift log and occupations in the "
-            "store [the gateway's URL; with --ray, ray:<--ray-deployment>, whose placement "
-            "groups it adopts]."
+            "store [the deployment the store recorded one of the gateways under, else the "
+            "gateways' URLs sorted and joined by commas (of one gateway: its URL); with --ray, "
+            "ray:<--ray-deployment>, whose placement groups it adopts]."
         ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Launch the plan's engines, register them in the gateway, shift gears while serving."""
-    from flexpipe.control.api.gateway_client import GatewayClient
     from flexpipe.control.controller import Controller, ControllerConfig
     from flexpipe.control.engines.launching import engine_spec, load_models
+    from flexpipe.control.gateway_fleet import GatewayFleet, deployment_of, keep_replicas
     from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
     from flexpipe.launch import ENGINES, LocalLauncher
     from flexpipe.policies.shift import ShiftParams
@@ -174,6 +207,7 @@ def controller(
             if unknown:
                 raise ValueError(f"--occupy {unknown[0]}: no such GPU in {cluster_path}")
         gw_token = _secret(None, gateway_token_file, "FLEXPIPE_GATEWAY_TOKEN")
+        gateway_urls = replica_urls(gateway or [], gateways_file)
         admin_token = _secret(None, token_file, "FLEXPIPE_CONTROLLER_TOKEN")
         cfg = ControllerConfig(
             cluster_path=cluster_path,
@@ -198,6 +232,8 @@ def controller(
             deployment_id=deployment_id or (f"ray:{ray_deployment}" if ray is not None else None),
         )
         st = Store(store)
+        # one id whatever replica is listed first, kept when one is added or retired
+        cfg.deployment_id = deployment_of(st, cfg.deployment_id, gateway_urls)
     launcher: AdoptingLauncher = LocalLauncher(
         engine,
         time_scale=time_scale,
@@ -236,7 +272,7 @@ def controller(
             ctl = Controller(
                 cfg,
                 launcher,
-                GatewayClient(gateway, gw_token),
+                GatewayFleet(gateway_urls, gw_token, say=say),
                 lambda p, c: engine_spec(p, c, str(cluster_path), demands, cfg.engine_admin_token),
                 store=st,
                 clock=unix_clock(),
@@ -259,6 +295,8 @@ def controller(
             else:
                 stopped.cancel()
                 await start  # raises what went wrong
+                if ray is None:  # (with --ray the deployment is Ray's, named by its flag)
+                    keep_replicas(st, ctl.deployment, gateway_urls)  # the lease is ours now
                 say(f"{SERVING_LINE}http://{cfg.host}:{cfg.port}")
                 await ctl.run(stop)
         except (OSError, RuntimeError, ValueError) as exc:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.api.controller_metrics import ControllerMetrics
-from flexpipe.control.api.gateway_client import GatewayClient
+from flexpipe.control.api.gateway_client import GatewayAdmin
 from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.control.core.resources import Occupation, Resources
 from flexpipe.control.core.sleeping import sleep_mode_on
@@ -29,6 +29,7 @@ from flexpipe.control.core.tick import TickCore, TickParams
 from flexpipe.control.engines.launching import with_sleep_mode
 from flexpipe.control.engines.takeover import Takeover
 from flexpipe.control.executor import Executor, LiveInstance
+from flexpipe.control.gateway_fleet import GatewayFleet
 from flexpipe.control.standby import Note, StandbyModels
 from flexpipe.control.state.journal import Journal
 from flexpipe.control.state.lease import Lease
@@ -59,7 +60,7 @@ OnState = Callable[[LiveInstance, str], None]
 class ControllerParts:
     """Everything a `Controller` runs with besides its own state."""
 
-    gateway: GatewayClient
+    gateway: GatewayAdmin
     store: Store | None
     clock: Callable[[], float]  # the policy's clock
     wall: Callable[[], float]  # unix time: occupations, the store
@@ -87,7 +88,7 @@ class ControllerParts:
 def assemble(
     cfg: ControllerConfig,
     launcher: AdoptingLauncher,
-    gateway: GatewayClient,
+    gateway: GatewayAdmin,
     spec_of: Callable[[PlannedInstance, Cluster], EngineSpec],
     *,
     cluster: Callable[[], Cluster],
@@ -141,6 +142,8 @@ def assemble(
     shift_log = ShiftLog(store, deployment) if store is not None else None
     registry = InstanceRegistry(store, deployment) if store is not None else None
     metrics = ControllerMetrics()
+    if isinstance(gateway, GatewayFleet):  # each replica's state, read at a scrape
+        metrics.watch_gateways(gateway.view)
     metrics.set_slos((d.name, d.slo.ttft_p99_s, d.slo.tpot_p99_s) for d in cfg.demands)
     takeover = Takeover(
         registry,

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.api.admin_api import ControllerApi
-from flexpipe.control.api.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.api.gateway_client import GatewayAdmin, GatewayError
 from flexpipe.control.api.status_view import controller_status
 from flexpipe.control.api.ui_api import UiApi
 from flexpipe.control.assembly import assemble
@@ -129,7 +129,7 @@ class Controller:
         self,
         cfg: ControllerConfig,
         launcher: AdoptingLauncher,
-        gateway: GatewayClient,
+        gateway: GatewayAdmin,
         spec_of: Callable[[PlannedInstance, Cluster], EngineSpec],
         store: Store | None = None,
         clock: Callable[[], float] = time.time,

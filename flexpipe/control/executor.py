@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from flexpipe.cluster import Cluster
 from flexpipe.control import rehearsal
-from flexpipe.control.api.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.api.gateway_client import GatewayAdmin, GatewayError
 from flexpipe.control.core.shift_commands import (
     AwaitReady,
     Command,
@@ -106,7 +106,7 @@ class Executor:
     def __init__(
         self,
         launcher: Launcher,
-        gateway: GatewayClient,
+        gateway: GatewayAdmin,
         spec_of: SpecOf,
         *,
         engine_admin_token: str | None = None,

@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Collection, Sequence
 
-from flexpipe.control.api.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.api.gateway_client import GatewayAdmin, GatewayError
 from flexpipe.control.core.standby import (
     RefusalChange,
     Renewal,
@@ -35,7 +35,7 @@ Note = Callable[[str, str, Sequence[str]], None]  # (kind, reason, notes): the s
 class StandbyModels:
     def __init__(
         self,
-        gateway: GatewayClient,
+        gateway: GatewayAdmin,
         state: StandbyState,
         models: Callable[[], list[str]],
         tick_s: float,

@@ -16,6 +16,7 @@ from flexpipe.observe.status_snapshot import Snapshot
 
 __all__ = [
     "STATE_STYLE",
+    "gateways_table",
     "gpus_table",
     "header",
     "instances_table",
@@ -89,6 +90,12 @@ def header(snap: Snapshot) -> Text:
         "up" if snap.gateway_up else "NOT ANSWERING",
         style="green" if snap.gateway_up else "bold red",
     )
+    if len(snap.gateways) > 1:  # (the queue and the models' figures: the first that answers)
+        num_up = sum(g.up for g in snap.gateways)
+        text.append(
+            f" · replicas {num_up}/{len(snap.gateways)} up",
+            style="" if num_up == len(snap.gateways) else "bold red",
+        )
     text.append(f" · gateway queue {snap.num_gateway_queued} · shifts {snap.num_shifts}")
     if snap.time_scale != 1.0:
         text.append(f"\ntime scale {snap.time_scale:g}: latencies and rates in modelled seconds")
@@ -187,6 +194,33 @@ def gpus_table(snap: Snapshot) -> Table:
     return table
 
 
+def gateways_table(snap: Snapshot) -> Table:
+    """The gateway replicas the controller drives: up, load, and whether each one's pool is
+    the controller's (a replica that was away is caught up: docs/controller.md)."""
+    right = ("in flight", "req/s", "seen")
+    table = _table("gateways", ("gateway", "up", *right, "pool"), right)
+    for g in snap.gateways:
+        pool_style = "green" if g.pool == "in sync" else "yellow"
+        table.add_row(
+            g.url,
+            Text("up", style="green") if g.up else Text("DOWN", style="bold red"),
+            _num(g.num_in_flight, "d"),
+            _num(g.requests_per_s, ".2f"),
+            NONE if g.seen_s_ago is None else f"{g.seen_s_ago:.0f} s ago",
+            Text(g.pool, style=pool_style),
+        )
+    errors = [f"{g.url}: {g.error}" for g in snap.gateways if not g.up and g.error]
+    if errors:
+        table.caption = "\n".join(errors)
+        table.caption_justify = "left"
+    return table
+
+
+def _fleet(snap: Snapshot) -> list[RenderableType]:
+    """The gateways' table where the controller drives several."""
+    return [gateways_table(snap)] if len(snap.gateways) > 1 else []
+
+
 def _decision(snap: Snapshot) -> Text:
     text = Text()
     text.append("last decision: ", style="bold")
@@ -200,7 +234,12 @@ def _decision(snap: Snapshot) -> Text:
 def status_view(snap: Snapshot) -> Group:
     """`flexpipe status`: the header, models, instances, GPUs and the last decision."""
     return Group(
-        header(snap), models_table(snap), instances_table(snap), gpus_table(snap), _decision(snap)
+        header(snap),
+        *_fleet(snap),
+        models_table(snap),
+        instances_table(snap),
+        gpus_table(snap),
+        _decision(snap),
     )
 
 
@@ -208,6 +247,7 @@ def top_view(snap: Snapshot, shifts: RenderableType | None = None, note: str = "
     """`flexpipe top`: the same numbers in panels, with the shift log's last entries."""
     parts: list[RenderableType] = [
         Panel(header(snap), title="flexpipe top", subtitle=note or "q or Ctrl-C quits"),
+        *_fleet(snap),
         models_table(snap),
         instances_table(snap),
         gpus_table(snap),

@@ -26,6 +26,7 @@ from flexpipe.observe.readings import Readings
 from flexpipe.ui.view import GPU_UTILIZATION_SOURCES
 
 __all__ = [
+    "GatewayView",
     "GpuView",
     "InstanceView",
     "ModelView",
@@ -112,6 +113,19 @@ class GpuView:
 
 
 @dataclass(frozen=True)
+class GatewayView:
+    """One gateway replica as the controller last saw it (control/gateway_fleet.py)."""
+
+    url: str
+    up: bool
+    num_in_flight: int | None  # requests open there now
+    requests_per_s: float | None  # finished there, over the controller's last two reads
+    pool: str  # "in sync", "catching up", "stale: ..." or "unknown" (down, or not read yet)
+    seen_s_ago: float | None  # its last answer
+    error: str | None = None  # why its last call failed
+
+
+@dataclass(frozen=True)
 class Snapshot:
     at_s: float
     controller_url: str
@@ -129,6 +143,8 @@ class Snapshot:
     num_shifts: int
     last_decision: str | None  # "hold|shift (trigger): reason"
     last_outcome: str | None
+    # every gateway replica the controller drives (); empty: a controller that says none
+    gateways: tuple[GatewayView, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -417,4 +433,20 @@ def snapshot(now: Readings, before: Readings | None = None) -> Snapshot:
         num_shifts=int(st.get("num_shifts", 0)),
         last_decision=_decision(st.get("last_decision")),
         last_outcome=_outcome(st.get("last_outcome")),
+        gateways=tuple(
+            _gateway_view(g) for g in st.get("gateways") or () if isinstance(g, Mapping)
+        ),
+    )
+
+
+def _gateway_view(doc: Mapping[str, Any]) -> GatewayView:
+    in_flight = doc.get("num_in_flight")
+    return GatewayView(
+        url=str(doc.get("url", "")),
+        up=bool(doc.get("up")),
+        num_in_flight=None if in_flight is None else int(in_flight),
+        requests_per_s=_float(doc.get("requests_per_s")),
+        pool=str(doc.get("pool") or "unknown"),
+        seen_s_ago=_float(doc.get("seen_s_ago")),
+        error=str(doc["error"]) if doc.get("error") else None,
     )

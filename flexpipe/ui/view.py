@@ -313,6 +313,9 @@ def assemble_view(
         "controller": None
         if controller is None
         else {"url": controller.url, "error": controller.error, "at_s": controller.at_s},
+        # the gateway replicas the controller drives, as it last saw them (url, up, in flight,
+        # requests/s, pool in sync or stale: control/gateway_fleet.py); [] without a fleet
+        "gateways": list((topology or {}).get("gateways") or []),
         "dcgm": None
         if exporters is None
         else {

@@ -14,7 +14,13 @@ from rich.console import Console
 from flexpipe.gateway.gateway_metrics import GatewayMetrics
 from flexpipe.hardware import GiB
 from flexpipe.observe.readings import Readings
-from flexpipe.observe.render import gpus_table, instances_table, models_table
+from flexpipe.observe.render import (
+    gateways_table,
+    gpus_table,
+    header,
+    instances_table,
+    models_table,
+)
 from flexpipe.observe.status_snapshot import Snapshot, parse_samples, snapshot
 from flexpipe.ui.reading import EngineCounters, Reading, read_registry
 from flexpipe.ui.series import History
@@ -264,3 +270,37 @@ def test_an_engine_asleep_is_listed_with_its_level_and_counted_by_no_model() -> 
     assert snap.models[0].num_instances == awake
     drawn = " ".join(_text(instances_table(snap)).split())
     assert "m-0.2" in drawn and "asleep (level 1)" in drawn
+
+
+def test_gateway_replicas_are_drawn_with_their_load_and_their_pool_against_the_controllers() -> (
+    None
+):
+    """`flexpipe status` with a controller driving two gateway replicas (control/gateway_fleet.py):
+    one row each, exactly; the header counts those up; one replica draws no table."""
+    before, now = readings()
+    doc = status()
+    doc["gateways"] = [
+        {"url": "http://10.0.0.1:8000", "up": True, "error": None, "seen_s_ago": 0.4,
+         "num_in_flight": 12, "requests_per_s": 31.25, "num_instances": 2, "pool": "in sync",
+         "num_catch_ups": 0},
+        {"url": "http://10.0.0.2:8000", "up": False, "error": "gateway http://10.0.0.2:8000/"
+         "admin/instances: connect: refused", "seen_s_ago": 42.0, "num_in_flight": None,
+         "requests_per_s": None, "num_instances": None, "pool": "unknown", "num_catch_ups": 1},
+    ]  # fmt: skip
+    snap = snapshot(replace(now, status=doc), before)
+    lines = _text(gateways_table(snap)).splitlines()
+    assert lines[:7] == [
+        "gateways",
+        "┏━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━┳━━━━━━━━━━━┳━━━━━━━┳━━━━━━━━━━┳━━━━━━━━━┓",
+        "┃ gateway              ┃ up   ┃ in flight ┃ req/s ┃     seen ┃ pool    ┃",
+        "┡━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━╇━━━━━━━━━━━╇━━━━━━━╇━━━━━━━━━━╇━━━━━━━━━┩",
+        "│ http://10.0.0.1:8000 │ up   │        12 │ 31.25 │  0 s ago │ in sync │",
+        "│ http://10.0.0.2:8000 │ DOWN │         — │     — │ 42 s ago │ unknown │",
+        "└──────────────────────┴──────┴───────────┴───────┴──────────┴─────────┘",
+    ]
+    assert " ".join(lines[7:]) == (  # why the one down is down, under the table
+        "http://10.0.0.2:8000: gateway http://10.0.0.2:8000/admin/instances: connect: refused"
+    )
+    assert "replicas 1/2 up" in _text(header(snap))
+    assert "replicas" not in _text(header(snapshot(now, before)))
+    assert snapshot(now, before).gateways == ()

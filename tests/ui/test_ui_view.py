@@ -386,3 +386,18 @@ def test_the_timeline_shows_this_runs_shifts_unless_every_one_is_asked_for() -> 
     assert [(e["id"], e["deployment"]) for e in v["shifts"]] == [
         (1, mine), (2, other), (3, mine)]  # fmt: skip
     assert v["shifts_scope"] == "all" and v["num_hidden_shifts"] == 0
+
+
+def test_the_view_carries_the_controllers_gateway_replicas() -> None:
+    """The dashboard's "Gateway replicas" table reads `gateways`: the controller's fleet as
+    its topology says it (control/gateway_fleet.py), [] without one."""
+    fleet = [
+        {"url": "http://g1", "up": True, "num_in_flight": 3, "requests_per_s": 2.5,
+         "pool": "in sync", "error": None},
+        {"url": "http://g2", "up": False, "num_in_flight": None, "requests_per_s": None,
+         "pool": "unknown", "error": "connect: refused"},
+    ]  # fmt: skip
+    ctl = ControllerSnapshot("http://ctl", topology={"gateways": fleet}, at_s=1.0)
+    assert assemble_view(5.0, History(), ctl, 2.0)["gateways"] == fleet
+    assert assemble_view(5.0, History(), None, 2.0)["gateways"] == []
+    assert assemble_view(5.0, History(), ControllerSnapshot("http://ctl"), 2.0)["gateways"] == []

@@ -16,14 +16,22 @@ outcomes, phases, methods, lifecycle states; `model` is the served model name).
                                                        (what dashboards draw latencies against)
     flexpipe_gpu_instance{Hostname,gpu,                1 per GPU of a live instance: joins DCGM's
                           flexpipe_instance,model}     per-GPU series to instances (observe/dcgm.py)
+    flexpipe_gateway_replica_up{gateway}               1 while a gateway replica answers
+    flexpipe_gateway_replica_in_sync{gateway}          1 while its pool is the controller's
+    flexpipe_gateway_replica_catch_ups_total{gateway}  times it was brought up to date
+                                                       (the three: as the controller's fleet
+                                                       client sees them, control/gateway_fleet.py)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from flexpipe.lifecycle import LIVE_STATES, State
 from flexpipe.store.shift_entry import METHODS, ShiftEntry
@@ -152,6 +160,43 @@ class ControllerMetrics:
         for labels in rows:
             self.gpu_instance.labels(**labels).set(1)
 
+    def watch_gateways(self, view: Callable[[], list[dict[str, Any]]]) -> None:
+        """Export each gateway replica's state as `view` (the fleet's) says it at a scrape."""
+        self.registry.register(_GatewayReplicas(view))
+
     def render(self) -> bytes:
         """The exposition (text format 0.0.4), served with CONTENT_TYPE."""
         return generate_latest(self.registry)
+
+
+class _GatewayReplicas(Collector):
+    """The gateway replicas, read from the fleet at each scrape (not kept twice)."""
+
+    def __init__(self, view: Callable[[], list[dict[str, Any]]]) -> None:
+        self.view = view
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # known only at a scrape
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "flexpipe_gateway_replica_up",
+            "1 while the gateway replica answers.",
+            labels=["gateway"],
+        )
+        in_sync = GaugeMetricFamily(
+            "flexpipe_gateway_replica_in_sync",
+            "1 while the replica's pool is the controller's.",
+            labels=["gateway"],
+        )
+        catch_ups = CounterMetricFamily(
+            "flexpipe_gateway_replica_catch_ups",
+            "Times the replica was brought up to date.",
+            labels=["gateway"],
+        )
+        for r in self.view():
+            url = str(r["url"])
+            up.add_metric([url], 1.0 if r["up"] else 0.0)
+            in_sync.add_metric([url], 1.0 if r["pool"] == "in sync" else 0.0)
+            catch_ups.add_metric([url], float(r["num_catch_ups"]))
+        yield from (up, in_sync, catch_ups)

@@ -1,31 +1,85 @@
 """The controller's side of the gateway's admin API (docs/gateway.md): register, drain,
 move and remove instances, and read what the gateway sees. Every call is one HTTP request on
-a pooled keep-alive connection; a failure is a `GatewayError` with one readable line."""
+a pooled keep-alive connection; a failure is a `GatewayError` with one readable line.
+
+`GatewayAdmin` is what the controller calls: this client for one gateway, or
+`control/gateway_fleet.GatewayFleet` for several replicas of one, which says the same."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 
-__all__ = ["GatewayClient", "GatewayError"]
+__all__ = ["GatewayAdmin", "GatewayClient", "GatewayError"]
 
 
 class GatewayError(RuntimeError):
-    """The gateway refused or could not be reached."""
+    """The gateway refused (`status`: its HTTP status) or could not be reached (None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class GatewayAdmin(Protocol):
+    """The gateway's admin API as the controller uses it (docs/gateway.md)."""
+
+    @property
+    def url(self) -> str: ...
+
+    async def close(self) -> None: ...
+
+    async def instances(self) -> list[dict[str, Any]]: ...
+
+    async def add(
+        self,
+        url: str,
+        model: str,
+        max_num_seqs: int = 0,
+        admin_token: str | None = None,
+        api_key: str | None = None,
+        state: str = "active",
+    ) -> dict[str, Any]: ...
+
+    async def set_state(self, url: str, state: str) -> None: ...
+
+    async def set_weight(self, url: str, weight: float) -> None: ...
+
+    async def remove(self, url: str) -> None: ...
+
+    async def drain(self, url: str, wait_s: float = 0.0) -> bool: ...
+
+    async def requests_on(self, url: str) -> list[dict[str, Any]]: ...
+
+    async def move(self, moves: Sequence[dict[str, Any]]) -> list[dict[str, Any]]: ...
+
+    async def hold(self, model: str, seconds: float) -> None: ...
+
+    async def refuse(self, model: str, reason: str, seconds: float) -> None: ...
+
+    async def demand(self, models: Sequence[str], wait_s: float) -> dict[str, int]: ...
+
+    async def metrics(self) -> str: ...
 
 
 class GatewayClient:
-    def __init__(self, url: str, token: str | None, timeout_s: float = 10.0) -> None:
-        self.url = url.rstrip("/")
+    def __init__(
+        self, url: str, token: str | None, timeout_s: float = 10.0, connect_s: float = 3.0
+    ) -> None:
+        self._url = url.rstrip("/")
         self._headers = {"content-type": "application/json"}
         if token:
             self._headers["authorization"] = f"Bearer {token}"
-        self._timeouts = Timeouts(connect_s=3.0, ttfb_s=timeout_s, idle_s=timeout_s)
+        self._timeouts = Timeouts(connect_s=connect_s, ttfb_s=timeout_s, idle_s=timeout_s)
         self._pool = ClientPool(max_idle_per_backend=4)
+
+    @property
+    def url(self) -> str:
+        return self._url
 
     async def close(self) -> None:
         await self._pool.close()
@@ -45,7 +99,7 @@ class GatewayClient:
             raise GatewayError(f"gateway {self.url}{path}: {exc}") from None
         if resp.status >= 400:
             detail = data[:300].decode("utf-8", "replace")
-            raise GatewayError(f"gateway {self.url}{path}: {resp.status} {detail}")
+            raise GatewayError(f"gateway {self.url}{path}: {resp.status} {detail}", resp.status)
         return orjson.loads(data) if data else None
 
     async def _text(self, path: str) -> str:
@@ -86,6 +140,10 @@ class GatewayClient:
     async def set_state(self, url: str, state: str) -> None:
         """Move an instance along its lifecycle in the gateway's pool (gone removes it)."""
         await self._call("POST", "/admin/instances/state", {"url": url, "state": state})
+
+    async def set_weight(self, url: str, weight: float) -> None:
+        """The instance's share of its model's traffic (relative to the others')."""
+        await self._call("POST", "/admin/instances/weight", {"url": url, "weight": weight})
 
     async def remove(self, url: str) -> None:
         await self._call("POST", "/admin/instances/remove", {"url": url})

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from flexpipe.control.gateway_fleet import fleet_view
+
 if TYPE_CHECKING:
     from flexpipe.control.controller import Controller
 
@@ -46,7 +48,10 @@ def controller_status(ctl: Controller) -> dict[str, Any]:
         ],
         "resources": ctl.resources.to_json(),
         # what `flexpipe status` / `top` compare against and how to read the engines
-        "gateway": ctl.gateway.url,
+        "gateway": ctl.gateway.url,  # (of several replicas: the first that answers)
+        # every replica: up, in flight, requests/s, its pool against the controller's
+        # (control/gateway_fleet.py); None: one gateway, driven without a fleet
+        "gateways": fleet_view(ctl.gateway),
         "deployment": ctl.deployment,  # what its store rows and lease belong to
         "engine": ctl.cfg.engine_kind,
         "time_scale": ctl.cfg.time_scale,

@@ -3,7 +3,8 @@ bearer token as the rest of its admin API:
 
     GET /admin/topology          the GPU map: nodes, GPUs (type, memory of other tenants and
                                  of flexpipe's engines), links (fast or slow), the instances on
-                                 them with gear and lifecycle state, each model's SLOs
+                                 them with gear and lifecycle state, each model's SLOs; the
+                                 gateway replicas the controller drives (`gateways`)
     GET /admin/shifts?limit=N[&all=1]
                                  the newest N entries of the shift log (holds left out) that
                                  this controller's deployment wrote (all=1: every
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.api.admin_api import authorize
+from flexpipe.control.gateway_fleet import fleet_view
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, LinkSpec
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
 from flexpipe.launch import EngineSpec
@@ -160,9 +162,10 @@ class UiApi:
         instances = [
             UiInstance(*_names(i.key, i.planned), i.url, i.state) for i in self.c.running.values()
         ]
-        return json_response(
-            topology_doc(self.c.cluster, instances, self.c.cfg.demands, self.c.cfg.time_scale)
-        )
+        doc = topology_doc(self.c.cluster, instances, self.c.cfg.demands, self.c.cfg.time_scale)
+        # the gateway replicas the controller drives (None: one, without a fleet)
+        doc["gateways"] = fleet_view(self.c.gateway)
+        return json_response(doc)
 
     async def shifts(self, req: Request) -> Response:
         authorize(req, self.c.cfg.token)

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, MutableMapping, Sequence
 
-from flexpipe.control.api.gateway_client import GatewayClient, GatewayError
+from flexpipe.control.api.gateway_client import GatewayAdmin, GatewayError
 from flexpipe.control.engines.adopt import healthy
 from flexpipe.control.executor import LiveInstance
 from flexpipe.gears.gear import parse_gear
@@ -43,7 +43,7 @@ class Takeover:
         registry: InstanceRegistry | None,
         shift_log: ShiftLog | None,
         launcher: AdoptingLauncher,
-        gateway: GatewayClient,
+        gateway: GatewayAdmin,
         engine_kind: str,
         engine_admin_token: str | None,
         drain_deadline_s: float,

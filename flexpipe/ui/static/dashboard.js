@@ -227,6 +227,20 @@ function renderInstances(v) {
     `</tbody></table>`);
 }
 
+// ------------------------------------------------------------------ gateway replicas
+function renderGateways(v) {
+  // several replicas of the gateway, driven by one controller (docs/controller.md)
+  const rows = list(v.gateways).map(obj);
+  $("gateways-section").hidden = rows.length < 2;
+  if (rows.length < 2) return;
+  setHtml($("gateways"), `<table><thead><tr><th>gateway</th><th>up</th><th>in flight</th><th>req/s</th><th>pool</th></tr></thead><tbody>` +
+    rows.map((g) => `<tr data-gateway="${esc(g.url)}"><td>${esc(g.url)}</td>` +
+      `<td><span class="state ${g.up ? "active" : "gone"}">${g.up ? "up" : "down"}</span></td>` +
+      `<td class="num">${fmt(g.num_in_flight, 0)}</td><td class="num">${fmt(g.requests_per_s, 2)}</td>` +
+      `<td>${esc(g.pool || "–")}${!g.up && g.error ? `<br><span class="muted">${esc(g.error)}</span>` : ""}</td></tr>`).join("") +
+    `</tbody></table>`);
+}
+
 async function drain(url) {
   const token = $("admin-token").value.trim();
   if (!confirm(`Drain ${url}? The gateway stops routing to it; requests in flight finish.`)) return;
@@ -372,6 +386,7 @@ function render() {
   if (!v) return;
   renderMap(v);
   renderModels(v);
+  renderGateways(v);
   renderInstances(v);
   renderShifts(v);
   const ctl = obj(v.controller);
