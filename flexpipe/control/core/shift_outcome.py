@@ -23,6 +23,8 @@ class ShiftOutcome:
     stopped: list[str] = field(default_factory=list)
     slept: list[str] = field(default_factory=list)  # put to sleep instead of stopped
     woken: list[str] = field(default_factory=list)  # woken instead of cold-started
+    # how each in-place step re-geared (`make_before_break`): "wake: ..." (in_place.py)
+    in_place: list[str] = field(default_factory=list)
     # refused before anything changed (the target was not tried: no failure of it)
     refused: bool = False
 
@@ -43,6 +45,7 @@ class ShiftOutcome:
             "stopped": self.stopped,
             **({"slept": self.slept} if self.slept else {}),
             **({"woken": self.woken} if self.woken else {}),
+            **({"in_place": self.in_place} if self.in_place else {}),
         }
 
 
