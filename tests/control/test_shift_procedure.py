@@ -38,7 +38,7 @@ from flexpipe.control.core.shift_commands import (
     Wait,
     Wake,
 )
-from flexpipe.control.core.shift_outcome import ShiftOutcome
+from flexpipe.control.core.shift_outcome import ShiftOutcome, in_place_gap_s
 from flexpipe.control.core.shift_procedure import (
     ShiftParams,
     ShiftProcedure,
@@ -314,6 +314,7 @@ def test_an_in_place_step_holds_its_model_for_two_cold_starts_and_the_drain() ->
         "hold llama-7b 0",
     ]
     assert out.succeeded and out.started == [instance_key(new)]
+    assert out.in_place == ["rolling, capacity away 13.500 s"]
     assert list(out.phases_s) == [
         f"{p}_in_place" for p in ("drain", "migrate", "release", "warm", "rehearse", "switch")
     ]
@@ -496,12 +497,17 @@ def test_an_in_place_successor_pre_started_asleep_replaces_its_predecessor_by_a_
     ]
     assert out.succeeded and out.started == out.woken == [instance_key(new)]
     assert out.stopped == [instance_key(L40S)] and sleepers == {}
-    assert out.in_place == ["wake: too big"]
-    # the pre-start (12.5 s load, 1 s rehearsal, 2 s sleep) is not a gap: the old one serves
-    assert out.phases_s == {"prestart_in_place": 15.5, "drain_in_place": 0.0,
+    # the pre-start (12.5 s load, 1 s rehearsal, 2 s sleep) is not a gap: the old one serves;
+    # the gap is the drain (the fake world's instance is empty at once) and the wake
+    assert out.in_place == ["wake, capacity away 0.500 s: too big"]
+    assert out.phases_s == {"warm_prestart_in_place": 15.5, "drain_in_place": 0.0,
                             "migrate_in_place": 0.0, "release_in_place": 0.0,
                             "wake_in_place": 0.5}  # fmt: skip
     assert sorted(running) == sorted(map(instance_key, (PAIR, new, L4)))
+    # what `bench shift` reads back from the shift log's notes
+    notes = ["started x", *(f"in place: {line}" for line in out.in_place)]
+    assert in_place_gap_s([*notes, "in place: rolling, capacity away 13.500 s"]) == 14.0
+    assert in_place_gap_s(["started x"]) is None
 
 
 def test_an_in_place_successor_that_fits_beside_serves_before_its_predecessor_drains() -> None:
@@ -529,6 +535,7 @@ def test_an_in_place_successor_that_fits_beside_serves_before_its_predecessor_dr
         "release llama-7b-1",
     ]
     assert out.succeeded and out.started == [instance_key(new)] and out.woken == []
+    assert out.in_place == ["side_by_side, capacity away 0.000 s: fits"]
 
 
 def test_a_pre_started_successor_that_cannot_sleep_is_stopped_and_cold_started_in_place() -> None:
@@ -560,6 +567,8 @@ def test_a_pre_started_successor_that_cannot_sleep_is_stopped_and_cold_started_i
         "hold llama-7b 0",
     ]
     assert out.succeeded and out.woken == [] and out.started == [instance_key(new)]
+    # the cold start (12.5 s) and the rehearsal (1 s) in the gap, as rolling
+    assert out.in_place == ["cold, capacity away 13.500 s"]
 
 
 def test_a_pre_started_successor_that_misses_its_rehearsal_leaves_the_old_one_serving() -> None:

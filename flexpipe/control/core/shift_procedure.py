@@ -65,7 +65,7 @@ from flexpipe.control.core.shift_moves import plan_waves
 from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.model_spec import ModelSpec
 from flexpipe.policies.planner import PlannedInstance
-from flexpipe.policies.shift.in_place import SIDE_BY_SIDE, WAKE, InPlaceChoice
+from flexpipe.policies.shift.in_place import COLD, ROLLING, SIDE_BY_SIDE, WAKE, InPlaceChoice
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.policies.shift.step_order import plan_shift
 
@@ -192,13 +192,12 @@ class ShiftProcedure:
             suffix = "_in_place" if len(plan.steps) == 1 else f"_in_place{n + 1}"
             leaving = [by_key[instance_key(b)] for b in blockers]
             choice = self.in_place(blockers, adds) if self.in_place is not None else None
-            if choice is not None:
-                out.in_place.append(f"{choice.how}: {choice.why}")
             if choice is not None and choice.how == SIDE_BY_SIDE:  # nothing stops first
                 yield from self._bring_up(adds, suffix, p.rehearse, p.all_or_nothing, out)
                 if not out.succeeded:
                     yield from self._roll_back([], started)
                     return out
+                out.in_place.append(f"{SIDE_BY_SIDE}, capacity away 0.000 s: {choice.why}")
                 yield from self._retire(leaving, suffix)
                 continue
             drain_s = None
@@ -210,8 +209,14 @@ class ShiftProcedure:
                 drain_s = p.in_place_drain_s
             held = yield from self._hold(adds, leaving)
             try:
+                t0 = self.now_s
                 yield from self._retire(leaving, suffix, drain_deadline_s=drain_s)
                 yield from self._bring_up(adds, suffix, p.rehearse, p.all_or_nothing, out)
+                how = ROLLING if choice is None else choice.how
+                if how == WAKE and not {instance_key(a) for a in adds} & set(out.woken):
+                    how = COLD  # no successor slept or woke: it cold-started
+                why = f": {choice.why}" if choice is not None and choice.why else ""
+                out.in_place.append(f"{how}, capacity away {self.now_s - t0:.3f} s{why}")
                 if not out.succeeded:
                     yield from self._roll_back(leaving, started)
             except GeneratorExit:  # abandoned (a simulation ended mid-shift): nothing to do
@@ -547,7 +552,7 @@ class ShiftProcedure:
                 self.sleepers[inst.key] = result
         if awake:  # it could not sleep: stopped, cold-started in the step instead
             yield from self._do(Release(tuple(awake)))
-        out.phases_s["prestart" + suffix] = self.now_s - t0
+        out.phases_s["warm_prestart" + suffix] = self.now_s - t0
 
     def _sleep(self, leaving: Sequence[Any], suffix: str) -> Steps[list[Any]]:
         """Put the drained instances that have a sleep level to sleep, a Sleep per level;
