@@ -31,7 +31,9 @@ from flexpipe.perf.actuation import peer_link_for
 from flexpipe.perf.weights import local_nvme, network_storage, peer_gpu
 
 MODELS = ("llama-2-7b", "llama-2-13b", "llama-2-70b")
-ALLOWANCE_S = 0.02  # per live operation, on top of 10%: HTTP and timers on a shared machine
+# per live operation, on top of 10%: HTTP and timers on a shared machine (wall s: divided by
+# the time scale, as the measurement is)
+ALLOWANCE_WALL_S = 0.02
 GPUS = ("L4", "A100-80G-SXM", "H100-80G-SXM")
 
 
@@ -149,8 +151,9 @@ def live_table(
     time_scale: float, repeats: int, models: Sequence[str], gpus: Sequence[str]
 ) -> tuple[list[str], float]:
     """(table lines, the worst error of measured / time scale against modelled, as a share
-    of its allowance: 10% of the modelled seconds plus 20 ms of HTTP and timers on a shared
-    machine) over each model on each GPU (its smallest tensor-parallel size that fits)."""
+    of its allowance: 10% of the modelled seconds plus 20 ms of wall time for HTTP and timers
+    on a shared machine) over each model on each GPU (its smallest tensor-parallel size that
+    fits)."""
     lines = [
         f"| model | GPU | gear | operation (time scale {time_scale:g}) | modelled s "
         "| measured s (median / scale) | error |",
@@ -164,7 +167,8 @@ def live_table(
                 continue
             for name, (modelled, got) in _live_row(pm, time_scale, repeats).items():
                 err = got - modelled
-                worst = max(worst, abs(err) / (0.1 * modelled + ALLOWANCE_S))
+                allowed_s = 0.1 * modelled + ALLOWANCE_WALL_S / time_scale
+                worst = max(worst, abs(err) / allowed_s)
                 lines.append(
                     f"| {model} | {gpu} | tp={pm.gear.tp} | {name} | {modelled:.3f} "
                     f"| {got:.3f} | {err * 1e3:+.0f} ms |"
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     # HTTP and timer overhead on a shared machine: a few ms on sub-second operations
     ok = worst <= 1.0
     verdict = "ok" if ok else "over"
-    print(f"actuation: live worst error {worst:.0%} of its allowance (10% + 20 ms): {verdict}")
+    print(f"actuation: live worst error {worst:.0%} of its allowance (10% + 20 ms wall): {verdict}")
     return 0 if ok else 1
 
 
