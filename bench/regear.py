@@ -51,9 +51,7 @@ def scenario_doc(in_place: str, rate_per_s: float, seed: int) -> dict[str, Any]:
 def in_place_phases_s(phases_s: dict[str, float]) -> float:
     """The in-place step's phases but its pre-start: the time the model lacked the capacity
     it replaces (what the live procedure measures as "capacity away")."""
-    return sum(
-        v for k, v in phases_s.items() if "_in_place" in k and not k.startswith("warm_prestart")
-    )
+    return sum(v for k, v in phases_s.items() if "_in_place" in k and "_prestart" not in k)
 
 
 def tokens_per_s(requests: Sequence[Any], start_s: float, end_s: float) -> float:

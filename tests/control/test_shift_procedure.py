@@ -500,7 +500,8 @@ def test_an_in_place_successor_pre_started_asleep_replaces_its_predecessor_by_a_
     # the pre-start (12.5 s load, 1 s rehearsal, 2 s sleep) is not a gap: the old one serves;
     # the gap is the drain (the fake world's instance is empty at once) and the wake
     assert out.in_place == ["wake, capacity away 0.500 s: too big"]
-    assert out.phases_s == {"warm_prestart_in_place": 15.5, "drain_in_place": 0.0,
+    assert out.phases_s == {"warm_prestart_in_place": 12.5, "rehearse_prestart_in_place": 1.0,
+                            "sleep_prestart_in_place": 2.0, "drain_in_place": 0.0,
                             "migrate_in_place": 0.0, "release_in_place": 0.0,
                             "wake_in_place": 0.5}  # fmt: skip
     assert sorted(running) == sorted(map(instance_key, (PAIR, new, L4)))

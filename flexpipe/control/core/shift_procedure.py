@@ -347,7 +347,10 @@ class ShiftProcedure:
         rehearse: bool,
         all_or_nothing: bool,
         out: ShiftOutcome,
+        sleep_level: int = 0,
     ) -> Steps[list[Any]]:
+        """Start, rehearse and activate `adds`; with a `sleep_level`, put them to sleep
+        instead of activating them (`_pre_start`). Returns those that serve."""
         planned = [self._named(a) for a in adds]
         t0 = self.now_s
         tokens = yield from self._do(Launch(tuple(planned)))
@@ -388,6 +391,9 @@ class ShiftProcedure:
             started = yield from self._keep(alive, failures, out, all_or_nothing)
             if not started:
                 return []
+        if sleep_level:
+            yield from self._fall_asleep(started, sleep_level, suffix)
+            return []
         t2 = self.now_s
         for inst in started:
             yield from self._activate(inst, out)
@@ -510,39 +516,13 @@ class ShiftProcedure:
         rehearse, and sleep at `level` until those are gone (in_place.py): kept in
         `sleepers`, so that the step's bring-up wakes them. A failed start or rehearsal
         fails the shift before anything stopped; one that does not fall asleep stops, and
-        its instance cold-starts in the step, as rolling."""
-        out = self.out
-        p = self.params
+        its instance cold-starts in the step, as rolling. Its phases: `*_prestart*`."""
+        yield from self._launch(adds, "_prestart" + suffix, self.params.rehearse, True, self.out,
+                                sleep_level=level)  # fmt: skip
+
+    def _fall_asleep(self, started: Sequence[Any], level: int, suffix: str) -> Steps[None]:
+        """Pre-started instances to sleep, into `sleepers`; one that stays awake stops."""
         t0 = self.now_s
-        planned = [self._named(a) for a in adds]
-        tokens = yield from self._do(Launch(tuple(planned)))
-        failures = [
-            f"instance {a.name} did not start: {t.why}"
-            for a, t in zip(planned, tokens, strict=True)
-            if isinstance(t, Failed)
-        ]
-        launched = [t for t in tokens if not isinstance(t, Failed)]
-        if failures and not (yield from self._judge(out, failures, launched, True)):
-            return
-        ready = yield from self._do(AwaitReady(tuple(launched)))
-        started = yield from self._keep(ready, failures, out, True)
-        if not started:
-            return
-        joined = yield from self._do(Join(tuple(started)))
-        refused = [Failed(why) if why else i for i, why in zip(started, joined, strict=True)]
-        started = yield from self._keep(refused, failures, out, True)
-        if not started:
-            return
-        if p.rehearse:
-            yield from self._do(SetState(tuple(started), "rehearsing"))
-            checks = yield from self._do(Rehearse(tuple(started)))
-            out.rehearsal.extend(checks)
-            missed = [c for c in checks if not c["passed"]]
-            if missed:
-                yield from self._do(Release(tuple(started)))
-                out.succeeded = False
-                out.reason = "rehearsal missed: " + "; ".join(c["why"] for c in missed)
-                return
         results = yield from self._do(Sleep(tuple(started), level))
         awake = []
         for inst, result in zip(started, results, strict=True):
@@ -550,9 +530,9 @@ class ShiftProcedure:
                 awake.append(inst)
             else:
                 self.sleepers[inst.key] = result
-        if awake:  # it could not sleep: stopped, cold-started in the step instead
+        if awake:
             yield from self._do(Release(tuple(awake)))
-        out.phases_s["warm_prestart" + suffix] = self.now_s - t0
+        self.out.phases_s["sleep" + suffix] = self.now_s - t0
 
     def _sleep(self, leaving: Sequence[Any], suffix: str) -> Steps[list[Any]]:
         """Put the drained instances that have a sleep level to sleep, a Sleep per level;
