@@ -6,18 +6,23 @@ of a cold start from the default storage (today's 2 GB/s + 20 s) and from the no
 level-1 sleep and wake-up (host RAM over PCIe), a level-2 wake-up from the NVMe, and a copy
 from a peer GPU holding the same layers (NVLink where the GPU has it, else PCIe).
 
-Live: one 7B sim engine at a small time scale; each sleep and wake-up over HTTP is timed and
-divided by the time scale, against the modelled seconds.
+Live: for each model on each GPU, sim engines standing for that gear at a small time scale:
+the cold start (weights from the NVMe: from the port opening to /health 200), each sleep and
+wake-up over HTTP, and a level-2 wake of an engine whose weights come from a peer GPU (the
+peer copy); each timed, divided by the time scale, against the modelled seconds.
 
     python -m bench actuation [--time-scale 0.5] [--repeats 3] [--no-live]
+        [--live-models llama-2-7b --live-gpus A100-80G-SXM]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 from flexpipe.engine.testing import request, sim_engine
 from flexpipe.hardware import gpu_spec
@@ -26,8 +31,10 @@ from flexpipe.perf.actuation import peer_link_for
 from flexpipe.perf.weights import local_nvme, network_storage, peer_gpu
 
 MODELS = ("llama-2-7b", "llama-2-13b", "llama-2-70b")
+# per live operation, on top of 10%: HTTP and timers on a shared machine (wall s: divided by
+# the time scale, as the measurement is)
+ALLOWANCE_WALL_S = 0.02
 GPUS = ("L4", "A100-80G-SXM", "H100-80G-SXM")
-LIVE_MODEL = "llama-2-7b"
 
 
 def _smallest_gear(model: str, gpu: str) -> PerfModel | None:
@@ -81,21 +88,38 @@ def _timed_post(url: str) -> float:
     return time.monotonic() - t0
 
 
-def live_table(time_scale: float, repeats: int) -> tuple[list[str], float]:
-    """(table lines, worst relative error of measured / time scale against modelled)."""
-    pm = perf_model_for(LIVE_MODEL, "tp=1", "A100-80G-SXM", max_model_len=512)
-    args = [
-        LIVE_MODEL,
-        "--load-time-s",
-        "0",
-        "--max-model-len",
-        "512",
-        "--time-scale",
-        str(time_scale),
-        "--enable-sleep-mode",
-        "--weight-source",
-        "local_nvme",
-    ]
+def _until_healthy(url: str, timeout_s: float) -> float:
+    """Wall seconds from now until `url`/health answers 200 (polled every 5 ms)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with contextlib.suppress(OSError):
+            if request("GET", url + "/health").status == 200:
+                return time.monotonic() - t0
+        time.sleep(0.005)
+    raise RuntimeError(f"{url}: not healthy within {timeout_s:.0f} s")
+
+
+def _engine_args(pm: PerfModel, time_scale: float, source: list[str]) -> list[str]:
+    """A sim engine standing for `pm`'s gear on its GPU type, able to sleep."""
+    gpu = pm.placement.gpus[0].spec
+    return [
+        pm.model.name, "--tensor-parallel-size", str(pm.gear.tp), "--gpu-type", gpu.name,
+        "--link", peer_link_for(gpu).name, "--max-model-len", "512",
+        "--time-scale", str(time_scale), "--enable-sleep-mode", *source,
+    ]  # fmt: skip
+
+
+def _live_row(pm: PerfModel, time_scale: float, repeats: int) -> dict[str, tuple[float, float]]:
+    """Operation -> (modelled s, measured s: the median of `repeats`, divided by the time
+    scale). Two engines: one reading its weights from the node's NVMe (its cold start, from
+    the port opening to /health 200; the sleeps and wakes), one whose weights come from a peer
+    GPU (a level-2 wake is then the peer copy)."""
+    link = peer_link_for(pm.placement.gpus[0].spec)
+    peer = peer_gpu(link, pm.efficiency.p2p_bandwidth_efficiency)
+    assert peer.bandwidth_bytes_per_s is not None
+    nvme = ["--weight-source", "local_nvme"]
+    from_peer = ["--weight-source", "peer_gpu", "--weight-source-gb-per-s",
+                 repr(peer.bandwidth_bytes_per_s / 1e9)]  # fmt: skip
     steps = (
         ("sleep level 1", "/sleep?level=1", pm.sleep_s(1)),
         ("wake from level 1", "/wake_up", pm.wake_s(1)),
@@ -103,22 +127,52 @@ def live_table(time_scale: float, repeats: int) -> tuple[list[str], float]:
         ("wake from level 2 (NVMe)", "/wake_up", pm.wake_s(2, local_nvme())),
     )
     measured: dict[str, list[float]] = {name: [] for name, _, _ in steps}
-    with sim_engine(args, env={"VLLM_SERVER_DEV_MODE": "1"}) as eng:
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    cold_s = pm.cold_start_s(None, local_nvme())
+    with sim_engine(_engine_args(pm, time_scale, nvme), env=env) as eng:
+        cold = _until_healthy(eng.url, cold_s * time_scale + 60) / time_scale
         for _ in range(repeats):
             for name, path, _ in steps:
                 measured[name].append(_timed_post(eng.url + path) / time_scale)
+    peer_s = pm.wake_s(2, peer)
+    copies = []
+    with sim_engine(_engine_args(pm, time_scale, from_peer), env=env) as eng:
+        _until_healthy(eng.url, pm.cold_start_s(None, peer) * time_scale + 60)
+        for _ in range(repeats):
+            _timed_post(eng.url + "/sleep?level=2")
+            copies.append(_timed_post(eng.url + "/wake_up") / time_scale)
+    out = {"cold start (NVMe)": (cold_s, cold)}
+    out |= {name: (m, statistics.median(measured[name])) for name, _, m in steps}
+    out[f"peer copy ({link.name})"] = (peer_s, statistics.median(copies))
+    return out
+
+
+def live_table(
+    time_scale: float, repeats: int, models: Sequence[str], gpus: Sequence[str]
+) -> tuple[list[str], float]:
+    """(table lines, the worst error of measured / time scale against modelled, as a share
+    of its allowance: 10% of the modelled seconds plus 20 ms of wall time for HTTP and timers
+    on a shared machine) over each model on each GPU (its smallest tensor-parallel size that
+    fits)."""
     lines = [
-        f"| operation (7B, A100-80G-SXM, time scale {time_scale:g}) | modelled s "
+        f"| model | GPU | gear | operation (time scale {time_scale:g}) | modelled s "
         "| measured s (median / scale) | error |",
-        "| --- | --- | --- | --- |",
+        "|" + " --- |" * 7,
     ]
     worst = 0.0
-    for name, _, modelled in steps:
-        got = statistics.median(measured[name])
-        err = got - modelled
-        if modelled > 0:
-            worst = max(worst, abs(err) / modelled)
-        lines.append(f"| {name} | {modelled:.3f} | {got:.3f} | {err * 1e3:+.0f} ms |")
+    for model in models:
+        for gpu in gpus:
+            pm = _smallest_gear(model, gpu)
+            if pm is None:
+                continue
+            for name, (modelled, got) in _live_row(pm, time_scale, repeats).items():
+                err = got - modelled
+                allowed_s = 0.1 * modelled + ALLOWANCE_WALL_S / time_scale
+                worst = max(worst, abs(err) / allowed_s)
+                lines.append(
+                    f"| {model} | {gpu} | tp={pm.gear.tp} | {name} | {modelled:.3f} "
+                    f"| {got:.3f} | {err * 1e3:+.0f} ms |"
+                )
     return lines, worst
 
 
@@ -127,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=0.5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-live", action="store_true")
+    p.add_argument("--live-models", default=",".join(MODELS), help="comma-separated")
+    p.add_argument("--live-gpus", default=",".join(GPUS), help="comma-separated")
     args = p.parse_args(argv or [])
     try:
         print("\n".join(modelled_table()))
@@ -135,12 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.no_live:
         return 0
-    lines, worst = live_table(args.time_scale, args.repeats)
+    lines, worst = live_table(
+        args.time_scale, args.repeats, args.live_models.split(","), args.live_gpus.split(",")
+    )
     print()
     print("\n".join(lines))
     # HTTP and timer overhead on a shared machine: a few ms on sub-second operations
-    ok = worst <= 0.10
-    print(f"actuation: live worst relative error {worst:.1%} ({'ok' if ok else 'over 10%'})")
+    ok = worst <= 1.0
+    verdict = "ok" if ok else "over"
+    print(f"actuation: live worst error {worst:.0%} of its allowance (10% + 20 ms wall): {verdict}")
     return 0 if ok else 1
 
 

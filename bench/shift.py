@@ -86,11 +86,13 @@ import openai
 
 from bench._shift_load import LoadMix, PoissonLoad, RequestRecord, excess_pause_s
 from flexpipe.cluster import load_cluster, placement_on
+from flexpipe.control.core.shift_outcome import in_place_gap_s
 from flexpipe.control.engines.launching import load_models
 from flexpipe.gears.gear import parse_gear
 from flexpipe.launch import free_port
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import PerfModel
+from flexpipe.policies.shift.in_place import IN_PLACE_MODES, ROLLING
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -214,7 +216,8 @@ class Run:
         # 50 ms a freed gpu1 gains nothing. --tpot-slo-ms (60) leaves the shift room to pay.
         text = MODELS.read_text().replace("tpot_p99_ms: 50", f"tpot_p99_ms: {args.tpot_slo_ms:g}")
         self.models.write_text(text)
-        (tmp / "shift.yaml").write_text(SHIFT_CONFIG)
+        in_place = f"  pricing: {{in_place: {args.in_place}}}\n"
+        (tmp / "shift.yaml").write_text(SHIFT_CONFIG + in_place)
         self.store = f"sqlite:///{tmp / 'fp.db'}"
         self.port = free_port()
         self.demand = load_models(self.models)[0]
@@ -424,6 +427,11 @@ def analyse(run: Run, entries: list[dict[str, Any]]) -> dict[str, Any]:
             if e["finished_at"] is None
             else round(((run.mono(e["finished_at"]) or 0) - (run.mono(e["at"]) or 0)) / scale, 1),
             "migrated": e["migrated"],
+            # how long in-place steps took capacity away (the shift log's notes, wall / scale)
+            "in_place_gap_s_modelled": None
+            if (gap := in_place_gap_s(e["notes"])) is None
+            else round(gap / scale, 2),
+            "in_place": [n for n in e["notes"] if n.startswith("in place: ")],
         }
         for e in shifts
     ]
@@ -727,6 +735,10 @@ def print_report(s: dict[str, Any]) -> None:
         print("  phases: " + ", ".join(f"{k} {v} s" for k, v in sh["phases_s_modelled"].items()
                                        if v is not None))  # fmt: skip
         print(f"  migrated: {sh['migrated']}")
+        for note in sh["in_place"]:
+            print(f"  {note}")
+        if sh["in_place_gap_s_modelled"] is not None:
+            print(f"  in place: capacity away {sh['in_place_gap_s_modelled']} s modelled")
     if "requests" in s:
         r = s["requests"]
         print(f"requests: {s['num_requests']} sent; {r['before']} before, {r['during']} in "
@@ -825,6 +837,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--tpot-slo-ms", type=float, default=60.0, help="the model's TPOT p99 SLO")
     p.add_argument("--max-wall-s", type=float, default=900.0, help="bound on the whole run")
     p.add_argument("--keep", action="store_true", help="keep the run's directory (store, files)")
+    p.add_argument("--in-place", choices=IN_PLACE_MODES, default=ROLLING,
+                   help="how an in-place step re-gears (shift.pricing.in_place)")  # fmt: skip
     args = p.parse_args(list(argv))
     if args.time_scale <= 0 or args.rate_per_s <= 0:
         p.error("--time-scale and --rate-per-s must be > 0")

@@ -13,6 +13,8 @@ probe succeeds. Legal moves besides the main line:
 - active/draining → asleep: the engine sleeps (vLLM's sleep mode) instead of stopping, once
   its requests moved or finished; it holds only what vLLM keeps on the GPU while asleep and is
   never routed to;
+- starting/rehearsing → asleep: an in-place successor pre-started beside the instance it
+  replaces sleeps until that one is gone (docs/controller.md, "In place");
 - asleep → waking → active: a later plan wants the same model, gear and GPUs, and waking it
   is faster than a cold start (docs/controller.md, "Sleep instead of stop");
 - any live state → gone: the engine died, failed to start or was found unreachable (an asleep
@@ -50,8 +52,8 @@ class State(enum.StrEnum):
 
 # state -> the states it may move to
 TRANSITIONS: Mapping[State, frozenset[State]] = {
-    State.STARTING: frozenset({State.REHEARSING, State.ACTIVE, State.GONE}),
-    State.REHEARSING: frozenset({State.ACTIVE, State.DRAINING, State.GONE}),
+    State.STARTING: frozenset({State.REHEARSING, State.ACTIVE, State.ASLEEP, State.GONE}),
+    State.REHEARSING: frozenset({State.ACTIVE, State.DRAINING, State.ASLEEP, State.GONE}),
     State.ACTIVE: frozenset({State.DRAINING, State.ASLEEP, State.GONE}),
     State.DRAINING: frozenset({State.ACTIVE, State.ASLEEP, State.GONE}),
     State.ASLEEP: frozenset({State.WAKING, State.GONE}),

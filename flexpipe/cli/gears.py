@@ -57,7 +57,7 @@ def points_table(points: list[GearPoint], title: str) -> Table:
         title = f"{title} · {model} on {gpus} ({link})"
     table = Table(title=title, title_justify="left")
     cols = ["gear", "batch", "decode tok/s", "prefill tok/s", "TTFT p50/p99 ms"]
-    cols += ["TPOT p50/p99 ms", "e2e p99 s", "KV", "cold s", "source"]
+    cols += ["TPOT p50/p99 ms", "e2e p99 s", "KV", "cold s", "wake L1/L2 s", "source"]
     if not shared:
         cols = ["model", "GPUs", "link", *cols]
     for col in cols:
@@ -75,6 +75,7 @@ def points_table(points: list[GearPoint], title: str) -> Table:
             f"{p.e2e_p99_s:.2f}",
             "-" if p.peak_kv_usage is None else f"{p.peak_kv_usage:.0%}",
             "-" if p.cold_start_s is None else f"{p.cold_start_s:.1f}",
+            "/".join("-" if w is None else f"{w:.2f}" for w in (p.wake_level1_s, p.wake_level2_s)),
             f"{p.source} ({p.engine})",
         ]
         if not shared:

@@ -42,6 +42,7 @@ from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift import ShiftPolicy
+from flexpipe.policies.shift.in_place import MAKE_BEFORE_BREAK
 from flexpipe.store import Store
 from flexpipe.store.instance_registry import InstanceRegistry
 from flexpipe.store.shift_log import ShiftLog
@@ -162,6 +163,8 @@ def assemble(
     # are launched able to sleep
     kind_sleep_levels = engine_kind(cfg.engine_kind).sleep_levels
     sleeps = sleep_mode_on(cfg.shift.sleep_mode, kind_sleep_levels)
+    # an in-place successor made before the break may wait asleep (policies/shift/in_place.py)
+    sleeps |= cfg.shift.pricing.in_place == MAKE_BEFORE_BREAK and bool(kind_sleep_levels)
 
     def spec_now(p: PlannedInstance) -> EngineSpec:
         spec = spec_of(p, cluster())
@@ -183,6 +186,8 @@ def assemble(
         sleep_mode=cfg.shift.sleep_mode,
         kind_sleep_levels=kind_sleep_levels,
         cluster_now=cluster,
+        in_place=cfg.shift.pricing.in_place,
+        in_place_drain_s=cfg.shift.pricing.in_place_drain_s,
     )
     standby = StandbyModels(
         gateway,

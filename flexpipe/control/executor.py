@@ -56,11 +56,13 @@ from flexpipe.control.core.shift_commands import (
 )
 from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.control.core.shift_procedure import ShiftParams, ShiftProcedure, gather_names
-from flexpipe.control.core.sleeping import leaving_of, sleep_levels
+from flexpipe.control.core.sleeping import in_place_chooser, leaving_of, sleep_levels
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher
 from flexpipe.model_spec import load_model_spec
+from flexpipe.perf import PerfModel
 from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.in_place import ROLLING
 from flexpipe.policies.shift.migration import link_between, perf_model_of
 from flexpipe.policies.shift.snapshot import instance_key
 
@@ -124,6 +126,8 @@ class Executor:
         kind_sleep_levels: tuple[int, ...] = (),
         sleep_timeout_s: float = 600.0,
         cluster_now: Callable[[], Cluster] | None = None,
+        in_place: str = ROLLING,
+        in_place_drain_s: float = 2.0,
     ) -> None:
         self.launcher = launcher
         self.gateway = gateway
@@ -153,6 +157,10 @@ class Executor:
         self.sleepers: dict[str, LiveInstance] = {}  # instance key -> sleeping instance
         # the GPUs as free to us now (a wake checks nobody took its GPUs since the decision)
         self.cluster_now = cluster_now
+        # how an in-place step re-gears (policies/shift/in_place.py); its short drain, in
+        # modelled s (scaled to wall s as the drain deadline is)
+        self.in_place = in_place
+        self.in_place_drain_s = in_place_drain_s
 
     async def close(self) -> None:
         await self._probe_pool.close()
@@ -180,21 +188,30 @@ class Executor:
             kv_moves=self.kv_moves,
             rehearse=rehearse,
             all_or_nothing=all_or_nothing,
+            in_place_drain_s=self.in_place_drain_s * self.time_scale,
         )
         self.names |= gather_names(running)  # (adopted after a restart)
         asleep = [i.planned for i in self.sleepers.values()]
         planned = [*(i.planned for i in running.values()), *target, *asleep]
         specs = {p.model_id: load_model_spec(p.model_id) for p in planned}
+
+        def perf_model(p: PlannedInstance) -> PerfModel:
+            return perf_model_of(cluster, p, spec=specs[p.model_id])
+
+        level1 = [i.planned for i in self.sleepers.values() if i.sleep_level == 1]
         levels = sleep_levels(
             self.sleep_mode,
             self.kind_sleep_levels,
             cluster,
             leaving_of({k: i.planned for k, i in running.items()}, target),
-            [i.planned for i in self.sleepers.values() if i.sleep_level == 1],
-            lambda p: perf_model_of(cluster, p, spec=specs[p.model_id]),
+            level1,
+            perf_model,
+        )
+        chooser = in_place_chooser(
+            self.in_place, self.kind_sleep_levels, cluster, level1, perf_model
         )
         procedure = ShiftProcedure(
-            running, target, params, self.names, specs, self.sleepers, levels
+            running, target, params, self.names, specs, self.sleepers, levels, chooser
         )
         return await _LiveShift(self, cluster, running).drive(procedure.run(self.clock()))
 

@@ -70,6 +70,11 @@ class GearPoint:
     num_failed: int = 0
     measured_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     note: str | None = None
+    # the engine's wake-ups from vLLM's sleep mode, measured next to its cold start (level 1:
+    # weights back from host RAM; level 2: from the engine's weight source); None: not
+    # measured (the engine was not started able to sleep)
+    wake_level1_s: float | None = None
+    wake_level2_s: float | None = None
 
     @property
     def key(self) -> GearKey:
@@ -110,7 +115,7 @@ _INT_FIELDS = {"batch_size", "input_len", "output_len", "num_requests", "num_fai
 _STR_FIELDS = {"model", "gear_key", "gear", "gpu_types", "link", "source", "engine"}
 _STR_FIELDS |= {"engine_version", "note"}
 _OPTIONAL: dict[str, Any] = {"peak_kv_usage": None, "cold_start_s": None, "note": None}
-_OPTIONAL |= {"num_failed": 0}
+_OPTIONAL |= {"num_failed": 0, "wake_level1_s": None, "wake_level2_s": None}
 
 
 def _convert(name: str, value: Any) -> Any:

@@ -1,10 +1,11 @@
 """gear_bench: measure gears, not guess them (seed 000 §2.2).
 
 For each candidate gear: launch an engine through the launcher (the same one the controller
-uses), wait for /health 200 (cold start), drive a fixed-shape closed-loop load — by default
-200 requests of 512 prompt tokens and 128 output tokens — at a sweep of concurrencies from 1
-to the largest whose KV fits, stop the engine, and store one gear-table point per
-concurrency. Every point is stored as soon as it is measured, so an interrupted run keeps
+uses), wait for /health 200 (cold start), time a wake-up from each sleep level (vLLM's sleep
+mode: level 1 from host RAM, level 2 from the weight source), drive a fixed-shape closed-loop
+load — by default 200 requests of 512 prompt tokens and 128 output tokens — at a sweep of
+concurrencies from 1 to the largest whose KV fits, stop the engine, and store one gear-table
+point per concurrency. Every point is stored as soon as it is measured, so an interrupted run keeps
 what it has.
 
 The load generator streams /v1/completions with `ignore_eos` and `stream_options.
@@ -29,6 +30,7 @@ from datetime import UTC, datetime
 import orjson
 
 from flexpipe import __version__
+from flexpipe.control.engines.launching import with_sleep_mode
 from flexpipe.gears.gear import Gear, GearError, parse_gear, whole_gpu_placement
 from flexpipe.gears.point import MEASURED, GearPoint
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
@@ -120,9 +122,11 @@ def candidates(
     workload: BenchLoad,
     gpu_types: Sequence[str] = ("A100-80G-SXM",),
     link: str = "nvlink3",
+    sleep_mode: bool = True,
 ) -> tuple[list[BenchTarget], list[str]]:
     """Gears with their hardware; the second list says, one line each, which gears cannot
-    run and why (not enough GPUs, memory)."""
+    run and why (not enough GPUs, memory). `sleep_mode`: engines start able to sleep, so
+    that their wake-ups are measured next to their cold start."""
     out: list[BenchTarget] = []
     rejected: list[str] = []
     for g in gears:
@@ -155,6 +159,8 @@ def candidates(
             link=link,
             gpu_indices=tuple(range(g.num_gpus)),
         )
+        if sleep_mode:
+            spec = with_sleep_mode(spec)
         if not uniform:
             rejected.append(f"{g.key()}: mixed GPU types need a cluster file (flexpipe up)")
             continue
@@ -359,6 +365,7 @@ def to_point(
     engine: str,
     cold_start_s: float | None,
     engine_version: str,
+    wakes_s: tuple[float | None, float | None] = (None, None),
 ) -> GearPoint:
     key = GearQuery.of(cand.pm.model, cand.gear, cand.pm.placement).key
     prefill = [p / t for p, t in zip(res.prompt_tokens, res.ttft_s, strict=True) if t > 0 and p > 0]
@@ -392,7 +399,43 @@ def to_point(
         num_failed=len(res.errors),
         measured_at=datetime.now(UTC),
         note=f"{res.errors[0]} (+{len(res.errors) - 1} more)" if res.errors else None,
+        wake_level1_s=wakes_s[0],
+        wake_level2_s=wakes_s[1],
     )
+
+
+async def measure_wakes(
+    url: str, time_scale: float, pool: ClientPool | None = None
+) -> tuple[float | None, float | None]:
+    """(level-1 wake, level-2 wake) of an idle engine started able to sleep, in modelled
+    seconds: each level slept (`POST /sleep?level=N`), then `POST /wake_up` timed and divided
+    by the time scale. None for a level the engine refused (it cannot sleep)."""
+    own = pool is None
+    pool = pool or ClientPool(max_idle_per_backend=1)
+    timeouts = Timeouts(3.0, 600.0, 600.0)
+
+    async def post(path: str) -> bool:
+        try:
+            resp = await pool.request(url, "POST", path, b"", {}, timeouts)
+            await resp.read()
+            resp.release()
+        except UpstreamError:
+            return False
+        return resp.status == 200
+
+    out: list[float | None] = []
+    try:
+        for level in (1, 2):
+            if not await post(f"/sleep?level={level}"):
+                out.append(None)
+                continue
+            t0 = time.monotonic()
+            woke = await post("/wake_up")
+            out.append((time.monotonic() - t0) / (time_scale or 1.0) if woke else None)
+    finally:
+        if own:
+            await pool.close()
+    return out[0], out[1]
 
 
 class BenchObserver:
@@ -454,6 +497,9 @@ async def bench(
         try:
             cold = handle.cold_start_s / (time_scale or 1.0)
             obs.engine_ready(cand, handle)
+            wakes: tuple[float | None, float | None] = (None, None)
+            if cand.spec.enable_sleep_mode:
+                wakes = await measure_wakes(handle.endpoint, time_scale)
             for i, conc in enumerate(sweep):
                 obs.point_started(cand, conc, workload.num_requests)
                 try:
@@ -484,7 +530,7 @@ async def bench(
                     out.failures.append(msg)
                     obs.gear_failed(cand, msg)
                     break
-                point = to_point(cand, res, workload, engine, cold, version)
+                point = to_point(cand, res, workload, engine, cold, version, wakes)
                 out.points.append(point)
                 if store_point is not None:
                     store_point(point)

@@ -18,6 +18,12 @@ does not matter, the concurrency asked is the batch size looked up), GPU types i
 order and the class of the slowest link. Figures are p99 where measured (the SLOs are p99s).
 Whether the gear fits in memory is not the lookup's question: the planner checks the memory
 plan on the GPUs as they are now.
+
+`GearLookup.actuation(query)` answers "how long does this gear take to come up?": its cold
+start and its wake-ups from sleep level 1 (weights from host RAM) and level 2 (weights from
+storage), each as measured by gear_bench where the gear table has it (the median of the
+gear's points on this hardware), else the performance model's (`PerfModel.cold_start_s`,
+`wake_s`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from flexpipe.model_spec import ModelSpec
 from flexpipe.perf import Efficiency, PerfModel
 from flexpipe.perf.steady_state import SteadyState, Workload, steady_state
 
-__all__ = ["Basis", "GearEstimate", "GearLookup", "GearQuery"]
+__all__ = ["Actuation", "Basis", "GearEstimate", "GearLookup", "GearQuery"]
 
 Basis = Literal["measured", "interpolated", "calibrated", "predicted"]
 
@@ -144,6 +150,23 @@ def _interpolated(lo: GearPoint, hi: GearPoint, batch: int) -> GearEstimate:
     return GearEstimate.of(replace(SteadyState(**values), batch=batch), "interpolated", detail)
 
 
+@dataclass(frozen=True, slots=True)
+class Actuation:
+    """How long a gear takes to serve: from nothing (cold start), or woken from each sleep
+    level; each figure's basis ("measured" by gear_bench, or "predicted")."""
+
+    cold_start_s: float
+    wake_level1_s: float
+    wake_level2_s: float
+    basis: tuple[Basis, Basis, Basis]  # per figure, in that order
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 class GearLookup:
     """The gear table over the performance-model prior: the planner's `GearPerformance`.
 
@@ -170,6 +193,24 @@ class GearLookup:
     def prior(self, query: GearQuery, workload: Workload) -> SteadyState:
         """The performance model's steady state (timing only: memory is the planner's check
         on the real GPUs)."""
+        return steady_state(self._model(query), query.batch, workload)
+
+    def actuation(self, query: GearQuery) -> Actuation:
+        """Cold start and wake-ups of `query`'s gear on its hardware (module docstring)."""
+        pm = self._model(query)
+        modelled = (pm.cold_start_s(), pm.wake_s(1), pm.wake_s(2))
+        points = self.table.points(query.key)
+        out: list[float] = []
+        basis: list[Basis] = []
+        for name, prior in zip(
+            ("cold_start_s", "wake_level1_s", "wake_level2_s"), modelled, strict=True
+        ):
+            measured = [v for p in points if (v := getattr(p, name)) is not None]
+            out.append(_median(measured) if measured else prior)
+            basis.append("measured" if measured else "predicted")
+        return Actuation(out[0], out[1], out[2], (basis[0], basis[1], basis[2]))
+
+    def _model(self, query: GearQuery) -> PerfModel:
         base = query.at_batch(1)
         pm = self._models.get(base)
         if pm is None:
@@ -177,7 +218,7 @@ class GearLookup:
                 gpu_spec(t)  # unknown types fail loudly here
             pm = PerfModel(base.model, base.gear, base.placement(), self.efficiency)
             self._models[base] = pm
-        return steady_state(pm, query.batch, workload)
+        return pm
 
     def _estimate(self, query: GearQuery, workload: Workload) -> GearEstimate:
         shapes = self.table.curves(query.key)

@@ -32,7 +32,8 @@ from flexpipe.cluster import Cluster
 from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.control.core.resources import ResourceEvent, Resources
 from flexpipe.control.core.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Buckets
-from flexpipe.control.core.sleeping import leaving_of, sleep_levels
+from flexpipe.control.core.shift_procedure import InPlaceChooser
+from flexpipe.control.core.sleeping import in_place_chooser, leaving_of, sleep_levels
 from flexpipe.control.core.standby import Renewal, StandbyCommand
 from flexpipe.control.core.tick import (
     Readings,
@@ -49,6 +50,7 @@ from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, PlannedInstance
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
+from flexpipe.policies.shift.in_place import MAKE_BEFORE_BREAK, ROLLING
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.sim.loop import CONTROL
 from flexpipe.sim.request import SimRequest
@@ -347,8 +349,24 @@ class SimController:
             all_or_nothing=all_or_nothing,
             sleepers=self.sleepers,
             sleep_levels=self._sleep_levels(target),
+            in_place=self._in_place(),
+            in_place_drain_s=p.shift.pricing.in_place_drain_s,
         )
         run.start(now)
+
+    def _in_place(self) -> InPlaceChooser | None:
+        """How in-place steps re-gear (`shift.pricing.in_place`; None: rolling)."""
+        if self.params.shift.pricing.in_place == ROLLING:
+            return None
+        cluster = self.cluster
+        level1 = [r.planned for r in self.sleepers.values() if r.sleep and r.sleep.level == 1]
+        return in_place_chooser(
+            MAKE_BEFORE_BREAK,
+            engine_kind("sim").sleep_levels,
+            cluster,
+            level1,
+            lambda p: perf_model_of(cluster, p, spec=load_model_spec(p.model_id)),
+        )
 
     def _sleep_levels(self, target: Sequence[PlannedInstance]) -> dict[str, int]:
         """Which of the running instances `target` lacks sleep instead of stopping, and how

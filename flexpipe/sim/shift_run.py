@@ -53,7 +53,7 @@ from flexpipe.control.core.shift_commands import (
 )
 from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.control.core.shift_plan import probe_tokens, rehearsal_check
-from flexpipe.control.core.shift_procedure import ShiftParams, ShiftProcedure
+from flexpipe.control.core.shift_procedure import InPlaceChooser, ShiftParams, ShiftProcedure
 from flexpipe.engine.request import EngineRequest, SamplingParams
 from flexpipe.gateway.core.holds import STANDBY_HOLD_S
 from flexpipe.lifecycle import State
@@ -165,6 +165,8 @@ class ShiftRun:
         standby_hold_s: float = STANDBY_HOLD_S,
         sleepers: dict[str, Any] | None = None,
         sleep_levels: Mapping[str, int] | None = None,
+        in_place: InPlaceChooser | None = None,
+        in_place_drain_s: float = 2.0,
     ) -> None:
         self.world = world
         self.on_done = on_done
@@ -176,13 +178,14 @@ class ShiftRun:
             warm_moves=warm_moves,
             rehearse=rehearse,
             all_or_nothing=all_or_nothing,
+            in_place_drain_s=in_place_drain_s,
         )
         asleep = [r.planned for r in (sleepers or {}).values()]
         planned = [*(r.planned for r in running.values()), *target, *asleep]
         specs = {p.model_id: load_model_spec(p.model_id) for p in planned}
         # the world names its engines (World.launch): the planner's names are kept here
         self.procedure = ShiftProcedure(
-            running, target, params, None, specs, sleepers, sleep_levels
+            running, target, params, None, specs, sleepers, sleep_levels, in_place
         )
         self._gen: Generator[Command, Reply, ShiftOutcome] | None = None
         self._token = 0  # which wait may resume the procedure (a drain has two ends)

@@ -50,6 +50,8 @@ class GearPointRow(Base):
     e2e_p99_s: Mapped[float] = mapped_column(Float)
     peak_kv_usage: Mapped[float | None] = mapped_column(Float, nullable=True)  # fraction 0..1
     cold_start_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    wake_level1_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # sleep mode
+    wake_level2_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     # provenance
     source: Mapped[str] = mapped_column(String(20))  # "measured" | "predicted"
     engine: Mapped[str] = mapped_column(String(40))  # "sim" | "vllm" | "perf-model"

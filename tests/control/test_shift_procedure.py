@@ -38,7 +38,7 @@ from flexpipe.control.core.shift_commands import (
     Wait,
     Wake,
 )
-from flexpipe.control.core.shift_outcome import ShiftOutcome
+from flexpipe.control.core.shift_outcome import ShiftOutcome, in_place_gap_s
 from flexpipe.control.core.shift_procedure import (
     ShiftParams,
     ShiftProcedure,
@@ -46,6 +46,7 @@ from flexpipe.control.core.shift_procedure import (
     unique_name,
 )
 from flexpipe.policies.planner import PlannedInstance, parse_models, plan
+from flexpipe.policies.shift.in_place import SIDE_BY_SIDE, WAKE, InPlaceChoice
 from flexpipe.policies.shift.snapshot import instance_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,11 +88,14 @@ class FakeWorld:
     """Answers every command at once (Wait and the waits for engines advance the clock);
     records each as a short line. `missed`: instance names whose rehearsal misses."""
 
-    def __init__(self, missed: tuple[str, ...] = (), dead: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, missed: tuple[str, ...] = (), dead: tuple[str, ...] = (), awake: tuple[str, ...] = ()
+    ) -> None:
         self.now_s = 100.0
         self.log: list[str] = []
         self.missed = missed
         self.dead = dead  # sleeping instances whose engine died: their wake fails
+        self.awake = awake  # instances that do not fall asleep
 
     def names(self, instances: Any) -> str:
         return ",".join(i.planned.name for i in instances)
@@ -162,7 +166,9 @@ class FakeWorld:
             case Sleep(instances, level):
                 self.now_s += 2.0
                 self.log.append(f"sleep {self.names(instances)} level {level}")
-                return list(instances)
+                return [
+                    Failed("no sleep") if i.planned.name in self.awake else i for i in instances
+                ]
             case Wake(instances):
                 self.now_s += 0.5
                 self.log.append(f"wake {self.names(instances)}")
@@ -308,6 +314,7 @@ def test_an_in_place_step_holds_its_model_for_two_cold_starts_and_the_drain() ->
         "hold llama-7b 0",
     ]
     assert out.succeeded and out.started == [instance_key(new)]
+    assert out.in_place == ["rolling, capacity away 13.500 s"]
     assert list(out.phases_s) == [
         f"{p}_in_place" for p in ("drain", "migrate", "release", "warm", "rehearse", "switch")
     ]
@@ -447,3 +454,142 @@ def test_a_sleeper_on_gpus_another_target_needs_is_released_first() -> None:
     )
     assert world.log[:2] == ["release llama-7b-2", "launch llama-7b-2"]
     assert list(sleepers) == [instance_key(L40S)] and out.stopped == [instance_key(L4)]
+
+
+# -- in place, make-before-break (policies/shift/in_place.py) ---------------------------------
+
+
+def choosing(choice: InPlaceChoice) -> Any:
+    """A chooser that answers `choice` for every in-place step (the shell's is the cluster's)."""
+    return lambda blockers, adds: choice
+
+
+def test_an_in_place_successor_pre_started_asleep_replaces_its_predecessor_by_a_wake() -> None:
+    """Make-before-break where memory does not allow both: the L40S's successor starts beside
+    it, rehearses and sleeps at level 1 while the old one serves; then the old one drains for
+    the short in-place deadline (2 s), is released, and the successor wakes and serves: no
+    cold start in the gap, no second rehearsal."""
+    running = running_of(PAIR, L40S, L4)
+    new = relaunched(L40S)
+    world = FakeWorld()
+    sleepers: dict[str, Any] = {}
+    choice = choosing(InPlaceChoice(WAKE, 1, "host_ram", "too big"))
+    procedure = ShiftProcedure(
+        running, [PAIR, new, L4], ShiftParams(), None, None, sleepers, None, choice
+    )
+    out = drive(procedure.run(world.now_s), world)
+    assert world.log == [
+        "launch llama-7b-1",
+        "ready llama-7b-1",
+        "join llama-7b-1",
+        "rehearsing llama-7b-1",
+        "rehearse llama-7b-1",
+        "sleep llama-7b-1 level 1",
+        "hold llama-7b 85",
+        "stop routing llama-7b-1",
+        "survey llama-7b-1",
+        "drain llama-7b-1 2 s",
+        "drain llama-7b-1 10 s",
+        "release llama-7b-1",
+        "wake llama-7b-1",
+        "active llama-7b-1",
+        "hold llama-7b 0",
+    ]
+    assert out.succeeded and out.started == out.woken == [instance_key(new)]
+    assert out.stopped == [instance_key(L40S)] and sleepers == {}
+    # the pre-start (12.5 s load, 1 s rehearsal, 2 s sleep) is not a gap: the old one serves;
+    # the gap is the drain (the fake world's instance is empty at once) and the wake
+    assert out.in_place == ["wake, capacity away 0.500 s: too big"]
+    assert out.phases_s == {"warm_prestart_in_place": 12.5, "rehearse_prestart_in_place": 1.0,
+                            "sleep_prestart_in_place": 2.0, "drain_in_place": 0.0,
+                            "migrate_in_place": 0.0, "release_in_place": 0.0,
+                            "wake_in_place": 0.5}  # fmt: skip
+    assert sorted(running) == sorted(map(instance_key, (PAIR, new, L4)))
+    # what `bench shift` reads back from the shift log's notes
+    notes = ["started x", *(f"in place: {line}" for line in out.in_place)]
+    assert in_place_gap_s([*notes, "in place: rolling, capacity away 13.500 s"]) == 14.0
+    assert in_place_gap_s(["started x"]) is None
+
+
+def test_an_in_place_successor_that_fits_beside_serves_before_its_predecessor_drains() -> None:
+    """Side by side: the successor starts, rehearses and serves, then the old one drains
+    for the usual deadline and is released; the model is never held."""
+    running = running_of(PAIR, L40S, L4)
+    new = relaunched(L40S)
+    world = FakeWorld()
+    choice = choosing(InPlaceChoice(SIDE_BY_SIDE, why="fits"))
+    procedure = ShiftProcedure(
+        running, [PAIR, new, L4], ShiftParams(), None, None, {}, None, choice
+    )
+    out = drive(procedure.run(world.now_s), world)
+    assert world.log == [
+        "launch llama-7b-1",
+        "ready llama-7b-1",
+        "join llama-7b-1",
+        "rehearsing llama-7b-1",
+        "rehearse llama-7b-1",
+        "active llama-7b-1",
+        "stop routing llama-7b-1",
+        "survey llama-7b-1",
+        "drain llama-7b-1 30 s",
+        "drain llama-7b-1 10 s",
+        "release llama-7b-1",
+    ]
+    assert out.succeeded and out.started == [instance_key(new)] and out.woken == []
+    assert out.in_place == ["side_by_side, capacity away 0.000 s: fits"]
+
+
+def test_a_pre_started_successor_that_cannot_sleep_is_stopped_and_cold_started_in_place() -> None:
+    """The successor did not fall asleep: it stops, and the step goes as rolling (drained
+    for the short deadline, released, cold-started and rehearsed)."""
+    running = running_of(PAIR, L40S, L4)
+    new = relaunched(L40S)
+    world = FakeWorld(awake=("llama-7b-1",))
+    choice = choosing(InPlaceChoice(WAKE, 2, "storage"))
+    procedure = ShiftProcedure(
+        running, [PAIR, new, L4], ShiftParams(), None, None, {}, None, choice
+    )
+    out = drive(procedure.run(world.now_s), world)
+    assert world.log[5:] == [
+        "sleep llama-7b-1 level 2",
+        "release llama-7b-1",  # the successor that stayed awake
+        "hold llama-7b 85",
+        "stop routing llama-7b-1",
+        "survey llama-7b-1",
+        "drain llama-7b-1 2 s",
+        "drain llama-7b-1 10 s",
+        "release llama-7b-1",
+        "launch llama-7b-1",
+        "ready llama-7b-1",
+        "join llama-7b-1",
+        "rehearsing llama-7b-1",
+        "rehearse llama-7b-1",
+        "active llama-7b-1",
+        "hold llama-7b 0",
+    ]
+    assert out.succeeded and out.woken == [] and out.started == [instance_key(new)]
+    # the cold start (12.5 s) and the rehearsal (1 s) in the gap, as rolling
+    assert out.in_place == ["cold, capacity away 13.500 s"]
+
+
+def test_a_pre_started_successor_that_misses_its_rehearsal_leaves_the_old_one_serving() -> None:
+    """The rehearsal runs before anything stopped: a miss releases the successor and fails
+    the shift; the old instance never stopped taking requests (nothing to roll back)."""
+    running = running_of(PAIR, L40S, L4)
+    new = relaunched(L40S)
+    world = FakeWorld(missed=("llama-7b-1",))
+    choice = choosing(InPlaceChoice(WAKE, 1, "host_ram"))
+    procedure = ShiftProcedure(
+        running, [PAIR, new, L4], ShiftParams(), None, None, {}, None, choice
+    )
+    out = drive(procedure.run(world.now_s), world)
+    assert world.log == [
+        "launch llama-7b-1",
+        "ready llama-7b-1",
+        "join llama-7b-1",
+        "rehearsing llama-7b-1",
+        "rehearse llama-7b-1",
+        "release llama-7b-1",
+    ]
+    assert not out.succeeded and out.reason == "rehearsal missed: llama-7b-1 slow"
+    assert sorted(running) == sorted(map(instance_key, (PAIR, L40S, L4)))

@@ -27,6 +27,7 @@ from flexpipe.launch.gear_bench import (
     default_sweep,
 )
 from flexpipe.model_spec import load_model_spec
+from flexpipe.perf.gear_lookup import GearLookup, GearQuery
 from flexpipe.store import Store
 
 TINY = BenchLoad(input_len=64, output_len=8, num_requests=6)
@@ -65,6 +66,18 @@ def test_bench_cli_end_to_end_stores_the_curve(tmp_path: Path) -> None:
     assert all(p.num_requests == 8 and p.num_failed == 0 for p in points)
     assert one.input_len == 64 and one.output_len == 8
     assert one.cold_start_s is not None and one.cold_start_s > 0
+    # the engine started able to sleep: its wake-ups measured next to the cold start, the
+    # same for every point of the gear (modelled: 0.53 s from host RAM, 6.7 s from storage;
+    # HTTP at this time scale adds its milliseconds x 50)
+    assert four.wake_level1_s == one.wake_level1_s and four.wake_level2_s == one.wake_level2_s
+    assert one.wake_level1_s is not None and one.wake_level2_s is not None
+    assert 0.5 < one.wake_level1_s < one.wake_level2_s < one.cold_start_s
+    lookup = GearLookup(points)
+    act = lookup.actuation(GearQuery.on_whole_gpus(load_model_spec("llama-2-7b"),
+                                                   parse_gear("tp=1,max_num_seqs=8"),
+                                                   ["A100-80G-SXM"], "nvlink3"))  # fmt: skip
+    assert act.basis == ("measured", "measured", "measured")
+    assert (act.cold_start_s, act.wake_level1_s) == (one.cold_start_s, one.wake_level1_s)
     # a closed loop of four clients moves more tokens than one
     assert four.decode_tokens_per_s > one.decode_tokens_per_s
     assert one.ttft_p50_s <= one.ttft_p99_s and one.tpot_p50_s > 0

@@ -19,7 +19,7 @@ from flexpipe.gears.io import GearTableFormatError, export_points, import_points
 from flexpipe.launch.gear_bench import max_batch_that_fits
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import PerfModel, perf_model_for
-from flexpipe.perf.gear_lookup import GearLookup, GearQuery
+from flexpipe.perf.gear_lookup import Actuation, GearLookup, GearQuery
 from flexpipe.perf.steady_state import Workload, steady_state
 from flexpipe.store import Store
 
@@ -258,3 +258,17 @@ def test_the_gears_package_sits_below_the_performance_model() -> None:
         "flexpipe.policies",
     ):
         assert f"'{later}" not in loaded, later
+
+
+def test_actuation_is_the_performance_model_until_gear_bench_measured_it() -> None:
+    """Cold start and wakes of a 7B tp=1 on an A100: modelled (20 s + 13.5 GB at 2 GB/s; the
+    weights back over PCIe 4 from host RAM; from storage again), then the gear table's: the
+    median over the gear's points; a figure not measured stays the model's."""
+    prior = GearLookup().actuation(query())
+    assert prior == Actuation(
+        26.738415616, 0.5264384, 6.738415616, ("predicted", "predicted", "predicted")
+    )
+    points = [make_point(b, cold_start_s=c, wake_level1_s=w) for b, c, w in
+              ((1, 30.0, 0.7), (4, 31.0, 0.8), (16, 35.0, None))]  # fmt: skip
+    measured = GearLookup(points).actuation(query())
+    assert measured == Actuation(31.0, 0.75, 6.738415616, ("measured", "measured", "predicted"))

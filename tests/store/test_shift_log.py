@@ -335,9 +335,11 @@ def test_lifecycle_transition_table() -> None:
     assert legal == {
         ("starting", "rehearsing"),
         ("starting", "active"),
+        ("starting", "asleep"),
         ("starting", "gone"),
         ("rehearsing", "active"),
         ("rehearsing", "draining"),
+        ("rehearsing", "asleep"),
         ("rehearsing", "gone"),
         ("active", "draining"),
         ("active", "asleep"),

@@ -4,12 +4,14 @@ executor (`control/executor.py`) and the simulator (`sim/shift_run.py`) alike.""
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from flexpipe.policies.shift.snapshot import ShiftRecord
 
-__all__ = ["ShiftOutcome", "finished_record"]
+__all__ = ["ShiftOutcome", "finished_record", "in_place_gap_s"]
 
 
 @dataclass
@@ -23,6 +25,10 @@ class ShiftOutcome:
     stopped: list[str] = field(default_factory=list)
     slept: list[str] = field(default_factory=list)  # put to sleep instead of stopped
     woken: list[str] = field(default_factory=list)  # woken instead of cold-started
+    # how each in-place step re-geared and how long the model lacked the capacity it
+    # replaces ("wake, capacity away 1.234 s: why"; policies/shift/in_place.py); the shift
+    # log's notes say it ("in place: ...")
+    in_place: list[str] = field(default_factory=list)
     # refused before anything changed (the target was not tried: no failure of it)
     refused: bool = False
 
@@ -43,6 +49,7 @@ class ShiftOutcome:
             "stopped": self.stopped,
             **({"slept": self.slept} if self.slept else {}),
             **({"woken": self.woken} if self.woken else {}),
+            **({"in_place": self.in_place} if self.in_place else {}),
         }
 
 
@@ -60,3 +67,13 @@ def finished_record(record: ShiftRecord, outcome: ShiftOutcome, now_s: float) ->
         target_keys=keys,
         refused=outcome.refused,
     )
+
+
+def in_place_gap_s(notes: Sequence[str]) -> float | None:
+    """The capacity in-place steps took away (s, the driver's), from the shift log's notes
+    (`ShiftOutcome.in_place`: "wake, capacity away 1.234 s: ..."); None: no in-place step."""
+    found = [float(m.group(1)) for n in notes if (m := _CAPACITY_AWAY.search(n))]
+    return sum(found) if found else None
+
+
+_CAPACITY_AWAY = re.compile(r"^in place: \w+, capacity away ([0-9.]+) s")

@@ -34,7 +34,7 @@ and the simulator (`sim/shift_run.py`) drive it.
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -65,6 +65,7 @@ from flexpipe.control.core.shift_moves import plan_waves
 from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.model_spec import ModelSpec
 from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.in_place import COLD, ROLLING, SIDE_BY_SIDE, WAKE, InPlaceChoice
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.policies.shift.step_order import plan_shift
 
@@ -72,6 +73,7 @@ __all__ = [
     "DEFAULT_COLD_START_S",
     "IN_PLACE_MARGIN_S",
     "MOVED_LEAVE_S",
+    "InPlaceChooser",
     "ShiftParams",
     "ShiftProcedure",
     "in_place_hold_s",
@@ -80,6 +82,8 @@ __all__ = [
 
 T = TypeVar("T")
 Steps = Generator[Command, Reply, T]
+# (leaving instances, their successors on the same GPUs) -> how the in-place step goes
+InPlaceChooser = Callable[[Sequence[PlannedInstance], Sequence[PlannedInstance]], InPlaceChoice]
 
 DEFAULT_COLD_START_S = 30.0  # an in-place step whose leaving instances' load time is unknown
 IN_PLACE_MARGIN_S = 30.0  # on top of the in-place hold's cold starts and drain
@@ -101,6 +105,9 @@ class ShiftParams:
     kv_moves: bool = True
     rehearse: bool = True
     all_or_nothing: bool = True
+    # driver seconds an in-place step's leaving instances drain for when their successors
+    # wait pre-started asleep (`shift.pricing.in_place_drain_s`; in_place.py)
+    in_place_drain_s: float = 2.0
 
 
 def in_place_hold_s(cold_start_s: float, drain_deadline_s: float) -> float:
@@ -129,7 +136,8 @@ class ShiftProcedure:
     `running` and `target` (the performance model prices moves with it); None: the shipped
     catalog's (`perf_model_of`). `sleepers`: key -> sleeping instance (updated in place);
     `sleep_levels`: key -> the level a leaving instance sleeps at instead of stopping (absent
-    or 0: it stops)."""
+    or 0: it stops). `in_place`: how each in-place step re-gears (`choose_in_place` bound to
+    the cluster by the shell: `make_before_break`); None: rolling."""
 
     def __init__(
         self,
@@ -140,7 +148,9 @@ class ShiftProcedure:
         specs: Mapping[str, ModelSpec] | None = None,
         sleepers: dict[str, Any] | None = None,
         sleep_levels: Mapping[str, int] | None = None,
+        in_place: InPlaceChooser | None = None,
     ) -> None:
+        self.in_place = in_place
         self.sleepers = sleepers if sleepers is not None else {}
         self.sleep_levels = sleep_levels or {}
         self.specs = specs or {}
@@ -181,10 +191,32 @@ class ShiftProcedure:
         for n, (blockers, adds) in enumerate(plan.steps):
             suffix = "_in_place" if len(plan.steps) == 1 else f"_in_place{n + 1}"
             leaving = [by_key[instance_key(b)] for b in blockers]
+            choice = self.in_place(blockers, adds) if self.in_place is not None else None
+            if choice is not None and choice.how == SIDE_BY_SIDE:  # nothing stops first
+                yield from self._bring_up(adds, suffix, p.rehearse, p.all_or_nothing, out)
+                if not out.succeeded:
+                    yield from self._roll_back([], started)
+                    return out
+                out.in_place.append(f"{SIDE_BY_SIDE}, capacity away 0.000 s: {choice.why}")
+                yield from self._retire(leaving, suffix)
+                continue
+            drain_s = None
+            if choice is not None and choice.how == WAKE:
+                yield from self._pre_start(adds, choice.level, suffix)
+                if not out.succeeded:  # nothing stopped yet: the old plan serves on
+                    yield from self._roll_back([], started)
+                    return out
+                drain_s = p.in_place_drain_s
             held = yield from self._hold(adds, leaving)
             try:
-                yield from self._retire(leaving, suffix)
+                t0 = self.now_s
+                yield from self._retire(leaving, suffix, drain_deadline_s=drain_s)
                 yield from self._bring_up(adds, suffix, p.rehearse, p.all_or_nothing, out)
+                how = ROLLING if choice is None else choice.how
+                if how == WAKE and not {instance_key(a) for a in adds} & set(out.woken):
+                    how = COLD  # no successor slept or woke: it cold-started
+                why = f": {choice.why}" if choice is not None and choice.why else ""
+                out.in_place.append(f"{how}, capacity away {self.now_s - t0:.3f} s{why}")
                 if not out.succeeded:
                     yield from self._roll_back(leaving, started)
             except GeneratorExit:  # abandoned (a simulation ended mid-shift): nothing to do
@@ -315,7 +347,10 @@ class ShiftProcedure:
         rehearse: bool,
         all_or_nothing: bool,
         out: ShiftOutcome,
+        sleep_level: int = 0,
     ) -> Steps[list[Any]]:
+        """Start, rehearse and activate `adds`; with a `sleep_level`, put them to sleep
+        instead of activating them (`_pre_start`). Returns those that serve."""
         planned = [self._named(a) for a in adds]
         t0 = self.now_s
         tokens = yield from self._do(Launch(tuple(planned)))
@@ -356,6 +391,9 @@ class ShiftProcedure:
             started = yield from self._keep(alive, failures, out, all_or_nothing)
             if not started:
                 return []
+        if sleep_level:
+            yield from self._fall_asleep(started, sleep_level, suffix)
+            return []
         t2 = self.now_s
         for inst in started:
             yield from self._activate(inst, out)
@@ -421,19 +459,27 @@ class ShiftProcedure:
         return served
 
     # ------------------------------------------------------------------ retiring
-    def _retire(self, leaving: Sequence[Any], suffix: str, may_sleep: bool = False) -> Steps[None]:
-        """Drain `leaving`, move what would outlive the deadline, then stop them (or, with
-        `may_sleep`, put those with a sleep level to sleep)."""
+    def _retire(
+        self,
+        leaving: Sequence[Any],
+        suffix: str,
+        may_sleep: bool = False,
+        drain_deadline_s: float | None = None,
+    ) -> Steps[None]:
+        """Drain `leaving` (for `drain_deadline_s`, driver s; None: the shift's deadline),
+        move what would outlive the deadline, then stop them (or, with `may_sleep`, put those
+        with a sleep level to sleep)."""
         if not leaving:
             return
         out = self.out
         p = self.params
         t0 = self.now_s
         num_in_flight = yield from self._do(StopRouting(tuple(leaving)))
+        wait_s = p.drain_deadline_s if drain_deadline_s is None else drain_deadline_s
         # the deadline in modelled seconds, as the performance model's token intervals
-        deadline_s = p.drain_deadline_s / p.time_scale if p.time_scale > 0 else math.inf
+        deadline_s = wait_s / p.time_scale if p.time_scale > 0 else math.inf
         early, _ = yield from self._plan_moves(leaving, leaving, deadline_s)
-        drained: Drained = yield from self._do(Drain(tuple(leaving), p.drain_deadline_s, early))
+        drained: Drained = yield from self._do(Drain(tuple(leaving), wait_s, early))
         num_moved = self._count(drained.moved)
         busy_until_s = max(self.now_s, drained.moved.busy_until_s)
         out.phases_s["drain" + suffix] = self.now_s - t0
@@ -464,6 +510,29 @@ class ShiftProcedure:
             self.running.pop(inst.key, None)
             out.stopped.append(inst.key)
         out.phases_s["release" + suffix] = self.now_s - t2
+
+    def _pre_start(self, adds: Sequence[PlannedInstance], level: int, suffix: str) -> Steps[None]:
+        """The successors of an in-place step start beside the instances they replace,
+        rehearse, and sleep at `level` until those are gone (in_place.py): kept in
+        `sleepers`, so that the step's bring-up wakes them. A failed start or rehearsal
+        fails the shift before anything stopped; one that does not fall asleep stops, and
+        its instance cold-starts in the step, as rolling. Its phases: `*_prestart*`."""
+        yield from self._launch(adds, "_prestart" + suffix, self.params.rehearse, True, self.out,
+                                sleep_level=level)  # fmt: skip
+
+    def _fall_asleep(self, started: Sequence[Any], level: int, suffix: str) -> Steps[None]:
+        """Pre-started instances to sleep, into `sleepers`; one that stays awake stops."""
+        t0 = self.now_s
+        results = yield from self._do(Sleep(tuple(started), level))
+        awake = []
+        for inst, result in zip(started, results, strict=True):
+            if isinstance(result, Failed):
+                awake.append(inst)
+            else:
+                self.sleepers[inst.key] = result
+        if awake:
+            yield from self._do(Release(tuple(awake)))
+        self.out.phases_s["sleep" + suffix] = self.now_s - t0
 
     def _sleep(self, leaving: Sequence[Any], suffix: str) -> Steps[list[Any]]:
         """Put the drained instances that have a sleep level to sleep, a Sleep per level;

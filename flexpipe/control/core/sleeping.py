@@ -18,15 +18,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from flexpipe.cluster import Cluster
+from flexpipe.control.core.shift_procedure import InPlaceChooser
 from flexpipe.perf import PerfModel
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.candidates import keepable
+from flexpipe.policies.shift.in_place import MAKE_BEFORE_BREAK, InPlaceChoice, choose_in_place
 from flexpipe.policies.shift.params import SLEEP_MODES
 from flexpipe.policies.shift.snapshot import instance_key
 
 __all__ = [
     "SLEEP_MODES",
     "host_ram_by_node",
+    "host_ram_free",
+    "in_place_chooser",
     "leaving_of",
     "sleep_levels",
     "sleep_mode_on",
@@ -50,6 +54,43 @@ def host_ram_by_node(cluster: Cluster, pm: PerfModel) -> dict[str, float]:
     return out
 
 
+def host_ram_free(
+    cluster: Cluster,
+    asleep_at_level1: Iterable[PlannedInstance],
+    perf_model: Callable[[PlannedInstance], PerfModel],
+) -> dict[str, float]:
+    """Node -> its host RAM less what the level-1 sleepers on GPUs still ours hold there."""
+    free: dict[str, float] = {n.name: n.host_ram_capacity_bytes for n in cluster.nodes}
+    for inst in asleep_at_level1:
+        if not keepable(cluster, inst.gpu_ids):
+            continue
+        for node, held in host_ram_by_node(cluster, perf_model(inst)).items():
+            free[node] = free.get(node, 0.0) - held
+    return free
+
+
+def in_place_chooser(
+    mode: str,
+    kind_levels: Sequence[int],
+    cluster: Cluster,
+    asleep_at_level1: Iterable[PlannedInstance],
+    perf_model: Callable[[PlannedInstance], PerfModel],
+) -> InPlaceChooser | None:
+    """How the shift procedure's in-place steps re-gear (`shift.pricing.in_place`,
+    policies/shift/in_place.py): None (rolling), or the choice bound to the cluster, the
+    engine kind's sleep levels and the host RAM the level-1 sleepers leave."""
+    if mode != MAKE_BEFORE_BREAK:
+        return None
+    free = host_ram_free(cluster, list(asleep_at_level1), perf_model)
+
+    def choose(
+        blockers: Sequence[PlannedInstance], adds: Sequence[PlannedInstance]
+    ) -> InPlaceChoice:
+        return choose_in_place(cluster, blockers, adds, perf_model, kind_levels, free)
+
+    return choose
+
+
 def sleep_levels(
     mode: str,
     kind_levels: Sequence[int],
@@ -64,12 +105,7 @@ def sleep_levels(
     holds whole now (an occupation, a reclaim), stops: that GPU is not ours to keep."""
     if not sleep_mode_on(mode, kind_levels):
         return {}
-    free: dict[str, float] = {n.name: n.host_ram_capacity_bytes for n in cluster.nodes}
-    for inst in asleep_at_level1:
-        if not keepable(cluster, inst.gpu_ids):
-            continue
-        for node, held in host_ram_by_node(cluster, perf_model(inst)).items():
-            free[node] = free.get(node, 0.0) - held
+    free = host_ram_free(cluster, asleep_at_level1, perf_model)
     out: dict[str, int] = {}
     for inst in leaving:
         if not keepable(cluster, inst.gpu_ids):

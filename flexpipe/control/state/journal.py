@@ -60,7 +60,8 @@ class Journal:
             phases=Phases.from_seconds(outcome.phases_s),
             migrated=Migrated.from_counts(outcome.migrated),
             rehearsal=tuple(RehearsalCheck.from_probe(c, tol) for c in outcome.rehearsal),
-            notes=changed_notes(outcome.started, outcome.stopped),
+            notes=changed_notes(outcome.started, outcome.stopped)
+            + tuple(f"in place: {line}" for line in outcome.in_place),
         )
         self.metrics.observe_finished(done)
 

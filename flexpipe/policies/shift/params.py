@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flexpipe.policies.shift.forecast import ForecastParams
+from flexpipe.policies.shift.in_place import IN_PLACE_MODES
 from flexpipe.policies.shift.pricing import PricingParams
 from flexpipe.policies.shift.signals import Thresholds
 from flexpipe.policies.shift.triggers import TriggerParams
@@ -72,6 +73,11 @@ class ShiftParams:
                 if kind is ShiftParams and k == "sleep_mode":
                     if not isinstance(v, str):
                         raise ValueError(f"{place}.{k}: expected one of {', '.join(SLEEP_MODES)}")
+                    continue
+                if kind is PricingParams and k == "in_place":
+                    if not isinstance(v, str):
+                        modes = ", ".join(IN_PLACE_MODES)
+                        raise ValueError(f"{place}.{k}: expected one of {modes}")
                     continue
                 if k not in nested and fields[k].type in (bool, "bool"):  # a switch
                     if not isinstance(v, bool):

@@ -33,9 +33,19 @@ from dataclasses import dataclass
 
 from flexpipe.cluster import Cluster, ClusterError
 from flexpipe.perf import Efficiency
+from flexpipe.perf.weights import HOST_RAM
 from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.in_place import (
+    IN_PLACE_MODES,
+    MAKE_BEFORE_BREAK,
+    ROLLING,
+    SIDE_BY_SIDE,
+    WAKE,
+    choose_in_place,
+)
 from flexpipe.policies.shift.migration import choose_migration, link_between, perf_model_of
 from flexpipe.policies.shift.snapshot import ModelState, instance_key
+from flexpipe.policies.shift.step_order import plan_shift
 
 __all__ = [
     "Capacity",
@@ -77,6 +87,11 @@ class PricingParams:
     risk_cross_node: float = 0.5  # an instance spanning nodes
     # the engines can hand a request's KV over (flexpipe/engine_kinds.py); else moves recompute
     kv_moves: bool = True
+    # How an in-place step re-gears (in_place.py): rolling (drain, release, cold start) or
+    # make_before_break (side by side where memory allows, else a pre-started sleeper woken
+    # after a drain of `in_place_drain_s`: the gap is that drain plus a wake).
+    in_place: str = ROLLING
+    in_place_drain_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.horizon_s <= 0 or not 0 <= self.current_load_weight <= 1:
@@ -86,6 +101,12 @@ class PricingParams:
         for r in (self.risk_restart, self.risk_new_group, self.risk_cross_node):
             if not 0 <= r < 1:
                 raise ValueError("risk coefficients must be in [0, 1)")
+        if self.in_place not in IN_PLACE_MODES:
+            raise ValueError(
+                f"in_place must be one of {', '.join(IN_PLACE_MODES)}, got {self.in_place!r}"
+            )
+        if self.in_place_drain_s < 0:
+            raise ValueError("in_place_drain_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +266,12 @@ def price(
             notes.append(f"{key} wakes from sleep level {level} in {cold[key]:.2f} s")
     in_place = [r for r in removed if any(_overlap(r, a) for a in added)]
     gap_s = 0.0
-    for r in in_place:
+    deadline_of: dict[str, float] = {}  # removed key -> its drain deadline, if not the usual
+    if params.in_place == MAKE_BEFORE_BREAK and in_place:
+        in_place, gap_s = _make_before_break(
+            cluster, running, target, params, efficiency, cold, deadline_of, notes
+        )
+    for r in in_place if params.in_place == ROLLING else ():
         drain_s = min(params.drain_deadline_s, r.estimate.e2e_s)
         for a in added:
             if _overlap(r, a):
@@ -277,7 +303,8 @@ def price(
         cap = caps_run.get(r.model, 0.0)
         rate = loads[r.model][0] * capacity(r) / cap if cap > 0 else 0.0
         e2e_s = r.estimate.e2e_s
-        share = max(0.0, 1.0 - params.drain_deadline_s / e2e_s) if e2e_s > 0 else 0.0
+        deadline_s = deadline_of.get(instance_key(r), params.drain_deadline_s)
+        share = max(0.0, 1.0 - deadline_s / e2e_s) if e2e_s > 0 else 0.0
         succ = _successor(r, target)
         if succ is None or share <= 0 or rate <= 0:
             continue
@@ -316,3 +343,56 @@ def price(
         removed=tuple(instance_key(i) for i in removed),
         notes=tuple(notes),
     )
+
+
+def _make_before_break(
+    cluster: Cluster,
+    running: Sequence[PlannedInstance],
+    target: Sequence[PlannedInstance],
+    params: PricingParams,
+    efficiency: Efficiency | None,
+    cold: dict[str, float],
+    deadline_of: dict[str, float],
+    notes: list[str],
+) -> tuple[list[PlannedInstance], float]:
+    """The in-place steps as the procedure carries them out under `make_before_break`
+    (in_place.py, the same choice): (the removed instances whose capacity is lost meanwhile,
+    the longest gap). Side by side loses nothing; a pre-started sleeper loses its
+    predecessors for the short drain plus its wake, and is ready after its cold start, its
+    sleep and that gap (`cold` is updated so); `deadline_of` gets the short drain."""
+    lost: list[PlannedInstance] = []
+    gap_s = 0.0
+    for blockers, adds in plan_shift(running, target, scale_to_zero=True).steps:
+        choice = choose_in_place(
+            cluster, blockers, adds, lambda p: perf_model_of(cluster, p, efficiency), (1, 2)
+        )
+        if choice.how == SIDE_BY_SIDE:
+            notes.append(f"in place, side by side: {', '.join(map(instance_key, adds))}")
+            continue
+        lost.extend(blockers)
+        if choice.how != WAKE:  # rolling, as without make_before_break
+            drain_s = max(
+                (min(params.drain_deadline_s, b.estimate.e2e_s) for b in blockers), default=0.0
+            )
+            step_s = drain_s + max((cold[instance_key(a)] for a in adds), default=0.0)
+            gap_s = max(gap_s, step_s)
+            notes.append(f"in place, cold: {choice.why}; gap {step_s:.1f} s")
+            continue
+        drain_s = max(
+            (min(params.in_place_drain_s, b.estimate.e2e_s) for b in blockers), default=0.0
+        )
+        for b in blockers:
+            deadline_of[instance_key(b)] = params.in_place_drain_s
+        for a in adds:
+            key = instance_key(a)
+            pm = perf_model_of(cluster, a, efficiency)
+            source = None if choice.source == HOST_RAM else pm.default_weight_source()
+            wake_s = pm.wake_s(choice.level, source)
+            step_s = drain_s + wake_s
+            gap_s = max(gap_s, step_s)
+            cold[key] = cold[key] + pm.sleep_s(choice.level) + step_s
+            notes.append(
+                f"in place: {key} pre-started asleep at level {choice.level}; the old drain "
+                f"{drain_s:.1f} s, then it wakes from {choice.source} in {wake_s:.2f} s"
+            )
+    return lost, gap_s
