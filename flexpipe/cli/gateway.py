@@ -77,6 +77,15 @@ def gateway(
             "the cluster's node name (repeat)."
         ),
     ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Worker processes on the one port (SO_REUSEPORT), sharing the pool, holds, "
+            'budgets and prefix affinity (docs/gateway.md, "Workers and replicas") '
+            "[the host's cores].",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Serve the OpenAI API on HOST:PORT and route to the backends."""
@@ -135,6 +144,27 @@ def gateway(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     assert isinstance(cfg, GatewayConfig)
+    from flexpipe.gateway.workers import Supervisor, default_num_workers, stop_on_signals
+
+    num_workers = workers if workers is not None else default_num_workers()
+
+    async def run_workers() -> None:
+        stop = stop_on_signals()
+        sup = Supervisor(cfg, num_workers)
+        try:
+            await sup.start()
+        except OSError as exc:
+            typer.echo(f"error: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}", err=True)
+            await sup.stop()
+            raise typer.Exit(2) from None
+        typer.echo(
+            f"flexpipe gateway on http://{cfg.host}:{sup.port}/v1 "
+            f"({len(cfg.backends)} backend(s), policy {cfg.policy}, {num_workers} workers)",
+            err=True,
+        )
+        await stop.wait()
+        typer.echo(f"draining {num_workers} workers, up to {cfg.shutdown_grace_s:g} s", err=True)
+        await sup.stop()
 
     async def run() -> None:
         gw = Gateway(cfg)
@@ -166,4 +196,4 @@ def gateway(
 
     install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run())
+        asyncio.run(run() if num_workers == 1 else run_workers())

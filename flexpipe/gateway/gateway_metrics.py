@@ -139,6 +139,12 @@ class GatewayMetrics:
             ["instance", "state"],
             registry=r,
         )
+        self.member = Gauge(
+            "flexpipe_gateway_member",
+            "1 per gateway worker or replica answering (its name and pid); summed: how many.",
+            ["member", "pid"],
+            registry=r,
+        )
         self.prefix_all = self.prefix_blocks.labels("all")
         self.prefix_matched = self.prefix_blocks.labels("matched")
         # Labelled children of the per-request metrics, memoised: `labels()` validates and

@@ -1,0 +1,79 @@
+"""The admin API's questions that span every gateway worker or replica (shared_state.py
+`ask_peers`): an instance drained everywhere, the requests it serves anywhere, a move carried
+out by the member that holds the request, the wait queue's demand on any member, and the
+metrics of all of them as one exposition (what the controller's signals read).
+
+`answer` is what a member answers another's question with; the admin API merges its own
+answer with the others' (admin.py)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flexpipe.gateway.app import Gateway
+
+__all__ = ["MAX_GAUGES", "answer", "merge_expositions"]
+
+# gauges where each member says the same thing (merged by max, not summed)
+MAX_GAUGES = frozenset({"flexpipe_instance_up"})
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)$")
+
+
+async def answer(gw: Gateway, kind: str, body: dict[str, Any]) -> Any:
+    """This member's answer to another's question."""
+    from flexpipe.gateway.admin import parse_move
+
+    if kind == "drained":
+        return await gw.drained(str(body["url"]), float(body["wait_s"]))
+    if kind == "requests":
+        return [c.describe() for c in gw.calls_on(str(body["url"]))]
+    if kind == "move":  # only the requests held here: the asker runs the rest
+        mine = [parse_move(m, i) for i, m in enumerate(body["moves"]) if gw.call(m.get("id"))]
+        results = []
+        for call_id, move in mine:
+            outcome, warm = await gw.move_request(call_id, move)
+            results.append([call_id, outcome, warm])
+        return results
+    if kind == "demand":
+        return await gw.demand(list(body["models"]), float(body["wait_s"]))
+    if kind == "metrics":
+        return gw.own_metrics().decode()
+    raise ValueError(f"unknown question {kind!r}")
+
+
+def merge_expositions(texts: Iterable[str]) -> bytes:
+    """Prometheus text expositions of several members as one: each sample summed over the
+    members (counters, histograms, queue and in-flight gauges), the `MAX_GAUGES` by max;
+    comments and the order of first appearance kept."""
+    lines: list[str] = []
+    values: dict[str, float] = {}  # sample key (name and labels) -> merged value
+    for text in texts:
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                if line and line not in values and line not in lines:
+                    lines.append(line)
+                continue
+            m = _SAMPLE.match(line)
+            if m is None:
+                continue
+            key = f"{m.group(1)}{m.group(2) or ''}"
+            value = float(m.group(3))
+            if key not in values:
+                lines.append(key)
+                values[key] = value
+            elif m.group(1) in MAX_GAUGES:
+                values[key] = max(values[key], value)
+            else:
+                values[key] += value
+    out = [f"{line} {_num(values[line])}" if line in values else line for line in lines]
+    return ("\n".join(out) + "\n").encode()
+
+
+def _num(value: float) -> str:
+    if not math.isfinite(value) or value != int(value) or abs(value) > 1e15:
+        return repr(value)
+    return f"{value:.1f}"

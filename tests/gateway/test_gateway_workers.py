@@ -1,0 +1,210 @@
+"""`flexpipe gateway --workers 2` as real processes on 127.0.0.1 in front of a real sim engine:
+both workers serve the one port; an admin change made through one is seen by the other; a
+tenant's budget is exact whatever worker a request lands on; a worker killed with SIGKILL is
+restarted and resyncs the control log; SIGTERM drains both."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from faultkit import MODEL, engine_args, gateway_process, wait_until
+
+from flexpipe.engine.testing import request, scrape, sim_engine
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fresh(url: str, path: str, body: object = None, key: str | None = None) -> int:
+    """One request on a new connection (the kernel picks the worker anew); its status."""
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return request(
+        "POST" if body is not None else "GET", url + path, body, headers, timeout_s=20
+    ).status
+
+
+def _worker_of(url: str) -> str:
+    """The worker that answers a new connection (its own metrics name it)."""
+    text = request("GET", url + "/metrics?scope=worker", timeout_s=10).text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("flexpipe_gateway_member{")]
+    return line.split('member="')[1].split('"')[0]
+
+
+def _both_serve(url: str) -> None:
+    """Until a new connection has reached each of the two workers (each listens once it has
+    replayed the control log: the first may answer before the second listens)."""
+    seen: set[str] = set()
+
+    def both() -> bool:
+        seen.add(_worker_of(url))
+        return seen == {"0", "1"}
+
+    wait_until(both, 20, lambda: f"both workers answering; seen {sorted(seen)}")
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def _worker_pids(pid: int) -> set[int]:
+    """The gateway workers among the supervisor's children (spawn also runs a tracker)."""
+    out = set()
+    for child in _children(pid):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd:
+            out.add(child)
+    return out
+
+
+COMPLETION = {"model": MODEL, "prompt": "hello there", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def engine():  # type: ignore[no-untyped-def]
+    with sim_engine(engine_args(0.0)) as e:
+        yield e
+
+
+def test_both_workers_serve_and_share_admin_changes(engine) -> None:  # type: ignore[no-untyped-def]
+    with gateway_process([], args=["--workers", "2"], wait_healthy=False) as gw:
+        _both_serve(gw.url)
+        # registered through one worker (this connection's), served by both
+        res = gw.admin_post("/admin/instances", {"url": engine.url, "model": MODEL})
+        assert res.status == 200, res.text
+        assert gw.admin_post("/admin/models/hold", {"model": "ghost", "seconds": 60}).status == 200
+        seen = set()
+        for _ in range(40):
+            seen.add(_worker_of(gw.url))
+            assert _fresh(gw.url, "/v1/completions", COMPLETION) == 200
+            models = request("GET", gw.url + "/v1/models", timeout_s=10).json()
+            assert sorted(m["id"] for m in models["data"]) == ["ghost", MODEL]
+        assert seen == {"0", "1"}
+        # the whole gateway's metrics, whatever worker is asked: 40 requests in all
+        total = scrape(gw.get("/metrics").text, "flexpipe_requests_total", status="200")
+        assert total == 40
+        assert scrape(gw.get("/metrics").text, "flexpipe_gateway_member") == 2
+        # removed through one: gone from both (a 404 for the model from any worker)
+        assert gw.admin_post("/admin/instances/remove", {"url": engine.url}).status == 200
+        assert {_fresh(gw.url, "/v1/completions", COMPLETION) for _ in range(20)} == {404}
+
+
+def test_tenant_budget_exact_across_workers(engine) -> None:  # type: ignore[no-untyped-def]
+    config = {
+        "tenants": [{"key": "sk-a", "name": "a", "requests_per_min": 10}],
+        "backends": [{"url": engine.url, "model": MODEL}],
+    }
+    with gateway_process([], config=config, args=["--workers", "2"]) as gw:
+        _both_serve(gw.url)
+        statuses = [_fresh(gw.url, "/v1/completions", COMPLETION, "sk-a") for _ in range(30)]
+        assert statuses.count(200) == 10
+        assert statuses.count(429) == 20
+
+
+def test_tenant_concurrency_exact_across_workers() -> None:
+    config = {"tenants": [{"key": "sk-c", "name": "c", "max_concurrency": 3}]}
+    with sim_engine(engine_args(1.0)) as slow:
+        config["backends"] = [{"url": slow.url, "model": MODEL}]  # type: ignore[assignment]
+        with gateway_process([], config=config, args=["--workers", "2"]) as gw:
+            _both_serve(gw.url)
+            body = {**COMPLETION, "max_tokens": 60}
+            statuses: list[int] = []
+            lock = threading.Lock()
+
+            def one() -> None:
+                status = _fresh(gw.url, "/v1/completions", body, "sk-c")
+                with lock:
+                    statuses.append(status)
+
+            threads = [threading.Thread(target=one) for _ in range(10)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert sorted(statuses) == [200] * 3 + [429] * 7
+            # every slot came back: three more fit now
+            after = [threading.Thread(target=one) for _ in range(3)]
+            statuses.clear()
+            for t in after:
+                t.start()
+            for t in after:
+                t.join(60)
+            assert statuses == [200] * 3
+
+
+def test_killed_worker_is_restarted_and_resynced(engine) -> None:  # type: ignore[no-untyped-def]
+    with gateway_process([], args=["--workers", "2"], wait_healthy=False) as gw:
+        _both_serve(gw.url)
+        res = gw.admin_post("/admin/instances", {"url": engine.url, "model": MODEL})
+        assert res.status == 200, res.text
+        gw.admin_post("/admin/models/hold", {"model": "ghost", "seconds": 60})
+        before = _worker_pids(gw.pid)
+        victim = min(before)
+        os.kill(victim, signal.SIGKILL)
+        wait_until(
+            lambda: len(_worker_pids(gw.pid) - before) == 1 and len(_worker_pids(gw.pid)) == 2,
+            20,
+            "a new worker in place of the killed one",
+        )
+        wait_until(
+            lambda: scrape(gw.get("/metrics").text, "flexpipe_gateway_member") == 2,
+            20,
+            "both workers answering",
+        )
+        seen = set()
+        for _ in range(40):  # the new worker replayed the log: it serves and lists the hold
+            seen.add(_worker_of(gw.url))
+            assert _fresh(gw.url, "/v1/completions", COMPLETION) == 200
+            models = request("GET", gw.url + "/v1/models", timeout_s=10).json()
+            assert sorted(m["id"] for m in models["data"]) == ["ghost", MODEL]
+        assert seen == {"0", "1"}
+        assert "exited with -9; restarting it" in gw.log()
+
+
+def _stream(url: str, out: list[str]) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {**COMPLETION, "max_tokens": 40, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    out.append(resp.read().decode())
+    conn.close()
+
+
+def test_sigterm_drains_both_workers() -> None:
+    with sim_engine(engine_args(1.0)) as slow:
+        config = {"backends": [{"url": slow.url, "model": MODEL}], "shutdown_grace_s": 30}
+        with gateway_process([], config=config, args=["--workers", "2"]) as gw:
+            _both_serve(gw.url)
+            outs: list[str] = []
+            threads = [threading.Thread(target=_stream, args=(gw.url, outs)) for _ in range(8)]
+            for t in threads:
+                t.start()
+            wait_until(
+                lambda: scrape(gw.get("/metrics").text, "flexpipe_in_flight_requests") == 8,
+                20,
+                "eight streams in flight",
+            )
+            busy = {_worker_of(gw.url) for _ in range(20)}
+            assert busy == {"0", "1"}
+            workers = _worker_pids(gw.pid)
+            t0 = time.monotonic()
+            gw.proc.send_signal(signal.SIGTERM)
+            for t in threads:
+                t.join(60)
+            assert gw.proc.wait(40) == 0, gw.log()
+            assert time.monotonic() - t0 < 35
+            assert len(outs) == 8
+            for text in outs:  # every stream finished whole, none cut by the shutdown
+                assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+                assert "error" not in text
+            assert not any(Path(f"/proc/{p}").exists() for p in workers)
