@@ -208,3 +208,21 @@ def test_sigterm_drains_both_workers() -> None:
                 assert text.rstrip().endswith("data: [DONE]"), text[-300:]
                 assert "error" not in text
             assert not any(Path(f"/proc/{p}").exists() for p in workers)
+
+
+def test_prefix_affinity_shared_between_workers() -> None:
+    """A prompt routed by one worker is in the other's prefix index: of 20 identical prompts
+    on new connections (both workers serving), only the very first misses. Without the
+    sharing each worker's first would miss (18 x the blocks matched, not 19)."""
+    with sim_engine(engine_args(0.0)) as a, sim_engine(engine_args(0.0)) as b:
+        config = {"backends": [{"url": e.url, "model": MODEL} for e in (a, b)]}
+        with gateway_process([], config=config, args=["--workers", "2"]) as gw:
+            _both_serve(gw.url)
+            prompt = "the same long system prompt, " * 20  # 580 characters: 9 blocks of 64
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            for _ in range(20):
+                assert _fresh(gw.url, "/v1/completions", body) == 200
+            metrics = gw.get("/metrics").text
+            num_blocks = scrape(metrics, "flexpipe_prefix_blocks_total", kind="all")
+            assert num_blocks == 20 * 9
+            assert scrape(metrics, "flexpipe_prefix_blocks_total", kind="matched") == 19 * 9
