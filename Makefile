@@ -25,7 +25,12 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 	$(SUDO) apt-get update -q
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium chromium-driver
 
-test: $(STAMP) /usr/bin/chromedriver
+# Debian's redis-server, for the gateway replicas' tests (tests/gateway/test_gateway_replicas.py)
+/usr/bin/redis-server:
+	$(SUDO) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server
+
+test: $(STAMP) /usr/bin/chromedriver /usr/bin/redis-server
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -77,6 +77,13 @@ def gateway(
             "the cluster's node name (repeat)."
         ),
     ] = None,
+    redis: Annotated[
+        str | None,
+        typer.Option(
+            help="redis://HOST:PORT/DB: replicas on several hosts share budgets, prefix "
+            'affinity and the control log there (docs/gateway.md, "Workers and replicas").',
+        ),
+    ] = None,
     workers: Annotated[
         int | None,
         typer.Option(
@@ -128,6 +135,8 @@ def gateway(
                 raise ConfigError(f"cannot read {controller_token_file}: {exc.strerror}") from None
         if max_concurrency is not None:
             cfg.max_concurrency_per_instance = max_concurrency
+        if redis is not None:
+            cfg.shared_state.url = redis
         cfg.dcgm_urls += [u.rstrip("/") for u in dcgm or []]
         for pair in dcgm_hostname or []:
             node, sep, hostname = pair.partition("=")
@@ -167,7 +176,10 @@ def gateway(
         await sup.stop()
 
     async def run() -> None:
-        gw = Gateway(cfg)
+        from flexpipe.gateway.workers import make_shared
+
+        stop = asyncio.Event()
+        gw = Gateway(cfg, shared=make_shared(cfg, None, 0, stop.set))
         try:
             server = await gw.start()
         except OSError as exc:
@@ -179,7 +191,6 @@ def gateway(
             f"({len(cfg.backends)} backend(s), policy {cfg.policy})",
             err=True,
         )
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -230,6 +230,8 @@ class Gateway:
         m = self.metrics
         if self.shared is not None:
             m.member.labels(self.shared.member, str(os.getpid())).set(1)
+            m.shared_up.labels(self.shared.member).set(1 if self.shared.up else 0)
+            m.shared_outages.labels(self.shared.member).set(self.shared.num_outages)
         m.queued.set(len(self._waiters))
         m.queued_by_model.clear()
         for model, num in self._waiters.counts().items():

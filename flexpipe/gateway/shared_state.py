@@ -50,6 +50,16 @@ class SharedState(Protocol):
         """This member's name (worker index or replica id): in logs and call ids."""
         ...
 
+    @property
+    def up(self) -> bool:
+        """The shared state can be reached now (`flexpipe_shared_state_up`)."""
+        ...
+
+    @property
+    def num_outages(self) -> int:
+        """Times it was lost since this member started (`..._outages_total`)."""
+        ...
+
     async def start(self, on_op: OnOp, on_prefix: OnPrefix, on_ask: OnAsk) -> list[ControlOp]:
         """Join: returns the control log so far (compacted, in order); from now on every op
         another member publishes reaches `on_op`, every prefix insert `on_prefix`, every

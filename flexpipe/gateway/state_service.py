@@ -259,6 +259,14 @@ class EmbeddedState:
     def member(self) -> str:
         return self._member
 
+    @property
+    def up(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    @property
+    def num_outages(self) -> int:
+        return 0  # (a worker that loses its supervisor stops)
+
     async def start(self, on_op: OnOp, on_prefix: OnPrefix, on_ask: OnAsk) -> list[ControlOp]:
         self._on_op, self._on_prefix, self._on_ask = on_op, on_prefix, on_ask
         self._loop = loop = asyncio.get_running_loop()

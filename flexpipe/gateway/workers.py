@@ -22,10 +22,13 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from flexpipe.gateway.config import GatewayConfig
+from flexpipe.gateway.shared_state import SharedState
 from flexpipe.gateway.state_service import EmbeddedState, StateService
 
 __all__ = [
@@ -64,8 +67,28 @@ def reuse_port_socket(host: str, port: int, listen: bool) -> socket.socket:
     return sock
 
 
+def make_shared(
+    cfg: GatewayConfig, state_path: str | None, index: int, on_lost: Callable[[], None]
+) -> SharedState | None:
+    """The shared state of one gateway process: Redis when configured (replicas), else the
+    supervisor's service (workers of one host, `state_path`), else none (alone)."""
+    if cfg.shared_state.url is not None:
+        from flexpipe.gateway.redis_state import RedisState
+
+        member = f"{socket.gethostname()}:{cfg.port}:{os.getpid()}"
+        return RedisState(cfg.shared_state, cfg.tenants, member)
+    if state_path is not None:
+        return EmbeddedState(state_path, str(index), on_lost=on_lost)
+    return None
+
+
 def worker_main(
-    cfg: GatewayConfig, index: int, num_workers: int, state_path: str, log_level: int
+    cfg: GatewayConfig,
+    index: int,
+    num_workers: int,
+    state_path: str,
+    log_level: int,
+    ready: Any,
 ) -> None:
     """A worker process: a gateway on the shared port until SIGTERM / SIGINT, then drained."""
     from flexpipe.gateway.app import Gateway
@@ -79,12 +102,13 @@ def worker_main(
 
     async def run() -> None:
         stop = asyncio.Event()
-        shared = EmbeddedState(state_path, str(index), on_lost=stop.set)
+        shared = make_shared(cfg, state_path, index, stop.set)
         gw = Gateway(cfg, shared=shared, worker=(index, num_workers))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await gw.start(sock=reuse_port_socket(cfg.host, cfg.port, listen=True))
+        ready.set()
         await stop.wait()
         await gw.shutdown(cfg.shutdown_grace_s)
 
@@ -99,6 +123,7 @@ class _Worker:
     started_s: float = 0.0
     num_restarts: int = 0
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: Any = None  # a multiprocessing Event the worker sets once it listens
 
 
 class Supervisor:
@@ -128,17 +153,17 @@ class Supervisor:
         await self.wait_listening(30.0)
 
     async def wait_listening(self, timeout_s: float) -> None:
-        """Until every worker has joined the state service (it listens right after)."""
+        """Until every worker listens."""
         deadline = time.monotonic() + timeout_s
-        while sum(1 for m in self.service.members if m.joined) < self.num_workers:
+        while not all(w.ready is not None and w.ready.is_set() for w in self.workers):
             if time.monotonic() > deadline:
                 raise TimeoutError("the gateway's workers did not start")
             if all(w.proc is not None and not w.proc.is_alive() for w in self.workers):
                 raise RuntimeError("every gateway worker exited at start; see the errors above")
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.1)  # (joined, then listening: a few statements later)
 
     def _spawn(self, w: _Worker) -> None:
+        w.ready = _CTX.Event()
         proc = _CTX.Process(
             target=worker_main,
             args=(
@@ -147,6 +172,7 @@ class Supervisor:
                 self.num_workers,
                 self.state_path,
                 logging.getLogger().getEffectiveLevel(),
+                w.ready,
             ),
             name=f"flexpipe-gateway-{w.index}",
         )
