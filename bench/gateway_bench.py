@@ -96,10 +96,20 @@ def load_1m() -> float:
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds the process has used (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds the process and its live descendants (a gateway's workers)
+    have used (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        children = []
+    return total + sum(cpu_s(c) for c in children)
 
 
 class Procs:
@@ -131,9 +141,14 @@ class Procs:
         policy: str,
         config: Path | None = None,
         tree: Path | None = None,
+        workers: int | None = 1,
     ) -> str:
+        """`workers`: flexpipe's (1 unless asked: today's single process); a baseline
+        checkout gets no `--workers` flag."""
         port = free_port()
-        proc = peers.start(peers.gateway_command(kind, backends, port, policy, config), tree)
+        workers = None if tree is not None or kind != "flexpipe" else workers
+        cmd = peers.gateway_command(kind, backends, port, policy, config, workers)
+        proc = peers.start(cmd, tree)
         self.procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         self.pids[url] = proc.pid
@@ -420,6 +435,9 @@ def run_peers(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         engines = procs.engines(3, 0.0)
         gws = [(k, procs.gateway(k, engines, "round_robin")) for k in kinds]
+        if args.workers > 1:  # every core: N workers on one port
+            multi = procs.gateway("flexpipe", engines, "round_robin", workers=args.workers)
+            gws.insert(1, (f"flexpipe-w{args.workers}", multi))
         if args.baseline:
             base = procs.gateway("flexpipe", engines, "round_robin", tree=args.baseline)
             gws.append(("flexpipe-baseline", base))
@@ -435,9 +453,14 @@ def run_peers(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = {m["conns"]: m["req_per_s"] for m in med if m["gateway"] == "flexpipe"}
     for m in med:
         m["flexpipe_ratio"] = round(base[m["conns"]] / m["req_per_s"], 2) if m["req_per_s"] else ""
+    vllm = {m["conns"]: m["req_per_s"] for m in med if m["gateway"] == "vllm-router"}
+    for m in med:  # each gateway's req/s over vllm-router's (the target: >= 1.0 at 2 workers)
+        v = vllm.get(m["conns"])
+        m["vs_vllm_router"] = round(m["req_per_s"] / v, 2) if v else ""
     print_table("peers: 3 engines at time scale 0, round_robin, closed loop", med,
                 ["conns", "gateway", "req_per_s", "chunks_per_s", "lat_p50_ms", "lat_p99_ms",
-                 "flexpipe_ratio", "gw_cpu_us_per_req", "load_1m"])  # fmt: skip
+                 "flexpipe_ratio", "vs_vllm_router", "gw_cpu_us_per_req",
+                 "load_1m"])  # fmt: skip
     return rows
 
 
@@ -713,6 +736,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default="", help="quality: variant names, comma-separated")
     ap.add_argument("--concurrencies", default="8,32,64,96", help="capacity: closed loops")
     ap.add_argument("--capacity-duration-s", type=float, default=20.0, help="capacity: window")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="peers: flexpipe also with this many workers (1: not) [the cores]",
+    )
     ap.add_argument("--baseline", type=Path, default=None,
                     help="overhead, latency, peers, capacity: also run the gateway from this\n"
                          "checkout "
