@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from faultkit import MODEL, engine_args, gateway_process, wait_until
+from faultkit import MODEL, engine_args, engine_load, gateway_process, wait_until
 
 from flexpipe.engine.testing import request, scrape, sim_engine
 
@@ -170,13 +170,21 @@ def test_killed_worker_is_restarted_and_resynced(engine) -> None:  # type: ignor
         assert "exited with -9; restarting it" in gw.log()
 
 
-def _stream(url: str, out: list[str]) -> None:
+def _stream(url: str, out: list[str], key: str | None = None) -> None:
+    """One stream of 40 tokens; its text, or "CUT" when the connection broke mid-way."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     body = {**COMPLETION, "max_tokens": 40, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    conn.request("POST", "/v1/completions", json.dumps(body), headers)
     resp = conn.getresponse()
-    out.append(resp.read().decode())
+    try:
+        text = resp.read().decode() if resp.status == 200 else f"status {resp.status}"
+    except (http.client.IncompleteRead, ConnectionError):
+        text = "CUT"
+    out.append(text)
     conn.close()
 
 
@@ -226,3 +234,59 @@ def test_prefix_affinity_shared_between_workers() -> None:
             num_blocks = scrape(metrics, "flexpipe_prefix_blocks_total", kind="all")
             assert num_blocks == 20 * 9
             assert scrape(metrics, "flexpipe_prefix_blocks_total", kind="matched") == 19 * 9
+
+
+def test_kill_9_of_a_worker_ends_only_its_own_streams() -> None:
+    """SIGKILL of one worker under load: its streams break (the client sees the connection
+    cut, no [DONE]), the other worker's finish whole; the engine aborts what the dead one sent
+    it, and the tenant's slots the dead worker held come back at once."""
+    config = {"tenants": [{"key": "sk-k", "name": "k", "max_concurrency": 8}]}
+    with sim_engine(engine_args(1.0)) as slow:
+        config["backends"] = [{"url": slow.url, "model": MODEL}]  # type: ignore[assignment]
+        with gateway_process([], config=config, args=["--workers", "2"]) as gw:
+            _both_serve(gw.url)
+            outs: list[str] = []
+            threads = [
+                threading.Thread(target=_stream, args=(gw.url, outs, "sk-k")) for _ in range(8)
+            ]
+            for t in threads:
+                t.start()
+            wait_until(
+                lambda: scrape(gw.get("/metrics").text, "flexpipe_in_flight_requests") == 8,
+                20,
+                "eight streams in flight",
+            )
+            views: dict[str, tuple[int, float]] = {}  # worker -> (its pid, streams it relays)
+
+            def both_seen() -> bool:
+                text = request("GET", gw.url + "/metrics?scope=worker", timeout_s=10).text
+                (line,) = [ln for ln in text.splitlines() if ln.startswith("flexpipe_gateway_")
+                           and "member=" in ln and "pid=" in ln]  # fmt: skip
+                member = line.split('member="')[1].split('"')[0]
+                pid = int(line.split('pid="')[1].split('"')[0])
+                views[member] = (pid, scrape(text, "flexpipe_in_flight_requests"))
+                return len(views) == 2
+
+            wait_until(both_seen, 20, "each worker's own view")
+            pid, num_streams = max(views.values(), key=lambda v: v[1])  # one that holds some
+            os.kill(pid, signal.SIGKILL)
+            for t in threads:
+                t.join(60)
+            cut = [o for o in outs if o == "CUT"]
+            whole = [o for o in outs if o.rstrip().endswith("data: [DONE]")]
+            assert len(cut) + len(whole) == 8, outs
+            assert len(cut) == num_streams  # the dead worker's, and only those
+            wait_until(
+                lambda: engine_load(slow.url) == (0.0, 0.0), 20, "the engine aborted the orphans"
+            )
+            _both_serve(gw.url)  # restarted
+            again: list[str] = []
+            threads = [
+                threading.Thread(target=_stream, args=(gw.url, again, "sk-k")) for _ in range(8)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert len(again) == 8
+            assert all(o.rstrip().endswith("data: [DONE]") for o in again), again
