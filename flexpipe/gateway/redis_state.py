@@ -95,6 +95,7 @@ class RedisState:
         self._seen: set[str] = set()  # uids of the ops applied here (ours included)
         self._op_ids = itertools.count(1)
         self._unsent: list[ControlOp] = []  # admin changes made while Redis was down
+        self._unsettled: list[tuple[str, float, float]] = []  # requests ended meanwhile
         self._prefixes: list[list[Any]] = []
         self._asks: dict[int, tuple[asyncio.Future[list[Any]], list[Any], int, bool]] = {}
         self._ask_ids = itertools.count(1)
@@ -140,6 +141,9 @@ class RedisState:
         unsent, self._unsent = self._unsent, []
         for op in unsent:
             await self._push(op)
+        unsettled, self._unsettled = self._unsettled, []
+        for name, charged, used in unsettled:
+            self._spawn(self._end(name, charged, used))
         return new
 
     async def _watch(self, conn: RedisConnection) -> None:
@@ -333,14 +337,21 @@ class RedisState:
         self._spawn(self._end(name, charged_tokens, used_tokens))
 
     async def _end(self, name: str, charged: float, used: float) -> None:
-        if self.up:
-            with contextlib.suppress(RedisError, OSError):
-                await self._transact(name, charged, used)
-                return
-        tenant = self._local.get(name)  # (a slot taken from Redis's budget lapses with us)
+        """Settle where the request was admitted: this member's own buckets while it holds
+        requests admitted there (Redis was down), else Redis, now or once it is back (its
+        slot must not stay counted there)."""
+        tenant = self._local.get(name)
         if tenant is not None and tenant.num_in_flight > 0:
             tenant.num_in_flight -= 1
             tenant.settle(charged, used, self.clock())
+            return
+        if self.up:
+            try:
+                await self._transact(name, charged, used)
+                return
+            except (RedisError, OSError):
+                pass
+        self._unsettled.append((name, charged, used))
 
     async def _transact(self, name: str, num_tokens: float, used: float | None) -> TenantVerdict:
         """Admit (`used` None) or settle a request of tenant `name`, atomically in Redis."""

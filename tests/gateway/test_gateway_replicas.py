@@ -143,3 +143,42 @@ def test_redis_lost_and_back_under_load(engine) -> None:  # type: ignore[no-unty
                 assert _own(g.url, "flexpipe_shared_state_outages_total") == 1
                 assert _post(g.url, COMPLETION, "sk-a") == 200
             assert "lost Redis" in a.log() and "is back; resynced" in a.log()
+
+
+def test_kill_9_of_a_replica_gives_its_tenant_slots_back_after_its_ttl() -> None:
+    """A replica killed while its tenant's streams fill the concurrency cap: the other
+    replica refuses that tenant while the dead one's slots count (its heartbeat has not
+    lapsed), then admits it once `member_ttl_s` passed: never above the cap, nothing leaked."""
+    config: dict[str, object] = {
+        "tenants": [{"key": "sk-c", "name": "c", "max_concurrency": 2}],
+        "shared_state": {"member_ttl_s": 2.0},
+    }
+    with sim_engine(engine_args(1.0)) as slow, redis_server() as (url, _):
+        config["backends"] = [{"url": slow.url, "model": MODEL}]
+        with _replica(url, config) as b, _replica(url, config) as a:
+            body = {**COMPLETION, "max_tokens": 400, "stream": True}
+            conns = [_open_stream(a.url, body, "sk-c") for _ in range(2)]
+            assert _post(b.url, COMPLETION, "sk-c") == 429  # 2 of 2 held, on a
+            a.proc.kill()
+            a.proc.wait(5)
+            t_killed = time.monotonic()
+            for c in conns:
+                c.close()
+            assert _post(b.url, COMPLETION, "sk-c") == 429  # still counted
+            wait_until(lambda: _post(b.url, COMPLETION, "sk-c") == 200, 10, "slots back")
+            assert time.monotonic() - t_killed >= 1.0
+
+
+def _open_stream(url: str, body: object, key: str):  # type: ignore[no-untyped-def]
+    """A stream started and left open (its first bytes read)."""
+    import http.client
+    import json
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+    conn.request("POST", "/v1/completions", json.dumps(body), headers)
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.fp.readline()
+    return conn
