@@ -53,7 +53,12 @@ from flexpipe.gateway.gateway_metrics import GatewayMetrics
 from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay
 from flexpipe.gateway.retry_later import RetryLater, retry_later
-from flexpipe.gateway.shared_state import ControlOp, SharedState, SharedStateDown
+from flexpipe.gateway.shared_state import (
+    ControlOp,
+    SharedState,
+    SharedStateDown,
+    reads_prefixes,
+)
 from flexpipe.gateway.signal import Signal
 from flexpipe.gateway.tenants import Tenant, Tenants, completion_tokens
 from flexpipe.gateway.ui_routes import UiRoutes
@@ -106,6 +111,8 @@ class Gateway:
         self.shared = shared
         self.pool = Pool(cfg.max_concurrency_per_instance, worker)
         self.router = Router(cfg, self.pool, random.Random(cfg.seed))
+        # publish routing decisions' blocks only to a policy that reads the prefix index
+        self._shares_prefixes = shared is not None and reads_prefixes(self.router.policy)
         self.client = ClientPool()
         self.metrics = GatewayMetrics()
         self.tenants = Tenants(cfg.tenants, clock())
@@ -555,7 +562,7 @@ class Gateway:
                 if pick.num_blocks:
                     self.metrics.prefix_all.inc(pick.num_blocks)
                     self.metrics.prefix_matched.inc(pick.num_blocks_matched)
-                    if self.shared is not None:
+                    if self._shares_prefixes and self.shared is not None:
                         self.shared.share_prefix(pick.instance.url, call.routing.block_hashes)
                 return pick.instance
             own_deadline = decision.own_deadline_s

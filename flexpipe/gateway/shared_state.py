@@ -32,6 +32,7 @@ __all__ = [
     "TenantVerdict",
     "compact",
     "op_key",
+    "reads_prefixes",
     "seconds_left",
 ]
 
@@ -95,6 +96,18 @@ class SharedState(Protocol):
 
 class SharedStateDown(Exception):
     """The shared state cannot be reached (budgets fail closed unless configured open)."""
+
+
+def reads_prefixes(policy: object) -> bool:
+    """Whether a routing policy reads the prefix index (prefix_affinity, or a composite
+    with the `prefix` scorer): only then are routing decisions' blocks published (round
+    robin and the load policies share nothing per request)."""
+    from flexpipe.policies.routing.composite import Composite
+    from flexpipe.policies.routing.prefix_affinity import PrefixAffinity, PrefixScorer
+
+    if isinstance(policy, Composite):
+        return any(isinstance(scorer, PrefixScorer) for scorer, _ in policy.scorers)
+    return isinstance(policy, PrefixAffinity | PrefixScorer)
 
 
 def seconds_left(op: ControlOp, now_wall_s: float | None = None) -> float:

@@ -70,3 +70,14 @@ def test_merge_expositions_sums_samples_and_takes_max_of_instance_up() -> None:
         'flexpipe_requests_total{status="200"} 7.5\n'
         'flexpipe_requests_total{status="503"} 1.0\n'
     )
+
+
+def test_only_policies_that_read_the_prefix_index_publish_prefixes() -> None:
+    from flexpipe.gateway.shared_state import reads_prefixes
+    from flexpipe.policies.routing import create_policy
+
+    assert reads_prefixes(create_policy("prefix_affinity"))
+    assert not reads_prefixes(create_policy("round_robin"))
+    assert not reads_prefixes(create_policy("least_load"))
+    assert reads_prefixes(create_policy("composite", weights={"prefix": 1.0, "load": 1.0}))
+    assert not reads_prefixes(create_policy("composite", weights={"load": 1.0}))
