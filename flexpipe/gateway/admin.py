@@ -49,6 +49,7 @@ from flexpipe.gateway.call import Move
 from flexpipe.gateway.control_ops import hold_op, refuse_op
 from flexpipe.gateway.core.holds import STANDBY_HOLD_S
 from flexpipe.gateway.core.pool import PoolError, TransitionError
+from flexpipe.gateway.peers import merge_instances
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
 from flexpipe.lifecycle import LifecycleError, State, parse_state
 
@@ -92,8 +93,14 @@ class AdminApi:
         return body
 
     async def list(self, req: Request) -> Response:
+        """With workers or replicas: each instance's requests in flight and slots summed
+        over all of them (peers.py `merge_instances`)."""
         self._check(req)
-        return json_response({"instances": [i.as_dict() for i in self.gw.pool.instances.values()]})
+        listed = [i.as_dict() for i in self.gw.pool.instances.values()]
+        if self.gw.shared is not None:
+            theirs = await self.gw.shared.ask_peers("instances", {}, 2.0)
+            listed = merge_instances(listed, theirs)
+        return json_response({"instances": listed})
 
     async def add(self, req: Request) -> Response:
         body = self._body(req)

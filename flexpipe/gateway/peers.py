@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from flexpipe.gateway.app import Gateway
 
-__all__ = ["MAX_GAUGES", "answer", "merge_expositions"]
+__all__ = ["MAX_GAUGES", "SUMMED_FIELDS", "answer", "merge_expositions", "merge_instances"]
 
 # gauges where each member says the same thing (merged by max, not summed)
 MAX_GAUGES = frozenset({"flexpipe_instance_up"})
@@ -42,7 +42,27 @@ async def answer(gw: Gateway, kind: str, body: dict[str, Any]) -> Any:
         return await gw.demand(list(body["models"]), float(body["wait_s"]))
     if kind == "metrics":
         return gw.own_metrics().decode()
+    if kind == "instances":
+        return [i.as_dict() for i in gw.pool.instances.values()]
     raise ValueError(f"unknown question {kind!r}")
+
+
+SUMMED_FIELDS = ("num_in_flight", "max_concurrency")  # each member's part of the instance
+
+
+def merge_instances(
+    mine: list[dict[str, Any]], theirs: Iterable[list[dict[str, Any]] | None]
+) -> list[dict[str, Any]]:
+    """The instances as this member lists them, with what each member holds of them summed
+    (its requests in flight, its share of the slots): the whole gateway's view."""
+    by_url = {i["url"]: dict(i) for i in mine}
+    for listing in theirs:
+        for other in listing or []:
+            inst = by_url.get(other.get("url"))
+            if inst is not None:
+                for key in SUMMED_FIELDS:
+                    inst[key] = int(inst[key]) + int(other.get(key, 0))
+    return list(by_url.values())
 
 
 def merge_expositions(texts: Iterable[str]) -> bytes:

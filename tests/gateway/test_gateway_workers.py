@@ -204,6 +204,8 @@ def test_sigterm_drains_both_workers() -> None:
             )
             busy = {_worker_of(gw.url) for _ in range(20)}
             assert busy == {"0", "1"}
+            # the admin API's view is the whole gateway's too: both workers' streams
+            assert [i["num_in_flight"] for i in gw.instances()] == [8]
             workers = _worker_pids(gw.pid)
             t0 = time.monotonic()
             gw.proc.send_signal(signal.SIGTERM)
