@@ -67,29 +67,37 @@ def merge_instances(
 
 def merge_expositions(texts: Iterable[str]) -> bytes:
     """Prometheus text expositions of several members as one: each sample summed over the
-    members (counters, histograms, queue and in-flight gauges), the `MAX_GAUGES` by max;
-    comments and the order of first appearance kept."""
-    lines: list[str] = []
-    values: dict[str, float] = {}  # sample key (name and labels) -> merged value
+    members (counters, histograms, queue and in-flight gauges), the `MAX_GAUGES` by max; a
+    family's comments and samples kept together (the format requires it), families and
+    samples in the order they first appear."""
+    families: dict[str, tuple[list[str], dict[str, float]]] = {}  # name -> (comments, samples)
     for text in texts:
+        family = ""
         for line in text.splitlines():
-            if not line or line.startswith("#"):
-                if line and line not in values and line not in lines:
-                    lines.append(line)
+            if line.startswith("#"):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                comments = families.setdefault(family, ([], {}))[0]
+                if line not in comments:
+                    comments.append(line)
                 continue
             m = _SAMPLE.match(line)
             if m is None:
                 continue
+            samples = families.setdefault(family, ([], {}))[1]
             key = f"{m.group(1)}{m.group(2) or ''}"
             value = float(m.group(3))
-            if key not in values:
-                lines.append(key)
-                values[key] = value
+            if key not in samples:
+                samples[key] = value
             elif m.group(1) in MAX_GAUGES:
-                values[key] = max(values[key], value)
+                samples[key] = max(samples[key], value)
             else:
-                values[key] += value
-    out = [f"{line} {_num(values[line])}" if line in values else line for line in lines]
+                samples[key] += value
+    out = []
+    for comments, samples in families.values():
+        out += comments
+        out += [f"{key} {_num(value)}" for key, value in samples.items()]
     return ("\n".join(out) + "\n").encode()
 
 

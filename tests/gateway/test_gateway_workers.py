@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from faultkit import MODEL, engine_args, engine_load, gateway_process, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from flexpipe.engine.testing import request, scrape, sim_engine
 
@@ -93,6 +94,9 @@ def test_both_workers_serve_and_share_admin_changes(engine) -> None:  # type: ig
         total = scrape(gw.get("/metrics").text, "flexpipe_requests_total", status="200")
         assert total == 40
         assert scrape(gw.get("/metrics").text, "flexpipe_gateway_member") == 2
+        # and a well-formed exposition (each family's samples together)
+        families = list(text_string_to_metric_families(gw.get("/metrics").text))
+        assert len({f.name for f in families}) == len(families)
         # removed through one: gone from both (a 404 for the model from any worker)
         assert gw.admin_post("/admin/instances/remove", {"url": engine.url}).status == 200
         assert {_fresh(gw.url, "/v1/completions", COMPLETION) for _ in range(20)} == {404}

@@ -81,3 +81,11 @@ def test_only_policies_that_read_the_prefix_index_publish_prefixes() -> None:
     assert not reads_prefixes(create_policy("least_load"))
     assert reads_prefixes(create_policy("composite", weights={"prefix": 1.0, "load": 1.0}))
     assert not reads_prefixes(create_policy("composite", weights={"load": 1.0}))
+
+
+def test_merge_expositions_keeps_each_family_together() -> None:
+    one = '# TYPE a gauge\na{m="0"} 1.0\n# TYPE b gauge\nb 2.0\n'
+    two = '# TYPE a gauge\na{m="1"} 1.0\n# TYPE b gauge\nb 3.0\n'
+    assert merge_expositions([one, two]).decode() == (
+        '# TYPE a gauge\na{m="0"} 1.0\na{m="1"} 1.0\n# TYPE b gauge\nb 5.0\n'
+    )
