@@ -49,6 +49,8 @@ log = logging.getLogger("flexpipe.gateway")
 
 MAX_TX_TRIES = 50  # optimistic transactions on one tenant, before a 503
 RECONNECT_S = 0.5
+# Redis silent this long (a partition sends no FIN): taken as lost, its connections closed
+REDIS_TIMEOUT_S = 1.0
 
 
 def _bucket_fields(prefix: str, b: TokenBucket | None) -> list[Any]:
@@ -193,8 +195,13 @@ class RedisState:
         while not self._closing:
             await asyncio.sleep(self.cfg.member_ttl_s / 3)
             if self.up:
-                with contextlib.suppress(RedisError, OSError):
-                    await self._beat()
+                try:
+                    async with asyncio.timeout(REDIS_TIMEOUT_S):
+                        await self._beat()
+                except TimeoutError:
+                    self._silent()
+                except (RedisError, OSError):
+                    pass
 
     @staticmethod
     async def _redis_now(conn: RedisConnection) -> float:
@@ -316,11 +323,23 @@ class RedisState:
         if not self.up:
             return self._admit_locally(name, num_tokens)
         try:
-            return await self._transact(name, num_tokens, None)
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                return await self._transact(name, num_tokens, None)
+        except TimeoutError:
+            self._silent()
+            return self._admit_locally(name, num_tokens)
         except (RedisError, OSError) as exc:
             if self.up:
                 raise SharedStateDown(str(exc)) from None
             return self._admit_locally(name, num_tokens)
+
+    def _silent(self) -> None:
+        """Redis stopped answering: close its connections (`_watch` then takes it as lost
+        and reconnects)."""
+        log.warning("shared state: Redis at %s silent for %.1f s", self.url, REDIS_TIMEOUT_S)
+        for c in (self._cmd, self._tx, self._sub):
+            if c is not None:
+                c.close()
 
     def _admit_locally(self, name: str, num_tokens: float) -> TenantVerdict:
         if self.cfg.budgets_when_down != "local":

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 
@@ -113,36 +115,61 @@ def test_prefix_affinity_shared_between_replicas() -> None:
 
 
 def test_redis_lost_and_back_under_load(engine) -> None:  # type: ignore[no-untyped-def]
-    config = {
-        "tenants": [{"key": "sk-a", "name": "a", "requests_per_min": 1000}],
-        "backends": [{"url": engine.url, "model": MODEL}],
-    }
+    """Requests flow through a replica that fails closed (`a`) and one that falls back to
+    its own budget (`b`, `budgets_when_down: local`) while Redis is killed and restarted:
+    `b` answers every one, `a` answers 503 only while Redis is gone; both say so in their
+    metrics and logs, and resync when it returns."""
+    tenants = [{"key": "sk-a", "name": "a", "requests_per_min": 100000}]
+    closed = {"tenants": tenants, "backends": [{"url": engine.url, "model": MODEL}]}
+    local = {**closed, "shared_state": {"budgets_when_down": "local"}}
     port = free_port()
-    with redis_server(port) as (url, proc), _replica(url, config) as a, _replica(url, config) as b:
+    with (
+        redis_server(port) as (url, proc),
+        _replica(url, closed) as a,
+        _replica(url, local) as b,
+    ):
         assert _post(a.url, COMPLETION, "sk-a") == 200
         assert _own(a.url, "flexpipe_shared_state_up") == 1
-        proc.kill()
-        proc.wait(5)
-        wait_until(lambda: _own(a.url, "flexpipe_shared_state_up") == 0, 10, "Redis seen lost")
-        for g in (a, b):
+        statuses: dict[str, list[int]] = {"a": [], "b": []}
+        stop = threading.Event()
+
+        def load(name: str, url: str) -> None:
+            while not stop.is_set():
+                statuses[name].append(_post(url, COMPLETION, "sk-a"))
+
+        threads = [threading.Thread(target=load, args=(n, g.url)) for n, g in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(0.5)
+            proc.kill()
+            proc.wait(5)
+            wait_until(lambda: _own(a.url, "flexpipe_shared_state_up") == 0, 10, "Redis lost")
+            time.sleep(0.5)
             res = request(
                 "POST",
-                g.url + "/v1/completions",
+                a.url + "/v1/completions",
                 COMPLETION,
                 {"authorization": "Bearer sk-a"},
                 timeout_s=20,
             )
             assert res.status == 503, res.text  # budgets fail closed
             assert "tenant budgets are unavailable" in res.text
-        # the engine is served all the same for what needs no shared budget: a request
-        # of a tenant is the only kind here, so the pool is checked through the admin API
-        assert [i["state"] for i in a.instances()] == ["active"]
-        with redis_server(port):
-            for g in (a, b):
-                wait_until(lambda g=g: _own(g.url, "flexpipe_shared_state_up") == 1, 10, "back")
-                assert _own(g.url, "flexpipe_shared_state_outages_total") == 1
-                assert _post(g.url, COMPLETION, "sk-a") == 200
-            assert "lost Redis" in a.log() and "is back; resynced" in a.log()
+            with redis_server(port):
+                for g in (a, b):
+                    wait_until(lambda g=g: _own(g.url, "flexpipe_shared_state_up") == 1, 10, "back")
+                    assert _own(g.url, "flexpipe_shared_state_outages_total") == 1
+                time.sleep(0.5)
+                stop.set()
+                for t in threads:
+                    t.join(30)
+                assert _post(a.url, COMPLETION, "sk-a") == 200
+                assert "lost Redis" in a.log() and "is back; resynced" in a.log()
+        finally:
+            stop.set()
+        assert set(statuses["b"]) == {200}, statuses["b"]  # never refused: its own budget
+        assert set(statuses["a"]) == {200, 503}
+        assert statuses["a"][-1] == 200  # served again once Redis was back
 
 
 def test_kill_9_of_a_replica_gives_its_tenant_slots_back_after_its_ttl() -> None:
@@ -182,3 +209,25 @@ def _open_stream(url: str, body: object, key: str):  # type: ignore[no-untyped-d
     assert resp.status == 200
     resp.fp.readline()
     return conn
+
+
+def test_a_silent_redis_is_taken_as_lost(engine) -> None:  # type: ignore[no-untyped-def]
+    """Redis stopped (SIGSTOP: no connection breaks, as in a partition): a tenant's request
+    waits at most the backend's timeout, then fails closed; Redis resumed: resynced."""
+    config = {
+        "tenants": [{"key": "sk-a", "name": "a", "requests_per_min": 100000}],
+        "backends": [{"url": engine.url, "model": MODEL}],
+    }
+    with redis_server() as (url, proc), _replica(url, config) as a:
+        assert _post(a.url, COMPLETION, "sk-a") == 200
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert _post(a.url, COMPLETION, "sk-a") == 503
+            assert time.monotonic() - t0 < 3.0
+            assert _own(a.url, "flexpipe_shared_state_up") == 0
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: _own(a.url, "flexpipe_shared_state_up") == 1, 10, "Redis back")
+        assert _post(a.url, COMPLETION, "sk-a") == 200
+        assert "silent for 1.0 s" in a.log()
