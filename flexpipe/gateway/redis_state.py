@@ -431,9 +431,10 @@ class RedisState:
         if not self.up or self._cmd is None:
             return []
         try:
-            members = await self._cmd.execute("HGETALL", self.k_members)
-            now = await self._redis_now(self._cmd)
-        except (RedisError, OSError):
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                members = await self._cmd.execute("HGETALL", self.k_members)
+                now = await self._redis_now(self._cmd)
+        except (RedisError, OSError, TimeoutError):
             return []
         others = [
             members[i].decode()
