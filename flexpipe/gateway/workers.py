@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import multiprocessing
 import os
@@ -82,6 +83,15 @@ def make_shared(
     return None
 
 
+def _accepts(host: str, port: int) -> bool:
+    """Something accepts connections on host:port now."""
+    try:
+        with socket.create_connection((host, port), 0.5):
+            return True
+    except OSError:
+        return False
+
+
 def worker_main(
     cfg: GatewayConfig,
     index: int,
@@ -144,6 +154,10 @@ class Supervisor:
     async def start(self) -> None:
         """Reserve the port, start the state service and the workers; returns once every
         worker listens."""
+        if self.cfg.port and _accepts(self.cfg.host, self.cfg.port):
+            # SO_REUSEPORT would let us join another gateway's group and take half its
+            # connections: a port something already serves on is in use, as without it
+            raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
         self._reserved = reuse_port_socket(self.cfg.host, self.cfg.port, listen=False)
         self.port = self._reserved.getsockname()[1]
         self.cfg.port = self.port

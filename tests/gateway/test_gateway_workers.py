@@ -296,3 +296,21 @@ def test_kill_9_of_a_worker_ends_only_its_own_streams() -> None:
                 t.join(60)
             assert len(again) == 8
             assert all(o.rstrip().endswith("data: [DONE]") for o in again), again
+
+
+def test_a_port_in_use_is_refused_not_shared(engine) -> None:  # type: ignore[no-untyped-def]
+    """A second `--workers` gateway on a port another serves: exit 2, "in use" (SO_REUSEPORT
+    would otherwise let it take half the first one's connections)."""
+    import subprocess
+    import sys
+
+    from flexpipe.engine.testing import ROOT
+
+    with gateway_process([engine.url], args=["--workers", "2"]) as gw:
+        cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(gw.port)]
+        cmd += ["--workers", "2", "--backend", engine.url, "--model", MODEL]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=60)
+        assert done.returncode == 2
+        assert b"cannot listen on 127.0.0.1:" in done.stderr
+        assert b"in use" in done.stderr
