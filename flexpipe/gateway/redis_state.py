@@ -103,6 +103,8 @@ class RedisState:
         self._ask_ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
+        # ops that came while the log was read (subscribed first): applied after it
+        self._early: list[ControlOp] | None = None
 
     @property
     def member(self) -> str:
@@ -124,6 +126,13 @@ class RedisState:
 
     async def _connect(self) -> list[ControlOp]:
         """Connect, subscribe, and the control log's ops not seen here yet."""
+        self._early = []
+        try:
+            return await self._sync()
+        finally:
+            self._early = None
+
+    async def _sync(self) -> list[ControlOp]:
         cmd = await RedisConnection.connect(self.url)
         tx = await RedisConnection.connect(self.url)
         sub = await RedisConnection.connect(self.url, self._message)
@@ -135,6 +144,9 @@ class RedisState:
         logged: list[ControlOp] = []
         for item in raw:
             logged = compact(logged, orjson.loads(item))
+        assert self._early is not None
+        for op in self._early:  # (published after the subscription: the log may have it)
+            logged = compact([o for o in logged if o.get("uid") != op.get("uid")], op)
         new = [op for op in logged if op.get("uid") not in self._seen]
         self._seen.update(str(op.get("uid")) for op in new)
         self.up = True
@@ -237,7 +249,9 @@ class RedisState:
                 self._on_prefix(url, tuple(hashes))
         elif ch == self.c_ops:
             op = msg["op"]
-            if op.get("uid") not in self._seen:
+            if self._early is not None:
+                self._early.append(op)
+            elif op.get("uid") not in self._seen:
                 self._seen.add(op["uid"])
                 assert self._on_op is not None
                 self._on_op(op)

@@ -254,6 +254,8 @@ class EmbeddedState:
         self._prefixes: list[list[Any]] = []  # inserts of this loop pass, sent together
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # ops that came while the log was on its way: applied after it, in order
+        self._early: list[ControlOp] | None = None
 
     @property
     def member(self) -> str:
@@ -274,7 +276,10 @@ class EmbeddedState:
             lambda: _Framed(self._message, self._lost), self.path
         )
         self._conn = conn
+        self._early = []
         ops: list[ControlOp] = await self._call({"t": "hello", "m": self._member})
+        ops += self._early
+        self._early = None
         return ops
 
     def _call(self, msg: dict[str, Any]) -> asyncio.Future[Any]:
@@ -298,8 +303,11 @@ class EmbeddedState:
             for url, hashes in msg["l"]:
                 self._on_prefix(url, tuple(hashes))
         elif kind == "op":
-            assert self._on_op is not None
-            self._on_op(msg["op"])
+            if self._early is not None:
+                self._early.append(msg["op"])
+            else:
+                assert self._on_op is not None
+                self._on_op(msg["op"])
         elif kind == "ask":
             assert self._loop is not None
             task = self._loop.create_task(self._answer(msg["id"], msg["k"], msg["b"]))
