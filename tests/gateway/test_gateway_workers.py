@@ -314,3 +314,19 @@ def test_a_port_in_use_is_refused_not_shared(engine) -> None:  # type: ignore[no
         assert done.returncode == 2
         assert b"cannot listen on 127.0.0.1:" in done.stderr
         assert b"in use" in done.stderr
+
+
+def test_workers_of_a_dead_supervisor_drain_and_exit(engine) -> None:  # type: ignore[no-untyped-def]
+    """kill -9 of the supervisor: its workers lose the state service, drain, and exit (no
+    orphan keeps the port)."""
+    with gateway_process([engine.url], args=["--workers", "2"]) as gw:
+        _both_serve(gw.url)
+        workers = _worker_pids(gw.pid)
+        assert len(workers) == 2
+        gw.proc.kill()
+        gw.proc.wait(10)
+        wait_until(
+            lambda: not any(Path(f"/proc/{p}/cmdline").exists() for p in workers),
+            20,
+            "the workers gone",
+        )
