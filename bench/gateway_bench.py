@@ -6,6 +6,7 @@
     python bench/gateway_bench.py quality   # routing quality: policy/weight sweep, seeds,
                                             # then the example's unequal pool (capacity)
     python bench/gateway_bench.py capacity  # only the unequal pool: concurrency sweep
+    python bench/gateway_bench.py shared_state  # a tenant request's cost with workers/replicas
     python bench/gateway_bench.py all
 
 Every comparison runs its targets side by side in one run, interleaved round by round
@@ -464,6 +465,84 @@ def run_peers(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# ----------------------------------------------------------------------- shared state
+async def _tenant_round_trips(state: Any, n: int, concurrency: int) -> tuple[float, float]:
+    """(wall µs, CPU µs of this process) per tenant admit + end through `state`."""
+
+    async def loop(k: int) -> None:
+        for _ in range(k):
+            await state.tenant_admit("0:a", 300.0)
+            state.tenant_end("0:a", 300.0, 250.0)
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(loop(n // concurrency) for _ in range(concurrency)))
+    await asyncio.sleep(0.05)  # the last ends
+    return (time.perf_counter() - t0) / n * 1e6, (time.process_time() - c0) / n * 1e6
+
+
+def run_shared_state(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """What a request of a tenant with a budget pays with workers (the embedded state
+    service; its CPU on both sides, in this one process) or replicas (Redis, when
+    `redis-server` is on PATH: this process's CPU, Redis's apart)."""
+    import shutil
+
+    from flexpipe.gateway.config import SharedStateConfig, TenantConfig
+    from flexpipe.gateway.redis_state import RedisState
+    from flexpipe.gateway.state_service import EmbeddedState, StateService
+
+    tenants = [TenantConfig("k", "a", requests_per_min=1e12, tokens_per_min=1e15)]
+    rows = []
+
+    async def noop_ask(kind: str, body: dict[str, Any]) -> None:
+        del kind, body
+
+    async def embedded(conc: int) -> tuple[float, float]:
+        with tempfile.TemporaryDirectory() as tmp:
+            svc = StateService(f"{tmp}/s.sock", tenants)
+            await svc.start()
+            st = EmbeddedState(f"{tmp}/s.sock", "0")
+            await st.start(lambda op: None, lambda u, h: None, noop_ask)
+            out = await _tenant_round_trips(st, args.round_trips, conc)
+            await st.close()
+            await svc.close()
+            return out
+
+    async def redis(url: str, conc: int) -> tuple[float, float]:
+        st = RedisState(SharedStateConfig(url=url), tenants, "bench")
+        await st.start(lambda op: None, lambda u, h: None, noop_ask)
+        out = await _tenant_round_trips(st, args.round_trips, conc)
+        await st.close()
+        return out
+
+    redis_proc = None
+    backends: list[tuple[str, Any]] = [("embedded", embedded)]
+    if shutil.which("redis-server"):
+        port = free_port()
+        redis_proc = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+            stdout=subprocess.DEVNULL,
+        )
+        time.sleep(0.5)
+        url = f"redis://127.0.0.1:{port}/0"
+        backends.append(("redis", lambda conc: redis(url, conc)))
+    try:
+        for r in range(args.rounds):
+            for name, fn in backends:
+                for conc in (1, 64):
+                    wall_us, cpu_us = asyncio.run(fn(conc))
+                    rows.append(emit({"bench": "shared_state", "backend": name, "conc": conc,
+                                      "round": r, "wall_us_per_req": round(wall_us, 1),
+                                      "cpu_us_per_req": round(cpu_us, 1)}))  # fmt: skip
+    finally:
+        if redis_proc is not None:
+            redis_proc.kill()
+            redis_proc.wait(5)
+    med = median_rows(rows, ["backend", "conc"])
+    print_table("shared state: a tenant's admit + end per request", med,
+                ["backend", "conc", "wall_us_per_req", "cpu_us_per_req"])  # fmt: skip
+    return rows
+
+
 # ----------------------------------------------------------------------- routing quality
 def engine_prefix_counts(urls: list[str]) -> tuple[float, float]:
     hits = queries = 0.0
@@ -725,7 +804,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("what", nargs="?", default="overhead",
                     choices=["overhead", "latency", "peers", "quality", "capacity",
-                             "all"])  # fmt: skip
+                             "shared_state", "all"])  # fmt: skip
     ap.add_argument("--duration-s", type=float, default=4.0, help="per run")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
     ap.add_argument("--latency-tokens", type=int, default=32, help="latency (a): max_tokens")
@@ -742,6 +821,7 @@ def main(argv: list[str] | None = None) -> None:
         default=len(os.sched_getaffinity(0)),
         help="peers: flexpipe also with this many workers (1: not) [the cores]",
     )
+    ap.add_argument("--round-trips", type=int, default=20000, help="shared_state: per run")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="overhead, latency, peers, capacity: also run the gateway from this\n"
                          "checkout "
@@ -754,6 +834,8 @@ def main(argv: list[str] | None = None) -> None:
         run_latency(args)
     if args.what in ("peers", "all"):
         run_peers(args)
+    if args.what in ("shared_state", "all"):
+        run_shared_state(args)
     if args.what in ("quality", "all"):
         run_quality(args)
     if args.what in ("quality", "capacity", "all"):

@@ -26,6 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -65,6 +66,21 @@ def _restore(b: TokenBucket | None, fields: dict[str, float], prefix: str, now: 
     b.updated_s = fields.get(f"{prefix}u", now)
 
 
+class _Silent(Exception):
+    """Redis did not answer within REDIS_TIMEOUT_S."""
+
+
+@dataclass(slots=True)
+class _Item:
+    """One budget decision: an admission (`used` None; `fut` gets the verdict) or the end
+    of an admitted request (`num_tokens` charged, `used` used)."""
+
+    name: str
+    num_tokens: float
+    used: float | None
+    fut: asyncio.Future[TenantVerdict] | None
+
+
 class RedisState:
     def __init__(
         self,
@@ -87,7 +103,9 @@ class RedisState:
         self.c_ans = f"{p}:ans:{member}"
         self._cmd: RedisConnection | None = None
         self._tx: RedisConnection | None = None  # WATCH is per connection: transactions here
-        self._tx_lock = asyncio.Lock()
+        self._tx_lock = asyncio.Lock()  # (the log's trim; budgets commit one batch at a time)
+        self._batch: list[_Item] = []  # budget decisions waiting for the next transaction
+        self._committer: asyncio.Task[None] | None = None
         self._sub: RedisConnection | None = None
         self.up = False
         self.num_outages = 0
@@ -157,7 +175,7 @@ class RedisState:
             await self._push(op)
         unsettled, self._unsettled = self._unsettled, []
         for name, charged, used in unsettled:
-            self._spawn(self._end(name, charged, used))
+            self._enqueue(_Item(name, charged, used, None))
         return new
 
     async def _watch(self, conn: RedisConnection) -> None:
@@ -333,14 +351,18 @@ class RedisState:
             self._cmd.send("PUBLISH", self.c_px, msg)  # (its reply is not awaited)
 
     # ------------------------------------------------------------------ budgets
+    # Group commit: the admissions and ends that arrive while a transaction is in flight go
+    # together in the next one (read every tenant they touch once, decide each in arrival
+    # order with the same `Tenant` code, write once): one transaction per Redis round trip
+    # pair whatever the load, and the order of decisions is the order of arrival.
     async def tenant_admit(self, name: str, num_tokens: float) -> TenantVerdict:
         if not self.up:
             return self._admit_locally(name, num_tokens)
+        fut: asyncio.Future[TenantVerdict] = asyncio.get_running_loop().create_future()
+        self._enqueue(_Item(name, num_tokens, None, fut))
         try:
-            async with asyncio.timeout(REDIS_TIMEOUT_S):
-                return await self._transact(name, num_tokens, None)
-        except TimeoutError:
-            self._silent()
+            return await fut
+        except _Silent:
             return self._admit_locally(name, num_tokens)
         except (RedisError, OSError) as exc:
             if self.up:
@@ -367,48 +389,73 @@ class RedisState:
         return verdict
 
     def tenant_end(self, name: str, charged_tokens: float, used_tokens: float) -> None:
-        self._spawn(self._end(name, charged_tokens, used_tokens))
-
-    async def _end(self, name: str, charged: float, used: float) -> None:
         """Settle where the request was admitted: this member's own buckets while it holds
         requests admitted there (Redis was down), else Redis, now or once it is back (its
         slot must not stay counted there)."""
         tenant = self._local.get(name)
         if tenant is not None and tenant.num_in_flight > 0:
             tenant.num_in_flight -= 1
-            tenant.settle(charged, used, self.clock())
-            return
-        if self.up:
-            try:
-                await self._transact(name, charged, used)
-                return
-            except (RedisError, OSError):
-                pass
-        self._unsettled.append((name, charged, used))
+            tenant.settle(charged_tokens, used_tokens, self.clock())
+        elif self.up:
+            self._enqueue(_Item(name, charged_tokens, used_tokens, None))
+        else:
+            self._unsettled.append((name, charged_tokens, used_tokens))
 
-    async def _transact(self, name: str, num_tokens: float, used: float | None) -> TenantVerdict:
-        """Admit (`used` None) or settle a request of tenant `name`, atomically in Redis."""
-        cfg = self._tenant_cfgs.get(name)
-        if cfg is None:
-            return False, 1.0, "unknown tenant"
-        key = f"{self.cfg.prefix}:tenant:{name}"
+    def _enqueue(self, item: _Item) -> None:
+        self._batch.append(item)
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.get_running_loop().create_task(self._commit_batches())
+
+    async def _commit_batches(self) -> None:
+        while self._batch:
+            items, self._batch = self._batch, []
+            error: Exception
+            try:
+                async with asyncio.timeout(REDIS_TIMEOUT_S):
+                    verdicts = await self._commit(items)
+            except TimeoutError:
+                self._silent()
+                error = _Silent()
+            except (RedisError, OSError) as exc:
+                error = exc
+            else:
+                for item, verdict in zip(items, verdicts, strict=True):
+                    if item.fut is not None and not item.fut.done():
+                        item.fut.set_result(verdict)
+                continue
+            for item in items:
+                if item.fut is None:
+                    self._unsettled.append((item.name, item.num_tokens, item.used or 0.0))
+                elif not item.fut.done():
+                    item.fut.set_exception(error)
+
+    async def _commit(self, items: list[_Item]) -> list[TenantVerdict]:
+        """Decide `items` in order, atomically in Redis (WATCHed: again on a conflict)."""
+        tx = self._tx
+        if tx is None:
+            raise RedisError("not connected")
+        names = sorted({i.name for i in items if i.name in self._tenant_cfgs})
+        keys = [f"{self.cfg.prefix}:tenant:{n}" for n in names]
         mine = f"if:{self._member}"
-        async with self._tx_lock:
-            tx = self._tx
-            if tx is None:
-                raise RedisError("not connected")
-            for _ in range(MAX_TX_TRIES):
-                _, raw, members, (sec, usec) = await tx.pipeline(
-                    ("WATCH", key), ("HGETALL", key), ("HGETALL", self.k_members), ("TIME",)
-                )
-                now = int(sec) + int(usec) / 1e6
+        for _ in range(MAX_TX_TRIES):
+            reads: list[tuple[Any, ...]] = [("HGETALL", k) for k in keys]
+            replies = await tx.pipeline(
+                ("WATCH", *keys) if keys else ("PING",),
+                *reads,
+                ("HGETALL", self.k_members),
+                ("TIME",),
+            )
+            members, (sec, usec) = replies[-2], replies[-1]
+            now = int(sec) + int(usec) / 1e6
+            alive = {
+                members[i].decode()
+                for i in range(0, len(members), 2)
+                if float(members[i + 1]) > now
+            }
+            tenants: dict[str, tuple[Tenant, int, list[str]]] = {}  # name -> (it, mine, dead)
+            for name, raw in zip(names, replies[1:-2], strict=True):
                 fields = {raw[i].decode(): raw[i + 1] for i in range(0, len(raw), 2)}
-                alive = {
-                    members[i].decode()
-                    for i in range(0, len(members), 2)
-                    if float(members[i + 1]) > now
-                }
-                tenant = Tenant(cfg, now)
+                tenant = Tenant(self._tenant_cfgs[name], now)
                 nums = {k: float(v) for k, v in fields.items() if k.startswith(("reqs_", "toks_"))}
                 _restore(tenant.requests, nums, "reqs_", now)
                 _restore(tenant.tokens, nums, "toks_", now)
@@ -416,27 +463,42 @@ class RedisState:
                 tenant.num_in_flight = sum(
                     int(v) for k, v in fields.items() if k.startswith("if:") and k not in dead
                 )
-                delta = 0
-                if used is None:
-                    verdict = tenant.admit(num_tokens, now)
-                    delta = 1 if verdict[0] else 0
+                tenants[name] = (tenant, int(fields.get(mine, b"0")), dead)
+            deltas = dict.fromkeys(names, 0)
+            verdicts: list[TenantVerdict] = []
+            for item in items:
+                entry = tenants.get(item.name)
+                if entry is None:
+                    verdicts.append((False, 1.0, "unknown tenant"))
+                    continue
+                tenant, num_mine, _ = entry
+                if item.used is None:
+                    verdict = tenant.admit(item.num_tokens, now)
+                    if verdict[0]:
+                        tenant.num_in_flight += 1
+                        deltas[item.name] += 1
+                    verdicts.append(verdict)
                 else:
-                    verdict = True, 0.0, ""
-                    tenant.settle(num_tokens, used, now)
-                    delta = -1 if int(fields.get(mine, b"0")) > 0 else 0
-                cmds: list[tuple[Any, ...]] = [("MULTI",)]
+                    if num_mine + deltas[item.name] > 0:  # (none after Redis lost its data)
+                        tenant.num_in_flight -= 1
+                        deltas[item.name] -= 1
+                    tenant.settle(item.num_tokens, item.used, now)
+                    verdicts.append((True, 0.0, ""))
+            cmds: list[tuple[Any, ...]] = [("MULTI",)]
+            for name, key in zip(names, keys, strict=True):
+                tenant, _, dead = tenants[name]
                 values = _bucket_fields("reqs_", tenant.requests)
                 values += _bucket_fields("toks_", tenant.tokens)
                 if values:
                     cmds.append(("HSET", key, *values))
-                if delta:
-                    cmds.append(("HINCRBY", key, mine, delta))
+                if deltas[name]:
+                    cmds.append(("HINCRBY", key, mine, deltas[name]))
                 if dead:
                     cmds.append(("HDEL", key, *dead))
-                cmds.append(("EXEC",))
-                if (await tx.pipeline(*cmds))[-1] is not None:
-                    return verdict
-            raise RedisError(f"tenant {name}: too much contention on its budget")
+            cmds.append(("EXEC",))
+            if (await tx.pipeline(*cmds))[-1] is not None:
+                return verdicts
+        raise RedisError("too much contention on the tenants' budgets")
 
     # ------------------------------------------------------------------ questions
     async def ask_peers(
