@@ -174,11 +174,11 @@ def test_killed_worker_is_restarted_and_resynced(engine) -> None:  # type: ignor
         assert "exited with -9; restarting it" in gw.log()
 
 
-def _stream(url: str, out: list[str], key: str | None = None) -> None:
-    """One stream of 40 tokens; its text, or "CUT" when the connection broke mid-way."""
+def _stream(url: str, out: list[str], key: str | None = None, max_tokens: int = 100) -> None:
+    """One stream of `max_tokens`; its text, or "CUT" when the connection broke mid-way."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = {**COMPLETION, "max_tokens": 40, "stream": True}
+    body = {**COMPLETION, "max_tokens": max_tokens, "stream": True}
     headers = {"content-type": "application/json"}
     if key:
         headers["authorization"] = f"Bearer {key}"
@@ -253,7 +253,7 @@ def test_kill_9_of_a_worker_ends_only_its_own_streams() -> None:
             _both_serve(gw.url)
             outs: list[str] = []
             threads = [
-                threading.Thread(target=_stream, args=(gw.url, outs, "sk-k")) for _ in range(8)
+                threading.Thread(target=_stream, args=(gw.url, outs, "sk-k", 400)) for _ in range(8)
             ]
             for t in threads:
                 t.start()
