@@ -36,7 +36,9 @@ POST /admin/models/demand             {"models", "wait_s"}: answers {"queued": {
 With several workers or replicas (docs/gateway.md, "Workers and replicas") the call lands on
 one of them: a change is applied there and published to the others (control_ops.py), and a
 question is put to all of them (peers.py): drained means drained everywhere, the requests of
-an instance are those of every member, a move is carried out where its request is.
+an instance are those of every member, a move is carried out where its request is. The two
+lists take `?scope=member` for the answering member's own (a controller that calls every
+replica itself).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class AdminApi:
         over all of them (peers.py `merge_instances`)."""
         self._check(req)
         listed = [i.as_dict() for i in self.gw.pool.instances.values()]
-        if self.gw.shared is not None:
+        if self.gw.shared is not None and not _member_only(req):
             theirs = await self.gw.shared.ask_peers("instances", {}, 2.0)
             listed = merge_instances(listed, theirs)
         return json_response({"instances": listed})
@@ -242,7 +244,7 @@ class AdminApi:
             raise HttpError(400, "give one instance as ?url=", param="url")
         url = urls[0].rstrip("/")
         described = [c.describe() for c in self.gw.calls_on(url)]
-        if self.gw.shared is not None:
+        if self.gw.shared is not None and not _member_only(req):
             for theirs in await self.gw.shared.ask_peers("requests", {"url": url}, 2.0):
                 described += theirs or []
         return json_response({"requests": described})
@@ -321,6 +323,12 @@ class AdminApi:
             return json_response(inst.as_dict())
         except PoolError as exc:
             raise HttpError(400 if "weight" in str(exc) else 404, str(exc)) from None
+
+
+def _member_only(req: Request) -> bool:
+    """`?scope=member`: this worker's or replica's own answer (a controller that calls
+    every replica itself), not the whole gateway's."""
+    return "member" in (req.query_params().get("scope") or [])
 
 
 def _state(value: Any) -> State:

@@ -21,7 +21,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from flexpipe.gateway import moves, peers
@@ -89,6 +89,20 @@ _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
 
 
+CALL_ID_SALT_BITS = 20
+
+
+def call_ids(shared: SharedState | None, worker: tuple[int, int]) -> Iterator[int]:
+    """Request ids (the admin API's, which a move names): 1, 2, 3... alone; interleaved
+    between the workers of one host (worker i of N: i + 1, i + 1 + N...); for a replica
+    sharing through Redis, its own random residue modulo 2^20 (replicas cannot agree on
+    an index: two collide with a chance of one in a million)."""
+    if shared is not None and shared.member_salted:
+        salt = random.SystemRandom().getrandbits(CALL_ID_SALT_BITS)
+        return itertools.count((1 << CALL_ID_SALT_BITS) + salt, 1 << CALL_ID_SALT_BITS)
+    return itertools.count(worker[0] + 1, worker[1])
+
+
 def _waits_for_a_slot(decision: Decision) -> bool:
     """The request found its model served (or held) and took no slot: it queues, or its
     queue's wait is over."""
@@ -123,7 +137,7 @@ class Gateway:
         self.queued_signal = Signal(clock)  # a request queued (the demand trigger)
         self._tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
         self._calls: dict[int, Call] = {}  # accepted, not yet ended, whatever their phase
-        self._call_ids = itertools.count(worker[0] + 1, worker[1])  # unique across workers
+        self._call_ids = call_ids(shared, worker)  # unique across workers and replicas
         self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
         self._warm_ups_on: dict[str, int] = {}  # instance url -> moves' warm-ups sent there
         self.ended_signal = Signal(clock)  # a request ended (`drained`)

@@ -128,6 +128,10 @@ class RedisState:
     def member(self) -> str:
         return self._member
 
+    @property
+    def member_salted(self) -> bool:
+        return True
+
     # ------------------------------------------------------------------ connection
     async def start(self, on_op: OnOp, on_prefix: OnPrefix, on_ask: OnAsk) -> list[ControlOp]:
         self._on_op, self._on_prefix, self._on_ask = on_op, on_prefix, on_ask

@@ -52,6 +52,11 @@ class SharedState(Protocol):
         ...
 
     @property
+    def member_salted(self) -> bool:
+        """Members cannot be numbered (replicas on several hosts): request ids are salted."""
+        ...
+
+    @property
     def up(self) -> bool:
         """The shared state can be reached now (`flexpipe_shared_state_up`)."""
         ...

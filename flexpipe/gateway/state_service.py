@@ -262,6 +262,10 @@ class EmbeddedState:
         return self._member
 
     @property
+    def member_salted(self) -> bool:
+        return False
+
+    @property
     def up(self) -> bool:
         return self._conn is not None and not self._conn.closed
 

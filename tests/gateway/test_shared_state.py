@@ -89,3 +89,24 @@ def test_merge_expositions_keeps_each_family_together() -> None:
     assert merge_expositions([one, two]).decode() == (
         '# TYPE a gauge\na{m="0"} 1.0\na{m="1"} 1.0\n# TYPE b gauge\nb 5.0\n'
     )
+
+
+def test_request_ids_never_collide_between_workers_or_replicas() -> None:
+    import itertools
+
+    from flexpipe.gateway.app import CALL_ID_SALT_BITS, call_ids
+
+    def first(ids: object, n: int = 3) -> list[int]:
+        return list(itertools.islice(ids, n))  # type: ignore[call-overload]
+
+    assert first(call_ids(None, (0, 1))) == [1, 2, 3]
+    assert first(call_ids(None, (0, 2))) == [1, 3, 5]
+    assert first(call_ids(None, (1, 2))) == [2, 4, 6]
+
+    class Replica:
+        member_salted = True
+
+    ids = first(call_ids(Replica(), (0, 1)))  # type: ignore[arg-type]
+    step = 1 << CALL_ID_SALT_BITS
+    assert ids[1] - ids[0] == step and ids[2] - ids[1] == step
+    assert ids[0] >= step and len({i % step for i in ids}) == 1
