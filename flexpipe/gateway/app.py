@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import random
 import socket
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from typing import Any
 
 from flexpipe.gateway import moves, peers
@@ -57,6 +56,8 @@ from flexpipe.gateway.shared_state import (
     ControlOp,
     SharedState,
     SharedStateDown,
+    admit_shared,
+    call_ids,
     reads_prefixes,
 )
 from flexpipe.gateway.signal import Signal
@@ -87,20 +88,6 @@ _ADMIN_BODY_BYTES = 1 << 20  # every route but the two that carry prompts
 _DEAD = ("connect", "closed", "protocol")  # the instance failed before a response head
 _JSON = "application/json"
 _JSON_HEADERS = {"content-type": _JSON}  # upstream request headers (never mutated)
-
-
-CALL_ID_SALT_BITS = 20
-
-
-def call_ids(shared: SharedState | None, worker: tuple[int, int]) -> Iterator[int]:
-    """Request ids (the admin API's, which a move names): 1, 2, 3... alone; interleaved
-    between the workers of one host (worker i of N: i + 1, i + 1 + N...); for a replica
-    sharing through Redis, its own random residue modulo 2^20 (replicas cannot agree on
-    an index: two collide with a chance of one in a million)."""
-    if shared is not None and shared.member_salted:
-        salt = random.SystemRandom().getrandbits(CALL_ID_SALT_BITS)
-        return itertools.count((1 << CALL_ID_SALT_BITS) + salt, 1 << CALL_ID_SALT_BITS)
-    return itertools.count(worker[0] + 1, worker[1])
 
 
 def _waits_for_a_slot(decision: Decision) -> bool:
@@ -352,18 +339,8 @@ class Gateway:
             if ok:
                 tenant.num_in_flight += 1
             return ok, wait_s, why
-        shared, tenant_id = self.shared, tenant.id
-        admitting = asyncio.ensure_future(shared.tenant_admit(tenant_id, num_tokens))
         try:
-            return await asyncio.shield(admitting)
-        except asyncio.CancelledError:  # the client left: a slot taken for it goes back
-
-            def give_back(fut: asyncio.Future[tuple[bool, float, str]]) -> None:
-                if not fut.cancelled() and fut.exception() is None and fut.result()[0]:
-                    shared.tenant_end(tenant_id, num_tokens, 0)
-
-            admitting.add_done_callback(give_back)
-            raise
+            return await admit_shared(self.shared, tenant.id, num_tokens)
         except SharedStateDown:
             self.metrics.rejected.labels("shared_state_down").inc()
             raise HttpError(

@@ -19,17 +19,24 @@ replicas on several hosts through Redis (redis_state.py). Both give:
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 __all__ = [
+    "CALL_ID_SALT_BITS",
     "ControlOp",
     "OnAsk",
     "OnOp",
     "OnPrefix",
     "SharedState",
+    "SharedStateDown",
     "TenantVerdict",
+    "admit_shared",
+    "call_ids",
     "compact",
     "op_key",
     "reads_prefixes",
@@ -101,6 +108,36 @@ class SharedState(Protocol):
 
 class SharedStateDown(Exception):
     """The shared state cannot be reached (budgets fail closed unless configured open)."""
+
+
+async def admit_shared(shared: SharedState, tenant_id: str, num_tokens: float) -> TenantVerdict:
+    """`shared.tenant_admit`, and when the client leaves while the answer is on its way, a
+    slot taken for it goes back (`tenant_end`, nothing used) as soon as the answer comes."""
+    admitting = asyncio.ensure_future(shared.tenant_admit(tenant_id, num_tokens))
+    try:
+        return await asyncio.shield(admitting)
+    except asyncio.CancelledError:
+
+        def give_back(fut: asyncio.Future[TenantVerdict]) -> None:
+            if not fut.cancelled() and fut.exception() is None and fut.result()[0]:
+                shared.tenant_end(tenant_id, num_tokens, 0)
+
+        admitting.add_done_callback(give_back)
+        raise
+
+
+CALL_ID_SALT_BITS = 20
+
+
+def call_ids(shared: SharedState | None, worker: tuple[int, int]) -> Iterator[int]:
+    """Request ids (the admin API's, which a move names): 1, 2, 3... alone; interleaved
+    between the workers of one host (worker i of N: i + 1, i + 1 + N...); for a replica
+    sharing through Redis, its own random residue modulo 2^20 (replicas cannot agree on
+    an index: two collide with a chance of one in a million)."""
+    if shared is not None and shared.member_salted:
+        salt = random.SystemRandom().getrandbits(CALL_ID_SALT_BITS)
+        return itertools.count((1 << CALL_ID_SALT_BITS) + salt, 1 << CALL_ID_SALT_BITS)
+    return itertools.count(worker[0] + 1, worker[1])
 
 
 def reads_prefixes(policy: object) -> bool:

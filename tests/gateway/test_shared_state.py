@@ -94,7 +94,7 @@ def test_merge_expositions_keeps_each_family_together() -> None:
 def test_request_ids_never_collide_between_workers_or_replicas() -> None:
     import itertools
 
-    from flexpipe.gateway.app import CALL_ID_SALT_BITS, call_ids
+    from flexpipe.gateway.shared_state import CALL_ID_SALT_BITS, call_ids
 
     def first(ids: object, n: int = 3) -> list[int]:
         return list(itertools.islice(ids, n))  # type: ignore[call-overload]
@@ -110,3 +110,37 @@ def test_request_ids_never_collide_between_workers_or_replicas() -> None:
     step = 1 << CALL_ID_SALT_BITS
     assert ids[1] - ids[0] == step and ids[2] - ids[1] == step
     assert ids[0] >= step and len({i % step for i in ids}) == 1
+
+
+def test_a_slot_admitted_for_a_client_that_left_goes_back() -> None:
+    import asyncio
+
+    from flexpipe.gateway.shared_state import admit_shared
+
+    class Shared:
+        def __init__(self) -> None:
+            self.answer: asyncio.Future[tuple[bool, float, str]] | None = None
+            self.ended: list[tuple[str, float, float]] = []
+
+        async def tenant_admit(self, name: str, num_tokens: float) -> tuple[bool, float, str]:
+            self.answer = asyncio.get_running_loop().create_future()
+            return await self.answer
+
+        def tenant_end(self, name: str, charged: float, used: float) -> None:
+            self.ended.append((name, charged, used))
+
+    async def run(verdict: tuple[bool, float, str]) -> list[tuple[str, float, float]]:
+        shared = Shared()
+        task = asyncio.ensure_future(admit_shared(shared, "0:a", 300.0))  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        task.cancel()  # the client left while the answer was on its way
+        await asyncio.sleep(0)
+        assert shared.answer is not None
+        shared.answer.set_result(verdict)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert task.cancelled()
+        return shared.ended
+
+    assert asyncio.run(run((True, 0.0, ""))) == [("0:a", 300.0, 0)]
+    assert asyncio.run(run((False, 1.0, "concurrency limit reached"))) == []
