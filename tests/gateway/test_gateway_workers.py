@@ -330,3 +330,44 @@ def test_workers_of_a_dead_supervisor_drain_and_exit(engine) -> None:  # type: i
             20,
             "the workers gone",
         )
+
+
+def test_admin_questions_span_both_workers() -> None:
+    """The controller's drain-and-move through one worker reaches the other's requests: the
+    requests of an instance are listed from both, a drain is not done while either holds
+    one, and each move is carried out by the worker holding its request."""
+    with (
+        sim_engine(engine_args(1.0)) as a,
+        sim_engine(engine_args(1.0)) as b,
+        gateway_process([], args=["--workers", "2"], wait_healthy=False) as gw,
+    ):
+        _both_serve(gw.url)
+        assert gw.admin_post("/admin/instances", {"url": a.url, "model": MODEL}).status == 200
+        outs: list[str] = []
+        threads = [
+            threading.Thread(target=_stream, args=(gw.url, outs, None, 300)) for _ in range(6)
+        ]
+        for t in threads:
+            t.start()
+        wait_until(lambda: [i["num_in_flight"] for i in gw.instances()] == [6], 20, "six streams")
+        assert gw.admin_post("/admin/instances", {"url": b.url, "model": MODEL}).status == 200
+        listed = gw.get(f"/admin/instances/requests?url={a.url}").json()["requests"]
+        assert len({q["id"] for q in listed}) == 6
+        mine = gw.get(f"/admin/instances/requests?url={a.url}&scope=member").json()
+        assert len(mine["requests"]) <= 6
+        res = gw.admin_post("/admin/instances/drain", {"url": a.url, "wait_s": 0.3})
+        assert res.json()["drained"] is False
+        moves = [{"id": q["id"], "method": "recompute", "target": b.url} for q in listed]
+        res = gw.admin_post("/admin/requests/move", {"moves": moves})
+        assert res.status == 200, res.text
+        results = res.json()["results"]
+        assert sorted(r["id"] for r in results) == sorted(q["id"] for q in listed)
+        assert {r["outcome"] for r in results} == {"recompute"}
+        res = gw.admin_post("/admin/instances/drain", {"url": a.url, "wait_s": 10})
+        assert res.json()["drained"] is True
+        for t in threads:
+            t.join(60)
+        assert len(outs) == 6
+        for text in outs:  # continued on b, whole
+            assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+            assert '"error"' not in text
