@@ -105,7 +105,13 @@ class AdminApi:
         return json_response({"instances": listed})
 
     async def add(self, req: Request) -> Response:
+        """A registration the pool already has (the same URL and model: a controller that
+        registers with every replica, after another replica published it) answers the
+        instance as it is."""
         body = self._body(req)
+        same = self.gw.instance(body["url"])
+        if same is not None and body.get("model") in (None, same.model):
+            return json_response(same.as_dict())
         try:
             api_key = body.get("api_key")
             if api_key is not None and not isinstance(api_key, str):

@@ -87,6 +87,10 @@ def test_replicas_share_registrations_holds_and_budgets(engine) -> None:  # type
         assert res.status == 200, res.text
         assert a.admin_post("/admin/models/hold", {"model": "ghost", "seconds": 60}).status == 200
         wait_until(lambda: len(b.instances()) == 1, 10, "the registration on the other replica")
+        # a controller that registers with every replica: the second is no error
+        again = b.admin_post("/admin/instances", {"url": engine.url, "model": MODEL})
+        assert again.status == 200 and again.json()["url"] == engine.url
+        assert len(a.instances()) == len(b.instances()) == 1
         models = request("GET", b.url + "/v1/models", timeout_s=10).json()
         assert sorted(m["id"] for m in models["data"]) == ["ghost", MODEL]
         statuses = [_post((a, b)[i % 2].url, COMPLETION, "sk-a") for i in range(30)]
