@@ -39,7 +39,12 @@ $(HAPROXY):
 $(NGINX):
 	$(call unpack,nginx,nginx)
 
-test: $(STAMP) /usr/bin/chromedriver $(HAPROXY) $(NGINX)
+# Debian's redis-server, for the gateway replicas' tests (tests/gateway/test_gateway_replicas.py)
+/usr/bin/redis-server:
+	$(SUDO) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q redis-server
+
+test: $(STAMP) /usr/bin/chromedriver /usr/bin/redis-server $(HAPROXY) $(NGINX)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -6,6 +6,7 @@
     python bench/gateway_bench.py quality   # routing quality: policy/weight sweep, seeds,
                                             # then the example's unequal pool (capacity)
     python bench/gateway_bench.py capacity  # only the unequal pool: concurrency sweep
+    python bench/gateway_bench.py shared_state  # a tenant request's cost with workers/replicas
     python bench/gateway_bench.py all
 
 Every comparison runs its targets side by side in one run, interleaved round by round
@@ -96,10 +97,20 @@ def load_1m() -> float:
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds the process has used (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds the process and its live descendants (a gateway's workers)
+    have used (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        children = []
+    return total + sum(cpu_s(c) for c in children)
 
 
 class Procs:
@@ -131,9 +142,14 @@ class Procs:
         policy: str,
         config: Path | None = None,
         tree: Path | None = None,
+        workers: int | None = 1,
     ) -> str:
+        """`workers`: flexpipe's (1 unless asked: today's single process); a baseline
+        checkout gets no `--workers` flag."""
         port = free_port()
-        proc = peers.start(peers.gateway_command(kind, backends, port, policy, config), tree)
+        workers = None if tree is not None or kind != "flexpipe" else workers
+        cmd = peers.gateway_command(kind, backends, port, policy, config, workers)
+        proc = peers.start(cmd, tree)
         self.procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         self.pids[url] = proc.pid
@@ -420,6 +436,9 @@ def run_peers(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         engines = procs.engines(3, 0.0)
         gws = [(k, procs.gateway(k, engines, "round_robin")) for k in kinds]
+        if args.workers > 1:  # every core: N workers on one port
+            multi = procs.gateway("flexpipe", engines, "round_robin", workers=args.workers)
+            gws.insert(1, (f"flexpipe-w{args.workers}", multi))
         if args.baseline:
             base = procs.gateway("flexpipe", engines, "round_robin", tree=args.baseline)
             gws.append(("flexpipe-baseline", base))
@@ -435,9 +454,92 @@ def run_peers(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = {m["conns"]: m["req_per_s"] for m in med if m["gateway"] == "flexpipe"}
     for m in med:
         m["flexpipe_ratio"] = round(base[m["conns"]] / m["req_per_s"], 2) if m["req_per_s"] else ""
+    vllm = {m["conns"]: m["req_per_s"] for m in med if m["gateway"] == "vllm-router"}
+    for m in med:  # each gateway's req/s over vllm-router's (the target: >= 1.0 at 2 workers)
+        v = vllm.get(m["conns"])
+        m["vs_vllm_router"] = round(m["req_per_s"] / v, 2) if v else ""
     print_table("peers: 3 engines at time scale 0, round_robin, closed loop", med,
                 ["conns", "gateway", "req_per_s", "chunks_per_s", "lat_p50_ms", "lat_p99_ms",
-                 "flexpipe_ratio", "gw_cpu_us_per_req", "load_1m"])  # fmt: skip
+                 "flexpipe_ratio", "vs_vllm_router", "gw_cpu_us_per_req",
+                 "load_1m"])  # fmt: skip
+    return rows
+
+
+# ----------------------------------------------------------------------- shared state
+async def _tenant_round_trips(state: Any, n: int, concurrency: int) -> tuple[float, float]:
+    """(wall µs, CPU µs of this process) per tenant admit + end through `state`."""
+
+    async def loop(k: int) -> None:
+        for _ in range(k):
+            await state.tenant_admit("0:a", 300.0)
+            state.tenant_end("0:a", 300.0, 250.0)
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    await asyncio.gather(*(loop(n // concurrency) for _ in range(concurrency)))
+    await asyncio.sleep(0.05)  # the last ends
+    return (time.perf_counter() - t0) / n * 1e6, (time.process_time() - c0) / n * 1e6
+
+
+def run_shared_state(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """What a request of a tenant with a budget pays with workers (the embedded state
+    service; its CPU on both sides, in this one process) or replicas (Redis, when
+    `redis-server` is on PATH: this process's CPU, Redis's apart)."""
+    import shutil
+
+    from flexpipe.gateway.config import SharedStateConfig, TenantConfig
+    from flexpipe.gateway.redis_state import RedisState
+    from flexpipe.gateway.state_service import EmbeddedState, StateService
+
+    tenants = [TenantConfig("k", "a", requests_per_min=1e12, tokens_per_min=1e15)]
+    rows = []
+
+    async def noop_ask(kind: str, body: dict[str, Any]) -> None:
+        del kind, body
+
+    async def embedded(conc: int) -> tuple[float, float]:
+        with tempfile.TemporaryDirectory() as tmp:
+            svc = StateService(f"{tmp}/s.sock", tenants)
+            await svc.start()
+            st = EmbeddedState(f"{tmp}/s.sock", "0")
+            await st.start(lambda op: None, lambda u, h: None, noop_ask)
+            out = await _tenant_round_trips(st, args.round_trips, conc)
+            await st.close()
+            await svc.close()
+            return out
+
+    async def redis(url: str, conc: int) -> tuple[float, float]:
+        st = RedisState(SharedStateConfig(url=url), tenants, "bench")
+        await st.start(lambda op: None, lambda u, h: None, noop_ask)
+        out = await _tenant_round_trips(st, args.round_trips, conc)
+        await st.close()
+        return out
+
+    redis_proc = None
+    backends: list[tuple[str, Any]] = [("embedded", embedded)]
+    if shutil.which("redis-server"):
+        port = free_port()
+        redis_proc = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+            stdout=subprocess.DEVNULL,
+        )
+        time.sleep(0.5)
+        url = f"redis://127.0.0.1:{port}/0"
+        backends.append(("redis", lambda conc: redis(url, conc)))
+    try:
+        for r in range(args.rounds):
+            for name, fn in backends:
+                for conc in (1, 64):
+                    wall_us, cpu_us = asyncio.run(fn(conc))
+                    rows.append(emit({"bench": "shared_state", "backend": name, "conc": conc,
+                                      "round": r, "wall_us_per_req": round(wall_us, 1),
+                                      "cpu_us_per_req": round(cpu_us, 1)}))  # fmt: skip
+    finally:
+        if redis_proc is not None:
+            redis_proc.kill()
+            redis_proc.wait(5)
+    med = median_rows(rows, ["backend", "conc"])
+    print_table("shared state: a tenant's admit + end per request", med,
+                ["backend", "conc", "wall_us_per_req", "cpu_us_per_req"])  # fmt: skip
     return rows
 
 
@@ -702,7 +804,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("what", nargs="?", default="overhead",
                     choices=["overhead", "latency", "peers", "quality", "capacity",
-                             "all"])  # fmt: skip
+                             "shared_state", "all"])  # fmt: skip
     ap.add_argument("--duration-s", type=float, default=4.0, help="per run")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions")
     ap.add_argument("--latency-tokens", type=int, default=32, help="latency (a): max_tokens")
@@ -713,6 +815,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", default="", help="quality: variant names, comma-separated")
     ap.add_argument("--concurrencies", default="8,32,64,96", help="capacity: closed loops")
     ap.add_argument("--capacity-duration-s", type=float, default=20.0, help="capacity: window")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="peers: flexpipe also with this many workers (1: not) [the cores]",
+    )
+    ap.add_argument("--round-trips", type=int, default=20000, help="shared_state: per run")
     ap.add_argument("--baseline", type=Path, default=None,
                     help="overhead, latency, peers, capacity: also run the gateway from this\n"
                          "checkout "
@@ -725,6 +834,8 @@ def main(argv: list[str] | None = None) -> None:
         run_latency(args)
     if args.what in ("peers", "all"):
         run_peers(args)
+    if args.what in ("shared_state", "all"):
+        run_shared_state(args)
     if args.what in ("quality", "all"):
         run_quality(args)
     if args.what in ("quality", "capacity", "all"):

@@ -24,12 +24,20 @@ def available() -> dict[str, bool]:
 
 
 def gateway_command(
-    kind: str, backends: list[str], port: int, policy: str, config: Path | None = None
+    kind: str,
+    backends: list[str],
+    port: int,
+    policy: str,
+    config: Path | None = None,
+    workers: int | None = None,
 ) -> list[str]:
     """`kind`: flexpipe | sglang-router | vllm-router; `policy` in that gateway's names.
-    flexpipe only: `config` (a gateway.yaml with `routing:` params) instead of `--policy`."""
+    flexpipe only: `config` (a gateway.yaml with `routing:` params) instead of `--policy`,
+    and `workers` (`--workers`; None: the flag is not passed, as to a checkout before it)."""
     if kind == "flexpipe":
         cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(port)]
+        if workers is not None:
+            cmd += ["--workers", str(workers)]
         for b in backends:
             cmd += ["--backend", b]
         if config is not None:

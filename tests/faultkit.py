@@ -150,7 +150,7 @@ def gateway_process(
     discovers it; `wait_healthy` False: wait for the port only."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="faultkit-") as tmp:
-        cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(port)]
+        cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(port), "--workers", "1"]
         if model is not None:
             cmd += ["--model", model]
         for url in backends:

@@ -77,6 +77,22 @@ def gateway(
             "the cluster's node name (repeat)."
         ),
     ] = None,
+    redis: Annotated[
+        str | None,
+        typer.Option(
+            help="redis://HOST:PORT/DB: replicas on several hosts share budgets, prefix "
+            'affinity and the control log there (docs/gateway.md, "Workers and replicas").',
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Worker processes on the one port (SO_REUSEPORT), sharing the pool, holds, "
+            'budgets and prefix affinity (docs/gateway.md, "Workers and replicas") '
+            "[the host's cores].",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Serve the OpenAI API on HOST:PORT and route to the backends."""
@@ -119,6 +135,8 @@ def gateway(
                 raise ConfigError(f"cannot read {controller_token_file}: {exc.strerror}") from None
         if max_concurrency is not None:
             cfg.max_concurrency_per_instance = max_concurrency
+        if redis is not None:
+            cfg.shared_state.url = redis
         cfg.dcgm_urls += [u.rstrip("/") for u in dcgm or []]
         for pair in dcgm_hostname or []:
             node, sep, hostname = pair.partition("=")
@@ -135,9 +153,33 @@ def gateway(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     assert isinstance(cfg, GatewayConfig)
+    from flexpipe.gateway.workers import Supervisor, default_num_workers, stop_on_signals
+
+    num_workers = workers if workers is not None else default_num_workers()
+
+    async def run_workers() -> None:
+        stop = stop_on_signals()
+        sup = Supervisor(cfg, num_workers)
+        try:
+            await sup.start()
+        except OSError as exc:
+            typer.echo(f"error: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror}", err=True)
+            await sup.stop()
+            raise typer.Exit(2) from None
+        typer.echo(
+            f"flexpipe gateway on http://{cfg.host}:{sup.port}/v1 "
+            f"({len(cfg.backends)} backend(s), policy {cfg.policy}, {num_workers} workers)",
+            err=True,
+        )
+        await stop.wait()
+        typer.echo(f"draining {num_workers} workers, up to {cfg.shutdown_grace_s:g} s", err=True)
+        await sup.stop()
 
     async def run() -> None:
-        gw = Gateway(cfg)
+        from flexpipe.gateway.workers import make_shared
+
+        stop = asyncio.Event()
+        gw = Gateway(cfg, shared=make_shared(cfg, None, 0, stop.set))
         try:
             server = await gw.start()
         except OSError as exc:
@@ -149,7 +191,6 @@ def gateway(
             f"({len(cfg.backends)} backend(s), policy {cfg.policy})",
             err=True,
         )
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -166,4 +207,4 @@ def gateway(
 
     install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run())
+        asyncio.run(run() if num_workers == 1 else run_workers())

@@ -32,6 +32,13 @@ POST /admin/models/refuse             {"model", "reason", "seconds"?}: no GPU fr
 POST /admin/models/demand             {"models", "wait_s"}: answers {"queued": {model: n}}
                                       once a request of one of them waits in the queue, or
                                       wait_s passed (the controller's demand trigger)
+
+With several workers or replicas (docs/gateway.md, "Workers and replicas") the call lands on
+one of them: a change is applied there and published to the others (control_ops.py), and a
+question is put to all of them (peers.py): drained means drained everywhere, the requests of
+an instance are those of every member, a move is carried out where its request is. The two
+lists take `?scope=member` for the answering member's own (a controller that calls every
+replica itself).
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ import hmac
 from typing import TYPE_CHECKING, Any
 
 from flexpipe.gateway.call import Move
+from flexpipe.gateway.control_ops import hold_op, refuse_op
 from flexpipe.gateway.core.holds import STANDBY_HOLD_S
 from flexpipe.gateway.core.pool import PoolError, TransitionError
+from flexpipe.gateway.peers import merge_instances
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
 from flexpipe.lifecycle import LifecycleError, State, parse_state
 
@@ -86,11 +95,23 @@ class AdminApi:
         return body
 
     async def list(self, req: Request) -> Response:
+        """With workers or replicas: each instance's requests in flight and slots summed
+        over all of them (peers.py `merge_instances`)."""
         self._check(req)
-        return json_response({"instances": [i.as_dict() for i in self.gw.pool.instances.values()]})
+        listed = [i.as_dict() for i in self.gw.pool.instances.values()]
+        if self.gw.shared is not None and not _member_only(req):
+            theirs = await self.gw.shared.ask_peers("instances", {}, 2.0)
+            listed = merge_instances(listed, theirs)
+        return json_response({"instances": listed})
 
     async def add(self, req: Request) -> Response:
+        """A registration the pool already has (the same URL and model: a controller that
+        registers with every replica, after another replica published it) answers the
+        instance as it is."""
         body = self._body(req)
+        same = self.gw.instance(body["url"])
+        if same is not None and body.get("model") in (None, same.model):
+            return json_response(same.as_dict())
         try:
             api_key = body.get("api_key")
             if api_key is not None and not isinstance(api_key, str):
@@ -117,6 +138,19 @@ class AdminApi:
             raise HttpError(400, str(exc)) from None
         if admin_token:
             self.gw.engine_admin_tokens[inst.url] = admin_token
+        self.gw.publish(
+            {
+                "op": "add",
+                "url": inst.url,
+                "model": inst.model,
+                "weight": inst.weight,
+                "max_concurrency": inst.max_concurrency_configured,
+                "api_key": api_key,
+                "max_num_seqs": max_num_seqs,
+                "state": state.value,
+                "admin_token": admin_token,
+            }
+        )
         if inst.model is None:
             await self.gw.prober.discover(inst)
         return json_response(inst.as_dict())
@@ -127,8 +161,8 @@ class AdminApi:
             inst = self.gw.pool.remove(body["url"])
         except PoolError as exc:
             raise HttpError(404, str(exc)) from None
-        self.gw.router.remove_instance(inst.url)
-        self.gw.engine_admin_tokens.pop(inst.url, None)
+        self.gw.forget_instance(inst.url)
+        self.gw.publish({"op": "remove", "url": inst.url})
         return json_response(inst.as_dict())
 
     async def drain(self, req: Request) -> Response:
@@ -142,14 +176,26 @@ class AdminApi:
             raise HttpError(409, str(exc)) from None
         except PoolError as exc:
             raise HttpError(404, str(exc)) from None
-        drained = await self.gw.drained(inst.url, float(wait_s))
+        self.gw.publish({"op": "state", "url": inst.url, "state": State.DRAINING.value})
+        drained = await self._drained_everywhere(inst.url, float(wait_s))
         return json_response({**inst.as_dict(), "drained": drained})
+
+    async def _drained_everywhere(self, url: str, wait_s: float) -> bool:
+        shared = self.gw.shared
+        if shared is None:
+            return await self.gw.drained(url, wait_s)
+        here, there = await asyncio.gather(
+            self.gw.drained(url, wait_s),
+            shared.ask_peers("drained", {"url": url, "wait_s": wait_s}, wait_s + 2.0),
+        )
+        return here and all(there)
 
     async def hold(self, req: Request) -> Response:
         self._check(req)
         body = req.json()
         model, seconds = _model_and_seconds(body, None)
         self.gw.set_hold(model, seconds)
+        self.gw.publish(hold_op(model, seconds))
         return json_response({"model": model, "seconds": seconds})
 
     async def refuse(self, req: Request) -> Response:
@@ -160,6 +206,7 @@ class AdminApi:
         if not isinstance(reason, str) or not reason.strip():
             raise HttpError(400, "`reason` must be a non-empty string", param="reason")
         self.gw.set_refuse(model, reason.strip(), seconds)
+        self.gw.publish(refuse_op(model, reason.strip(), seconds))
         return json_response({"model": model, "reason": reason.strip(), "seconds": seconds})
 
     async def demand(self, req: Request) -> Response:
@@ -171,7 +218,29 @@ class AdminApi:
             raise HttpError(400, "`models` must be a list of model names", param="models")
         if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or wait_s < 0:
             raise HttpError(400, "`wait_s` must be a number of seconds >= 0", param="wait_s")
-        queued = await self.gw.demand(models, min(float(wait_s), 600.0))
+        wait = min(float(wait_s), 600.0)
+        shared = self.gw.shared
+        if shared is None:
+            return json_response({"queued": await self.gw.demand(models, wait)})
+        # any member's queue: the first that has a waiter answers (or all, after wait_s)
+        here = asyncio.ensure_future(self.gw.demand(models, wait))
+        there = asyncio.ensure_future(
+            shared.ask_peers("demand", {"models": models, "wait_s": wait}, wait + 2.0, True)
+        )
+        try:
+            await asyncio.wait({here, there}, return_when=asyncio.FIRST_COMPLETED)
+            if not here.done() and not any(there.result()):
+                await here  # the others had none within wait_s: this one's own answer
+        finally:
+            for task in (here, there):
+                task.cancel()
+        queued: dict[str, int] = {}
+        answers = [here.result()] if here.done() and not here.cancelled() else []
+        if there.done() and not there.cancelled():
+            answers += there.result()
+        for answer in answers:
+            for model, num in (answer or {}).items():
+                queued[model] = queued.get(model, 0) + int(num)
         return json_response({"queued": queued})
 
     async def requests(self, req: Request) -> Response:
@@ -179,8 +248,12 @@ class AdminApi:
         urls = req.query_params().get("url") or []
         if len(urls) != 1:
             raise HttpError(400, "give one instance as ?url=", param="url")
-        calls = self.gw.calls_on(urls[0].rstrip("/"))
-        return json_response({"requests": [c.describe() for c in calls]})
+        url = urls[0].rstrip("/")
+        described = [c.describe() for c in self.gw.calls_on(url)]
+        if self.gw.shared is not None and not _member_only(req):
+            for theirs in await self.gw.shared.ask_peers("requests", {"url": url}, 2.0):
+                described += theirs or []
+        return json_response({"requests": described})
 
     async def move(self, req: Request) -> Response:
         self._check(req)
@@ -188,20 +261,39 @@ class AdminApi:
         moves = body.get("moves") if isinstance(body, dict) else None
         if not isinstance(moves, list):
             raise HttpError(400, 'expected {"moves": [...]}', param="moves")
-        parsed = [_parse_move(m, i) for i, m in enumerate(moves)]
+        parsed = [parse_move(m, i) for i, m in enumerate(moves)]
+        elsewhere: dict[int, tuple[str, Any]] = {}  # call id -> (outcome, warm) of a peer's
+        shared = self.gw.shared
+        if shared is not None and any(self.gw.call(i) is None for i, _ in parsed):
+            theirs = [m for (i, _), m in zip(parsed, moves, strict=True) if self.gw.call(i) is None]
+            for answer in await shared.ask_peers("move", {"moves": theirs}, 600.0):
+                for call_id, outcome, warm in answer or []:
+                    elsewhere[call_id] = (outcome, warm)
         # together: each KV move first asks its engine for an export; one at a time, the
         # last request of a batch paused for every export before its own
-        outcomes = await asyncio.gather(*(self.gw.move_request(i, m) for i, m in parsed))
-        results = [
-            {"id": i, "outcome": o, "warmed": o == "recompute" and w == "warmed", "warm": w}
-            for (i, _), (o, w) in zip(parsed, outcomes, strict=True)
-        ]
+        mine = [(i, m) for i, m in parsed if i not in elsewhere]
+        outcomes = dict(
+            zip(
+                [i for i, _ in mine],
+                await asyncio.gather(*(self.gw.move_request(i, m) for i, m in mine)),
+                strict=True,
+            )
+        )
+        outcomes.update(elsewhere)
+        results = []
+        for i, _ in parsed:
+            o, w = outcomes[i]
+            results.append(
+                {"id": i, "outcome": o, "warmed": o == "recompute" and w == "warmed", "warm": w}
+            )
         return json_response({"results": results})
 
     async def activate(self, req: Request) -> Response:
         body = self._body(req)
         try:
-            return json_response(self.gw.pool.activate(body["url"]).as_dict())
+            inst = self.gw.pool.activate(body["url"])
+            self.gw.publish({"op": "state", "url": inst.url, "state": State.ACTIVE.value})
+            return json_response(inst.as_dict())
         except TransitionError as exc:
             raise HttpError(409, str(exc)) from None
         except PoolError as exc:
@@ -222,8 +314,8 @@ class AdminApi:
         except PoolError as exc:
             raise HttpError(404, str(exc)) from None
         if state is State.GONE:
-            self.gw.router.remove_instance(inst.url)
-            self.gw.engine_admin_tokens.pop(inst.url, None)
+            self.gw.forget_instance(inst.url)
+        self.gw.publish({"op": "state", "url": inst.url, "state": state.value})
         return json_response(inst.as_dict())
 
     async def weight(self, req: Request) -> Response:
@@ -232,9 +324,17 @@ class AdminApi:
         if isinstance(weight, bool) or not isinstance(weight, int | float):
             raise HttpError(400, "`weight` must be a number", param="weight")
         try:
-            return json_response(self.gw.pool.set_weight(body["url"], float(weight)).as_dict())
+            inst = self.gw.pool.set_weight(body["url"], float(weight))
+            self.gw.publish({"op": "weight", "url": inst.url, "weight": inst.weight})
+            return json_response(inst.as_dict())
         except PoolError as exc:
             raise HttpError(400 if "weight" in str(exc) else 404, str(exc)) from None
+
+
+def _member_only(req: Request) -> bool:
+    """`?scope=member`: this worker's or replica's own answer (a controller that calls
+    every replica itself), not the whole gateway's."""
+    return "member" in (req.query_params().get("scope") or [])
 
 
 def _state(value: Any) -> State:
@@ -246,7 +346,7 @@ def _state(value: Any) -> State:
         raise ValueError(str(exc)) from None
 
 
-def _parse_move(m: Any, i: int) -> tuple[int, Move]:
+def parse_move(m: Any, i: int) -> tuple[int, Move]:
     where = f"moves.{i}"
     if not isinstance(m, dict):
         raise HttpError(400, f"{where}: must be an object", param=where)

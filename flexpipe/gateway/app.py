@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
+import os
 import random
+import socket
 import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from flexpipe.gateway import moves
+from flexpipe.gateway import moves, peers
 from flexpipe.gateway.admin import AdminApi
 from flexpipe.gateway.body_parser import (
     PARSE_OFF_LOOP_BYTES,
@@ -32,6 +33,7 @@ from flexpipe.gateway.body_parser import (
 )
 from flexpipe.gateway.call import Call, Move
 from flexpipe.gateway.config import GatewayConfig
+from flexpipe.gateway.control_ops import apply_op
 from flexpipe.gateway.core.admission import (
     Decision,
     Fail,
@@ -50,8 +52,16 @@ from flexpipe.gateway.gateway_metrics import GatewayMetrics
 from flexpipe.gateway.prober import Prober
 from flexpipe.gateway.relay import PushRelay
 from flexpipe.gateway.retry_later import RetryLater, retry_later
+from flexpipe.gateway.shared_state import (
+    ControlOp,
+    SharedState,
+    SharedStateDown,
+    admit_shared,
+    call_ids,
+    reads_prefixes,
+)
 from flexpipe.gateway.signal import Signal
-from flexpipe.gateway.tenants import Tenants, completion_tokens
+from flexpipe.gateway.tenants import Tenant, Tenants, completion_tokens
 from flexpipe.gateway.ui_routes import UiRoutes
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError, UpstreamResponse
 from flexpipe.http.server import (
@@ -87,11 +97,23 @@ def _waits_for_a_slot(decision: Decision) -> bool:
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        clock: Callable[[], float] = time.monotonic,
+        shared: SharedState | None = None,
+        worker: tuple[int, int] = (0, 1),
+    ) -> None:
+        """`shared`: what this gateway shares with other workers or replicas (None: alone,
+        no hop on any path); `worker`: (this worker's index, the number of workers on the
+        host), which splits every instance's slots between them (pool.py `share_slots`)."""
         self.cfg = cfg
         self.clock = clock
-        self.pool = Pool(cfg.max_concurrency_per_instance)
+        self.shared = shared
+        self.pool = Pool(cfg.max_concurrency_per_instance, worker)
         self.router = Router(cfg, self.pool, random.Random(cfg.seed))
+        # publish routing decisions' blocks only to a policy that reads the prefix index
+        self._shares_prefixes = shared is not None and reads_prefixes(self.router.policy)
         self.client = ClientPool()
         self.metrics = GatewayMetrics()
         self.tenants = Tenants(cfg.tenants, clock())
@@ -102,7 +124,7 @@ class Gateway:
         self.queued_signal = Signal(clock)  # a request queued (the demand trigger)
         self._tasks: set[asyncio.Task[None]] = set()  # failover relays in progress
         self._calls: dict[int, Call] = {}  # accepted, not yet ended, whatever their phase
-        self._call_ids = itertools.count(1)
+        self._call_ids = call_ids(shared, worker)  # unique across workers and replicas
         self.engine_admin_tokens: dict[str, str] = {}  # instance url -> its admin token
         self._warm_ups_on: dict[str, int] = {}  # instance url -> moves' warm-ups sent there
         self.ended_signal = Signal(clock)  # a request ended (`drained`)
@@ -122,11 +144,20 @@ class Gateway:
         self.app = self._build_app()
 
     # ---------------------------------------------------------------- lifecycle
-    async def start(self, host: str | None = None, port: int | None = None) -> HttpServer:
+    async def start(
+        self, host: str | None = None, port: int | None = None, sock: socket.socket | None = None
+    ) -> HttpServer:
+        """Serve (on `sock` when given: a worker's SO_REUSEPORT socket), after joining the
+        shared state, if any, and replaying its control log: a worker restarted later
+        serves only once it sees the pool, holds and refusals the others see."""
+        if self.shared is not None:
+            log_ops = await self.shared.start(self._apply_op, self._learn_prefix, self._answer)
+            for op in log_ops:
+                apply_op(self, op)
         await self.prober.start()
         self.ui.start()
         self.server = await serve(
-            self.app, host or self.cfg.host, self.cfg.port if port is None else port
+            self.app, host or self.cfg.host, self.cfg.port if port is None else port, sock
         )
         return self.server
 
@@ -137,6 +168,33 @@ class Gateway:
             await self.server.close()
         await self.client.close()
         self._parsers.close()
+        if self.shared is not None:
+            await self.shared.close()
+
+    # ---------------------------------------------------------------- shared state
+    def publish(self, op: ControlOp) -> None:
+        """An admin change made here reaches the other workers or replicas (control_ops.py)."""
+        if self.shared is not None:
+            self.shared.publish(op)
+
+    def _apply_op(self, op: ControlOp) -> None:
+        apply_op(self, op)
+
+    def _learn_prefix(self, url: str, hashes: tuple[int, ...]) -> None:
+        """Another member routed these blocks to `url`: this index learns it too."""
+        if url in self.pool.instances:
+            self.router.prefix_index.insert(url, hashes)
+
+    async def _answer(self, kind: str, body: dict[str, Any]) -> Any:
+        return await peers.answer(self, kind, body)
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    def forget_instance(self, url: str) -> None:
+        """What routing and moves kept about an instance that left the pool."""
+        self.router.remove_instance(url)
+        self.engine_admin_tokens.pop(url, None)
 
     def _build_app(self) -> App:
         app = App(max_body_bytes=_ADMIN_BODY_BYTES, limits=self.cfg.http)
@@ -168,8 +226,20 @@ class Gateway:
         return error_response(503, "no healthy instance")
 
     async def _metrics(self, req: Request) -> Response:
-        del req
+        """This gateway's metrics; with workers or replicas, all of theirs summed (what the
+        controller reads is the whole gateway's); `?scope=worker`: the answering one's own."""
+        body = self.own_metrics()
+        if self.shared is not None and req.query != "scope=worker":  # (one worker's own)
+            others = await self.shared.ask_peers("metrics", {}, 2.0)
+            body = peers.merge_expositions([body.decode(), *[t for t in others if t]])
+        return Response(body, content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def own_metrics(self) -> bytes:
         m = self.metrics
+        if self.shared is not None:
+            m.member.labels(self.shared.member, str(os.getpid())).set(1)
+            m.shared_up.labels(self.shared.member).set(1 if self.shared.up else 0)
+            m.shared_outages.labels(self.shared.member).set(self.shared.num_outages)
         m.queued.set(len(self._waiters))
         m.queued_by_model.clear()
         for model, num in self._waiters.counts().items():
@@ -178,7 +248,7 @@ class Gateway:
         for inst in self.pool.instances.values():
             m.instance_up.labels(inst.url, inst.state.value).set(1 if inst.routable else 0)
             m.in_flight.labels(inst.url).set(inst.num_in_flight)
-        return Response(m.exposition(), content_type="text/plain; version=0.0.4; charset=utf-8")
+        return m.exposition()
 
     # ---------------------------------------------------------------- admin API
     # ---------------------------------------------------------------- the proxy
@@ -243,11 +313,10 @@ class Gateway:
             if too_large is not None:
                 self.metrics.rejected.labels("tenant_quota").inc()
                 raise HttpError(400, too_large, param="max_tokens")
-            ok, wait_s, why = tenant.admit(call.num_tokens, self.clock())
+            ok, wait_s, why = await self._admit_tenant(tenant, call.num_tokens)
             if not ok:
                 self.metrics.rejected.labels("tenant_quota").inc()
                 return retry_later(RetryLater(429, f"tenant {tenant.name}: {why}", wait_s))
-            tenant.num_in_flight += 1
             call.tenant = tenant
         call.id = next(self._call_ids)
         self._calls[call.id] = call
@@ -262,6 +331,22 @@ class Gateway:
             if not handed_off:  # a relay ends the call of a stream it was handed
                 self.end_call(call, call.num_output_tokens)
 
+    async def _admit_tenant(self, tenant: Tenant, num_tokens: float) -> tuple[bool, float, str]:
+        """The tenant's budget, here or where the workers or replicas share it; a budget that
+        cannot be decided is a 503, never a request let through (fail closed)."""
+        if self.shared is None:
+            ok, wait_s, why = tenant.admit(num_tokens, self.clock())
+            if ok:
+                tenant.num_in_flight += 1
+            return ok, wait_s, why
+        try:
+            return await admit_shared(self.shared, tenant.id, num_tokens)
+        except SharedStateDown:
+            self.metrics.rejected.labels("shared_state_down").inc()
+            raise HttpError(
+                503, "tenant budgets are unavailable", type="ServiceUnavailableError"
+            ) from None
+
     def end_call(self, call: Call, num_output_tokens: int | None = None) -> None:
         """Every accepted request ends here exactly once, whatever its exit: the tenant's
         slot and tokens are settled (`num_output_tokens` None: nothing was generated)."""
@@ -271,9 +356,12 @@ class Gateway:
         self._calls.pop(call.id, None)
         tenant = call.tenant
         if tenant is not None:
-            tenant.num_in_flight -= 1
             used = 0 if num_output_tokens is None else call.num_prompt_tokens + num_output_tokens
-            tenant.settle(call.num_tokens, used, self.clock())
+            if self.shared is None:
+                tenant.num_in_flight -= 1
+                tenant.settle(call.num_tokens, used, self.clock())
+            else:
+                self.shared.tenant_end(tenant.id, call.num_tokens, used)
         if not self._calls and self._idle is not None:
             self._idle.set()
 
@@ -465,6 +553,8 @@ class Gateway:
                 if pick.num_blocks:
                     self.metrics.prefix_all.inc(pick.num_blocks)
                     self.metrics.prefix_matched.inc(pick.num_blocks_matched)
+                    if self._shares_prefixes and self.shared is not None:
+                        self.shared.share_prefix(pick.instance.url, call.routing.block_hashes)
                 return pick.instance
             own_deadline = decision.own_deadline_s
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

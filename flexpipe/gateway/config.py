@@ -15,6 +15,9 @@ tenants:                          # optional; without it no API key is required
 tenants_file: keys.yaml           # optional: the same list in its own file
 dcgm_urls: [http://gpu-node-1:9400]   # optional: GPU utilisation from dcgm-exporter
 dcgm_hostnames: {node1: gpu-node-1}   # optional: cluster node -> the Hostname DCGM reports
+shared_state:                     # optional: replicas on several hosts (docs/gateway.md)
+  url: redis://10.0.0.5:6379/0
+  budgets_when_down: closed       # closed (503) | local (each replica its own budget)
 admission:                        # optional, off by default (docs/gateway.md)
   order: slack                    # fcfs (default) | slack: least slack first in a model's line
   shed_late: true                 # 429 + Retry-After for a request that cannot meet its TTFT SLO
@@ -100,6 +103,35 @@ def _admission(data: Any) -> AdmissionConfig:
     return adm
 
 
+# --- workers and replicas (docs/gateway.md, "Workers and replicas") ----------------------
+BUDGETS_WHEN_DOWN = ("closed", "local")
+
+
+@dataclass(slots=True)
+class SharedStateConfig:
+    """Where gateway replicas share budgets, prefix affinity and the control log. Without a
+    URL the workers of one host share through their supervisor (embedded) and a replica
+    shares nothing with another."""
+
+    url: str | None = None  # redis://HOST:PORT/DB
+    prefix: str = "flexpipe"  # of every key and channel: several deployments on one Redis
+    # while Redis cannot be reached: closed, a tenant's request is refused (503); local,
+    # each replica keeps its own budget meanwhile (a tenant may get a budget per replica)
+    budgets_when_down: str = "closed"
+    member_ttl_s: float = 3.0  # a replica silent this long is dead: its slots come back
+
+
+def _shared_state(data: Any) -> SharedStateConfig:
+    sh: SharedStateConfig = _build(SharedStateConfig, data, "shared_state")
+    if sh.url is not None and not (isinstance(sh.url, str) and sh.url.startswith("redis://")):
+        raise ConfigError(f"shared_state.url: expected redis://HOST:PORT/DB, got {sh.url!r}")
+    if sh.budgets_when_down not in BUDGETS_WHEN_DOWN:
+        raise ConfigError("shared_state.budgets_when_down: expected closed or local")
+    if not isinstance(sh.member_ttl_s, (int, float)) or not sh.member_ttl_s > 0:
+        raise ConfigError("shared_state.member_ttl_s: expected a number > 0")
+    return sh
+
+
 # ------------------------------------------------------------------------------------------
 
 
@@ -151,6 +183,7 @@ class GatewayConfig:
     dcgm_urls: list[str] = field(default_factory=list)
     dcgm_hostnames: dict[str, str] = field(default_factory=dict)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
 
 
 def _build(cls: type[Any], data: Any, where: str) -> Any:
@@ -190,6 +223,7 @@ def config_from_dict(data: dict[str, Any], base_dir: Path | None = None) -> Gate
         tenants += _tenants(_read_yaml(path), str(path))
     http = _build(HttpLimits, data.pop("http", None) or {}, "http")
     admission = _admission(data.pop("admission", None) or {})
+    shared_state = _shared_state(data.pop("shared_state", None) or {})
     routing = data.pop("routing", None) or {}
     if not isinstance(routing, dict):
         raise ConfigError("routing: expected a mapping with `policy` and `params`")
@@ -198,6 +232,7 @@ def config_from_dict(data: dict[str, Any], base_dir: Path | None = None) -> Gate
     cfg.tenants = tenants
     cfg.http = http
     cfg.admission = admission
+    cfg.shared_state = shared_state
     cfg.policy = str(routing.get("policy", cfg.policy))
     cfg.policy_params = dict(routing.get("params") or {})
     for key, value in cfg.policy_params.items():

@@ -139,6 +139,25 @@ class GatewayMetrics:
             ["instance", "state"],
             registry=r,
         )
+        self.member = Gauge(
+            "flexpipe_gateway_member",
+            "1 per gateway worker or replica answering (its name and pid); summed: how many.",
+            ["member", "pid"],
+            registry=r,
+        )
+        self.shared_up = Gauge(
+            "flexpipe_shared_state_up",
+            "1 while this member reaches the shared state (Redis, or its workers' supervisor).",
+            ["member"],
+            registry=r,
+        )
+        self.shared_outages = Gauge(
+            "flexpipe_shared_state_outages_total",
+            "Times this member lost the shared state (tenant budgets fail closed meanwhile "
+            "unless configured local).",
+            ["member"],
+            registry=r,
+        )
         self.prefix_all = self.prefix_blocks.labels("all")
         self.prefix_matched = self.prefix_blocks.labels("matched")
         # Labelled children of the per-request metrics, memoised: `labels()` validates and

@@ -58,8 +58,9 @@ class TokenBucket:
 
 
 class Tenant:
-    def __init__(self, cfg: TenantConfig, now: float) -> None:
+    def __init__(self, cfg: TenantConfig, now: float, tenant_id: str = "") -> None:
         self.name = cfg.name or "tenant"
+        self.id = tenant_id  # what gateway workers and replicas share its budget under
         self.max_concurrency = cfg.max_concurrency
         self.num_in_flight = 0
         self.requests = (
@@ -107,7 +108,8 @@ class Tenant:
 
 class Tenants:
     def __init__(self, configs: list[TenantConfig], now: float) -> None:
-        self._by_key = {c.key: Tenant(c, now) for c in configs}  # API key -> tenant
+        # API key -> tenant
+        self._by_key = {c.key: Tenant(c, now, tid) for tid, c in tenant_ids(configs).items()}
 
     @property
     def enabled(self) -> bool:
@@ -117,6 +119,12 @@ class Tenants:
         if not authorization or not authorization.lower().startswith("bearer "):
             return None
         return self._by_key.get(authorization[7:].strip())
+
+
+def tenant_ids(configs: list[TenantConfig]) -> dict[str, TenantConfig]:
+    """Each tenant's id, the same in every gateway worker and replica given the same list
+    (its place and name: never its key, which is not to be sent or stored elsewhere)."""
+    return {f"{i}:{c.name or 'tenant'}": c for i, c in enumerate(configs)}
 
 
 def completion_tokens(body: bytes) -> int | None:

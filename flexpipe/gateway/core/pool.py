@@ -52,6 +52,17 @@ def derive_max_concurrency(
     return max(1, min(ceiling, slots + int(slots * QUEUE_ALLOWANCE_RATIO))), source
 
 
+def share_slots(max_concurrency: int, index: int, num_workers: int) -> int:
+    """Worker `index`'s part of an instance's cap, of `num_workers` on one host: the cap split
+    as evenly as it goes (the kernel spreads connections evenly), at least one each, so that
+    the engine never sees more than its cap (plus at most one a worker where the cap is below
+    the number of workers) from all of them together."""
+    if num_workers <= 1:
+        return max_concurrency
+    part = max_concurrency // num_workers + (1 if index < max_concurrency % num_workers else 0)
+    return max(1, part)
+
+
 # states an instance may be registered in (a rehearsed one joins as active)
 ADDABLE_STATES = frozenset({State.STARTING, State.REHEARSING, State.ACTIVE})
 
@@ -90,6 +101,7 @@ class Instance:
     # meanwhile while another candidate has a slot (`Pool.fence`, cut_over.fence_until_s)
     fences: dict[object, float] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
+    share: tuple[int, int] = (0, 1)  # (this worker, workers on the host): `share_slots`
 
     @property
     def name(self) -> str:
@@ -121,12 +133,13 @@ class Instance:
         self.speed_tokens_per_s = speed if not old else old + SPEED_EWMA_WEIGHT * (speed - old)
 
     def update_capacity(self) -> None:
-        self.max_concurrency, self.max_concurrency_source = derive_max_concurrency(
+        cap, self.max_concurrency_source = derive_max_concurrency(
             self.max_concurrency_configured,
             self.max_num_seqs,
             self.num_kv_slots,
             self.max_concurrency_ceiling,
         )
+        self.max_concurrency = share_slots(cap, *self.share)
 
     def view(self, num_prefix_blocks_matched: int = 0) -> InstanceView:
         # Positional, in InstanceView's field order (tests/gateway/test_gateway_router.py checks
@@ -177,8 +190,9 @@ class TransitionError(PoolError):
 
 
 class Pool:
-    def __init__(self, default_max_concurrency: int = 256) -> None:
+    def __init__(self, default_max_concurrency: int = 256, share: tuple[int, int] = (0, 1)) -> None:
         self.default_max_concurrency = default_max_concurrency
+        self.share = share  # (this worker, workers on the host): each instance's slots split
         self.instances: dict[str, Instance] = {}  # url -> instance
         self._listeners: list[Callable[[], None]] = []
         # the latest fence's end over all instances, ever (`fence`): routing looks at fences
@@ -226,6 +240,7 @@ class Pool:
             max_concurrency_ceiling=self.default_max_concurrency,
             max_num_seqs=max_num_seqs,
             state=state,
+            share=self.share,
         )
         inst.update_capacity()
         self.instances[url] = inst
