@@ -88,7 +88,7 @@ def _ask(gateway: str) -> int:
 
 
 def _gateway(port: int, log: Path) -> subprocess.Popen[bytes]:
-    proc = _spawn(["gateway", "--host", "127.0.0.1", "--port", str(port)], log)
+    proc = _spawn(["gateway", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], log)
     _wait(
         lambda: request("GET", f"http://127.0.0.1:{port}/v1/models", timeout_s=1).status == 200,
         30,
