@@ -142,7 +142,7 @@ class _Run:
                 lambda: [i.as_dict() for i in self.gateway.pool.instances.values()],
                 lambda: self.gateway.num_waiting,
                 self.gateway.queued_by_model,
-                policy.params or scenario.controller,
+                replace(policy.params or scenario.controller, planner=scenario.planner),
                 random.Random(f"{scenario.seed}:controller"),
                 self.shifts.append,
             )
