@@ -108,9 +108,11 @@ def _burstiness(
     start = int(mine[0].arrival_s // window) if mine else 0  # (a workload may start late)
     per = max(1, round(scenario.report_interval_s / window))
     first = int(busiest * scenario.report_interval_s // window)
-    run = dispersion_of_counts(counts[start:])
-    peak = dispersion_of_counts(counts[max(start, first) : first + per])
-    return _positive(run), _positive(peak)
+    run = _positive(dispersion_of_counts(counts[start:]))
+    busiest_cv2 = _positive(dispersion_of_counts(counts[max(start, first) : first + per]))
+    # A handful of windows measure little: the busiest interval's is taken as at least
+    # Poisson's and at most the run's (an on/off process is at its burst rate there).
+    return run, min(run, max(1.0, busiest_cv2))
 
 
 def _positive(cv2: float | None) -> float:
