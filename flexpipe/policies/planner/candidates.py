@@ -326,8 +326,9 @@ class Evaluator:
             capacity = self.capacity_per_s(m, best, one)
             if self.config.sizing == "slo":
                 # The queue's tail, not the throughput, decides: a smaller batch (shorter
-                # steps, more TPOT headroom) may take more requests/s within the SLOs.
-                for b in ladder[:lo]:
+                # steps, more TPOT headroom) may take more requests/s within the SLOs (the
+                # three below the largest: further down the throughput falls away).
+                for b in ladder[max(0, lo - 3) : lo]:
                     est = at(b)
                     rate = self.capacity_per_s(m, est, one)
                     if rate > capacity:
