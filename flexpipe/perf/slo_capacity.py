@@ -171,7 +171,7 @@ def tpot_miss_share(
         allowed = math.floor((tpot_slo_s - decode_s) * steps / prefill_s)
         share = _poisson_tail(mean, allowed)
         missed += weight * share
-        if share < 1e-9 and steps > mean + 10 or stay**upto < 1e-9:
+        if (share < 1e-9 and steps > mean + 10) or stay**upto < 1e-9:
             break
         steps = upto
     return missed
