@@ -171,22 +171,16 @@ class WaitForIdeal:
         return out
 
 
-def mmc_ttft_p99_s(
-    instances: Sequence[PlannedInstance], rate_per_s: float, config: PlannerConfig | None = None
-) -> float:
+def mmc_ttft_p99_s(instances: Sequence[PlannedInstance], rate_per_s: float) -> float:
     """A model's TTFT p99 at `rate_per_s` over `instances`, each a server of its SLO-meeting
     request rate at full load (its planned capacity / the planner's target utilisation): its
     predicted TTFT plus the M/M/c wait's 99th percentile (flexpipe.perf.slo_capacity).
-    Infinite when over capacity. Under `sizing: slo` a capacity is already the rate that
-    meets the SLO with queueing: the instances are servers of that rate."""
+    Infinite when over capacity."""
     if not instances:
         return math.inf
-    config = config or PlannerConfig()
-    util = config.target_utilization if config.sizing == "throughput" else 1.0
+    util = PlannerConfig().target_utilization
     mu = sum(i.capacity_requests_per_s for i in instances) / util / len(instances)
     ttft_s = max(i.estimate.ttft_s for i in instances)
-    if config.sizing == "slo" and rate_per_s <= mu * len(instances):
-        return ttft_s
     return ttft_s + mmc_wait_quantile_s(len(instances), mu, rate_per_s)
 
 
@@ -228,17 +222,17 @@ def peak_slo_plan(
     config: PlannerConfig | None = None,
 ) -> tuple[PlannedInstance, ...]:
     """`PeakSloPolicy`'s plan (the tests check it fits the cluster). Under `sizing: slo`
-    the planner's capacities already meet the SLO at the rate planned for, and the check
-    passes at once (both come from flexpipe.perf.slo_capacity)."""
+    the planner's capacities are already the rates that meet the SLO with queueing
+    (flexpipe.perf.slo_capacity): its peak plan is the answer, no M/M/c rounds."""
     config = config or PlannerConfig()
     asked = list(peaks)
     the_plan = plan(cluster, asked, None, config=config, now_s=now)
-    for _ in range(max_rounds):
+    for _ in range(max_rounds if config.sizing == "throughput" else 0):
         short = [
             m
             for m, d in enumerate(peaks)
             if mmc_ttft_p99_s(
-                [i for i in the_plan.instances if i.model == d.name], d.request_rate_per_s, config
+                [i for i in the_plan.instances if i.model == d.name], d.request_rate_per_s
             )
             > d.slo.ttft_p99_s
         ]

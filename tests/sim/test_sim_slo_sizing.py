@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from flexpipe.policies.planner import PlannerConfig
+from flexpipe.policies.planner import PlannerConfig, plan
 from flexpipe.sim import report, simulate
 from flexpipe.sim.arrivals import generate_requests, model_demands
-from flexpipe.sim.scenario import ScenarioError, parse_scenario
+from flexpipe.sim.policy import peak_slo_plan
+from flexpipe.sim.scenario import ScenarioError, load_scenario, parse_scenario, resolve
 
 
 def _doc(
@@ -112,3 +113,15 @@ def test_the_planner_section_is_checked() -> None:
         parse_scenario({**doc, "planner": {"sizing": "fast"}}, Path("."))
     with pytest.raises(ScenarioError, match="planner: unknown key"):
         parse_scenario({**doc, "planner": {"sizing": "slo", "x": 1}}, Path("."))
+
+
+def test_peak_slo_sized_at_the_slo_is_the_planners_peak_plan() -> None:
+    """The planner's capacities under `sizing: slo` already meet the SLO with queueing: the
+    baseline adds no M/M/c rounds (which, asking more of a model the cluster cannot cover,
+    only moved GPUs between models)."""
+    sc = load_scenario(resolve("bursty-serverless"))
+    _, peaks = model_demands(sc, generate_requests(sc))
+    config = PlannerConfig(sizing="slo")
+    assert peak_slo_plan(sc.cluster, peaks, config=config) == (
+        plan(sc.cluster, peaks, config=config).instances
+    )
