@@ -11,8 +11,9 @@ calibrated or predicted, each instance's `basis` says which. `load_models_file` 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 import yaml
@@ -158,6 +159,10 @@ def plan_command(
         typer.Option("--fast-link-gbps", help="TP only over links at least this fast (GB/s)."),
     ] = None,
     max_pp: Annotated[int, typer.Option("--max-pp", help="Most pipeline stages.")] = 4,
+    sizing: Annotated[
+        str,
+        typer.Option(help="An instance's capacity: throughput or slo (docs/planner.md)."),
+    ] = "throughput",
     store: Annotated[
         str | None,
         typer.Option(
@@ -170,11 +175,14 @@ def plan_command(
     with user_errors():
         cl = load_cluster(cluster)
         demands = load_models_file(models)
-        config = PlannerConfig(max_pp=max_pp)
+        if sizing not in ("throughput", "slo"):
+            raise ValueError(f"--sizing: use throughput or slo (got {sizing!r})")
+        chosen: Literal["throughput", "slo"] = "slo" if sizing == "slo" else "throughput"
+        config = PlannerConfig(max_pp=max_pp, sizing=chosen)
         if fast_link_gb_per_s is not None:
             if fast_link_gb_per_s <= 0:
                 raise ValueError("--fast-link-gbps must be positive")
-            config = PlannerConfig(max_pp=max_pp, fast_link_bytes_per_s=fast_link_gb_per_s * GB)
+            config = replace(config, fast_link_bytes_per_s=fast_link_gb_per_s * GB)
         with Store(store) as st:
             efficiency = st.efficiency()  # built-in calibration plus `flexpipe calibrate`'s
             performance = GearLookup(st.points(), efficiency)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 import yaml
@@ -133,6 +133,10 @@ def register(app: typer.Typer) -> None:
         duration_s: Annotated[
             float | None, typer.Option(help="Override the scenario's duration.")
         ] = None,
+        sizing: Annotated[
+            str | None,
+            typer.Option(help="The planner's sizing: throughput or slo (docs/planner.md)."),
+        ] = None,
         json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
         every_step: Annotated[
             bool, typer.Option(help="One event per engine step (no closed-form stretches).")
@@ -146,7 +150,7 @@ def register(app: typer.Typer) -> None:
             return
         from flexpipe.sim.policy import create_policy
         from flexpipe.sim.report import report, report_json, write_reports
-        from flexpipe.sim.scenario import load_scenario, resolve, with_duration
+        from flexpipe.sim.scenario import ScenarioError, load_scenario, resolve, with_duration
         from flexpipe.sim.simulator import simulate
 
         with user_errors():
@@ -155,6 +159,11 @@ def register(app: typer.Typer) -> None:
                 sc = replace(sc, seed=seed)
             if duration_s is not None:
                 sc = with_duration(sc, duration_s)
+            if sizing is not None:
+                if sizing not in ("throughput", "slo"):
+                    raise ScenarioError(f"--sizing: use throughput or slo (got {sizing!r})")
+                chosen: Literal["throughput", "slo"] = "slo" if sizing == "slo" else "throughput"
+                sc = replace(sc, planner=replace(sc.planner, sizing=chosen))
             names = policy_names(compare, policy, sc.policy)
             for name in names:
                 create_policy(name, sc)  # an unknown name is an error before anything runs

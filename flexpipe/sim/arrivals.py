@@ -4,12 +4,14 @@ demands the planner is given for them (the mean, and the busiest report interval
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
+from flexpipe.perf.slo_capacity import dispersion_of_counts
 from flexpipe.policies.planner import ModelDemand
 from flexpipe.policies.planner.demand import ModelsFileError, parse_models
-from flexpipe.sim.policy import at_rate
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.scenario import Scenario, ScenarioError
 from flexpipe.sim.trace import TraceReplay
@@ -53,6 +55,7 @@ def model_demands(
     mean; the peak rate is the busiest report interval's."""
     entries = []
     peaks: dict[str, float] = {}
+    cv2s: dict[str, tuple[float, float]] = {}  # name -> (over the run, in the busiest interval)
     window = scenario.report_interval_s
     for entry in scenario.models:
         name = str(entry.get("name", entry.get("model")))
@@ -62,6 +65,7 @@ def model_demands(
             k = int(r.arrival_s // window)
             counts[k] = counts.get(k, 0) + 1
         peaks[name] = max(counts.values(), default=0) / window
+        cv2s[name] = _burstiness(scenario, mine, max(counts, key=counts.__getitem__, default=0))
         if "demand" not in entry:
             n = max(1, len(mine))
             entry = {
@@ -77,5 +81,40 @@ def model_demands(
         demands = parse_models({"models": entries}, f"{scenario.name}: models")
     except ModelsFileError as exc:
         raise ScenarioError(str(exc).replace("\n", "; ")) from None
-    peak = tuple(at_rate(d, max(d.request_rate_per_s, peaks[d.name])) for d in demands)
+    demands = tuple(replace(d, arrival_cv2=cv2s[d.name][0]) for d in demands)
+    peak = tuple(
+        replace(d, request_rate_per_s=max(d.request_rate_per_s, peaks[d.name]))
+        for d in (replace(d, arrival_cv2=cv2s[d.name][1]) for d in demands)
+    )
     return demands, peak
+
+
+# Arrivals are counted in windows of the controller's default tick (what it samples at) to
+# measure their burstiness.
+BURSTINESS_WINDOW_S = 10.0
+
+
+def _burstiness(
+    scenario: Scenario, mine: Sequence[SimRequest], busiest: int
+) -> tuple[float, float]:
+    """A model's arrival burstiness (flexpipe.perf.slo_capacity.dispersion_of_counts over
+    windows of BURSTINESS_WINDOW_S): over the run, and within its busiest report interval
+    (what the peak plan is for); 1 (Poisson) where it cannot be measured."""
+    window = BURSTINESS_WINDOW_S
+    num = max(1, math.ceil(scenario.duration_s / window))
+    counts = [0.0] * num
+    for r in mine:
+        counts[min(num - 1, int(r.arrival_s // window))] += 1
+    start = int(mine[0].arrival_s // window) if mine else 0  # (a workload may start late)
+    per = max(1, round(scenario.report_interval_s / window))
+    first = int(busiest * scenario.report_interval_s // window)
+    run = _positive(dispersion_of_counts(counts[start:]))
+    busiest_cv2 = _positive(dispersion_of_counts(counts[max(start, first) : first + per]))
+    # A handful of windows measure little: the busiest interval's is taken as at least
+    # Poisson's and at most the run's (an on/off process is at its burst rate there).
+    return run, min(run, max(1.0, busiest_cv2))
+
+
+def _positive(cv2: float | None) -> float:
+    """None (not measured): Poisson; a near-deterministic stream: a small floor."""
+    return 1.0 if cv2 is None else max(0.05, cv2)

@@ -47,7 +47,7 @@ from flexpipe.gateway.core.holds import STANDBY_HOLD_S
 from flexpipe.gateway.gateway_metrics import _LATENCY_BUCKETS_S, _TPOT_BUCKETS_S
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf.gear_lookup import GearLookup
-from flexpipe.policies.planner import ModelDemand, PlannedInstance
+from flexpipe.policies.planner import ModelDemand, PlannedInstance, PlannerConfig
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.in_place import MAKE_BEFORE_BREAK, ROLLING
@@ -102,6 +102,8 @@ class ControllerParams:
     # the simulator sleeps nothing unless a scenario turns sleep mode on (`controller.shift.
     # sleep_mode`): its runs stay what they were before sleep mode existed
     shift: ShiftParams = dataclasses.field(default_factory=lambda: ShiftParams(sleep_mode="off"))
+    # the planner's knobs (the scenario's `planner:` section: `sizing`)
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
 
 
 class SimController:
@@ -131,7 +133,7 @@ class SimController:
         self.resources = Resources.of(cluster, 0.0)
         # the built-in gear table (no store); the policy's drain deadline is the scenario's
         # `shift.pricing` as given (the live controller prices at its own drain deadline)
-        self.planner = ControllerPlanner(GearLookup())
+        self.planner = ControllerPlanner(GearLookup(), config=params.planner)
         self.core = TickCore(
             TickParams(self.demands, STANDBY_HOLD_S, params.tick_s, params.min_instances_floor),
             ShiftPolicy(params.shift, planner=self.planner),

@@ -39,6 +39,7 @@ from flexpipe.cluster import Cluster
 from flexpipe.gears.gear import Gear
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf.gear_lookup import GearLookup
+from flexpipe.perf.slo_capacity import mmc_wait_quantile_s
 from flexpipe.policies.planner import ModelDemand, PlannedInstance, PlannerConfig, plan
 from flexpipe.policies.planner.candidates import Candidate, Evaluator
 from flexpipe.sim.autoscaler import KpaParams, KpaScaler
@@ -115,6 +116,7 @@ class PlannerPolicy:
     routing: str | None = None
     interval_s: float | None = None
     at_peak: bool = False
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # the scenario's `planner:`
 
     def decide(
         self, view: PolicyView, now: float, rng: random.Random
@@ -123,7 +125,7 @@ class PlannerPolicy:
         if view.running:
             return None
         demands = view.peak_demands if self.at_peak else view.demands
-        the_plan = plan(view.cluster, demands, None, config=PlannerConfig(), now_s=now)
+        the_plan = plan(view.cluster, demands, None, config=self.planner, now_s=now)
         return [Deployment.of(i) for i in the_plan.instances]
 
 
@@ -169,34 +171,17 @@ class WaitForIdeal:
         return out
 
 
-def erlang_c(num_servers: int, offered_load: float) -> float:
-    """The probability that an arrival waits in an M/M/c queue (`offered_load` = lambda / mu,
-    below `num_servers`)."""
-    term = 1.0
-    total = 1.0
-    for k in range(1, num_servers):
-        term *= offered_load / k
-        total += term
-    last = term * offered_load / num_servers / (1.0 - offered_load / num_servers)
-    return last / (total + last)
-
-
 def mmc_ttft_p99_s(instances: Sequence[PlannedInstance], rate_per_s: float) -> float:
     """A model's TTFT p99 at `rate_per_s` over `instances`, each a server of its SLO-meeting
     request rate at full load (its planned capacity / the planner's target utilisation): its
-    predicted TTFT plus the M/M/c wait's 99th percentile. Infinite when over capacity."""
+    predicted TTFT plus the M/M/c wait's 99th percentile (flexpipe.perf.slo_capacity).
+    Infinite when over capacity."""
     if not instances:
         return math.inf
     util = PlannerConfig().target_utilization
     mu = sum(i.capacity_requests_per_s for i in instances) / util / len(instances)
-    c = len(instances)
-    if rate_per_s <= 0:
-        return max(i.estimate.ttft_s for i in instances)
-    if mu <= 0 or rate_per_s >= c * mu:
-        return math.inf
-    p_wait = erlang_c(c, rate_per_s / mu)
-    wait_p99_s = max(0.0, math.log(p_wait / 0.01)) / (c * mu - rate_per_s) if p_wait > 0 else 0.0
-    return max(i.estimate.ttft_s for i in instances) + wait_p99_s
+    ttft_s = max(i.estimate.ttft_s for i in instances)
+    return ttft_s + mmc_wait_quantile_s(len(instances), mu, rate_per_s)
 
 
 @dataclass(slots=True)
@@ -211,6 +196,7 @@ class PeakSloPolicy:
     interval_s: float | None = None
     step: float = 1.25
     max_rounds: int = 20
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # the scenario's `planner:`
 
     def decide(
         self, view: PolicyView, now: float, rng: random.Random
@@ -219,7 +205,7 @@ class PeakSloPolicy:
         if view.running:
             return None
         peaks = view.peak_demands
-        the_plan = peak_slo_plan(view.cluster, peaks, now, self.step, self.max_rounds)
+        the_plan = peak_slo_plan(view.cluster, peaks, now, self.step, self.max_rounds, self.planner)
         return [Deployment.of(i) for i in the_plan]
 
     def __post_init__(self) -> None:
@@ -233,11 +219,15 @@ def peak_slo_plan(
     now: float = 0.0,
     step: float = 1.25,
     max_rounds: int = 20,
+    config: PlannerConfig | None = None,
 ) -> tuple[PlannedInstance, ...]:
-    """`PeakSloPolicy`'s plan (the tests check it fits the cluster)."""
+    """`PeakSloPolicy`'s plan (the tests check it fits the cluster). Under `sizing: slo`
+    the planner's capacities are already the rates that meet the SLO with queueing
+    (flexpipe.perf.slo_capacity): its peak plan is the answer, no M/M/c rounds."""
+    config = config or PlannerConfig()
     asked = list(peaks)
-    the_plan = plan(cluster, asked, None, config=PlannerConfig(), now_s=now)
-    for _ in range(max_rounds):
+    the_plan = plan(cluster, asked, None, config=config, now_s=now)
+    for _ in range(max_rounds if config.sizing == "throughput" else 0):
         short = [
             m
             for m, d in enumerate(peaks)
@@ -250,7 +240,7 @@ def peak_slo_plan(
             break
         for m in short:
             asked[m] = at_rate(asked[m], asked[m].request_rate_per_s * step)
-        the_plan = plan(cluster, asked, None, config=PlannerConfig(), now_s=now)
+        the_plan = plan(cluster, asked, None, config=config, now_s=now)
     return the_plan.instances
 
 
@@ -393,7 +383,10 @@ def create_policy(name: str, scenario: Scenario | None = None) -> Policy:
     if factory is None:
         known = [*POLICIES, *(scenario.plans if scenario is not None else ())]
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(known)}")
-    return factory()
+    policy = factory()
+    if scenario is not None and isinstance(policy, PlannerPolicy | PeakSloPolicy):
+        policy.planner = scenario.planner
+    return policy
 
 
 def at_rate(demand: ModelDemand, rate_per_s: float) -> ModelDemand:

@@ -53,7 +53,7 @@ from flexpipe.cluster.generate import generate_cluster
 from flexpipe.gateway.config import ConfigError, GatewayConfig, config_from_dict
 from flexpipe.gears.gear import Gear, GearError, parse_gear
 from flexpipe.model_spec import load_model_spec
-from flexpipe.policies.planner import ModelsFileError
+from flexpipe.policies.planner import ModelsFileError, PlannerConfig
 from flexpipe.policies.shift import ShiftParams
 from flexpipe.sim import fields
 from flexpipe.sim.controller import ControllerParams
@@ -83,6 +83,7 @@ _KEYS = {
     "resources",
     "controller",
     "plans",
+    "planner",
 }
 _CONTROLLER_KEYS = {
     "tick_s",
@@ -127,6 +128,8 @@ class Scenario:
     resources: tuple[TimelineEvent, ...] = ()
     controller: ControllerParams = field(default_factory=ControllerParams)
     plans: dict[str, tuple[Deployment, ...]] = field(default_factory=dict)
+    # the planner's knobs for every policy that plans (`planner: {sizing: slo}`)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
@@ -268,6 +271,20 @@ def _controller(value: Any, where: str) -> ControllerParams:
     )
 
 
+_PLANNER_KEYS = {"sizing"}
+
+
+def _planner(value: Any, where: str) -> PlannerConfig:
+    doc = _mapping(value or {}, where)
+    unknown = sorted(set(doc) - _PLANNER_KEYS)
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    sizing = doc.get("sizing", PlannerConfig().sizing)
+    if sizing not in ("throughput", "slo"):
+        raise ScenarioError(f"{where}.sizing: use throughput or slo (got {sizing!r})")
+    return PlannerConfig(sizing=sizing)
+
+
 def _plans(
     value: Any, models: list[dict[str, Any]], where: str
 ) -> dict[str, tuple[Deployment, ...]]:
@@ -364,6 +381,7 @@ def _parse(doc: Any, base: Path, source: str) -> Scenario:
         cluster=cluster,
         resources=resources,
         controller=_controller(doc.get("controller"), f"{source}: controller"),
+        planner=_planner(doc.get("planner"), f"{source}: planner"),
         plans=_plans(doc.get("plans"), [dict(m) for m in models], f"{source}: plans"),
         models=[dict(m) for m in models],
         workloads=tuple(

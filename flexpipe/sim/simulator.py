@@ -135,14 +135,21 @@ class _Run:
         self._empty_waits: list[tuple[tuple[InstanceRecord, ...], Callable[[float], None]]] = []
         self.controller: SimController | None = None
         if isinstance(policy, ShiftingPolicy):
+            # The controller plans for the rate it measures over a short window: the
+            # burstiness that matters is the one within such a window (the busiest report
+            # interval's), not the run's, which counts the bursts themselves.
+            within = (
+                replace(d, arrival_cv2=p.arrival_cv2)
+                for d, p in zip(self.demands, self.peaks, strict=True)
+            )
             self.controller = SimController(
                 self,
                 scenario.cluster,
-                self.demands,
+                tuple(within),
                 lambda: [i.as_dict() for i in self.gateway.pool.instances.values()],
                 lambda: self.gateway.num_waiting,
                 self.gateway.queued_by_model,
-                policy.params or scenario.controller,
+                replace(policy.params or scenario.controller, planner=scenario.planner),
                 random.Random(f"{scenario.seed}:controller"),
                 self.shifts.append,
             )

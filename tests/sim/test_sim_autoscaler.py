@@ -11,6 +11,7 @@ import pytest
 from test_sim_shift import ROOT, SEED_CLUSTER, seven_b
 
 from flexpipe.cluster.generate import generate_cluster
+from flexpipe.perf.slo_capacity import erlang_c
 from flexpipe.policies.planner import ModelDemand, parse_models, plan
 from flexpipe.sim import simulate
 from flexpipe.sim.arrivals import generate_requests, model_demands
@@ -19,7 +20,6 @@ from flexpipe.sim.policy import (
     KpaAutoscaler,
     PolicyView,
     create_policy,
-    erlang_c,
     mmc_ttft_p99_s,
     peak_slo_plan,
 )

@@ -10,17 +10,24 @@ from collections.abc import Sequence
 from flexpipe.cluster import Cluster
 from flexpipe.perf import Efficiency
 from flexpipe.perf.gear_lookup import GearLookup
-from flexpipe.policies.planner import ModelDemand, Plan, plan
+from flexpipe.policies.planner import ModelDemand, Plan, PlannerConfig, plan
 from flexpipe.policies.planner.memo import EvaluationMemo
 
 __all__ = ["ControllerPlanner"]
 
 
 class ControllerPlanner:
-    def __init__(self, performance: GearLookup, efficiency: Efficiency | None = None) -> None:
-        """`performance`: the gear table (the store's points, or the built-in one)."""
+    def __init__(
+        self,
+        performance: GearLookup,
+        efficiency: Efficiency | None = None,
+        config: PlannerConfig | None = None,
+    ) -> None:
+        """`performance`: the gear table (the store's points, or the built-in one);
+        `config`: the planner's knobs (None: its defaults)."""
         self.performance = performance
         self.efficiency = efficiency
+        self.config = config
         self.memo = EvaluationMemo()
 
     def __call__(
@@ -35,6 +42,7 @@ class ControllerPlanner:
             cluster,
             demands,
             self.performance,
+            config=self.config,
             now_s=now_s,
             efficiency=self.efficiency,
             memo=self.memo,

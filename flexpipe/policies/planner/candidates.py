@@ -18,6 +18,7 @@ from flexpipe.model_spec import ModelSpec
 from flexpipe.perf import BatchShape, Efficiency, InfeasibleGear, PerfModel, memory_plan
 from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY
 from flexpipe.perf.gear_lookup import GearEstimate, GearQuery
+from flexpipe.perf.slo_capacity import SloShape, slo_rate_per_s
 from flexpipe.policies.partition import InfeasiblePartition, StageCost, partition_layers
 from flexpipe.policies.planner.memo import EvaluationMemo, Topology
 from flexpipe.policies.planner.performance import GearPerformance
@@ -105,7 +106,16 @@ class Evaluator:
         # across the plans a memo sees on this very cluster, for the same model shape)
         self._results = [
             topo.results.setdefault(
-                (m, specs[m], d.max_model_len, d.input_tokens, d.output_tokens, d.slo), {}
+                (
+                    m,
+                    specs[m],
+                    d.max_model_len,
+                    d.input_tokens,
+                    d.output_tokens,
+                    d.slo,
+                    *_burstiness(d, config),
+                ),
+                {},
             )
             for m, d in enumerate(demands)
         ]
@@ -212,7 +222,7 @@ class Evaluator:
             return self._evaluate(m, stages, dtype)
         d = self.demands[m]
         key: tuple[object, ...] = (self.specs[m], d.max_model_len, d.input_tokens)
-        key += (d.output_tokens, d.slo, dtype, hardware)
+        key += (d.output_tokens, d.slo, dtype, hardware, *_burstiness(d, self.config))
         hit = memo.get(key)
         if hit is not None and (
             isinstance(hit, Candidate) or not any(g in hit.reason for g in hit.gpu_ids)
@@ -300,7 +310,7 @@ class Evaluator:
             return est.tpot_s <= slo.tpot_p99_s and est.ttft_s <= slo.ttft_p99_s
 
         try:
-            best = at(ladder[0])
+            one = best = at(ladder[0])
             if not meets(best):
                 return Rejection(m, stages, gear, _slo_miss(best, slo.tpot_p99_s, slo.ttft_p99_s))
             lo, hi = 0, len(ladder)  # ladder[lo] meets the SLOs; ladder[hi:] do not
@@ -313,20 +323,50 @@ class Evaluator:
                         best = est
                 else:
                     hi = mid
+            capacity = self.capacity_per_s(m, best, one)
+            if self.config.sizing == "slo":
+                # The queue's tail, not the throughput, decides: a smaller batch (shorter
+                # steps, more TPOT headroom) may take more requests/s within the SLOs (the
+                # three below the largest: further down the throughput falls away).
+                for b in ladder[max(0, lo - 3) : lo]:
+                    est = at(b)
+                    rate = self.capacity_per_s(m, est, one)
+                    if rate > capacity:
+                        best, capacity = est, rate
         except InfeasibleGear as exc:
             return Rejection(m, stages, gear, str(exc))
-        util = self.config.target_utilization
+        if capacity <= 0:
+            return Rejection(m, stages, gear, _queue_miss(best))
         return Candidate(
             model_index=m,
             stages=stages,
             gear=replace(gear, max_num_seqs=best.batch),
             layers_per_stage=tuple(s.num_layers for s in placement.stages),
             estimate=best,
-            capacity_tokens_per_s=best.output_tokens_per_s * util,
-            capacity_requests_per_s=best.requests_per_s * util,
+            capacity_tokens_per_s=best.output_tokens_per_s * capacity / best.requests_per_s,
+            capacity_requests_per_s=capacity,
             kv_capacity_tokens=mem.kv_capacity_tokens,
             max_concurrency=max_concurrency,
         )
+
+    def capacity_per_s(self, m: int, est: GearEstimate, one: GearEstimate | None) -> float:
+        """The requests/s an instance with figures `est` (and `one`, its figures at
+        concurrency 1) is planned to serve: by `config.sizing`, its throughput at
+        `target_utilization`, or the arrival rate at which it meets the SLOs
+        (flexpipe.perf.slo_capacity, with the demand's burstiness)."""
+        if self.config.sizing == "throughput" or one is None:
+            return est.requests_per_s * self.config.target_utilization
+        demand = self.demands[m]
+        shape = SloShape(
+            batch=est.batch,
+            requests_per_s=est.requests_per_s,
+            ttft_full_s=est.ttft_s,
+            tpot_full_s=est.tpot_s,
+            tpot_one_s=one.tpot_s,
+            output_tokens=demand.output_tokens,
+        )
+        slo = demand.slo
+        return slo_rate_per_s(shape, slo.ttft_p99_s, slo.tpot_p99_s, demand.arrival_cv2)
 
     def evaluate_as_is(
         self, m: int, stages: tuple[tuple[str, ...], ...], gear: Gear, layers: tuple[int, ...]
@@ -377,15 +417,25 @@ class Evaluator:
         slo = demand.slo
         if est.tpot_s > slo.tpot_p99_s or est.ttft_s > slo.ttft_p99_s:
             return Rejection(m, stages, gear, _slo_miss(est, slo.tpot_p99_s, slo.ttft_p99_s))
-        util = self.config.target_utilization
+        one = None
+        if self.config.sizing == "slo":
+            try:
+                one = self.performance.estimate(
+                    GearQuery.of(spec, replace(gear, max_num_seqs=1), placement), demand.workload
+                )
+            except InfeasibleGear as exc:
+                return Rejection(m, stages, gear, str(exc))
+        capacity = self.capacity_per_s(m, est, one)
+        if capacity <= 0:
+            return Rejection(m, stages, gear, _queue_miss(est))
         return Candidate(
             model_index=m,
             stages=stages,
             gear=gear,
             layers_per_stage=layers,
             estimate=est,
-            capacity_tokens_per_s=est.output_tokens_per_s * util,
-            capacity_requests_per_s=est.requests_per_s * util,
+            capacity_tokens_per_s=est.output_tokens_per_s * capacity / est.requests_per_s,
+            capacity_requests_per_s=capacity,
             kv_capacity_tokens=mem.kv_capacity_tokens,
             max_concurrency=max_concurrency,
         )
@@ -399,6 +449,12 @@ class Evaluator:
         return link
 
 
+def _burstiness(demand: ModelDemand, config: PlannerConfig) -> tuple[float, ...]:
+    """What of the demand's burstiness an evaluation depends on: nothing unless sized at the
+    SLO."""
+    return (demand.arrival_cv2,) if config.sizing == "slo" else ()
+
+
 def _slo_miss(est: GearEstimate, tpot_slo_s: float, ttft_slo_s: float) -> str:
     if est.tpot_s > tpot_slo_s:
         return (
@@ -408,6 +464,13 @@ def _slo_miss(est: GearEstimate, tpot_slo_s: float, ttft_slo_s: float) -> str:
     return (
         f"TTFT p99 at batch {est.batch} is {est.ttft_s * 1e3:.0f} ms > SLO "
         f"{ttft_slo_s * 1e3:.0f} ms"
+    )
+
+
+def _queue_miss(est: GearEstimate) -> str:
+    return (
+        f"at batch {est.batch} no arrival rate meets the SLOs with queueing "
+        f"(TTFT {est.ttft_s * 1e3:.0f} ms, TPOT {est.tpot_s * 1e3:.1f} ms at full load)"
     )
 
 

@@ -49,6 +49,7 @@ _MODEL_KEYS = {
     "checkpoints",
 }
 _DEMAND_KEYS = {"request_rate_per_s", "input_tokens", "output_tokens"}
+_DEMAND_OPTIONAL = {"arrival_cv2"}  # burstiness (default 1: Poisson); read by sizing: slo
 _SLO_KEYS = {"ttft_p99_ms", "tpot_p99_ms"}
 _CHECKPOINT_KEYS = {"path", "quantization"}
 
@@ -77,13 +78,18 @@ def _number(doc: dict[str, Any], key: str, place: str, errors: list[str]) -> flo
 
 
 def _section(
-    doc: dict[str, Any], key: str, keys: set[str], place: str, errors: list[str]
+    doc: dict[str, Any],
+    key: str,
+    keys: set[str],
+    place: str,
+    errors: list[str],
+    optional: frozenset[str] | set[str] = frozenset(),
 ) -> dict[str, Any]:
     value = doc.get(key)
     if not isinstance(value, dict):
         errors.append(f"{place}.{key}: expected a mapping with {', '.join(sorted(keys))}")
         return {}
-    unknown = sorted(set(value) - keys)
+    unknown = sorted(set(value) - keys - optional)
     if unknown:
         errors.append(f"{place}.{key}: unknown key(s) {', '.join(map(str, unknown))}")
     missing = sorted(keys - set(value))
@@ -124,7 +130,10 @@ def parse_models(doc: object, source: str = "<models>") -> tuple[ModelDemand, ..
             errors.append(f"{place}.name: duplicate model name {name!r}")
         else:
             names.add(name)
-        demand = _section(item, "demand", _DEMAND_KEYS, place, errors)
+        demand = _section(item, "demand", _DEMAND_KEYS, place, errors, _DEMAND_OPTIONAL)
+        cv2 = 1.0
+        if demand and "arrival_cv2" in demand:
+            cv2 = _number(demand, "arrival_cv2", f"{place}.demand", errors)
         rate = _number(demand, "request_rate_per_s", f"{place}.demand", errors) if demand else 0
         inp = _number(demand, "input_tokens", f"{place}.demand", errors) if demand else 0
         outp = _number(demand, "output_tokens", f"{place}.demand", errors) if demand else 0
@@ -188,6 +197,7 @@ def parse_models(doc: object, source: str = "<models>") -> tuple[ModelDemand, ..
                 weights=weights,
                 checkpoints=declared,
                 dtypes_without_checkpoint=missing,
+                arrival_cv2=cv2,
             )
         )
     if errors:

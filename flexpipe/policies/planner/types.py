@@ -67,8 +67,13 @@ class ModelDemand:
     # Precisions the owner accepts that no checkpoint serves: left out of `dtypes`, said by
     # `flexpipe plan`.
     dtypes_without_checkpoint: tuple[str, ...] = ()
+    # The arrivals' burstiness: the index of dispersion of their counts (1: Poisson; the
+    # measured value where the controller or simulator has one). Read by `sizing: slo` only.
+    arrival_cv2: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.arrival_cv2 > 0:
+            raise ValueError(f"{self.name}: arrival_cv2 must be > 0")
         if self.request_rate_per_s < 0:
             raise ValueError(f"{self.name}: request_rate_per_s must be >= 0")
         if not self.priority > 0:
@@ -101,6 +106,11 @@ class PlannerConfig:
     batch_ladder: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
     # Instances are loaded to this share of their SLO-meeting capacity (queueing headroom).
     target_utilization: float = 0.85
+    # How an instance's capacity is sized: `throughput` (its steady-state requests/s at the
+    # largest SLO-meeting concurrency, times `target_utilization`) or `slo` (the arrival rate
+    # at which its TTFT and TPOT meet the SLOs under the demand's burstiness, queueing
+    # included: flexpipe.perf.slo_capacity; docs/planner.md "Sized at the SLO").
+    sizing: Literal["throughput", "slo"] = "throughput"
     # A GPU free only until `free_until_s` is used when at least this much time is left.
     min_lease_s: float = 900.0
     gpu_memory_utilization: float = 0.9
@@ -126,6 +136,8 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= 1:
             raise ValueError("target_utilization must be in (0, 1]")
+        if self.sizing not in ("throughput", "slo"):
+            raise ValueError(f"sizing must be throughput or slo (got {self.sizing!r})")
         if self.replace_margin < 0:
             raise ValueError("replace_margin must be >= 0")
         if self.max_pp < 1 or not self.batch_ladder or min(self.batch_ladder) < 1:
