@@ -25,6 +25,7 @@ import dataclasses
 import math
 import random
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,8 +53,12 @@ from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.policies.shift.standby_sleepers import (
+    idle_since,
     most_awake,
     peak_rates,
+    pressed,
+    recent_rates,
+    sleeps_aside,
     standby_wanted,
     wakes_aside,
     with_sleepers,
@@ -160,6 +165,9 @@ class SimController:
         # standby sleepers (policies/shift/standby_sleepers.py; `shift.standby`, off by default)
         self._peak_awake: dict[str, int] = {}  # model -> most instances awake at once
         self._peak_rates: dict[str, float] = {}  # model -> highest rate measured, req/s
+        # (tick time, finished requests by model then): the rate over the last ticks
+        self._done_seen: deque[tuple[float, dict[str, float]]] = deque(maxlen=3)
+        self._idle_since: dict[str, float] = {}  # model -> since when it serves nothing
         self._to_sleep: set[str] = set()  # standbys of the first plan, put to sleep after it
         self._waking = False  # sleepers wake beside the shifts
         self._standby_busy = False  # standbys start (launched, then put to sleep) beside
@@ -294,7 +302,8 @@ class SimController:
         cluster = self.cluster
         if self.params.shift.standby.enabled:
             self._peak_awake = most_awake(self._peak_awake, running)
-            self._peak_rates = peak_rates(self._peak_rates, core.rates.rates_per_s)
+            self._done_seen.append((now, dict(self._done)))
+            self._peak_rates = peak_rates(self._peak_rates, recent_rates(self._done_seen))
             cluster = self._standby_view(cluster)
         decided = core.decide(now, cluster, running, asleep)
         self.num_decisions += 1
@@ -428,9 +437,14 @@ class SimController:
             self.cluster,
             [r.planned for r in self.running.values()],
             [r.planned for r in self._asleep_now()],
-            self.queued_by_model(),
+            pressed(
+                self.gateway_pool(),
+                self.queued_by_model(),
+                self.params.shift.standby.busy_fraction,
+            ),
             self._main_gpus,
             self._main_keys,
+            self.params.shift.standby.wakes_per_tick,
         )
         if not wakes:
             return False
@@ -441,6 +455,36 @@ class SimController:
             self._waking = False
 
         self._run_aside(self.running, [*running, *wakes], now, "wake-aside", woken)
+        return True
+
+    def _sleep_idle(self, now: float) -> bool:
+        """Put the engines of models idle for `standby.sleep_idle_s` to sleep beside the
+        shift in progress (if any); True when that started."""
+        params = self.params.shift.standby
+        self._idle_since = idle_since(
+            self._idle_since, self.gateway_pool(), self.queued_by_model(), now
+        )
+        if self._waking or params.sleep_idle_s <= 0:
+            return False
+        leaving = sleeps_aside(
+            [r.planned for r in self.running.values()],
+            self._idle_since,
+            now,
+            params,
+            self._main_keys,
+        )
+        if not leaving:
+            return False
+        gone = {instance_key(i) for i in leaving}
+        target = [r.planned for k, r in self.running.items() if k not in gone]
+        self._waking = True
+
+        def asleep(end: float) -> None:
+            self._waking = False
+
+        self._run_aside(
+            self.running, target, now, "sleep-aside", asleep, self._sleep_levels(target)
+        )
         return True
 
     def _standby_view(self, cluster: Cluster) -> Cluster:
@@ -485,7 +529,7 @@ class SimController:
         else, every `tick_s`, models short of standbys get them started (launched, then put
         to sleep)."""
         self.world.loop.at(now + self._aside_every_s, CONTROL, self._aside_tick)
-        if self._wake_aside(now) or self._standby_busy:
+        if self._wake_aside(now) or self._sleep_idle(now) or self._standby_busy:
             return
         running = [r.planned for r in self.running.values()]
         if now < self._standby_checked_s + self.params.tick_s:
@@ -589,6 +633,7 @@ _REASONS = {
     "plan": "the first plan",
     "standby": "standby engines asleep ahead of demand (shift.standby)",
     "wake-aside": "requests wait: sleepers woken beside the shift in progress",
+    "sleep-aside": "idle: its engines put to sleep beside the shift in progress",
 }
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.policies.planner import ModelDemand, PlannedInstance
@@ -35,8 +36,12 @@ from flexpipe.policies.shift.snapshot import instance_key
 
 __all__ = [
     "StandbyParams",
+    "idle_since",
     "most_awake",
     "peak_rates",
+    "pressed",
+    "recent_rates",
+    "sleeps_aside",
     "standby_rate_per_s",
     "standby_wanted",
     "wakes_aside",
@@ -56,12 +61,17 @@ class StandbyParams:
     aside_tick_s: float = 0.0  # how often that is looked at (0: every controller tick)
     rate_factor: float = 1.0  # standbys are planned for the declared rate times this
     keep_for_wake: bool = False  # the planner places no new instance on a sleeper's GPUs
+    busy_fraction: float = 0.0  # wake aside also when this share of the slots is taken
+    wakes_per_tick: int = 0  # sleepers of a model woken aside at once (0: all)
+    sleep_idle_s: float = 0.0  # a model idle this long sleeps aside (0: the down trigger)
 
     def __post_init__(self) -> None:
         if self.num_per_model < 0 or self.max_per_model < 0:
             raise ValueError("num_per_model and max_per_model must be >= 0")
-        if self.aside_tick_s < 0 or self.rate_factor < 0:
-            raise ValueError("aside_tick_s and rate_factor must be >= 0")
+        if min(self.aside_tick_s, self.rate_factor, self.busy_fraction, self.sleep_idle_s) < 0:
+            raise ValueError("aside_tick_s, rate_factor, busy_fraction, sleep_idle_s: >= 0")
+        if self.wakes_per_tick < 0:
+            raise ValueError("wakes_per_tick must be >= 0")
 
 
 def most_awake(before: Mapping[str, int], running: Iterable[PlannedInstance]) -> dict[str, int]:
@@ -75,6 +85,16 @@ def most_awake(before: Mapping[str, int], running: Iterable[PlannedInstance]) ->
 def peak_rates(before: Mapping[str, float], rates_per_s: Mapping[str, float]) -> dict[str, float]:
     """Model -> the highest rate measured so far: `before`, or now if more."""
     return {m: max(before.get(m, 0.0), rates_per_s.get(m, 0.0)) for m in {*before, *rates_per_s}}
+
+
+def recent_rates(seen: Sequence[tuple[float, Mapping[str, float]]]) -> dict[str, float]:
+    """Model -> requests finished per second between the first and the last of `seen`
+    ((time s, cumulative finished requests by model), oldest first): a burst's rate over a
+    few ticks, which the minute's rate the forecast reads would dilute."""
+    if len(seen) < 2 or seen[-1][0] <= seen[0][0]:
+        return {}
+    (t0, first), (t1, last) = seen[0], seen[-1]
+    return {m: max(0.0, n - first.get(m, 0.0)) / (t1 - t0) for m, n in sorted(last.items())}
 
 
 def _count(instances: Iterable[PlannedInstance]) -> dict[str, int]:
@@ -112,34 +132,53 @@ def standby_wanted(
     models not to start any for (say, those with requests waiting: their shift comes
     first).
 
-    A model wants the instances the planner places for it alone, at `standby_rate_per_s`,
-    on every GPU free to us (its burst's gears), at least `num_per_model` and as many as it
-    had awake at once, at most `max_per_model`; those it lacks, counting what it has awake
-    or asleep, are placed on the GPUs nothing of ours holds (where others sleep too, with
-    `share_gpus`), at that rate."""
+    A model wants engines, awake or asleep, whose planned capacity covers its
+    `standby_rate_per_s` (its burst), at least `num_per_model` of them and as many as it had
+    awake at once, at most `max_per_model`. Those it lacks are placed one per model a round,
+    each by the planner for the rate still uncovered, on the GPUs nothing of ours holds
+    (where others sleep too, with `share_gpus`)."""
     if not params.enabled:
         return []
     have = _count([*awake, *asleep])
-    chosen: list[PlannedInstance] = []
+    capacity: dict[str, float] = {}
+    for inst in [*awake, *asleep]:
+        capacity[inst.model] = capacity.get(inst.model, 0.0) + inst.capacity_requests_per_s
+    asks: dict[str, ModelDemand] = {}
     for d in demands:
-        if d.name in skip:
+        rate_per_s = standby_rate_per_s(d, peak_rates_per_s, params)
+        want = max(params.num_per_model, peak_counts.get(d.name, 0))
+        if d.name in skip or have.get(d.name, 0) >= params.max_per_model:
             continue
-        ask = replace(d, request_rate_per_s=standby_rate_per_s(d, peak_rates_per_s, params))
-        burst = _placed(free_of(cluster, []), ask, 1, planner, now_s)
-        want = max(len(burst), params.num_per_model, peak_counts.get(d.name, 0))
-        need = min(params.max_per_model, want) - have.get(d.name, 0)
-        if need <= 0:
-            continue
-        mine = [i for i in asleep if i.model == d.name]
-        views = [asleep, mine] if params.share_gpus else [asleep]
-        for sleeping in views:
-            placed = _placed(
-                free_of(cluster, [*awake, *chosen, *sleeping]), ask, need, planner, now_s
+        if capacity.get(d.name, 0.0) < rate_per_s or have.get(d.name, 0) < want:
+            asks[d.name] = replace(d, request_rate_per_s=rate_per_s)
+    chosen: list[PlannedInstance] = []
+    # one standby per model a round, so that the first models do not take every GPU; a model
+    # gets more until its engines' capacity covers its standby rate
+    while asks:
+        for name, ask in list(asks.items()):
+            mine = [i for i in asleep if i.model == name]
+            views = [asleep, mine] if params.share_gpus else [asleep]
+            rest = replace(
+                ask,
+                request_rate_per_s=max(0.0, ask.request_rate_per_s - capacity.get(name, 0.0)),
             )
+            placed: list[PlannedInstance] = []
+            for sleeping in views:
+                taken = free_of(cluster, [*awake, *chosen, *sleeping])
+                placed = _placed(taken, rest, 1, planner, now_s)
+                if placed:
+                    break
+            if not placed:
+                del asks[name]
+                continue
             chosen.extend(placed)
-            need -= len(placed)
-            if need <= 0:
-                break
+            have[name] = have.get(name, 0) + 1
+            capacity[name] = capacity.get(name, 0.0) + placed[0].capacity_requests_per_s
+            want = max(params.num_per_model, peak_counts.get(name, 0))
+            if have[name] >= params.max_per_model or (
+                capacity[name] >= ask.request_rate_per_s and have[name] >= want
+            ):
+                del asks[name]
     return chosen
 
 
@@ -153,6 +192,77 @@ def _placed(
     return mine[:num]
 
 
+def pressed(
+    instances: Sequence[Mapping[str, Any]],
+    queued_by_model: Mapping[str, int],
+    busy_fraction: float,
+) -> dict[str, int]:
+    """Model -> 1 where it needs more engines now, from what the gateway exposes (its pool
+    records, as `GET /admin/instances` lists them, and its wait queue by model): requests
+    wait in the gateway, or in an active engine's own queue, or its active engines hold at
+    least `busy_fraction` of their slots (0: that test is off). Ahead of the TTFT samples,
+    which come only once the first tokens are late."""
+    out = {m: 1 for m, n in queued_by_model.items() if n > 0}
+    in_flight: dict[str, float] = {}
+    slots: dict[str, float] = {}
+    for rec in instances:
+        if rec.get("state") != "active":
+            continue
+        model = str(rec.get("model"))
+        if float(rec.get("num_waiting") or 0) > 0:
+            out[model] = 1
+        in_flight[model] = in_flight.get(model, 0.0) + float(rec.get("num_in_flight") or 0)
+        slots[model] = slots.get(model, 0.0) + float(rec.get("max_num_seqs") or 0)
+    if busy_fraction > 0:
+        for model, n in in_flight.items():
+            if slots[model] > 0 and n >= busy_fraction * slots[model]:
+                out[model] = 1
+    return dict(sorted(out.items()))
+
+
+def idle_since(
+    before: Mapping[str, float],
+    instances: Sequence[Mapping[str, Any]],
+    queued_by_model: Mapping[str, int],
+    now_s: float,
+) -> dict[str, float]:
+    """Model -> since when it has active engines that serve nothing and no request waits
+    for it (`before`: the last answer); a model that serves something, or has no active
+    engine, is left out."""
+    in_flight: dict[str, float] = {}
+    for rec in instances:
+        if rec.get("state") == "active":
+            model = str(rec.get("model"))
+            in_flight[model] = in_flight.get(model, 0.0) + float(rec.get("num_in_flight") or 0)
+    return {
+        m: before.get(m, now_s)
+        for m, n in sorted(in_flight.items())
+        if n == 0 and queued_by_model.get(m, 0) == 0
+    }
+
+
+def sleeps_aside(
+    running: Sequence[PlannedInstance],
+    idle: Mapping[str, float],
+    now_s: float,
+    params: StandbyParams,
+    busy_keys: Collection[str] = (),
+) -> list[PlannedInstance]:
+    """The running instances to put to sleep now, beside the shifts: every instance of a
+    model idle (`idle_since`) for `sleep_idle_s` or longer (0: never), but those a shift in
+    progress uses (`busy_keys`). A wake undoes it in about a second, far cheaper than the
+    GPU time an idle engine holds until the down trigger fires."""
+    if params.sleep_idle_s <= 0:
+        return []
+    return [
+        i
+        for i in running
+        if i.model in idle
+        and now_s - idle[i.model] >= params.sleep_idle_s
+        and instance_key(i) not in busy_keys
+    ]
+
+
 def wakes_aside(
     cluster: Cluster,
     running: Sequence[PlannedInstance],
@@ -160,16 +270,22 @@ def wakes_aside(
     waiting_by_model: Mapping[str, int],
     busy_gpu_ids: Collection[str],
     busy_keys: Collection[str] = (),
+    max_per_model: int = 0,
 ) -> list[PlannedInstance]:
-    """The sleepers to wake now for the models with requests waiting (`waiting_by_model`:
-    the gateway's queue), while a shift runs: those on GPUs no running instance and nothing
+    """The sleepers to wake now for the models that need more engines (`waiting_by_model`:
+    `pressed`), beside a shift in progress: those on GPUs no running instance and nothing
     of that shift (`busy_gpu_ids`) holds, whose key the shift does not use itself
-    (`busy_keys`), still `keepable`, and no two on one GPU. By model name, then as
-    `asleep` lists them."""
+    (`busy_keys`), still `keepable`, and no two on one GPU; at most `max_per_model` of a
+    model (0: all), those that serve the most requests per GPU first (ties: as `asleep`
+    lists them). By model name."""
     taken = {g for i in running for g in i.gpu_ids} | set(busy_gpu_ids)
     out: list[PlannedInstance] = []
+    best_first = sorted(asleep, key=lambda i: -i.capacity_requests_per_s / max(1, len(i.gpu_ids)))
     for model in sorted(m for m, n in waiting_by_model.items() if n > 0):
-        for inst in asleep:
+        num_woken = 0
+        for inst in best_first:
+            if max_per_model and num_woken >= max_per_model:
+                break
             gpus = set(inst.gpu_ids)
             if (
                 inst.model != model
@@ -180,6 +296,7 @@ def wakes_aside(
                 continue
             out.append(inst)
             taken |= gpus
+            num_woken += 1
     return out
 
 
