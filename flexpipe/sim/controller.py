@@ -352,7 +352,8 @@ class SimController:
         """`kept`: renewed while it runs; `release`: models held for this shift, released
         when it ends; `trigger`: its name in the report when no decision took it."""
         self._shifting = True
-        self._main_keys = {instance_key(t) for t in target}
+        # what the shift uses: its target's keys and every instance running as it starts
+        self._main_keys = {instance_key(t) for t in target} | set(self.running)
         self._main_gpus = {g for t in target for g in t.gpu_ids} | {
             g for r in self.running.values() for g in r.planned.gpu_ids
         }
