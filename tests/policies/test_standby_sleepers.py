@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parents[0]))
 from test_shift_policy import FREED, demand, running_for
@@ -223,3 +224,9 @@ def test_the_shift_config_reads_standby() -> None:
         ShiftParams.from_mapping({"standby": {"enabled": 1}})
     with pytest.raises(ValueError, match="must be >= 0"):
         StandbyParams(wakes_per_tick=-1)
+
+
+def test_the_docs_yaml_is_the_defaults() -> None:
+    text = (Path(__file__).parents[2] / "docs" / "controller.md").read_text()
+    block = text.split("## Standby sleepers", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert ShiftParams.from_mapping(yaml.safe_load(block)["shift"]).standby == StandbyParams()
