@@ -25,6 +25,7 @@ import dataclasses
 import math
 import random
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +53,18 @@ from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.in_place import MAKE_BEFORE_BREAK, ROLLING
 from flexpipe.policies.shift.migration import perf_model_of
+from flexpipe.policies.shift.snapshot import instance_key
+from flexpipe.policies.shift.standby_sleepers import (
+    idle_since,
+    most_awake,
+    peak_rates,
+    pressed,
+    recent_rates,
+    sleeps_aside,
+    standby_wanted,
+    wakes_aside,
+    with_sleepers,
+)
 from flexpipe.sim.loop import CONTROL
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.shift_run import ShiftOutcome, ShiftRun, World
@@ -153,6 +166,21 @@ class SimController:
         self._num_shifts = 0  # a renewal event belongs to the shift it counts
         self._tick_version = 0
         self.refusals: list[dict[str, Any]] = []  # when each started and ended (the report)
+        # standby sleepers (policies/shift/standby_sleepers.py; `shift.standby`, off by default)
+        self._peak_awake: dict[str, int] = {}  # model -> most instances awake at once
+        self._peak_rates: dict[str, float] = {}  # model -> highest rate measured, req/s
+        # (tick time, finished requests by model then): the rate over the last ticks
+        self._done_seen: deque[tuple[float, dict[str, float]]] = deque(maxlen=3)
+        self._idle_since: dict[str, float] = {}  # model -> since when it serves nothing
+        self._to_sleep: set[str] = set()  # standbys of the first plan, put to sleep after it
+        self._waking = False  # sleepers wake beside the shifts
+        self._standby_busy = False  # standbys start (launched, then put to sleep) beside
+        self._aside_gpus: set[str] = set()  # GPUs the standbys loading beside take
+        self._tick_after_aside = False  # a tick came during a wake beside
+        self._main_gpus: set[str] = set()  # what the shift in progress touches
+        self._main_keys: set[str] = set()
+        self._aside_every_s = params.shift.standby.aside_tick_s or params.tick_s
+        self._standby_checked_s = -math.inf  # when standbys were last looked for
 
     @property
     def cluster(self) -> Cluster:
@@ -182,6 +210,15 @@ class SimController:
     # ------------------------------------------------------------------ lifecycle
     def start(self, now: float) -> None:
         first = self.planner(self.cluster, self.demands, now)
+        # with standbys: each model's burst set instead of the first plan's (it is asleep,
+        # save what the requests held meanwhile need, once it served them)
+        standbys = self._standbys([], now)
+        with_standby = {s.model for s in standbys}
+        first_target = [
+            *standbys,
+            *(i for i in first.instances if i.model not in with_standby),
+        ]
+        self._to_sleep = {instance_key(s) for s in standbys}
         self.decisions.append(
             {
                 "at_s": now,
@@ -189,16 +226,16 @@ class SimController:
                 "trigger": "plan",
                 "reason": "the first plan",
                 "score": None,
-                "target": [i.name for i in first.instances],
+                "target": [i.name for i in first_target],
             }
         )
         # the first plan's models are held while their engines load (queued, not 404); the
         # live controller's `start` adopts what a previous one left running first
-        held = cold_models(first.instances, [r.planned for r in self.running.values()])
+        held = cold_models(first_target, [r.planned for r in self.running.values()])
         for model in held:
             self.world.hold(model, STANDBY_HOLD_S, now)
         self._carry_out(
-            list(first.instances),
+            first_target,
             now,
             None,
             self.core.renewal(held),
@@ -206,6 +243,8 @@ class SimController:
             all_or_nothing=False,
             release=held,
         )
+        if self.params.shift.standby.enabled:
+            self.world.loop.at(now + self._aside_every_s, CONTROL, self._aside_tick)
 
     def _schedule_tick(self, at_s: float) -> None:
         self._tick_version += 1
@@ -237,6 +276,10 @@ class SimController:
         controller awaits its shift inside its tick, this one ticks again when it ends)."""
         if version != self._tick_version or self._shifting:
             return
+        # a wake or a standby's sleep beside: right after it; a burst's sleepers wake first
+        if self._waking or (self.params.shift.standby.enabled and self._wake_aside(now)):
+            self._tick_after_aside = True
+            return
         core = self.core
         self.resources, events = self.resources.tick(now)
         core.resources_changed(events, now)
@@ -260,7 +303,13 @@ class SimController:
             if r.released_s < 0 and r.sleep is not None and r.sleep.level is not None
         ]
         running = [r.planned for r in self.running.values()]
-        decided = core.decide(now, self.cluster, running, asleep)
+        cluster = self.cluster
+        if self.params.shift.standby.enabled:
+            self._peak_awake = most_awake(self._peak_awake, running)
+            self._done_seen.append((now, dict(self._done)))
+            self._peak_rates = peak_rates(self._peak_rates, recent_rates(self._done_seen))
+            cluster = self._standby_view(cluster)
+        decided = core.decide(now, cluster, running, asleep)
         self.num_decisions += 1
         if decided.logged:
             self.decisions.append(decision_brief(decided.decision))
@@ -302,10 +351,16 @@ class SimController:
         rehearse: bool = True,
         all_or_nothing: bool = True,
         release: Sequence[str] = (),
+        trigger: str = "plan",
     ) -> None:
         """`kept`: renewed while it runs; `release`: models held for this shift, released
-        when it ends."""
+        when it ends; `trigger`: its name in the report when no decision took it."""
         self._shifting = True
+        # what the shift uses: its target's keys and every instance running as it starts
+        self._main_keys = {instance_key(t) for t in target} | set(self.running)
+        self._main_gpus = {g for t in target for g in t.gpu_ids} | {
+            g for r in self.running.values() for g in r.planned.gpu_ids
+        }
         self._shift_started_s = now
         self._num_shifts += 1
         p = self.params
@@ -314,30 +369,33 @@ class SimController:
 
         def done(outcome: ShiftOutcome, end: float) -> None:
             self._shifting = False
+            self._main_gpus, self._main_keys = set(), set()
             for model in release:
                 self.world.hold(model, 0.0, end)
             # refused: no failure of the target (no blacklist)
             self.core.shift_finished(outcome, end, decided=decision is not None)
             self.on_shift(
-                {
-                    "at_s": now,
-                    "finished_s": end,
-                    "trigger": decision.trigger if decision is not None else "plan",
-                    "reason": decision.reason if decision is not None else "the first plan",
-                    "score": None
-                    if decision is None or decision.score is None
-                    else round(decision.score, 3),
-                    "succeeded": outcome.succeeded,
-                    "refused": outcome.refused,
-                    "outcome": _outcome(outcome),
-                    "why_failed": outcome.reason,
-                    "phases_s": {k: round(v, 6) for k, v in outcome.phases_s.items()},
-                    "migrated": dict(sorted(outcome.migrated.items())),
-                    "rehearsal": outcome.rehearsal,
-                    "started": outcome.started,
-                    "stopped": outcome.stopped,
-                }
+                _record(
+                    now,
+                    end,
+                    decision.trigger if decision is not None else trigger,
+                    decision.reason if decision is not None else _REASONS[trigger],
+                    None if decision is None else decision.score,
+                    outcome,
+                )
             )
+            keys = self._first_standbys_to_sleep() if decision is None else set()
+            if keys:
+                self._carry_out(
+                    [r.planned for k, r in self.running.items() if k not in keys],
+                    end,
+                    None,
+                    None,
+                    rehearse=False,
+                    all_or_nothing=False,
+                    trigger="standby",
+                )
+                return
             self._schedule_tick(end + p.tick_s)
 
         run = ShiftRun(
@@ -370,19 +428,211 @@ class SimController:
             lambda p: perf_model_of(cluster, p, spec=load_model_spec(p.model_id)),
         )
 
-    def _sleep_levels(self, target: Sequence[PlannedInstance]) -> dict[str, int]:
+    # ------------------------------------------------------------------ standby sleepers
+    def _asleep_now(self) -> list[Any]:
+        """The records of the engines asleep now (not released)."""
+        return [
+            r
+            for r in self.sleepers.values()
+            if r.released_s < 0 and r.sleep is not None and r.sleep.level is not None
+        ]
+
+    def _first_standbys_to_sleep(self) -> set[str]:
+        """The first plan's standbys that go to sleep once it is done: those of models no
+        request waits for (the others serve it first; the down trigger puts them to sleep)."""
+        waiting = {m for m, n in self.queued_by_model().items() if n > 0}
+        keys = {
+            k
+            for k in self._to_sleep
+            if k in self.running and self.running[k].planned.model not in waiting
+        }
+        self._to_sleep = set()
+        return keys
+
+    def _wake_aside(self, now: float) -> bool:
+        """Wake the sleepers of the models with requests waiting beside the shift in
+        progress (if any); True when a wake started."""
+        if self._waking or not self.params.shift.standby.wake_aside:
+            return False
+        wakes = wakes_aside(
+            self.cluster,
+            [r.planned for r in self.running.values()],
+            [r.planned for r in self._asleep_now()],
+            pressed(
+                self.gateway_pool(),
+                self.queued_by_model(),
+                self.params.shift.standby.busy_fraction,
+            ),
+            self._main_gpus,
+            self._main_keys,
+            self.params.shift.standby.wakes_per_tick,
+        )
+        if not wakes:
+            return False
+        running = [r.planned for r in self.running.values()]
+        self._waking = True
+
+        def woken(end: float) -> None:
+            self._waking = False
+
+        self._run_aside(self.running, [*running, *wakes], now, "wake-aside", woken)
+        return True
+
+    def _sleep_idle(self, now: float) -> bool:
+        """Put the engines of models idle for `standby.sleep_idle_s` to sleep beside the
+        shift in progress (if any); True when that started."""
+        params = self.params.shift.standby
+        self._idle_since = idle_since(
+            self._idle_since, self.gateway_pool(), self.queued_by_model(), now
+        )
+        if self._waking or params.sleep_idle_s <= 0:
+            return False
+        leaving = sleeps_aside(
+            [r.planned for r in self.running.values()],
+            self._idle_since,
+            now,
+            params,
+            self._main_keys,
+        )
+        if not leaving:
+            return False
+        gone = {instance_key(i) for i in leaving}
+        target = [r.planned for k, r in self.running.items() if k not in gone]
+        self._waking = True
+
+        def asleep(end: float) -> None:
+            self._waking = False
+
+        self._run_aside(
+            self.running, target, now, "sleep-aside", asleep, self._sleep_levels(target)
+        )
+        return True
+
+    def _standby_view(self, cluster: Cluster) -> Cluster:
+        """The GPUs free to us as the planner sees them beside standby sleepers: the memory
+        each sleeper still holds is used, and a standby loading beside the shifts holds its
+        GPUs whole."""
+        view = with_sleepers(
+            cluster,
+            [(r.planned, r.sleep.gpu_memory_bytes) for r in self._asleep_now()],
+            self.params.shift.standby.keep_for_wake,
+        )
+        for g in sorted(self._aside_gpus & set(view.gpu_ids)):
+            view = view.with_used(g, view.gpu(g).capacity_bytes, owner="flexpipe")
+        return view
+
+    def _standbys(
+        self, awake: list[PlannedInstance], now: float, busy: Sequence[PlannedInstance] = ()
+    ) -> list[PlannedInstance]:
+        """The standby engines to start beside `awake` (and what `busy` takes); none unless
+        `shift.standby` is on."""
+        params = self.params.shift.standby
+        if not params.enabled:
+            return []
+        waiting = {m for m, n in self.queued_by_model().items() if n > 0}
+        return standby_wanted(
+            self._standby_view(self.cluster),
+            self.demands,
+            [*awake, *busy],
+            # every sleeper, waking ones too: no standby lands on their GPUs
+            [r.planned for r in self.sleepers.values() if r.released_s < 0],
+            self._peak_awake,
+            self._peak_rates,
+            self.planner,
+            now,
+            params,
+            skip=waiting,
+        )
+
+    def _aside_tick(self, now: float) -> None:
+        """Every `standby.aside_tick_s`, beside the shifts: a model with requests waiting
+        wakes its sleepers on GPUs the shift in progress (if any) does not touch, at once;
+        else, every `tick_s`, models short of standbys get them started (launched, then put
+        to sleep)."""
+        self.world.loop.at(now + self._aside_every_s, CONTROL, self._aside_tick)
+        if self._wake_aside(now) or self._sleep_idle(now) or self._standby_busy:
+            return
+        running = [r.planned for r in self.running.values()]
+        if now < self._standby_checked_s + self.params.tick_s:
+            return
+        self._standby_checked_s = now
+        busy = self._main_gpus  # the shift in progress's GPUs: not for a standby now
+        standbys = [s for s in self._standbys(running, now) if not set(s.gpu_ids) & busy]
+        if standbys:
+            # started in a running plan of their own: the policy sees them once asleep
+            loading: dict[str, Any] = {}
+            self._standby_busy = True
+            self._aside_gpus = {g for s in standbys for g in s.gpu_ids}
+            self._run_aside(
+                loading, standbys, now, "standby", lambda end: self._sleep_aside(loading, end)
+            )
+
+    def _sleep_aside(self, loading: dict[str, Any], now: float) -> None:
+        """The standbys `loading` are up: put them to sleep (the level `sleep_levels` gives
+        each; one that cannot sleep stops), then lift the holds their plan's end made on the
+        models that have instances."""
+
+        def asleep(end: float) -> None:
+            self._standby_busy = False
+            self._aside_gpus = set()
+            serving = {r.planned.model for r in self.running.values()}
+            for model in sorted({r.planned.model for r in loading.values()} | serving):
+                if model in serving:
+                    self.world.hold(model, 0.0, end)
+
+        levels = self._sleep_levels([], loading)
+        self._run_aside(loading, [], now, "standby", asleep, levels)
+
+    def _run_aside(
+        self,
+        running: dict[str, Any],
+        target: list[PlannedInstance],
+        now: float,
+        trigger: str,
+        then: Callable[[float], None],
+        sleep_levels: dict[str, int] | None = None,
+    ) -> None:
+        """A change beside the shifts (a wake, a standby's start or sleep) through the same
+        shift procedure, from `running` (key -> record, changed in place); not in the
+        policy's history. `then`: called at its end."""
+        p = self.params
+
+        def done(outcome: ShiftOutcome, end: float) -> None:
+            self.on_shift(_record(now, end, trigger, _REASONS[trigger], None, outcome))
+            then(end)
+            if self._tick_after_aside and not self._waking:
+                self._tick_after_aside = False
+                self._schedule_tick(end)
+
+        run = ShiftRun(
+            self.world,
+            running,
+            target,
+            done,
+            drain_deadline_s=p.drain_deadline_s,
+            rehearsal_tolerance=p.rehearsal_tolerance,
+            rehearse=False,
+            all_or_nothing=False,
+            sleepers=self.sleepers,
+            sleep_levels=sleep_levels or {},
+        )
+        run.start(now)
+
+    def _sleep_levels(
+        self, target: Sequence[PlannedInstance], running: dict[str, Any] | None = None
+    ) -> dict[str, int]:
         """Which of the running instances `target` lacks sleep instead of stopping, and how
         deep (control/core/sleeping.py; none with `shift.sleep_mode` off, the default). A
-        sleeper whose engine died with its GPUs is forgotten first."""
+        sleeper whose engine died with its GPUs is forgotten first. `running`: the running
+        plan (the controller's own by default)."""
+        running = self.running if running is None else running
         for key in [k for k, r in self.sleepers.items() if r.released_s >= 0]:
             del self.sleepers[key]
         mode = self.params.shift.sleep_mode
         if mode == "off":
             return {}
         cluster = self.cluster
-        specs = {
-            r.planned.model_id: load_model_spec(r.planned.model_id) for r in self.running.values()
-        }
+        specs = {r.planned.model_id: load_model_spec(r.planned.model_id) for r in running.values()}
         specs |= {
             r.planned.model_id: load_model_spec(r.planned.model_id) for r in self.sleepers.values()
         }
@@ -390,7 +640,7 @@ class SimController:
             mode,
             engine_kind("sim").sleep_levels,
             cluster,
-            leaving_of({k: r.planned for k, r in self.running.items()}, target),
+            leaving_of({k: r.planned for k, r in running.items()}, target),
             [
                 r.planned
                 for r in self.sleepers.values()
@@ -398,6 +648,41 @@ class SimController:
             ],
             lambda p: perf_model_of(cluster, p, spec=specs[p.model_id]),
         )
+
+
+_REASONS = {
+    "plan": "the first plan",
+    "standby": "standby engines asleep ahead of demand (shift.standby)",
+    "wake-aside": "requests wait: sleepers woken beside the shift in progress",
+    "sleep-aside": "idle: its engines put to sleep beside the shift in progress",
+}
+
+
+def _record(
+    at_s: float,
+    end_s: float,
+    trigger: str,
+    reason: str,
+    score: float | None,
+    outcome: ShiftOutcome,
+) -> dict[str, Any]:
+    """A finished shift as the report keeps it."""
+    return {
+        "at_s": at_s,
+        "finished_s": end_s,
+        "trigger": trigger,
+        "reason": reason,
+        "score": None if score is None else round(score, 3),
+        "succeeded": outcome.succeeded,
+        "refused": outcome.refused,
+        "outcome": _outcome(outcome),
+        "why_failed": outcome.reason,
+        "phases_s": {k: round(v, 6) for k, v in outcome.phases_s.items()},
+        "migrated": dict(sorted(outcome.migrated.items())),
+        "rehearsal": outcome.rehearsal,
+        "started": outcome.started,
+        "stopped": outcome.stopped,
+    }
 
 
 def _outcome(out: ShiftOutcome) -> str:

@@ -15,6 +15,7 @@ from flexpipe.policies.shift.forecast import ForecastParams
 from flexpipe.policies.shift.in_place import IN_PLACE_MODES
 from flexpipe.policies.shift.pricing import PricingParams
 from flexpipe.policies.shift.signals import Thresholds
+from flexpipe.policies.shift.standby_sleepers import StandbyParams
 from flexpipe.policies.shift.triggers import TriggerParams
 
 __all__ = ["SLEEP_MODES", "ShiftParams"]
@@ -39,6 +40,8 @@ class ShiftParams:
     # sleep instead of stop (SLEEP_MODES). The live controller's default; the simulator's
     # scenarios default to off (flexpipe/sim/scenario.py) unless they turn it on.
     sleep_mode: str = "auto"
+    # standby engines asleep ahead of demand (standby_sleepers.py); off by default
+    standby: StandbyParams = field(default_factory=StandbyParams)
 
     def __post_init__(self) -> None:
         if self.sleep_mode not in SLEEP_MODES:
@@ -64,6 +67,7 @@ class ShiftParams:
                 "pricing": PricingParams,
                 "thresholds": Thresholds,
                 "forecast": ForecastParams,
+                "standby": StandbyParams,
             }
             kwargs = {
                 k: build(nested[k], v, f"{place}.{k}") if k in nested else v

@@ -1,0 +1,45 @@
+"""Standby sleepers on the virtual clock (docs/controller.md, "Standby sleepers"): the first
+four minutes of bursty-serverless (seed 0), where it is on. Every model gets a standby set
+asleep before its first burst, and every burst after the first plan is answered by a wake
+beside the shifts within two seconds of its first request (the aside tick is 1 s, a wake
+0.3-1.2 s), never by a cold start; idle models go back to sleep."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from flexpipe.sim import simulate
+from flexpipe.sim.scenario import load_scenario, resolve
+
+
+def test_bursts_are_answered_by_standby_sleepers_woken_beside_the_shifts() -> None:
+    sc = load_scenario(resolve("bursty-serverless"))
+    assert sc.controller.shift.standby.enabled
+    res = simulate(dataclasses.replace(sc, duration_s=240.0), "flexpipe")
+    by_trigger = Counter(s["trigger"] for s in res.shifts)
+    assert by_trigger["plan"] == 1 and by_trigger["standby"] >= 1
+    assert by_trigger["wake-aside"] >= 5 and by_trigger["sleep-aside"] >= 3
+    assert "up" not in by_trigger and "wake" not in by_trigger  # no cold start for a burst
+    # each burst that starts once the first plan serves (after 70 s): its first request
+    # after 20 s without one
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for r in sorted(res.requests, key=lambda r: r.arrival_s):
+        if r.context_of is not None:
+            continue
+        gap = r.arrival_s - last.get(r.model, -1e9)
+        if r.arrival_s > 70.0 and gap > 20.0 and r.model not in first:
+            first[r.model] = r.arrival_s
+        last[r.model] = r.arrival_s
+    wakes = [s for s in res.shifts if s["trigger"] == "wake-aside"]
+    for model, t0 in first.items():
+        woken = [
+            s["at_s"]
+            for s in wakes
+            if s["at_s"] >= t0 - 1.0 and any(k.startswith(f"{model}|") for k in s["started"])
+        ]
+        assert woken and min(woken) - t0 <= 2.0, (model, t0, woken)
+    # the standby sets sleep: no instance is launched for a burst after the first plan's
+    launched_after = [i for i in res.instances if i.launched_s > 70.0]
+    assert all(i.asleep_spans for i in launched_after)
