@@ -90,7 +90,7 @@ class ShiftPolicy:
         tp = self.params.triggers
         since = last_shift_end_s(snapshot.history)
         caps: dict[str, float] = {m.name: 0.0 for m in snapshot.models}
-        if tp.fast_up_samples > 0:  # the fast path's predicted wait reads the capacity
+        if tp.fast_up:  # the fast path's predicted wait and the forecast read the capacity
             for inst in snapshot.running:
                 caps[inst.model] = caps.get(inst.model, 0.0) + self.capacity(inst)
         signals = tuple(model_signal(m, now_s, since, tp, caps[m.name]) for m in snapshot.models)
@@ -126,7 +126,7 @@ class ShiftPolicy:
         cooling = until is not None and now_s < until  # only an up-shift gets this far
         if up:
             decision = self._evaluate(snapshot, now_s, rng, signals, "up", up, down, [])
-            if decision.action == "shift" or cooling or not down or tp.fast_up_samples == 0:
+            if decision.action == "shift" or cooling or not down or not tp.fast_up:
                 return decision
             # fast up: an urgent model none can help holds no other model's down-shift
         if down:
@@ -154,9 +154,12 @@ class ShiftPolicy:
             if m.name in up:
                 now *= 1 + pp.up_step
                 queue = self._queue_now(m)
-                if self.params.triggers.fast_up_samples > 0 and queue > 0:
+                tp = self.params.triggers
+                if tp.fast_up and queue > 0:
                     # fast up: enough to serve the arrivals and drain the queue within the SLO
-                    now = max(now, m.request_rate_per_s + queue / m.demand.slo.ttft_p99_s)
+                    # (or `backlog_drain_s`)
+                    drain_s = tp.backlog_drain_s or m.demand.slo.ttft_p99_s
+                    now = max(now, m.request_rate_per_s + queue / drain_s)
                     expected = max(expected, now)
             if m.name in waking:  # (as `placeable.placement` checks it can be placed)
                 now = max(now, self.params.wake_request_rate_per_s, m.declared_request_rate_per_s)
@@ -409,18 +412,18 @@ class ShiftPolicy:
         down: set[str],
         waking: Sequence[str],
     ) -> ShiftDecision:
-        loads = self._loads(snapshot, up, waking)
+        fast = sorted(s.model for s in signals if s.fast)
+        ahead = sorted(s.model for s in signals if s.ahead)
+        # a model fired by the forecast is planned at its forecast, not at a stepped-up rate
+        loads = self._loads(snapshot, up - set(ahead), waking)
         demands = self._demands(snapshot, loads, down)
         tp = self.params.triggers
         adding = waking if trigger == "wake" else ()
-        grow = sorted(up) if trigger == "up" and tp.fast_up_samples > 0 else []
-        fast = sorted(s.model for s in signals if s.fast)
-        slow = sorted(up - set(fast))
+        grow = sorted(up) if trigger == "up" and tp.fast_up else []
+        slow = sorted(up - set(fast) - set(ahead))
         # fast up moves nothing running: an up-shift of urgent models only adds, a down-shift
         # only shrinks (a re-plan in place holds every trigger for minutes)
-        keep_running = tp.fast_up_samples > 0 and (
-            (trigger == "up" and not slow) or trigger == "down"
-        )
+        keep_running = tp.fast_up and ((trigger == "up" and not slow) or trigger == "down")
         candidates = self._candidates(
             snapshot, snapshot.running, demands, now_s, down, adding, grow, keep_running
         )
@@ -432,6 +435,14 @@ class ShiftPolicy:
                 *(
                     [f"{', '.join(fast)} urgent {tp.fast_up_samples} sample(s) in a row (fast up)"]
                     if fast
+                    else []
+                ),
+                *(
+                    [
+                        f"{', '.join(ahead)} forecast over {tp.ahead_capacity_fraction:.0%} of "
+                        "the running capacity (ahead of the curve)"
+                    ]
+                    if ahead
                     else []
                 ),
             ]
