@@ -120,6 +120,24 @@ def test_fast_up_drains_the_backlog_over_backlog_drain_s() -> None:
     assert slow_drain._loads(snap, set(), [])["llama-7b"] == (2.0, 2.0)  # not up: as measured
 
 
+def test_a_growing_queue_adds_to_the_arrivals_the_finished_rate_misses() -> None:
+    # the queue grew 20 -> 60 over the window's 30 s (the sample at -30 s is older than its
+    # 60 s): 2 req/s finished + 4/3 req/s that waited + 60 drained over 60 s
+    samples = (q(-30, 0), q(10, 20), q(40, 60))
+    snap = ShiftSnapshot.of(
+        CLUSTER, running_for(CLUSTER, demand(1.5)), [ModelState(demand(2.0), samples)]
+    )
+    slow_drain = fast_policy(replace(FAST, backlog_drain_s=60.0))
+    now, expected = slow_drain._loads(snap, {"llama-7b"}, [])["llama-7b"]
+    assert now == expected == pytest.approx(2.0 + 40 / 30 + 1.0, abs=1e-12)
+    # a draining queue adds nothing; within the SLO (the default) the growth is not read
+    draining = ShiftSnapshot.of(
+        CLUSTER, snap.running, [ModelState(demand(2.0), (q(10, 90), q(40, 60)))]
+    )
+    assert slow_drain._loads(draining, {"llama-7b"}, [])["llama-7b"] == (3.0, 3.0)
+    assert fast_policy()._loads(snap, {"llama-7b"}, [])["llama-7b"] == (32.0, 32.0)
+
+
 def test_the_new_trigger_numbers_read_from_yaml_and_are_checked() -> None:
     doc = {
         "triggers": {

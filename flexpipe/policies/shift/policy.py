@@ -157,9 +157,13 @@ class ShiftPolicy:
                 tp = self.params.triggers
                 if tp.fast_up and queue > 0:
                     # fast up: enough to serve the arrivals and drain the queue within the SLO
-                    # (or `backlog_drain_s`)
+                    # (or `backlog_drain_s`; then the arrivals are the rate measured, which
+                    # counts finished requests, plus what the queue grows by)
+                    arrivals = m.request_rate_per_s
+                    if tp.backlog_drain_s > 0:
+                        arrivals += _queue_growth_per_s(m, tp.window_s)
                     drain_s = tp.backlog_drain_s or m.demand.slo.ttft_p99_s
-                    now = max(now, m.request_rate_per_s + queue / drain_s)
+                    now = max(now, arrivals + queue / drain_s)
                     expected = max(expected, now)
             if m.name in waking:  # (as `placeable.placement` checks it can be placed)
                 now = max(now, self.params.wake_request_rate_per_s, m.declared_request_rate_per_s)
@@ -167,7 +171,8 @@ class ShiftPolicy:
             loads[m.name] = (now, expected)
         return loads
 
-    def _queue_now(self, model: ModelState) -> int:
+    @staticmethod
+    def _queue_now(model: ModelState) -> int:
         """The newest sample's queue (0 without one)."""
         newest = max(model.samples, key=lambda x: x.at_s, default=None)
         return 0 if newest is None else newest.queue_depth
@@ -502,3 +507,19 @@ class ShiftPolicy:
             )
             scored = [forced, *(c for c in scored if c.name != "drop lost")]
         return self._choose(now_s, rng, signals, "reclaim", why, scored, degraded)
+
+
+def _queue_growth_per_s(model: ModelState, window_s: float) -> float:
+    """How fast the queue grew over the samples of the last `window_s` (0: it did not, or
+    fewer than two samples). The rate measured counts finished requests over about that
+    long; a saturated model (or one still starting) finishes fewer than arrive, and the
+    difference waits."""
+    newest = max(model.samples, key=lambda x: x.at_s, default=None)
+    if newest is None:
+        return 0.0
+    oldest = min(
+        (x for x in model.samples if x.at_s >= newest.at_s - window_s), key=lambda x: x.at_s
+    )
+    if newest.at_s <= oldest.at_s:
+        return 0.0
+    return max(0.0, (newest.queue_depth - oldest.queue_depth) / (newest.at_s - oldest.at_s))
