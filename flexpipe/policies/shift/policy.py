@@ -90,7 +90,7 @@ class ShiftPolicy:
         tp = self.params.triggers
         since = last_shift_end_s(snapshot.history)
         caps: dict[str, float] = {m.name: 0.0 for m in snapshot.models}
-        if tp.fast_up_samples > 0:  # the fast path's predicted wait reads the capacity
+        if tp.fast_up:  # the fast path's predicted wait and the forecast read the capacity
             for inst in snapshot.running:
                 caps[inst.model] = caps.get(inst.model, 0.0) + self.capacity(inst)
         signals = tuple(model_signal(m, now_s, since, tp, caps[m.name]) for m in snapshot.models)
@@ -126,7 +126,7 @@ class ShiftPolicy:
         cooling = until is not None and now_s < until  # only an up-shift gets this far
         if up:
             decision = self._evaluate(snapshot, now_s, rng, signals, "up", up, down, [])
-            if decision.action == "shift" or cooling or not down or tp.fast_up_samples == 0:
+            if decision.action == "shift" or cooling or not down or not tp.fast_up:
                 return decision
             # fast up: an urgent model none can help holds no other model's down-shift
         if down:
@@ -154,9 +154,16 @@ class ShiftPolicy:
             if m.name in up:
                 now *= 1 + pp.up_step
                 queue = self._queue_now(m)
-                if self.params.triggers.fast_up_samples > 0 and queue > 0:
+                tp = self.params.triggers
+                if tp.fast_up and queue > 0:
                     # fast up: enough to serve the arrivals and drain the queue within the SLO
-                    now = max(now, m.request_rate_per_s + queue / m.demand.slo.ttft_p99_s)
+                    # (or `backlog_drain_s`; then the arrivals are the rate measured, which
+                    # counts finished requests, plus what the queue grows by)
+                    arrivals = m.request_rate_per_s
+                    if tp.backlog_drain_s > 0:
+                        arrivals += _queue_growth_per_s(m, tp.window_s)
+                    drain_s = tp.backlog_drain_s or m.demand.slo.ttft_p99_s
+                    now = max(now, arrivals + queue / drain_s)
                     expected = max(expected, now)
             if m.name in waking:  # (as `placeable.placement` checks it can be placed)
                 now = max(now, self.params.wake_request_rate_per_s, m.declared_request_rate_per_s)
@@ -164,7 +171,8 @@ class ShiftPolicy:
             loads[m.name] = (now, expected)
         return loads
 
-    def _queue_now(self, model: ModelState) -> int:
+    @staticmethod
+    def _queue_now(model: ModelState) -> int:
         """The newest sample's queue (0 without one)."""
         newest = max(model.samples, key=lambda x: x.at_s, default=None)
         return 0 if newest is None else newest.queue_depth
@@ -409,18 +417,18 @@ class ShiftPolicy:
         down: set[str],
         waking: Sequence[str],
     ) -> ShiftDecision:
-        loads = self._loads(snapshot, up, waking)
+        fast = sorted(s.model for s in signals if s.fast)
+        ahead = sorted(s.model for s in signals if s.ahead)
+        # a model fired by the forecast is planned at its forecast, not at a stepped-up rate
+        loads = self._loads(snapshot, up - set(ahead), waking)
         demands = self._demands(snapshot, loads, down)
         tp = self.params.triggers
         adding = waking if trigger == "wake" else ()
-        grow = sorted(up) if trigger == "up" and tp.fast_up_samples > 0 else []
-        fast = sorted(s.model for s in signals if s.fast)
-        slow = sorted(up - set(fast))
+        grow = sorted(up) if trigger == "up" and tp.fast_up else []
+        slow = sorted(up - set(fast) - set(ahead))
         # fast up moves nothing running: an up-shift of urgent models only adds, a down-shift
         # only shrinks (a re-plan in place holds every trigger for minutes)
-        keep_running = tp.fast_up_samples > 0 and (
-            (trigger == "up" and not slow) or trigger == "down"
-        )
+        keep_running = tp.fast_up and ((trigger == "up" and not slow) or trigger == "down")
         candidates = self._candidates(
             snapshot, snapshot.running, demands, now_s, down, adding, grow, keep_running
         )
@@ -432,6 +440,14 @@ class ShiftPolicy:
                 *(
                     [f"{', '.join(fast)} urgent {tp.fast_up_samples} sample(s) in a row (fast up)"]
                     if fast
+                    else []
+                ),
+                *(
+                    [
+                        f"{', '.join(ahead)} forecast over {tp.ahead_capacity_fraction:.0%} of "
+                        "the running capacity (ahead of the curve)"
+                    ]
+                    if ahead
                     else []
                 ),
             ]
@@ -491,3 +507,19 @@ class ShiftPolicy:
             )
             scored = [forced, *(c for c in scored if c.name != "drop lost")]
         return self._choose(now_s, rng, signals, "reclaim", why, scored, degraded)
+
+
+def _queue_growth_per_s(model: ModelState, window_s: float) -> float:
+    """How fast the queue grew over the samples of the last `window_s` (0: it did not, or
+    fewer than two samples). The rate measured counts finished requests over about that
+    long; a saturated model (or one still starting) finishes fewer than arrive, and the
+    difference waits."""
+    newest = max(model.samples, key=lambda x: x.at_s, default=None)
+    if newest is None:
+        return 0.0
+    oldest = min(
+        (x for x in model.samples if x.at_s >= newest.at_s - window_s), key=lambda x: x.at_s
+    )
+    if newest.at_s <= oldest.at_s:
+        return 0.0
+    return max(0.0, (newest.queue_depth - oldest.queue_depth) / (newest.at_s - oldest.at_s))

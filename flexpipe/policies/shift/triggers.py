@@ -6,6 +6,7 @@ Each function reads the snapshot at `now` and returns plain values; `policy.py` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,12 +29,14 @@ from flexpipe.policies.shift.snapshot import ModelState, ShiftRecord
 __all__ = [
     "ModelSignal",
     "TriggerParams",
+    "ahead_of_capacity",
     "blacklist",
     "cooldown_until",
     "last_shift_end_s",
     "lost_instances",
     "model_signal",
     "near_up",
+    "rising",
     "urgent_run",
 ]
 
@@ -75,6 +78,31 @@ class TriggerParams:
     # to a model of lower priority (candidates.py `protects_priority`).
     protect_priority: bool = False
     near_up_fraction: float = 0.5
+    # A rise of the queue is urgent only once the queue drained at the SLO-meeting capacity
+    # would wait at least this share of the TTFT SLO (0: any rise; 0 -> 1 request is noise
+    # on a steady model and re-fires an up-shift it has just been given back).
+    fast_up_min_wait_fraction: float = 0.0
+    # Utilisation's slope (seed 001: past 0.8 utilisation latency grows far faster than the
+    # load): the newest sample is urgent when the line through the window's utilisations
+    # rises and reaches `slope_up_utilization` within `slope_lead_s` (about a cold start:
+    # the rising load caught before its queue forms). 0: off.
+    slope_lead_s: float = 0.0
+    slope_up_utilization: float = 0.8
+    # Ahead of the curve: a model whose expected rate (the forecast, `ModelState.
+    # expected_request_rate_per_s`) exceeds this share of its running instances' SLO-meeting
+    # capacity fires up (added instances, as fast up) before its load arrives. 0: off. Above
+    # 1 / (1 + down_headroom) a shrink never leaves a plan this fires on again.
+    ahead_capacity_fraction: float = 0.0
+    # Fast up plans for the arrivals plus the queue drained within this long (0: the TTFT
+    # SLO). A queue left by a cold start drains in a minute; planned to drain within the
+    # SLO it asks for an instance per few requests waiting.
+    backlog_drain_s: float = 0.0
+
+    @property
+    def fast_up(self) -> bool:
+        """An up-shift may fire before `num_samples` (urgent samples or the forecast): it
+        then only adds, and a down-shift only shrinks (docs/shift-policy.md)."""
+        return self.fast_up_samples > 0 or self.ahead_capacity_fraction > 0
 
     def __post_init__(self) -> None:
         if self.num_samples < 1 or self.max_failures < 1:
@@ -83,6 +111,21 @@ class TriggerParams:
             raise ValueError("fast_up_samples must be >= 0 (0: off)")
         if not 0 <= self.near_up_fraction <= 1:
             raise ValueError("near_up_fraction must be in [0, 1]")
+        if not 0 <= self.slope_up_utilization <= 1:
+            raise ValueError("slope_up_utilization must be in [0, 1]")
+        if (
+            min(
+                self.fast_up_min_wait_fraction,
+                self.slope_lead_s,
+                self.ahead_capacity_fraction,
+                self.backlog_drain_s,
+            )
+            < 0
+        ):
+            raise ValueError(
+                "fast_up_min_wait_fraction, slope_lead_s, ahead_capacity_fraction and "
+                "backlog_drain_s must be >= 0"
+            )
         if min(self.window_s, self.failure_window_s) <= 0:
             raise ValueError("window_s and failure_window_s must be positive")
         if min(self.cooldown_s, self.blacklist_s, self.resource_settle_s) < 0:
@@ -104,6 +147,7 @@ class ModelSignal:
     # urgent samples in a row ending now (fast up; 0 when it is off)
     urgent_run: int = 0
     fast: bool = False  # fired UP by the fast path (urgent_run >= fast_up_samples)
+    ahead: bool = False  # fired UP by the forecast (expected rate over the capacity's share)
 
     def to_dict(self) -> dict[str, object]:
         p = self.pressure
@@ -120,24 +164,54 @@ class ModelSignal:
 
 
 def urgent_run(
-    samples: Sequence[Sample], ttft_slo_s: float, rate_per_s: float, capacity_per_s: float
+    samples: Sequence[Sample],
+    ttft_slo_s: float,
+    rate_per_s: float,
+    capacity_per_s: float,
+    min_wait_fraction: float = 0.0,
+    slope_lead_s: float = 0.0,
+    slope_up_utilization: float = 0.8,
 ) -> int:
     """How many samples in a row, ending with the newest, say the model needs more now: its
-    queue rose since the sample before, or the queue drained at `capacity_per_s` (its
-    instances' SLO-meeting capacity) would keep a new request waiting past its TTFT SLO. The
-    newest is urgent too when the measured rate is over the capacity (the queue will grow)."""
+    queue rose since the sample before (and would wait at least `min_wait_fraction` of the
+    TTFT SLO), or the queue drained at `capacity_per_s` (its instances' SLO-meeting capacity)
+    would keep a new request waiting past its TTFT SLO. The newest is urgent too when the
+    measured rate is over the capacity (the queue will grow), or when utilisation rises
+    towards `slope_up_utilization` within `slope_lead_s` (`rising`; 0: not read)."""
     n = 0
     for i in range(len(samples) - 1, -1, -1):
         s = samples[i]
-        grew = i > 0 and s.queue_depth > samples[i - 1].queue_depth
-        waits = s.queue_depth > 0 and (
-            capacity_per_s <= 0 or s.queue_depth / capacity_per_s > ttft_slo_s
+        wait_s = math.inf if capacity_per_s <= 0 else s.queue_depth / capacity_per_s
+        grew = (
+            i > 0
+            and s.queue_depth > samples[i - 1].queue_depth
+            and wait_s >= min_wait_fraction * ttft_slo_s
         )
-        overloaded = i == len(samples) - 1 and s.queue_depth > 0 and rate_per_s > capacity_per_s
-        if not (grew or waits or overloaded):
+        waits = s.queue_depth > 0 and wait_s > ttft_slo_s
+        newest = i == len(samples) - 1
+        overloaded = newest and s.queue_depth > 0 and rate_per_s > capacity_per_s
+        climbing = (
+            newest and slope_lead_s > 0 and rising(samples, slope_lead_s, slope_up_utilization)
+        )
+        if not (grew or waits or overloaded or climbing):
             break
         n += 1
     return n
+
+
+def rising(samples: Sequence[Sample], lead_s: float, level: float) -> bool:
+    """Utilisation climbs to `level` within `lead_s`: the least-squares line through the
+    samples' utilisations (oldest first, at least three spanning time) has a positive slope
+    and reaches `level` at `newest + lead_s`. A flat or falling load is never urgent here,
+    however busy: the queue rules answer that."""
+    if len(samples) < 3 or samples[-1].at_s <= samples[0].at_s:
+        return False
+    mean_t = sum(s.at_s for s in samples) / len(samples)
+    mean_u = sum(s.utilization for s in samples) / len(samples)
+    var_t = sum((s.at_s - mean_t) ** 2 for s in samples)
+    slope = sum((s.at_s - mean_t) * (s.utilization - mean_u) for s in samples) / var_t
+    at_lead = mean_u + slope * (samples[-1].at_s + lead_s - mean_t)
+    return slope > 0 and at_lead >= level
 
 
 def model_signal(
@@ -159,11 +233,21 @@ def model_signal(
     pressures = [pressure_of(s, slo.ttft_p99_s, slo.tpot_p99_s) for s in samples]
     zone, run = trailing_run([zone_of(p, params.thresholds) for p in pressures])
     fired = zone if run >= params.num_samples else Zone.HOLD
-    urgent, fast = 0, False
+    urgent, fast, ahead = 0, False, False
     if params.fast_up_samples > 0:
-        urgent = urgent_run(samples, slo.ttft_p99_s, model.request_rate_per_s, capacity_per_s)
+        urgent = urgent_run(
+            samples,
+            slo.ttft_p99_s,
+            model.request_rate_per_s,
+            capacity_per_s,
+            params.fast_up_min_wait_fraction,
+            params.slope_lead_s,
+            params.slope_up_utilization,
+        )
         if fired is not Zone.UP and urgent >= params.fast_up_samples:
             fired, fast = Zone.UP, True
+    if fired is not Zone.UP and ahead_of_capacity(model, capacity_per_s, params):
+        fired, ahead = Zone.UP, True
     return ModelSignal(
         model.name,
         pressures[-1] if pressures else None,
@@ -173,7 +257,17 @@ def model_signal(
         len(samples),
         urgent,
         fast,
+        ahead,
     )
+
+
+def ahead_of_capacity(model: ModelState, capacity_per_s: float, params: TriggerParams) -> bool:
+    """The forecast says the load will pass `ahead_capacity_fraction` of the capacity of the
+    model's running instances (`capacity_per_s`; a model with none is the wake's)."""
+    f, expected = params.ahead_capacity_fraction, model.expected_request_rate_per_s
+    if f <= 0 or expected is None or capacity_per_s <= 0:
+        return False
+    return expected > f * capacity_per_s
 
 
 def near_up(signal: ModelSignal, params: TriggerParams) -> bool:
