@@ -18,7 +18,7 @@ from test_controller_scenarios import Load, Up, finished
 from test_controller_sleep import burst
 
 from flexpipe.lifecycle import State
-from flexpipe.store.instance_registry import InstanceRegistry
+from flexpipe.store.instance_registry import InstanceRecord, InstanceRegistry
 from flexpipe.store.shift_entry import ShiftEntry
 
 TWO = """
@@ -69,7 +69,7 @@ def test_a_standby_sleeps_ahead_of_demand_and_a_burst_is_served_after_its_wake(
         load = Load(up.port, steady, num_streams=2, pause_s=0.0, max_tokens=64).start()
         registry = InstanceRegistry(up.store)
 
-        def asleep() -> list[object]:
+        def asleep() -> list[InstanceRecord]:
             return [r for r in registry.live_instances(model=idle) if r.state is State.ASLEEP]
 
         def shifts(trigger: str) -> list[ShiftEntry]:
