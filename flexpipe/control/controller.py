@@ -457,7 +457,10 @@ class Controller:
             running = [i.planned for i in self.running.values()]
             self._peak_awake = most_awake(self._peak_awake, running)
             self._done_seen.append((now_s, dict(readings.done_by_model)))
-            self._peak_rates = peak_rates(self._peak_rates, recent_rates(self._done_seen))
+            # per modelled second, as the core's rates (`time_scale`: wall s per modelled s)
+            scale = self.cfg.time_scale if self.cfg.time_scale > 0 else 1.0
+            recent = {m: r * scale for m, r in recent_rates(self._done_seen).items()}
+            self._peak_rates = peak_rates(self._peak_rates, recent)
             cluster = self._standby_view()
         asleep = [(i.planned, i.sleep_level) for i in self.executor.sleepers.values()]
         running = [i.planned for i in self.running.values()]

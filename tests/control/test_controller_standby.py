@@ -86,8 +86,12 @@ def test_a_standby_sleeps_ahead_of_demand_and_a_burst_is_served_after_its_wake(
 
         results = asyncio.run(burst(up.port, idle, 4))
         assert all(not text.startswith("error") and len(text.split()) >= 12 for _, text in results)
-        up.wait_until("the wake beside logged", lambda: shifts("wake-aside"), 30)
-        (wake,) = shifts("wake-aside")
+
+        def woken(model: str) -> list[ShiftEntry]:
+            return [e for e in shifts("wake-aside") if any(model in n for n in e.notes)]
+
+        up.wait_until("the wake beside logged", lambda: woken(idle), 30)
+        (wake,) = woken(idle)
         assert wake.outcome == "succeeded" and wake.phases.wake_s is not None, wake.phases
         assert wake.phases.warm_s is None  # no cold start
         steps = [h.to_state for h in registry.history(sleeper.id)]
@@ -102,6 +106,9 @@ def test_a_standby_sleeps_ahead_of_demand_and_a_burst_is_served_after_its_wake(
         up.wait_until("its engine asleep again", asleep, 30)
         assert [r.id for r in asleep()] == [sleeper.id]
         assert not [e for e in finished(up.entries("shift")) if e.outcome != "succeeded"]
+        assert woken(steady) == []  # the other model never slept
+        # and needs no standby: its engine covers its rate (measured per modelled second)
+        assert [r.state for r in registry.live_instances(model=steady)] == [State.ACTIVE]
         load.stop()
         assert len(load.results) > 5 and load.failures() == [], load.failures()[:5]
     finally:
