@@ -383,8 +383,10 @@ class Controller:
         ]
         if self.discovery is not None:
             watches.append(asyncio.create_task(self._watch_discovery(self.discovery)))
+        beside = []  # standby sleepers (`shift.standby`): started, woken, put to sleep
         if self.cfg.shift.standby.enabled:
-            watches.append(asyncio.create_task(self._standby_loop()))
+            beside.append(asyncio.create_task(self._standby_loop()))
+        watches += beside
         try:
             while not stop.is_set():
                 self._changed.clear()
@@ -396,7 +398,7 @@ class Controller:
             for w in watches:
                 w.cancel()
             # a standby loading beside is stopped by its cancelled shift before `close`
-            await asyncio.gather(*watches, return_exceptions=True)
+            await asyncio.gather(*beside, return_exceptions=True)
 
     async def _wait_any(self, stop: asyncio.Event) -> None:
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._changed.wait())]
@@ -615,28 +617,34 @@ class Controller:
         try:
             while True:
                 await asyncio.sleep(every_s)
+                if starting is not None and starting.done() and not starting.cancelled():
+                    if starting.exception() is not None:  # (said once; the next look retries)
+                        log.warning("standby start: %r", starting.exception())
+                    starting = None
                 try:
-                    instances = await self.gateway.instances()
-                    queued = gateway_totals(await self.gateway.metrics()).queued_by_model or {}
+                    starting = await self._standby_look(starting)
                 except GatewayError as exc:
                     log.warning("standby sleepers: %s", exc)
-                    continue
-                if await self._wake_aside(instances, queued):
-                    continue
-                if await self._sleep_idle(instances, queued):
-                    continue
-                if starting is not None and not starting.done():
-                    continue
-                if self.wall() < self._standby_checked_s + self.cfg.tick_s:
-                    continue
-                self._standby_checked_s = self.wall()
-                standbys = self._standbys(queued)
-                if standbys:
-                    starting = asyncio.create_task(self._start_standbys(standbys))
+                except Exception:  # a bug here must not end the looks: the next one retries
+                    log.exception("standby sleepers")
         finally:
             if starting is not None:
                 starting.cancel()
                 await asyncio.gather(starting, return_exceptions=True)
+
+    async def _standby_look(self, starting: asyncio.Task[None] | None) -> asyncio.Task[None] | None:
+        """One look beside the shifts; returns the standby start under way, if any."""
+        instances = await self.gateway.instances()
+        queued = gateway_totals(await self.gateway.metrics()).queued_by_model or {}
+        if await self._wake_aside(instances, queued) or await self._sleep_idle(instances, queued):
+            return starting
+        if starting is not None and not starting.done():
+            return starting
+        if self.wall() < self._standby_checked_s + self.cfg.tick_s:
+            return starting
+        self._standby_checked_s = self.wall()
+        standbys = self._standbys(queued)
+        return asyncio.create_task(self._start_standbys(standbys)) if standbys else None
 
     def _standbys(self, queued: dict[str, int]) -> list[PlannedInstance]:
         """The standby engines to start now (`standby_wanted`), none on the GPUs the shift in
