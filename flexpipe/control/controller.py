@@ -490,7 +490,8 @@ class Controller:
                     outcome = await self.executor.shift(self.cluster, self.running, decision.target)
             finally:
                 self._main_gpus, self._main_keys = set(), set()
-            self.takeover.sweep_spawned()
+            if not self._aside_gpus:  # (a standby loading beside is no engine that failed)
+                self.takeover.sweep_spawned()
             self.core.shift_finished(outcome, self.clock())
             self.last_outcome = outcome
             self.journal.finish(entry, outcome)
@@ -677,6 +678,8 @@ class Controller:
                 await self._run_aside(loading, [], "standby")
         finally:
             self._aside_gpus = set()
+        if not self._lock.locked():  # (a shift in progress sweeps when it ends)
+            self.takeover.sweep_spawned()
         serving = {i.planned.model for i in self.running.values()}
         await self._hold_all(sorted({s.model for s in standbys} & serving), 0)
 
