@@ -637,6 +637,9 @@ class Controller:
         """One look beside the shifts; returns the standby start under way, if any."""
         instances = await self.gateway.instances()
         queued = gateway_totals(await self.gateway.metrics()).queued_by_model or {}
+        # (a wake or sleep beside under way: this look's readings are stale, the next decides)
+        if self._aside.locked():
+            return starting
         if await self._wake_aside(instances, queued) or await self._sleep_idle(instances, queued):
             return starting
         if starting is not None and not starting.done():
