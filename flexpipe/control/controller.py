@@ -48,7 +48,7 @@ from flexpipe.control.core.samples import (
 )
 from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.control.core.standby import Renewal
-from flexpipe.control.core.standby_aside import asleep_gpu_bytes, standby_view
+from flexpipe.control.core.standby_aside import ASIDE_REASONS, asleep_gpu_bytes, standby_view
 from flexpipe.control.core.tick import Decided, Readings, cold_models
 from flexpipe.control.engines.launching import gpu_places
 from flexpipe.control.engines.takeover import stub
@@ -209,7 +209,6 @@ class Controller:
         self._done_seen: deque[tuple[float, dict[str, float]]] = deque(maxlen=3)
         self._idle_since: dict[str, float] = {}  # model -> since when it serves nothing
         self._aside = asyncio.Lock()  # one wake or sleep beside the shifts at a time
-        self._standby_busy = False  # standbys start (launched, then put to sleep) beside
         self._aside_gpus: set[str] = set()  # GPUs the standbys loading beside take
         self._main_gpus: set[str] = set()  # what the shift in progress touches
         self._main_keys: set[str] = set()
@@ -736,7 +735,7 @@ class Controller:
         `running` (changed in place), logged in the shift log but not in the policy's
         history."""
         current = [i.planned for i in running.values()]
-        entry = self.journal.aside(trigger, _ASIDE_REASONS[trigger], current, target)
+        entry = self.journal.aside(trigger, ASIDE_REASONS[trigger], current, target)
         outcome = await self.executor.shift(
             self.cluster, running, target, rehearse=False, all_or_nothing=False
         )
@@ -805,13 +804,6 @@ class Controller:
         resources, events = call()
         self._resource_events(resources, events, self.clock())
         return events
-
-
-_ASIDE_REASONS = {
-    "standby": "standby engines asleep ahead of demand (shift.standby)",
-    "wake-aside": "requests wait: sleepers woken beside the shift in progress",
-    "sleep-aside": "idle: its engines put to sleep beside the shift in progress",
-}
 
 
 def _said(outcome: ShiftOutcome) -> str:

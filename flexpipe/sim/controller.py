@@ -36,7 +36,7 @@ from flexpipe.control.core.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Bucket
 from flexpipe.control.core.shift_procedure import InPlaceChooser
 from flexpipe.control.core.sleeping import in_place_chooser, leaving_of, sleep_levels
 from flexpipe.control.core.standby import Renewal, StandbyCommand
-from flexpipe.control.core.standby_aside import standby_view
+from flexpipe.control.core.standby_aside import ASIDE_REASONS, standby_view
 from flexpipe.control.core.tick import (
     Readings,
     TickCore,
@@ -648,12 +648,7 @@ class SimController:
         )
 
 
-_REASONS = {
-    "plan": "the first plan",
-    "standby": "standby engines asleep ahead of demand (shift.standby)",
-    "wake-aside": "requests wait: sleepers woken beside the shift in progress",
-    "sleep-aside": "idle: its engines put to sleep beside the shift in progress",
-}
+_REASONS = {"plan": "the first plan", **ASIDE_REASONS}
 
 
 def _record(

@@ -21,7 +21,14 @@ from flexpipe.perf import PerfModel
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.standby_sleepers import with_sleepers
 
-__all__ = ["asleep_gpu_bytes", "standby_view"]
+__all__ = ["ASIDE_REASONS", "asleep_gpu_bytes", "standby_view"]
+
+# each change beside the policy's shifts, as both controllers log it (trigger -> reason)
+ASIDE_REASONS = {
+    "standby": "standby engines asleep ahead of demand (shift.standby)",
+    "wake-aside": "requests wait: sleepers woken beside the shift in progress",
+    "sleep-aside": "idle: its engines put to sleep beside the shift in progress",
+}
 
 
 def standby_view(
