@@ -36,6 +36,7 @@ from flexpipe.control.core.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Bucket
 from flexpipe.control.core.shift_procedure import InPlaceChooser
 from flexpipe.control.core.sleeping import in_place_chooser, leaving_of, sleep_levels
 from flexpipe.control.core.standby import Renewal, StandbyCommand
+from flexpipe.control.core.standby_aside import ASIDE_REASONS, standby_view
 from flexpipe.control.core.tick import (
     Readings,
     TickCore,
@@ -63,7 +64,6 @@ from flexpipe.policies.shift.standby_sleepers import (
     sleeps_aside,
     standby_wanted,
     wakes_aside,
-    with_sleepers,
 )
 from flexpipe.sim.loop import CONTROL
 from flexpipe.sim.request import SimRequest
@@ -512,14 +512,12 @@ class SimController:
         """The GPUs free to us as the planner sees them beside standby sleepers: the memory
         each sleeper still holds is used, and a standby loading beside the shifts holds its
         GPUs whole."""
-        view = with_sleepers(
+        return standby_view(
             cluster,
             [(r.planned, r.sleep.gpu_memory_bytes) for r in self._asleep_now()],
             self.params.shift.standby.keep_for_wake,
+            self._aside_gpus,
         )
-        for g in sorted(self._aside_gpus & set(view.gpu_ids)):
-            view = view.with_used(g, view.gpu(g).capacity_bytes, owner="flexpipe")
-        return view
 
     def _standbys(
         self, awake: list[PlannedInstance], now: float, busy: Sequence[PlannedInstance] = ()
@@ -650,12 +648,7 @@ class SimController:
         )
 
 
-_REASONS = {
-    "plan": "the first plan",
-    "standby": "standby engines asleep ahead of demand (shift.standby)",
-    "wake-aside": "requests wait: sleepers woken beside the shift in progress",
-    "sleep-aside": "idle: its engines put to sleep beside the shift in progress",
-}
+_REASONS = {"plan": "the first plan", **ASIDE_REASONS}
 
 
 def _record(

@@ -47,6 +47,27 @@ class Journal:
             return None
         return self.shift_log.append(entry)
 
+    def aside(
+        self,
+        trigger: str,
+        reason: str,
+        running: Sequence[PlannedInstance],
+        target: Sequence[PlannedInstance],
+    ) -> ShiftEntry | None:
+        """A change carried out beside the policy's shifts (a standby's start or sleep, a
+        wake or sleep aside): a shift entry no decision took, pending until `finish`."""
+        if self.shift_log is None:
+            return None
+        entry = ShiftEntry(
+            at=_utc_now(),
+            kind="shift",
+            trigger=trigger,
+            reason=reason,
+            current=tuple(PlanInstance.from_planned(p) for p in running),
+            target=tuple(PlanInstance.from_planned(p) for p in target),
+        )
+        return self.shift_log.append(entry)
+
     def finish(self, entry: ShiftEntry | None, outcome: ShiftOutcome) -> None:
         """A shift's entry completed with what carrying it out did."""
         if entry is None or entry.id is None or self.shift_log is None:
