@@ -123,6 +123,37 @@ def standby_rate_per_s(
     return max(demand.request_rate_per_s * params.rate_factor, peak_rates_per_s.get(demand.name, 0))
 
 
+def _tally(instances: Sequence[PlannedInstance]) -> tuple[dict[str, int], dict[str, float]]:
+    """Model -> (its engines, their planned capacity in requests/s)."""
+    capacity: dict[str, float] = {}
+    for inst in instances:
+        capacity[inst.model] = capacity.get(inst.model, 0.0) + inst.capacity_requests_per_s
+    return _count(instances), capacity
+
+
+def _asks(
+    demands: Sequence[ModelDemand],
+    have: Mapping[str, int],
+    capacity: Mapping[str, float],
+    peak_counts: Mapping[str, int],
+    peak_rates_per_s: Mapping[str, float],
+    params: StandbyParams,
+    skip: Collection[str],
+) -> dict[str, ModelDemand]:
+    """Model -> its demand at its standby rate, for the models short of standbys: fewer
+    engines than `num_per_model` or than it had awake at once, or too little capacity for
+    its standby rate, and below `max_per_model`."""
+    asks: dict[str, ModelDemand] = {}
+    for d in demands:
+        rate_per_s = standby_rate_per_s(d, peak_rates_per_s, params)
+        want = max(params.num_per_model, peak_counts.get(d.name, 0))
+        if d.name in skip or have.get(d.name, 0) >= params.max_per_model:
+            continue
+        if capacity.get(d.name, 0.0) < rate_per_s or have.get(d.name, 0) < want:
+            asks[d.name] = replace(d, request_rate_per_s=rate_per_s)
+    return asks
+
+
 def standby_wanted(
     cluster: Cluster,
     demands: Sequence[ModelDemand],
@@ -149,18 +180,8 @@ def standby_wanted(
     (where others sleep too, with `share_gpus`)."""
     if not params.enabled:
         return []
-    have = _count([*awake, *asleep])
-    capacity: dict[str, float] = {}
-    for inst in [*awake, *asleep]:
-        capacity[inst.model] = capacity.get(inst.model, 0.0) + inst.capacity_requests_per_s
-    asks: dict[str, ModelDemand] = {}
-    for d in demands:
-        rate_per_s = standby_rate_per_s(d, peak_rates_per_s, params)
-        want = max(params.num_per_model, peak_counts.get(d.name, 0))
-        if d.name in skip or have.get(d.name, 0) >= params.max_per_model:
-            continue
-        if capacity.get(d.name, 0.0) < rate_per_s or have.get(d.name, 0) < want:
-            asks[d.name] = replace(d, request_rate_per_s=rate_per_s)
+    have, capacity = _tally([*awake, *asleep])
+    asks = _asks(demands, have, capacity, peak_counts, peak_rates_per_s, params, skip)
     chosen: list[PlannedInstance] = []
     # one standby per model a round, so that the first models do not take every GPU; a model
     # gets more until its engines' capacity covers its standby rate
@@ -420,22 +441,11 @@ def standby_time_shared(
     (`swaps_aside`)."""
     if not (params.enabled and params.time_share):
         return []
-    mine = [*awake, *asleep]
-    have = _count(mine)
-    capacity: dict[str, float] = {}
-    for inst in mine:
-        capacity[inst.model] = capacity.get(inst.model, 0.0) + inst.capacity_requests_per_s
-    asks: dict[str, tuple[ModelDemand, int]] = {}
-    for d in demands:
-        rate_per_s = standby_rate_per_s(d, peak_rates_per_s, params)
-        want = max(params.num_per_model, peak_counts.get(d.name, 0))
-        if d.name in skip or have.get(d.name, 0) >= params.max_per_model:
-            continue
-        if capacity.get(d.name, 0.0) < rate_per_s or have.get(d.name, 0) < want:
-            asks[d.name] = (replace(d, request_rate_per_s=rate_per_s), want)
+    have, capacity = _tally([*awake, *asleep])
+    asks = _asks(demands, have, capacity, peak_counts, peak_rates_per_s, params, skip)
     chosen: list[PlannedInstance] = []
     while asks:
-        for name, (ask, want) in list(asks.items()):
+        for name, ask in list(asks.items()):
             sleeping = [*asleep, *chosen]
             view = time_share_view(cluster, name, awake, sleeping, footprint)
             rest = replace(
@@ -449,6 +459,7 @@ def standby_time_shared(
             chosen.append(placed[0])
             have[name] = have.get(name, 0) + 1
             capacity[name] = capacity.get(name, 0.0) + placed[0].capacity_requests_per_s
+            want = max(params.num_per_model, peak_counts.get(name, 0))
             if have[name] >= params.max_per_model or (
                 capacity[name] >= ask.request_rate_per_s and have[name] >= want
             ):
