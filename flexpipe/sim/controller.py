@@ -443,8 +443,14 @@ class SimController:
 
     def _first_standbys_to_sleep(self) -> set[str]:
         """The first plan's standbys that go to sleep once it is done: those of models no
-        request waits for (the others serve it first; the down trigger puts them to sleep)."""
+        request waits for and none is served on (the others serve their burst first; the
+        idle sleep or the down trigger puts them to sleep)."""
         waiting = {m for m, n in self.queued_by_model().items() if n > 0}
+        waiting |= {
+            str(rec.get("model"))
+            for rec in self.gateway_pool()
+            if rec.get("state") == "active" and float(rec.get("num_in_flight") or 0) > 0
+        }
         keys = {
             k
             for k in self._to_sleep
