@@ -62,7 +62,9 @@ from flexpipe.policies.shift.standby_sleepers import (
     pressed,
     recent_rates,
     sleeps_aside,
+    standby_time_shared,
     standby_wanted,
+    swaps_aside,
     wakes_aside,
 )
 from flexpipe.sim.loop import CONTROL
@@ -366,8 +368,10 @@ class SimController:
         p = self.params
         if kept is not None:
             self._renew_at(now + kept.every_s, kept, self._num_shifts)
+        shielded = self._shielded(self.running, target)
 
         def done(outcome: ShiftOutcome, end: float) -> None:
+            self._unshield(shielded)
             self._shifting = False
             self._main_gpus, self._main_keys = set(), set()
             for model in release:
@@ -439,8 +443,14 @@ class SimController:
 
     def _first_standbys_to_sleep(self) -> set[str]:
         """The first plan's standbys that go to sleep once it is done: those of models no
-        request waits for (the others serve it first; the down trigger puts them to sleep)."""
+        request waits for and none is served on (the others serve their burst first; the
+        idle sleep or the down trigger puts them to sleep)."""
         waiting = {m for m, n in self.queued_by_model().items() if n > 0}
+        waiting |= {
+            str(rec.get("model"))
+            for rec in self.gateway_pool()
+            if rec.get("state") == "active" and float(rec.get("num_in_flight") or 0) > 0
+        }
         keys = {
             k
             for k in self._to_sleep
@@ -468,7 +478,7 @@ class SimController:
             self.params.shift.standby.wakes_per_tick,
         )
         if not wakes:
-            return False
+            return self._swap_aside(now)
         running = [r.planned for r in self.running.values()]
         self._waking = True
 
@@ -512,11 +522,19 @@ class SimController:
         """The GPUs free to us as the planner sees them beside standby sleepers: the memory
         each sleeper still holds is used, and a standby loading beside the shifts holds its
         GPUs whole."""
+        # time-sharing: a sleeper beside a running instance of another model fits in what
+        # that instance's engine leaves (standby_time_shared): not counted again, nor taken
+        # for another tenant's
+        beside = self._held_by_running()
         return standby_view(
             cluster,
-            [(r.planned, r.sleep.gpu_memory_bytes) for r in self._asleep_now()],
+            [
+                (r.planned, r.sleep.gpu_memory_bytes)
+                for r in self._asleep_now()
+                if not set(r.planned.gpu_ids) & beside
+            ],
             self.params.shift.standby.keep_for_wake,
-            self._aside_gpus,
+            self._aside_gpus - beside,
         )
 
     def _standbys(
@@ -528,12 +546,13 @@ class SimController:
         if not params.enabled:
             return []
         waiting = {m for m, n in self.queued_by_model().items() if n > 0}
-        return standby_wanted(
+        # every sleeper, waking ones too: no standby lands on their GPUs
+        sleeping = [r.planned for r in self.sleepers.values() if r.released_s < 0]
+        chosen = standby_wanted(
             self._standby_view(self.cluster),
             self.demands,
             [*awake, *busy],
-            # every sleeper, waking ones too: no standby lands on their GPUs
-            [r.planned for r in self.sleepers.values() if r.released_s < 0],
+            sleeping,
             self._peak_awake,
             self._peak_rates,
             self.planner,
@@ -541,6 +560,112 @@ class SimController:
             params,
             skip=waiting,
         )
+        if not params.time_share:
+            return chosen
+        cluster = self.cluster
+        for g in sorted(self._aside_gpus & set(cluster.gpu_ids)):
+            cluster = cluster.with_used(g, cluster.gpu(g).capacity_bytes, owner="flexpipe")
+        shared = standby_time_shared(
+            cluster,
+            self.demands,
+            [*awake, *busy],
+            [*sleeping, *chosen],
+            self._peak_awake,
+            self._peak_rates,
+            self.planner,
+            now,
+            params,
+            self._footprint_bytes,
+            skip=waiting,
+        )
+        return [*chosen, *shared]
+
+    def _held_by_running(self) -> set[str]:
+        """With `standby.time_share`, the GPUs running instances hold (where sleepers of
+        other models may sleep beside them); else none."""
+        if not self.params.shift.standby.time_share:
+            return set()
+        return {g for r in self.running.values() for g in r.planned.gpu_ids}
+
+    def _shielded(
+        self, running: dict[str, Any], target: Sequence[PlannedInstance]
+    ) -> dict[str, Any]:
+        """With `standby.time_share`: the sleepers a change from `running` to `target` must
+        keep although they share GPUs with a target instance, taken out of `sleepers` while
+        it runs (give them back with `_unshield`): they sleep beside an instance that runs
+        on (the shift procedure stops every sleeper on GPUs a target instance holds, as it
+        must for a new one)."""
+        if not self.params.shift.standby.time_share:
+            return {}
+        wanted = {instance_key(t) for t in target}
+        new_gpus = {
+            g
+            for t in target
+            if instance_key(t) not in running and instance_key(t) not in self.sleepers
+            for g in t.gpu_ids
+        }
+        kept_gpus = {g for t in target if instance_key(t) in running for g in t.gpu_ids}
+        keys = [
+            k
+            for k, r in self.sleepers.items()
+            if k not in wanted
+            and not set(r.planned.gpu_ids) & new_gpus
+            and set(r.planned.gpu_ids) & kept_gpus
+        ]
+        return {k: self.sleepers.pop(k) for k in keys}
+
+    def _unshield(self, shielded: dict[str, Any]) -> None:
+        for k, r in shielded.items():
+            self.sleepers.setdefault(k, r)
+
+    def _footprint_bytes(self, inst: PlannedInstance, awake: bool) -> float:
+        """The GPU memory `inst` holds on all its GPUs together, awake or asleep, as the
+        performance model prices it (asleep: its reserve, as the sim engine's
+        `SleepState.gpu_memory_bytes` reads it)."""
+        pm = perf_model_of(self.cluster, inst, spec=load_model_spec(inst.model_id))
+        if awake:
+            return sum(
+                g.weights_bytes + g.reserve_bytes + max(g.kv_bytes, 0.0) for g in pm.memory.per_gpu
+            )
+        return sum(g.reserve_bytes for g in pm.memory.per_gpu)
+
+    def _swap_aside(self, now: float) -> bool:
+        """Time-sharing (`standby.time_share`): wake a pressed model's sleeper on GPUs
+        another model's running instance holds, that instance put to sleep first (the
+        level `sleep_levels` gives it; one that cannot sleep stops), then the sleeper woken,
+        both through the shift procedure and priced by the performance model; True when a
+        swap started."""
+        params = self.params.shift.standby
+        if not (params.enabled and params.time_share):
+            return False
+        swaps = swaps_aside(
+            self.cluster,
+            [r.planned for r in self.running.values()],
+            [r.planned for r in self._asleep_now()],
+            pressed(self.gateway_pool(), self.queued_by_model(), params.busy_fraction),
+            {d.name: d.priority for d in self.demands},
+            {k: float(len(self.world.requests_on(r))) for k, r in self.running.items()},
+            self._main_gpus,
+            self._main_keys,
+            params.wakes_per_tick,
+        )
+        if not swaps:
+            return False
+        gone = {instance_key(h) for s in swaps for h in s.sleep}
+        kept = [r.planned for k, r in self.running.items() if k not in gone]
+        self._waking = True
+
+        def woken(end: float) -> None:
+            self._waking = False
+
+        def wake(end: float) -> None:
+            running = [r.planned for r in self.running.values()]
+            self._run_aside(
+                self.running, [*running, *(s.wake for s in swaps)], end, "swap-wake", woken
+            )
+
+        self._run_aside(self.running, kept, now, "swap-sleep", wake, self._sleep_levels(kept))
+        return True
 
     def _aside_tick(self, now: float) -> None:
         """Every `standby.aside_tick_s`, beside the shifts: a model with requests waiting
@@ -594,8 +719,13 @@ class SimController:
         shift procedure, from `running` (key -> record, changed in place); not in the
         policy's history. `then`: called at its end."""
         p = self.params
+        shielded = self._shielded(running, target)
+        # time-sharing: a standby's start stops no sleeper on its GPUs (it fits beside them
+        # asleep, standby_time_shared); it wakes none either
+        starting = self.params.shift.standby.time_share and trigger == "standby" and target
 
         def done(outcome: ShiftOutcome, end: float) -> None:
+            self._unshield(shielded)
             self.on_shift(_record(now, end, trigger, _REASONS[trigger], None, outcome))
             then(end)
             if self._tick_after_aside and not self._waking:
@@ -611,7 +741,7 @@ class SimController:
             rehearsal_tolerance=p.rehearsal_tolerance,
             rehearse=False,
             all_or_nothing=False,
-            sleepers=self.sleepers,
+            sleepers={} if starting else self.sleepers,
             sleep_levels=sleep_levels or {},
         )
         run.start(now)

@@ -28,6 +28,8 @@ ASIDE_REASONS = {
     "standby": "standby engines asleep ahead of demand (shift.standby)",
     "wake-aside": "requests wait: sleepers woken beside the shift in progress",
     "sleep-aside": "idle: its engines put to sleep beside the shift in progress",
+    "swap-sleep": "time-sharing: a running instance put to sleep for another model's wake",
+    "swap-wake": "time-sharing: a sleeper woken on the GPUs a swap freed",
 }
 
 
