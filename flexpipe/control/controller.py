@@ -24,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,13 +44,13 @@ from flexpipe.control.core.samples import (
     gateway_totals,
     parse_histograms,
 )
-from flexpipe.control.core.shift_outcome import ShiftOutcome
+from flexpipe.control.core.shift_outcome import ShiftOutcome, said
 from flexpipe.control.core.standby import Renewal
-from flexpipe.control.core.standby_aside import ASIDE_REASONS, asleep_gpu_bytes, standby_view
 from flexpipe.control.core.tick import Decided, Readings, cold_models
 from flexpipe.control.engines.launching import gpu_places
 from flexpipe.control.engines.takeover import stub
 from flexpipe.control.executor import LiveInstance
+from flexpipe.control.standby_live import StandbySleepers
 from flexpipe.control.state.journal import first_plan_note
 from flexpipe.control.watch.discovery_watch import DiscoveryWatch
 from flexpipe.gateway.core.holds import STANDBY_HOLD_S
@@ -63,7 +61,6 @@ from flexpipe.http.server import (
 )
 from flexpipe.launch import AdoptingLauncher, EngineSpec
 from flexpipe.lifecycle import DORMANT_STATES, State
-from flexpipe.model_spec import load_model_spec
 from flexpipe.observe.dcgm import gpu_instance_labels
 from flexpipe.perf import Efficiency
 from flexpipe.perf.gear_lookup import GearLookup
@@ -71,20 +68,9 @@ from flexpipe.policies.planner import ModelDemand, PlannedInstance, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.candidates import keepable
 from flexpipe.policies.shift.decision import ShiftDecision
-from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.snapshot import (
     ShiftRecord,
     instance_key,
-)
-from flexpipe.policies.shift.standby_sleepers import (
-    idle_since,
-    most_awake,
-    peak_rates,
-    pressed,
-    recent_rates,
-    sleeps_aside,
-    standby_wanted,
-    wakes_aside,
 )
 from flexpipe.store import Store
 
@@ -201,18 +187,8 @@ class Controller:
         self._lock = asyncio.Lock()  # one shift at a time
         self.server: HttpServer | None = None
         self._gone: list[tuple[str, State]] = []  # (model, gone) for the instance gauge
-        # standby sleepers beside the shifts (policies/shift/standby_sleepers.py;
-        # `shift.standby`, off by default), as the simulator's controller drives them
-        self._peak_awake: dict[str, int] = {}  # model -> most instances awake at once
-        self._peak_rates: dict[str, float] = {}  # model -> highest rate measured, req/s
-        # (tick time, finished requests by model then): the rate over the last ticks
-        self._done_seen: deque[tuple[float, dict[str, float]]] = deque(maxlen=3)
-        self._idle_since: dict[str, float] = {}  # model -> since when it serves nothing
-        self._aside = asyncio.Lock()  # one wake or sleep beside the shifts at a time
-        self._aside_gpus: set[str] = set()  # GPUs the standbys loading beside take
-        self._main_gpus: set[str] = set()  # what the shift in progress touches
-        self._main_keys: set[str] = set()
-        self._standby_checked_s = -math.inf  # when standbys were last looked for
+        # standby sleepers beside the shifts (`shift.standby`, off by default)
+        self.beside = StandbySleepers(self)
 
     # ------------------------------------------------------------------ views
     @property
@@ -384,7 +360,7 @@ class Controller:
             watches.append(asyncio.create_task(self._watch_discovery(self.discovery)))
         beside = []  # standby sleepers (`shift.standby`): started, woken, put to sleep
         if self.cfg.shift.standby.enabled:
-            beside.append(asyncio.create_task(self._standby_loop()))
+            beside.append(asyncio.create_task(self.beside.loop()))
         watches += beside
         try:
             while not stop.is_set():
@@ -445,7 +421,8 @@ class Controller:
             readings = await self._read_gateway()
             standby = self.cfg.shift.standby.enabled
             # a burst's sleepers wake beside first; the policy decides on what that left
-            if standby and await self._wake_aside(readings.instances, readings.queued_by_model):
+            queued = readings.queued_by_model
+            if standby and await self.beside.wake_aside(readings.instances, queued):
                 readings = await self._read_gateway()
         except GatewayError as exc:
             log.warning("no sample this tick: %s", exc)
@@ -455,14 +432,7 @@ class Controller:
             self.rate_memory.keep(core.rates, now_s, self.wall())
         cluster = self.cluster
         if standby:
-            running = [i.planned for i in self.running.values()]
-            self._peak_awake = most_awake(self._peak_awake, running)
-            self._done_seen.append((now_s, dict(readings.done_by_model)))
-            # per modelled second, as the core's rates (`time_scale`: wall s per modelled s)
-            scale = self.cfg.time_scale if self.cfg.time_scale > 0 else 1.0
-            recent = {m: r * scale for m, r in recent_rates(self._done_seen).items()}
-            self._peak_rates = peak_rates(self._peak_rates, recent)
-            cluster = self._standby_view()
+            cluster = self.beside.observe(now_s, readings)
         asleep = [(i.planned, i.sleep_level) for i in self.executor.sleepers.values()]
         running = [i.planned for i in self.running.values()]
         decided = core.decide(now_s, cluster, running, asleep)
@@ -480,22 +450,23 @@ class Controller:
             self.say(f"controller: shift ({decision.trigger}): {decision.reason}")
             assert decision.target is not None
             # what the shift uses: no wake or sleep beside touches it
-            self._main_keys = {instance_key(t) for t in decision.target} | set(self.running)
-            self._main_gpus = {g for t in decision.target for g in t.gpu_ids} | {
+            beside = self.beside
+            beside.main_keys = {instance_key(t) for t in decision.target} | set(self.running)
+            beside.main_gpus = {g for t in decision.target for g in t.gpu_ids} | {
                 g for i in self.running.values() for g in i.planned.gpu_ids
             }
             try:
                 async with self._keeping(decided.renewal):
                     outcome = await self.executor.shift(self.cluster, self.running, decision.target)
             finally:
-                self._main_gpus, self._main_keys = set(), set()
-            if not self._aside_gpus:  # (a standby loading beside is no engine that failed)
+                beside.main_gpus, beside.main_keys = set(), set()
+            if not beside.aside_gpus:  # (a standby loading beside is no engine that failed)
                 self.takeover.sweep_spawned()
             self.core.shift_finished(outcome, self.clock())
             self.last_outcome = outcome
             self.journal.finish(entry, outcome)
             self.say(
-                f"controller: shift {_said(outcome)} "
+                f"controller: shift {said(outcome)} "
                 f"{outcome.reason} phases "
                 + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
             )
@@ -591,161 +562,6 @@ class Controller:
         if taken:
             await self.executor.stop_sleepers(taken)
 
-    # ------------------------------------------------------------------ standby sleepers
-    def _standby_view(self) -> Cluster:
-        """The GPUs free to us as the planner sees them beside standby sleepers: the memory
-        each sleeper still holds is used, a standby loading beside holds its GPUs whole
-        (control/core/standby_aside.py, the simulator's view too)."""
-        cluster = self.cluster
-        ids = set(cluster.gpu_ids)
-        held = []
-        for inst in self.executor.sleepers.values():
-            p = inst.planned
-            if set(p.gpu_ids) <= ids:  # (one on a GPU that is gone stops at the next tick)
-                pm = perf_model_of(cluster, p, spec=load_model_spec(p.model_id))
-                held.append((p, asleep_gpu_bytes(pm)))
-        keep = self.cfg.shift.standby.keep_for_wake
-        return standby_view(cluster, held, keep, self._aside_gpus)
-
-    async def _standby_loop(self) -> None:
-        """Every `standby.aside_tick_s` (0: `tick_s`), beside the shifts: a pressed model's
-        sleepers wake at once; else a model idle for `sleep_idle_s` sleeps; else, every
-        `tick_s`, models short of standbys get them started (launched, then put to sleep)
-        while the next looks go on."""
-        every_s = self.cfg.shift.standby.aside_tick_s or self.cfg.tick_s
-        starting: asyncio.Task[None] | None = None
-        try:
-            while True:
-                await asyncio.sleep(every_s)
-                if starting is not None and starting.done() and not starting.cancelled():
-                    if starting.exception() is not None:  # (said once; the next look retries)
-                        log.warning("standby start: %r", starting.exception())
-                    starting = None
-                try:
-                    starting = await self._standby_look(starting)
-                except GatewayError as exc:
-                    log.warning("standby sleepers: %s", exc)
-                except Exception:  # a bug here must not end the looks: the next one retries
-                    log.exception("standby sleepers")
-        finally:
-            if starting is not None:
-                starting.cancel()
-                await asyncio.gather(starting, return_exceptions=True)
-
-    async def _standby_look(self, starting: asyncio.Task[None] | None) -> asyncio.Task[None] | None:
-        """One look beside the shifts; returns the standby start under way, if any."""
-        instances = await self.gateway.instances()
-        queued = gateway_totals(await self.gateway.metrics()).queued_by_model or {}
-        # (a wake or sleep beside under way: this look's readings are stale, the next decides)
-        if self._aside.locked():
-            return starting
-        if await self._wake_aside(instances, queued) or await self._sleep_idle(instances, queued):
-            return starting
-        if starting is not None and not starting.done():
-            return starting
-        if self.wall() < self._standby_checked_s + self.cfg.tick_s:
-            return starting
-        self._standby_checked_s = self.wall()
-        standbys = self._standbys(queued)
-        return asyncio.create_task(self._start_standbys(standbys)) if standbys else None
-
-    def _standbys(self, queued: dict[str, int]) -> list[PlannedInstance]:
-        """The standby engines to start now (`standby_wanted`), none on the GPUs the shift in
-        progress touches nor for a model with requests waiting (its shift comes first)."""
-        waiting = {m for m, n in queued.items() if n > 0}
-        wanted = standby_wanted(
-            self._standby_view(),
-            self.cfg.demands,
-            [i.planned for i in self.running.values()],
-            [i.planned for i in self.executor.sleepers.values()],
-            self._peak_awake,
-            self._peak_rates,
-            self.planner,
-            self.clock(),
-            self.cfg.shift.standby,
-            skip=waiting,
-        )
-        return [s for s in wanted if not set(s.gpu_ids) & self._main_gpus]
-
-    async def _start_standbys(self, standbys: list[PlannedInstance]) -> None:
-        """Launched in a running plan of their own (the policy sees them once asleep; their
-        GPUs are held whole in its view meanwhile), then put to sleep at the level the sleep
-        mode gives each (one that cannot sleep stops); the hold that put on a model that
-        serves is lifted."""
-        loading: dict[str, LiveInstance] = {}
-        self._aside_gpus = {g for s in standbys for g in s.gpu_ids}
-        try:
-            await self._run_aside(loading, standbys, "standby")
-            if loading:
-                await self._run_aside(loading, [], "standby")
-        finally:
-            self._aside_gpus = set()
-        if not self._lock.locked():  # (a shift in progress sweeps when it ends)
-            self.takeover.sweep_spawned()
-        serving = {i.planned.model for i in self.running.values()}
-        await self._hold_all(sorted({s.model for s in standbys} & serving), 0)
-
-    async def _wake_aside(self, instances: Sequence[Mapping[str, Any]], queued: Any) -> bool:
-        """Wake the sleepers of the models that need more engines (`pressed`) beside the
-        shift in progress (if any), on GPUs it does not touch; True when one woke. A wake or
-        sleep beside under way is waited for first."""
-        p = self.cfg.shift.standby
-        if not p.wake_aside:
-            return False
-        async with self._aside:
-            running = [i.planned for i in self.running.values()]
-            wakes = wakes_aside(
-                self.cluster,
-                running,
-                [i.planned for i in self.executor.sleepers.values()],
-                pressed(instances, queued or {}, p.busy_fraction),
-                self._main_gpus,
-                self._main_keys,
-                p.wakes_per_tick,
-            )
-            if not wakes:
-                return False
-            await self._run_aside(self.running, [*running, *wakes], "wake-aside")
-            return True
-
-    async def _sleep_idle(self, instances: Sequence[Mapping[str, Any]], queued: Any) -> bool:
-        """Put the engines of the models idle for `standby.sleep_idle_s` to sleep beside the
-        shift in progress (if any); True when that happened."""
-        p = self.cfg.shift.standby
-        now_s = self.clock()
-        self._idle_since = idle_since(self._idle_since, instances, queued or {}, now_s)
-        if p.sleep_idle_s <= 0:
-            return False
-        async with self._aside:
-            running = {k: i.planned for k, i in self.running.items()}
-            leaving = sleeps_aside(
-                list(running.values()), self._idle_since, now_s, p, self._main_keys
-            )
-            if not leaving:
-                return False
-            gone = {instance_key(i) for i in leaving}
-            target = [r for k, r in running.items() if k not in gone]
-            await self._run_aside(self.running, target, "sleep-aside")
-            return True
-
-    async def _run_aside(
-        self, running: dict[str, LiveInstance], target: list[PlannedInstance], trigger: str
-    ) -> ShiftOutcome:
-        """A change beside the policy's shifts through the same shift procedure, from
-        `running` (changed in place), logged in the shift log but not in the policy's
-        history."""
-        current = [i.planned for i in running.values()]
-        entry = self.journal.aside(trigger, ASIDE_REASONS[trigger], current, target)
-        outcome = await self.executor.shift(
-            self.cluster, running, target, rehearse=False, all_or_nothing=False
-        )
-        self.journal.finish(entry, outcome)
-        self.say(
-            f"controller: {trigger} {_said(outcome)} {outcome.reason} phases "
-            + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
-        )
-        return outcome
-
     def _keep_occupations(self) -> None:
         if self.occupation_memory is not None:
             self.occupation_memory.keep(self.resources.overrides, self._pinned)
@@ -804,7 +620,3 @@ class Controller:
         resources, events = call()
         self._resource_events(resources, events, self.clock())
         return events
-
-
-def _said(outcome: ShiftOutcome) -> str:
-    return "done" if outcome.succeeded else "refused" if outcome.refused else "rolled back"

@@ -25,7 +25,6 @@ import dataclasses
 import math
 import random
 from bisect import bisect_left
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,7 +35,6 @@ from flexpipe.control.core.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Bucket
 from flexpipe.control.core.shift_procedure import InPlaceChooser
 from flexpipe.control.core.sleeping import in_place_chooser, leaving_of, sleep_levels
 from flexpipe.control.core.standby import Renewal, StandbyCommand
-from flexpipe.control.core.standby_aside import ASIDE_REASONS, standby_view
 from flexpipe.control.core.tick import (
     Readings,
     TickCore,
@@ -55,21 +53,11 @@ from flexpipe.policies.shift.decision import ShiftDecision
 from flexpipe.policies.shift.in_place import MAKE_BEFORE_BREAK, ROLLING
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.snapshot import instance_key
-from flexpipe.policies.shift.standby_sleepers import (
-    idle_since,
-    most_awake,
-    peak_rates,
-    pressed,
-    recent_rates,
-    sleeps_aside,
-    standby_time_shared,
-    standby_wanted,
-    swaps_aside,
-    wakes_aside,
-)
 from flexpipe.sim.loop import CONTROL
 from flexpipe.sim.request import SimRequest
+from flexpipe.sim.shift_record import REASONS, record
 from flexpipe.sim.shift_run import ShiftOutcome, ShiftRun, World
+from flexpipe.sim.standby_run import StandbyRun
 
 __all__ = ["ControllerParams", "LatencyBuckets", "SimController"]
 
@@ -168,21 +156,8 @@ class SimController:
         self._num_shifts = 0  # a renewal event belongs to the shift it counts
         self._tick_version = 0
         self.refusals: list[dict[str, Any]] = []  # when each started and ended (the report)
-        # standby sleepers (policies/shift/standby_sleepers.py; `shift.standby`, off by default)
-        self._peak_awake: dict[str, int] = {}  # model -> most instances awake at once
-        self._peak_rates: dict[str, float] = {}  # model -> highest rate measured, req/s
-        # (tick time, finished requests by model then): the rate over the last ticks
-        self._done_seen: deque[tuple[float, dict[str, float]]] = deque(maxlen=3)
-        self._idle_since: dict[str, float] = {}  # model -> since when it serves nothing
-        self._to_sleep: set[str] = set()  # standbys of the first plan, put to sleep after it
-        self._waking = False  # sleepers wake beside the shifts
-        self._standby_busy = False  # standbys start (launched, then put to sleep) beside
-        self._aside_gpus: set[str] = set()  # GPUs the standbys loading beside take
-        self._tick_after_aside = False  # a tick came during a wake beside
-        self._main_gpus: set[str] = set()  # what the shift in progress touches
-        self._main_keys: set[str] = set()
-        self._aside_every_s = params.shift.standby.aside_tick_s or params.tick_s
-        self._standby_checked_s = -math.inf  # when standbys were last looked for
+        # standby sleepers beside the shifts (`shift.standby`, off by default)
+        self.beside = StandbyRun(self)
 
     @property
     def cluster(self) -> Cluster:
@@ -214,13 +189,13 @@ class SimController:
         first = self.planner(self.cluster, self.demands, now)
         # with standbys: each model's burst set instead of the first plan's (it is asleep,
         # save what the requests held meanwhile need, once it served them)
-        standbys = self._standbys([], now)
+        standbys = self.beside.standbys([], now)
         with_standby = {s.model for s in standbys}
         first_target = [
             *standbys,
             *(i for i in first.instances if i.model not in with_standby),
         ]
-        self._to_sleep = {instance_key(s) for s in standbys}
+        self.beside.to_sleep = {instance_key(s) for s in standbys}
         self.decisions.append(
             {
                 "at_s": now,
@@ -246,7 +221,7 @@ class SimController:
             release=held,
         )
         if self.params.shift.standby.enabled:
-            self.world.loop.at(now + self._aside_every_s, CONTROL, self._aside_tick)
+            self.world.loop.at(now + self.beside.every_s, CONTROL, self.beside.tick)
 
     def _schedule_tick(self, at_s: float) -> None:
         self._tick_version += 1
@@ -279,8 +254,9 @@ class SimController:
         if version != self._tick_version or self._shifting:
             return
         # a wake or a standby's sleep beside: right after it; a burst's sleepers wake first
-        if self._waking or (self.params.shift.standby.enabled and self._wake_aside(now)):
-            self._tick_after_aside = True
+        beside = self.beside
+        if beside.waking or (self.params.shift.standby.enabled and beside.wake_aside(now)):
+            beside.tick_after = True
             return
         core = self.core
         self.resources, events = self.resources.tick(now)
@@ -307,10 +283,7 @@ class SimController:
         running = [r.planned for r in self.running.values()]
         cluster = self.cluster
         if self.params.shift.standby.enabled:
-            self._peak_awake = most_awake(self._peak_awake, running)
-            self._done_seen.append((now, dict(self._done)))
-            self._peak_rates = peak_rates(self._peak_rates, recent_rates(self._done_seen))
-            cluster = self._standby_view(cluster)
+            cluster = beside.observe(now, running, cluster)
         decided = core.decide(now, cluster, running, asleep)
         self.num_decisions += 1
         if decided.logged:
@@ -359,8 +332,9 @@ class SimController:
         when it ends; `trigger`: its name in the report when no decision took it."""
         self._shifting = True
         # what the shift uses: its target's keys and every instance running as it starts
-        self._main_keys = {instance_key(t) for t in target} | set(self.running)
-        self._main_gpus = {g for t in target for g in t.gpu_ids} | {
+        beside = self.beside
+        beside.main_keys = {instance_key(t) for t in target} | set(self.running)
+        beside.main_gpus = {g for t in target for g in t.gpu_ids} | {
             g for r in self.running.values() for g in r.planned.gpu_ids
         }
         self._shift_started_s = now
@@ -373,22 +347,22 @@ class SimController:
         def done(outcome: ShiftOutcome, end: float) -> None:
             self._unshield(shielded)
             self._shifting = False
-            self._main_gpus, self._main_keys = set(), set()
+            beside.main_gpus, beside.main_keys = set(), set()
             for model in release:
                 self.world.hold(model, 0.0, end)
             # refused: no failure of the target (no blacklist)
             self.core.shift_finished(outcome, end, decided=decision is not None)
             self.on_shift(
-                _record(
+                record(
                     now,
                     end,
                     decision.trigger if decision is not None else trigger,
-                    decision.reason if decision is not None else _REASONS[trigger],
+                    decision.reason if decision is not None else REASONS[trigger],
                     None if decision is None else decision.score,
                     outcome,
                 )
             )
-            keys = self._first_standbys_to_sleep() if decision is None else set()
+            keys = beside.first_to_sleep() if decision is None else set()
             if keys:
                 self._carry_out(
                     [r.planned for k, r in self.running.items() if k not in keys],
@@ -432,161 +406,6 @@ class SimController:
             lambda p: perf_model_of(cluster, p, spec=load_model_spec(p.model_id)),
         )
 
-    # ------------------------------------------------------------------ standby sleepers
-    def _asleep_now(self) -> list[Any]:
-        """The records of the engines asleep now (not released)."""
-        return [
-            r
-            for r in self.sleepers.values()
-            if r.released_s < 0 and r.sleep is not None and r.sleep.level is not None
-        ]
-
-    def _first_standbys_to_sleep(self) -> set[str]:
-        """The first plan's standbys that go to sleep once it is done: those of models no
-        request waits for and none is served on (the others serve their burst first; the
-        idle sleep or the down trigger puts them to sleep)."""
-        waiting = {m for m, n in self.queued_by_model().items() if n > 0}
-        waiting |= {
-            str(rec.get("model"))
-            for rec in self.gateway_pool()
-            if rec.get("state") == "active" and float(rec.get("num_in_flight") or 0) > 0
-        }
-        keys = {
-            k
-            for k in self._to_sleep
-            if k in self.running and self.running[k].planned.model not in waiting
-        }
-        self._to_sleep = set()
-        return keys
-
-    def _wake_aside(self, now: float) -> bool:
-        """Wake the sleepers of the models with requests waiting beside the shift in
-        progress (if any); True when a wake started."""
-        if self._waking or not self.params.shift.standby.wake_aside:
-            return False
-        wakes = wakes_aside(
-            self.cluster,
-            [r.planned for r in self.running.values()],
-            [r.planned for r in self._asleep_now()],
-            pressed(
-                self.gateway_pool(),
-                self.queued_by_model(),
-                self.params.shift.standby.busy_fraction,
-            ),
-            self._main_gpus,
-            self._main_keys,
-            self.params.shift.standby.wakes_per_tick,
-        )
-        if not wakes:
-            return self._swap_aside(now)
-        running = [r.planned for r in self.running.values()]
-        self._waking = True
-
-        def woken(end: float) -> None:
-            self._waking = False
-
-        self._run_aside(self.running, [*running, *wakes], now, "wake-aside", woken)
-        return True
-
-    def _sleep_idle(self, now: float) -> bool:
-        """Put the engines of models idle for `standby.sleep_idle_s` to sleep beside the
-        shift in progress (if any); True when that started."""
-        params = self.params.shift.standby
-        self._idle_since = idle_since(
-            self._idle_since, self.gateway_pool(), self.queued_by_model(), now
-        )
-        if self._waking or params.sleep_idle_s <= 0:
-            return False
-        leaving = sleeps_aside(
-            [r.planned for r in self.running.values()],
-            self._idle_since,
-            now,
-            params,
-            self._main_keys,
-        )
-        if not leaving:
-            return False
-        gone = {instance_key(i) for i in leaving}
-        target = [r.planned for k, r in self.running.items() if k not in gone]
-        self._waking = True
-
-        def asleep(end: float) -> None:
-            self._waking = False
-
-        self._run_aside(
-            self.running, target, now, "sleep-aside", asleep, self._sleep_levels(target)
-        )
-        return True
-
-    def _standby_view(self, cluster: Cluster) -> Cluster:
-        """The GPUs free to us as the planner sees them beside standby sleepers: the memory
-        each sleeper still holds is used, and a standby loading beside the shifts holds its
-        GPUs whole."""
-        # time-sharing: a sleeper beside a running instance of another model fits in what
-        # that instance's engine leaves (standby_time_shared): not counted again, nor taken
-        # for another tenant's
-        beside = self._held_by_running()
-        return standby_view(
-            cluster,
-            [
-                (r.planned, r.sleep.gpu_memory_bytes)
-                for r in self._asleep_now()
-                if not set(r.planned.gpu_ids) & beside
-            ],
-            self.params.shift.standby.keep_for_wake,
-            self._aside_gpus - beside,
-        )
-
-    def _standbys(
-        self, awake: list[PlannedInstance], now: float, busy: Sequence[PlannedInstance] = ()
-    ) -> list[PlannedInstance]:
-        """The standby engines to start beside `awake` (and what `busy` takes); none unless
-        `shift.standby` is on."""
-        params = self.params.shift.standby
-        if not params.enabled:
-            return []
-        waiting = {m for m, n in self.queued_by_model().items() if n > 0}
-        # every sleeper, waking ones too: no standby lands on their GPUs
-        sleeping = [r.planned for r in self.sleepers.values() if r.released_s < 0]
-        chosen = standby_wanted(
-            self._standby_view(self.cluster),
-            self.demands,
-            [*awake, *busy],
-            sleeping,
-            self._peak_awake,
-            self._peak_rates,
-            self.planner,
-            now,
-            params,
-            skip=waiting,
-        )
-        if not params.time_share:
-            return chosen
-        cluster = self.cluster
-        for g in sorted(self._aside_gpus & set(cluster.gpu_ids)):
-            cluster = cluster.with_used(g, cluster.gpu(g).capacity_bytes, owner="flexpipe")
-        shared = standby_time_shared(
-            cluster,
-            self.demands,
-            [*awake, *busy],
-            [*sleeping, *chosen],
-            self._peak_awake,
-            self._peak_rates,
-            self.planner,
-            now,
-            params,
-            self._footprint_bytes,
-            skip=waiting,
-        )
-        return [*chosen, *shared]
-
-    def _held_by_running(self) -> set[str]:
-        """With `standby.time_share`, the GPUs running instances hold (where sleepers of
-        other models may sleep beside them); else none."""
-        if not self.params.shift.standby.time_share:
-            return set()
-        return {g for r in self.running.values() for g in r.planned.gpu_ids}
-
     def _shielded(
         self, running: dict[str, Any], target: Sequence[PlannedInstance]
     ) -> dict[str, Any]:
@@ -618,134 +437,6 @@ class SimController:
         for k, r in shielded.items():
             self.sleepers.setdefault(k, r)
 
-    def _footprint_bytes(self, inst: PlannedInstance, awake: bool) -> float:
-        """The GPU memory `inst` holds on all its GPUs together, awake or asleep, as the
-        performance model prices it (asleep: its reserve, as the sim engine's
-        `SleepState.gpu_memory_bytes` reads it)."""
-        pm = perf_model_of(self.cluster, inst, spec=load_model_spec(inst.model_id))
-        if awake:
-            return sum(
-                g.weights_bytes + g.reserve_bytes + max(g.kv_bytes, 0.0) for g in pm.memory.per_gpu
-            )
-        return sum(g.reserve_bytes for g in pm.memory.per_gpu)
-
-    def _swap_aside(self, now: float) -> bool:
-        """Time-sharing (`standby.time_share`): wake a pressed model's sleeper on GPUs
-        another model's running instance holds, that instance put to sleep first (the
-        level `sleep_levels` gives it; one that cannot sleep stops), then the sleeper woken,
-        both through the shift procedure and priced by the performance model; True when a
-        swap started."""
-        params = self.params.shift.standby
-        if not (params.enabled and params.time_share):
-            return False
-        swaps = swaps_aside(
-            self.cluster,
-            [r.planned for r in self.running.values()],
-            [r.planned for r in self._asleep_now()],
-            pressed(self.gateway_pool(), self.queued_by_model(), params.busy_fraction),
-            {d.name: d.priority for d in self.demands},
-            {k: float(len(self.world.requests_on(r))) for k, r in self.running.items()},
-            self._main_gpus,
-            self._main_keys,
-            params.wakes_per_tick,
-        )
-        if not swaps:
-            return False
-        gone = {instance_key(h) for s in swaps for h in s.sleep}
-        kept = [r.planned for k, r in self.running.items() if k not in gone]
-        self._waking = True
-
-        def woken(end: float) -> None:
-            self._waking = False
-
-        def wake(end: float) -> None:
-            running = [r.planned for r in self.running.values()]
-            self._run_aside(
-                self.running, [*running, *(s.wake for s in swaps)], end, "swap-wake", woken
-            )
-
-        self._run_aside(self.running, kept, now, "swap-sleep", wake, self._sleep_levels(kept))
-        return True
-
-    def _aside_tick(self, now: float) -> None:
-        """Every `standby.aside_tick_s`, beside the shifts: a model with requests waiting
-        wakes its sleepers on GPUs the shift in progress (if any) does not touch, at once;
-        else, every `tick_s`, models short of standbys get them started (launched, then put
-        to sleep)."""
-        self.world.loop.at(now + self._aside_every_s, CONTROL, self._aside_tick)
-        if self._wake_aside(now) or self._sleep_idle(now) or self._standby_busy:
-            return
-        running = [r.planned for r in self.running.values()]
-        if now < self._standby_checked_s + self.params.tick_s:
-            return
-        self._standby_checked_s = now
-        busy = self._main_gpus  # the shift in progress's GPUs: not for a standby now
-        standbys = [s for s in self._standbys(running, now) if not set(s.gpu_ids) & busy]
-        if standbys:
-            # started in a running plan of their own: the policy sees them once asleep
-            loading: dict[str, Any] = {}
-            self._standby_busy = True
-            self._aside_gpus = {g for s in standbys for g in s.gpu_ids}
-            self._run_aside(
-                loading, standbys, now, "standby", lambda end: self._sleep_aside(loading, end)
-            )
-
-    def _sleep_aside(self, loading: dict[str, Any], now: float) -> None:
-        """The standbys `loading` are up: put them to sleep (the level `sleep_levels` gives
-        each; one that cannot sleep stops), then lift the holds their plan's end made on the
-        models that have instances."""
-
-        def asleep(end: float) -> None:
-            self._standby_busy = False
-            self._aside_gpus = set()
-            serving = {r.planned.model for r in self.running.values()}
-            for model in sorted({r.planned.model for r in loading.values()} | serving):
-                if model in serving:
-                    self.world.hold(model, 0.0, end)
-
-        levels = self._sleep_levels([], loading)
-        self._run_aside(loading, [], now, "standby", asleep, levels)
-
-    def _run_aside(
-        self,
-        running: dict[str, Any],
-        target: list[PlannedInstance],
-        now: float,
-        trigger: str,
-        then: Callable[[float], None],
-        sleep_levels: dict[str, int] | None = None,
-    ) -> None:
-        """A change beside the shifts (a wake, a standby's start or sleep) through the same
-        shift procedure, from `running` (key -> record, changed in place); not in the
-        policy's history. `then`: called at its end."""
-        p = self.params
-        shielded = self._shielded(running, target)
-        # time-sharing: a standby's start stops no sleeper on its GPUs (it fits beside them
-        # asleep, standby_time_shared); it wakes none either
-        starting = self.params.shift.standby.time_share and trigger == "standby" and target
-
-        def done(outcome: ShiftOutcome, end: float) -> None:
-            self._unshield(shielded)
-            self.on_shift(_record(now, end, trigger, _REASONS[trigger], None, outcome))
-            then(end)
-            if self._tick_after_aside and not self._waking:
-                self._tick_after_aside = False
-                self._schedule_tick(end)
-
-        run = ShiftRun(
-            self.world,
-            running,
-            target,
-            done,
-            drain_deadline_s=p.drain_deadline_s,
-            rehearsal_tolerance=p.rehearsal_tolerance,
-            rehearse=False,
-            all_or_nothing=False,
-            sleepers={} if starting else self.sleepers,
-            sleep_levels=sleep_levels or {},
-        )
-        run.start(now)
-
     def _sleep_levels(
         self, target: Sequence[PlannedInstance], running: dict[str, Any] | None = None
     ) -> dict[str, int]:
@@ -776,38 +467,3 @@ class SimController:
             ],
             lambda p: perf_model_of(cluster, p, spec=specs[p.model_id]),
         )
-
-
-_REASONS = {"plan": "the first plan", **ASIDE_REASONS}
-
-
-def _record(
-    at_s: float,
-    end_s: float,
-    trigger: str,
-    reason: str,
-    score: float | None,
-    outcome: ShiftOutcome,
-) -> dict[str, Any]:
-    """A finished shift as the report keeps it."""
-    return {
-        "at_s": at_s,
-        "finished_s": end_s,
-        "trigger": trigger,
-        "reason": reason,
-        "score": None if score is None else round(score, 3),
-        "succeeded": outcome.succeeded,
-        "refused": outcome.refused,
-        "outcome": _outcome(outcome),
-        "why_failed": outcome.reason,
-        "phases_s": {k: round(v, 6) for k, v in outcome.phases_s.items()},
-        "migrated": dict(sorted(outcome.migrated.items())),
-        "rehearsal": outcome.rehearsal,
-        "started": outcome.started,
-        "stopped": outcome.stopped,
-    }
-
-
-def _outcome(out: ShiftOutcome) -> str:
-    """The shift log's outcome of a finished shift (`Journal.finish`'s words)."""
-    return "succeeded" if out.succeeded else "refused" if out.refused else "rolled_back"

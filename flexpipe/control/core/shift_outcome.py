@@ -77,3 +77,8 @@ def in_place_gap_s(notes: Sequence[str]) -> float | None:
 
 
 _CAPACITY_AWAY = re.compile(r"^in place: \w+, capacity away ([0-9.]+) s")
+
+
+def said(outcome: ShiftOutcome) -> str:
+    """How the controller's lines say a shift ended (a policy's or one beside it)."""
+    return "done" if outcome.succeeded else "refused" if outcome.refused else "rolled back"

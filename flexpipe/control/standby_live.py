@@ -1,0 +1,236 @@
+"""Standby sleepers beside the live controller's tick (policies/shift/standby_sleepers.py;
+`shift.standby`, off by default), as the simulator's controller drives them: engines started
+and put to sleep ahead of demand, woken at once when their model is pressed, and the engines
+of idle models put to sleep. Kept apart from the tick loop (control/controller.py) because it
+runs beside it, on its own clock and lock; control/standby.py is another thing: the
+gateway's holds and refusals of the models with no instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from flexpipe.cluster import Cluster
+from flexpipe.control.api.gateway_client import GatewayError
+from flexpipe.control.core.samples import gateway_totals
+from flexpipe.control.core.shift_outcome import ShiftOutcome, said
+from flexpipe.control.core.standby_aside import ASIDE_REASONS, asleep_gpu_bytes, standby_view
+from flexpipe.control.core.tick import Readings
+from flexpipe.control.executor import LiveInstance
+from flexpipe.model_spec import load_model_spec
+from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.migration import perf_model_of
+from flexpipe.policies.shift.snapshot import instance_key
+from flexpipe.policies.shift.standby_sleepers import (
+    idle_since,
+    most_awake,
+    peak_rates,
+    pressed,
+    recent_rates,
+    sleeps_aside,
+    standby_wanted,
+    wakes_aside,
+)
+
+if TYPE_CHECKING:
+    from flexpipe.control.controller import Controller
+
+__all__ = ["StandbySleepers"]
+
+log = logging.getLogger("flexpipe.control")
+
+
+class StandbySleepers:
+    """The standby-sleeper shell of one `Controller`, which owns it (`controller.beside`):
+    the wakes and sleeps beside the shifts go through the controller's executor and journal."""
+
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+        self.peak_awake: dict[str, int] = {}  # model -> most instances awake at once
+        self.peak_rates: dict[str, float] = {}  # model -> highest rate measured, req/s
+        # (tick time, finished requests by model then): the rate over the last ticks
+        self.done_seen: deque[tuple[float, dict[str, float]]] = deque(maxlen=3)
+        self.idle_since: dict[str, float] = {}  # model -> since when it serves nothing
+        self.aside = asyncio.Lock()  # one wake or sleep beside the shifts at a time
+        self.aside_gpus: set[str] = set()  # GPUs the standbys loading beside take
+        self.main_gpus: set[str] = set()  # what the shift in progress touches
+        self.main_keys: set[str] = set()
+        self.checked_s = -math.inf  # when standbys were last looked for
+
+    def observe(self, now_s: float, readings: Readings) -> Cluster:
+        """A tick's readings kept (most awake, peak rates); the cluster the policy decides on."""
+        ctl = self.ctl
+        running = [i.planned for i in ctl.running.values()]
+        self.peak_awake = most_awake(self.peak_awake, running)
+        self.done_seen.append((now_s, dict(readings.done_by_model)))
+        # per modelled second, as the core's rates (`time_scale`: wall s per modelled s)
+        scale = ctl.cfg.time_scale if ctl.cfg.time_scale > 0 else 1.0
+        recent = {m: r * scale for m, r in recent_rates(self.done_seen).items()}
+        self.peak_rates = peak_rates(self.peak_rates, recent)
+        return self.view()
+
+    def view(self) -> Cluster:
+        """The GPUs free to us as the planner sees them beside standby sleepers: the memory
+        each sleeper still holds is used, a standby loading beside holds its GPUs whole
+        (control/core/standby_aside.py, the simulator's view too)."""
+        ctl = self.ctl
+        cluster = ctl.cluster
+        ids = set(cluster.gpu_ids)
+        held = []
+        for inst in ctl.executor.sleepers.values():
+            p = inst.planned
+            if set(p.gpu_ids) <= ids:  # (one on a GPU that is gone stops at the next tick)
+                pm = perf_model_of(cluster, p, spec=load_model_spec(p.model_id))
+                held.append((p, asleep_gpu_bytes(pm)))
+        keep = ctl.cfg.shift.standby.keep_for_wake
+        return standby_view(cluster, held, keep, self.aside_gpus)
+
+    async def loop(self) -> None:
+        """Every `standby.aside_tick_s` (0: `tick_s`), beside the shifts: a pressed model's
+        sleepers wake at once; else a model idle for `sleep_idle_s` sleeps; else, every
+        `tick_s`, models short of standbys get them started (launched, then put to sleep)
+        while the next looks go on."""
+        every_s = self.ctl.cfg.shift.standby.aside_tick_s or self.ctl.cfg.tick_s
+        starting: asyncio.Task[None] | None = None
+        try:
+            while True:
+                await asyncio.sleep(every_s)
+                if starting is not None and starting.done() and not starting.cancelled():
+                    if starting.exception() is not None:  # (said once; the next look retries)
+                        log.warning("standby start: %r", starting.exception())
+                    starting = None
+                try:
+                    starting = await self.look(starting)
+                except GatewayError as exc:
+                    log.warning("standby sleepers: %s", exc)
+                except Exception:  # a bug here must not end the looks: the next one retries
+                    log.exception("standby sleepers")
+        finally:
+            if starting is not None:
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+
+    async def look(self, starting: asyncio.Task[None] | None) -> asyncio.Task[None] | None:
+        """One look beside the shifts; returns the standby start under way, if any."""
+        ctl = self.ctl
+        instances = await ctl.gateway.instances()
+        queued = gateway_totals(await ctl.gateway.metrics()).queued_by_model or {}
+        # (a wake or sleep beside under way: this look's readings are stale, the next decides)
+        if self.aside.locked():
+            return starting
+        if await self.wake_aside(instances, queued) or await self.sleep_idle(instances, queued):
+            return starting
+        if starting is not None and not starting.done():
+            return starting
+        if ctl.wall() < self.checked_s + ctl.cfg.tick_s:
+            return starting
+        self.checked_s = ctl.wall()
+        standbys = self.standbys(queued)
+        return asyncio.create_task(self.start_standbys(standbys)) if standbys else None
+
+    def standbys(self, queued: dict[str, int]) -> list[PlannedInstance]:
+        """The standby engines to start now (`standby_wanted`), none on the GPUs the shift in
+        progress touches nor for a model with requests waiting (its shift comes first)."""
+        ctl = self.ctl
+        waiting = {m for m, n in queued.items() if n > 0}
+        wanted = standby_wanted(
+            self.view(),
+            ctl.cfg.demands,
+            [i.planned for i in ctl.running.values()],
+            [i.planned for i in ctl.executor.sleepers.values()],
+            self.peak_awake,
+            self.peak_rates,
+            ctl.planner,
+            ctl.clock(),
+            ctl.cfg.shift.standby,
+            skip=waiting,
+        )
+        return [s for s in wanted if not set(s.gpu_ids) & self.main_gpus]
+
+    async def start_standbys(self, standbys: list[PlannedInstance]) -> None:
+        """Launched in a running plan of their own (the policy sees them once asleep; their
+        GPUs are held whole in its view meanwhile), then put to sleep at the level the sleep
+        mode gives each (one that cannot sleep stops); the hold that put on a model that
+        serves is lifted."""
+        ctl = self.ctl
+        loading: dict[str, LiveInstance] = {}
+        self.aside_gpus = {g for s in standbys for g in s.gpu_ids}
+        try:
+            await self.run_aside(loading, standbys, "standby")
+            if loading:
+                await self.run_aside(loading, [], "standby")
+        finally:
+            self.aside_gpus = set()
+        if not ctl._lock.locked():  # (a shift in progress sweeps when it ends)
+            ctl.takeover.sweep_spawned()
+        serving = {i.planned.model for i in ctl.running.values()}
+        await ctl._hold_all(sorted({s.model for s in standbys} & serving), 0)
+
+    async def wake_aside(self, instances: Sequence[Mapping[str, Any]], queued: Any) -> bool:
+        """Wake the sleepers of the models that need more engines (`pressed`) beside the
+        shift in progress (if any), on GPUs it does not touch; True when one woke. A wake or
+        sleep beside under way is waited for first."""
+        ctl = self.ctl
+        p = ctl.cfg.shift.standby
+        if not p.wake_aside:
+            return False
+        async with self.aside:
+            running = [i.planned for i in ctl.running.values()]
+            wakes = wakes_aside(
+                ctl.cluster,
+                running,
+                [i.planned for i in ctl.executor.sleepers.values()],
+                pressed(instances, queued or {}, p.busy_fraction),
+                self.main_gpus,
+                self.main_keys,
+                p.wakes_per_tick,
+            )
+            if not wakes:
+                return False
+            await self.run_aside(ctl.running, [*running, *wakes], "wake-aside")
+            return True
+
+    async def sleep_idle(self, instances: Sequence[Mapping[str, Any]], queued: Any) -> bool:
+        """Put the engines of the models idle for `standby.sleep_idle_s` to sleep beside the
+        shift in progress (if any); True when that happened."""
+        ctl = self.ctl
+        p = ctl.cfg.shift.standby
+        now_s = ctl.clock()
+        self.idle_since = idle_since(self.idle_since, instances, queued or {}, now_s)
+        if p.sleep_idle_s <= 0:
+            return False
+        async with self.aside:
+            running = {k: i.planned for k, i in ctl.running.items()}
+            leaving = sleeps_aside(
+                list(running.values()), self.idle_since, now_s, p, self.main_keys
+            )
+            if not leaving:
+                return False
+            gone = {instance_key(i) for i in leaving}
+            target = [r for k, r in running.items() if k not in gone]
+            await self.run_aside(ctl.running, target, "sleep-aside")
+            return True
+
+    async def run_aside(
+        self, running: dict[str, LiveInstance], target: list[PlannedInstance], trigger: str
+    ) -> ShiftOutcome:
+        """A change beside the policy's shifts through the same shift procedure, from
+        `running` (changed in place), logged in the shift log but not in the policy's
+        history."""
+        ctl = self.ctl
+        current = [i.planned for i in running.values()]
+        entry = ctl.journal.aside(trigger, ASIDE_REASONS[trigger], current, target)
+        outcome = await ctl.executor.shift(
+            ctl.cluster, running, target, rehearse=False, all_or_nothing=False
+        )
+        ctl.journal.finish(entry, outcome)
+        ctl.say(
+            f"controller: {trigger} {said(outcome)} {outcome.reason} phases "
+            + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
+        )
+        return outcome

@@ -1,0 +1,360 @@
+"""Standby sleepers beside the simulator's controller's shifts (policies/shift/
+standby_sleepers.py; `shift.standby`, off by default), as the live controller drives them
+(control/standby_live.py): standbys started and put to sleep ahead of demand, a pressed
+model's sleepers woken (or, time-sharing, swapped in for another model's engine), idle
+models' engines put to sleep, all on the virtual clock beside the tick. Kept apart from the
+tick (sim/controller.py) because it runs on its own clock and state; the holds and refusals
+of models with no instance are the core's (control/core/standby.py), not this.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from flexpipe.cluster import Cluster
+from flexpipe.control.core.standby_aside import standby_view
+from flexpipe.model_spec import load_model_spec
+from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.migration import perf_model_of
+from flexpipe.policies.shift.snapshot import instance_key
+from flexpipe.policies.shift.standby_sleepers import (
+    idle_since,
+    most_awake,
+    peak_rates,
+    pressed,
+    recent_rates,
+    sleeps_aside,
+    standby_time_shared,
+    standby_wanted,
+    swaps_aside,
+    wakes_aside,
+)
+from flexpipe.sim.loop import CONTROL
+from flexpipe.sim.shift_record import REASONS, record
+from flexpipe.sim.shift_run import ShiftOutcome, ShiftRun
+
+if TYPE_CHECKING:
+    from flexpipe.sim.controller import SimController
+
+__all__ = ["StandbyRun"]
+
+
+class StandbyRun:
+    """The standby-sleeper part of one `SimController`, which owns it (`controller.beside`):
+    the changes beside its shifts go through the same shift procedure (`ShiftRun`)."""
+
+    def __init__(self, ctl: SimController) -> None:
+        self.ctl = ctl
+        params = ctl.params
+        self.peak_awake: dict[str, int] = {}  # model -> most instances awake at once
+        self.peak_rates: dict[str, float] = {}  # model -> highest rate measured, req/s
+        # (tick time, finished requests by model then): the rate over the last ticks
+        self.done_seen: deque[tuple[float, dict[str, float]]] = deque(maxlen=3)
+        self.idle_since: dict[str, float] = {}  # model -> since when it serves nothing
+        self.to_sleep: set[str] = set()  # standbys of the first plan, put to sleep after it
+        self.waking = False  # sleepers wake beside the shifts
+        self.busy = False  # standbys start (launched, then put to sleep) beside
+        self.aside_gpus: set[str] = set()  # GPUs the standbys loading beside take
+        self.tick_after = False  # a tick came during a wake beside
+        self.main_gpus: set[str] = set()  # what the shift in progress touches
+        self.main_keys: set[str] = set()
+        self.every_s = params.shift.standby.aside_tick_s or params.tick_s
+        self.checked_s = -math.inf  # when standbys were last looked for
+
+    def observe(self, now: float, running: list[PlannedInstance], cluster: Cluster) -> Cluster:
+        """A tick's readings kept (most awake, peak rates); the cluster the policy decides on."""
+        self.peak_awake = most_awake(self.peak_awake, running)
+        self.done_seen.append((now, dict(self.ctl._done)))
+        self.peak_rates = peak_rates(self.peak_rates, recent_rates(self.done_seen))
+        return self.view(cluster)
+
+    def asleep_now(self) -> list[Any]:
+        """The records of the engines asleep now (not released)."""
+        return [
+            r
+            for r in self.ctl.sleepers.values()
+            if r.released_s < 0 and r.sleep is not None and r.sleep.level is not None
+        ]
+
+    def first_to_sleep(self) -> set[str]:
+        """The first plan's standbys that go to sleep once it is done: those of models no
+        request waits for and none is served on (the others serve their burst first; the
+        idle sleep or the down trigger puts them to sleep)."""
+        ctl = self.ctl
+        waiting = {m for m, n in ctl.queued_by_model().items() if n > 0}
+        waiting |= {
+            str(rec.get("model"))
+            for rec in ctl.gateway_pool()
+            if rec.get("state") == "active" and float(rec.get("num_in_flight") or 0) > 0
+        }
+        keys = {
+            k
+            for k in self.to_sleep
+            if k in ctl.running and ctl.running[k].planned.model not in waiting
+        }
+        self.to_sleep = set()
+        return keys
+
+    def wake_aside(self, now: float) -> bool:
+        """Wake the sleepers of the models with requests waiting beside the shift in
+        progress (if any); True when a wake started."""
+        ctl = self.ctl
+        if self.waking or not ctl.params.shift.standby.wake_aside:
+            return False
+        wakes = wakes_aside(
+            ctl.cluster,
+            [r.planned for r in ctl.running.values()],
+            [r.planned for r in self.asleep_now()],
+            pressed(
+                ctl.gateway_pool(),
+                ctl.queued_by_model(),
+                ctl.params.shift.standby.busy_fraction,
+            ),
+            self.main_gpus,
+            self.main_keys,
+            ctl.params.shift.standby.wakes_per_tick,
+        )
+        if not wakes:
+            return self.swap_aside(now)
+        running = [r.planned for r in ctl.running.values()]
+        self.waking = True
+
+        def woken(end: float) -> None:
+            self.waking = False
+
+        self.run_aside(ctl.running, [*running, *wakes], now, "wake-aside", woken)
+        return True
+
+    def sleep_idle(self, now: float) -> bool:
+        """Put the engines of models idle for `standby.sleep_idle_s` to sleep beside the
+        shift in progress (if any); True when that started."""
+        ctl = self.ctl
+        params = ctl.params.shift.standby
+        self.idle_since = idle_since(
+            self.idle_since, ctl.gateway_pool(), ctl.queued_by_model(), now
+        )
+        if self.waking or params.sleep_idle_s <= 0:
+            return False
+        leaving = sleeps_aside(
+            [r.planned for r in ctl.running.values()],
+            self.idle_since,
+            now,
+            params,
+            self.main_keys,
+        )
+        if not leaving:
+            return False
+        gone = {instance_key(i) for i in leaving}
+        target = [r.planned for k, r in ctl.running.items() if k not in gone]
+        self.waking = True
+
+        def asleep(end: float) -> None:
+            self.waking = False
+
+        self.run_aside(ctl.running, target, now, "sleep-aside", asleep, ctl._sleep_levels(target))
+        return True
+
+    def view(self, cluster: Cluster) -> Cluster:
+        """The GPUs free to us as the planner sees them beside standby sleepers: the memory
+        each sleeper still holds is used, and a standby loading beside the shifts holds its
+        GPUs whole."""
+        # time-sharing: a sleeper beside a running instance of another model fits in what
+        # that instance's engine leaves (standby_time_shared): not counted again, nor taken
+        # for another tenant's
+        beside = self.held_by_running()
+        return standby_view(
+            cluster,
+            [
+                (r.planned, r.sleep.gpu_memory_bytes)
+                for r in self.asleep_now()
+                if not set(r.planned.gpu_ids) & beside
+            ],
+            self.ctl.params.shift.standby.keep_for_wake,
+            self.aside_gpus - beside,
+        )
+
+    def standbys(
+        self, awake: list[PlannedInstance], now: float, busy: Sequence[PlannedInstance] = ()
+    ) -> list[PlannedInstance]:
+        """The standby engines to start beside `awake` (and what `busy` takes); none unless
+        `shift.standby` is on."""
+        ctl = self.ctl
+        params = ctl.params.shift.standby
+        if not params.enabled:
+            return []
+        waiting = {m for m, n in ctl.queued_by_model().items() if n > 0}
+        # every sleeper, waking ones too: no standby lands on their GPUs
+        sleeping = [r.planned for r in ctl.sleepers.values() if r.released_s < 0]
+        chosen = standby_wanted(
+            self.view(ctl.cluster),
+            ctl.demands,
+            [*awake, *busy],
+            sleeping,
+            self.peak_awake,
+            self.peak_rates,
+            ctl.planner,
+            now,
+            params,
+            skip=waiting,
+        )
+        if not params.time_share:
+            return chosen
+        cluster = ctl.cluster
+        for g in sorted(self.aside_gpus & set(cluster.gpu_ids)):
+            cluster = cluster.with_used(g, cluster.gpu(g).capacity_bytes, owner="flexpipe")
+        shared = standby_time_shared(
+            cluster,
+            ctl.demands,
+            [*awake, *busy],
+            [*sleeping, *chosen],
+            self.peak_awake,
+            self.peak_rates,
+            ctl.planner,
+            now,
+            params,
+            self.footprint_bytes,
+            skip=waiting,
+        )
+        return [*chosen, *shared]
+
+    def held_by_running(self) -> set[str]:
+        """With `standby.time_share`, the GPUs running instances hold (where sleepers of
+        other models may sleep beside them); else none."""
+        if not self.ctl.params.shift.standby.time_share:
+            return set()
+        return {g for r in self.ctl.running.values() for g in r.planned.gpu_ids}
+
+    def footprint_bytes(self, inst: PlannedInstance, awake: bool) -> float:
+        """The GPU memory `inst` holds on all its GPUs together, awake or asleep, as the
+        performance model prices it (asleep: its reserve, as the sim engine's
+        `SleepState.gpu_memory_bytes` reads it)."""
+        pm = perf_model_of(self.ctl.cluster, inst, spec=load_model_spec(inst.model_id))
+        if awake:
+            return sum(
+                g.weights_bytes + g.reserve_bytes + max(g.kv_bytes, 0.0) for g in pm.memory.per_gpu
+            )
+        return sum(g.reserve_bytes for g in pm.memory.per_gpu)
+
+    def swap_aside(self, now: float) -> bool:
+        """Time-sharing (`standby.time_share`): wake a pressed model's sleeper on GPUs
+        another model's running instance holds, that instance put to sleep first (the
+        level `sleep_levels` gives it; one that cannot sleep stops), then the sleeper woken,
+        both through the shift procedure and priced by the performance model; True when a
+        swap started."""
+        ctl = self.ctl
+        params = ctl.params.shift.standby
+        if not (params.enabled and params.time_share):
+            return False
+        swaps = swaps_aside(
+            ctl.cluster,
+            [r.planned for r in ctl.running.values()],
+            [r.planned for r in self.asleep_now()],
+            pressed(ctl.gateway_pool(), ctl.queued_by_model(), params.busy_fraction),
+            {d.name: d.priority for d in ctl.demands},
+            {k: float(len(ctl.world.requests_on(r))) for k, r in ctl.running.items()},
+            self.main_gpus,
+            self.main_keys,
+            params.wakes_per_tick,
+        )
+        if not swaps:
+            return False
+        gone = {instance_key(h) for s in swaps for h in s.sleep}
+        kept = [r.planned for k, r in ctl.running.items() if k not in gone]
+        self.waking = True
+
+        def woken(end: float) -> None:
+            self.waking = False
+
+        def wake(end: float) -> None:
+            running = [r.planned for r in ctl.running.values()]
+            self.run_aside(
+                ctl.running, [*running, *(s.wake for s in swaps)], end, "swap-wake", woken
+            )
+
+        self.run_aside(ctl.running, kept, now, "swap-sleep", wake, ctl._sleep_levels(kept))
+        return True
+
+    def tick(self, now: float) -> None:
+        """Every `standby.aside_tick_s`, beside the shifts: a model with requests waiting
+        wakes its sleepers on GPUs the shift in progress (if any) does not touch, at once;
+        else, every `tick_s`, models short of standbys get them started (launched, then put
+        to sleep)."""
+        ctl = self.ctl
+        ctl.world.loop.at(now + self.every_s, CONTROL, self.tick)
+        if self.wake_aside(now) or self.sleep_idle(now) or self.busy:
+            return
+        running = [r.planned for r in ctl.running.values()]
+        if now < self.checked_s + ctl.params.tick_s:
+            return
+        self.checked_s = now
+        busy = self.main_gpus  # the shift in progress's GPUs: not for a standby now
+        standbys = [s for s in self.standbys(running, now) if not set(s.gpu_ids) & busy]
+        if standbys:
+            # started in a running plan of their own: the policy sees them once asleep
+            loading: dict[str, Any] = {}
+            self.busy = True
+            self.aside_gpus = {g for s in standbys for g in s.gpu_ids}
+            self.run_aside(
+                loading, standbys, now, "standby", lambda end: self.sleep_loaded(loading, end)
+            )
+
+    def sleep_loaded(self, loading: dict[str, Any], now: float) -> None:
+        """The standbys `loading` are up: put them to sleep (the level `sleep_levels` gives
+        each; one that cannot sleep stops), then lift the holds their plan's end made on the
+        models that have instances."""
+        ctl = self.ctl
+
+        def asleep(end: float) -> None:
+            self.busy = False
+            self.aside_gpus = set()
+            serving = {r.planned.model for r in ctl.running.values()}
+            for model in sorted({r.planned.model for r in loading.values()} | serving):
+                if model in serving:
+                    ctl.world.hold(model, 0.0, end)
+
+        levels = ctl._sleep_levels([], loading)
+        self.run_aside(loading, [], now, "standby", asleep, levels)
+
+    def run_aside(
+        self,
+        running: dict[str, Any],
+        target: list[PlannedInstance],
+        now: float,
+        trigger: str,
+        then: Callable[[float], None],
+        sleep_levels: dict[str, int] | None = None,
+    ) -> None:
+        """A change beside the shifts (a wake, a standby's start or sleep) through the same
+        shift procedure, from `running` (key -> record, changed in place); not in the
+        policy's history. `then`: called at its end."""
+        ctl = self.ctl
+        p = ctl.params
+        shielded = ctl._shielded(running, target)
+        # time-sharing: a standby's start stops no sleeper on its GPUs (it fits beside them
+        # asleep, standby_time_shared); it wakes none either
+        starting = ctl.params.shift.standby.time_share and trigger == "standby" and target
+
+        def done(outcome: ShiftOutcome, end: float) -> None:
+            ctl._unshield(shielded)
+            ctl.on_shift(record(now, end, trigger, REASONS[trigger], None, outcome))
+            then(end)
+            if self.tick_after and not self.waking:
+                self.tick_after = False
+                ctl._schedule_tick(end)
+
+        run = ShiftRun(
+            ctl.world,
+            running,
+            target,
+            done,
+            drain_deadline_s=p.drain_deadline_s,
+            rehearsal_tolerance=p.rehearsal_tolerance,
+            rehearse=False,
+            all_or_nothing=False,
+            sleepers={} if starting else ctl.sleepers,
+            sleep_levels=sleep_levels or {},
+        )
+        run.start(now)
