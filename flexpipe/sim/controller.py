@@ -342,10 +342,8 @@ class SimController:
         p = self.params
         if kept is not None:
             self._renew_at(now + kept.every_s, kept, self._num_shifts)
-        shielded = self._shielded(self.running, target)
 
         def done(outcome: ShiftOutcome, end: float) -> None:
-            self._unshield(shielded)
             self._shifting = False
             beside.main_gpus, beside.main_keys = set(), set()
             for model in release:
@@ -405,37 +403,6 @@ class SimController:
             level1,
             lambda p: perf_model_of(cluster, p, spec=load_model_spec(p.model_id)),
         )
-
-    def _shielded(
-        self, running: dict[str, Any], target: Sequence[PlannedInstance]
-    ) -> dict[str, Any]:
-        """With `standby.time_share`: the sleepers a change from `running` to `target` must
-        keep although they share GPUs with a target instance, taken out of `sleepers` while
-        it runs (give them back with `_unshield`): they sleep beside an instance that runs
-        on (the shift procedure stops every sleeper on GPUs a target instance holds, as it
-        must for a new one)."""
-        if not self.params.shift.standby.time_share:
-            return {}
-        wanted = {instance_key(t) for t in target}
-        new_gpus = {
-            g
-            for t in target
-            if instance_key(t) not in running and instance_key(t) not in self.sleepers
-            for g in t.gpu_ids
-        }
-        kept_gpus = {g for t in target if instance_key(t) in running for g in t.gpu_ids}
-        keys = [
-            k
-            for k, r in self.sleepers.items()
-            if k not in wanted
-            and not set(r.planned.gpu_ids) & new_gpus
-            and set(r.planned.gpu_ids) & kept_gpus
-        ]
-        return {k: self.sleepers.pop(k) for k in keys}
-
-    def _unshield(self, shielded: dict[str, Any]) -> None:
-        for k, r in shielded.items():
-            self.sleepers.setdefault(k, r)
 
     def _sleep_levels(
         self, target: Sequence[PlannedInstance], running: dict[str, Any] | None = None

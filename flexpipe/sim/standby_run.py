@@ -332,13 +332,11 @@ class StandbyRun:
         policy's history. `then`: called at its end."""
         ctl = self.ctl
         p = ctl.params
-        shielded = ctl._shielded(running, target)
         # time-sharing: a standby's start stops no sleeper on its GPUs (it fits beside them
         # asleep, standby_time_shared); it wakes none either
         starting = ctl.params.shift.standby.time_share and trigger == "standby" and target
 
         def done(outcome: ShiftOutcome, end: float) -> None:
-            ctl._unshield(shielded)
             ctl.on_shift(record(now, end, trigger, REASONS[trigger], None, outcome))
             then(end)
             if self.tick_after and not self.waking:
