@@ -98,8 +98,9 @@ def test_a_burst_for_b_swaps_it_in_on_the_gpu_a_serves_from(tmp_path: Path) -> N
         assert [p.model for p in slept.current] == [a] and slept.target == ()
         assert [p.model for p in woken.target] == [b]
         # A's requests in flight finished on it before it slept; none moved, none failed
-        assert slept.migrated.finished_in_place >= 1, slept.migrated
-        assert slept.migrated.kv_moved == slept.migrated.recomputed == 0
+        moved = slept.migrated
+        assert moved is not None and moved.finished_in_place >= 1, moved
+        assert moved.kv_moved == moved.recomputed == 0
         assert slept.phases.sleep_s is not None and woken.phases.wake_s is not None
         assert woken.phases.warm_s is None  # B woke: no cold start
         assert shifts("swap-back") == []
