@@ -23,6 +23,8 @@ from flexpipe.control.core.standby_aside import (
     ASIDE_REASONS,
     asleep_gpu_bytes,
     evicts_asleep,
+    first_asleep,
+    first_plan,
     footprint_bytes,
     standby_view,
     standbys_to_start,
@@ -71,6 +73,36 @@ class StandbySleepers:
         self.main_gpus: set[str] = set()  # what the shift in progress touches
         self.main_keys: set[str] = set()
         self.checked_s = -math.inf  # when standbys were last looked for
+        self.to_sleep: set[str] = set()  # standbys of the first plan, put to sleep after it
+
+    def first_plan(self, planned: Sequence[PlannedInstance]) -> list[PlannedInstance]:
+        """The first plan with the standby set in place (`first_plan`: each model's standbys
+        instead of the planner's instances of it), as the simulator starts; nothing runs
+        or sleeps yet. Its standbys are put to sleep once it serves (`sleep_first`)."""
+        standbys = self.standbys({})
+        self.to_sleep = {instance_key(s) for s in standbys}
+        return first_plan(standbys, planned)
+
+    async def sleep_first(self) -> None:
+        """The first plan's standbys of models that nothing waits for and nothing is served
+        on (`first_asleep`) go to sleep, a change beside logged as `standby`; the others
+        serve first (the idle sleep or the down trigger puts them to sleep later)."""
+        ctl = self.ctl
+        keys, self.to_sleep = self.to_sleep, set()
+        if not keys:
+            return
+        try:
+            instances = await ctl.gateway.instances()
+            queued = gateway_totals(await ctl.gateway.metrics()).queued_by_model or {}
+        except GatewayError as exc:  # (left awake: the idle sleep puts them to sleep)
+            log.warning("standby: the first plan's sleep: %s", exc)
+            return
+        running = {k: i.planned for k, i in ctl.running.items()}
+        asleep = first_asleep(keys, running, instances, queued)
+        if asleep:
+            async with self.aside:
+                target = [p for k, p in running.items() if k not in asleep]
+                await self.run_aside(ctl.running, target, "standby")
 
     def observe(self, now_s: float, readings: Readings) -> Cluster:
         """A tick's readings kept (most awake, peak rates); the cluster the policy decides on."""
@@ -295,7 +327,7 @@ class StandbySleepers:
         ctl = self.ctl
         current = [i.planned for i in running.values()]
         entry = ctl.journal.aside(trigger, ASIDE_REASONS[trigger], current, target)
-        evicts = evicts_asleep(trigger, target, ctl.cfg.shift.standby.time_share)
+        evicts = evicts_asleep(trigger, running, target, ctl.cfg.shift.standby.time_share)
         outcome = await ctl.executor.shift(
             ctl.cluster,
             running,

@@ -35,6 +35,7 @@ from flexpipe.control.core.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Bucket
 from flexpipe.control.core.shift_procedure import InPlaceChooser
 from flexpipe.control.core.sleeping import in_place_chooser, leaving_of, sleep_levels
 from flexpipe.control.core.standby import Renewal, StandbyCommand
+from flexpipe.control.core.standby_aside import first_plan
 from flexpipe.control.core.tick import (
     Readings,
     TickCore,
@@ -190,11 +191,7 @@ class SimController:
         # with standbys: each model's burst set instead of the first plan's (it is asleep,
         # save what the requests held meanwhile need, once it served them)
         standbys = self.beside.standbys([], now)
-        with_standby = {s.model for s in standbys}
-        first_target = [
-            *standbys,
-            *(i for i in first.instances if i.model not in with_standby),
-        ]
+        first_target = first_plan(standbys, first.instances)
         self.beside.to_sleep = {instance_key(s) for s in standbys}
         self.decisions.append(
             {

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from flexpipe.cluster import Cluster
 from flexpipe.control.core.standby_aside import (
     evicts_asleep,
+    first_asleep,
     footprint_bytes,
     standby_view,
     standbys_to_start,
@@ -86,21 +87,14 @@ class StandbyRun:
         ]
 
     def first_to_sleep(self) -> set[str]:
-        """The first plan's standbys that go to sleep once it is done: those of models no
-        request waits for and none is served on (the others serve their burst first; the
-        idle sleep or the down trigger puts them to sleep)."""
+        """The first plan's standbys that go to sleep once it is done (`first_asleep`)."""
         ctl = self.ctl
-        waiting = {m for m, n in ctl.queued_by_model().items() if n > 0}
-        waiting |= {
-            str(rec.get("model"))
-            for rec in ctl.gateway_pool()
-            if rec.get("state") == "active" and float(rec.get("num_in_flight") or 0) > 0
-        }
-        keys = {
-            k
-            for k in self.to_sleep
-            if k in ctl.running and ctl.running[k].planned.model not in waiting
-        }
+        keys = first_asleep(
+            self.to_sleep,
+            {k: r.planned for k, r in ctl.running.items()},
+            ctl.gateway_pool(),
+            ctl.queued_by_model(),
+        )
         self.to_sleep = set()
         return keys
 
@@ -315,7 +309,7 @@ class StandbyRun:
         p = ctl.params
         # time-sharing: a standby's start stops no sleeper on its GPUs (it fits beside them
         # asleep, standby_time_shared); it wakes none either
-        evicts = evicts_asleep(trigger, target, ctl.params.shift.standby.time_share)
+        evicts = evicts_asleep(trigger, running, target, ctl.params.shift.standby.time_share)
 
         def done(outcome: ShiftOutcome, end: float) -> None:
             ctl.on_shift(record(now, end, trigger, REASONS[trigger], None, outcome))

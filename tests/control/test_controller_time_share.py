@@ -82,11 +82,21 @@ def test_a_burst_for_b_swaps_it_in_on_the_gpu_a_serves_from(tmp_path: Path) -> N
         def shifts(trigger: str) -> list[ShiftEntry]:
             return [e for e in finished(up.entries("shift")) if e.trigger == trigger]
 
-        # B's standby: launched beside A's engine on gpu0, then put to sleep
-        up.wait_until("B's standby asleep", lambda: live(b, State.ASLEEP), 60)
+        # the first plan: the standby set in place, A's engine and B's standby beside it on
+        # gpu0, launched together; those nothing waits for then sleep (`standby`); A's
+        # requests wake A (`wake-aside`), B sleeps on beside it
+        up.wait_until(
+            "A serving, B's standby asleep beside it",
+            lambda: live(a, State.ACTIVE) and live(b, State.ASLEEP),
+            60,
+        )
         ((holder,), (sleeper,)) = live(a, State.ACTIVE), live(b, State.ASLEEP)
         assert holder.gpu_ids == sleeper.gpu_ids == ("gpu0",)
-        assert [e.outcome for e in shifts("standby")] == ["succeeded", "succeeded"]
+        (start,) = [e for e in up.entries("plan") if e.trigger == "start"]
+        assert sorted(p.model for p in start.current) == [a, b], start
+        (first_sleep,) = shifts("standby")
+        assert first_sleep.outcome == "succeeded" and first_sleep.phases.sleep_s is not None
+        assert b not in {p.model for p in first_sleep.target}
         assert pool_states(up) == {holder.endpoint: "active", sleeper.endpoint: "asleep"}
 
         results = asyncio.run(burst(up.port, b, 4))
@@ -109,7 +119,7 @@ def test_a_burst_for_b_swaps_it_in_on_the_gpu_a_serves_from(tmp_path: Path) -> N
             State.ASLEEP,
         ]
         assert [h.to_state for h in registry.history(sleeper.id)] == [
-            State.STARTING,  # the standby: launched, then put to sleep
+            State.STARTING,  # the standby: launched in the first plan, then put to sleep
             State.ACTIVE,
             State.DRAINING,
             State.ASLEEP,

@@ -14,6 +14,8 @@ from flexpipe.cluster import Cluster, load_cluster
 from flexpipe.control.core.standby_aside import (
     asleep_gpu_bytes,
     evicts_asleep,
+    first_asleep,
+    first_plan,
     footprint_bytes,
     standby_view,
     standbys_to_start,
@@ -117,12 +119,28 @@ def test_the_footprint_is_the_sim_engines_own_accounting(level: int) -> None:
     assert footprint_bytes(pm, False) == state.gpu_memory_bytes == asleep_gpu_bytes(pm)
 
 
-def test_only_a_time_shared_standby_start_keeps_the_sleepers_on_its_gpus() -> None:
-    assert not evicts_asleep("standby", [HOLDER], True)
-    assert evicts_asleep("standby", [HOLDER], False)
-    assert evicts_asleep("standby", [], True)  # its sleep step: nothing is launched
-    assert evicts_asleep("swap-wake", [HOLDER], True)
-    assert evicts_asleep("wake-aside", [HOLDER], True)
+def test_only_a_time_shared_standby_launch_keeps_the_sleepers_on_its_gpus() -> None:
+    assert not evicts_asleep("standby", {}, [HOLDER], True)
+    assert evicts_asleep("standby", {}, [HOLDER], False)
+    assert evicts_asleep("standby", {"k": 1}, [], True)  # its sleep step: nothing launched
+    assert evicts_asleep("standby", {"k": 1}, [HOLDER], True)  # the first plan's sleep step
+    assert evicts_asleep("swap-wake", {}, [HOLDER], True)
+    assert evicts_asleep("wake-aside", {}, [HOLDER], True)
+
+
+def test_the_first_plan_puts_each_models_standby_set_in_place_of_the_planners() -> None:
+    a_std = replace(HOLDER, name="a-std")
+    b_planned = replace(HOLDER, name="b-0", model="b", stages=(("gpu3",),))
+    assert first_plan([a_std], [HOLDER, b_planned]) == [a_std, b_planned]
+    assert first_plan([], [HOLDER]) == [HOLDER]
+    running = {instance_key(a_std): a_std, instance_key(b_planned): b_planned}
+    keys = {instance_key(a_std)}
+    idle: list[dict[str, object]] = [{"model": "a", "state": "active", "num_in_flight": 0}]
+    busy: list[dict[str, object]] = [{"model": "a", "state": "active", "num_in_flight": 2}]
+    assert first_asleep(keys, running, idle, {}) == keys
+    assert first_asleep(keys, running, busy, {}) == set()  # it serves: awake
+    assert first_asleep(keys, running, idle, {"a": 1}) == set()  # requests wait for it
+    assert first_asleep(keys, {}, idle, {}) == set()  # it did not start
 
 
 def test_a_swap_sleeps_the_holders_then_wakes_and_wakes_them_back_if_it_failed() -> None:

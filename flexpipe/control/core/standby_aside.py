@@ -16,12 +16,15 @@ docs/controller.md, "Standby sleepers"):
   `footprint_bytes` (what an engine holds awake or asleep), `evicts_asleep` (whether a
   change beside may stop the sleepers on its new instances' GPUs), `swap_steps` and
   `woken_back` (a swap's two steps, and the holders woken again when its sleeper did not
-  come up).
+  come up);
+- the first plan with standbys: `first_plan` (each model's standby set in place of the
+  planner's instances) and `first_asleep` (which of them sleep once it is up).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.perf import PerfModel
@@ -41,6 +44,8 @@ __all__ = [
     "ASIDE_REASONS",
     "asleep_gpu_bytes",
     "evicts_asleep",
+    "first_asleep",
+    "first_plan",
     "footprint_bytes",
     "standby_view",
     "standbys_to_start",
@@ -152,12 +157,47 @@ def footprint_bytes(pm: PerfModel, awake: bool) -> float:
     return sum(g.weights_bytes + g.reserve_bytes + max(g.kv_bytes, 0.0) for g in pm.memory.per_gpu)
 
 
-def evicts_asleep(trigger: str, target: Sequence[PlannedInstance], time_share: bool) -> bool:
-    """Whether a change beside the shifts may stop the sleepers on its new instances' GPUs
-    (the shift procedure does, as it must for an engine that needs them whole): not the start
-    of standbys with `time_share`, which fit asleep beside what sleeps there
+def evicts_asleep(
+    trigger: str,
+    running: Collection[str],
+    target: Sequence[PlannedInstance],
+    time_share: bool,
+) -> bool:
+    """Whether a change beside the shifts from `running` (keys) to `target` may stop the
+    sleepers on its new instances' GPUs (the shift procedure does, as it must for an engine
+    that needs them whole): not the launch of standbys with `time_share` (nothing running,
+    standbys in the target), which fit asleep beside what sleeps there
     (`standby_time_shared`) and wake only by a swap."""
-    return not (time_share and trigger == "standby" and bool(target))
+    return not (time_share and trigger == "standby" and bool(target) and not running)
+
+
+def first_plan(
+    standbys: Sequence[PlannedInstance], planned: Sequence[PlannedInstance]
+) -> list[PlannedInstance]:
+    """The first plan with standbys on (`flexpipe up`, the simulator's start): each model's
+    standby set (`standbys_to_start` with nothing running yet) instead of the planner's
+    instances of it; the planner's instances of the models with none."""
+    with_standby = {s.model for s in standbys}
+    return [*standbys, *(i for i in planned if i.model not in with_standby)]
+
+
+def first_asleep(
+    standby_keys: Collection[str],
+    running: Mapping[str, PlannedInstance],
+    instances: Sequence[Mapping[str, Any]],
+    queued_by_model: Mapping[str, int],
+) -> set[str]:
+    """The first plan's standbys (`standby_keys`) that go to sleep once it is done: those
+    running (`running`: key -> instance) of models no request waits for (`queued_by_model`)
+    and none is served on (`instances`: the gateway's pool records). The others serve their
+    burst first; the idle sleep or the down trigger puts them to sleep."""
+    busy = {m for m, n in queued_by_model.items() if n > 0}
+    busy |= {
+        str(rec.get("model"))
+        for rec in instances
+        if rec.get("state") == "active" and float(rec.get("num_in_flight") or 0) > 0
+    }
+    return {k for k in standby_keys if k in running and running[k].model not in busy}
 
 
 def swap_steps(
