@@ -96,7 +96,7 @@ def test_a_burst_for_b_swaps_it_in_on_the_gpu_a_serves_from(tmp_path: Path) -> N
         assert sorted(p.model for p in start.current) == [a, b], start
         (first_sleep,) = shifts("standby")
         assert first_sleep.outcome == "succeeded" and first_sleep.phases.sleep_s is not None
-        assert b not in {p.model for p in first_sleep.target}
+        assert b not in {p.model for p in first_sleep.target or ()}
         assert pool_states(up) == {holder.endpoint: "active", sleeper.endpoint: "asleep"}
 
         results = asyncio.run(burst(up.port, b, 4))
