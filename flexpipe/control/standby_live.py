@@ -1,7 +1,8 @@
 """Standby sleepers beside the live controller's tick (policies/shift/standby_sleepers.py;
-`shift.standby`, off by default), as the simulator's controller drives them: engines started
-and put to sleep ahead of demand, woken at once when their model is pressed, and the engines
-of idle models put to sleep. Kept apart from the tick loop (control/controller.py) because it
+`shift.standby`, off by default), as the simulator's controller drives them: the first plan
+with the standby set in place, engines started and put to sleep ahead of demand, woken at
+once when their model is pressed (or, time-sharing, swapped in for another model's engine on
+its GPU), and the engines of idle models put to sleep. Kept apart from the tick loop (control/controller.py) because it
 runs beside it, on its own clock and lock; control/standby.py is another thing: the
 gateway's holds and refusals of the models with no instance.
 """
