@@ -300,15 +300,16 @@ class Controller:
         adopted = list(self.running)
         if survivors:
             self._gauge()
+        targets = list(first.instances)
+        if self.cfg.shift.standby.enabled and not survivors:  # the standby set in place
+            targets = self.beside.first_plan(targets)
         # what a new instance needs the GPUs of goes first; the rest once the plan serves
-        wanted = {
-            g for p in first.instances if instance_key(p) not in self.running for g in p.gpu_ids
-        }
+        wanted = {g for p in targets if instance_key(p) not in self.running for g in p.gpu_ids}
         in_way = [r for r in leftovers if wanted & set(r.gpu_ids)]
         await self.takeover.retire(in_way)
         # While the first engines load, the gateway queues their models' requests instead of
         # answering 404 (a newcomer's first request waits for the cold start, then is served).
-        cold = cold_models(first.instances, [i.planned for i in self.running.values()])
+        cold = cold_models(targets, [i.planned for i in self.running.values()])
         held = await self._hold_all(cold, self.cfg.standby_hold_s)
         try:
             # a cold start may outlast the hold. (Unlike the simulator's first plan, a
@@ -317,7 +318,7 @@ class Controller:
                 outcome = await self.executor.shift(
                     self.cluster,
                     self.running,
-                    first.instances,
+                    targets,
                     rehearse=False,
                     all_or_nothing=False,
                 )
@@ -338,6 +339,7 @@ class Controller:
         if not self.running:
             raise RuntimeError("no instance started; see the errors above")
         self.say(f"controller: {len(self.running)} instance(s) serving")
+        await self.beside.sleep_first()  # (standbys: those nothing waits for sleep now)
 
     async def _hold_all(self, models: Sequence[str], seconds: float) -> list[str]:
         """Hold `models` in the gateway for `seconds` (0: release); the models it took."""

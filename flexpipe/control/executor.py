@@ -177,9 +177,12 @@ class Executor:
         target: Sequence[PlannedInstance],
         rehearse: bool = True,
         all_or_nothing: bool = True,
+        sleepers: dict[str, LiveInstance] | None = None,
     ) -> ShiftOutcome:
         """Move from `running` (updated in place) to `target`. `all_or_nothing` False (the
-        first plan): instances that start serve even when others could not."""
+        first plan): instances that start serve even when others could not. `sleepers`: the
+        sleepers the shift may wake or stop (default: all, `self.sleepers`)."""
+        sleepers = self.sleepers if sleepers is None else sleepers
         params = ShiftParams(
             drain_deadline_s=self.drain_deadline_s,
             standby_hold_s=self.standby_hold_s,
@@ -211,7 +214,7 @@ class Executor:
             self.in_place, self.kind_sleep_levels, cluster, level1, perf_model
         )
         procedure = ShiftProcedure(
-            running, target, params, self.names, specs, self.sleepers, levels, chooser
+            running, target, params, self.names, specs, sleepers, levels, chooser
         )
         return await _LiveShift(self, cluster, running).drive(procedure.run(self.clock()))
 

@@ -1,7 +1,8 @@
 """Standby sleepers beside the live controller's tick (policies/shift/standby_sleepers.py;
-`shift.standby`, off by default), as the simulator's controller drives them: engines started
-and put to sleep ahead of demand, woken at once when their model is pressed, and the engines
-of idle models put to sleep. Kept apart from the tick loop (control/controller.py) because it
+`shift.standby`, off by default), as the simulator's controller drives them: the first plan
+with the standby set in place, engines started and put to sleep ahead of demand, woken at
+once when their model is pressed (or, time-sharing, swapped in for another model's engine on
+its GPU), and the engines of idle models put to sleep. Kept apart from the tick loop (control/controller.py) because it
 runs beside it, on its own clock and lock; control/standby.py is another thing: the
 gateway's holds and refusals of the models with no instance.
 """
@@ -19,7 +20,19 @@ from flexpipe.cluster import Cluster
 from flexpipe.control.api.gateway_client import GatewayError
 from flexpipe.control.core.samples import gateway_totals
 from flexpipe.control.core.shift_outcome import ShiftOutcome, said
-from flexpipe.control.core.standby_aside import ASIDE_REASONS, asleep_gpu_bytes, standby_view
+from flexpipe.control.core.standby_aside import (
+    ASIDE_REASONS,
+    asleep_gpu_bytes,
+    evicts_asleep,
+    first_asleep,
+    first_plan,
+    footprint_bytes,
+    standby_view,
+    standbys_to_start,
+    swap_steps,
+    time_shared_gpus,
+    woken_back,
+)
 from flexpipe.control.core.tick import Readings
 from flexpipe.control.executor import LiveInstance
 from flexpipe.model_spec import load_model_spec
@@ -33,7 +46,7 @@ from flexpipe.policies.shift.standby_sleepers import (
     pressed,
     recent_rates,
     sleeps_aside,
-    standby_wanted,
+    swaps_aside,
     wakes_aside,
 )
 
@@ -61,6 +74,36 @@ class StandbySleepers:
         self.main_gpus: set[str] = set()  # what the shift in progress touches
         self.main_keys: set[str] = set()
         self.checked_s = -math.inf  # when standbys were last looked for
+        self.to_sleep: set[str] = set()  # standbys of the first plan, put to sleep after it
+
+    def first_plan(self, planned: Sequence[PlannedInstance]) -> list[PlannedInstance]:
+        """The first plan with the standby set in place (`first_plan`: each model's standbys
+        instead of the planner's instances of it), as the simulator starts; nothing runs
+        or sleeps yet. Its standbys are put to sleep once it serves (`sleep_first`)."""
+        standbys = self.standbys({})
+        self.to_sleep = {instance_key(s) for s in standbys}
+        return first_plan(standbys, planned)
+
+    async def sleep_first(self) -> None:
+        """The first plan's standbys of models that nothing waits for and nothing is served
+        on (`first_asleep`) go to sleep, a change beside logged as `standby`; the others
+        serve first (the idle sleep or the down trigger puts them to sleep later)."""
+        ctl = self.ctl
+        keys, self.to_sleep = self.to_sleep, set()
+        if not keys:
+            return
+        try:
+            instances = await ctl.gateway.instances()
+            queued = gateway_totals(await ctl.gateway.metrics()).queued_by_model or {}
+        except GatewayError as exc:  # (left awake: the idle sleep puts them to sleep)
+            log.warning("standby: the first plan's sleep: %s", exc)
+            return
+        running = {k: i.planned for k, i in ctl.running.items()}
+        asleep = first_asleep(keys, running, instances, queued)
+        if asleep:
+            async with self.aside:
+                target = [p for k, p in running.items() if k not in asleep]
+                await self.run_aside(ctl.running, target, "standby")
 
     def observe(self, now_s: float, readings: Readings) -> Cluster:
         """A tick's readings kept (most awake, peak rates); the cluster the policy decides on."""
@@ -76,7 +119,8 @@ class StandbySleepers:
 
     def view(self) -> Cluster:
         """The GPUs free to us as the planner sees them beside standby sleepers: the memory
-        each sleeper still holds is used, a standby loading beside holds its GPUs whole
+        each sleeper still holds is used, a standby loading beside holds its GPUs whole;
+        time-sharing, a sleeper beside a running engine fits in what that engine leaves
         (control/core/standby_aside.py, the simulator's view too)."""
         ctl = self.ctl
         cluster = ctl.cluster
@@ -87,8 +131,16 @@ class StandbySleepers:
             if set(p.gpu_ids) <= ids:  # (one on a GPU that is gone stops at the next tick)
                 pm = perf_model_of(cluster, p, spec=load_model_spec(p.model_id))
                 held.append((p, asleep_gpu_bytes(pm)))
-        keep = ctl.cfg.shift.standby.keep_for_wake
-        return standby_view(cluster, held, keep, self.aside_gpus)
+        params = ctl.cfg.shift.standby
+        running = [i.planned for i in ctl.running.values()]
+        beside = time_shared_gpus(running, params.time_share)
+        return standby_view(cluster, held, params.keep_for_wake, self.aside_gpus, beside)
+
+    def footprint_bytes(self, inst: PlannedInstance, awake: bool) -> float:
+        """`footprint_bytes` of `inst` priced by the performance model (the simulator's
+        too): what time-sharing fits a sleeper beside a running engine with."""
+        pm = perf_model_of(self.ctl.cluster, inst, spec=load_model_spec(inst.model_id))
+        return footprint_bytes(pm, awake)
 
     async def loop(self) -> None:
         """Every `standby.aside_tick_s` (0: `tick_s`), beside the shifts: a pressed model's
@@ -134,12 +186,15 @@ class StandbySleepers:
         return asyncio.create_task(self.start_standbys(standbys)) if standbys else None
 
     def standbys(self, queued: dict[str, int]) -> list[PlannedInstance]:
-        """The standby engines to start now (`standby_wanted`), none on the GPUs the shift in
+        """The standby engines to start now (`standbys_to_start`: on free GPUs, then, with
+        `time_share`, beside other models' running engines), none on the GPUs the shift in
         progress touches nor for a model with requests waiting (its shift comes first)."""
         ctl = self.ctl
         waiting = {m for m, n in queued.items() if n > 0}
-        wanted = standby_wanted(
+        wanted = standbys_to_start(
             self.view(),
+            ctl.cluster,
+            self.aside_gpus,
             ctl.cfg.demands,
             [i.planned for i in ctl.running.values()],
             [i.planned for i in ctl.executor.sleepers.values()],
@@ -148,6 +203,7 @@ class StandbySleepers:
             ctl.planner,
             ctl.clock(),
             ctl.cfg.shift.standby,
+            self.footprint_bytes,
             skip=waiting,
         )
         return [s for s in wanted if not set(s.gpu_ids) & self.main_gpus]
@@ -173,27 +229,74 @@ class StandbySleepers:
 
     async def wake_aside(self, instances: Sequence[Mapping[str, Any]], queued: Any) -> bool:
         """Wake the sleepers of the models that need more engines (`pressed`) beside the
-        shift in progress (if any), on GPUs it does not touch; True when one woke. A wake or
-        sleep beside under way is waited for first."""
+        shift in progress (if any), on GPUs it does not touch; else, time-sharing, swap one
+        in (`swap_aside`); True when one woke. A wake or sleep beside under way is waited
+        for first."""
         ctl = self.ctl
         p = ctl.cfg.shift.standby
         if not p.wake_aside:
             return False
         async with self.aside:
             running = [i.planned for i in ctl.running.values()]
+            want = pressed(instances, queued or {}, p.busy_fraction)
             wakes = wakes_aside(
                 ctl.cluster,
                 running,
                 [i.planned for i in ctl.executor.sleepers.values()],
-                pressed(instances, queued or {}, p.busy_fraction),
+                want,
                 self.main_gpus,
                 self.main_keys,
                 p.wakes_per_tick,
             )
             if not wakes:
-                return False
+                return await self.swap_aside(instances, want)
             await self.run_aside(ctl.running, [*running, *wakes], "wake-aside")
             return True
+
+    async def swap_aside(
+        self, instances: Sequence[Mapping[str, Any]], want: Mapping[str, int]
+    ) -> bool:
+        """Time-sharing (`standby.time_share`; under the `aside` lock): wake a pressed
+        model's sleeper on GPUs another model's running engine holds (`swaps_aside`: that
+        engine `yields_to` it, and nothing of the shift in progress touches either). Step
+        one, `swap-sleep`: the holder drains (its requests in flight finish, or move as any
+        leaving instance's) and sleeps at the level the sleep mode gives it (or stops),
+        out of the gateway's pool first; step two, `swap-wake`: the sleeper wakes and joins
+        the pool (a failed wake cold-starts it, as any wake). If it still does not run, the
+        holders wake again (`swap-back`). True when a swap was carried out."""
+        ctl = self.ctl
+        p = ctl.cfg.shift.standby
+        if not (p.enabled and p.time_share):
+            return False
+        key_of = {i.url: k for k, i in ctl.running.items()}
+        in_flight = {
+            key_of[str(r.get("url"))]: float(r.get("num_in_flight") or 0)
+            for r in instances
+            if str(r.get("url")) in key_of
+        }
+        running = [i.planned for i in ctl.running.values()]
+        swaps = swaps_aside(
+            ctl.cluster,
+            running,
+            [i.planned for i in ctl.executor.sleepers.values()],
+            want,
+            {d.name: d.priority for d in ctl.cfg.demands},
+            in_flight,
+            self.main_gpus,
+            self.main_keys,
+            p.wakes_per_tick,
+        )
+        if not swaps:
+            return False
+        kept, wakes = swap_steps(running, swaps)
+        await self.run_aside(ctl.running, kept, "swap-sleep")
+        running = [i.planned for i in ctl.running.values()]
+        await self.run_aside(ctl.running, [*running, *wakes], "swap-wake")
+        holders = woken_back(swaps, set(ctl.running), set(ctl.executor.sleepers))
+        if holders:
+            running = [i.planned for i in ctl.running.values()]
+            await self.run_aside(ctl.running, [*running, *holders], "swap-back")
+        return True
 
     async def sleep_idle(self, instances: Sequence[Mapping[str, Any]], queued: Any) -> bool:
         """Put the engines of the models idle for `standby.sleep_idle_s` to sleep beside the
@@ -225,8 +328,14 @@ class StandbySleepers:
         ctl = self.ctl
         current = [i.planned for i in running.values()]
         entry = ctl.journal.aside(trigger, ASIDE_REASONS[trigger], current, target)
+        evicts = evicts_asleep(trigger, running, target, ctl.cfg.shift.standby.time_share)
         outcome = await ctl.executor.shift(
-            ctl.cluster, running, target, rehearse=False, all_or_nothing=False
+            ctl.cluster,
+            running,
+            target,
+            rehearse=False,
+            all_or_nothing=False,
+            sleepers=None if evicts else {},
         )
         ctl.journal.finish(entry, outcome)
         ctl.say(

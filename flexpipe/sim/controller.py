@@ -35,6 +35,7 @@ from flexpipe.control.core.samples import TPOT_HISTOGRAM, TTFT_HISTOGRAM, Bucket
 from flexpipe.control.core.shift_procedure import InPlaceChooser
 from flexpipe.control.core.sleeping import in_place_chooser, leaving_of, sleep_levels
 from flexpipe.control.core.standby import Renewal, StandbyCommand
+from flexpipe.control.core.standby_aside import first_plan
 from flexpipe.control.core.tick import (
     Readings,
     TickCore,
@@ -190,11 +191,7 @@ class SimController:
         # with standbys: each model's burst set instead of the first plan's (it is asleep,
         # save what the requests held meanwhile need, once it served them)
         standbys = self.beside.standbys([], now)
-        with_standby = {s.model for s in standbys}
-        first_target = [
-            *standbys,
-            *(i for i in first.instances if i.model not in with_standby),
-        ]
+        first_target = first_plan(standbys, first.instances)
         self.beside.to_sleep = {instance_key(s) for s in standbys}
         self.decisions.append(
             {
@@ -342,10 +339,8 @@ class SimController:
         p = self.params
         if kept is not None:
             self._renew_at(now + kept.every_s, kept, self._num_shifts)
-        shielded = self._shielded(self.running, target)
 
         def done(outcome: ShiftOutcome, end: float) -> None:
-            self._unshield(shielded)
             self._shifting = False
             beside.main_gpus, beside.main_keys = set(), set()
             for model in release:
@@ -405,37 +400,6 @@ class SimController:
             level1,
             lambda p: perf_model_of(cluster, p, spec=load_model_spec(p.model_id)),
         )
-
-    def _shielded(
-        self, running: dict[str, Any], target: Sequence[PlannedInstance]
-    ) -> dict[str, Any]:
-        """With `standby.time_share`: the sleepers a change from `running` to `target` must
-        keep although they share GPUs with a target instance, taken out of `sleepers` while
-        it runs (give them back with `_unshield`): they sleep beside an instance that runs
-        on (the shift procedure stops every sleeper on GPUs a target instance holds, as it
-        must for a new one)."""
-        if not self.params.shift.standby.time_share:
-            return {}
-        wanted = {instance_key(t) for t in target}
-        new_gpus = {
-            g
-            for t in target
-            if instance_key(t) not in running and instance_key(t) not in self.sleepers
-            for g in t.gpu_ids
-        }
-        kept_gpus = {g for t in target if instance_key(t) in running for g in t.gpu_ids}
-        keys = [
-            k
-            for k, r in self.sleepers.items()
-            if k not in wanted
-            and not set(r.planned.gpu_ids) & new_gpus
-            and set(r.planned.gpu_ids) & kept_gpus
-        ]
-        return {k: self.sleepers.pop(k) for k in keys}
-
-    def _unshield(self, shielded: dict[str, Any]) -> None:
-        for k, r in shielded.items():
-            self.sleepers.setdefault(k, r)
 
     def _sleep_levels(
         self, target: Sequence[PlannedInstance], running: dict[str, Any] | None = None

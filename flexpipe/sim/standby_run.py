@@ -15,7 +15,16 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.core.standby_aside import standby_view
+from flexpipe.control.core.standby_aside import (
+    evicts_asleep,
+    first_asleep,
+    footprint_bytes,
+    standby_view,
+    standbys_to_start,
+    swap_steps,
+    time_shared_gpus,
+    woken_back,
+)
 from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import perf_model_of
@@ -27,8 +36,6 @@ from flexpipe.policies.shift.standby_sleepers import (
     pressed,
     recent_rates,
     sleeps_aside,
-    standby_time_shared,
-    standby_wanted,
     swaps_aside,
     wakes_aside,
 )
@@ -80,21 +87,14 @@ class StandbyRun:
         ]
 
     def first_to_sleep(self) -> set[str]:
-        """The first plan's standbys that go to sleep once it is done: those of models no
-        request waits for and none is served on (the others serve their burst first; the
-        idle sleep or the down trigger puts them to sleep)."""
+        """The first plan's standbys that go to sleep once it is done (`first_asleep`)."""
         ctl = self.ctl
-        waiting = {m for m, n in ctl.queued_by_model().items() if n > 0}
-        waiting |= {
-            str(rec.get("model"))
-            for rec in ctl.gateway_pool()
-            if rec.get("state") == "active" and float(rec.get("num_in_flight") or 0) > 0
-        }
-        keys = {
-            k
-            for k in self.to_sleep
-            if k in ctl.running and ctl.running[k].planned.model not in waiting
-        }
+        keys = first_asleep(
+            self.to_sleep,
+            {k: r.planned for k, r in ctl.running.items()},
+            ctl.gateway_pool(),
+            ctl.queued_by_model(),
+        )
         self.to_sleep = set()
         return keys
 
@@ -161,19 +161,15 @@ class StandbyRun:
         """The GPUs free to us as the planner sees them beside standby sleepers: the memory
         each sleeper still holds is used, and a standby loading beside the shifts holds its
         GPUs whole."""
-        # time-sharing: a sleeper beside a running instance of another model fits in what
-        # that instance's engine leaves (standby_time_shared): not counted again, nor taken
-        # for another tenant's
-        beside = self.held_by_running()
+        ctl = self.ctl
         return standby_view(
             cluster,
-            [
-                (r.planned, r.sleep.gpu_memory_bytes)
-                for r in self.asleep_now()
-                if not set(r.planned.gpu_ids) & beside
-            ],
-            self.ctl.params.shift.standby.keep_for_wake,
-            self.aside_gpus - beside,
+            [(r.planned, r.sleep.gpu_memory_bytes) for r in self.asleep_now()],
+            ctl.params.shift.standby.keep_for_wake,
+            self.aside_gpus,
+            time_shared_gpus(
+                [r.planned for r in ctl.running.values()], ctl.params.shift.standby.time_share
+            ),
         )
 
     def standbys(
@@ -188,8 +184,10 @@ class StandbyRun:
         waiting = {m for m, n in ctl.queued_by_model().items() if n > 0}
         # every sleeper, waking ones too: no standby lands on their GPUs
         sleeping = [r.planned for r in ctl.sleepers.values() if r.released_s < 0]
-        chosen = standby_wanted(
+        return standbys_to_start(
             self.view(ctl.cluster),
+            ctl.cluster,
+            self.aside_gpus,
             ctl.demands,
             [*awake, *busy],
             sleeping,
@@ -198,45 +196,15 @@ class StandbyRun:
             ctl.planner,
             now,
             params,
-            skip=waiting,
-        )
-        if not params.time_share:
-            return chosen
-        cluster = ctl.cluster
-        for g in sorted(self.aside_gpus & set(cluster.gpu_ids)):
-            cluster = cluster.with_used(g, cluster.gpu(g).capacity_bytes, owner="flexpipe")
-        shared = standby_time_shared(
-            cluster,
-            ctl.demands,
-            [*awake, *busy],
-            [*sleeping, *chosen],
-            self.peak_awake,
-            self.peak_rates,
-            ctl.planner,
-            now,
-            params,
             self.footprint_bytes,
             skip=waiting,
         )
-        return [*chosen, *shared]
-
-    def held_by_running(self) -> set[str]:
-        """With `standby.time_share`, the GPUs running instances hold (where sleepers of
-        other models may sleep beside them); else none."""
-        if not self.ctl.params.shift.standby.time_share:
-            return set()
-        return {g for r in self.ctl.running.values() for g in r.planned.gpu_ids}
 
     def footprint_bytes(self, inst: PlannedInstance, awake: bool) -> float:
-        """The GPU memory `inst` holds on all its GPUs together, awake or asleep, as the
-        performance model prices it (asleep: its reserve, as the sim engine's
-        `SleepState.gpu_memory_bytes` reads it)."""
+        """`footprint_bytes` of `inst` priced by the performance model (asleep: its reserve,
+        as the sim engine's `SleepState.gpu_memory_bytes` reads it)."""
         pm = perf_model_of(self.ctl.cluster, inst, spec=load_model_spec(inst.model_id))
-        if awake:
-            return sum(
-                g.weights_bytes + g.reserve_bytes + max(g.kv_bytes, 0.0) for g in pm.memory.per_gpu
-            )
-        return sum(g.reserve_bytes for g in pm.memory.per_gpu)
+        return footprint_bytes(pm, awake)
 
     def swap_aside(self, now: float) -> bool:
         """Time-sharing (`standby.time_share`): wake a pressed model's sleeper on GPUs
@@ -261,18 +229,25 @@ class StandbyRun:
         )
         if not swaps:
             return False
-        gone = {instance_key(h) for s in swaps for h in s.sleep}
-        kept = [r.planned for k, r in ctl.running.items() if k not in gone]
+        kept, wakes = swap_steps([r.planned for r in ctl.running.values()], swaps)
         self.waking = True
 
         def woken(end: float) -> None:
             self.waking = False
 
+        def back(end: float) -> None:
+            # the sleeper did not come up (nor its cold start): its holders wake again
+            asleep = {instance_key(r.planned) for r in self.asleep_now()}
+            holders = woken_back(swaps, set(ctl.running), asleep)
+            if not holders:
+                woken(end)
+                return
+            running = [r.planned for r in ctl.running.values()]
+            self.run_aside(ctl.running, [*running, *holders], end, "swap-back", woken)
+
         def wake(end: float) -> None:
             running = [r.planned for r in ctl.running.values()]
-            self.run_aside(
-                ctl.running, [*running, *(s.wake for s in swaps)], end, "swap-wake", woken
-            )
+            self.run_aside(ctl.running, [*running, *wakes], end, "swap-wake", back)
 
         self.run_aside(ctl.running, kept, now, "swap-sleep", wake, ctl._sleep_levels(kept))
         return True
@@ -332,13 +307,11 @@ class StandbyRun:
         policy's history. `then`: called at its end."""
         ctl = self.ctl
         p = ctl.params
-        shielded = ctl._shielded(running, target)
         # time-sharing: a standby's start stops no sleeper on its GPUs (it fits beside them
         # asleep, standby_time_shared); it wakes none either
-        starting = ctl.params.shift.standby.time_share and trigger == "standby" and target
+        evicts = evicts_asleep(trigger, running, target, ctl.params.shift.standby.time_share)
 
         def done(outcome: ShiftOutcome, end: float) -> None:
-            ctl._unshield(shielded)
             ctl.on_shift(record(now, end, trigger, REASONS[trigger], None, outcome))
             then(end)
             if self.tick_after and not self.waking:
@@ -354,7 +327,7 @@ class StandbyRun:
             rehearsal_tolerance=p.rehearsal_tolerance,
             rehearse=False,
             all_or_nothing=False,
-            sleepers={} if starting else ctl.sleepers,
+            sleepers=ctl.sleepers if evicts else {},
             sleep_levels=sleep_levels or {},
         )
         run.start(now)

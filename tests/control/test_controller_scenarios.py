@@ -110,9 +110,11 @@ class Up:
         extra: tuple[str, ...] = (),
         drain_s: float = 3,
         models_yaml: str | None = None,  # with {name}: the model's name (unique per run)
+        cluster_yaml: str | None = None,  # the cluster file (default: the seed's 4 GPUs)
     ) -> None:
         self.cluster = tmp_path / "cluster.yaml"
-        self.cluster.write_text((ROOT / "examples/clusters/fragmented-4gpu.yaml").read_text())
+        default = (ROOT / "examples/clusters/fragmented-4gpu.yaml").read_text()
+        self.cluster.write_text(default if cluster_yaml is None else cluster_yaml)
         (tmp_path / "shift.yaml").write_text(shift_yaml)
         self.port = free_port()
         self.controller_url = f"http://127.0.0.1:{free_port()}"

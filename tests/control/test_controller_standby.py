@@ -1,10 +1,12 @@
 """Standby sleepers, live (docs/controller.md, "Standby sleepers"): `flexpipe up` on the seed's
 fragmented cluster with sim engines at `--time-scale 0.1`, two models, `shift.standby` on.
 
-The idle model declares no demand and has no instance in the first plan; without any request
-the controller starts a standby engine for it and puts it to sleep (level 1). A burst for it
-arrives: the sleeper is woken beside the policy's shifts (no cold start) and serves it; idle
-again, the model is put back to sleep. The other model is served throughout, nothing fails.
+The idle model declares no demand, so the planner gives it no instance; the first plan has the
+standby set in place instead (each model's standby engines, as the simulator starts), and once
+it serves, the standbys nothing waits for are put to sleep (level 1). A burst for the idle
+model arrives: its sleeper is woken beside the policy's shifts (no cold start) and serves it;
+idle again, the model is put back to sleep. The other model is served throughout (its
+requests wake it if it slept at the start), nothing fails.
 """
 
 from __future__ import annotations
@@ -77,9 +79,12 @@ def test_a_standby_sleeps_ahead_of_demand_and_a_burst_is_served_after_its_wake(
 
         up.wait_until("a standby of the idle model asleep", asleep, 60)
         (sleeper,) = asleep()
-        started = shifts("standby")
-        assert [e.outcome for e in started] == ["succeeded", "succeeded"], started
-        assert started[1].phases.sleep_s is not None  # launched, then put to sleep
+        # launched in the first plan, then put to sleep
+        (start,) = [e for e in up.entries("plan") if e.trigger == "start"]
+        assert sorted(p.model for p in start.current) == [idle, steady], start
+        (first_sleep,) = shifts("standby")
+        assert first_sleep.outcome == "succeeded" and first_sleep.phases.sleep_s is not None
+        assert idle not in {p.model for p in first_sleep.target or ()}
         assert pool_states(up)[sleeper.endpoint] == "asleep"
         time.sleep(1.0)  # nothing wakes without demand
         assert registry.get(sleeper.id).state is State.ASLEEP
@@ -106,7 +111,7 @@ def test_a_standby_sleeps_ahead_of_demand_and_a_burst_is_served_after_its_wake(
         up.wait_until("its engine asleep again", asleep, 30)
         assert [r.id for r in asleep()] == [sleeper.id]
         assert not [e for e in finished(up.entries("shift")) if e.outcome != "succeeded"]
-        assert woken(steady) == []  # the other model never slept
+        assert len(woken(steady)) <= 1  # asleep at most from the first plan to its load
         # and needs no standby: its engine covers its rate (measured per modelled second)
         assert [r.state for r in registry.live_instances(model=steady)] == [State.ACTIVE]
         load.stop()

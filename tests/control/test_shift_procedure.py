@@ -456,6 +456,23 @@ def test_a_sleeper_on_gpus_another_target_needs_is_released_first() -> None:
     assert list(sleepers) == [instance_key(L40S)] and out.stopped == [instance_key(L4)]
 
 
+def test_a_sleeper_beside_an_instance_the_target_keeps_sleeps_on() -> None:
+    """Time-sharing: another gear sleeps on gpu0 beside the running L4, which the target
+    keeps; the target adds the L40S elsewhere. Only the GPUs of new instances are needed:
+    the sleeper is not released (it was, when kept instances counted as needing theirs)."""
+    beside = relaunched(L4)
+    sleepers: dict[str, Any] = {instance_key(beside): Inst(beside)}
+    running: dict[str, Inst] = {instance_key(L4): Inst(L4)}
+    world = FakeWorld()
+    out = drive(
+        ShiftProcedure(running, [L4, L40S], ShiftParams(), None, None, sleepers).run(1.0), world
+    )
+    assert out.succeeded and out.stopped == [] and "release_asleep" not in out.phases_s
+    assert list(sleepers) == [instance_key(beside)]
+    assert not [line for line in world.log if line.startswith("release")]
+    assert sorted(running) == sorted([instance_key(L4), instance_key(L40S)])
+
+
 # -- in place, make-before-break (policies/shift/in_place.py) ---------------------------------
 
 

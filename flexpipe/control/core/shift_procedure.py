@@ -232,10 +232,17 @@ class ShiftProcedure:
         return out
 
     def _evict_sleepers(self) -> Steps[None]:
-        """Sleepers the target does not wake but whose GPUs it needs stop first (a sleeping
-        engine keeps its process and some memory on them)."""
+        """Sleepers the target does not wake but whose GPUs its new instances need stop first
+        (a sleeping engine keeps its process and some memory on them). The GPUs of an instance
+        the target keeps running are not newly needed: a sleeper beside it (time-sharing,
+        docs/shift-policy.md) sleeps on."""
         wanted = {instance_key(t) for t in self.target}
-        needed = {g for t in self.target if instance_key(t) not in self.sleepers for g in t.gpu_ids}
+        needed = {
+            g
+            for t in self.target
+            if instance_key(t) not in self.sleepers and instance_key(t) not in self.running
+            for g in t.gpu_ids
+        }
         evict = [
             i
             for k, i in self.sleepers.items()

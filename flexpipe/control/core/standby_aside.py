@@ -9,19 +9,50 @@ docs/controller.md, "Standby sleepers"):
 - `asleep_gpu_bytes`: what a sleeping engine still holds on its GPUs (all together): the
   reserve (CUDA context, NCCL buffers, activations), which vLLM's sleep pool does not free at
   either level; the live controller counts it from the performance model, the simulator
-  reads its sim engine's `SleepState.gpu_memory_bytes` (the same sum).
+  reads its sim engine's `SleepState.gpu_memory_bytes` (the same sum);
+- time-sharing (`standby.time_share`, docs/shift-policy.md, "Time-sharing"):
+  `time_shared_gpus` (where sleepers may sleep beside a running engine), `standbys_to_start`
+  (the standbys both shells start: `standby_wanted`, then `standby_time_shared`),
+  `footprint_bytes` (what an engine holds awake or asleep), `evicts_asleep` (whether a
+  change beside may stop the sleepers on its new instances' GPUs), `swap_steps` and
+  `woken_back` (a swap's two steps, and the holders woken again when its sleeper did not
+  come up);
+- the first plan with standbys: `first_plan` (each model's standby set in place of the
+  planner's instances) and `first_asleep` (which of them sleep once it is up).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 from flexpipe.cluster import Cluster
 from flexpipe.perf import PerfModel
-from flexpipe.policies.planner import PlannedInstance
-from flexpipe.policies.shift.standby_sleepers import with_sleepers
+from flexpipe.policies.planner import ModelDemand, PlannedInstance
+from flexpipe.policies.shift.candidates import Planner
+from flexpipe.policies.shift.snapshot import instance_key
+from flexpipe.policies.shift.standby_sleepers import (
+    Footprint,
+    StandbyParams,
+    Swap,
+    standby_time_shared,
+    standby_wanted,
+    with_sleepers,
+)
 
-__all__ = ["ASIDE_REASONS", "asleep_gpu_bytes", "standby_view"]
+__all__ = [
+    "ASIDE_REASONS",
+    "asleep_gpu_bytes",
+    "evicts_asleep",
+    "first_asleep",
+    "first_plan",
+    "footprint_bytes",
+    "standby_view",
+    "standbys_to_start",
+    "swap_steps",
+    "time_shared_gpus",
+    "woken_back",
+]
 
 # each change beside the policy's shifts, as both controllers log it (trigger -> reason)
 ASIDE_REASONS = {
@@ -30,6 +61,7 @@ ASIDE_REASONS = {
     "sleep-aside": "idle: its engines put to sleep beside the shift in progress",
     "swap-sleep": "time-sharing: a running instance put to sleep for another model's wake",
     "swap-wake": "time-sharing: a sleeper woken on the GPUs a swap freed",
+    "swap-back": "time-sharing: the swapped-in sleeper did not come up; the holder woken again",
 }
 
 
@@ -38,15 +70,158 @@ def standby_view(
     held: Sequence[tuple[PlannedInstance, float]],
     keep_for_wake: bool,
     loading_gpu_ids: Collection[str],
+    beside_gpu_ids: Collection[str] = (),
 ) -> Cluster:
     """`cluster` with each sleeper's held bytes used (`held`: (instance, bytes on all its
     GPUs together); `keep_for_wake`: its GPUs kept for its wake) and the GPUs of standbys
     loading beside the shifts (`loading_gpu_ids`) held whole; GPUs that are gone are
-    skipped."""
-    view = with_sleepers(cluster, held, keep_for_wake)
-    for g in sorted(set(loading_gpu_ids) & set(view.gpu_ids)):
-        view = view.with_used(g, view.gpu(g).capacity_bytes, owner="flexpipe")
-    return view
+    skipped. `beside_gpu_ids` (`time_shared_gpus`): GPUs a running engine holds, where a
+    sleeper fits in what that engine leaves (`standby_time_shared`): such a sleeper is not
+    counted again and a standby loading there holds nothing more (the running engine's GPUs
+    are ours already; counting them would hand its memory to another tenant's view)."""
+    beside = set(beside_gpu_ids)
+    view = with_sleepers(
+        cluster, [(p, b) for p, b in held if not set(p.gpu_ids) & beside], keep_for_wake
+    )
+    return _held_whole(view, set(loading_gpu_ids) - beside)
+
+
+def _held_whole(cluster: Cluster, gpu_ids: Collection[str]) -> Cluster:
+    """`cluster` with `gpu_ids` (those not gone) held whole by us."""
+    for g in sorted(set(gpu_ids) & set(cluster.gpu_ids)):
+        cluster = cluster.with_used(g, cluster.gpu(g).capacity_bytes, owner="flexpipe")
+    return cluster
+
+
+def time_shared_gpus(running: Sequence[PlannedInstance], time_share: bool) -> set[str]:
+    """With `time_share`, the GPUs running instances hold (sleepers of other models may
+    sleep beside them); else none."""
+    return {g for i in running for g in i.gpu_ids} if time_share else set()
+
+
+def standbys_to_start(
+    view: Cluster,
+    cluster: Cluster,
+    loading_gpu_ids: Collection[str],
+    demands: Sequence[ModelDemand],
+    awake: Sequence[PlannedInstance],
+    asleep: Sequence[PlannedInstance],
+    peak_counts: Mapping[str, int],
+    peak_rates_per_s: Mapping[str, float],
+    planner: Planner,
+    now_s: float,
+    params: StandbyParams,
+    footprint: Footprint,
+    skip: Collection[str] = (),
+) -> list[PlannedInstance]:
+    """The standbys both shells start now: `standby_wanted` on `view` (`standby_view`), then,
+    with `time_share`, `standby_time_shared` on `cluster` (free to us, other tenants' memory
+    used, nothing of ours) with the GPUs of standbys loading beside held whole, for what the
+    first left short. `awake`: running and busy instances; `asleep`: every sleeper."""
+    chosen = standby_wanted(
+        view,
+        demands,
+        awake,
+        asleep,
+        peak_counts,
+        peak_rates_per_s,
+        planner,
+        now_s,
+        params,
+        skip=skip,
+    )
+    if not params.time_share:
+        return chosen
+    shared = standby_time_shared(
+        _held_whole(cluster, loading_gpu_ids),
+        demands,
+        awake,
+        [*asleep, *chosen],
+        peak_counts,
+        peak_rates_per_s,
+        planner,
+        now_s,
+        params,
+        footprint,
+        skip=skip,
+    )
+    return [*chosen, *shared]
+
+
+def footprint_bytes(pm: PerfModel, awake: bool) -> float:
+    """The GPU memory an engine holds, all its GPUs together, as the performance model
+    prices it: awake, weights, reserve and KV cache; asleep, its reserve
+    (`asleep_gpu_bytes`). The `Footprint` time-sharing fits sleepers with."""
+    if not awake:
+        return asleep_gpu_bytes(pm)
+    return sum(g.weights_bytes + g.reserve_bytes + max(g.kv_bytes, 0.0) for g in pm.memory.per_gpu)
+
+
+def evicts_asleep(
+    trigger: str,
+    running: Collection[str],
+    target: Sequence[PlannedInstance],
+    time_share: bool,
+) -> bool:
+    """Whether a change beside the shifts from `running` (keys) to `target` may stop the
+    sleepers on its new instances' GPUs (the shift procedure does, as it must for an engine
+    that needs them whole): not the launch of standbys with `time_share` (nothing running,
+    standbys in the target), which fit asleep beside what sleeps there
+    (`standby_time_shared`) and wake only by a swap."""
+    return not (time_share and trigger == "standby" and bool(target) and not running)
+
+
+def first_plan(
+    standbys: Sequence[PlannedInstance], planned: Sequence[PlannedInstance]
+) -> list[PlannedInstance]:
+    """The first plan with standbys on (`flexpipe up`, the simulator's start): each model's
+    standby set (`standbys_to_start` with nothing running yet) instead of the planner's
+    instances of it; the planner's instances of the models with none."""
+    with_standby = {s.model for s in standbys}
+    return [*standbys, *(i for i in planned if i.model not in with_standby)]
+
+
+def first_asleep(
+    standby_keys: Collection[str],
+    running: Mapping[str, PlannedInstance],
+    instances: Sequence[Mapping[str, Any]],
+    queued_by_model: Mapping[str, int],
+) -> set[str]:
+    """The first plan's standbys (`standby_keys`) that go to sleep once it is done: those
+    running (`running`: key -> instance) of models no request waits for (`queued_by_model`)
+    and none is served on (`instances`: the gateway's pool records). The others serve their
+    burst first; the idle sleep or the down trigger puts them to sleep."""
+    busy = {m for m, n in queued_by_model.items() if n > 0}
+    busy |= {
+        str(rec.get("model"))
+        for rec in instances
+        if rec.get("state") == "active" and float(rec.get("num_in_flight") or 0) > 0
+    }
+    return {k for k in standby_keys if k in running and running[k].model not in busy}
+
+
+def swap_steps(
+    running: Sequence[PlannedInstance], swaps: Sequence[Swap]
+) -> tuple[list[PlannedInstance], list[PlannedInstance]]:
+    """A swap's two steps: (the running instances kept while the holders go to sleep, the
+    sleepers woken next on the GPUs that freed)."""
+    gone = {instance_key(h) for s in swaps for h in s.sleep}
+    kept = [i for i in running if instance_key(i) not in gone]
+    return kept, [s.wake for s in swaps]
+
+
+def woken_back(
+    swaps: Sequence[Swap], running_keys: Collection[str], asleep_keys: Collection[str]
+) -> list[PlannedInstance]:
+    """The holders to wake again after the wake step: those of each swap whose sleeper does
+    not run (its wake failed and so did its cold start) and still asleep (`asleep_keys`):
+    their GPUs are free again, and their model's requests are served again."""
+    out: list[PlannedInstance] = []
+    for swap in swaps:
+        if instance_key(swap.wake) in running_keys:
+            continue
+        out.extend(h for h in swap.sleep if instance_key(h) in asleep_keys)
+    return out
 
 
 def asleep_gpu_bytes(pm: PerfModel) -> float:
