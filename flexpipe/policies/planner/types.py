@@ -191,8 +191,16 @@ class PlannedInstance:
 
 
 def num_gpus_held(instances: Iterable[PlannedInstance]) -> int:
-    """GPUs the instances hold, a GPU shared by several of them counted once."""
-    return len({g for i in instances for g in i.gpu_ids})
+    """GPUs the instances hold: each instance's own, plus each GPU shared in memory
+    (`gpu_memory_fraction`) once, however many instances share it."""
+    own = 0
+    shared: set[str] = set()
+    for i in instances:
+        if i.gpu_memory_fraction is None:
+            own += i.num_gpus
+        else:
+            shared.update(i.gpu_ids)
+    return own + len(shared)
 
 
 @dataclass(frozen=True, slots=True)
