@@ -22,11 +22,13 @@ Pure: the evaluator's performance model and the plan in, a plan out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from flexpipe.cluster import placement_on
+from flexpipe.cluster import Cluster, placement_on
 from flexpipe.gears.gear import Gear
-from flexpipe.perf import InfeasibleGear, memory_plan
+from flexpipe.model_spec import load_model_spec
+from flexpipe.perf import Efficiency, InfeasibleGear, memory_plan
 from flexpipe.perf.colocation import (
     busy_share,
     fits_together,
@@ -36,9 +38,17 @@ from flexpipe.perf.colocation import (
 )
 from flexpipe.perf.gear_lookup import GearEstimate, GearQuery
 from flexpipe.policies.planner.candidates import Evaluator
-from flexpipe.policies.planner.types import ModelOutcome, Plan, PlannedInstance, UnusedGpu
+from flexpipe.policies.planner.performance import GearPerformance
+from flexpipe.policies.planner.types import (
+    ModelDemand,
+    ModelOutcome,
+    Plan,
+    PlannedInstance,
+    PlannerConfig,
+    UnusedGpu,
+)
 
-__all__ = ["share_gpus"]
+__all__ = ["pack", "pack_running", "share_gpus"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,53 +65,9 @@ class _Option:
 def share_gpus(evaluator: Evaluator, the_plan: Plan) -> Plan:
     """`the_plan` with its small single-GPU instances packed (see the module docstring);
     `the_plan` itself when nothing packs."""
-    per_model: dict[str, int] = {}
-    for inst in the_plan.instances:
-        per_model[inst.model] = per_model.get(inst.model, 0) + 1
-    index = {d.name: m for m, d in enumerate(evaluator.demands)}
-    options: dict[tuple[object, ...], list[_Option]] = {}
-    # host GPU -> the instances packed there (plan order) and their chosen options
-    hosts: dict[str, list[PlannedInstance]] = {}
-    chosen: dict[str, list[_Option]] = {}
-    moved: dict[str, str] = {}  # instance name -> the GPU it moved to
-    for inst in the_plan.instances:
-        if inst.num_gpus != 1 or per_model[inst.model] != 1 or inst.model not in index:
-            continue
-        for gpu, members in hosts.items():
-            fit = _fit(evaluator, index, [*members, inst], gpu, options)
-            if fit is not None:
-                members.append(inst)
-                chosen[gpu] = fit
-                moved[inst.name] = gpu
-                break
-        else:
-            hosts[inst.gpu_ids[0]] = [inst]
-    shared = {gpu: members for gpu, members in hosts.items() if len(members) > 1}
-    if not shared:
+    instances, moved = pack(evaluator, the_plan.instances)
+    if not moved:
         return the_plan
-    replaced: dict[str, PlannedInstance] = {}
-    for gpu, members in shared.items():
-        names = [m.name for m in members]
-        group = _shares(evaluator, index, members, chosen[gpu])
-        for inst, opt, cap in zip(members, chosen[gpu], group, strict=True):
-            others = ", ".join(n for n in names if n != inst.name)
-            replaced[inst.name] = replace(
-                inst,
-                gear=opt.gear,
-                stages=((gpu,),),
-                layers_per_stage=(sum(inst.layers_per_stage),),
-                estimate=opt.estimate,
-                capacity_requests_per_s=cap,
-                capacity_tokens_per_s=cap
-                * opt.estimate.output_tokens_per_s
-                / opt.estimate.requests_per_s,
-                kv_capacity_tokens=opt.kv_capacity_tokens,
-                max_concurrency=opt.max_concurrency,
-                gpu_memory_fraction=opt.fraction,
-                why=f"{inst.why}; shares {gpu} with {others} ({opt.fraction:.2f} of its "
-                f"memory, batch {opt.gear.max_num_seqs})",
-            )
-    instances = tuple(replaced.get(i.name, i) for i in the_plan.instances)
     freed = [
         UnusedGpu(inst.gpu_ids[0], f"freed: {inst.name} shares {moved[inst.name]}")
         for inst in the_plan.instances
@@ -113,7 +79,8 @@ def share_gpus(evaluator: Evaluator, the_plan: Plan) -> Plan:
         capacity[i.model] = capacity.get(i.model, 0.0) + i.capacity_requests_per_s
         capacity_tokens[i.model] = capacity_tokens.get(i.model, 0.0) + i.capacity_tokens_per_s
     outcomes = tuple(_outcome(o, capacity, capacity_tokens) for o in the_plan.models)
-    note = f"share_gpus: {len(moved)} instance(s) moved onto {len(shared)} shared GPU(s)"
+    num_shared = len({i.gpu_ids[0] for i in instances if i.gpu_memory_fraction is not None})
+    note = f"share_gpus: {len(moved)} instance(s) moved onto {num_shared} shared GPU(s)"
     return replace(
         the_plan,
         instances=instances,
@@ -121,6 +88,99 @@ def share_gpus(evaluator: Evaluator, the_plan: Plan) -> Plan:
         unused=(*the_plan.unused, *freed),
         notes=(*the_plan.notes, note),
     )
+
+
+def pack(
+    evaluator: Evaluator, instances: Sequence[PlannedInstance], spare: Sequence[str] = ()
+) -> tuple[tuple[PlannedInstance, ...], dict[str, str]]:
+    """`instances` with the eligible ones packed (first fit, see the module docstring), and
+    which moved where (instance name -> GPU id). Instances that already share a GPU stay as
+    they are (re-packing them would restart them in place). `spare`: free GPUs; a group is
+    placed on one of the same hardware when there is one (so that the engines it replaces
+    serve until it is ready: no gap), else on its first member's GPU."""
+    per_model: dict[str, int] = {}
+    for inst in instances:
+        per_model[inst.model] = per_model.get(inst.model, 0) + 1
+    index = {d.name: m for m, d in enumerate(evaluator.demands)}
+    options: dict[tuple[object, ...], list[_Option]] = {}
+    hosts: dict[str, list[PlannedInstance]] = {}  # GPU -> the instances packed there
+    chosen: dict[str, list[_Option]] = {}
+    for inst in instances:
+        if (
+            inst.num_gpus != 1
+            or per_model[inst.model] != 1
+            or inst.model not in index
+            or inst.gpu_memory_fraction is not None
+        ):
+            continue
+        for gpu, members in hosts.items():
+            fit = _fit(evaluator, index, [*members, inst], gpu, options)
+            if fit is not None:
+                members.append(inst)
+                chosen[gpu] = fit
+                break
+        else:
+            hosts[inst.gpu_ids[0]] = [inst]
+    free = list(spare)
+    replaced: dict[str, PlannedInstance] = {}
+    moved: dict[str, str] = {}
+    for gpu, members in hosts.items():
+        if len(members) < 2:
+            continue
+        same = [g for g in free if evaluator.hardware(((g,),)) == evaluator.hardware(((gpu,),))]
+        target = same[0] if same else gpu
+        if same:
+            free.remove(target)
+        names = [m.name for m in members]
+        group = _shares(evaluator, index, members, chosen[gpu])
+        for inst, opt, cap in zip(members, chosen[gpu], group, strict=True):
+            others = ", ".join(n for n in names if n != inst.name)
+            if inst.gpu_ids[0] != target:
+                moved[inst.name] = target
+            replaced[inst.name] = replace(
+                inst,
+                gear=opt.gear,
+                stages=((target,),),
+                layers_per_stage=(sum(inst.layers_per_stage),),
+                estimate=opt.estimate,
+                capacity_requests_per_s=cap,
+                capacity_tokens_per_s=cap
+                * opt.estimate.output_tokens_per_s
+                / opt.estimate.requests_per_s,
+                kv_capacity_tokens=opt.kv_capacity_tokens,
+                max_concurrency=opt.max_concurrency,
+                gpu_memory_fraction=opt.fraction,
+                why=f"{inst.why}; shares {target} with {others} ({opt.fraction:.2f} of its "
+                f"memory, batch {opt.gear.max_num_seqs})",
+            )
+    return tuple(replaced.get(i.name, i) for i in instances), moved
+
+
+def pack_running(
+    cluster: Cluster,
+    demands: Sequence[ModelDemand],
+    instances: Sequence[PlannedInstance],
+    spare: Sequence[str],
+    performance: GearPerformance,
+    config: PlannerConfig,
+    efficiency: Efficiency | None = None,
+) -> tuple[PlannedInstance, ...] | None:
+    """A running plan's instances packed at the load `demands` ask now (a model's only
+    instance is assigned its whole rate), onto `spare` GPUs where it can; None when nothing
+    packs. What the shift policy offers as a candidate (policies/shift/candidates.py)."""
+    demands = tuple(demands)
+    specs = tuple(load_model_spec(d.model) for d in demands)
+    evaluator = Evaluator(cluster, demands, specs, performance, config, efficiency)
+    rate = {d.name: d.request_rate_per_s for d in demands}
+    asked = [
+        replace(i, assigned_requests_per_s=rate[i.model]) if i.model in rate else i
+        for i in instances
+    ]
+    packed, moved = pack(evaluator, asked, spare)
+    if not moved:
+        return None
+    # (the instances left as they were come back as they run, their planned load unchanged)
+    return tuple(p if p is not a else o for p, a, o in zip(packed, asked, instances, strict=True))
 
 
 def _outcome(o: ModelOutcome, capacity: dict[str, float], tokens: dict[str, float]) -> ModelOutcome:
