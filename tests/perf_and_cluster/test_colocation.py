@@ -42,9 +42,9 @@ def test_a_group_fits_exactly_when_each_load_is_within_its_shared_capacity() -> 
     assert fits_together([0.3, 0.4], 0.85) is True  # 0.7 x 1.05 = 0.735
     assert fits_together([0.4, 0.42], 0.85) is False  # 0.82 x 1.05 = 0.861
     cap_a = shared_capacity_per_s(10.0 * 0.85, 10.0, 0.42, 2)
-    assert 4.0 > cap_a  # the same verdict from the capacity side
+    assert cap_a < 4.0  # the same verdict from the capacity side
     cap_a = shared_capacity_per_s(10.0 * 0.85, 10.0, 0.4, 2)
-    assert 3.0 <= cap_a
+    assert cap_a >= 3.0
 
 
 def test_memory_fraction_rounds_up_to_the_step() -> None:

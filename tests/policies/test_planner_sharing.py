@@ -82,3 +82,24 @@ def test_no_sharing_when_the_loads_do_not_fit_one_gpu() -> None:
 
 FRACTIONS = (0.3, 0.26)
 BATCHES = (48, 64)
+
+
+def test_a_model_left_without_a_gpu_joins_one_that_has_room() -> None:
+    one = parse_cluster_yaml(
+        "name: one\nnodes:\n  - name: n0\n    gpus: [{id: g0, type: A100-80G-SXM}]\n"
+    )
+    alone = plan(one, demands(0.3))
+    assert [i.model for i in alone.instances] == ["chat-8b"]  # one GPU: one model
+    p = plan(one, demands(0.3), config=PlannerConfig(share_gpus=True))
+    assert [(i.name, i.gpu_ids, i.gpu_memory_fraction) for i in p.instances] == [
+        ("chat-8b-0", ("g0",), 0.3),
+        ("summarise-7b-0", ("g0",), 0.26),
+    ]
+    assert p.status_of("summarise-7b-0") == "new"
+    assert p.goodput_requests_per_s == pytest.approx(0.6)
+    assert [(m.name, m.num_instances, m.covered) for m in p.models] == [
+        ("chat-8b", 1, True),
+        ("summarise-7b", 1, True),
+    ]
+    assert p.num_gpus == 1
+    assert p.notes[-1] == "share_gpus: 0 instance(s) moved and 1 added onto 1 shared GPU(s)"
