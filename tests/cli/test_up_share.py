@@ -4,16 +4,21 @@ answering the official `openai` client; everything stopped after (docs/gpu-shari
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import openai
+import pytest
 from test_launcher import marker, processes_with  # noqa: F401  (fixture)
 from test_up import engines_with, wait_for_line
 
+from flexpipe.control.api.ui_api import TOPOLOGY_PATH
+from flexpipe.hardware import gpu_spec
 from flexpipe.launch import free_port
 
 ONE_GPU = "name: one\nnodes:\n  - name: n0\n    gpus:\n      - {id: g0, type: A100-80G-SXM}\n"
@@ -64,6 +69,18 @@ def test_two_models_share_the_one_gpu(marker: str, tmp_path: Path) -> None:  # n
         for name in names:
             out = client.completions.create(model=name, prompt="hello there", max_tokens=5)
             assert out.usage is not None and out.usage.completion_tokens == 5
+        # the dashboard's GPU map: g0 with both instances, their memory together
+        token_file = text.split("admin token in ", 1)[1].split(" ", 1)[0]
+        token = Path(token_file).read_text().strip()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port + 100}{TOPOLOGY_PATH}",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            topo = json.load(resp)
+        (g0,) = topo["nodes"][0]["gpus"]
+        assert len(g0["instances"]) == 2
+        assert g0["flexpipe_bytes"] == pytest.approx(0.56 * gpu_spec("A100-80G-SXM").memory_bytes)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     finally:

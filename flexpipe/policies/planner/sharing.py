@@ -133,20 +133,20 @@ def pack(
         if same:
             free.remove(target)
         caps = shared_capacities(evaluator, [m for m, _ in group], chosen[gpu])
-        names = [_name(demands[m.model_index].name, inst, taken) for m, inst in group]
-        for (member, inst), opt, cap, name in zip(group, chosen[gpu], caps, names, strict=True):
+        names = [_name(demands[m.model_index].name, p, taken) for m, p in group]
+        for (member, planned), opt, cap, name in zip(group, chosen[gpu], caps, names, strict=True):
             others = ", ".join(n for n in names if n != name)
-            mine = _placed(evaluator, member, inst, opt, cap, target, name)
+            mine = _placed(evaluator, member, planned, opt, cap, target, name)
             why = f"shares {target} with {others} ({opt.fraction:.2f} of its memory, batch "
             why += f"{opt.gear.max_num_seqs})"
             mine = replace(mine, why=f"{mine.why}; {why}" if mine.why else why)
-            if inst is None:
+            if planned is None:
                 added.append(mine)
                 moved[name] = target
             else:
-                replaced[inst.name] = mine
-                if inst.gpu_ids[0] != target:
-                    moved[inst.name] = target
+                replaced[planned.name] = mine
+                if planned.gpu_ids[0] != target:
+                    moved[planned.name] = target
     return (*(replaced.get(i.name, i) for i in instances), *added), moved
 
 
