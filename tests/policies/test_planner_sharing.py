@@ -1,16 +1,20 @@
-"""Memory sharing in the planner (`share_gpus`, policies/planner/sharing.py)."""
+"""Memory sharing in the planner (`share_gpus`, policies/planner/sharing.py) and the shift
+policy's `pack` candidate."""
 
 from __future__ import annotations
 
 import pytest
 
 from flexpipe.cluster import parse_cluster_yaml, placement_on
+from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.hardware import gpu_spec
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import memory_plan
 from flexpipe.perf.colocation import busy_share, fits_together, shared_capacity_per_s, stretch
 from flexpipe.perf.efficiency import DEFAULT_EFFICIENCY
+from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import ModelDemand, PlannerConfig, Slo, num_gpus_held, plan
+from flexpipe.policies.shift.candidates import Candidate, packed
 
 CLUSTER = parse_cluster_yaml(
     """
@@ -103,3 +107,35 @@ def test_a_model_left_without_a_gpu_joins_one_that_has_room() -> None:
     ]
     assert p.num_gpus == 1
     assert p.notes[-1] == "share_gpus: 0 instance(s) moved and 1 added onto 1 shared GPU(s)"
+
+
+def test_the_shift_policy_packs_a_running_plan_onto_a_free_gpu() -> None:
+    """A down trigger's `pack` candidate: the running plan's small models moved onto a GPU
+    nothing runs on (make-before-break), at the load asked now; None with the option off."""
+    three = parse_cluster_yaml(
+        """
+name: three
+nodes:
+  - name: n0
+    gpus: [{id: g0, type: A100-80G-SXM}, {id: g1, type: A100-80G-SXM},
+           {id: g2, type: A100-80G-SXM}]
+"""
+    )
+    running = plan(three, demands(2.0)).instances  # one GPU each: g0, g1
+    assert [i.gpu_ids for i in running] == [("g0",), ("g1",)]
+    base = Candidate("keep", running)
+    off = ControllerPlanner(GearLookup())
+    assert packed(three, base, demands(0.3), off, held=()) is None
+    on = ControllerPlanner(GearLookup(), config=PlannerConfig(share_gpus=True))
+    c = packed(three, base, demands(0.3), on, held=())
+    assert c is not None and c.name == "pack keep"
+    assert [(i.name, i.gpu_ids, i.gpu_memory_fraction) for i in c.instances] == [
+        ("chat-8b-0", ("g2",), 0.3),
+        ("summarise-7b-0", ("g2",), 0.26),
+    ]
+    assert num_gpus_held(c.instances) == 1
+    # g2 held (a sleeper there): packed in place, on the first member's GPU
+    c = packed(three, base, demands(0.3), on, held=("g2",))
+    assert c is not None and {i.gpu_ids for i in c.instances} == {("g0",)}
+    # at the load of two GPUs, nothing packs
+    assert packed(three, base, demands(4.0), on, held=()) is None
