@@ -6,7 +6,8 @@ the run's `Colocation`. When one of them starts a step, its step takes
 engines on its GPUs computing a step then, itself included: the driver time-slices the GPU
 between their contexts. The factor is taken at the step's start; a neighbour that starts or
 stops during the step changes the next one (steps are milliseconds long). Engines alone on
-their GPUs never join, so runs without sharing are untouched.
+their GPUs never join, so runs without sharing are untouched. An engine stopped stays listed,
+idle (it computes nothing more).
 """
 
 from __future__ import annotations
@@ -37,12 +38,6 @@ class Colocation:
     def join(self, tenant: Tenant) -> None:
         for g in tenant.gpu_ids:
             self._by_gpu.setdefault(g, []).append(tenant)
-
-    def leave(self, tenant: Tenant) -> None:
-        for g in tenant.gpu_ids:
-            engines = self._by_gpu.get(g, [])
-            if tenant in engines:
-                engines.remove(tenant)
 
     def factor(self, tenant: Tenant) -> float:
         """How much longer `tenant`'s step starting now takes: `stretch(k)`."""

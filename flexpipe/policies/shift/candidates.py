@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from flexpipe.cluster import Cluster
-from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
+from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, num_gpus_held, plan
 from flexpipe.policies.shift.pricing import Capacity
 from flexpipe.policies.shift.snapshot import ModelState, instance_key
 
@@ -247,7 +247,8 @@ def shrink(
     if len(kept) == len(mine):
         return None
     others = [i for i in running if i.model != model.name]
-    freed = sum(i.num_gpus for i in mine) - sum(i.num_gpus for i in kept)
+    # (a GPU shared in memory is given back only when none of its instances stays)
+    freed = num_gpus_held(running) - num_gpus_held([*others, *kept])
     return Candidate(
         f"shrink {model.name}",
         (*others, *kept),
