@@ -3,6 +3,7 @@ the contention model's factor, each sized from its own memory fraction, the GPU 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,8 @@ from flexpipe.sim.engine_factory import engine_config
 from flexpipe.sim.instance import SimInstance
 from flexpipe.sim.loop import ARRIVAL, EventLoop
 from flexpipe.sim.request import SimRequest
+from flexpipe.sim.scenario import Scenario, ScenarioError, parse_scenario
+from flexpipe.sim.simulator import simulate
 from flexpipe.sim.usage import Usage
 
 CLUSTER = parse_cluster_yaml(
@@ -99,3 +102,51 @@ def test_a_shared_gpu_is_billed_once() -> None:
     assert sum(usage.reserved_gpu_s) == pytest.approx(50.0 + 10.0)
     assert sum(usage.busy_gpu_s) == pytest.approx(3.0)
     assert usage.last_busy_s == 4.0
+
+
+def _scenario(share: object) -> Scenario:
+    doc = {
+        "name": "two-small-models", "duration_s": 120, "seed": 3, "report_interval_s": 10,
+        "cluster": {"inline": {"name": "one", "nodes": [{"name": "n0", "gpus": [
+            {"id": "g0", "type": "A100-80G-SXM"}, {"id": "g1", "type": "A100-80G-SXM"}]}]}},
+        "models": [
+            {"name": "chat-8b", "model": "llama-3.1-8b",
+             "slo": {"ttft_p99_ms": 2500, "tpot_p99_ms": 80}},
+            {"name": "summarise-7b", "model": "qwen2.5-7b",
+             "slo": {"ttft_p99_ms": 2500, "tpot_p99_ms": 80}},
+        ],
+        "workloads": [
+            {"model": m, "arrivals": {"process": "poisson", "rate_per_s": 0.3},
+             "prompt_tokens": {"dist": "fixed", "mean": 1024},
+             "output_tokens": {"dist": "fixed", "mean": 200}}
+            for m in ("chat-8b", "summarise-7b")
+        ],
+        "planner": {"share_gpus": share},
+    }  # fmt: skip
+    return parse_scenario(doc, Path("."))
+
+
+def test_a_run_with_two_models_on_one_gpu_bills_it_once() -> None:
+    """`planner: {share_gpus: true}`: the static plan puts both models on g0, each engine
+    with its fraction; the run's reserved GPU time is one GPU's, not two."""
+    shared = simulate(_scenario(True), "static")
+    alone = simulate(_scenario(False), "static")
+    assert [(r.dep.gpu_ids, r.dep.gpu_memory_fraction) for r in shared.instances] == [
+        (("g0",), 0.3),
+        (("g0",), 0.26),
+    ]
+    assert [r.dep.gpu_ids for r in alone.instances] == [("g0",), ("g1",)]
+    run_s = shared.usage.end_s
+    loaded_s = max(r.launched_s for r in shared.instances)
+    assert sum(shared.usage.reserved_gpu_s) == pytest.approx(run_s - loaded_s)
+    assert sum(alone.usage.reserved_gpu_s) == pytest.approx(2 * alone.usage.end_s)
+    # the same requests served (those sent before the engines loaded got a 404 either way)
+    assert [r.failed for r in shared.requests] == [r.failed for r in alone.requests]
+    assert sum(r.failed == "" for r in shared.requests) == 55
+
+
+def test_the_scenario_key_is_a_boolean() -> None:
+    assert _scenario(True).planner.share_gpus is True
+    assert _scenario(False).planner.share_gpus is False
+    with pytest.raises(ScenarioError, match="share_gpus: use true or false"):
+        _scenario("yes")
