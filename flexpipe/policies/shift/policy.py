@@ -227,6 +227,7 @@ class ShiftPolicy:
                     Candidate(f"shrink {len(out)} models", tuple(both), "every shrink at once")
                 )
             return self._with_packed(snapshot, running, demands, out, down)
+        out = self._with_packed(snapshot, running, demands, out, down)
         out.append(replan(snapshot.cluster, demands, now_s, self.planner))
         pf = priority_first(
             snapshot.cluster,
@@ -239,7 +240,6 @@ class ShiftPolicy:
         )
         if pf is not None:
             out.append(pf)
-        out = self._with_packed(snapshot, running, demands, out, down)
         return [*out, *self._added(snapshot, running, demands, now_s, [*adding, *grow])]
 
     def _with_packed(
@@ -250,8 +250,8 @@ class ShiftPolicy:
         out: list[Candidate],
         down: set[str],
     ) -> list[Candidate]:
-        """`out` and, when the planner packs small models onto shared GPUs (`share_gpus`) and
-        a model is idle, the last of them (or the running plan) packed (`packed`)."""
+        """`out` (the shrinks) and, when the planner packs small models onto shared GPUs
+        (`share_gpus`) and a model is idle, the last shrink (or the running plan) packed."""
         if not down or not isinstance(self.planner, Packer):
             return out
         base = out[-1] if out else Candidate("keep", tuple(running))
