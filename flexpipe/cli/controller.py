@@ -20,6 +20,7 @@ import yaml
 from rich.markup import escape
 
 from flexpipe.cli.common import err_console, load_shift_params, one_line, user_errors
+from flexpipe.policies.planner import PlannerConfig
 
 if TYPE_CHECKING:
     from flexpipe.control.watch.ray_watch import RayWatch
@@ -120,6 +121,13 @@ def controller(
             "when the cluster file was written by `flexpipe discover`).",
         ),
     ] = None,
+    share_gpus: Annotated[
+        bool,
+        typer.Option(
+            help="Pack models that need far less than one GPU onto shared GPUs, each engine "
+            "with its own --gpu-memory-utilization (docs/gpu-sharing.md).",
+        ),
+    ] = False,
     scale_to_zero: Annotated[
         bool,
         typer.Option(
@@ -219,6 +227,7 @@ def controller(
             drain_deadline_s=drain_deadline_s,
             discover_interval_s=discover_interval_s,
             min_instances_floor=0 if scale_to_zero else 1,
+            planner=PlannerConfig(share_gpus=share_gpus),
             rehearsal_tolerance=rehearsal_tolerance,
             time_scale=time_scale,
             engine_admin_token=_secret(None, engine_token_file, "FLEXPIPE_ENGINE_TOKEN")

@@ -84,7 +84,8 @@ def render(p: Plan, console: Console) -> None:
         table.add_row(
             escape(i.name),
             escape(i.gear.key()),
-            escape(" | ".join("+".join(s) for s in i.stages)),
+            escape(" | ".join("+".join(s) for s in i.stages))
+            + (f" (shared, {i.gpu_memory_fraction:.2f})" if i.gpu_memory_fraction else ""),
             "/".join(str(n) for n in i.layers_per_stage),
             str(i.estimate.batch),
             f"{i.capacity_tokens_per_s:.0f}",
@@ -163,6 +164,10 @@ def plan_command(
         str,
         typer.Option(help="An instance's capacity: throughput or slo (docs/planner.md)."),
     ] = "throughput",
+    share_gpus: Annotated[
+        bool,
+        typer.Option(help="Pack small models onto shared GPUs (docs/gpu-sharing.md)."),
+    ] = False,
     store: Annotated[
         str | None,
         typer.Option(
@@ -178,7 +183,7 @@ def plan_command(
         if sizing not in ("throughput", "slo"):
             raise ValueError(f"--sizing: use throughput or slo (got {sizing!r})")
         chosen: Literal["throughput", "slo"] = "slo" if sizing == "slo" else "throughput"
-        config = PlannerConfig(max_pp=max_pp, sizing=chosen)
+        config = PlannerConfig(max_pp=max_pp, sizing=chosen, share_gpus=share_gpus)
         if fast_link_gb_per_s is not None:
             if fast_link_gb_per_s <= 0:
                 raise ValueError("--fast-link-gbps must be positive")

@@ -39,7 +39,7 @@ from flexpipe.demo import DemoRun, controller_args, demo_cluster, demo_shift_con
 from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
 from flexpipe.launch import ENGINES
 from flexpipe.perf.gear_lookup import GearLookup
-from flexpipe.policies.planner import Plan, plan
+from flexpipe.policies.planner import Plan, PlannerConfig, plan
 from flexpipe.store import Store
 
 
@@ -112,6 +112,13 @@ def register(app: typer.Typer) -> None:
                 "prediction; slower rolls the shift back.",
             ),
         ] = 2.0,
+        share_gpus: Annotated[
+            bool,
+            typer.Option(
+                help="Pack models that need far less than one GPU onto shared GPUs, each engine "
+                "with its own --gpu-memory-utilization (docs/gpu-sharing.md).",
+            ),
+        ] = False,
         scale_to_zero: Annotated[
             bool,
             typer.Option(
@@ -187,7 +194,8 @@ def register(app: typer.Typer) -> None:
             with Store(store) as st:
                 efficiency = st.efficiency()
                 lookup = GearLookup(st.points(), efficiency)
-                the_plan = plan(the_cluster, demands, lookup, efficiency=efficiency)
+                config = PlannerConfig(share_gpus=share_gpus)
+                the_plan = plan(the_cluster, demands, lookup, config=config, efficiency=efficiency)
             if not the_plan.instances:
                 raise UpError(
                     "the planner found nothing to run on the free GPUs: "
@@ -279,6 +287,8 @@ def register(app: typer.Typer) -> None:
             ]
             if scale_to_zero:
                 controller_argv.append("--scale-to-zero")
+            if share_gpus:
+                controller_argv.append("--share-gpus")
             if sim_load_time_s is not None:
                 controller_argv += ["--sim-load-time-s", str(sim_load_time_s)]
             if store is not None:

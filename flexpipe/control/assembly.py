@@ -121,7 +121,7 @@ def assemble(
     discovery = _discovery(cfg.discover_interval_s, resources, running, nvml)
     efficiency = store.efficiency() if store is not None else None
     planner = ControllerPlanner(
-        GearLookup(store.points() if store is not None else [], efficiency), efficiency
+        GearLookup(store.points() if store is not None else [], efficiency), efficiency, cfg.planner
     )
     # A shift is priced with the drain deadline the executor will keep (one fact, here).
     shift = dataclasses.replace(

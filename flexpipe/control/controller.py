@@ -64,7 +64,7 @@ from flexpipe.lifecycle import DORMANT_STATES, State
 from flexpipe.observe.dcgm import gpu_instance_labels
 from flexpipe.perf import Efficiency
 from flexpipe.perf.gear_lookup import GearLookup
-from flexpipe.policies.planner import ModelDemand, PlannedInstance, plan
+from flexpipe.policies.planner import ModelDemand, PlannedInstance, PlannerConfig, plan
 from flexpipe.policies.shift import ShiftParams, ShiftPolicy
 from flexpipe.policies.shift.candidates import keepable
 from flexpipe.policies.shift.decision import ShiftDecision
@@ -114,6 +114,8 @@ class ControllerConfig:
     # tick, so it only has to outlast a cold start and a rehearsal.
     standby_hold_s: float = STANDBY_HOLD_S
     shift: ShiftParams = field(default_factory=ShiftParams)
+    # the planner's knobs (`--share-gpus`: small models share GPUs in memory)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     seed: int = 0
     # GPUs another tenant holds from the start, as if `flexpipe cluster occupy` had taken them
     # (until released through the admin API): the demo's tenant on gpu1 (flexpipe/demo.py)
@@ -293,6 +295,7 @@ class Controller:
                 self.cfg.demands,
                 self.planner.performance,
                 running=[s for s in stubs if s is not None],
+                config=self.cfg.planner,
                 now_s=self.clock(),
                 efficiency=self.planner.efficiency,
             )

@@ -20,11 +20,19 @@ class Deployment:
     gear: Gear
     stages: tuple[tuple[str, ...], ...]  # GPU ids per pipeline stage
     layers_per_stage: tuple[int, ...] = ()  # () = even split
+    # Shares its GPU with other engines: its --gpu-memory-utilization (None: the GPU is its own)
+    gpu_memory_fraction: float | None = None
 
     @classmethod
     def of(cls, inst: PlannedInstance) -> Deployment:
         return cls(
-            inst.name, inst.model, inst.model_id, inst.gear, inst.stages, inst.layers_per_stage
+            inst.name,
+            inst.model,
+            inst.model_id,
+            inst.gear,
+            inst.stages,
+            inst.layers_per_stage,
+            inst.gpu_memory_fraction,
         )
 
     @property

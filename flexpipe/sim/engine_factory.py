@@ -28,9 +28,13 @@ def engine_config(
     dep: Deployment,
     cluster: Cluster,
     max_model_len: int | None = None,
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
+    gpu_memory_utilization: float | None = None,
 ) -> EngineConfig:
-    """Raises ValueError (InfeasibleGear, GearError) when the gear cannot run there."""
+    """Raises ValueError (InfeasibleGear, GearError) when the gear cannot run there.
+    `gpu_memory_utilization` None: the deployment's memory fraction when it shares its GPU
+    (its KV cache sized from its own fraction, as vLLM's), else `GPU_MEMORY_UTILIZATION`."""
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = dep.gpu_memory_fraction or GPU_MEMORY_UTILIZATION
     model = load_model_spec(dep.model_id)
     gear = dep.gear
     placement = placement_on(cluster, dep.stages, model.num_layers, dep.layers_per_stage or None)

@@ -19,6 +19,7 @@ from flexpipe.engine.core import EngineCore, StepEvents
 from flexpipe.engine.metrics import num_queued_tokens
 from flexpipe.engine.request import EngineRequest, SamplingParams, context_error
 from flexpipe.engine.scheduler import StepPlan
+from flexpipe.sim.colocation import Colocation
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.engine_factory import engine_core
 from flexpipe.sim.loop import STEP_END, EventLoop
@@ -48,6 +49,7 @@ class SimInstance:
         on_busy: Busy,
         stretches: bool = True,
         on_first_token: Done | None = None,
+        colocation: Colocation | None = None,
     ) -> None:
         self.dep = dep
         self.cfg = cfg
@@ -58,6 +60,13 @@ class SimInstance:
         self.on_busy = on_busy  # the engine computed from `start_s` to `end_s`
         self.on_first_token = on_first_token  # a request's first token came at `now`
         self.max_stretch_steps = MAX_STRETCH_STEPS if stretches else 0
+        # Sharing its GPU (a memory fraction): its neighbours stretch its steps
+        # (sim/colocation.py). A closed-form stretch of steps assumes a fixed step time, so a
+        # shared engine steps one by one.
+        self.colocation = colocation if dep.gpu_memory_fraction is not None else None
+        if self.colocation is not None:
+            self.colocation.join(self)
+            self.max_stretch_steps = 0
         self._decode_registers = decode_registers_blocks(self.core)
         self.requests: dict[str, SimRequest] = {}  # engine request id -> its sim request
         self._params_by_max_tokens: dict[int, SamplingParams] = {}
@@ -77,6 +86,15 @@ class SimInstance:
     @property
     def model(self) -> str:
         return self.dep.model
+
+    @property
+    def gpu_ids(self) -> tuple[str, ...]:
+        return self.dep.gpu_ids
+
+    @property
+    def computing(self) -> bool:
+        """A step is in progress (what a neighbour on its GPU is slowed by)."""
+        return self._plan is not None
 
     # --- requests ------------------------------------------------------------------------
     @property
@@ -160,6 +178,8 @@ class SimInstance:
             if not plan.is_empty or not plan.rejected:
                 break
         if not plan.is_empty:
+            if self.colocation is not None:
+                plan.duration_s *= self.colocation.factor(self)
             self._plan = plan
             self._start_s = now
             self._first_end_s = now + plan.duration_s

@@ -271,7 +271,7 @@ def _controller(value: Any, where: str) -> ControllerParams:
     )
 
 
-_PLANNER_KEYS = {"sizing"}
+_PLANNER_KEYS = {"sizing", "share_gpus"}
 
 
 def _planner(value: Any, where: str) -> PlannerConfig:
@@ -282,7 +282,10 @@ def _planner(value: Any, where: str) -> PlannerConfig:
     sizing = doc.get("sizing", PlannerConfig().sizing)
     if sizing not in ("throughput", "slo"):
         raise ScenarioError(f"{where}.sizing: use throughput or slo (got {sizing!r})")
-    return PlannerConfig(sizing=sizing)
+    share = doc.get("share_gpus", False)
+    if not isinstance(share, bool):
+        raise ScenarioError(f"{where}.share_gpus: use true or false (got {share!r})")
+    return PlannerConfig(sizing=sizing, share_gpus=share)
 
 
 def _plans(

@@ -31,6 +31,7 @@ from flexpipe.policies.planner import (
 )
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.sim.arrivals import generate_requests, model_demands
+from flexpipe.sim.colocation import Colocation
 from flexpipe.sim.controller import SimController
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.engine_factory import engine_config
@@ -120,6 +121,7 @@ class _Run:
         self.requests = requests
         self.demands, self.peaks = model_demands(scenario, requests)
         self.usage = Usage(scenario.duration_s, scenario.report_interval_s)
+        self.colocation = Colocation()  # engines sharing a GPU slow each other (sim/colocation.py)
         self.file = scenario.cluster  # the cluster file as the timeline has changed it
         self.records: list[InstanceRecord] = []  # every instance launched, in order
         self.live: dict[str, InstanceRecord] = {}  # deployment name -> record, in the plan
@@ -231,9 +233,10 @@ class _Run:
             cfg,
             self.loop,
             self._engine_done,
-            functools.partial(self.usage.busy, dep.num_gpus),  # (its GPUs computed then)
+            self.usage.on_busy(dep.gpu_ids, dep.gpu_memory_fraction is not None),
             stretches=self.stretches,
             on_first_token=self._first_token,
+            colocation=self.colocation,
         )
         rec = InstanceRecord(
             dep,
@@ -559,12 +562,13 @@ class _Run:
         for rec in self.records:
             stop = rec.released_s if rec.released_s >= 0 else run_end_s
             start = rec.launched_s
+            shared = rec.dep.gpu_memory_fraction is not None  # (a shared GPU billed once)
             for t0, t1, _, gpu_bytes, host_bytes in rec.asleep_spans:  # awake apart from asleep
                 end = t1 if t1 >= 0 else stop
-                self.usage.reserve(rec.dep.num_gpus, start, t0)
+                self.usage.hold(rec.dep.gpu_ids, shared, start, t0)
                 self.usage.asleep(rec.dep.num_gpus, t0, end, gpu_bytes, host_bytes)
                 start = end
-            self.usage.reserve(rec.dep.num_gpus, start, stop)
+            self.usage.hold(rec.dep.gpu_ids, shared, start, stop)
         self.usage.close(run_end_s)
         for ev in scenario.resources[self._num_events_applied :]:  # (sorted by time)
             self.notes.append(

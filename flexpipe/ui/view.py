@@ -250,9 +250,20 @@ def _cluster(
         gpus = []
         for gpu in node.get("gpus", []):
             inst = by_key.get(gpu.get("instance"))
+            # (a GPU shared in memory: every instance on it, docs/gpu-sharing.md)
+            shared = [by_key[k] for k in gpu.get("instances", []) if k in by_key]
             gpus.append(
                 {
                     **gpu,
+                    **(
+                        {
+                            "shared": [
+                                {f: i.get(f) for f in ("model", "gear", "state")} for i in shared
+                            ]
+                        }
+                        if shared
+                        else {}
+                    ),
                     "model": None if inst is None else inst.get("model"),
                     "gear": None if inst is None else inst.get("gear"),
                     "state": None if inst is None else inst.get("state"),

@@ -54,6 +54,7 @@ class UiInstance:
     stages: tuple[tuple[str, ...], ...]  # GPU ids per pipeline stage
     url: str
     state: str  # starting | rehearsing | active | draining
+    gpu_memory_fraction: float | None = None  # shares its GPU (docs/gpu-sharing.md)
 
 
 def _link(spec: LinkSpec) -> dict[str, Any]:
@@ -86,18 +87,25 @@ def topology_doc(
     """The GPU map. `cluster` is the cluster as free for us (other tenants' memory used,
     admin occupations laid over it); an engine's memory on a GPU is what the memory plan lets
     it take there (min(utilisation x capacity, free)), the same budget its KV cache is sized
-    from."""
-    on_gpu: dict[str, tuple[UiInstance, int]] = {}  # gpu id -> (instance, stage index)
+    from; a GPU shared in memory lists every instance on it (`instances`), the memory theirs
+    together."""
+    on_gpu: dict[str, list[tuple[UiInstance, int]]] = {}  # gpu id -> (instance, stage index)
     for inst in instances:
         for stage_index, stage in enumerate(inst.stages):
             for gpu_id in stage:
-                on_gpu[gpu_id] = (inst, stage_index)
+                on_gpu.setdefault(gpu_id, []).append((inst, stage_index))
     nodes = []
     for node in cluster.nodes:
         gpus = []
         for gpu in node.gpus:
-            here = on_gpu.get(gpu.id)
-            ours = engine_budget_bytes(cluster.slot(gpu.id), gpu_memory_utilization) if here else 0
+            tenants = on_gpu.get(gpu.id, [])
+            here = tenants[0] if tenants else None
+            ours = sum(
+                engine_budget_bytes(
+                    cluster.slot(gpu.id), i.gpu_memory_fraction or gpu_memory_utilization
+                )
+                for i, _ in tenants
+            )
             gpus.append(
                 {
                     "id": gpu.id,
@@ -110,6 +118,7 @@ def topology_doc(
                     "free_until_s": gpu.free_until_s,
                     "instance": None if here is None else here[0].key,
                     "stage": None if here is None else here[1],
+                    **({"instances": [i.key for i, _ in tenants]} if len(tenants) > 1 else {}),
                 }
             )
         ids = [g.id for g in node.gpus]
@@ -160,7 +169,8 @@ class UiApi:
     async def topology(self, req: Request) -> Response:
         authorize(req, self.c.cfg.token)
         instances = [
-            UiInstance(*_names(i.key, i.planned), i.url, i.state) for i in self.c.running.values()
+            UiInstance(*_names(i.key, i.planned), i.url, i.state, i.planned.gpu_memory_fraction)
+            for i in self.c.running.values()
         ]
         doc = topology_doc(self.c.cluster, instances, self.c.cfg.demands, self.c.cfg.time_scale)
         # the gateway replicas the controller drives (None: one, without a fleet)

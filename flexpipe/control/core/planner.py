@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from flexpipe.cluster import Cluster
 from flexpipe.perf import Efficiency
 from flexpipe.perf.gear_lookup import GearLookup
-from flexpipe.policies.planner import ModelDemand, Plan, PlannerConfig, plan
+from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, PlannerConfig, plan
 from flexpipe.policies.planner.memo import EvaluationMemo
+from flexpipe.policies.planner.sharing import pack_running
 
 __all__ = ["ControllerPlanner"]
 
@@ -46,4 +47,20 @@ class ControllerPlanner:
             now_s=now_s,
             efficiency=self.efficiency,
             memo=self.memo,
+        )
+
+    def pack(
+        self,
+        cluster: Cluster,
+        demands: Sequence[ModelDemand],
+        instances: Sequence[PlannedInstance],
+        spare: Sequence[str],
+    ) -> tuple[PlannedInstance, ...] | None:
+        """`instances` with small models packed onto shared GPUs (`share_gpus`,
+        docs/gpu-sharing.md), on `spare` GPUs where it can; None when the option is off or
+        nothing packs (the shift policy's `packed` candidate)."""
+        if self.config is None or not self.config.share_gpus:
+            return None
+        return pack_running(
+            cluster, demands, instances, spare, self.performance, self.config, self.efficiency
         )

@@ -73,7 +73,9 @@ def engine_spec(
     *,
     enable_sleep_mode: bool = False,
 ) -> EngineSpec:
-    """The launcher's view of a planned instance. `admin_token` is handed to the engine
+    """The launcher's view of a planned instance (one that shares its GPU is launched with
+    its own memory fraction as `--gpu-memory-utilization`: vLLM's per-instance share of the
+    GPU's whole memory, docs/gpu-sharing.md). `admin_token` is handed to the engine
     through its environment (not its command line), for the controller's KV moves. Real
     engines load the checkpoint the models file names for the gear's precision."""
     gpu_ids = tuple(g for stage in inst.stages for g in stage)
@@ -102,7 +104,9 @@ def engine_spec(
         env=tuple(env),
         placement=gpu_places(cluster, gpu_ids),
         topology=sub_cluster(cluster, gpu_ids).to_yaml(),
-        gpu_memory_utilization=gpu_memory_utilization(cluster, gpu_ids),
+        gpu_memory_utilization=gpu_memory_utilization(
+            cluster, gpu_ids, inst.gpu_memory_fraction or _GPU_MEMORY_UTILIZATION
+        ),
         weights=ckpt.path if ckpt else None,
         quantization=ckpt.quantization if ckpt else None,
     )

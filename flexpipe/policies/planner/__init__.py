@@ -23,6 +23,7 @@ from flexpipe.policies.planner.types import (
     PlannerConfig,
     Slo,
     UnusedGpu,
+    num_gpus_held,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "PlannerConfig",
     "Slo",
     "UnusedGpu",
+    "num_gpus_held",
     "parse_models",
     "plan",
     "single_group_baseline",

@@ -37,6 +37,7 @@ from flexpipe.policies.planner.greedy import GreedyPlanner, usable_gpus
 from flexpipe.policies.planner.memo import EvaluationMemo
 from flexpipe.policies.planner.performance import GearPerformance
 from flexpipe.policies.planner.relaxation import Relaxation, solve_relaxation
+from flexpipe.policies.planner.sharing import share_gpus
 from flexpipe.policies.planner.sticky import keep_running, switch_where_it_pays
 from flexpipe.policies.planner.types import (
     Alternative,
@@ -118,12 +119,23 @@ def plan(
     performance = performance or GearLookup(efficiency=efficiency)
     planner, chosen, notes = _fresh(cluster, demands, performance, config, now_s, efficiency, memo)
     if running is None:
-        return _assemble(planner, chosen, notes, {}, {}, [])
-    if not isinstance(running, Plan):
-        running = Plan(tuple(running), ())
-    return _sticky(
-        cluster, demands, performance, config, now_s, efficiency, planner, chosen, notes, running
-    )
+        result = _assemble(planner, chosen, notes, {}, {}, [])
+    else:
+        if not isinstance(running, Plan):
+            running = Plan(tuple(running), ())
+        result = _sticky(
+            cluster,
+            demands,
+            performance,
+            config,
+            now_s,
+            efficiency,
+            planner,
+            chosen,
+            notes,
+            running,
+        )
+    return share_gpus(planner.evaluator, result) if config.share_gpus else result
 
 
 def _fresh(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ __all__ = [
     "PlannerConfig",
     "Slo",
     "UnusedGpu",
+    "num_gpus_held",
 ]
 
 
@@ -132,6 +134,10 @@ class PlannerConfig:
     # this fraction of what the replaced instances serve now (the shift policy's resource
     # trigger asks 2% of the running plan's goodput too, and prices the move itself).
     replace_margin: float = 0.02
+    # Memory sharing (docs/gpu-sharing.md): after planning, single-GPU instances of models that
+    # need far less than one GPU are packed two or more to a GPU, each engine launched with
+    # its own memory fraction, priced with the GPU's time-slicing (flexpipe.perf.colocation).
+    share_gpus: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.target_utilization <= 1:
@@ -170,6 +176,10 @@ class PlannedInstance:
     max_concurrency: int  # sequences of full context whose KV fits
     why: str
     alternatives: tuple[Alternative, ...] = ()
+    # Shares its GPU with other instances (`share_gpus`): its engine's
+    # `--gpu-memory-utilization`, a fraction of the GPU's whole memory. None: the GPU is its
+    # own (the planner's `gpu_memory_utilization`).
+    gpu_memory_fraction: float | None = None
 
     @property
     def gpu_ids(self) -> tuple[str, ...]:
@@ -178,6 +188,19 @@ class PlannedInstance:
     @property
     def num_gpus(self) -> int:
         return len(self.gpu_ids)
+
+
+def num_gpus_held(instances: Iterable[PlannedInstance]) -> int:
+    """GPUs the instances hold: each instance's own, plus each GPU shared in memory
+    (`gpu_memory_fraction`) once, however many instances share it."""
+    own = 0
+    shared: set[str] = set()
+    for i in instances:
+        if i.gpu_memory_fraction is None:
+            own += i.num_gpus
+        else:
+            shared.update(i.gpu_ids)
+    return own + len(shared)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +310,7 @@ class Plan:
 
     @property
     def num_gpus(self) -> int:
-        return sum(i.num_gpus for i in self.instances)
+        return num_gpus_held(self.instances)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (`flexpipe plan --json`)."""
@@ -334,6 +357,11 @@ class Plan:
                     "detail": i.estimate.detail,
                     "kv_capacity_tokens": i.kv_capacity_tokens,
                     "max_concurrency": i.max_concurrency,
+                    **(
+                        {"gpu_memory_fraction": i.gpu_memory_fraction}
+                        if i.gpu_memory_fraction is not None
+                        else {}
+                    ),
                     "why": i.why,
                     "alternatives": [
                         {

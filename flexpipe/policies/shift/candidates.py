@@ -14,6 +14,8 @@
   the rest still carries its load: gives GPUs back without touching anything else.
 - `protects_priority`: refuses a candidate that gives a running instance's GPUs of a model
   in or near its up zone to a model of lower priority (`TriggerParams.protect_priority`).
+- `packed`: a candidate with its small models packed onto shared GPUs, on free GPUs where it
+  can (the planner's `share_gpus`, docs/gpu-sharing.md): gives GPUs back in a trough.
 - `keep_minimums`: repairs a candidate that would leave a model below `min_instances` by
   keeping running instances of it on GPUs the candidate does not use, or says why not.
 """
@@ -22,19 +24,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
 
 from flexpipe.cluster import Cluster
-from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, plan
+from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, num_gpus_held, plan
 from flexpipe.policies.shift.pricing import Capacity
 from flexpipe.policies.shift.snapshot import ModelState, instance_key
 
 __all__ = [
     "Candidate",
+    "Packer",
     "Planner",
     "additive",
     "default_planner",
     "keep_minimums",
     "keepable",
+    "packed",
     "priority_first",
     "protects_priority",
     "replan",
@@ -44,6 +49,20 @@ __all__ = [
 
 # (cluster with the GPUs free now, demands, now) -> plan; the planner by default
 Planner = Callable[[Cluster, tuple[ModelDemand, ...], float], Plan]
+
+
+@runtime_checkable
+class Packer(Protocol):
+    """A planner that can pack a plan's small models onto shared GPUs (the controller's,
+    flexpipe.control.core.planner): `pack` returns None when it is off or nothing packs."""
+
+    def pack(
+        self,
+        cluster: Cluster,
+        demands: Sequence[ModelDemand],
+        instances: Sequence[PlannedInstance],
+        spare: Sequence[str],
+    ) -> tuple[PlannedInstance, ...] | None: ...
 
 
 def default_planner(cluster: Cluster, demands: tuple[ModelDemand, ...], now_s: float) -> Plan:
@@ -104,6 +123,28 @@ def additive(
         f"add {', '.join(sorted({i.model for i in added}))}",
         (*running, *added),
         f"the running plan kept, {where} added on GPUs free now",
+    )
+
+
+def packed(
+    cluster: Cluster,
+    base: Candidate,
+    demands: Sequence[ModelDemand],
+    packer: Packer,
+    held: Collection[str],
+) -> Candidate | None:
+    """`base` with its small models packed onto shared GPUs, on GPUs free now that neither
+    `base` nor `held` (running, asleep) holds where it can (make-before-break: no gap)."""
+    taken = {g for i in base.instances for g in i.gpu_ids} | set(held)
+    spare = [g for g in cluster.gpu_ids if g not in taken and cluster.gpu(g).free_bytes > 0]
+    instances = packer.pack(cluster, demands, base.instances, spare)
+    if instances is None:
+        return None
+    shared = sorted({i.gpu_ids[0] for i in instances if i.gpu_memory_fraction is not None})
+    return Candidate(
+        f"pack {base.name}",
+        instances,
+        f"{base.name}, its small models sharing {', '.join(shared)} in memory",
     )
 
 
@@ -206,7 +247,8 @@ def shrink(
     if len(kept) == len(mine):
         return None
     others = [i for i in running if i.model != model.name]
-    freed = sum(i.num_gpus for i in mine) - sum(i.num_gpus for i in kept)
+    # (a GPU shared in memory is given back only when none of its instances stays)
+    freed = num_gpus_held(running) - num_gpus_held([*others, *kept])
     return Candidate(
         f"shrink {model.name}",
         (*others, *kept),

@@ -41,10 +41,12 @@ from flexpipe.perf import Efficiency
 from flexpipe.policies.planner import ModelDemand, PlannedInstance
 from flexpipe.policies.shift.candidates import (
     Candidate,
+    Packer,
     Planner,
     additive,
     default_planner,
     keep_minimums,
+    packed,
     priority_first,
     protects_priority,
     replan,
@@ -224,7 +226,8 @@ class ShiftPolicy:
                 out.append(
                     Candidate(f"shrink {len(out)} models", tuple(both), "every shrink at once")
                 )
-            return out
+            return self._with_packed(snapshot, running, demands, out, down)
+        out = self._with_packed(snapshot, running, demands, out, down)
         out.append(replan(snapshot.cluster, demands, now_s, self.planner))
         pf = priority_first(
             snapshot.cluster,
@@ -238,6 +241,24 @@ class ShiftPolicy:
         if pf is not None:
             out.append(pf)
         return [*out, *self._added(snapshot, running, demands, now_s, [*adding, *grow])]
+
+    def _with_packed(
+        self,
+        snapshot: ShiftSnapshot,
+        running: Sequence[PlannedInstance],
+        demands: Sequence[ModelDemand],
+        out: list[Candidate],
+        down: set[str],
+    ) -> list[Candidate]:
+        """`out` (the shrinks) and, when the planner packs small models onto shared GPUs
+        (`share_gpus`) and a model is idle, the last shrink (or the running plan) packed."""
+        if not down or not isinstance(self.planner, Packer):
+            return out
+        base = out[-1] if out else Candidate("keep", tuple(running))
+        held = [g for i in running for g in i.gpu_ids]
+        held += [g for i, _ in snapshot.asleep for g in i.gpu_ids]
+        c = packed(snapshot.cluster, base, demands, self.planner, held)
+        return out if c is None else [*out, c]
 
     def _added(
         self,

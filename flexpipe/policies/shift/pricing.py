@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from flexpipe.cluster import Cluster, ClusterError
 from flexpipe.perf import Efficiency
 from flexpipe.perf.weights import HOST_RAM
-from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.planner import PlannedInstance, num_gpus_held
 from flexpipe.policies.shift.in_place import (
     IN_PLACE_MODES,
     MAKE_BEFORE_BREAK,
@@ -252,8 +252,8 @@ def price(
 
     g_run = goodput_per_s(running, models, loads, capacity, w)
     g_tgt = goodput_per_s(target, models, loads, capacity, w)
-    gpus_run = sum(i.num_gpus for i in running)
-    gpus_tgt = sum(i.num_gpus for i in target)
+    gpus_run = num_gpus_held(running)  # (a GPU shared in memory counted once)
+    gpus_tgt = num_gpus_held(target)
 
     # Gap: removed instances whose GPUs an added one reuses stop before it starts.
     cold: dict[str, float] = {}  # added key -> cold start (or wake), s

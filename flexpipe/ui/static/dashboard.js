@@ -131,7 +131,10 @@ function renderMap(v) {
       const cap = num(g.capacity_bytes) || 1;
       const others = num(g.others_bytes) || 0, ours = num(g.flexpipe_bytes) || 0;
       const st = g.state || "";
-      const inst = g.instance
+      const shared = list(g.shared);  // a GPU shared in memory: every model on it
+      const inst = shared.length
+        ? shared.map((s) => `${esc(s.model || "")} <b>${esc(s.gear || "")}</b> <span class="state ${esc(s.state || "")}">${esc(s.state || "")}</span>`).join("<br>")
+        : g.instance
         ? `${esc(g.model || "")} <b>${esc(g.gear || "")}</b><br>${st ? `<span class="state ${esc(st)}">${esc(st)}</span>` : ""} ${g.stage ? "stage " + esc(g.stage) : ""}`
         : `<span class="muted">${g.owner ? "held by " + esc(g.owner) : "idle"}</span>`;
       return `<div class="gpu" data-gpu="${esc(g.id)}" data-state="${esc(st)}" data-instance="${esc(g.instance || "")}">` +
