@@ -30,6 +30,7 @@ from flexpipe.control.core.standby_aside import (
     first_plan,
     footprint_bytes,
     holders_to_yield,
+    launched_first,
     standby_view,
     standbys_to_start,
     swap_steps,
@@ -83,8 +84,12 @@ class StandbySleepers:
     def first_plan(self, planned: Sequence[PlannedInstance]) -> list[PlannedInstance]:
         """The first plan with the standby set in place (`first_plan`: each model's standbys
         instead of the planner's instances of it), as the simulator starts; nothing runs
-        or sleeps yet. Its standbys are put to sleep once it serves (`sleep_first`)."""
-        standbys = self.standbys({})
+        or sleeps yet. Its standbys are put to sleep once it serves (`sleep_first`). Where
+        the engine kind cannot load beside another engine, those sharing a GPU with another
+        instance of the plan are started later, the holder asleep meanwhile
+        (`launched_first`, `start_standbys`)."""
+        loads_beside = engine_kind(self.ctl.cfg.engine_kind).loads_beside_awake
+        standbys = launched_first(self.standbys({}), planned, loads_beside)
         self.to_sleep = {instance_key(s) for s in standbys}
         return first_plan(standbys, planned)
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from flexpipe.cluster import load_cluster
-from flexpipe.control.core.standby_aside import holders_to_yield
+from flexpipe.control.core.standby_aside import holders_to_yield, launched_first
 from flexpipe.control.standby_live import StandbySleepers
 from flexpipe.engine_kinds import ENGINE_KINDS
 from flexpipe.policies.planner import ModelDemand, PlannedInstance, Slo, plan
@@ -143,3 +143,29 @@ def test_holders_to_yield_by_engine_kind() -> None:
         "vllm": False,
         "sglang": False,
     }
+
+
+B_PLANNED = replace(TEMPLATE, name="b-9", model="b", stages=(("gpu0",),), layers_per_stage=(32,))
+STANDBY_ALONE = replace(HOLDER, name="b-1", model="b", stages=(("gpu1",),))
+
+
+def test_the_first_plan_launches_no_standby_beside_another_engine_of_a_vllm_kind() -> None:
+    planned = [HOLDER, OTHER, B_PLANNED]
+    # beside the holder on gpu2: left to the standby looks; alone on gpu1: launched
+    assert launched_first([STANDBY, STANDBY_ALONE], planned, False) == [STANDBY_ALONE]
+    # b's only standby left out: b's planned instance (gpu0) comes back, nothing shares
+    assert launched_first([STANDBY], planned, False) == []
+    # ... and then shares gpu0 with c's standby, which is left out in the next round
+    on_gpu0 = replace(STANDBY_ALONE, name="c-0", model="c", stages=(("gpu0",),))
+    assert launched_first([STANDBY, on_gpu0], planned, False) == []
+    assert launched_first([STANDBY_ALONE, on_gpu0], planned, False) == [STANDBY_ALONE, on_gpu0]
+    assert launched_first([STANDBY, STANDBY_ALONE], planned, True) == [STANDBY, STANDBY_ALONE]
+
+
+def test_the_shell_s_first_plan_by_engine_kind() -> None:
+    for kind, names in (("vllm", ["a-0", "a-1", "b-9"]), ("sim", ["a-0", "a-1", "b-0"])):
+        beside = shell(world(), kind)
+        beside.standbys = lambda queued: [STANDBY]  # type: ignore[method-assign]
+        first = beside.first_plan([HOLDER, OTHER, B_PLANNED])
+        assert sorted(i.name for i in first) == names, kind
+        assert beside.to_sleep == ({instance_key(STANDBY)} if kind == "sim" else set())

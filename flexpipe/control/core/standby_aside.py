@@ -19,7 +19,8 @@ docs/controller.md, "Standby sleepers"):
   come up), `holders_to_yield` (the running instances put to sleep while standbys load
   beside them, where the engine kind cannot load beside an awake engine);
 - the first plan with standbys: `first_plan` (each model's standby set in place of the
-  planner's instances) and `first_asleep` (which of them sleep once it is up).
+  planner's instances), `launched_first` (the standbys it may launch where the engine kind
+  cannot load beside another engine) and `first_asleep` (which of them sleep once it is up).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ __all__ = [
     "first_plan",
     "footprint_bytes",
     "holders_to_yield",
+    "launched_first",
     "standby_view",
     "standbys_to_start",
     "swap_steps",
@@ -185,6 +187,31 @@ def first_plan(
     instances of it; the planner's instances of the models with none."""
     with_standby = {s.model for s in standbys}
     return [*standbys, *(i for i in planned if i.model not in with_standby)]
+
+
+def launched_first(
+    standbys: Sequence[PlannedInstance],
+    planned: Sequence[PlannedInstance],
+    loads_beside_awake: bool,
+) -> list[PlannedInstance]:
+    """The standbys the first plan (`first_plan` of them and `planned`) launches: all where
+    the engine kind loads beside another engine (`EngineKind.loads_beside_awake`); else only
+    those on GPUs no other instance of that plan uses, as engines launched together on one GPU
+    would each find the other's memory taken at start-up. The others are left to the standby
+    looks, which load them once the plan serves, its engines asleep meanwhile
+    (`holders_to_yield`). A model left with none runs the planner's instances again, which
+    may share a GPU with a standby kept: so until nothing changes."""
+    kept = list(standbys)
+    while not loads_beside_awake:
+        num_on: dict[str, int] = {}
+        for inst in first_plan(kept, planned):
+            for g in set(inst.gpu_ids):
+                num_on[g] = num_on.get(g, 0) + 1
+        alone = [s for s in kept if all(num_on[g] == 1 for g in s.gpu_ids)]
+        if alone == kept:
+            break
+        kept = alone
+    return kept
 
 
 def first_asleep(
