@@ -180,7 +180,7 @@ def register(app: typer.Typer) -> None:
             if demo:  # the plan the controller will start with: gpu1 held by the tenant
                 the_cluster = demo_cluster(the_cluster, time.time())
             demands = load_models(models_path)
-            if shift_config is None:  # the controller's own live default, named to it
+            if shift_config is None:  # the live profile (the controller's default) or the demo's
                 shift_config = demo_shift_config() if demo else DEFAULT_SHIFT
             load_shift_params(shift_config)  # checked before anything starts
             admin_token = None
