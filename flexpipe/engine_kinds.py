@@ -59,6 +59,11 @@ class EngineKind:
     pp_across_nodes: (
         bool  # one instance's pipeline stages on different nodes (flexpipe's launchers)
     )
+    # starts on a GPU another engine holds awake: the sim engine accounts memory per process;
+    # vLLM and SGLang check at start-up that the GPU's free memory covers their share, so a
+    # standby beside an awake engine loads only while that engine sleeps (time-sharing,
+    # docs/shift-policy.md)
+    loads_beside_awake: bool
     # Prometheus metric name (as exposed, counters with _total) -> gateway signal (SIGNALS)
     metrics: Mapping[str, str] = field(default_factory=dict)
     health_path: str = "/health"
@@ -76,6 +81,7 @@ ENGINE_KINDS: Mapping[str, EngineKind] = {
             prefix_caching=True,
             prefix_caching_default=True,
             pp_across_nodes=True,  # a sim engine stands for any placement (Ray: one process)
+            loads_beside_awake=True,
             metrics=_VLLM_METRICS,
         ),
         EngineKind(
@@ -85,6 +91,7 @@ ENGINE_KINDS: Mapping[str, EngineKind] = {
             prefix_caching=True,
             prefix_caching_default=True,
             pp_across_nodes=True,  # --distributed-executor-backend ray
+            loads_beside_awake=False,  # its --gpu-memory-utilization share must be free
             metrics=_VLLM_METRICS,
         ),
         EngineKind(
@@ -97,6 +104,7 @@ ENGINE_KINDS: Mapping[str, EngineKind] = {
             # multi-node SGLang is one process per node (--nnodes, --node-rank), which
             # flexpipe's launchers do not start
             pp_across_nodes=False,
+            loads_beside_awake=False,  # its --mem-fraction-static share must be free
             metrics={
                 "sglang:num_running_reqs": "num_running",
                 "sglang:num_queue_reqs": "num_waiting",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
-__all__ = ["DEFAULT_CLUSTER", "DEFAULT_MODELS", "example_path"]
+__all__ = ["DEFAULT_CLUSTER", "DEFAULT_MODELS", "DEFAULT_SHIFT", "example_path"]
 
 
 def example_path(relative: str) -> Path:
@@ -23,3 +23,6 @@ def example_path(relative: str) -> Path:
 
 DEFAULT_CLUSTER = example_path("clusters/fragmented-4gpu.yaml")
 DEFAULT_MODELS = example_path("models/llama-7b.yaml")
+# The live shift profile (fast up, slow down): what `flexpipe up` and `flexpipe controller` run
+# without --shift-config. The policy's code defaults stay the simulator's.
+DEFAULT_SHIFT = example_path("shift/live.yaml")

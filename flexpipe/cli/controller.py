@@ -144,7 +144,11 @@ def controller(
         ),
     ] = 2.0,
     shift_config: Annotated[
-        Path | None, typer.Option(help="YAML with a `shift:` section (docs/shift-policy.md).")
+        Path | None,
+        typer.Option(
+            help="YAML with a `shift:` section (docs/shift-policy.md) [examples/shift/live.yaml: "
+            "fast up, slow down]."
+        ),
     ] = None,
     engine_token_file: Annotated[
         Path | None,
@@ -195,9 +199,8 @@ def controller(
     from flexpipe.control.controller import Controller, ControllerConfig
     from flexpipe.control.engines.launching import engine_spec, load_models
     from flexpipe.control.gateway_fleet import GatewayFleet, deployment_of, keep_replicas
-    from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
+    from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS, DEFAULT_SHIFT
     from flexpipe.launch import ENGINES, LocalLauncher
-    from flexpipe.policies.shift import ShiftParams
     from flexpipe.store import Store
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -206,7 +209,7 @@ def controller(
             raise ValueError(f"unknown engine {engine!r}; use sim or vllm")
         cluster_path = cluster or DEFAULT_CLUSTER
         demands = load_models(models or DEFAULT_MODELS)
-        params = ShiftParams() if shift_config is None else load_shift_params(shift_config)
+        params = load_shift_params(shift_config or DEFAULT_SHIFT)  # live: fast up by default
         if occupy:
             from flexpipe.cluster import load_cluster
 

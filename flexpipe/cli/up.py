@@ -36,7 +36,7 @@ from flexpipe.cluster import Cluster, load_cluster
 from flexpipe.control.api.client import TOKEN_ENV, resolve_token
 from flexpipe.control.engines.launching import engine_spec, load_models
 from flexpipe.demo import DemoRun, controller_args, demo_cluster, demo_shift_config
-from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS
+from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS, DEFAULT_SHIFT
 from flexpipe.launch import ENGINES
 from flexpipe.perf.gear_lookup import GearLookup
 from flexpipe.policies.planner import Plan, PlannerConfig, plan
@@ -132,7 +132,10 @@ def register(app: typer.Typer) -> None:
         store: Annotated[str | None, typer.Option(help="Store URL (gear table).")] = None,
         shift_config: Annotated[
             Path | None,
-            typer.Option(help="YAML with a `shift:` section (docs/shift-policy.md)."),
+            typer.Option(
+                help="YAML with a `shift:` section (docs/shift-policy.md) [examples/shift/"
+                "live.yaml: fast up, slow down; --demo: examples/demo/shift.yaml]."
+            ),
         ] = None,
         admin_token_file: Annotated[
             Path | None,
@@ -184,10 +187,9 @@ def register(app: typer.Typer) -> None:
             if demo:  # the plan the controller will start with: gpu1 held by the tenant
                 the_cluster = demo_cluster(the_cluster, time.time())
             demands = load_models(models_path)
-            if demo:
-                shift_config = shift_config or demo_shift_config()
-            if shift_config is not None:  # checked before anything starts
-                load_shift_params(shift_config)
+            if shift_config is None:  # the live profile (the controller's default) or the demo's
+                shift_config = demo_shift_config() if demo else DEFAULT_SHIFT
+            load_shift_params(shift_config)  # checked before anything starts
             admin_token = None
             if admin_token_file is not None:
                 admin_token = resolve_token(None, admin_token_file)
@@ -299,8 +301,7 @@ def register(app: typer.Typer) -> None:
                 demo_run = DemoRun(
                     f"http://{host}:{port}", controller_url, demands[0].name, say, time_scale
                 )
-            if shift_config is not None:
-                controller_argv += ["--shift-config", str(shift_config)]
+            controller_argv += ["--shift-config", str(shift_config)]
             if ray is not None:
                 controller_argv += _ray_argv(ray, cluster, controller_argv)
             before = os.environ.get(TOKEN_ENV)

@@ -1,10 +1,12 @@
 """Standby sleepers beside the live controller's tick (policies/shift/standby_sleepers.py;
 `shift.standby`, off by default), as the simulator's controller drives them: the first plan
-with the standby set in place, engines started and put to sleep ahead of demand, woken at
-once when their model is pressed (or, time-sharing, swapped in for another model's engine on
-its GPU), and the engines of idle models put to sleep. Kept apart from the tick loop (control/controller.py) because it
-runs beside it, on its own clock and lock; control/standby.py is another thing: the
-gateway's holds and refusals of the models with no instance.
+with the standby set in place, engines started and put to sleep ahead of demand (where the
+engine kind cannot load beside an awake engine, that engine sleeps meanwhile), woken at once
+when their model is pressed (or, time-sharing, swapped in for another model's engine on its
+GPU), and the engines of idle models put to sleep. Kept apart from the tick loop
+(control/controller.py) because it runs beside it, on its own clock and lock;
+control/standby.py is another thing: the gateway's holds and refusals of the models with no
+instance.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from flexpipe.control.core.standby_aside import (
     first_asleep,
     first_plan,
     footprint_bytes,
+    holders_to_yield,
+    launched_first,
     standby_view,
     standbys_to_start,
     swap_steps,
@@ -35,6 +39,7 @@ from flexpipe.control.core.standby_aside import (
 )
 from flexpipe.control.core.tick import Readings
 from flexpipe.control.executor import LiveInstance
+from flexpipe.engine_kinds import engine_kind
 from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import perf_model_of
@@ -79,8 +84,12 @@ class StandbySleepers:
     def first_plan(self, planned: Sequence[PlannedInstance]) -> list[PlannedInstance]:
         """The first plan with the standby set in place (`first_plan`: each model's standbys
         instead of the planner's instances of it), as the simulator starts; nothing runs
-        or sleeps yet. Its standbys are put to sleep once it serves (`sleep_first`)."""
-        standbys = self.standbys({})
+        or sleeps yet. Its standbys are put to sleep once it serves (`sleep_first`). Where
+        the engine kind cannot load beside another engine, those sharing a GPU with another
+        instance of the plan are started later, the holder asleep meanwhile
+        (`launched_first`, `start_standbys`)."""
+        loads_beside = engine_kind(self.ctl.cfg.engine_kind).loads_beside_awake
+        standbys = launched_first(self.standbys({}), planned, loads_beside)
         self.to_sleep = {instance_key(s) for s in standbys}
         return first_plan(standbys, planned)
 
@@ -212,20 +221,67 @@ class StandbySleepers:
         """Launched in a running plan of their own (the policy sees them once asleep; their
         GPUs are held whole in its view meanwhile), then put to sleep at the level the sleep
         mode gives each (one that cannot sleep stops); the hold that put on a model that
-        serves is lifted."""
+        serves is lifted. Where the engine kind cannot load beside an awake engine
+        (`holders_to_yield`), the running instances on their GPUs sleep first and wake once
+        the standbys sleep (`yield_for`)."""
         ctl = self.ctl
-        loading: dict[str, LiveInstance] = {}
+        loads_beside = engine_kind(ctl.cfg.engine_kind).loads_beside_awake
+        running = [i.planned for i in ctl.running.values()]
+        holders = holders_to_yield(standbys, running, loads_beside)
         self.aside_gpus = {g for s in standbys for g in s.gpu_ids}
         try:
-            await self.run_aside(loading, standbys, "standby")
-            if loading:
-                await self.run_aside(loading, [], "standby")
+            if holders:
+                await self.yield_for(standbys, holders)
+            else:
+                await self.load_asleep(standbys)
         finally:
             self.aside_gpus = set()
         if not ctl._lock.locked():  # (a shift in progress sweeps when it ends)
             ctl.takeover.sweep_spawned()
         serving = {i.planned.model for i in ctl.running.values()}
         await ctl._hold_all(sorted({s.model for s in standbys} & serving), 0)
+
+    async def load_asleep(self, standbys: list[PlannedInstance]) -> None:
+        """The standbys launched, then put to sleep (two changes beside, `standby`)."""
+        loading: dict[str, LiveInstance] = {}
+        await self.run_aside(loading, standbys, "standby")
+        if loading:
+            await self.run_aside(loading, [], "standby")
+
+    async def yield_for(
+        self, standbys: list[PlannedInstance], holders: list[PlannedInstance]
+    ) -> None:
+        """The order a real vLLM needs to load beside an awake engine (under the `aside`
+        lock, as a swap): `standby-yield`, the holders drain and sleep as a swap's holder
+        does (`sleep`); the standbys load and sleep (`load_asleep`); `standby-return`, the
+        holders wake (`wake`). Not while the shift in progress uses a holder or its GPUs: the
+        next look tries again. A cancelled load (the controller stopping) wakes nothing."""
+        async with self.aside:
+            gpu_ids = {g for h in holders for g in h.gpu_ids}
+            if {instance_key(h) for h in holders} & self.main_keys or gpu_ids & self.main_gpus:
+                return
+            await self.sleep(holders, "standby-yield")
+            try:
+                await self.load_asleep(standbys)
+            finally:
+                back = [h for h in holders if instance_key(h) not in self.ctl.running]
+                if back and not _cancelling():
+                    await self.wake(back, "standby-return")
+
+    async def sleep(self, leaving: Sequence[PlannedInstance], trigger: str) -> None:
+        """`leaving` (running) out of the gateway's pool, drained and put to sleep at the
+        level the sleep mode gives it (or stopped), the rest kept: one change beside."""
+        ctl = self.ctl
+        gone = {instance_key(i) for i in leaving}
+        target = [i.planned for k, i in ctl.running.items() if k not in gone]
+        await self.run_aside(ctl.running, target, trigger)
+
+    async def wake(self, instances: Sequence[PlannedInstance], trigger: str) -> None:
+        """`instances` woken (a failed wake cold-starts, as any) and added to the gateway's
+        pool beside what runs: one change beside."""
+        ctl = self.ctl
+        running = [i.planned for i in ctl.running.values()]
+        await self.run_aside(ctl.running, [*running, *instances], trigger)
 
     async def wake_aside(self, instances: Sequence[Mapping[str, Any]], queued: Any) -> bool:
         """Wake the sleepers of the models that need more engines (`pressed`) beside the
@@ -250,7 +306,7 @@ class StandbySleepers:
             )
             if not wakes:
                 return await self.swap_aside(instances, want)
-            await self.run_aside(ctl.running, [*running, *wakes], "wake-aside")
+            await self.wake(wakes, "wake-aside")
             return True
 
     async def swap_aside(
@@ -290,12 +346,10 @@ class StandbySleepers:
             return False
         kept, wakes = swap_steps(running, swaps)
         await self.run_aside(ctl.running, kept, "swap-sleep")
-        running = [i.planned for i in ctl.running.values()]
-        await self.run_aside(ctl.running, [*running, *wakes], "swap-wake")
+        await self.wake(wakes, "swap-wake")
         holders = woken_back(swaps, set(ctl.running), set(ctl.executor.sleepers))
         if holders:
-            running = [i.planned for i in ctl.running.values()]
-            await self.run_aside(ctl.running, [*running, *holders], "swap-back")
+            await self.wake(holders, "swap-back")
         return True
 
     async def sleep_idle(self, instances: Sequence[Mapping[str, Any]], queued: Any) -> bool:
@@ -314,9 +368,7 @@ class StandbySleepers:
             )
             if not leaving:
                 return False
-            gone = {instance_key(i) for i in leaving}
-            target = [r for k, r in running.items() if k not in gone]
-            await self.run_aside(ctl.running, target, "sleep-aside")
+            await self.sleep(leaving, "sleep-aside")
             return True
 
     async def run_aside(
@@ -343,3 +395,9 @@ class StandbySleepers:
             + ", ".join(f"{k} {v:.1f}s" for k, v in outcome.phases_s.items())
         )
         return outcome
+
+
+def _cancelling() -> bool:
+    """Whether the task running this is being cancelled (the controller stopping)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

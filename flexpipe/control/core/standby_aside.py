@@ -16,9 +16,11 @@ docs/controller.md, "Standby sleepers"):
   `footprint_bytes` (what an engine holds awake or asleep), `evicts_asleep` (whether a
   change beside may stop the sleepers on its new instances' GPUs), `swap_steps` and
   `woken_back` (a swap's two steps, and the holders woken again when its sleeper did not
-  come up);
+  come up), `holders_to_yield` (the running instances put to sleep while standbys load
+  beside them, where the engine kind cannot load beside an awake engine);
 - the first plan with standbys: `first_plan` (each model's standby set in place of the
-  planner's instances) and `first_asleep` (which of them sleep once it is up).
+  planner's instances), `launched_first` (the standbys it may launch where the engine kind
+  cannot load beside another engine) and `first_asleep` (which of them sleep once it is up).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ __all__ = [
     "first_asleep",
     "first_plan",
     "footprint_bytes",
+    "holders_to_yield",
+    "launched_first",
     "standby_view",
     "standbys_to_start",
     "swap_steps",
@@ -62,6 +66,10 @@ ASIDE_REASONS = {
     "swap-sleep": "time-sharing: a running instance put to sleep for another model's wake",
     "swap-wake": "time-sharing: a sleeper woken on the GPUs a swap freed",
     "swap-back": "time-sharing: the swapped-in sleeper did not come up; the holder woken again",
+    "standby-yield": "time-sharing: a running instance put to sleep while a standby loads on its "
+    "GPUs (the engine checks free GPU memory at start-up)",
+    "standby-return": "time-sharing: the standby loaded and sleeps; the instance it yielded to "
+    "woken again",
 }
 
 
@@ -181,6 +189,31 @@ def first_plan(
     return [*standbys, *(i for i in planned if i.model not in with_standby)]
 
 
+def launched_first(
+    standbys: Sequence[PlannedInstance],
+    planned: Sequence[PlannedInstance],
+    loads_beside_awake: bool,
+) -> list[PlannedInstance]:
+    """The standbys the first plan (`first_plan` of them and `planned`) launches: all where
+    the engine kind loads beside another engine (`EngineKind.loads_beside_awake`); else only
+    those on GPUs no other instance of that plan uses, as engines launched together on one GPU
+    would each find the other's memory taken at start-up. The others are left to the standby
+    looks, which load them once the plan serves, its engines asleep meanwhile
+    (`holders_to_yield`). A model left with none runs the planner's instances again, which
+    may share a GPU with a standby kept: so until nothing changes."""
+    kept = list(standbys)
+    while not loads_beside_awake:
+        num_on: dict[str, int] = {}
+        for inst in first_plan(kept, planned):
+            for g in set(inst.gpu_ids):
+                num_on[g] = num_on.get(g, 0) + 1
+        alone = [s for s in kept if all(num_on[g] == 1 for g in s.gpu_ids)]
+        if alone == kept:
+            break
+        kept = alone
+    return kept
+
+
 def first_asleep(
     standby_keys: Collection[str],
     running: Mapping[str, PlannedInstance],
@@ -208,6 +241,23 @@ def swap_steps(
     gone = {instance_key(h) for s in swaps for h in s.sleep}
     kept = [i for i in running if instance_key(i) not in gone]
     return kept, [s.wake for s in swaps]
+
+
+def holders_to_yield(
+    standbys: Sequence[PlannedInstance],
+    running: Sequence[PlannedInstance],
+    loads_beside_awake: bool,
+) -> list[PlannedInstance]:
+    """The running instances that sleep while `standbys` load and wake once they sleep (three
+    changes beside: `standby-yield`, the standbys' `standby` launch and sleep,
+    `standby-return`): none where the engine kind loads beside an awake engine
+    (`EngineKind.loads_beside_awake`, the sim engine); else each one on a standby's GPUs, as
+    a real vLLM refuses to start where an awake engine leaves less free memory than its
+    share."""
+    if loads_beside_awake:
+        return []
+    gpu_ids = {g for s in standbys for g in s.gpu_ids}
+    return [i for i in running if set(i.gpu_ids) & gpu_ids]
 
 
 def woken_back(
