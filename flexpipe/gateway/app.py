@@ -371,28 +371,29 @@ class Gateway:
         return len(self._calls)
 
     async def _send_movable(self, call: Call) -> tuple[Instance, UpstreamResponse]:
-        """`send`, in a task the controller can cancel to move the request while the engine
-        has not answered yet (a non-streamed request, a stream still queued): it is then
-        sent again, to the move's target."""
+        """`send`, which the controller may interrupt to move the request while the engine
+        has not answered yet (a non-streamed request, a stream still queued): it is then sent
+        again, to the move's target. The move cancels this request's own task (`call.sending`,
+        `moves.move_request`), not a task per send: a cancellation the move asked for is taken
+        back here (`uncancel`), and one that remains (the client left, the gateway is
+        stopping) goes on as before."""
+        task = asyncio.current_task()
+        assert task is not None
         while True:
-            task = asyncio.ensure_future(self.send(call, call.raw))
             call.sending = task
             try:
-                return await task
+                return await self.send(call, call.raw)
             except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if call.move is None or (current is not None and current.cancelling()):
-                    # the client left (or the gateway is stopping); when it left just as
-                    # the send finished, the result is ours to release: asyncio drops it
-                    if task.done() and not task.cancelled() and task.exception() is None:
-                        inst, resp = task.result()
-                        resp.release()  # aborts the upstream request
-                        self.finish(inst, call, "cancelled")
+                if not call.move_cancels:
                     raise
+                call.move_cancels = False
+                if task.uncancel() > 0:
+                    raise  # the client left too (or the gateway is stopping)
                 call.moved_by.append("rerun")
                 self.metrics.migrations.labels("moved").inc()
             finally:
                 call.sending = None
+                call.move_cancels = False
 
     async def _dispatch(self, call: Call) -> Response | StreamResponse | PushResponse:
         while True:

@@ -40,7 +40,9 @@ async def move_request(gw: MoveHost, call_id: int, move: Move) -> tuple[str, War
         return "not_running", None
     if call.sending is not None:  # the engine has not answered: nothing was sent yet
         call.move = Move("recompute", move.target)
-        call.sending.cancel()  # aborts the upstream request; sent again to the target
+        if not call.move_cancels:  # (a second move before the task resumed: one cancel)
+            call.move_cancels = True
+            call.sending.cancel()  # aborts the upstream request; sent again to the target
         return "rerun", None
     if not call.stream:
         if call.upstream is None:

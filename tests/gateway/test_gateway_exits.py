@@ -145,10 +145,10 @@ def test_a_client_that_leaves_as_the_engine_answers_releases_the_slot(
     lt: LoopThread, stream: bool
 ) -> None:
     """The race CI found (one slot held for good, the engine generating for nobody): the
-    engine's response head arrives, the send task is done, and the client's disconnect
-    cancels the handler before it resumes — asyncio then drops the send's result, with the
-    slot and the open upstream response in it. Here the disconnect is timed into exactly that
-    window: scheduled by the send as it returns, it runs before the handler wakes."""
+    engine's response head arrives and the client's disconnect cancels the handler before it
+    resumes. Here the disconnect comes exactly as the send returns (a cancellation pending on
+    the request's task, the connection aborted): the handler must still release the slot and
+    the upstream response at its next step."""
     engine = FakeEngine(token_delay_s=0.05)
     r = Running(lt, [engine], max_concurrency_per_instance=4)
     real_send = r.gw.send
@@ -161,11 +161,8 @@ def test_a_client_that_leaves_as_the_engine_answers_releases_the_slot(
         task, transport = conn._task, conn.transport
         assert task is not None and transport is not None
 
-        def leave() -> None:  # what connection_lost does, before the handler's wake-up
-            task.cancel()
-            transport.abort()
-
-        asyncio.get_running_loop().call_soon(leave)
+        task.cancel()  # what connection_lost does, before the handler's next step
+        transport.abort()
         return result
 
     r.gw.send = send_then_the_client_leaves  # type: ignore[method-assign]
