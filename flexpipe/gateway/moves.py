@@ -21,7 +21,8 @@ from flexpipe.gateway.core.cut_over import (
     token_wait_s,
 )
 from flexpipe.gateway.core.warm_up import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome
-from flexpipe.gateway.relay import move_relayed, warm_up
+from flexpipe.gateway.failover import move_relayed
+from flexpipe.gateway.relay import warm_up
 from flexpipe.gateway.sse import kv_link_bytes_per_s
 from flexpipe.http.client import Timeouts, UpstreamError
 
