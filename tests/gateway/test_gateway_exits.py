@@ -296,7 +296,7 @@ def test_a_hold_keeps_requests_queued_while_capacity_is_relaunched(lt: LoopThrea
 
             try:
                 tasks = [asyncio.create_task(one()) for _ in range(4)]
-                await asyncio.sleep(1.0)  # well past max_queue_wait_s: nobody refused
+                await asyncio.sleep(0.6)  # twice max_queue_wait_s: nobody refused
                 assert not any(t.done() and t.exception() for t in tasks)
                 extra = lt.run(FakeEngine(token_delay_s=0.01).start())
                 r.engines.append(extra)
