@@ -344,8 +344,10 @@ def run_overhead(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.baseline:
             base = procs.gateway("flexpipe", engines, "round_robin", tree=args.baseline)
             targets.append(("flexpipe-baseline", base))
+        conns_asked = {int(c) for c in args.conns.split(",")} if args.conns else None
+        cases = [c for c in OVERHEAD_CASES if conns_asked is None or c[0] in conns_asked]
         for r in range(args.rounds):
-            for conns, stream in OVERHEAD_CASES:
+            for conns, stream in cases:
                 for target, url in rotated(targets, r):
                     s = measured(procs, url, closed_loop(url, conns, args.duration_s, stream))
                     rows.append(emit({"bench": "overhead", "conns": conns, "stream": stream,
@@ -813,6 +815,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=24.0, help="quality: requests/s (Poisson)")
     ap.add_argument("--seeds", default="0,1,2", help="quality: workload and arrival seeds")
     ap.add_argument("--only", default="", help="quality: variant names, comma-separated")
+    ap.add_argument("--conns", default="", help="overhead: only these connection counts (1,64)")
     ap.add_argument("--concurrencies", default="8,32,64,96", help="capacity: closed loops")
     ap.add_argument("--capacity-duration-s", type=float, default=20.0, help="capacity: window")
     ap.add_argument(

@@ -68,7 +68,9 @@ class Call:
     relayed: UpstreamResponse | None = None  # what the failover pump relays (after a move)
     stream_state: StreamState | None = None  # the failover pump's view of what was sent
     move: Move | None = None  # asked for and not yet carried out
-    sending: asyncio.Task[Any] | None = None  # waiting for the engine's response head
+    # the request's own task while it waits for the engine's response head (a move cancels it)
+    sending: asyncio.Task[Any] | None = None
+    move_cancels: bool = False  # a move cancelled `sending`: its task takes it back
     export: dict[str, Any] | None = None  # the engine's exported state for a "kv" move
     moved_by: list[str] = field(default_factory=list)  # methods of the moves done
     # a move waiting for its source's next token (`gateway.moves.at_next_token`): called

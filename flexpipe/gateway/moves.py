@@ -21,7 +21,8 @@ from flexpipe.gateway.core.cut_over import (
     token_wait_s,
 )
 from flexpipe.gateway.core.warm_up import WARM_POLL_S, WARM_TIMEOUT_S, WarmOutcome
-from flexpipe.gateway.relay import move_relayed, warm_up
+from flexpipe.gateway.failover import move_relayed
+from flexpipe.gateway.relay import warm_up
 from flexpipe.gateway.sse import kv_link_bytes_per_s
 from flexpipe.http.client import Timeouts, UpstreamError
 
@@ -40,7 +41,9 @@ async def move_request(gw: MoveHost, call_id: int, move: Move) -> tuple[str, War
         return "not_running", None
     if call.sending is not None:  # the engine has not answered: nothing was sent yet
         call.move = Move("recompute", move.target)
-        call.sending.cancel()  # aborts the upstream request; sent again to the target
+        if not call.move_cancels:  # (a second move before the task resumed: one cancel)
+            call.move_cancels = True
+            call.sending.cancel()  # aborts the upstream request; sent again to the target
         return "rerun", None
     if not call.stream:
         if call.upstream is None:

@@ -29,7 +29,7 @@ import contextlib
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -232,7 +232,7 @@ class UpstreamResponse:
         self._pool = pool
         self._key = key
         self._conn = conn
-        self._timeouts = timeouts
+        self._idle_s = timeouts.idle_s  # between two body chunks (`set_idle_timeout`)
         self.status = conn.status
         self.headers = conn.headers
         self.loop = conn.loop  # the event loop the response lives on
@@ -264,7 +264,7 @@ class UpstreamResponse:
             if conn.error is not None:
                 raise conn.error
             try:
-                await conn.wait(self._timeouts.idle_s, "idle")
+                await conn.wait(self._idle_s, "idle")
             except UpstreamError:
                 self.close()
                 raise
@@ -292,7 +292,7 @@ class UpstreamResponse:
             on_end(conn.error)
             return
         conn.sink_data, conn.sink_end = on_data, on_end
-        conn.idle_s = self._timeouts.idle_s
+        conn.idle_s = self._idle_s
         conn._deadline_s = conn.loop.time() + conn.idle_s
         conn.stop_timer()
         conn._timer = conn.loop.call_at(conn._deadline_s, conn._on_timer)
@@ -300,7 +300,7 @@ class UpstreamResponse:
     def set_idle_timeout(self, idle_s: float) -> None:
         """From now on, wait at most `idle_s` between two body chunks (a stream that has
         started may be held to a tighter bound than the wait for its first chunk)."""
-        self._timeouts = replace(self._timeouts, idle_s=idle_s)
+        self._idle_s = idle_s
         conn = self._conn
         if conn.sink_end is None:
             return  # `next_chunk` reads the new bound at its next wait

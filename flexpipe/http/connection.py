@@ -1,10 +1,7 @@
-"""One client connection of the HTTP server: parsing within `HttpLimits`, the read and write
-timeouts, answering pipelined requests in order, and the disconnect contract (a handler whose
-client leaves before the response head is cancelled). See `flexpipe.http.server`.
-
-Timeouts use one lazily re-armed timer per connection: a phase change only moves a deadline,
-and the timer, when it fires early, re-arms itself for it (no timer handle pushed and cancelled
-per request). While a request is being answered, the read side is not timed.
+"""One client connection of the HTTP server: parsing within `HttpLimits`, answering pipelined
+requests in order, and the disconnect contract (a handler whose client leaves before the
+response head is cancelled); its read and write timeouts and its ways of closing are
+`_Closing` (closing.py). See `flexpipe.http.server`.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 
 import httptools
 
+from flexpipe.http.closing import _BODY, _HEAD, _IDLE, _Closing
 from flexpipe.http.messages import (
     Handler,
     HttpError,
@@ -37,9 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flexpipe.http")
 
-_IDLE, _HEAD, _BODY = 0, 1, 2  # what the read side waits for: a request, its head, its body
 _PARSE_SLICE_BYTES = 16 * 1024  # parsed at a time (bounds the requests parsed per read)
-_MAX_REFUSING = 64  # connections lingering after a refusal; beyond, new ones are reset at once
 
 
 class _LimitExceeded(Exception):
@@ -56,7 +52,7 @@ class _Parsed(NamedTuple):
     http10: bool  # an HTTP/1.0 client: streams are not chunked, the connection closes
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(_Closing, asyncio.Protocol):
     """One client connection: parses requests within the limits and answers them in order."""
 
     def __init__(self, server: HttpServer) -> None:
@@ -314,132 +310,6 @@ class _Connection(asyncio.Protocol):
         task = self._task
         if task is None or task.done():
             self._task = self.loop.create_task(self._serve_pending())
-
-    # --- timeouts -----------------------------------------------------------------------
-    def _set_deadline(self, timeout_s: float) -> None:
-        self._deadline_s = self.loop.time() + timeout_s
-        self._arm()
-
-    def _arm(self) -> None:
-        timer = self._timer
-        deadline_s = self._deadline_s
-        if timer is None or timer.when() > deadline_s:
-            if timer is not None:
-                timer.cancel()
-            self._timer = self.loop.call_at(deadline_s, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        if self._closed or self._refusing or self._task is not None or self._pending:
-            return  # answering: the read side is not timed; the answer's end re-arms
-        if self.loop.time() < self._deadline_s:
-            self._timer = self.loop.call_at(self._deadline_s, self._on_timer)
-            return
-        phase = self._read_phase
-        if phase == _IDLE:
-            self._close()  # an idle keep-alive connection (or a new one that sent nothing)
-        elif phase == _HEAD:
-            limit = self.limits.header_timeout_s
-            self._fail(408, f"Request head not received within {limit:g} s")
-        else:
-            limit = self.limits.body_timeout_s
-            self._fail(408, f"Request body not received within {limit:g} s")
-
-    def _write_timed_out(self) -> None:
-        self._write_timer = None
-        if self.transport is not None and not self._closed:
-            log.info("client %s stopped reading: connection aborted", self.client)
-            self._closed = True
-            self.transport.abort()
-
-    def _stop_write_timer(self) -> None:
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
-
-    # --- closing ------------------------------------------------------------------------
-    def _close(self) -> None:
-        """Close after what was written is flushed (aborted if the client never reads it)."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        self.server._idle.pop(self, None)
-        transport.close()
-        if self._write_timer is None:
-            self._write_timer = self.loop.call_later(
-                self.limits.write_timeout_s, self._write_timed_out
-            )
-
-    def _fail(self, status: int, message: str) -> None:
-        """Answer an error for a request that cannot be parsed or read, then close: the error
-        is written, our side shut, and the rest of the request read and dropped until the
-        client closes or `refusal_linger_s` passes (closing at once would reset the socket
-        and the client could lose the error). A request being answered is cancelled."""
-        transport = self.transport
-        if transport is None or transport.is_closing() or self._refusing:
-            return
-        self._refusing = True
-        self.server._idle.pop(self, None)
-        self.server._heads.pop(self, None)
-        if self._task is not None or self._push is not None:
-            # an answer is in progress: an error cannot follow it on this connection
-            self._closed = True
-            transport.abort()
-            return
-        resp = error_response(status, message)
-        transport.write(encode_head(status, resp.content_type, None, len(resp.body), False))
-        transport.write(resp.body)
-        self._linger()
-
-    def _refuse(self) -> None:
-        """Over the connection cap with no idle connection to close: 503, then close."""
-        server = self.server
-        transport = self.transport
-        assert transport is not None
-        self._refusing = True
-        if server._num_refusing >= _MAX_REFUSING:
-            transport.abort()  # a flood of refusals: the cheapest answer
-            return
-        self._refused = True
-        server._num_refusing += 1
-        cap = server.max_connections
-        resp = error_response(503, f"Server busy: at its limit of {cap} connections; retry")
-        head = encode_head(503, resp.content_type, {"retry-after": "1"}, len(resp.body), False)
-        transport.write(head + resp.body)
-        self._linger()
-
-    def _shed(self) -> None:
-        """Shed at the connection cap (`HttpServer._reap_idle`) while its request head still
-        arrives: 408 and close, lingering like a refusal (a flood of them is reset at once)."""
-        server = self.server
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        if server._num_refusing >= _MAX_REFUSING:
-            self._refusing = self._closed = True
-            transport.abort()
-            return
-        self._refused = True
-        server._num_refusing += 1
-        cap = server.max_connections
-        self._fail(408, f"Request head too slow: the server is at its limit of {cap} connections")
-
-    def _linger(self) -> None:
-        transport = self.transport
-        assert transport is not None
-        if self._reading_paused:
-            self._reading_paused = False
-            transport.resume_reading()
-        with contextlib.suppress(Exception):
-            if transport.can_write_eof():
-                transport.write_eof()
-        self._linger_timer = self.loop.call_later(self.limits.refusal_linger_s, self._drop)
-
-    def _drop(self) -> None:
-        self._linger_timer = None
-        if self.transport is not None and not self._closed:
-            self._closed = True
-            self.transport.abort()
 
     # --- answering ----------------------------------------------------------------------
     async def _serve_pending(self) -> None:

@@ -496,14 +496,16 @@ DRAIN_KNOB = config_knob(
 
 def test_sigterm_drains_then_ends_open_streams_with_an_error_event() -> None:
     config: dict[str, Any] = {}
+    # at time scale 0.5 (the drain's grace halved with it): the short requests take a quarter
+    # of the grace, as before at 1.0 and 4 s, and the test waits out 2 s of grace, not 4
     if DRAIN_KNOB is not None:
-        set_knob(config, DRAIN_KNOB, 4.0)
-        deadline_s = 4.0
+        set_knob(config, DRAIN_KNOB, 2.0)
+        deadline_s = 2.0
     else:  # not configurable yet: the default must still be bounded
         deadline_s = 30.0
-    with cluster(2, 1.0, config) as c:
+    with cluster(2, 0.5, config) as c:
         port = c.gw.port
-        short, long_ = 80, LONG_TOKENS  # ~1 s: within the drain; ~20 s: beyond it
+        short, long_ = 80, LONG_TOKENS  # ~0.5 s: within the drain; ~10 s: beyond it
 
         async def go() -> tuple[list[RawResponse], list[RawResponse], float, str]:
             calls = []

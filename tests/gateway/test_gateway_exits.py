@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from test_gateway_api import Running
 from test_gateway_fakes import FakeEngine, LoopThread
 
+from flexpipe.gateway.call import Move
 from flexpipe.gateway.tenants import TokenBucket
 
 
@@ -145,10 +147,10 @@ def test_a_client_that_leaves_as_the_engine_answers_releases_the_slot(
     lt: LoopThread, stream: bool
 ) -> None:
     """The race CI found (one slot held for good, the engine generating for nobody): the
-    engine's response head arrives, the send task is done, and the client's disconnect
-    cancels the handler before it resumes — asyncio then drops the send's result, with the
-    slot and the open upstream response in it. Here the disconnect is timed into exactly that
-    window: scheduled by the send as it returns, it runs before the handler wakes."""
+    engine's response head arrives and the client's disconnect cancels the handler before it
+    resumes. Here the disconnect comes exactly as the send returns (a cancellation pending on
+    the request's task, the connection aborted): the handler must still release the slot and
+    the upstream response at its next step."""
     engine = FakeEngine(token_delay_s=0.05)
     r = Running(lt, [engine], max_concurrency_per_instance=4)
     real_send = r.gw.send
@@ -161,11 +163,8 @@ def test_a_client_that_leaves_as_the_engine_answers_releases_the_slot(
         task, transport = conn._task, conn.transport
         assert task is not None and transport is not None
 
-        def leave() -> None:  # what connection_lost does, before the handler's wake-up
-            task.cancel()
-            transport.abort()
-
-        asyncio.get_running_loop().call_soon(leave)
+        task.cancel()  # what connection_lost does, before the handler's next step
+        transport.abort()
         return result
 
     r.gw.send = send_then_the_client_leaves  # type: ignore[method-assign]
@@ -181,6 +180,50 @@ def test_a_client_that_leaves_as_the_engine_answers_releases_the_slot(
         wait_for(lambda: engine.num_active == 0, 5)  # the engine's work was aborted
         r.gw.send = real_send  # type: ignore[method-assign]
         assert r.client().completions.create(model="fake-model", prompt="x", max_tokens=2)
+    finally:
+        r.close()
+
+
+def test_a_move_as_the_client_leaves_ends_the_request_and_sends_it_nowhere(
+    lt: LoopThread,
+) -> None:
+    """A move cancels the request's own task while it waits for the engine's head, and takes
+    that cancellation back to send it again to the target; a client that leaves in the same
+    pass cancels the task too, and that one must stand: the request ends, its slot and the
+    source's work are released, and nothing reaches the target."""
+    source, target = FakeEngine(mode="hang"), FakeEngine()
+    r = Running(lt, [source, target])
+    r.gw.pool.drain(target.url)  # the request starts on `source`
+
+    async def move_as_the_client_leaves() -> str:
+        (call,) = r.gw.calls_on(source.url)
+        server = r.gw.server
+        assert server is not None and call.sending is not None
+        (conn,) = server._connections  # the test's one client connection
+        assert conn._task is call.sending and conn.transport is not None
+        outcome, _ = await r.gw.move_request(call.id, Move("recompute", target.url))
+        conn._task.cancel()  # what connection_lost does, in the same pass
+        conn.transport.abort()
+        return outcome
+
+    try:
+        with pytest.raises(openai.APIConnectionError):
+            client = r.client()
+
+            def move_once_sent() -> None:
+                wait_for(lambda: source.num_requests == 1, 5)
+                r.gw.pool.activate(target.url)
+                assert lt.run(move_as_the_client_leaves()) == "rerun"
+
+            thread = threading.Thread(target=move_once_sent)
+            thread.start()
+            try:
+                client.completions.create(model="fake-model", prompt="x", max_tokens=2)
+            finally:
+                thread.join(10)
+        wait_for(lambda: idle(r), 5)
+        wait_for(lambda: source.num_cancelled == 1, 5)  # the source's work was aborted
+        assert target.num_requests == 0  # not sent again: the client had left
     finally:
         r.close()
 
@@ -299,7 +342,7 @@ def test_a_hold_keeps_requests_queued_while_capacity_is_relaunched(lt: LoopThrea
 
             try:
                 tasks = [asyncio.create_task(one()) for _ in range(4)]
-                await asyncio.sleep(1.0)  # well past max_queue_wait_s: nobody refused
+                await asyncio.sleep(0.6)  # twice max_queue_wait_s: nobody refused
                 assert not any(t.done() and t.exception() for t in tasks)
                 extra = lt.run(FakeEngine(token_delay_s=0.01).start())
                 r.engines.append(extra)

@@ -168,15 +168,17 @@ def test_hanging_engine_gets_a_504_and_is_ejected(lt: LoopThread) -> None:
 
 
 def test_stalled_stream_is_migrated_after_the_idle_timeout(lt: LoopThread) -> None:
-    slow, fast = FakeEngine(token_delay_s=1.0), FakeEngine()
-    r = Running(lt, [slow, fast], idle_timeout_s=0.3)
+    # engine and gateway share one loop: the idle bound (0.2 s after t0 arrives) falls due
+    # 0.4 s before the next token, whatever t0's hop costs up to that
+    slow, fast = FakeEngine(token_delay_s=0.6), FakeEngine()
+    r = Running(lt, [slow, fast], idle_timeout_s=0.2)
     try:
         r.gw.pool.drain(fast.url)  # the stream starts on `slow`
         stream = r.client().completions.create(
             model="fake-model", prompt="x", max_tokens=4, stream=True
         )
         it = iter(stream)
-        first = next(it)  # t0 after 1 s; the next token would take another 1 s > idle timeout
+        first = next(it)  # t0 after 0.6 s; the next one would take another 0.6 s > idle timeout
         r.gw.pool.activate(fast.url)
         chunks = [first, *(c for c in it if c.choices)]
         # the continuation asked `fast` for the 3 remaining tokens after prompt "x" + "t0 "

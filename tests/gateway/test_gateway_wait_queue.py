@@ -183,20 +183,20 @@ def test_a_waiter_woken_as_its_wait_ends_still_hands_on_a_slot_it_may_not_use(
     second's own wait runs out."""
     from types import SimpleNamespace
 
-    from flexpipe.gateway import app
+    from flexpipe.gateway import app, slots
     from flexpipe.gateway.config import config_from_dict
     from flexpipe.gateway.core.admission import Decision, Queue
     from flexpipe.gateway.retry_later import RetryLater
     from flexpipe.policies.routing import RoutingRequest
 
     decisions: list[Decision] = []
-    admit = app.admit
+    admit = slots.admit
 
     def spy(*args: Any, **kw: Any) -> Decision:
         decisions.append(admit(*args, **kw))
         return decisions[-1]
 
-    monkeypatch.setattr(app, "admit", spy)
+    monkeypatch.setattr(slots, "admit", spy)
 
     async def scenario() -> tuple[str, float, float, str]:
         loop = asyncio.get_running_loop()
