@@ -6,8 +6,8 @@ the run's `Colocation`. When one of them starts a step, its step takes
 engines on its GPUs computing a step then, itself included: the driver time-slices the GPU
 between their contexts. The factor is taken at the step's start; a neighbour that starts or
 stops during the step changes the next one (steps are milliseconds long). Engines alone on
-their GPUs never join, so runs without sharing are untouched. An engine stopped stays listed,
-idle (it computes nothing more).
+their GPUs never join, so runs without sharing are untouched. An engine released leaves, so a
+long run that packs and unpacks many times keeps only the engines that still hold GPUs.
 """
 
 from __future__ import annotations
@@ -38,6 +38,17 @@ class Colocation:
     def join(self, tenant: Tenant) -> None:
         for g in tenant.gpu_ids:
             self._by_gpu.setdefault(g, []).append(tenant)
+
+    def leave(self, tenant: Tenant) -> None:
+        for g in tenant.gpu_ids:
+            left = [t for t in self._by_gpu.get(g, ()) if t is not tenant]
+            if left:
+                self._by_gpu[g] = left
+            else:
+                self._by_gpu.pop(g, None)
+
+    def num_tenants(self, gpu_id: str) -> int:
+        return len(self._by_gpu.get(gpu_id, ()))
 
     def factor(self, tenant: Tenant) -> float:
         """How much longer `tenant`'s step starting now takes: `stretch(k)`."""

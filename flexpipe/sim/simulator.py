@@ -406,6 +406,7 @@ class _Run:
         if rec.stopped_s < 0:
             rec.stopped_s = now
         assert rec.instance is not None
+        self.colocation.leave(rec.instance)
         if rec.instance.url in self.gateway.pool.instances:
             self.gateway.remove_instance(rec.instance.url)
 

@@ -145,6 +145,29 @@ def test_a_run_with_two_models_on_one_gpu_bills_it_once() -> None:
     assert sum(r.failed == "" for r in shared.requests) == 55
 
 
+class _Tenant:
+    def __init__(self, *gpu_ids: str) -> None:
+        self.gpu_ids = gpu_ids
+        self.computing = True
+
+
+def test_an_engine_released_leaves_its_gpus_neighbours() -> None:
+    """A released engine slows nobody and is forgotten (a long run packs and unpacks often)."""
+    colocation = Colocation()
+    a, b, c = _Tenant("g0"), _Tenant("g0", "g1"), _Tenant("g1")
+    for t in (a, b, c):
+        colocation.join(t)
+    assert colocation.factor(a) == stretch(2)
+    assert colocation.factor(b) == stretch(3)
+    colocation.leave(b)
+    assert colocation.factor(a) == stretch(1)
+    assert colocation.factor(c) == stretch(1)
+    assert (colocation.num_tenants("g0"), colocation.num_tenants("g1")) == (1, 1)
+    colocation.leave(a)
+    colocation.leave(a)  # twice: nothing more
+    assert colocation.num_tenants("g0") == 0
+
+
 def test_the_scenario_key_is_a_boolean() -> None:
     assert _scenario(True).planner.share_gpus is True
     assert _scenario(False).planner.share_gpus is False
