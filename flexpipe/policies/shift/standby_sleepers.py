@@ -41,6 +41,7 @@ from flexpipe.policies.shift.snapshot import instance_key
 __all__ = [
     "StandbyParams",
     "Swap",
+    "arrived",
     "idle_since",
     "most_awake",
     "peak_rates",
@@ -74,6 +75,18 @@ class StandbyParams:
     wakes_per_tick: int = 0  # sleepers of a model woken aside at once (0: all)
     sleep_idle_s: float = 0.0  # a model idle this long sleeps aside (0: the down trigger)
     time_share: bool = False  # a standby may sleep beside another model's awake engine
+    # standbys planned at the SLO (the planner's `sizing: slo`, built by the shell): a
+    # standby covers the rate at which it meets the TTFT and TPOT p99 with queueing
+    # (perf/slo_capacity.py), so a weak pipeline counts only for what it serves in the SLO
+    slo_gears: bool = False
+    # the peak rate a standby set is sized for is the arrivals' (finished + in flight +
+    # waiting, `arrived`), not the finished requests' alone: those are capped by the
+    # capacity that served the burst, so a set too small would never see it was
+    arrival_peaks: bool = False
+    # no standby is a pipeline (pp > 1): a prompt's prefill stalls every stage's decode, so
+    # such a gear misses the TPOT SLO at rates its planned capacity claims (bursty-serverless:
+    # qwen-14b and llama-13b on L40S pipelines, docs/shift-policy.md)
+    single_stage: bool = False
 
     def __post_init__(self) -> None:
         if self.num_per_model < 0 or self.max_per_model < 0:
@@ -105,6 +118,23 @@ def recent_rates(seen: Sequence[tuple[float, Mapping[str, float]]]) -> dict[str,
         return {}
     (t0, first), (t1, last) = seen[0], seen[-1]
     return {m: max(0.0, n - first.get(m, 0.0)) / (t1 - t0) for m, n in sorted(last.items())}
+
+
+def arrived(
+    finished_by_model: Mapping[str, float],
+    instances: Sequence[Mapping[str, Any]],
+    queued_by_model: Mapping[str, int],
+) -> dict[str, float]:
+    """Model -> requests arrived so far: finished, in flight on an engine (its pool
+    records, as `GET /admin/instances` lists them) or waiting in the gateway. Its rate over
+    a few ticks (`recent_rates`) is the demand's, even where the engines fall behind."""
+    out = {m: float(n) for m, n in finished_by_model.items()}
+    for rec in instances:
+        model = str(rec.get("model"))
+        out[model] = out.get(model, 0.0) + float(rec.get("num_in_flight") or 0)
+    for m, n in queued_by_model.items():
+        out[m] = out.get(m, 0.0) + n
+    return dict(sorted(out.items()))
 
 
 def _count(instances: Iterable[PlannedInstance]) -> dict[str, int]:
@@ -196,7 +226,7 @@ def standby_wanted(
             placed: list[PlannedInstance] = []
             for sleeping in views:
                 taken = free_of(cluster, [*awake, *chosen, *sleeping])
-                placed = _placed(taken, rest, 1, planner, now_s)
+                placed = _placed(taken, rest, 1, planner, now_s, params.single_stage)
                 if placed:
                     break
             if not placed:
@@ -214,12 +244,19 @@ def standby_wanted(
 
 
 def _placed(
-    cluster: Cluster, demand: ModelDemand, num: int, planner: Planner, now_s: float
+    cluster: Cluster,
+    demand: ModelDemand,
+    num: int,
+    planner: Planner,
+    now_s: float,
+    single_stage: bool = False,
 ) -> list[PlannedInstance]:
     """Up to `num` of the planner's instances of `demand` alone on `cluster` (at least one
-    where it places any: `min_instances`)."""
+    where it places any: `min_instances`); no pipeline with `single_stage`."""
     ask = replace(demand, min_instances=max(1, demand.min_instances))
     mine = [i for i in planner(cluster, (ask,), now_s).instances if i.model == demand.name]
+    if single_stage:
+        mine = [i for i in mine if len(i.stages) == 1]
     return mine[:num]
 
 
@@ -452,7 +489,7 @@ def standby_time_shared(
                 ask,
                 request_rate_per_s=max(0.0, ask.request_rate_per_s - capacity.get(name, 0.0)),
             )
-            placed = _placed(view, rest, 1, planner, now_s)
+            placed = _placed(view, rest, 1, planner, now_s, params.single_stage)
             if not placed or not _fits_beside(cluster, placed[0], awake, sleeping, footprint):
                 del asks[name]
                 continue
