@@ -22,6 +22,7 @@ from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.snapshot import instance_key
+from flexpipe.policies.shift.standby_outlook import outlook_rates
 from flexpipe.policies.shift.standby_sleepers import (
     arrived,
     idle_since,
@@ -54,6 +55,7 @@ class StandbyRun:
         params = ctl.params
         self.peak_awake: dict[str, int] = {}  # model -> most instances awake at once
         self.peak_rates: dict[str, float] = {}  # model -> highest rate measured, req/s
+        self.rate_history: dict[str, list[tuple[float, float]]] = {}  # model -> (s, req/s)
         # (tick time, finished requests by model then): the rate over the last ticks
         self.done_seen: deque[tuple[float, dict[str, float]]] = deque(maxlen=3)
         self.idle_since: dict[str, float] = {}  # model -> since when it serves nothing
@@ -78,7 +80,14 @@ class StandbyRun:
         if self.ctl.params.shift.standby.arrival_peaks:
             done = arrived(done, self.ctl.gateway_pool(), self.ctl.queued_by_model())
         self.done_seen.append((now, done))
-        self.peak_rates = peak_rates(self.peak_rates, recent_rates(self.done_seen))
+        rates = recent_rates(self.done_seen)
+        self.peak_rates = peak_rates(self.peak_rates, rates)
+        standby = self.ctl.params.shift.standby
+        if standby.outlook_horizon_s > 0:  # the outlook's rates instead (standby_outlook.py)
+            for m, r in rates.items():
+                self.rate_history.setdefault(m, []).append((now, r))
+            forecast = self.ctl.params.shift.forecast
+            self.peak_rates = outlook_rates(self.rate_history, now, forecast, standby)
         return self.view(cluster)
 
     def asleep_now(self) -> list[Any]:

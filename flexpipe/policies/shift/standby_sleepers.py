@@ -87,6 +87,12 @@ class StandbyParams:
     # such a gear misses the TPOT SLO at rates its planned capacity claims (bursty-serverless:
     # qwen-14b and llama-13b on L40S pipelines, docs/shift-policy.md)
     single_stage: bool = False
+    # the outlook drives the standby rate (standby_outlook.py): > 0, its horizon; a model
+    # whose rate history shows bursts is sized for their mean peak times `burst_margin`
+    # where one is at least `min_burst_likelihood` likely, in place of `rate_factor`
+    outlook_horizon_s: float = 0.0
+    burst_margin: float = 1.0
+    min_burst_likelihood: float = 0.5
 
     def __post_init__(self) -> None:
         if self.num_per_model < 0 or self.max_per_model < 0:
@@ -95,6 +101,8 @@ class StandbyParams:
             raise ValueError("aside_tick_s, rate_factor, busy_fraction, sleep_idle_s: >= 0")
         if self.wakes_per_tick < 0:
             raise ValueError("wakes_per_tick must be >= 0")
+        if min(self.outlook_horizon_s, self.burst_margin, self.min_burst_likelihood) < 0:
+            raise ValueError("outlook_horizon_s, burst_margin, min_burst_likelihood: >= 0")
 
 
 def most_awake(before: Mapping[str, int], running: Iterable[PlannedInstance]) -> dict[str, int]:
@@ -149,8 +157,13 @@ def standby_rate_per_s(
 ) -> float:
     """The rate a model's standby set is planned for: its declared rate times
     `rate_factor` (how far above its mean the operator expects it to burst), or the highest
-    rate measured for it so far if that is more."""
-    return max(demand.request_rate_per_s * params.rate_factor, peak_rates_per_s.get(demand.name, 0))
+    rate measured for it so far if that is more. With `outlook_horizon_s`,
+    `peak_rates_per_s` holds the outlook's rates (standby_outlook.py) instead, and a model's
+    there replaces the factor's: its bursts seen say more than one factor for all."""
+    measured = peak_rates_per_s.get(demand.name)
+    if params.outlook_horizon_s > 0 and measured is not None:
+        return measured
+    return max(demand.request_rate_per_s * params.rate_factor, measured or 0.0)
 
 
 def _tally(instances: Sequence[PlannedInstance]) -> tuple[dict[str, int], dict[str, float]]:
