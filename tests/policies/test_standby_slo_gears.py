@@ -12,6 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[0]))
 from test_shift_policy import FREED
 from test_standby_sleepers import ON, A, B, fake_planner, inst
+from test_standby_time_share import AWAKE, SHARE, shared
 
 from flexpipe.cluster import Cluster
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance
@@ -89,3 +90,14 @@ def test_the_shift_config_reads_the_new_keys_off_by_default() -> None:
     )
     d = StandbyParams()
     assert (d.slo_gears, d.arrival_peaks, d.single_stage) == (False, False, False)
+
+
+def test_max_models_per_gpu_spreads_the_guests() -> None:
+    """a wants two more engines beside the others' (test_standby_time_share.py's AWAKE: x on
+    gpu1 and gpu2, y on gpu3). With at most 1 other model a GPU every GPU is full (each
+    holds one); with 2, gpu1 and gpu2 as without the limit."""
+
+    assert shared(12.0, AWAKE) == [("a", "gpu1"), ("a", "gpu2")]
+    assert shared(12.0, AWAKE, params=replace(SHARE, max_models_per_gpu=1)) == []
+    two = replace(SHARE, max_models_per_gpu=2)
+    assert shared(12.0, AWAKE, params=two) == [("a", "gpu1"), ("a", "gpu2")]

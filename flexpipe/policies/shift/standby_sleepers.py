@@ -93,14 +93,18 @@ class StandbyParams:
     outlook_horizon_s: float = 0.0
     burst_margin: float = 1.0
     min_burst_likelihood: float = 0.5
+    # time-sharing: a standby goes beside other models' engines only on a GPU fewer than
+    # this many other models hold (0: any): guests spread over the GPUs instead of piling
+    # onto the first, where each burst of its owner finds a guest awake in its place
+    max_models_per_gpu: int = 0
 
     def __post_init__(self) -> None:
         if self.num_per_model < 0 or self.max_per_model < 0:
             raise ValueError("num_per_model and max_per_model must be >= 0")
         if min(self.aside_tick_s, self.rate_factor, self.busy_fraction, self.sleep_idle_s) < 0:
             raise ValueError("aside_tick_s, rate_factor, busy_fraction, sleep_idle_s: >= 0")
-        if self.wakes_per_tick < 0:
-            raise ValueError("wakes_per_tick must be >= 0")
+        if self.wakes_per_tick < 0 or self.max_models_per_gpu < 0:
+            raise ValueError("wakes_per_tick and max_models_per_gpu must be >= 0")
         if min(self.outlook_horizon_s, self.burst_margin, self.min_burst_likelihood) < 0:
             raise ValueError("outlook_horizon_s, burst_margin, min_burst_likelihood: >= 0")
 
@@ -498,6 +502,8 @@ def standby_time_shared(
         for name, ask in list(asks.items()):
             sleeping = [*asleep, *chosen]
             view = time_share_view(cluster, name, awake, sleeping, footprint)
+            if params.max_models_per_gpu:
+                view = free_of(view, _crowded(name, [*awake, *sleeping], params))
             rest = replace(
                 ask,
                 request_rate_per_s=max(0.0, ask.request_rate_per_s - capacity.get(name, 0.0)),
@@ -515,6 +521,20 @@ def standby_time_shared(
             ):
                 del asks[name]
     return chosen
+
+
+def _crowded(
+    model: str, instances: Sequence[PlannedInstance], params: StandbyParams
+) -> list[PlannedInstance]:
+    """The engines of other models on GPUs `max_models_per_gpu` other models hold already
+    (their GPUs are not for another guest of `model`)."""
+    models_on: dict[str, set[str]] = {}
+    for inst in instances:
+        if inst.model != model:
+            for g in inst.gpu_ids:
+                models_on.setdefault(g, set()).add(inst.model)
+    full = {g for g, ms in models_on.items() if len(ms) >= params.max_models_per_gpu}
+    return [i for i in instances if i.model != model and set(i.gpu_ids) & full]
 
 
 @dataclass(frozen=True, slots=True)
