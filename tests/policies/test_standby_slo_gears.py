@@ -22,6 +22,7 @@ from flexpipe.policies.shift.standby_sleepers import (
     arrived,
     peak_rates,
     recent_rates,
+    standby_time_shared,
     standby_wanted,
 )
 
@@ -101,3 +102,23 @@ def test_max_models_per_gpu_spreads_the_guests() -> None:
     assert shared(12.0, AWAKE, params=replace(SHARE, max_models_per_gpu=1)) == []
     two = replace(SHARE, max_models_per_gpu=2)
     assert shared(12.0, AWAKE, params=two) == [("a", "gpu1"), ("a", "gpu2")]
+
+
+def test_quiet_hosts_first_puts_a_guest_beside_the_model_that_bursts_least() -> None:
+    """a wants one more engine (8 req/s, one of 5 on gpu0); x runs on gpu1, y on gpu2, both
+    with room beside them. The planner takes gpu1 first; with `quiet_hosts_first`, gpu2:
+    y declares 1 req/s, x 10."""
+    from test_shift_policy import demand
+    from test_standby_time_share import footprint
+
+    awake = (inst("a", "gpu0"), inst("x", "gpu1"), inst("y", "gpu2"))
+    demands = (demand(8.0, "a"), demand(10.0, "x"), demand(1.0, "y"))
+
+    def guests(params: StandbyParams) -> list[tuple[str, tuple[str, ...]]]:
+        got = standby_time_shared(
+            FREED, demands, awake, (), {}, {}, fake_planner, 0.0, params, footprint, skip={"x", "y"}
+        )
+        return [(i.model, i.gpu_ids) for i in got]
+
+    assert guests(SHARE) == [("a", ("gpu1",))]
+    assert guests(replace(SHARE, quiet_hosts_first=True)) == [("a", ("gpu2",))]

@@ -97,6 +97,9 @@ class StandbyParams:
     # this many other models hold (0: any): guests spread over the GPUs instead of piling
     # onto the first, where each burst of its owner finds a guest awake in its place
     max_models_per_gpu: int = 0
+    # time-sharing: a standby goes beside the engines of the model with the lowest declared
+    # rate first (it bursts least often: its own bursts seldom find the guest awake there)
+    quiet_hosts_first: bool = False
 
     def __post_init__(self) -> None:
         if self.num_per_model < 0 or self.max_per_model < 0:
@@ -508,8 +511,13 @@ def standby_time_shared(
                 ask,
                 request_rate_per_s=max(0.0, ask.request_rate_per_s - capacity.get(name, 0.0)),
             )
-            placed = _placed(view, rest, 1, planner, now_s, params.single_stage)
-            if not placed or not _fits_beside(cluster, placed[0], awake, sleeping, footprint):
+            placed: list[PlannedInstance] = []
+            for host_view in _host_views(view, name, demands, [*awake, *sleeping], params):
+                placed = _placed(host_view, rest, 1, planner, now_s, params.single_stage)
+                if placed and _fits_beside(cluster, placed[0], awake, sleeping, footprint):
+                    break
+                placed = []
+            if not placed:
                 del asks[name]
                 continue
             chosen.append(placed[0])
@@ -521,6 +529,27 @@ def standby_time_shared(
             ):
                 del asks[name]
     return chosen
+
+
+def _host_views(
+    view: Cluster,
+    model: str,
+    demands: Sequence[ModelDemand],
+    instances: Sequence[PlannedInstance],
+    params: StandbyParams,
+) -> list[Cluster]:
+    """Where a guest of `model` is looked for, in order: `view` alone; with
+    `quiet_hosts_first`, first beside each other model's engines alone (the free GPUs
+    too), the model with the lowest declared rate first, then `view`."""
+    if not params.quiet_hosts_first:
+        return [view]
+    rates = {d.name: d.request_rate_per_s for d in demands}
+    hosts = sorted({i.model for i in instances} - {model}, key=lambda m: (rates.get(m, 0.0), m))
+    out = []
+    for host in hosts:
+        others = [i for i in instances if i.model not in (model, host)]
+        out.append(free_of(view, others))
+    return [*out, view]
 
 
 def _crowded(
