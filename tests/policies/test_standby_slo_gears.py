@@ -107,18 +107,22 @@ def test_max_models_per_gpu_spreads_the_guests() -> None:
 def test_quiet_hosts_first_puts_a_guest_beside_the_model_that_bursts_least() -> None:
     """a wants one more engine (8 req/s, one of 5 on gpu0); x runs on gpu1, y on gpu2, both
     with room beside them. The planner takes gpu1 first; with `quiet_hosts_first`, gpu2:
-    y declares 1 req/s, x 10."""
+    y's peak is 10 x its mean (busy a tenth of the time), x's 2 x. With no peak known the
+    two are alike (duty 1), by name: x first."""
     from test_shift_policy import demand
     from test_standby_time_share import footprint
 
     awake = (inst("a", "gpu0"), inst("x", "gpu1"), inst("y", "gpu2"))
-    demands = (demand(8.0, "a"), demand(10.0, "x"), demand(1.0, "y"))
+    demands = (demand(8.0, "a"), demand(10.0, "x"), demand(1.0, "y"))  # (means)
 
-    def guests(params: StandbyParams) -> list[tuple[str, tuple[str, ...]]]:
+    def guests(params: StandbyParams, peaks: dict[str, float]) -> list[tuple[str, tuple[str, ...]]]:
         got = standby_time_shared(
-            FREED, demands, awake, (), {}, {}, fake_planner, 0.0, params, footprint, skip={"x", "y"}
+            FREED, demands, awake, (), {}, peaks, fake_planner, 0.0, params, footprint, {"x", "y"}
         )
         return [(i.model, i.gpu_ids) for i in got]
 
-    assert guests(SHARE) == [("a", ("gpu1",))]
-    assert guests(replace(SHARE, quiet_hosts_first=True)) == [("a", ("gpu2",))]
+    peaks = {"x": 20.0, "y": 10.0}
+    quiet = replace(SHARE, quiet_hosts_first=True)
+    assert guests(SHARE, peaks) == [("a", ("gpu1",))]
+    assert guests(quiet, peaks) == [("a", ("gpu2",))]
+    assert guests(quiet, {}) == [("a", ("gpu1",))]

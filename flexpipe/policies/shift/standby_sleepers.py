@@ -97,8 +97,8 @@ class StandbyParams:
     # this many other models hold (0: any): guests spread over the GPUs instead of piling
     # onto the first, where each burst of its owner finds a guest awake in its place
     max_models_per_gpu: int = 0
-    # time-sharing: a standby goes beside the engines of the model with the lowest declared
-    # rate first (it bursts least often: its own bursts seldom find the guest awake there)
+    # time-sharing: a standby goes beside the engines of the model busy the least share of
+    # the time first (mean over peak rate): its own bursts seldom find the guest awake there
     quiet_hosts_first: bool = False
 
     def __post_init__(self) -> None:
@@ -512,7 +512,8 @@ def standby_time_shared(
                 request_rate_per_s=max(0.0, ask.request_rate_per_s - capacity.get(name, 0.0)),
             )
             placed: list[PlannedInstance] = []
-            for host_view in _host_views(view, name, demands, [*awake, *sleeping], params):
+            hosts = _host_views(view, name, demands, [*awake, *sleeping], peak_rates_per_s, params)
+            for host_view in hosts:
                 placed = _placed(host_view, rest, 1, planner, now_s, params.single_stage)
                 if placed and _fits_beside(cluster, placed[0], awake, sleeping, footprint):
                     break
@@ -536,15 +537,23 @@ def _host_views(
     model: str,
     demands: Sequence[ModelDemand],
     instances: Sequence[PlannedInstance],
+    peak_rates_per_s: Mapping[str, float],
     params: StandbyParams,
 ) -> list[Cluster]:
     """Where a guest of `model` is looked for, in order: `view` alone; with
     `quiet_hosts_first`, first beside each other model's engines alone (the free GPUs
-    too), the model with the lowest declared rate first, then `view`."""
+    too), the model busy the least share of the time first (its declared mean rate over
+    its peak measured: an on/off model's duty; 1 where no peak is known yet), then
+    `view`."""
     if not params.quiet_hosts_first:
         return [view]
     rates = {d.name: d.request_rate_per_s for d in demands}
-    hosts = sorted({i.model for i in instances} - {model}, key=lambda m: (rates.get(m, 0.0), m))
+
+    def duty(m: str) -> float:
+        peak = peak_rates_per_s.get(m, 0.0)
+        return min(1.0, rates.get(m, 0.0) / peak) if peak > 0 else 1.0
+
+    hosts = sorted({i.model for i in instances} - {model}, key=lambda m: (duty(m), m))
     out = []
     for host in hosts:
         others = [i for i in instances if i.model not in (model, host)]
