@@ -11,11 +11,28 @@ from collections import Counter
 
 from flexpipe.sim import simulate
 from flexpipe.sim.report import meets_slo
-from flexpipe.sim.scenario import load_scenario, resolve
+from flexpipe.sim.scenario import Scenario, load_scenario, resolve
+
+
+def standby_as_pinned(sc: Scenario) -> Scenario:
+    """bursty-serverless with the standby keys this test was written against: one standby
+    a model at least, the finished requests' peak, the factor alone, guests unspread (the
+    scenario's later keys, docs/shift-policy.md "bursty-serverless", off)."""
+    standby = dataclasses.replace(
+        sc.controller.shift.standby,
+        num_per_model=1,
+        arrival_peaks=False,
+        single_stage=False,
+        outlook_horizon_s=0.0,
+        max_models_per_gpu=0,
+        quiet_hosts_first=False,
+    )
+    shift = dataclasses.replace(sc.controller.shift, standby=standby)
+    return dataclasses.replace(sc, controller=dataclasses.replace(sc.controller, shift=shift))
 
 
 def test_bursts_are_answered_by_standby_sleepers_woken_beside_the_shifts() -> None:
-    sc = load_scenario(resolve("bursty-serverless"))
+    sc = standby_as_pinned(load_scenario(resolve("bursty-serverless")))
     assert sc.controller.shift.standby.enabled
     res = simulate(dataclasses.replace(sc, duration_s=240.0), "flexpipe")
     by_trigger = Counter(s["trigger"] for s in res.shifts)

@@ -8,6 +8,11 @@ burst is served."""
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[0]))
+from test_sim_standby import standby_as_pinned
 
 from flexpipe.sim import simulate
 from flexpipe.sim.report import meets_slo
@@ -15,7 +20,7 @@ from flexpipe.sim.scenario import load_scenario, resolve
 
 
 def test_a_burst_is_served_by_a_swap_on_a_gpu_another_model_held() -> None:
-    sc = load_scenario(resolve("bursty-serverless"))
+    sc = standby_as_pinned(load_scenario(resolve("bursty-serverless")))
     assert sc.controller.shift.standby.time_share
     res = simulate(dataclasses.replace(sc, duration_s=260.0), "flexpipe")
     swaps = [s for s in res.shifts if s["trigger"] in ("swap-sleep", "swap-wake")]

@@ -41,6 +41,7 @@ from flexpipe.policies.shift.snapshot import instance_key
 __all__ = [
     "StandbyParams",
     "Swap",
+    "arrived",
     "idle_since",
     "most_awake",
     "peak_rates",
@@ -74,14 +75,41 @@ class StandbyParams:
     wakes_per_tick: int = 0  # sleepers of a model woken aside at once (0: all)
     sleep_idle_s: float = 0.0  # a model idle this long sleeps aside (0: the down trigger)
     time_share: bool = False  # a standby may sleep beside another model's awake engine
+    # standbys planned at the SLO (the planner's `sizing: slo`, built by the shell): a
+    # standby covers the rate at which it meets the TTFT and TPOT p99 with queueing
+    # (perf/slo_capacity.py), so a weak pipeline counts only for what it serves in the SLO
+    slo_gears: bool = False
+    # the peak rate a standby set is sized for is the arrivals' (finished + in flight +
+    # waiting, `arrived`), not the finished requests' alone: those are capped by the
+    # capacity that served the burst, so a set too small would never see it was
+    arrival_peaks: bool = False
+    # no standby is a pipeline (pp > 1): a prompt's prefill stalls every stage's decode, so
+    # such a gear misses the TPOT SLO at rates its planned capacity claims (bursty-serverless:
+    # qwen-14b and llama-13b on L40S pipelines, docs/shift-policy.md)
+    single_stage: bool = False
+    # the outlook drives the standby rate (standby_outlook.py): > 0, its horizon; a model
+    # whose rate history shows bursts is sized for their mean peak times `burst_margin`
+    # where one is at least `min_burst_likelihood` likely, in place of `rate_factor`
+    outlook_horizon_s: float = 0.0
+    burst_margin: float = 1.0
+    min_burst_likelihood: float = 0.5
+    # time-sharing: a standby goes beside other models' engines only on a GPU fewer than
+    # this many other models hold (0: any): guests spread over the GPUs instead of piling
+    # onto the first, where each burst of its owner finds a guest awake in its place
+    max_models_per_gpu: int = 0
+    # time-sharing: a standby goes beside the engines of the model busy the least share of
+    # the time first (mean over peak rate): its own bursts seldom find the guest awake there
+    quiet_hosts_first: bool = False
 
     def __post_init__(self) -> None:
         if self.num_per_model < 0 or self.max_per_model < 0:
             raise ValueError("num_per_model and max_per_model must be >= 0")
         if min(self.aside_tick_s, self.rate_factor, self.busy_fraction, self.sleep_idle_s) < 0:
             raise ValueError("aside_tick_s, rate_factor, busy_fraction, sleep_idle_s: >= 0")
-        if self.wakes_per_tick < 0:
-            raise ValueError("wakes_per_tick must be >= 0")
+        if self.wakes_per_tick < 0 or self.max_models_per_gpu < 0:
+            raise ValueError("wakes_per_tick and max_models_per_gpu must be >= 0")
+        if min(self.outlook_horizon_s, self.burst_margin, self.min_burst_likelihood) < 0:
+            raise ValueError("outlook_horizon_s, burst_margin, min_burst_likelihood: >= 0")
 
 
 def most_awake(before: Mapping[str, int], running: Iterable[PlannedInstance]) -> dict[str, int]:
@@ -107,6 +135,23 @@ def recent_rates(seen: Sequence[tuple[float, Mapping[str, float]]]) -> dict[str,
     return {m: max(0.0, n - first.get(m, 0.0)) / (t1 - t0) for m, n in sorted(last.items())}
 
 
+def arrived(
+    finished_by_model: Mapping[str, float],
+    instances: Sequence[Mapping[str, Any]],
+    queued_by_model: Mapping[str, int],
+) -> dict[str, float]:
+    """Model -> requests arrived so far: finished, in flight on an engine (its pool
+    records, as `GET /admin/instances` lists them) or waiting in the gateway. Its rate over
+    a few ticks (`recent_rates`) is the demand's, even where the engines fall behind."""
+    out = {m: float(n) for m, n in finished_by_model.items()}
+    for rec in instances:
+        model = str(rec.get("model"))
+        out[model] = out.get(model, 0.0) + float(rec.get("num_in_flight") or 0)
+    for m, n in queued_by_model.items():
+        out[m] = out.get(m, 0.0) + n
+    return dict(sorted(out.items()))
+
+
 def _count(instances: Iterable[PlannedInstance]) -> dict[str, int]:
     out: dict[str, int] = {}
     for inst in instances:
@@ -119,8 +164,13 @@ def standby_rate_per_s(
 ) -> float:
     """The rate a model's standby set is planned for: its declared rate times
     `rate_factor` (how far above its mean the operator expects it to burst), or the highest
-    rate measured for it so far if that is more."""
-    return max(demand.request_rate_per_s * params.rate_factor, peak_rates_per_s.get(demand.name, 0))
+    rate measured for it so far if that is more. With `outlook_horizon_s`,
+    `peak_rates_per_s` holds the outlook's rates (standby_outlook.py) instead, and a model's
+    there replaces the factor's: its bursts seen say more than one factor for all."""
+    measured = peak_rates_per_s.get(demand.name)
+    if params.outlook_horizon_s > 0 and measured is not None:
+        return measured
+    return max(demand.request_rate_per_s * params.rate_factor, measured or 0.0)
 
 
 def _tally(instances: Sequence[PlannedInstance]) -> tuple[dict[str, int], dict[str, float]]:
@@ -196,7 +246,7 @@ def standby_wanted(
             placed: list[PlannedInstance] = []
             for sleeping in views:
                 taken = free_of(cluster, [*awake, *chosen, *sleeping])
-                placed = _placed(taken, rest, 1, planner, now_s)
+                placed = _placed(taken, rest, 1, planner, now_s, params.single_stage)
                 if placed:
                     break
             if not placed:
@@ -214,12 +264,19 @@ def standby_wanted(
 
 
 def _placed(
-    cluster: Cluster, demand: ModelDemand, num: int, planner: Planner, now_s: float
+    cluster: Cluster,
+    demand: ModelDemand,
+    num: int,
+    planner: Planner,
+    now_s: float,
+    single_stage: bool = False,
 ) -> list[PlannedInstance]:
     """Up to `num` of the planner's instances of `demand` alone on `cluster` (at least one
-    where it places any: `min_instances`)."""
+    where it places any: `min_instances`); no pipeline with `single_stage`."""
     ask = replace(demand, min_instances=max(1, demand.min_instances))
     mine = [i for i in planner(cluster, (ask,), now_s).instances if i.model == demand.name]
+    if single_stage:
+        mine = [i for i in mine if len(i.stages) == 1]
     return mine[:num]
 
 
@@ -448,12 +505,20 @@ def standby_time_shared(
         for name, ask in list(asks.items()):
             sleeping = [*asleep, *chosen]
             view = time_share_view(cluster, name, awake, sleeping, footprint)
+            if params.max_models_per_gpu:
+                view = free_of(view, _crowded(name, [*awake, *sleeping], params))
             rest = replace(
                 ask,
                 request_rate_per_s=max(0.0, ask.request_rate_per_s - capacity.get(name, 0.0)),
             )
-            placed = _placed(view, rest, 1, planner, now_s)
-            if not placed or not _fits_beside(cluster, placed[0], awake, sleeping, footprint):
+            placed: list[PlannedInstance] = []
+            hosts = _host_views(view, name, demands, [*awake, *sleeping], peak_rates_per_s, params)
+            for host_view in hosts:
+                placed = _placed(host_view, rest, 1, planner, now_s, params.single_stage)
+                if placed and _fits_beside(cluster, placed[0], awake, sleeping, footprint):
+                    break
+                placed = []
+            if not placed:
                 del asks[name]
                 continue
             chosen.append(placed[0])
@@ -465,6 +530,49 @@ def standby_time_shared(
             ):
                 del asks[name]
     return chosen
+
+
+def _host_views(
+    view: Cluster,
+    model: str,
+    demands: Sequence[ModelDemand],
+    instances: Sequence[PlannedInstance],
+    peak_rates_per_s: Mapping[str, float],
+    params: StandbyParams,
+) -> list[Cluster]:
+    """Where a guest of `model` is looked for, in order: `view` alone; with
+    `quiet_hosts_first`, first beside each other model's engines alone (the free GPUs
+    too), the model busy the least share of the time first (its declared mean rate over
+    its peak measured: an on/off model's duty; 1 where no peak is known yet), then
+    `view`."""
+    if not params.quiet_hosts_first:
+        return [view]
+    rates = {d.name: d.request_rate_per_s for d in demands}
+
+    def duty(m: str) -> float:
+        peak = peak_rates_per_s.get(m, 0.0)
+        return min(1.0, rates.get(m, 0.0) / peak) if peak > 0 else 1.0
+
+    hosts = sorted({i.model for i in instances} - {model}, key=lambda m: (duty(m), m))
+    out = []
+    for host in hosts:
+        others = [i for i in instances if i.model not in (model, host)]
+        out.append(free_of(view, others))
+    return [*out, view]
+
+
+def _crowded(
+    model: str, instances: Sequence[PlannedInstance], params: StandbyParams
+) -> list[PlannedInstance]:
+    """The engines of other models on GPUs `max_models_per_gpu` other models hold already
+    (their GPUs are not for another guest of `model`)."""
+    models_on: dict[str, set[str]] = {}
+    for inst in instances:
+        if inst.model != model:
+            for g in inst.gpu_ids:
+                models_on.setdefault(g, set()).add(inst.model)
+    full = {g for g, ms in models_on.items() if len(ms) >= params.max_models_per_gpu}
+    return [i for i in instances if i.model != model and set(i.gpu_ids) & full]
 
 
 @dataclass(frozen=True, slots=True)
