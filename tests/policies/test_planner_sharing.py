@@ -109,6 +109,40 @@ def test_a_model_left_without_a_gpu_joins_one_that_has_room() -> None:
     assert p.notes[-1] == "share_gpus: 0 instance(s) moved and 1 added onto 1 shared GPU(s)"
 
 
+def test_a_shared_gpu_running_is_kept_whole_while_its_group_fits() -> None:
+    """Re-planned with the shared plan running (a restarted controller adopting its engines):
+    both instances kept on g0 at their fractions and batches, each at the capacity the
+    other's load leaves it, the GPU counted once; when their load no longer fits one GPU, the
+    second is stopped and planned on a GPU of its own (sticky.keep_running)."""
+    config = PlannerConfig(share_gpus=True)
+    running = plan(CLUSTER, demands(0.3), config=config)
+    again = plan(CLUSTER, demands(0.3), running=running.instances, config=config)
+    assert [(c.name, c.status) for c in again.changes] == [
+        ("chat-8b-0", "kept"),
+        ("summarise-7b-0", "kept"),
+    ]
+    assert [(i.gpu_ids, i.gpu_memory_fraction, i.gear.max_num_seqs) for i in again.instances] == [
+        (("g0",), 0.3, 48),
+        (("g0",), 0.26, 64),
+    ]
+    assert again.num_gpus == 1 == num_gpus_held(again.instances)
+    for kept, planned in zip(again.instances, running.instances, strict=True):
+        assert kept.capacity_requests_per_s == pytest.approx(planned.capacity_requests_per_s)
+    busier = plan(CLUSTER, demands(4.0), running=running.instances, config=config)
+    assert [(c.name, c.status, c.reason) for c in busier.changes][1:] == [
+        ("summarise-7b-1", "new", "on GPUs the running plan left"),
+        (
+            "summarise-7b-0",
+            "stopped",
+            "no longer fits: the load of the 2 engines on g0 is more than its time",
+        ),
+    ]
+    assert [(i.gpu_ids, i.gpu_memory_fraction) for i in busier.instances] == [
+        (("g0",), 0.3),
+        (("g1",), None),
+    ]
+
+
 def test_the_shift_policy_packs_a_running_plan_onto_a_free_gpu() -> None:
     """A down trigger's `pack` candidate: the running plan's small models moved onto a GPU
     nothing runs on (make-before-break), at the load asked now; None with the option off."""

@@ -132,7 +132,9 @@ def pack(
         target = same[0] if same else gpu
         if same:
             free.remove(target)
-        caps = shared_capacities(evaluator, [m for m, _ in group], chosen[gpu])
+        caps = shared_capacities(
+            evaluator, [m for m, _ in group], [o.estimate for o in chosen[gpu]]
+        )
         names = [_name(demands[m.model_index].name, p, taken) for m, p in group]
         for (member, planned), opt, cap, name in zip(group, chosen[gpu], caps, names, strict=True):
             others = ", ".join(n for n in names if n != name)
