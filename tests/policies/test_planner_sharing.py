@@ -143,6 +143,44 @@ def test_a_shared_gpu_running_is_kept_whole_while_its_group_fits() -> None:
     ]
 
 
+def test_a_model_joins_a_gpu_that_a_running_shared_instance_holds_with_room() -> None:
+    """chat-8b-0 runs on g0 at 0.3 of its memory (its partner gone), the only GPU: the model
+    left without one joins it, beside it as it runs (its batch and fraction unchanged), both
+    in the planner's pass over a running plan and in the shift policy's pack candidate."""
+    one = parse_cluster_yaml(
+        "name: one\nnodes:\n  - name: n0\n    gpus: [{id: g0, type: A100-80G-SXM}]\n"
+    )
+    config = PlannerConfig(share_gpus=True)
+    resident = plan(one, demands(0.3), config=config).instances[:1]
+    assert [(i.name, i.gpu_memory_fraction, i.gear.max_num_seqs) for i in resident] == [
+        ("chat-8b-0", 0.3, 48)
+    ]
+    expected = [("chat-8b-0", ("g0",), 0.3, 48), ("summarise-7b-0", ("g0",), 0.26, 64)]
+    again = plan(one, demands(0.3), running=resident, config=config)
+    assert [
+        (i.name, i.gpu_ids, i.gpu_memory_fraction, i.gear.max_num_seqs) for i in again.instances
+    ] == expected
+    assert [(c.name, c.status) for c in again.changes] == [
+        ("chat-8b-0", "kept"),
+        ("summarise-7b-0", "new"),
+    ]
+    assert again.num_gpus == 1
+    assert again.notes[-1] == "share_gpus: 0 instance(s) moved and 1 added onto 1 shared GPU(s)"
+    packer = ControllerPlanner(GearLookup(), config=config)
+    out = packer.pack(one, demands(0.3), resident, spare=())
+    assert out is not None
+    assert [
+        (i.name, i.gpu_ids, i.gpu_memory_fraction, i.gear.max_num_seqs) for i in out
+    ] == expected
+    # the resident's capacity is what the newcomer's load leaves it
+    busy = busy_share(0.3, out[1].estimate.requests_per_s)
+    alone = resident[0].estimate.requests_per_s * config.target_utilization
+    assert out[0].capacity_requests_per_s == pytest.approx(
+        shared_capacity_per_s(alone, resident[0].estimate.requests_per_s, busy, 2)
+    )
+    assert ControllerPlanner(GearLookup()).pack(one, demands(0.3), resident, spare=()) is None
+
+
 def test_the_shift_policy_packs_a_running_plan_onto_a_free_gpu() -> None:
     """A down trigger's `pack` candidate: the running plan's small models moved onto a GPU
     nothing runs on (make-before-break), at the load asked now; None with the option off."""

@@ -100,14 +100,25 @@ def fit(
     members: Sequence[Member],
     gpu: str,
     cache: dict[tuple[object, ...], list[Option]],
+    fixed: Sequence[Option | None] = (),
 ) -> list[Option] | None:
     """Each member's option on `gpu` shared by all of them, or None when they do not fit
     (sharing.py's module docstring gives the rules). `cache`: options by model, precision,
-    hardware and number of engines, kept across the fits of one pass."""
+    hardware and number of engines, kept across the fits of one pass. `fixed`: per member,
+    the option it runs at when it already shares `gpu` (kept as it is: changing it would
+    restart it), else None."""
     k = len(members)
     lists: list[list[Option]] = []
-    for inst in members:
+    for n, inst in enumerate(members):
         m = inst.model_index
+        mine = fixed[n] if n < len(fixed) else None
+        if mine is not None:
+            slo = evaluator.demands[m].slo
+            est = mine.estimate
+            if est.tpot_s * stretch(k) > slo.tpot_p99_s or est.ttft_s * stretch(k) > slo.ttft_p99_s:
+                return None
+            lists.append([mine])
+            continue
         key = (m, inst.dtype, evaluator.hardware(((gpu,),)), k)
         opts = cache.get(key)
         if opts is None:
