@@ -1,6 +1,7 @@
 """`flexpipe up --share-gpus`, then kill -9 of its controller: the controller `up` starts again
 adopts both engines sharing the one GPU as they run (no launch, none stopped), each with the
-memory fraction its engine reports, the GPU counted once (docs/gpu-sharing.md)."""
+memory fraction its engine reports, the GPU counted once; `flexpipe status` lists both on it
+(docs/gpu-sharing.md)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,15 @@ def test_a_restarted_controller_adopts_both_engines_of_a_shared_gpu(
         assert isinstance(instances, list) and len(instances) == 2
         # each with its own fraction: their memory together, the GPU counted once
         assert g0["flexpipe_bytes"] == pytest.approx(0.56 * memory_bytes)
+        # `flexpipe status`: both on g0, a row each
+        shown = subprocess.run(
+            [sys.executable, "-m", "flexpipe", "status", "--json", "--controller",
+             f"http://127.0.0.1:{controller_port}", "--token-file", token_file],
+            capture_output=True, text=True, env=env, timeout=60, check=True,
+        )  # fmt: skip
+        (row,) = json.loads(shown.stdout)["gpus"]
+        names = sorted([row["instance"], *(name for name, _, _ in row["shared_with"])])
+        assert names == [f"{marker}-chat-0", f"{marker}-sum-0"]
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
     finally:
