@@ -83,8 +83,7 @@ def misfit(
     if total > memory_cap(evaluator, gpu) + 1e-9:
         return f"the memory fractions on {gpu} sum to {total:.2f}, more than is free"
     for inst, est in zip(members, estimates, strict=True):
-        slo = evaluator.demands[inst.model_index].slo
-        if est.tpot_s * stretch(k) > slo.tpot_p99_s or est.ttft_s * stretch(k) > slo.ttft_p99_s:
+        if not _meets_slos(evaluator, inst.model_index, est, stretch(k)):
             name = evaluator.demands[inst.model_index].name
             return f"{name} misses its SLOs with {k} engines busy on {gpu}"
     busy = [
@@ -113,9 +112,7 @@ def fit(
         m = inst.model_index
         mine = fixed[n] if n < len(fixed) else None
         if mine is not None:
-            slo = evaluator.demands[m].slo
-            est = mine.estimate
-            if est.tpot_s * stretch(k) > slo.tpot_p99_s or est.ttft_s * stretch(k) > slo.ttft_p99_s:
+            if not _meets_slos(evaluator, m, mine.estimate, stretch(k)):
                 return None
             lists.append([mine])
             continue
@@ -165,7 +162,6 @@ def _options(evaluator: Evaluator, m: int, dtype: str, gpu: str, factor: float) 
     context = demand.input_tokens + demand.output_tokens
     placement = placement_on(evaluator.cluster, ((gpu,),), spec.num_layers)
     memory_bytes = evaluator.cluster.gpu(gpu).spec.memory_bytes
-    slo = demand.slo
     out: list[Option] = []
     for batch in sorted(set(evaluator.config.batch_ladder)):
         g = Gear(tp=1, pp=1, dtype=dtype, max_num_seqs=batch)
@@ -176,7 +172,7 @@ def _options(evaluator: Evaluator, m: int, dtype: str, gpu: str, factor: float) 
             est = evaluator.performance.estimate(GearQuery.of(spec, g, placement), demand.workload)
         except InfeasibleGear:
             break
-        if est.tpot_s * factor > slo.tpot_p99_s or est.ttft_s * factor > slo.ttft_p99_s:
+        if not _meets_slos(evaluator, m, est, factor):
             break
         if out and est.requests_per_s <= out[-1].estimate.requests_per_s:
             break
@@ -192,3 +188,10 @@ def _options(evaluator: Evaluator, m: int, dtype: str, gpu: str, factor: float) 
             break
         out.append(Option(g, est, fraction, mine.kv_capacity_tokens, mine.max_batch(context)))
     return out
+
+
+def _meets_slos(evaluator: Evaluator, m: int, est: GearEstimate, factor: float) -> bool:
+    """Whether model `m` at figures `est` (alone) meets its TTFT and TPOT SLOs with every step
+    stretched by `factor` (its neighbours on the GPU busy at once)."""
+    slo = evaluator.demands[m].slo
+    return est.tpot_s * factor <= slo.tpot_p99_s and est.ttft_s * factor <= slo.ttft_p99_s
