@@ -3,6 +3,8 @@ policy's `pack` candidate."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from flexpipe.cluster import parse_cluster_yaml, placement_on
@@ -179,6 +181,28 @@ def test_a_model_joins_a_gpu_that_a_running_shared_instance_holds_with_room() ->
         shared_capacity_per_s(alone, resident[0].estimate.requests_per_s, busy, 2)
     )
     assert ControllerPlanner(GearLookup()).pack(one, demands(0.3), resident, spare=()) is None
+
+
+def test_a_third_model_joins_two_running_shared_instances_listed_apart() -> None:
+    """Two instances share g0 and run; qa-7b's instance, on g1 and listed between them, joins
+    them (at looser SLOs, three fit): the group is both residents, whatever the order, and
+    they stay as they run."""
+    config = PlannerConfig(share_gpus=True)
+    chat, summarise = plan(CLUSTER, demands(0.3), config=config).instances
+    loose = [replace(d, slo=Slo(2.5, 0.2)) for d in demands(0.3)]
+    loose.append(ModelDemand("qa-7b", "qwen2.5-7b", 0.2, 1024, 200, Slo(2.5, 0.2)))
+    (qa,) = plan(CLUSTER, loose[2:]).instances
+    qa = replace(qa, stages=(("g1",),))
+    out = ControllerPlanner(GearLookup(), config=config).pack(
+        CLUSTER, loose, [chat, qa, summarise], spare=()
+    )
+    assert out is not None
+    assert [(i.name, i.gpu_ids, i.gpu_memory_fraction, i.gear.max_num_seqs) for i in out] == [
+        ("chat-8b-0", ("g0",), 0.3, 48),
+        ("qa-7b-0", ("g0",), 0.28, 96),
+        ("summarise-7b-0", ("g0",), 0.26, 64),
+    ]
+    assert num_gpus_held(out) == 1
 
 
 def test_the_shift_policy_packs_a_running_plan_onto_a_free_gpu() -> None:

@@ -113,15 +113,16 @@ def pack(
                 return True
         return False
 
-    for inst in instances:
-        m = index.get(inst.model)
-        if m is None or inst.num_gpus != 1:
-            continue
-        member = Member(m, inst.gear.dtype, inst.assigned_requests_per_s)
-        if inst.gpu_memory_fraction is not None:  # a resident: others may join it
+    single = [(index[i.model], i) for i in instances if i.model in index and i.num_gpus == 1]
+    for m, inst in single:  # the residents first: each GPU's whole group before any joins
+        if inst.gpu_memory_fraction is not None:
+            member = Member(m, inst.gear.dtype, inst.assigned_requests_per_s)
             hosts.setdefault(inst.gpu_ids[0], []).append((member, inst, _running(inst)))
-        elif per_model[m] == 1 and not join(member, inst):
-            hosts[inst.gpu_ids[0]] = [(member, inst, None)]
+    for m, inst in single:
+        if inst.gpu_memory_fraction is None and per_model[m] == 1:
+            member = Member(m, inst.gear.dtype, inst.assigned_requests_per_s)
+            if not join(member, inst):
+                hosts[inst.gpu_ids[0]] = [(member, inst, None)]
     for m, d in enumerate(demands):
         if per_model[m] == 0 and (d.request_rate_per_s > 0 or d.min_instances > 0):
             join(Member(m, d.dtypes[0], d.request_rate_per_s), None)
