@@ -289,7 +289,8 @@ class Controller:
         await self.takeover.retire(dormant)
         survivors = [r for r in survivors if r not in dormant]
         if survivors:  # what a previous controller left serving stays, where it still pays
-            stubs = [stub(r, first.instances) for r in survivors]
+            fraction = self.takeover.fraction_of  # (a shared engine keeps its memory share)
+            stubs = [stub(r, first.instances, fraction(r, self.cluster)) for r in survivors]
             first = plan(
                 self.cluster,
                 self.cfg.demands,

@@ -191,6 +191,10 @@ def gpus_table(snap: Snapshot) -> Table:
             g.gear or NONE,
             Text(g.state or "unused", style=STATE_STYLE.get(g.state or "", "dim")),
         )
+        for name, gear, state in g.shared_with:  # a row each, under the GPU's
+            table.add_row(
+                "", "", "", "", "", name, gear, Text(state, style=STATE_STYLE.get(state, ""))
+            )
     return table
 
 

@@ -107,9 +107,11 @@ class GpuView:
     used_by_others_bytes: float
     owner: str | None
     occupied_by: str | None  # an admin occupation (flexpipe cluster occupy)
-    instance: str | None  # the flexpipe instance on it
+    instance: str | None  # the flexpipe instance on it (the first, when several share it)
     gear: str | None
     state: str | None
+    # the other instances on it (sharing it in memory, or asleep beside it): name, gear, state
+    shared_with: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -370,10 +372,14 @@ def _float(x: Any) -> float | None:
 
 
 def _gpu_views(resources: Mapping[str, Any], instances: Sequence[InstanceView]) -> list[GpuView]:
-    on_gpu = {g: i for i in instances for g in i.gpus}
+    on_gpu: dict[str, list[InstanceView]] = {}  # GPU id -> the instances on it, in order
+    for i in instances:
+        for gpu in i.gpus:
+            on_gpu.setdefault(gpu, []).append(i)
     out = []
     for g in resources.get("gpus", []):
-        inst = on_gpu.get(str(g["id"]))
+        on = on_gpu.get(str(g["id"]), [])
+        inst, rest = (on[0], on[1:]) if on else (None, [])
         occupied = g.get("occupied")
         out.append(
             GpuView(
@@ -387,6 +393,7 @@ def _gpu_views(resources: Mapping[str, Any], instances: Sequence[InstanceView]) 
                 instance=inst.name if inst else None,
                 gear=inst.gear if inst else None,
                 state=inst.state if inst else None,
+                shared_with=tuple((i.name, i.gear, i.state) for i in rest),
             )
         )
     return out

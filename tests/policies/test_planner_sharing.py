@@ -3,6 +3,8 @@ policy's `pack` candidate."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from flexpipe.cluster import parse_cluster_yaml, placement_on
@@ -107,6 +109,100 @@ def test_a_model_left_without_a_gpu_joins_one_that_has_room() -> None:
     ]
     assert p.num_gpus == 1
     assert p.notes[-1] == "share_gpus: 0 instance(s) moved and 1 added onto 1 shared GPU(s)"
+
+
+def test_a_shared_gpu_running_is_kept_whole_while_its_group_fits() -> None:
+    """Re-planned with the shared plan running (a restarted controller adopting its engines):
+    both instances kept on g0 at their fractions and batches, each at the capacity the
+    other's load leaves it, the GPU counted once; when their load no longer fits one GPU, the
+    second is stopped and planned on a GPU of its own (sticky.keep_running)."""
+    config = PlannerConfig(share_gpus=True)
+    running = plan(CLUSTER, demands(0.3), config=config)
+    again = plan(CLUSTER, demands(0.3), running=running.instances, config=config)
+    assert [(c.name, c.status) for c in again.changes] == [
+        ("chat-8b-0", "kept"),
+        ("summarise-7b-0", "kept"),
+    ]
+    assert [(i.gpu_ids, i.gpu_memory_fraction, i.gear.max_num_seqs) for i in again.instances] == [
+        (("g0",), 0.3, 48),
+        (("g0",), 0.26, 64),
+    ]
+    assert again.num_gpus == 1 == num_gpus_held(again.instances)
+    for kept, planned in zip(again.instances, running.instances, strict=True):
+        assert kept.capacity_requests_per_s == pytest.approx(planned.capacity_requests_per_s)
+    busier = plan(CLUSTER, demands(4.0), running=running.instances, config=config)
+    assert [(c.name, c.status, c.reason) for c in busier.changes][1:] == [
+        ("summarise-7b-1", "new", "on GPUs the running plan left"),
+        (
+            "summarise-7b-0",
+            "stopped",
+            "no longer fits: the load of the 2 engines on g0 is more than its time",
+        ),
+    ]
+    assert [(i.gpu_ids, i.gpu_memory_fraction) for i in busier.instances] == [
+        (("g0",), 0.3),
+        (("g1",), None),
+    ]
+
+
+def test_a_model_joins_a_gpu_that_a_running_shared_instance_holds_with_room() -> None:
+    """chat-8b-0 runs on g0 at 0.3 of its memory (its partner gone), the only GPU: the model
+    left without one joins it, beside it as it runs (its batch and fraction unchanged), both
+    in the planner's pass over a running plan and in the shift policy's pack candidate."""
+    one = parse_cluster_yaml(
+        "name: one\nnodes:\n  - name: n0\n    gpus: [{id: g0, type: A100-80G-SXM}]\n"
+    )
+    config = PlannerConfig(share_gpus=True)
+    resident = plan(one, demands(0.3), config=config).instances[:1]
+    assert [(i.name, i.gpu_memory_fraction, i.gear.max_num_seqs) for i in resident] == [
+        ("chat-8b-0", 0.3, 48)
+    ]
+    expected = [("chat-8b-0", ("g0",), 0.3, 48), ("summarise-7b-0", ("g0",), 0.26, 64)]
+    again = plan(one, demands(0.3), running=resident, config=config)
+    assert [
+        (i.name, i.gpu_ids, i.gpu_memory_fraction, i.gear.max_num_seqs) for i in again.instances
+    ] == expected
+    assert [(c.name, c.status) for c in again.changes] == [
+        ("chat-8b-0", "kept"),
+        ("summarise-7b-0", "new"),
+    ]
+    assert again.num_gpus == 1
+    assert again.notes[-1] == "share_gpus: 0 instance(s) moved and 1 added onto 1 shared GPU(s)"
+    packer = ControllerPlanner(GearLookup(), config=config)
+    out = packer.pack(one, demands(0.3), resident, spare=())
+    assert out is not None
+    assert [
+        (i.name, i.gpu_ids, i.gpu_memory_fraction, i.gear.max_num_seqs) for i in out
+    ] == expected
+    # the resident's capacity is what the newcomer's load leaves it
+    busy = busy_share(0.3, out[1].estimate.requests_per_s)
+    alone = resident[0].estimate.requests_per_s * config.target_utilization
+    assert out[0].capacity_requests_per_s == pytest.approx(
+        shared_capacity_per_s(alone, resident[0].estimate.requests_per_s, busy, 2)
+    )
+    assert ControllerPlanner(GearLookup()).pack(one, demands(0.3), resident, spare=()) is None
+
+
+def test_a_third_model_joins_two_running_shared_instances_listed_apart() -> None:
+    """Two instances share g0 and run; qa-7b's instance, on g1 and listed between them, joins
+    them (at looser SLOs, three fit): the group is both residents, whatever the order, and
+    they stay as they run."""
+    config = PlannerConfig(share_gpus=True)
+    chat, summarise = plan(CLUSTER, demands(0.3), config=config).instances
+    loose = [replace(d, slo=Slo(2.5, 0.2)) for d in demands(0.3)]
+    loose.append(ModelDemand("qa-7b", "qwen2.5-7b", 0.2, 1024, 200, Slo(2.5, 0.2)))
+    (qa,) = plan(CLUSTER, loose[2:]).instances
+    qa = replace(qa, stages=(("g1",),))
+    out = ControllerPlanner(GearLookup(), config=config).pack(
+        CLUSTER, loose, [chat, qa, summarise], spare=()
+    )
+    assert out is not None
+    assert [(i.name, i.gpu_ids, i.gpu_memory_fraction, i.gear.max_num_seqs) for i in out] == [
+        ("chat-8b-0", ("g0",), 0.3, 48),
+        ("qa-7b-0", ("g0",), 0.28, 96),
+        ("summarise-7b-0", ("g0",), 0.26, 64),
+    ]
+    assert num_gpus_held(out) == 1
 
 
 def test_the_shift_policy_packs_a_running_plan_onto_a_free_gpu() -> None:

@@ -7,9 +7,10 @@ they are ready: its `adopt` removes placement groups the store does not know) an
 lifecycle there, so a controller killed at any moment leaves no engine its successor does not
 know of. After a restart, the successor closes the shift log's pending changes as aborted,
 takes the policy's shift history back, asks the launcher which of the registry's live
-instances still run (`AdoptingLauncher.adopt`: a handle on each) and probes their /health
-(adopt.py), adopts those today's plan keeps — no duplicate launch —, and drains and stops the
-others once the plan serves (make before break, as a shift). One path for every launcher.
+instances still run (`AdoptingLauncher.adopt`: a handle on each), probes their /health and
+reads the memory fraction each runs with (adopt.py: one that shares its GPU keeps its share),
+adopts those today's plan keeps — no duplicate launch —, and drains and stops the others once
+the plan serves (make before break, as a shift). One path for every launcher.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, MutableMapping, Sequence
 
+from flexpipe.cluster import Cluster
 from flexpipe.control.api.gateway_client import GatewayAdmin, GatewayError
-from flexpipe.control.engines.adopt import healthy
+from flexpipe.control.engines.adopt import healthy, memory_fractions
+from flexpipe.control.engines.launching import gpu_memory_utilization
 from flexpipe.control.executor import LiveInstance
 from flexpipe.gears.gear import parse_gear
 from flexpipe.launch import AdoptingLauncher, EngineHandle, EngineSpec
@@ -30,7 +33,7 @@ from flexpipe.policies.shift.snapshot import ShiftRecord, instance_key
 from flexpipe.store.instance_registry import InstanceRecord, InstanceRegistry
 from flexpipe.store.shift_log import ShiftLog
 
-__all__ = ["Takeover", "stub"]
+__all__ = ["Takeover", "shared_fraction", "stub"]
 
 
 class Takeover:
@@ -59,6 +62,8 @@ class Takeover:
         self.say = say
         self._spawned_ids: dict[str, int] = {}  # endpoint -> registry id, not yet claimed
         self._handles: dict[int, EngineHandle] = {}  # registry id -> survivor's handle
+        # registry id -> the --gpu-memory-utilization a survivor reports (its /metrics)
+        self.fractions: dict[int, float] = {}
 
     # ------------------------------------------------------------------ while running
     def spawned(self, spec: EngineSpec, pid: int, endpoint: str) -> None:
@@ -145,6 +150,7 @@ class Takeover:
         await asyncio.gather(*(h.stop() for i, h in handles.items() if i not in ok))
         adopted, gone = self.registry.reconcile(ok, "not reachable after a controller restart")
         self._handles = {i: handles[i] for i in ok}
+        self.fractions = await memory_fractions(self._handles)
         if gone:
             urls = {i["url"] for i in await self.gateway.instances()}
             for rec in gone:
@@ -152,6 +158,12 @@ class Takeover:
                     with contextlib.suppress(GatewayError):
                         await self.gateway.remove(rec.endpoint)
         return adopted
+
+    def fraction_of(self, record: InstanceRecord, cluster: Cluster) -> float | None:
+        """A survivor's memory fraction when it shares its GPU (`shared_fraction`, from what
+        its engine reported to `survivors`), else None."""
+        alone = gpu_memory_utilization(cluster, record.gpu_ids)
+        return shared_fraction(self.fractions.get(record.id), alone, record.gpu_ids)
 
     async def adopt(
         self,
@@ -204,11 +216,16 @@ class Takeover:
                 self.registry.mark_gone(rec.id, "not in the plan after a controller restart")
 
 
-def stub(record: InstanceRecord, like: Sequence[PlannedInstance]) -> PlannedInstance | None:
-    """A surviving instance as the planner's `running` input: its model, gear and GPUs (the
-    planner re-evaluates it as it runs; the rest is copied from an instance of the same model
-    in `like`). None for a model no longer planned. Stages: the GPUs in order, `tp` each;
-    layers split evenly (as the sim engine does)."""
+def stub(
+    record: InstanceRecord,
+    like: Sequence[PlannedInstance],
+    gpu_memory_fraction: float | None = None,
+) -> PlannedInstance | None:
+    """A surviving instance as the planner's `running` input: its model, gear, GPUs and, when
+    it shares its GPU, its memory fraction (`shared_fraction`; the planner re-evaluates it as
+    it runs; the rest is copied from an instance of the same model in `like`). None for a
+    model no longer planned. Stages: the GPUs in order, `tp` each; layers split evenly (as the
+    sim engine does)."""
     template = next((p for p in like if p.model == record.model), None)
     if template is None:
         return None
@@ -219,8 +236,24 @@ def stub(record: InstanceRecord, like: Sequence[PlannedInstance]) -> PlannedInst
     base, extra = divmod(num_layers, max(1, len(stages)))
     layers = tuple(base + (1 if i < extra else 0) for i in range(len(stages)))
     return dataclasses.replace(
-        template, name=record.name, gear=gear, stages=stages, layers_per_stage=layers
+        template,
+        name=record.name,
+        gear=gear,
+        stages=stages,
+        layers_per_stage=layers,
+        gpu_memory_fraction=gpu_memory_fraction,
     )
+
+
+def shared_fraction(reported: float | None, alone: float, gpu_ids: Sequence[str]) -> float | None:
+    """A survivor's memory fraction when it shares its GPU (docs/gpu-sharing.md), else None:
+    what its engine reports (`reported`, its --gpu-memory-utilization), when that is below
+    what an engine alone on its GPUs is launched with (`alone`, control/engines/launching.py's
+    `gpu_memory_utilization`). Only single-GPU instances share."""
+    if reported is None or len(gpu_ids) != 1:
+        return None
+    # (both rounded to 1/1000 at launch: a smaller one is a share, not float noise)
+    return reported if reported < alone - 5e-4 else None
 
 
 def _flat_key(model: str, gear_key: str, gpu_ids: Sequence[str]) -> str:

@@ -369,11 +369,17 @@ class Evaluator:
         return slo_rate_per_s(shape, slo.ttft_p99_s, slo.tpot_p99_s, demand.arrival_cv2)
 
     def evaluate_as_is(
-        self, m: int, stages: tuple[tuple[str, ...], ...], gear: Gear, layers: tuple[int, ...]
+        self,
+        m: int,
+        stages: tuple[tuple[str, ...], ...],
+        gear: Gear,
+        layers: tuple[int, ...],
+        gpu_memory_fraction: float | None = None,
     ) -> Candidate | Rejection:
         """A running instance on the GPUs as they are now, unchanged (its gear, its batch, its
-        layer split): a Candidate when it still fits (memory plan, KV for its batch, SLOs at
-        its batch), else why not. Not cached: called once per running instance."""
+        layer split, its memory fraction when it shares its GPU: `gpu_memory_fraction`): a
+        Candidate when it still fits (memory plan, KV for its batch, SLOs at its batch alone),
+        else why not. Not cached: called once per running instance."""
         spec = self.specs[m]
         demand = self.demands[m]
         flat = [g for s in stages for g in s]
@@ -396,7 +402,7 @@ class Evaluator:
             replace(gear, max_num_seqs=max(self._ladder)),
             placement,
             self.efficiency,
-            self.config.gpu_memory_utilization,
+            gpu_memory_fraction or self.config.gpu_memory_utilization,
             model_len,
         )
         if not mem.feasible:

@@ -1,5 +1,6 @@
 """What fits on one GPU shared in memory: each engine's batch, memory fraction and capacity
-(the rules are in sharing.py's module docstring; the model in flexpipe.perf.colocation)."""
+(the rules are in sharing.py's module docstring; the model in flexpipe.perf.colocation), and
+whether engines sharing one as they run still fit it (`misfit`, for stickiness)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from flexpipe.perf.colocation import (
 from flexpipe.perf.gear_lookup import GearEstimate, GearQuery
 from flexpipe.policies.planner.candidates import Evaluator
 
-__all__ = ["Member", "Option", "fit", "shared_capacities"]
+__all__ = ["Member", "Option", "fit", "memory_cap", "misfit", "shared_capacities"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,20 +44,54 @@ class Option:
 
 
 def shared_capacities(
-    evaluator: Evaluator, members: Sequence[Member], opts: Sequence[Option]
+    evaluator: Evaluator, members: Sequence[Member], estimates: Sequence[GearEstimate]
 ) -> list[float]:
-    """Each member's capacity (requests/s) on the shared GPU: what the others' expected load
-    leaves it (sized by throughput, flexpipe.perf.colocation)."""
+    """Each member's capacity (requests/s) on the shared GPU at its figures alone
+    (`estimates`): what the others' expected load leaves it (sized by throughput,
+    flexpipe.perf.colocation)."""
     busy = [
-        busy_share(i.load_per_s, o.estimate.requests_per_s)
-        for i, o in zip(members, opts, strict=True)
+        busy_share(i.load_per_s, e.requests_per_s) for i, e in zip(members, estimates, strict=True)
     ]
     caps: list[float] = []
-    for k, (inst, opt) in enumerate(zip(members, opts, strict=True)):
-        alone = evaluator.capacity_per_s(inst.model_index, opt.estimate, None)
+    for k, (inst, est) in enumerate(zip(members, estimates, strict=True)):
+        alone = evaluator.capacity_per_s(inst.model_index, est, None)
         others = sum(busy) - busy[k]
-        caps.append(shared_capacity_per_s(alone, opt.estimate.requests_per_s, others, len(members)))
+        caps.append(shared_capacity_per_s(alone, est.requests_per_s, others, len(members)))
     return caps
+
+
+def memory_cap(evaluator: Evaluator, gpu: str) -> float:
+    """The most the fractions of `gpu`'s engines may sum to: what the planner allows itself,
+    and no more than other tenants left."""
+    slot = evaluator.cluster.slot(gpu)
+    return min(evaluator.config.gpu_memory_utilization, slot.free_bytes / slot.spec.memory_bytes)
+
+
+def misfit(
+    evaluator: Evaluator,
+    members: Sequence[Member],
+    estimates: Sequence[GearEstimate],
+    fractions: Sequence[float],
+    gpu: str,
+) -> str | None:
+    """Why engines running at fixed batches and fractions (each one's figures alone:
+    `estimates`) no longer fit `gpu` together, or None when they do: the fractions within
+    `memory_cap`, each one's SLOs at `stretch(k)`, the busy shares within the target
+    utilisation (the rules of `fit`, for a group as it runs)."""
+    k = len(members)
+    total = sum(fractions)
+    if total > memory_cap(evaluator, gpu) + 1e-9:
+        return f"the memory fractions on {gpu} sum to {total:.2f}, more than is free"
+    for inst, est in zip(members, estimates, strict=True):
+        if not _meets_slos(evaluator, inst.model_index, est, stretch(k)):
+            name = evaluator.demands[inst.model_index].name
+            return f"{name} misses its SLOs with {k} engines busy on {gpu}"
+    busy = [
+        busy_share(i.load_per_s, e.requests_per_s) for i, e in zip(members, estimates, strict=True)
+    ]
+    if not fits_together(busy, evaluator.config.target_utilization):
+        return f"the load of the {k} engines on {gpu} is more than its time"
+    return None
 
 
 def fit(
@@ -64,14 +99,23 @@ def fit(
     members: Sequence[Member],
     gpu: str,
     cache: dict[tuple[object, ...], list[Option]],
+    fixed: Sequence[Option | None] = (),
 ) -> list[Option] | None:
     """Each member's option on `gpu` shared by all of them, or None when they do not fit
     (sharing.py's module docstring gives the rules). `cache`: options by model, precision,
-    hardware and number of engines, kept across the fits of one pass."""
+    hardware and number of engines, kept across the fits of one pass. `fixed`: per member,
+    the option it runs at when it already shares `gpu` (kept as it is: changing it would
+    restart it), else None."""
     k = len(members)
     lists: list[list[Option]] = []
-    for inst in members:
+    for n, inst in enumerate(members):
         m = inst.model_index
+        mine = fixed[n] if n < len(fixed) else None
+        if mine is not None:
+            if not _meets_slos(evaluator, m, mine.estimate, stretch(k)):
+                return None
+            lists.append([mine])
+            continue
         key = (m, inst.dtype, evaluator.hardware(((gpu,),)), k)
         opts = cache.get(key)
         if opts is None:
@@ -80,9 +124,7 @@ def fit(
             return None
         lists.append(opts)
     config = evaluator.config
-    slot = evaluator.cluster.slot(gpu)
-    # (what the planner allows itself, and no more than other tenants left)
-    cap = min(config.gpu_memory_utilization, slot.free_bytes / slot.spec.memory_bytes)
+    cap = memory_cap(evaluator, gpu)
     picks = [len(o) - 1 for o in lists]  # highest throughput first
 
     def busy(p: list[int]) -> list[float]:
@@ -120,7 +162,6 @@ def _options(evaluator: Evaluator, m: int, dtype: str, gpu: str, factor: float) 
     context = demand.input_tokens + demand.output_tokens
     placement = placement_on(evaluator.cluster, ((gpu,),), spec.num_layers)
     memory_bytes = evaluator.cluster.gpu(gpu).spec.memory_bytes
-    slo = demand.slo
     out: list[Option] = []
     for batch in sorted(set(evaluator.config.batch_ladder)):
         g = Gear(tp=1, pp=1, dtype=dtype, max_num_seqs=batch)
@@ -131,7 +172,7 @@ def _options(evaluator: Evaluator, m: int, dtype: str, gpu: str, factor: float) 
             est = evaluator.performance.estimate(GearQuery.of(spec, g, placement), demand.workload)
         except InfeasibleGear:
             break
-        if est.tpot_s * factor > slo.tpot_p99_s or est.ttft_s * factor > slo.ttft_p99_s:
+        if not _meets_slos(evaluator, m, est, factor):
             break
         if out and est.requests_per_s <= out[-1].estimate.requests_per_s:
             break
@@ -147,3 +188,10 @@ def _options(evaluator: Evaluator, m: int, dtype: str, gpu: str, factor: float) 
             break
         out.append(Option(g, est, fraction, mine.kv_capacity_tokens, mine.max_batch(context)))
     return out
+
+
+def _meets_slos(evaluator: Evaluator, m: int, est: GearEstimate, factor: float) -> bool:
+    """Whether model `m` at figures `est` (alone) meets its TTFT and TPOT SLOs with every step
+    stretched by `factor` (its neighbours on the GPU busy at once)."""
+    slo = evaluator.demands[m].slo
+    return est.tpot_s * factor <= slo.tpot_p99_s and est.ttft_s * factor <= slo.ttft_p99_s

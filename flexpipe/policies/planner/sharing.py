@@ -2,10 +2,12 @@
 (`PlannerConfig.share_gpus`; docs/gpu-sharing.md).
 
 A pass over the plan the greedy made. Eligible: a model's only instance, on one GPU (tp=1,
-pp=1), not sharing already. Taken in plan order, each eligible instance moves onto the first
-GPU of an earlier eligible instance where the group still fits (first fit); its own GPU is
-freed. Then each model the plan left without an instance (no GPU was left for it) and that
-has demand joins the first group it fits in. A group fits (share_fit.py) when, with `k`
+pp=1), not sharing already. An instance sharing a GPU already (one the plan kept running)
+stays as it runs, its batch and fraction fixed; its GPU is a group the others may join. Taken
+in plan order, each eligible instance moves onto the first GPU of a running shared instance or
+of an earlier eligible instance where the group still fits (first fit); its own GPU is freed.
+Then each model the plan left without an instance (no GPU was left for it) and that has
+demand joins the first group it fits in. A group fits (share_fit.py) when, with `k`
 engines on the GPU:
 
 - latency: each engine meets its SLOs with every step stretched by `stretch(k)` (all busy at
@@ -85,9 +87,10 @@ def pack(
     """`instances` with the eligible ones packed and the models without an instance added
     where they fit (first fit, see the module docstring), and which moved or were added where
     (instance name -> GPU id). Instances that already share a GPU stay as they are (re-packing
-    them would restart them in place). `spare`: free GPUs; a group is placed on one of the
-    same hardware when there is one (so that the engines it replaces serve until it is
-    ready: no gap), else on its first member's GPU."""
+    them would restart them in place), but others may join their GPU where its memory and time
+    have room. `spare`: free GPUs; a new group is placed on one of the same hardware when there
+    is one (so that the engines it replaces serve until it is ready: no gap), else on its
+    first member's GPU."""
     demands = evaluator.demands
     index = {d.name: m for m, d in enumerate(demands)}
     per_model = [0] * len(demands)
@@ -95,28 +98,31 @@ def pack(
         if inst.model in index:
             per_model[index[inst.model]] += 1
     cache: dict[tuple[object, ...], list[Option]] = {}
-    # GPU -> the engines packed there (instances of the plan, or None for a newcomer)
-    hosts: dict[str, list[tuple[Member, PlannedInstance | None]]] = {}
+    # GPU -> the engines packed there: (member, its instance or None for a newcomer, its
+    # option when it already shares that GPU)
+    hosts: dict[str, list[tuple[Member, PlannedInstance | None, Option | None]]] = {}
     chosen: dict[str, list[Option]] = {}
 
     def join(member: Member, inst: PlannedInstance | None) -> bool:
         for gpu, group in hosts.items():
-            options = fit(evaluator, [m for m, _ in group] + [member], gpu, cache)
+            members = [m for m, _, _ in group] + [member]
+            options = fit(evaluator, members, gpu, cache, [o for _, _, o in group])
             if options is not None:
-                group.append((member, inst))
+                group.append((member, inst, None))
                 chosen[gpu] = options
                 return True
         return False
 
-    for inst in instances:
-        m = index.get(inst.model)
-        if m is None or inst.num_gpus != 1 or per_model[m] != 1:
-            continue
+    single = [(index[i.model], i) for i in instances if i.model in index and i.num_gpus == 1]
+    for m, inst in single:  # the residents first: each GPU's whole group before any joins
         if inst.gpu_memory_fraction is not None:
-            continue
-        member = Member(m, inst.gear.dtype, inst.assigned_requests_per_s)
-        if not join(member, inst):
-            hosts[inst.gpu_ids[0]] = [(member, inst)]
+            member = Member(m, inst.gear.dtype, inst.assigned_requests_per_s)
+            hosts.setdefault(inst.gpu_ids[0], []).append((member, inst, _running(inst)))
+    for m, inst in single:
+        if inst.gpu_memory_fraction is None and per_model[m] == 1:
+            member = Member(m, inst.gear.dtype, inst.assigned_requests_per_s)
+            if not join(member, inst):
+                hosts[inst.gpu_ids[0]] = [(member, inst, None)]
     for m, d in enumerate(demands):
         if per_model[m] == 0 and (d.request_rate_per_s > 0 or d.min_instances > 0):
             join(Member(m, d.dtypes[0], d.request_rate_per_s), None)
@@ -126,20 +132,26 @@ def pack(
     added: list[PlannedInstance] = []
     moved: dict[str, str] = {}
     for gpu, group in hosts.items():
-        if len(group) < 2:
+        if len(group) < 2 or gpu not in chosen:  # alone, or residents only: as they run
             continue
+        residents = any(o is not None for _, _, o in group)
         same = [g for g in free if evaluator.hardware(((g,),)) == evaluator.hardware(((gpu,),))]
-        target = same[0] if same else gpu
-        if same:
+        target = same[0] if same and not residents else gpu
+        if target in free:
             free.remove(target)
-        caps = shared_capacities(evaluator, [m for m, _ in group], chosen[gpu])
-        names = [_name(demands[m.model_index].name, p, taken) for m, p in group]
-        for (member, planned), opt, cap, name in zip(group, chosen[gpu], caps, names, strict=True):
+        caps = shared_capacities(
+            evaluator, [m for m, _, _ in group], [o.estimate for o in chosen[gpu]]
+        )
+        names = [_name(demands[m.model_index].name, p, taken) for m, p, _ in group]
+        for (member, planned, running), opt, cap, name in zip(
+            group, chosen[gpu], caps, names, strict=True
+        ):
             others = ", ".join(n for n in names if n != name)
             mine = _placed(evaluator, member, planned, opt, cap, target, name)
-            why = f"shares {target} with {others} ({opt.fraction:.2f} of its memory, batch "
-            why += f"{opt.gear.max_num_seqs})"
-            mine = replace(mine, why=f"{mine.why}; {why}" if mine.why else why)
+            if running is None:
+                why = f"shares {target} with {others} ({opt.fraction:.2f} of its memory, batch "
+                why += f"{opt.gear.max_num_seqs})"
+                mine = replace(mine, why=f"{mine.why}; {why}" if mine.why else why)
             if planned is None:
                 added.append(mine)
                 moved[name] = target
@@ -148,6 +160,18 @@ def pack(
                 if planned.gpu_ids[0] != target:
                     moved[planned.name] = target
     return (*(replaced.get(i.name, i) for i in instances), *added), moved
+
+
+def _running(inst: PlannedInstance) -> Option:
+    """A resident's option: the batch and fraction it runs at."""
+    assert inst.gpu_memory_fraction is not None
+    return Option(
+        inst.gear,
+        inst.estimate,
+        inst.gpu_memory_fraction,
+        inst.kv_capacity_tokens,
+        inst.max_concurrency,
+    )
 
 
 def _name(model: str, inst: PlannedInstance | None, taken: set[str]) -> str:

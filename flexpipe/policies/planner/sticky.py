@@ -5,7 +5,8 @@ migrated requests, which the planner does not price (the shift policy does). So:
 
 1. `keep_running`: every running instance that still fits its GPUs as it runs (its gear,
    batch and layer split; memory plan, KV for its batch and the SLOs at it, on the GPUs as
-   they are now) is kept; the others are stopped, each with why.
+   they are now) is kept; the others are stopped, each with why. Instances sharing a GPU in
+   memory are kept together while they still fit it together (docs/gpu-sharing.md).
 2. The planner fills the GPUs the kept instances leave (core.py).
 3. `switch_where_it_pays`: the fresh plan (made from scratch) is compared group by group:
    a *group* is a connected set of instances, kept-or-filled and fresh, that share GPUs, so
@@ -18,9 +19,12 @@ migrated requests, which the planner does not price (the shift policy does). So:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from flexpipe.policies.planner.candidates import Candidate, Evaluator, Rejection
+from flexpipe.policies.planner.share_fit import Member, misfit, shared_capacities
 from flexpipe.policies.planner.types import ModelDemand, Plan, PlannedInstance
 
 __all__ = ["keep_running", "switch_where_it_pays"]
@@ -36,29 +40,68 @@ def keep_running(
     usable: set[str],
 ) -> tuple[list[tuple[Candidate, PlannedInstance]], list[tuple[PlannedInstance, str]]]:
     """The running instances that still fit as they run (each re-evaluated now), and the ones
-    that do not, with why."""
+    that do not, with why. Instances that share a GPU in memory (`gpu_memory_fraction`,
+    docs/gpu-sharing.md) are kept together while the group still fits it as it runs
+    (share_fit.misfit), each at the capacity the others' load leaves it."""
     index = {d.name: m for m, d in enumerate(demands)}
+    num_of = Counter(i.model for i in running.instances)
     kept: list[tuple[Candidate, PlannedInstance]] = []
     stopped: list[tuple[PlannedInstance, str]] = []
-    used: set[str] = set()
+    used: set[str] = set()  # GPUs a kept instance holds whole
+    # GPU -> the kept instances sharing it (their places in `kept`), and each one's load
+    shared: dict[str, list[int]] = {}
+    members: dict[int, Member] = {}
     for inst in running.instances:
         m = index.get(inst.model)
         lost = [g for g in inst.gpu_ids if g not in usable]
+        sharing = inst.gpu_memory_fraction is not None and inst.num_gpus == 1
+        taken = used | (set() if sharing else set(shared))
         if m is None:
             stopped.append((inst, f"{inst.model} is no longer among the models"))
         elif lost:
             stopped.append((inst, f"{', '.join(lost)} no longer usable"))
-        elif not used.isdisjoint(inst.gpu_ids):
+        elif not taken.isdisjoint(inst.gpu_ids):
             stopped.append((inst, "shares GPUs with another running instance"))
         elif inst.gear.dtype not in demands[m].dtypes:
             stopped.append((inst, f"{inst.gear.dtype} is no longer an accepted precision"))
         else:
-            result = evaluator.evaluate_as_is(m, inst.stages, inst.gear, inst.layers_per_stage)
+            result = evaluator.evaluate_as_is(
+                m, inst.stages, inst.gear, inst.layers_per_stage, inst.gpu_memory_fraction
+            )
             if isinstance(result, Rejection):
                 stopped.append((inst, f"no longer fits: {result.reason}"))
-            else:
-                kept.append((result, inst))
+                continue
+            kept.append((result, inst))
+            if not sharing:
                 used.update(inst.gpu_ids)
+                continue
+            # (a model's load split evenly over its running instances)
+            load_per_s = demands[m].request_rate_per_s / num_of[inst.model]
+            members[len(kept) - 1] = Member(m, inst.gear.dtype, load_per_s)
+            gpu = inst.gpu_ids[0]
+            trial = [*shared.get(gpu, []), len(kept) - 1]
+            why = misfit(
+                evaluator,
+                [members[k] for k in trial],
+                [kept[k][0].estimate for k in trial],
+                [kept[k][1].gpu_memory_fraction or 0.0 for k in trial],
+                gpu,
+            )
+            if why is None:
+                shared[gpu] = trial
+            else:
+                kept.pop()
+                stopped.append((inst, f"no longer fits: {why}"))
+    for group in shared.values():  # each at its capacity beside the others
+        estimates = [kept[k][0].estimate for k in group]
+        caps = shared_capacities(evaluator, [members[k] for k in group], estimates)
+        for k, cap in zip(group, caps, strict=True):
+            c, inst = kept[k]
+            tokens_per_s = cap * c.estimate.output_tokens_per_s / c.estimate.requests_per_s
+            kept[k] = (
+                replace(c, capacity_requests_per_s=cap, capacity_tokens_per_s=tokens_per_s),
+                inst,
+            )
     return kept, stopped
 
 
