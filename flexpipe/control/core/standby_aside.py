@@ -17,7 +17,8 @@ docs/controller.md, "Standby sleepers"):
   change beside may stop the sleepers on its new instances' GPUs), `swap_steps` and
   `woken_back` (a swap's two steps, and the holders woken again when its sleeper did not
   come up), `holders_to_yield` (the running instances put to sleep while standbys load
-  beside them, where the engine kind cannot load beside an awake engine);
+  beside them, where the engine kind cannot load beside an awake engine) and `holds_to_lift`
+  (the models served again once they loaded);
 - the first plan with standbys: `first_plan` (each model's standby set in place of the
   planner's instances), `launched_first` (the standbys it may launch where the engine kind
   cannot load beside another engine) and `first_asleep` (which of them sleep once it is up).
@@ -40,6 +41,7 @@ from flexpipe.policies.shift.standby_sleepers import (
     standby_time_shared,
     standby_wanted,
     with_sleepers,
+    yields_to,
 )
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "first_plan",
     "footprint_bytes",
     "holders_to_yield",
+    "holds_to_lift",
     "launched_first",
     "standby_view",
     "standbys_to_start",
@@ -247,17 +250,46 @@ def holders_to_yield(
     standbys: Sequence[PlannedInstance],
     running: Sequence[PlannedInstance],
     loads_beside_awake: bool,
-) -> list[PlannedInstance]:
-    """The running instances that sleep while `standbys` load and wake once they sleep (three
-    changes beside: `standby-yield`, the standbys' `standby` launch and sleep,
-    `standby-return`): none where the engine kind loads beside an awake engine
-    (`EngineKind.loads_beside_awake`, the sim engine); else each one on a standby's GPUs, as
-    a real vLLM refuses to start where an awake engine leaves less free memory than its
-    share."""
+    priorities: Mapping[str, float],
+    pressed_models: Collection[str],
+    in_flight_by_key: Mapping[str, float],
+    queued_by_model: Mapping[str, int],
+) -> tuple[list[PlannedInstance], list[PlannedInstance]]:
+    """(the standbys to load now, the running instances that sleep while they load and wake
+    once they sleep): three changes beside, `standby-yield`, the standbys' `standby` launch
+    and sleep, `standby-return`. Where the engine kind loads beside an awake engine
+    (`EngineKind.loads_beside_awake`, the sim engine): every standby, nothing sleeps. Else a
+    real vLLM refuses to start where an awake engine leaves less free memory than its share,
+    so each running instance on a standby's GPUs must yield for the standby's whole cold
+    start, ahead of any demand: only one that `yields_to` the standby's model (as a swap's
+    holder: never an instance of a model that needs more engines, `pressed_models`, nor of
+    a higher priority) and is idle (nothing in flight, `in_flight_by_key` by `instance_key`,
+    nor queued for its model, `queued_by_model`). A standby with a holder that may not yield
+    is left out (the next look tries again)."""
     if loads_beside_awake:
-        return []
-    gpu_ids = {g for s in standbys for g in s.gpu_ids}
-    return [i for i in running if set(i.gpu_ids) & gpu_ids]
+        return list(standbys), []
+    loaded: list[PlannedInstance] = []
+    holders: dict[str, PlannedInstance] = {}
+    for standby in standbys:
+        on = [i for i in running if set(i.gpu_ids) & set(standby.gpu_ids)]
+        if all(
+            queued_by_model.get(h.model, 0) <= 0
+            and in_flight_by_key.get(instance_key(h), 0.0) <= 0
+            and yields_to(h, standby.model, priorities, pressed_models, 0.0)
+            for h in on
+        ):
+            loaded.append(standby)
+            holders.update((instance_key(h), h) for h in on)
+    return loaded, list(holders.values())
+
+
+def holds_to_lift(changed: Sequence[PlannedInstance], serving: Collection[str]) -> list[str]:
+    """The models whose holds to lift once standbys loaded beside: those of the instances the
+    changes touched (`changed`: the standbys, and the holders that yielded to them) that serve
+    now (`serving`). A change's plan end holds a model it left with no instance (a holder's,
+    while it sleeps), and a model that serves again must not stay held; the simulator's
+    `sleep_loaded` lifts them so."""
+    return sorted({i.model for i in changed} & set(serving))
 
 
 def woken_back(
