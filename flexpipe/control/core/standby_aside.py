@@ -53,6 +53,7 @@ __all__ = [
     "footprint_bytes",
     "holders_to_yield",
     "holds_to_lift",
+    "launch_waves",
     "launched_first",
     "standby_view",
     "standbys_to_start",
@@ -206,15 +207,44 @@ def launched_first(
     may share a GPU with a standby kept: so until nothing changes."""
     kept = list(standbys)
     while not loads_beside_awake:
-        num_on: dict[str, int] = {}
-        for inst in first_plan(kept, planned):
-            for g in set(inst.gpu_ids):
-                num_on[g] = num_on.get(g, 0) + 1
-        alone = [s for s in kept if all(num_on[g] == 1 for g in s.gpu_ids)]
+        alone = alone_on_gpus(kept, first_plan(kept, planned))
         if alone == kept:
             break
         kept = alone
     return kept
+
+
+def alone_on_gpus(
+    instances: Sequence[PlannedInstance], launched: Sequence[PlannedInstance]
+) -> list[PlannedInstance]:
+    """Those of `instances` on GPUs no other instance of `launched` (which holds them) uses:
+    what an engine kind that cannot load beside another engine may launch together."""
+    num_on: dict[str, int] = {}
+    for inst in launched:
+        for g in set(inst.gpu_ids):
+            num_on[g] = num_on.get(g, 0) + 1
+    return [i for i in instances if all(num_on[g] == 1 for g in i.gpu_ids)]
+
+
+def launch_waves(
+    planned: Sequence[PlannedInstance], loads_beside_awake: bool
+) -> list[list[PlannedInstance]]:
+    """`planned` in the waves a shift launches it in, each once the one before has loaded:
+    one wave where the engine kind loads beside another engine (`loads_beside_awake`, the
+    sim engine); else (GPUs shared in memory, `planner.share_gpus`) by the rule
+    `launched_first` keeps a first plan by (`alone_on_gpus`): in order, each instance joins
+    the first wave none of whose instances uses one of its GPUs, as vLLM's start-up memory
+    profiling charges a neighbour's loading to itself."""
+    if loads_beside_awake or not planned:
+        return [list(planned)]
+    waves: list[list[PlannedInstance]] = []
+    for inst in planned:
+        wave = next((w for w in waves if alone_on_gpus([inst], [*w, inst])), None)
+        if wave is None:
+            waves.append([inst])
+        else:
+            wave.append(inst)
+    return waves
 
 
 def first_asleep(
