@@ -260,12 +260,13 @@ class StandbySleepers:
             return
         self.aside_gpus = {g for s in standbys for g in s.gpu_ids}
         try:
-            if holders:
-                await self.yield_for(standbys, holders)
-            else:
+            loaded = not holders or await self.yield_for(standbys, holders)
+            if not holders:
                 await self.load_asleep(standbys)
         finally:
             self.aside_gpus = set()
+        if not loaded:  # (nothing changed: no hold of ours to lift)
+            return
         if not ctl._lock.locked():  # (a shift in progress sweeps when it ends)
             ctl.takeover.sweep_spawned()
         serving = {i.planned.model for i in ctl.running.values()}
@@ -280,7 +281,7 @@ class StandbySleepers:
 
     async def yield_for(
         self, standbys: list[PlannedInstance], holders: list[PlannedInstance]
-    ) -> None:
+    ) -> bool:
         """The order a real vLLM needs to load beside an awake engine: `standby-yield`, the
         holders drain and sleep as a swap's holder does (`sleep`); the standbys load and
         sleep (`load_asleep`); `standby-return`, the holders wake (`wake`), also after a
@@ -289,13 +290,13 @@ class StandbySleepers:
         `aside` lock, the load (a cold start: minutes) does not, so that the tick's wakes
         go on meanwhile: the holders' and the standbys' keys and GPUs are marked busy
         (`yield_keys`, `yield_gpus`) until the holders are back. A cancelled load (the
-        controller stopping) wakes nothing."""
+        controller stopping) wakes nothing. False when it did not begin."""
         keys = {instance_key(i) for i in [*holders, *standbys]}
         gpu_ids = {g for i in [*holders, *standbys] for g in i.gpu_ids}
         async with self.aside:
             busy_gpus, busy_keys = self.busy()
             if keys & busy_keys or gpu_ids & busy_gpus:
-                return
+                return False
             self.yield_keys |= keys
             self.yield_gpus |= gpu_ids
             try:
@@ -315,6 +316,7 @@ class StandbySleepers:
             finally:
                 self.yield_keys -= keys
                 self.yield_gpus -= gpu_ids
+        return True
 
     async def sleep(self, leaving: Sequence[PlannedInstance], trigger: str) -> None:
         """`leaving` (running) out of the gateway's pool, drained and put to sleep at the

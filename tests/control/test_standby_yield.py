@@ -153,6 +153,7 @@ def test_nothing_yields_while_the_shift_in_progress_uses_the_holder() -> None:
     beside.main_keys, beside.main_gpus = set(), {"gpu2"}
     asyncio.run(beside.start_standbys([STANDBY], pool(w), {}))
     assert w.log == [] and w.sleepers == {} and beside.aside_gpus == set()
+    assert w.held == []  # nothing changed: no hold lifted (the shift's own may stand)
 
 
 def test_a_failed_load_still_wakes_the_holder() -> None:
