@@ -416,15 +416,20 @@ class ShiftProcedure:
         waves (`launch_waves`: where the engine kind cannot load beside another engine,
         those sharing a GPU in memory), each once the wave before has loaded or failed."""
         waves = launch_waves(planned, self.params.loads_beside_awake)
-        tokens: list[Any] = []
+        if len(waves) == 1:
+            together: list[Any] = yield from self._do(Launch(tuple(planned)))
+            return together
+        left = list(range(len(planned)))  # (by position: two planned may be equal)
+        tokens: list[Any] = [None] * len(planned)
         for n, wave in enumerate(waves):
+            at = [left.pop(next(j for j, i in enumerate(left) if planned[i] is w)) for w in wave]
             launched = yield from self._do(Launch(tuple(wave)))
-            tokens.extend(launched)
+            for i, token in zip(at, launched, strict=True):
+                tokens[i] = token
             alive = tuple(t for t in launched if not isinstance(t, Failed))
             if n + 1 < len(waves) and alive:
                 yield from self._do(AwaitReady(alive))
-        by_name = {w.name: t for w, t in zip([w for ws in waves for w in ws], tokens, strict=True)}
-        return [by_name[p.name] for p in planned]
+        return tokens
 
     def _keep(
         self, results: Sequence[Any], failures: list[str], out: ShiftOutcome, all_or_nothing: bool
