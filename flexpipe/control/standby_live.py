@@ -34,9 +34,8 @@ from flexpipe.control.core.standby_aside import (
     launched_first,
     standby_view,
     standbys_to_start,
-    swap_steps,
+    swap_procedure,
     time_shared_gpus,
-    woken_back,
 )
 from flexpipe.control.core.tick import Readings
 from flexpipe.control.executor import LiveInstance
@@ -390,13 +389,15 @@ class StandbySleepers:
         )
         if not swaps:
             return False
-        kept, wakes = swap_steps(running, swaps)
-        await self.run_aside(ctl.running, kept, "swap-sleep")
-        await self.wake(wakes, "swap-wake")
-        holders = woken_back(swaps, set(ctl.running), set(ctl.executor.sleepers))
-        if holders:
-            await self.wake(holders, "swap-back")
-        return True
+        steps = swap_procedure(running, swaps)
+        step = next(steps)
+        while True:
+            await self.run_aside(ctl.running, list(step.target), step.trigger)
+            now_running = [i.planned for i in ctl.running.values()]
+            try:
+                step = steps.send((now_running, set(ctl.running), set(ctl.executor.sleepers)))
+            except StopIteration:
+                return True
 
     def in_flight_by_key(self, instances: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         """Each running instance's requests in flight (by `instance_key`), from the gateway's

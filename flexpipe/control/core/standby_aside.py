@@ -14,11 +14,11 @@ docs/controller.md, "Standby sleepers"):
   `time_shared_gpus` (where sleepers may sleep beside a running engine), `standbys_to_start`
   (the standbys both shells start: `standby_wanted`, then `standby_time_shared`),
   `footprint_bytes` (what an engine holds awake or asleep), `evicts_asleep` (whether a
-  change beside may stop the sleepers on its new instances' GPUs), `swap_steps` and
-  `woken_back` (a swap's two steps, and the holders woken again when its sleeper did not
-  come up), `holders_to_yield` (the running instances put to sleep while standbys load
-  beside them, where the engine kind cannot load beside an awake engine) and `holds_to_lift`
-  (the models served again once they loaded);
+  change beside may stop the sleepers on its new instances' GPUs), `swap_procedure`
+  (a swap's steps, as both shells drive them: `swap_steps`, then `woken_back`, the holders
+  woken again when its sleeper did not come up), `holders_to_yield` (the running instances
+  put to sleep while standbys load beside them, where the engine kind cannot load beside an
+  awake engine) and `holds_to_lift` (the models served again once they loaded);
 - the first plan with standbys: `first_plan` (each model's standby set in place of the
   planner's instances), `launched_first` (the standbys it may launch where the engine kind
   cannot load beside another engine) and `first_asleep` (which of them sleep once it is up).
@@ -26,7 +26,8 @@ docs/controller.md, "Standby sleepers"):
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from flexpipe.cluster import Cluster
@@ -46,6 +47,8 @@ from flexpipe.policies.shift.standby_sleepers import (
 
 __all__ = [
     "ASIDE_REASONS",
+    "AsideStep",
+    "SwapState",
     "asleep_gpu_bytes",
     "evicts_asleep",
     "first_asleep",
@@ -57,6 +60,7 @@ __all__ = [
     "launched_first",
     "standby_view",
     "standbys_to_start",
+    "swap_procedure",
     "swap_steps",
     "time_shared_gpus",
     "woken_back",
@@ -320,6 +324,37 @@ def holds_to_lift(changed: Sequence[PlannedInstance], serving: Collection[str]) 
     while it sleeps), and a model that serves again must not stay held; the simulator's
     `sleep_loaded` lifts them so."""
     return sorted({i.model for i in changed} & set(serving))
+
+
+@dataclass(frozen=True, slots=True)
+class AsideStep:
+    """One change beside the shifts a procedure asks of its shell: from what runs to
+    `target`, logged as `trigger` (`ASIDE_REASONS`)."""
+
+    trigger: str
+    target: tuple[PlannedInstance, ...]
+
+
+# what a shell sends back after each step: (the running instances now, their keys, the keys
+# of the sleepers asleep now)
+SwapState = tuple[Sequence[PlannedInstance], Collection[str], Collection[str]]
+
+
+def swap_procedure(
+    running: Sequence[PlannedInstance], swaps: Sequence[Swap]
+) -> Generator[AsideStep, SwapState, None]:
+    """A swap's changes beside, written once for both shells (the live one awaits each step,
+    the simulator's runs the next when its clock reaches the end of the one before), each
+    step sent the state after the one before: `swap-sleep`, the holders drain and sleep, the
+    rest of `running` kept (`swap_steps`); `swap-wake`, the sleepers wake beside what runs;
+    `swap-back`, only where a sleeper did not come up, its holders still asleep wake again
+    (`woken_back`)."""
+    kept, wakes = swap_steps(running, swaps)
+    now_running, _, _ = yield AsideStep("swap-sleep", tuple(kept))
+    now_running, running_keys, asleep_keys = yield AsideStep("swap-wake", (*now_running, *wakes))
+    holders = woken_back(swaps, running_keys, asleep_keys)
+    if holders:
+        yield AsideStep("swap-back", (*now_running, *holders))
 
 
 def woken_back(
