@@ -58,16 +58,20 @@ GPU = "gpu1"
 # forecast's horizon and spans; scaled by the time scale so that they mean the same
 # modelled time
 WALL_SECTIONS = ("triggers", "forecast")
+# durations of those sections the policy reads in MODELLED seconds: fast up divides the queue
+# by `backlog_drain_s` into a rate added to the arrivals (per modelled second), and falls
+# back to the TTFT SLO (policies/shift/policy.py)
+MODELLED = frozenset({"backlog_drain_s"})
 
 
 def wall_durations(section: str) -> dict[str, float]:
-    """The duration fields of `section` of the shift parameters (named `_s`; not the rates,
-    `_per_s`) and their code defaults (ShiftParams())."""
+    """The wall-clock duration fields of `section` of the shift parameters (named `_s`; not
+    the rates, `_per_s`, nor the `MODELLED` ones) and their code defaults (ShiftParams())."""
     params = getattr(ShiftParams(), section)
     return {
         f.name: float(getattr(params, f.name))
         for f in dataclasses.fields(params)
-        if f.name.endswith("_s") and not f.name.endswith("_per_s")
+        if f.name.endswith("_s") and not f.name.endswith("_per_s") and f.name not in MODELLED
     }
 
 
