@@ -1,7 +1,8 @@
 """Standby sleepers beside the live controller's tick (policies/shift/standby_sleepers.py;
 `shift.standby`, off by default), as the simulator's controller drives them: the first plan
 with the standby set in place, engines started and put to sleep ahead of demand (where the
-engine kind cannot load beside an awake engine, that engine sleeps meanwhile), woken at once
+engine kind cannot load beside an awake engine, that engine sleeps meanwhile if it is idle and
+yields to the standby's model; the tick goes on while the standby loads), woken at once
 when their model is pressed (or, time-sharing, swapped in for another model's engine on its
 GPU), and the engines of idle models put to sleep. Kept apart from the tick loop
 (control/controller.py) because it runs beside it, on its own clock and lock;
@@ -259,9 +260,11 @@ class StandbySleepers:
             return
         self.aside_gpus = {g for s in standbys for g in s.gpu_ids}
         try:
-            loaded = not holders or await self.yield_for(standbys, holders)
-            if not holders:
+            if holders:
+                loaded = await self.yield_for(standbys, holders)
+            else:
                 await self.load_asleep(standbys)
+                loaded = True
         finally:
             self.aside_gpus = set()
         if not loaded:  # (nothing changed: no hold of ours to lift)
