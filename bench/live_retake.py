@@ -14,8 +14,9 @@ default), more than the example serves without gpu1 (gpu2, gpu3 and gpu0 carry a
 SLO-meeting req/s, the four GPUs 5.4). Both loads are `flexpipe replay` runs of Mooncake
 traces written here, compressed by 1 / time scale.
 
-Durations are MODELLED seconds: the live controller's tick, window, cooldown and resource
-settle time (wall seconds) are the profile's multiplied by the time scale. Measured from
+Durations are MODELLED seconds: the live controller's tick and every duration of the profile
+its policy keeps on the wall clock (the triggers' and the forecast's, `wall_durations`) are
+the profile's multiplied by the time scale. Measured from
 the shift log: release (the down-shift that left gpu1 ended) to the decision that takes
 gpu1 back, and to the end of that shift (gpu1 serving); the requests and failures of each
 replay. Verdict "ok" (exit 0) when the live profile took gpu1 back within `--max-ticks`
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -44,26 +46,45 @@ from flexpipe.cli.run_dir import find_admin_token
 from flexpipe.control.api.client import ControllerClient, ControllerError
 from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS, DEFAULT_SHIFT
 from flexpipe.launch import free_port
+from flexpipe.policies.shift import ShiftParams
 from flexpipe.store import Store
 from flexpipe.store.shift_entry import ShiftEntry
 from flexpipe.store.shift_log import ShiftLog
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = "gpu1"
-# the profile's durations that the live controller reads on its (wall) clock, and their
-# code defaults: scaled by the time scale so that they mean the same modelled time
-WALL_TRIGGERS = {"window_s": 60.0, "cooldown_s": 180.0, "resource_settle_s": 30.0}
+# the sections of the shift profile whose durations the live policy keeps on the
+# controller's (wall) clock: the triggers' windows, cooldowns, leads and backlog drain, the
+# forecast's horizon and spans; scaled by the time scale so that they mean the same
+# modelled time
+WALL_SECTIONS = ("triggers", "forecast")
+# durations of those sections the policy reads in MODELLED seconds: fast up divides the queue
+# by `backlog_drain_s` into a rate added to the arrivals (per modelled second), and falls
+# back to the TTFT SLO (policies/shift/policy.py)
+MODELLED = frozenset({"backlog_drain_s"})
+
+
+def wall_durations(section: str) -> dict[str, float]:
+    """The wall-clock duration fields of `section` of the shift parameters (named `_s`; not
+    the rates, `_per_s`, nor the `MODELLED` ones) and their code defaults (ShiftParams())."""
+    params = getattr(ShiftParams(), section)
+    return {
+        f.name: float(getattr(params, f.name))
+        for f in dataclasses.fields(params)
+        if f.name.endswith("_s") and not f.name.endswith("_per_s") and f.name not in MODELLED
+    }
 
 
 def shift_doc(profile: str, time_scale: float) -> dict[str, Any]:
-    """`defaults` (the policy's code defaults) or `live` (examples/shift/live.yaml), with the
-    wall-clock durations scaled."""
+    """`defaults` (the policy's code defaults) or `live` (examples/shift/live.yaml), with every
+    wall-clock duration (`wall_durations` of `WALL_SECTIONS`) scaled."""
     doc: dict[str, Any] = {"shift": {}}
     if profile == "live":
         doc = yaml.safe_load(DEFAULT_SHIFT.read_text())
-    triggers = doc["shift"].setdefault("triggers", {})
-    for key, default_s in WALL_TRIGGERS.items():
-        triggers[key] = round(float(triggers.get(key, default_s)) * time_scale, 3)
+    for section in WALL_SECTIONS:
+        values = doc["shift"].setdefault(section, {})
+        for key, default_s in wall_durations(section).items():
+            values[key] = round(float(values.get(key, default_s)) * time_scale, 3)
     return doc
 
 

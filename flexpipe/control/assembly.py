@@ -188,6 +188,7 @@ def assemble(
         cluster_now=cluster,
         in_place=cfg.shift.pricing.in_place,
         in_place_drain_s=cfg.shift.pricing.in_place_drain_s,
+        loads_beside_awake=engine_kind(cfg.engine_kind).loads_beside_awake,
     )
     standby = StandbyModels(
         gateway,

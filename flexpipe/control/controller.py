@@ -439,7 +439,13 @@ class Controller:
         cluster = self.cluster
         if standby:
             cluster = self.beside.observe(now_s, readings)
-        asleep = [(i.planned, i.sleep_level) for i in self.executor.sleepers.values()]
+        # (a holder asleep while a standby loads on its GPUs is the standby shell's until
+        # it wakes: `StandbySleepers.yield_for`; the policy does not see it meanwhile)
+        asleep = [
+            (i.planned, i.sleep_level)
+            for k, i in self.executor.sleepers.items()
+            if k not in self.beside.yield_keys
+        ]
         running = [i.planned for i in self.running.values()]
         decided = core.decide(now_s, cluster, running, asleep)
         self.last_decision = decided.decision

@@ -128,6 +128,7 @@ class Executor:
         cluster_now: Callable[[], Cluster] | None = None,
         in_place: str = ROLLING,
         in_place_drain_s: float = 2.0,
+        loads_beside_awake: bool = True,
     ) -> None:
         self.launcher = launcher
         self.gateway = gateway
@@ -155,6 +156,9 @@ class Executor:
         self.kind_sleep_levels = kind_sleep_levels
         self.sleep_timeout_s = sleep_timeout_s  # one sleep or wake-up, wall s
         self.sleepers: dict[str, LiveInstance] = {}  # instance key -> sleeping instance
+        # the engine kind starts beside another engine loading on its GPU: else engines that
+        # share a GPU launch in waves (control/core/standby_aside.py, `launch_waves`)
+        self.loads_beside_awake = loads_beside_awake
         # the GPUs as free to us now (a wake checks nobody took its GPUs since the decision)
         self.cluster_now = cluster_now
         # how an in-place step re-gears (policies/shift/in_place.py); its short drain, in
@@ -192,6 +196,7 @@ class Executor:
             rehearse=rehearse,
             all_or_nothing=all_or_nothing,
             in_place_drain_s=self.in_place_drain_s * self.time_scale,
+            loads_beside_awake=self.loads_beside_awake,
         )
         self.names |= gather_names(running)  # (adopted after a restart)
         asleep = [i.planned for i in self.sleepers.values()]

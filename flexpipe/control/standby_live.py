@@ -1,7 +1,8 @@
 """Standby sleepers beside the live controller's tick (policies/shift/standby_sleepers.py;
 `shift.standby`, off by default), as the simulator's controller drives them: the first plan
 with the standby set in place, engines started and put to sleep ahead of demand (where the
-engine kind cannot load beside an awake engine, that engine sleeps meanwhile), woken at once
+engine kind cannot load beside an awake engine, that engine sleeps meanwhile if it is idle and
+yields to the standby's model; the tick goes on while the standby loads), woken at once
 when their model is pressed (or, time-sharing, swapped in for another model's engine on its
 GPU), and the engines of idle models put to sleep. Kept apart from the tick loop
 (control/controller.py) because it runs beside it, on its own clock and lock;
@@ -30,12 +31,12 @@ from flexpipe.control.core.standby_aside import (
     first_plan,
     footprint_bytes,
     holders_to_yield,
+    holds_to_lift,
     launched_first,
     standby_view,
     standbys_to_start,
-    swap_steps,
+    swap_procedure,
     time_shared_gpus,
-    woken_back,
 )
 from flexpipe.control.core.tick import Readings
 from flexpipe.control.executor import LiveInstance
@@ -78,6 +79,11 @@ class StandbySleepers:
         self.aside_gpus: set[str] = set()  # GPUs the standbys loading beside take
         self.main_gpus: set[str] = set()  # what the shift in progress touches
         self.main_keys: set[str] = set()
+        # what a standby loading while its holders sleep (`yield_for`) uses: the holders'
+        # and the standbys' keys and GPUs, kept from every other wake, sleep and swap
+        # until the holders are back (the load runs outside the `aside` lock)
+        self.yield_gpus: set[str] = set()
+        self.yield_keys: set[str] = set()
         self.checked_s = -math.inf  # when standbys were last looked for
         self.to_sleep: set[str] = set()  # standbys of the first plan, put to sleep after it
 
@@ -192,7 +198,14 @@ class StandbySleepers:
             return starting
         self.checked_s = ctl.wall()
         standbys = self.standbys(queued)
-        return asyncio.create_task(self.start_standbys(standbys)) if standbys else None
+        if not standbys:
+            return None
+        return asyncio.create_task(self.start_standbys(standbys, instances, queued))
+
+    def busy(self) -> tuple[set[str], set[str]]:
+        """(GPUs, keys) no wake, sleep or swap beside may touch now: the shift in progress's
+        and a standby load's with its holders asleep (`yield_for`)."""
+        return self.main_gpus | self.yield_gpus, self.main_keys | self.yield_keys
 
     def standbys(self, queued: dict[str, int]) -> list[PlannedInstance]:
         """The standby engines to start now (`standbys_to_start`: on free GPUs, then, with
@@ -215,31 +228,51 @@ class StandbySleepers:
             self.footprint_bytes,
             skip=waiting,
         )
-        return [s for s in wanted if not set(s.gpu_ids) & self.main_gpus]
+        busy_gpus, _ = self.busy()
+        return [s for s in wanted if not set(s.gpu_ids) & busy_gpus]
 
-    async def start_standbys(self, standbys: list[PlannedInstance]) -> None:
+    async def start_standbys(
+        self,
+        standbys: list[PlannedInstance],
+        instances: Sequence[Mapping[str, Any]],
+        queued: Mapping[str, int],
+    ) -> None:
         """Launched in a running plan of their own (the policy sees them once asleep; their
         GPUs are held whole in its view meanwhile), then put to sleep at the level the sleep
-        mode gives each (one that cannot sleep stops); the hold that put on a model that
-        serves is lifted. Where the engine kind cannot load beside an awake engine
-        (`holders_to_yield`), the running instances on their GPUs sleep first and wake once
-        the standbys sleep (`yield_for`)."""
+        mode gives each (one that cannot sleep stops); the holds that put on models that
+        serve are lifted (`holds_to_lift`). Where the engine kind cannot load beside an
+        awake engine, the idle running instances on their GPUs that may yield
+        (`holders_to_yield`, from the gateway's pool records `instances` and its wait queue
+        `queued`, as this look read them) sleep first and wake once the standbys sleep
+        (`yield_for`); a standby with a holder that may not yield waits for a later look."""
         ctl = self.ctl
-        loads_beside = engine_kind(ctl.cfg.engine_kind).loads_beside_awake
-        running = [i.planned for i in ctl.running.values()]
-        holders = holders_to_yield(standbys, running, loads_beside)
+        p = ctl.cfg.shift.standby
+        standbys, holders = holders_to_yield(
+            standbys,
+            [i.planned for i in ctl.running.values()],
+            engine_kind(ctl.cfg.engine_kind).loads_beside_awake,
+            {d.name: d.priority for d in ctl.cfg.demands},
+            pressed(instances, queued, p.busy_fraction),
+            self.in_flight_by_key(instances),
+            queued,
+        )
+        if not standbys:
+            return
         self.aside_gpus = {g for s in standbys for g in s.gpu_ids}
         try:
             if holders:
-                await self.yield_for(standbys, holders)
+                loaded = await self.yield_for(standbys, holders)
             else:
                 await self.load_asleep(standbys)
+                loaded = True
         finally:
             self.aside_gpus = set()
+        if not loaded:  # (nothing changed: no hold of ours to lift)
+            return
         if not ctl._lock.locked():  # (a shift in progress sweeps when it ends)
             ctl.takeover.sweep_spawned()
         serving = {i.planned.model for i in ctl.running.values()}
-        await ctl._hold_all(sorted({s.model for s in standbys} & serving), 0)
+        await ctl._hold_all(holds_to_lift([*standbys, *holders], serving), 0)
 
     async def load_asleep(self, standbys: list[PlannedInstance]) -> None:
         """The standbys launched, then put to sleep (two changes beside, `standby`)."""
@@ -250,23 +283,42 @@ class StandbySleepers:
 
     async def yield_for(
         self, standbys: list[PlannedInstance], holders: list[PlannedInstance]
-    ) -> None:
-        """The order a real vLLM needs to load beside an awake engine (under the `aside`
-        lock, as a swap): `standby-yield`, the holders drain and sleep as a swap's holder
-        does (`sleep`); the standbys load and sleep (`load_asleep`); `standby-return`, the
-        holders wake (`wake`). Not while the shift in progress uses a holder or its GPUs: the
-        next look tries again. A cancelled load (the controller stopping) wakes nothing."""
+    ) -> bool:
+        """The order a real vLLM needs to load beside an awake engine: `standby-yield`, the
+        holders drain and sleep as a swap's holder does (`sleep`); the standbys load and
+        sleep (`load_asleep`); `standby-return`, the holders wake (`wake`), also after a
+        failed load. Not while the shift in progress or another such load uses a holder or
+        its GPUs (`busy`): the next look tries again. The sleep and the wake hold the
+        `aside` lock, the load (a cold start: minutes) does not, so that the tick's wakes
+        go on meanwhile: the holders' and the standbys' keys and GPUs are marked busy
+        (`yield_keys`, `yield_gpus`) until the holders are back. A cancelled load (the
+        controller stopping) wakes nothing. False when it did not begin."""
+        keys = {instance_key(i) for i in [*holders, *standbys]}
+        gpu_ids = {g for i in [*holders, *standbys] for g in i.gpu_ids}
         async with self.aside:
-            gpu_ids = {g for h in holders for g in h.gpu_ids}
-            if {instance_key(h) for h in holders} & self.main_keys or gpu_ids & self.main_gpus:
-                return
-            await self.sleep(holders, "standby-yield")
+            busy_gpus, busy_keys = self.busy()
+            if keys & busy_keys or gpu_ids & busy_gpus:
+                return False
+            self.yield_keys |= keys
+            self.yield_gpus |= gpu_ids
             try:
-                await self.load_asleep(standbys)
-            finally:
+                await self.sleep(holders, "standby-yield")
+            except BaseException:
+                self.yield_keys -= keys
+                self.yield_gpus -= gpu_ids
+                raise
+        try:
+            await self.load_asleep(standbys)
+        finally:
+            try:
                 back = [h for h in holders if instance_key(h) not in self.ctl.running]
                 if back and not _cancelling():
-                    await self.wake(back, "standby-return")
+                    async with self.aside:
+                        await self.wake(back, "standby-return")
+            finally:
+                self.yield_keys -= keys
+                self.yield_gpus -= gpu_ids
+        return True
 
     async def sleep(self, leaving: Sequence[PlannedInstance], trigger: str) -> None:
         """`leaving` (running) out of the gateway's pool, drained and put to sleep at the
@@ -295,13 +347,14 @@ class StandbySleepers:
         async with self.aside:
             running = [i.planned for i in ctl.running.values()]
             want = pressed(instances, queued or {}, p.busy_fraction)
+            busy_gpus, busy_keys = self.busy()
             wakes = wakes_aside(
                 ctl.cluster,
                 running,
                 [i.planned for i in ctl.executor.sleepers.values()],
                 want,
-                self.main_gpus,
-                self.main_keys,
+                busy_gpus,
+                busy_keys,
                 p.wakes_per_tick,
             )
             if not wakes:
@@ -324,33 +377,40 @@ class StandbySleepers:
         p = ctl.cfg.shift.standby
         if not (p.enabled and p.time_share):
             return False
-        key_of = {i.url: k for k, i in ctl.running.items()}
-        in_flight = {
-            key_of[str(r.get("url"))]: float(r.get("num_in_flight") or 0)
-            for r in instances
-            if str(r.get("url")) in key_of
-        }
         running = [i.planned for i in ctl.running.values()]
+        busy_gpus, busy_keys = self.busy()
         swaps = swaps_aside(
             ctl.cluster,
             running,
             [i.planned for i in ctl.executor.sleepers.values()],
             want,
             {d.name: d.priority for d in ctl.cfg.demands},
-            in_flight,
-            self.main_gpus,
-            self.main_keys,
+            self.in_flight_by_key(instances),
+            busy_gpus,
+            busy_keys,
             p.wakes_per_tick,
         )
         if not swaps:
             return False
-        kept, wakes = swap_steps(running, swaps)
-        await self.run_aside(ctl.running, kept, "swap-sleep")
-        await self.wake(wakes, "swap-wake")
-        holders = woken_back(swaps, set(ctl.running), set(ctl.executor.sleepers))
-        if holders:
-            await self.wake(holders, "swap-back")
-        return True
+        steps = swap_procedure(running, swaps)
+        step = next(steps)
+        while True:
+            await self.run_aside(ctl.running, list(step.target), step.trigger)
+            now_running = [i.planned for i in ctl.running.values()]
+            try:
+                step = steps.send((now_running, set(ctl.running), set(ctl.executor.sleepers)))
+            except StopIteration:
+                return True
+
+    def in_flight_by_key(self, instances: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """Each running instance's requests in flight (by `instance_key`), from the gateway's
+        pool records (`instances`), matched by URL."""
+        key_of = {i.url: k for k, i in self.ctl.running.items()}
+        return {
+            key_of[str(r.get("url"))]: float(r.get("num_in_flight") or 0)
+            for r in instances
+            if str(r.get("url")) in key_of
+        }
 
     async def sleep_idle(self, instances: Sequence[Mapping[str, Any]], queued: Any) -> bool:
         """Put the engines of the models idle for `standby.sleep_idle_s` to sleep beside the
@@ -364,7 +424,7 @@ class StandbySleepers:
         async with self.aside:
             running = {k: i.planned for k, i in ctl.running.items()}
             leaving = sleeps_aside(
-                list(running.values()), self.idle_since, now_s, p, self.main_keys
+                list(running.values()), self.idle_since, now_s, p, self.busy()[1]
             )
             if not leaving:
                 return False

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 from flexpipe.cluster import Cluster
 from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.control.core.standby_aside import (
+    AsideStep,
     evicts_asleep,
     first_asleep,
     footprint_bytes,
     standby_view,
     standbys_to_start,
-    swap_steps,
+    swap_procedure,
     time_shared_gpus,
-    woken_back,
 )
 from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import PlannedInstance
@@ -248,27 +248,26 @@ class StandbyRun:
         )
         if not swaps:
             return False
-        kept, wakes = swap_steps([r.planned for r in ctl.running.values()], swaps)
+        steps = swap_procedure([r.planned for r in ctl.running.values()], swaps)
         self.waking = True
 
-        def woken(end: float) -> None:
-            self.waking = False
+        def carry_out(step: AsideStep, at: float) -> None:
+            # the holders sleep at the level `sleep_levels` gives them (or stop)
+            target = list(step.target)
+            levels = ctl._sleep_levels(target) if step.trigger == "swap-sleep" else None
+            self.run_aside(ctl.running, target, at, step.trigger, advance, levels)
 
-        def back(end: float) -> None:
-            # the sleeper did not come up (nor its cold start): its holders wake again
+        def advance(end: float) -> None:
+            running = [r.planned for r in ctl.running.values()]
             asleep = {instance_key(r.planned) for r in self.asleep_now()}
-            holders = woken_back(swaps, set(ctl.running), asleep)
-            if not holders:
-                woken(end)
+            try:
+                step = steps.send((running, set(ctl.running), asleep))
+            except StopIteration:
+                self.waking = False
                 return
-            running = [r.planned for r in ctl.running.values()]
-            self.run_aside(ctl.running, [*running, *holders], end, "swap-back", woken)
+            carry_out(step, end)
 
-        def wake(end: float) -> None:
-            running = [r.planned for r in ctl.running.values()]
-            self.run_aside(ctl.running, [*running, *wakes], end, "swap-wake", back)
-
-        self.run_aside(ctl.running, kept, now, "swap-sleep", wake, ctl._sleep_levels(kept))
+        carry_out(next(steps), now)
         return True
 
     def tick(self, now: float) -> None:

@@ -10,41 +10,81 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from bench.live_retake import run, shift_doc
+import yaml
+
+from bench.live_retake import run, shift_doc, wall_durations
 from flexpipe.cli.common import load_shift_params
 from flexpipe.examples import DEFAULT_SHIFT
 from flexpipe.policies.shift import ShiftParams
 
+# what the live profile changes from the code defaults, by name (its values are the profile's
+# own, read from it): fast up, the forecast the diurnal scenario tuned
+FAST_UP = {
+    "triggers": {
+        "fast_up_samples",
+        "cooldown_blocks_up",
+        "protect_priority",
+        "fast_up_min_wait_fraction",
+        "backlog_drain_s",
+        "ahead_capacity_fraction",
+    },
+    "forecast": {"horizon_s", "trend_window_s", "min_trend_span_s"},
+}
+
 
 def test_the_live_profile_is_fast_up_over_the_code_defaults() -> None:
+    """The profile sets the fast-up fields and nothing else (each differs from its code
+    default, the rest keep theirs): an up-shift fires on the first urgent sample and no
+    cooldown holds it; a down-shift keeps its samples and its cooldown."""
+    doc = yaml.safe_load(DEFAULT_SHIFT.read_text())
+    assert {k: set(v) for k, v in doc["shift"].items()} == FAST_UP
     live, code = load_shift_params(DEFAULT_SHIFT), ShiftParams()
-    assert live.triggers == dataclasses.replace(
-        code.triggers,
-        fast_up_samples=1,
-        cooldown_blocks_up=False,
-        protect_priority=True,
-        fast_up_min_wait_fraction=0.25,
-        backlog_drain_s=60,
-        ahead_capacity_fraction=1.0,
-    )
-    assert live.forecast == dataclasses.replace(
-        code.forecast, horizon_s=120, trend_window_s=300, min_trend_span_s=150
-    )
+    for section, keys in FAST_UP.items():
+        mine, theirs = getattr(live, section), getattr(code, section)
+        assert {k: getattr(mine, k) for k in keys} == doc["shift"][section]
+        assert all(getattr(mine, k) != getattr(theirs, k) for k in keys), section
+        assert dataclasses.replace(mine, **{k: getattr(theirs, k) for k in keys}) == theirs
     assert dataclasses.replace(live, triggers=code.triggers, forecast=code.forecast) == code
-
-
-def test_the_bench_scales_the_wall_clock_durations_only() -> None:
-    doc = shift_doc("live", 0.25)
-    triggers = doc["shift"]["triggers"]
-    assert (triggers["window_s"], triggers["cooldown_s"], triggers["resource_settle_s"]) == (
-        15.0,
-        45.0,
-        7.5,
+    assert live.triggers.fast_up_samples == 1 and not live.triggers.cooldown_blocks_up
+    assert (live.triggers.num_samples, live.triggers.cooldown_s) == (
+        code.triggers.num_samples,
+        code.triggers.cooldown_s,
     )
-    assert triggers["fast_up_samples"] == 1 and triggers["backlog_drain_s"] == 60
-    assert shift_doc("defaults", 0.5) == {
-        "shift": {"triggers": {"window_s": 30.0, "cooldown_s": 90.0, "resource_settle_s": 15.0}}
+
+
+def test_the_bench_scales_every_wall_clock_duration() -> None:
+    """Every wall-clock duration of the triggers and the forecast (`_s`), set by the profile
+    or not; nothing else."""
+    assert set(wall_durations("triggers")) == {
+        "window_s",
+        "cooldown_s",
+        "failure_window_s",
+        "blacklist_s",
+        "resource_settle_s",
+        "reclaim_lead_s",
+        "slope_lead_s",
     }
+    assert set(wall_durations("forecast")) == {
+        "horizon_s",
+        "trend_window_s",
+        "min_trend_span_s",
+        "period_s",
+    }
+    live = load_shift_params(DEFAULT_SHIFT)
+    doc = shift_doc("live", 0.25)
+    triggers, forecast = doc["shift"]["triggers"], doc["shift"]["forecast"]
+    # (read in modelled seconds: kept)
+    assert triggers["backlog_drain_s"] == live.triggers.backlog_drain_s
+    assert triggers["cooldown_s"] == live.triggers.cooldown_s * 0.25
+    assert forecast["horizon_s"] == live.forecast.horizon_s * 0.25
+    assert forecast["period_s"] == live.forecast.period_s * 0.25
+    assert triggers["fast_up_samples"] == live.triggers.fast_up_samples  # (a count)
+    code = ShiftParams()
+    scaled = {
+        s: {k: v * 0.5 for k, v in wall_durations(s).items()} for s in ("triggers", "forecast")
+    }
+    assert shift_doc("defaults", 0.5) == {"shift": scaled}
+    assert scaled["triggers"]["window_s"] == code.triggers.window_s / 2
 
 
 def test_gpu1_is_taken_back_within_a_few_ticks_of_the_load_needing_it(tmp_path: Path) -> None:

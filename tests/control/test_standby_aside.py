@@ -12,6 +12,7 @@ import pytest
 
 from flexpipe.cluster import Cluster, load_cluster
 from flexpipe.control.core.standby_aside import (
+    AsideStep,
     asleep_gpu_bytes,
     evicts_asleep,
     first_asleep,
@@ -19,6 +20,7 @@ from flexpipe.control.core.standby_aside import (
     footprint_bytes,
     standby_view,
     standbys_to_start,
+    swap_procedure,
     swap_steps,
     time_shared_gpus,
     woken_back,
@@ -154,3 +156,33 @@ def test_a_swap_sleeps_the_holders_then_wakes_and_wakes_them_back_if_it_failed()
     assert woken_back([swap], {key(other), key(sleeper)}, {key(HOLDER)}) == []
     assert woken_back([swap], {key(other)}, {key(HOLDER)}) == [HOLDER]
     assert woken_back([swap], {key(other)}, set()) == []  # the holder stopped: none to wake
+
+
+def test_the_swap_procedure_both_shells_drive() -> None:
+    """Its steps, each sent the state after the one before: the holder sleeps, the sleeper
+    wakes beside what runs, and only if it does not run, the holder wakes back."""
+    other = replace(TEMPLATE, stages=(("gpu3",),), layers_per_stage=(32,))
+    sleeper = replace(HOLDER, model="b", name="b-0")
+    swap = Swap(sleeper, (HOLDER,))
+    key = instance_key
+
+    def steps(woke: bool) -> list[AsideStep]:
+        gen = swap_procedure([HOLDER, other], [swap])
+        out = [next(gen)]
+        states = [
+            ([other], {key(other)}, {key(HOLDER), key(sleeper)}),
+            ([other, sleeper], {key(other), key(sleeper)}, {key(HOLDER)})
+            if woke
+            else ([other], {key(other)}, {key(HOLDER)}),
+        ]
+        for state in states:
+            try:
+                out.append(gen.send(state))
+            except StopIteration:
+                break
+        return out
+
+    sleep = AsideStep("swap-sleep", (other,))
+    wake = AsideStep("swap-wake", (other, sleeper))
+    assert steps(woke=True) == [sleep, wake]
+    assert steps(woke=False) == [sleep, wake, AsideStep("swap-back", (other, HOLDER))]

@@ -63,6 +63,7 @@ from flexpipe.control.core.shift_commands import (
 )
 from flexpipe.control.core.shift_moves import plan_waves
 from flexpipe.control.core.shift_outcome import ShiftOutcome
+from flexpipe.control.core.standby_aside import launch_waves
 from flexpipe.model_spec import ModelSpec
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.in_place import COLD, ROLLING, SIDE_BY_SIDE, WAKE, InPlaceChoice
@@ -108,6 +109,9 @@ class ShiftParams:
     # driver seconds an in-place step's leaving instances drain for when their successors
     # wait pre-started asleep (`shift.pricing.in_place_drain_s`; in_place.py)
     in_place_drain_s: float = 2.0
+    # the engine kind starts beside another engine loading on its GPU (engine_kinds.py);
+    # else engines sharing a GPU launch in waves (`launch_waves`)
+    loads_beside_awake: bool = True
 
 
 def in_place_hold_s(cold_start_s: float, drain_deadline_s: float) -> float:
@@ -360,7 +364,7 @@ class ShiftProcedure:
         instead of activating them (`_pre_start`). Returns those that serve."""
         planned = [self._named(a) for a in adds]
         t0 = self.now_s
-        tokens = yield from self._do(Launch(tuple(planned)))
+        tokens = yield from self._start(planned)
         failures = [
             f"instance {a.name} did not start: {t.why}"
             for a, t in zip(planned, tokens, strict=True)
@@ -406,6 +410,26 @@ class ShiftProcedure:
             yield from self._activate(inst, out)
         out.phases_s["switch" + suffix] = self.now_s - t2
         return started
+
+    def _start(self, planned: Sequence[PlannedInstance]) -> Steps[list[Any]]:
+        """Launch `planned` (one token per instance, as `Launch` replies): at once, or in
+        waves (`launch_waves`: where the engine kind cannot load beside another engine,
+        those sharing a GPU in memory), each once the wave before has loaded or failed."""
+        waves = launch_waves(planned, self.params.loads_beside_awake)
+        if len(waves) == 1:
+            together: list[Any] = yield from self._do(Launch(tuple(planned)))
+            return together
+        left = list(range(len(planned)))  # (by position: two planned may be equal)
+        tokens: list[Any] = [None] * len(planned)
+        for n, wave in enumerate(waves):
+            at = [left.pop(next(j for j, i in enumerate(left) if planned[i] is w)) for w in wave]
+            launched = yield from self._do(Launch(tuple(wave)))
+            for i, token in zip(at, launched, strict=True):
+                tokens[i] = token
+            alive = tuple(t for t in launched if not isinstance(t, Failed))
+            if n + 1 < len(waves) and alive:
+                yield from self._do(AwaitReady(alive))
+        return tokens
 
     def _keep(
         self, results: Sequence[Any], failures: list[str], out: ShiftOutcome, all_or_nothing: bool

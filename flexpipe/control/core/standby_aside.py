@@ -14,10 +14,11 @@ docs/controller.md, "Standby sleepers"):
   `time_shared_gpus` (where sleepers may sleep beside a running engine), `standbys_to_start`
   (the standbys both shells start: `standby_wanted`, then `standby_time_shared`),
   `footprint_bytes` (what an engine holds awake or asleep), `evicts_asleep` (whether a
-  change beside may stop the sleepers on its new instances' GPUs), `swap_steps` and
-  `woken_back` (a swap's two steps, and the holders woken again when its sleeper did not
-  come up), `holders_to_yield` (the running instances put to sleep while standbys load
-  beside them, where the engine kind cannot load beside an awake engine);
+  change beside may stop the sleepers on its new instances' GPUs), `swap_procedure`
+  (a swap's steps, as both shells drive them: `swap_steps`, then `woken_back`, the holders
+  woken again when its sleeper did not come up), `holders_to_yield` (the running instances
+  put to sleep while standbys load beside them, where the engine kind cannot load beside an
+  awake engine) and `holds_to_lift` (the models served again once they loaded);
 - the first plan with standbys: `first_plan` (each model's standby set in place of the
   planner's instances), `launched_first` (the standbys it may launch where the engine kind
   cannot load beside another engine) and `first_asleep` (which of them sleep once it is up).
@@ -25,7 +26,8 @@ docs/controller.md, "Standby sleepers"):
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from flexpipe.cluster import Cluster
@@ -40,19 +42,25 @@ from flexpipe.policies.shift.standby_sleepers import (
     standby_time_shared,
     standby_wanted,
     with_sleepers,
+    yields_to,
 )
 
 __all__ = [
     "ASIDE_REASONS",
+    "AsideStep",
+    "SwapState",
     "asleep_gpu_bytes",
     "evicts_asleep",
     "first_asleep",
     "first_plan",
     "footprint_bytes",
     "holders_to_yield",
+    "holds_to_lift",
+    "launch_waves",
     "launched_first",
     "standby_view",
     "standbys_to_start",
+    "swap_procedure",
     "swap_steps",
     "time_shared_gpus",
     "woken_back",
@@ -203,15 +211,44 @@ def launched_first(
     may share a GPU with a standby kept: so until nothing changes."""
     kept = list(standbys)
     while not loads_beside_awake:
-        num_on: dict[str, int] = {}
-        for inst in first_plan(kept, planned):
-            for g in set(inst.gpu_ids):
-                num_on[g] = num_on.get(g, 0) + 1
-        alone = [s for s in kept if all(num_on[g] == 1 for g in s.gpu_ids)]
+        alone = alone_on_gpus(kept, first_plan(kept, planned))
         if alone == kept:
             break
         kept = alone
     return kept
+
+
+def alone_on_gpus(
+    instances: Sequence[PlannedInstance], launched: Sequence[PlannedInstance]
+) -> list[PlannedInstance]:
+    """Those of `instances` on GPUs no other instance of `launched` (which holds them) uses:
+    what an engine kind that cannot load beside another engine may launch together."""
+    num_on: dict[str, int] = {}
+    for inst in launched:
+        for g in set(inst.gpu_ids):
+            num_on[g] = num_on.get(g, 0) + 1
+    return [i for i in instances if all(num_on[g] == 1 for g in i.gpu_ids)]
+
+
+def launch_waves(
+    planned: Sequence[PlannedInstance], loads_beside_awake: bool
+) -> list[list[PlannedInstance]]:
+    """`planned` in the waves a shift launches it in, each once the one before has loaded:
+    one wave where the engine kind loads beside another engine (`loads_beside_awake`, the
+    sim engine); else (GPUs shared in memory, `planner.share_gpus`) by the rule
+    `launched_first` keeps a first plan by (`alone_on_gpus`): in order, each instance joins
+    the first wave none of whose instances uses one of its GPUs, as vLLM's start-up memory
+    profiling charges a neighbour's loading to itself."""
+    if loads_beside_awake or not planned:
+        return [list(planned)]
+    waves: list[list[PlannedInstance]] = []
+    for inst in planned:
+        wave = next((w for w in waves if alone_on_gpus([inst], [*w, inst])), None)
+        if wave is None:
+            waves.append([inst])
+        else:
+            wave.append(inst)
+    return waves
 
 
 def first_asleep(
@@ -247,17 +284,77 @@ def holders_to_yield(
     standbys: Sequence[PlannedInstance],
     running: Sequence[PlannedInstance],
     loads_beside_awake: bool,
-) -> list[PlannedInstance]:
-    """The running instances that sleep while `standbys` load and wake once they sleep (three
-    changes beside: `standby-yield`, the standbys' `standby` launch and sleep,
-    `standby-return`): none where the engine kind loads beside an awake engine
-    (`EngineKind.loads_beside_awake`, the sim engine); else each one on a standby's GPUs, as
-    a real vLLM refuses to start where an awake engine leaves less free memory than its
-    share."""
+    priorities: Mapping[str, float],
+    pressed_models: Collection[str],
+    in_flight_by_key: Mapping[str, float],
+    queued_by_model: Mapping[str, int],
+) -> tuple[list[PlannedInstance], list[PlannedInstance]]:
+    """(the standbys to load now, the running instances that sleep while they load and wake
+    once they sleep): three changes beside, `standby-yield`, the standbys' `standby` launch
+    and sleep, `standby-return`. Where the engine kind loads beside an awake engine
+    (`EngineKind.loads_beside_awake`, the sim engine): every standby, nothing sleeps. Else a
+    real vLLM refuses to start where an awake engine leaves less free memory than its share,
+    so each running instance on a standby's GPUs must yield for the standby's whole cold
+    start, ahead of any demand: only one that `yields_to` the standby's model (as a swap's
+    holder: never an instance of a model that needs more engines, `pressed_models`, nor of
+    a higher priority) and is idle (nothing in flight, `in_flight_by_key` by `instance_key`,
+    nor queued for its model, `queued_by_model`). A standby with a holder that may not yield
+    is left out (the next look tries again)."""
     if loads_beside_awake:
-        return []
-    gpu_ids = {g for s in standbys for g in s.gpu_ids}
-    return [i for i in running if set(i.gpu_ids) & gpu_ids]
+        return list(standbys), []
+    loaded: list[PlannedInstance] = []
+    holders: dict[str, PlannedInstance] = {}
+    for standby in standbys:
+        on = [i for i in running if set(i.gpu_ids) & set(standby.gpu_ids)]
+        if all(
+            queued_by_model.get(h.model, 0) <= 0
+            and in_flight_by_key.get(instance_key(h), 0.0) <= 0
+            and yields_to(h, standby.model, priorities, pressed_models, 0.0)
+            for h in on
+        ):
+            loaded.append(standby)
+            holders.update((instance_key(h), h) for h in on)
+    return loaded, list(holders.values())
+
+
+def holds_to_lift(changed: Sequence[PlannedInstance], serving: Collection[str]) -> list[str]:
+    """The models whose holds to lift once standbys loaded beside: those of the instances the
+    changes touched (`changed`: the standbys, and the holders that yielded to them) that serve
+    now (`serving`). A change's plan end holds a model it left with no instance (a holder's,
+    while it sleeps), and a model that serves again must not stay held; the simulator's
+    `sleep_loaded` lifts them so."""
+    return sorted({i.model for i in changed} & set(serving))
+
+
+@dataclass(frozen=True, slots=True)
+class AsideStep:
+    """One change beside the shifts a procedure asks of its shell: from what runs to
+    `target`, logged as `trigger` (`ASIDE_REASONS`)."""
+
+    trigger: str
+    target: tuple[PlannedInstance, ...]
+
+
+# what a shell sends back after each step: (the running instances now, their keys, the keys
+# of the sleepers asleep now)
+SwapState = tuple[Sequence[PlannedInstance], Collection[str], Collection[str]]
+
+
+def swap_procedure(
+    running: Sequence[PlannedInstance], swaps: Sequence[Swap]
+) -> Generator[AsideStep, SwapState, None]:
+    """A swap's changes beside, written once for both shells (the live one awaits each step,
+    the simulator's runs the next when its clock reaches the end of the one before), each
+    step sent the state after the one before: `swap-sleep`, the holders drain and sleep, the
+    rest of `running` kept (`swap_steps`); `swap-wake`, the sleepers wake beside what runs;
+    `swap-back`, only where a sleeper did not come up, its holders still asleep wake again
+    (`woken_back`)."""
+    kept, wakes = swap_steps(running, swaps)
+    now_running, _, _ = yield AsideStep("swap-sleep", tuple(kept))
+    now_running, running_keys, asleep_keys = yield AsideStep("swap-wake", (*now_running, *wakes))
+    holders = woken_back(swaps, running_keys, asleep_keys)
+    if holders:
+        yield AsideStep("swap-back", (*now_running, *holders))
 
 
 def woken_back(
