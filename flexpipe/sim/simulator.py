@@ -2,7 +2,8 @@
 cores as the live system, on a virtual clock, under one policy.
 
 Order of a run: requests are generated (pure, seeded), the policy decides the first plan at
-t = 0, each instance cold-starts for its modelled load time and joins the gateway's pool,
+t = 0, each instance cold-starts for its modelled load time (none for the first plan under
+`start: {warm: true}`: flexpipe.sim.start) and joins the gateway's pool,
 arrivals are routed as they come, and after `duration_s` no new request arrives; the run
 goes on until every accepted request has ended (at most `max_drain_s` more: whatever is still
 running then fails as "unfinished"). Every request ends completed or failed.
@@ -40,6 +41,7 @@ from flexpipe.sim.moves import MoveRecord, Moves
 from flexpipe.sim.policy import Policy, PolicyView, ShiftingPolicy, create_policy
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.scenario import Scenario
+from flexpipe.sim.start import start_demands
 from flexpipe.sim.timeline import apply_event
 from flexpipe.sim.unplaced import explain_unplaced
 from flexpipe.sim.usage import Usage
@@ -106,20 +108,22 @@ class _Run:
             # The controller plans for the rate it measures over a short window: the
             # burstiness that matters is the one within such a window (the busiest report
             # interval's), not the run's, which counts the bursts themselves.
-            within = (
+            within = tuple(
                 replace(d, arrival_cv2=p.arrival_cv2)
                 for d, p in zip(self.demands, self.peaks, strict=True)
             )
+            start = scenario.start
             self.controller = SimController(
                 self,
                 scenario.cluster,
-                tuple(within),
+                within,
                 lambda: [i.as_dict() for i in self.gateway.pool.instances.values()],
                 lambda: self.gateway.num_waiting,
                 self.gateway.queued_by_model,
                 replace(policy.params or scenario.controller, planner=scenario.planner),
                 random.Random(f"{scenario.seed}:controller"),
                 self.shifts.append,
+                start_demands(within, requests, start.expected_window_s),
             )
 
     # --- the static policies ----------------------------------------------------------
@@ -185,10 +189,12 @@ class _Run:
             stretches=self.stretches,
             on_first_token=self._first_token,
         )
+        # deployed before the traffic (`start: {warm: true}`): loaded by t = 0
+        warm = self.scenario.start.warm and now <= 0.0
         rec = InstanceRecord(
             dep,
             now,
-            now + cfg.load_time_s,
+            now if warm else now + cfg.load_time_s,
             num_kv_blocks=cfg.num_kv_blocks,
             max_model_len=cfg.max_model_len,
             instance=inst,
