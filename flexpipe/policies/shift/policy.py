@@ -5,7 +5,8 @@ Order of the checks, first match wins:
 
 1. a shift in progress: hold;
 2. *reclaim*: a running instance sits on a GPU that is gone or reclaimed within
-   `reclaim_lead_s` — shift now (no sample count, no cooldown) to the best plan without it;
+   `reclaim_lead_s` — shift now (no sample count, no cooldown) to the best plan without it
+   (with fast up it moves nothing else: the lost instances are replaced on free GPUs);
 3. *floor*: a model has fewer instances than its `min_instances` (its last engine died:
    without scale-to-zero every model keeps one) — re-plan now, no cooldown, any candidate
    that restores every minimum accepted (the best score wins); when none can (no GPUs for
@@ -507,10 +508,15 @@ class ShiftPolicy:
         degraded = tuple(i for i in snapshot.running if instance_key(i) not in lost_keys)
         loads = self._loads(snapshot, set(), [])
         demands = self._demands(snapshot, loads, set())
-        candidates = [
-            Candidate("drop lost", degraded, "the running plan without the lost instances"),
-            *self._candidates(snapshot, degraded, demands, now_s, set()),
-        ]
+        drop = Candidate("drop lost", degraded, "the running plan without the lost instances")
+        if self.params.triggers.fast_up:
+            # fast up moves nothing that runs: the lost instances are replaced on free GPUs
+            # (or by sleepers woken); a re-plan would hold every trigger while it moves the
+            # rest (cluster-1024: ten minutes of a lease's reclaim, no up-shift meanwhile)
+            lost_models = sorted({i.model for i, _ in lost})
+            candidates = [drop, *self._added(snapshot, degraded, demands, now_s, lost_models)]
+        else:
+            candidates = [drop, *self._candidates(snapshot, degraded, demands, now_s, set())]
         scored = self._score(snapshot, degraded, candidates, loads, now_s, "reclaim")
         why = "; ".join(f"{i.name}: {reason}" for i, reason in lost)
         if not any(c.accepted for c in scored):
