@@ -1,5 +1,5 @@
 """A resource-driven shift that gives GPUs back keeps the capacity a down-shift keeps
-(docs/shift-policy.md, "Resource-driven shifts"): priced goodput counts a plan loaded to its
+(docs/simulator.md, "Giving GPUs back"): priced goodput counts a plan loaded to its
 planned capacity as losing nothing, the SLO's tail does not."""
 
 from __future__ import annotations
