@@ -126,9 +126,13 @@ class SimController:
         params: ControllerParams,
         rng: random.Random,
         on_shift: Callable[[dict[str, Any]], None],
+        first_demands: Sequence[ModelDemand] | None = None,
     ) -> None:
+        """`first_demands`: what the first plan is sized for (default `demands`; the
+        scenario's `start.expected_window_s` raises it to the rates at the start)."""
         self.world = world
         self.demands = tuple(demands)
+        self.first_demands = tuple(first_demands) if first_demands is not None else self.demands
         self.gateway_pool = gateway_pool
         self.num_queued = num_queued
         self.queued_by_model = queued_by_model  # the gateway's wait queue by model
@@ -187,7 +191,7 @@ class SimController:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, now: float) -> None:
-        first = self.planner(self.cluster, self.demands, now)
+        first = self.planner(self.cluster, self.first_demands, now)
         # with standbys: each model's burst set instead of the first plan's (it is asleep,
         # save what the requests held meanwhile need, once it served them)
         standbys = self.beside.standbys([], now)

@@ -30,6 +30,7 @@ resources:                           # the resource timeline (flexpipe.sim.timel
   - {at_s: 600, release: [gpu1]}
   - {at_s: 900, reclaim: [gpu3], notice_s: 300}
   - {at_s: 1200, fail: [gpu0]}
+start: {warm: true, expected_window_s: 60}   # deployed before traffic (flexpipe.sim.start)
 controller: {tick_s: 10, drain_deadline_s: 30, min_instances_floor: 1,
              shift: {triggers: {cooldown_s: 180}}}                 # docs/shift-policy.md
 plans:                               # fixed plans, run with --policy NAME
@@ -58,6 +59,7 @@ from flexpipe.policies.shift import ShiftParams
 from flexpipe.sim import fields
 from flexpipe.sim.controller import ControllerParams
 from flexpipe.sim.deployment import Deployment
+from flexpipe.sim.start import StartParams, parse_start
 from flexpipe.sim.timeline import TimelineError, TimelineEvent, parse_timeline
 from flexpipe.sim.trace import TraceReplay
 from flexpipe.sim.workload import (
@@ -84,6 +86,7 @@ _KEYS = {
     "controller",
     "plans",
     "planner",
+    "start",
 }
 _CONTROLLER_KEYS = {
     "tick_s",
@@ -130,6 +133,7 @@ class Scenario:
     plans: dict[str, tuple[Deployment, ...]] = field(default_factory=dict)
     # the planner's knobs for every policy that plans (`planner: {sizing: slo}`)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    start: StartParams = field(default_factory=StartParams)  # how the deployment starts
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
@@ -385,6 +389,7 @@ def _parse(doc: Any, base: Path, source: str) -> Scenario:
         resources=resources,
         controller=_controller(doc.get("controller"), f"{source}: controller"),
         planner=_planner(doc.get("planner"), f"{source}: planner"),
+        start=parse_start(doc.get("start"), f"{source}: start"),
         plans=_plans(doc.get("plans"), [dict(m) for m in models], f"{source}: plans"),
         models=[dict(m) for m in models],
         workloads=tuple(

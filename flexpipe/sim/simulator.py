@@ -2,7 +2,8 @@
 cores as the live system, on a virtual clock, under one policy.
 
 Order of a run: requests are generated (pure, seeded), the policy decides the first plan at
-t = 0, each instance cold-starts for its modelled load time and joins the gateway's pool,
+t = 0, each instance cold-starts for its modelled load time (none for the first plan under
+`start: {warm: true}`: flexpipe.sim.start) and joins the gateway's pool,
 arrivals are routed as they come, and after `duration_s` no new request arrives; the run
 goes on until every accepted request has ended (at most `max_drain_s` more: whatever is still
 running then fails as "unfinished"). Every request ends completed or failed.
@@ -25,11 +26,9 @@ from flexpipe.gateway.core.cut_over import fence_until_s
 from flexpipe.lifecycle import State
 from flexpipe.policies.planner import (
     ModelDemand,
-    Plan,
     PlannedInstance,
     plan,
 )
-from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.sim.arrivals import generate_requests, model_demands
 from flexpipe.sim.colocation import Colocation
 from flexpipe.sim.controller import SimController
@@ -37,47 +36,18 @@ from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.engine_factory import engine_config
 from flexpipe.sim.gateway import SimGateway
 from flexpipe.sim.instance import SimInstance
+from flexpipe.sim.instance_record import InstanceRecord
 from flexpipe.sim.loop import ARRIVAL, CONTROL, EventLoop, relaxed_gc
 from flexpipe.sim.moves import MoveRecord, Moves
 from flexpipe.sim.policy import Policy, PolicyView, ShiftingPolicy, create_policy
 from flexpipe.sim.request import SimRequest
 from flexpipe.sim.scenario import Scenario
+from flexpipe.sim.start import start_demands
 from flexpipe.sim.timeline import apply_event
+from flexpipe.sim.unplaced import explain_unplaced
 from flexpipe.sim.usage import Usage
 
 MAX_DRAIN_S = 3600.0
-
-
-@dataclass(slots=True)
-class InstanceRecord:
-    dep: Deployment
-    launched_s: float
-    ready_s: float
-    stopped_s: float = -1.0  # left the plan (drain began); -1: ran to the end
-    released_s: float = -1.0  # drained and empty: its GPUs are free again
-    num_kv_blocks: int = 0
-    max_model_len: int = 0
-    instance: SimInstance | None = None
-    planned: PlannedInstance | None = None  # the controller's instances: what was planned
-    active: bool = False  # in the gateway's pool, taking requests
-    died: str = ""  # why its engine died with its GPUs ("" if it did not)
-    # sleep mode (docs/controller.md, "Sleep instead of stop"): what is asleep, and each
-    # sleep's [start, end, level, GPU bytes, host RAM bytes held asleep] (end -1: asleep
-    # still, or until it was released)
-    sleep: SleepState | None = None
-    asleep_spans: list[list[float]] = field(default_factory=list)
-
-    @property
-    def key(self) -> str:
-        return instance_key(self.planned) if self.planned is not None else self.dep.name
-
-    @property
-    def url(self) -> str:
-        return self.instance.url if self.instance is not None else ""
-
-    @property
-    def cold_start_s(self) -> float:
-        return self.ready_s - self.launched_s
 
 
 @dataclass
@@ -140,39 +110,23 @@ class _Run:
             # The controller plans for the rate it measures over a short window: the
             # burstiness that matters is the one within such a window (the busiest report
             # interval's), not the run's, which counts the bursts themselves.
-            within = (
+            within = tuple(
                 replace(d, arrival_cv2=p.arrival_cv2)
                 for d, p in zip(self.demands, self.peaks, strict=True)
             )
+            start = scenario.start
             self.controller = SimController(
                 self,
                 scenario.cluster,
-                tuple(within),
+                within,
                 lambda: [i.as_dict() for i in self.gateway.pool.instances.values()],
                 lambda: self.gateway.num_waiting,
                 self.gateway.queued_by_model,
                 replace(policy.params or scenario.controller, planner=scenario.planner),
                 random.Random(f"{scenario.seed}:controller"),
                 self.shifts.append,
+                start_demands(within, requests, start.expected_window_s),
             )
-
-    def _explain_unplaced(self, peak: Plan) -> None:
-        """Each model asked for that never had an instance: why, in a note, and in each of
-        its requests that failed for it (the gateway's 404 could only say "not yet")."""
-        placed = {r.dep.model for r in self.records}
-        for demand in self.demands:
-            asked = [r for r in self.requests if r.model == demand.name]
-            if demand.name in placed or not asked:
-                continue
-            self.notes.append(_unplaced_note(self.policy.name, demand, peak))
-            for r in asked:
-                if r.failed.startswith("404"):
-                    r.failed = (
-                        f"404: no instance of model {demand.name!r} was ever placed "
-                        "(the notes say why)"
-                    )
-        if not self.records and not self.notes:
-            self.notes.append(f"policy {self.policy.name} runs no instance on this cluster")
 
     # --- the static policies ----------------------------------------------------------
     def _decide(self, now: float) -> None:
@@ -238,10 +192,12 @@ class _Run:
             on_first_token=self._first_token,
             colocation=self.colocation,
         )
+        # deployed before the traffic (`start: {warm: true}`): loaded by t = 0
+        warm = self.scenario.start.warm and now <= 0.0
         rec = InstanceRecord(
             dep,
             now,
-            now + cfg.load_time_s,
+            now if warm else now + cfg.load_time_s,
             num_kv_blocks=cfg.num_kv_blocks,
             max_model_len=cfg.max_model_len,
             instance=inst,
@@ -582,7 +538,10 @@ class _Run:
                 f"a shift started at {ctl.shifting_since:.1f} s was still in progress at the end"
             )
         peak = plan(scenario.cluster, self.peaks, now_s=0.0)
-        self._explain_unplaced(peak)
+        placed = [r.dep.model for r in self.records]
+        self.notes += explain_unplaced(self.policy.name, self.demands, placed, self.requests, peak)
+        if not self.records and not self.notes:
+            self.notes.append(f"policy {self.policy.name} runs no instance on this cluster")
         return SimResult(
             scenario,
             self.policy.name,
@@ -604,23 +563,6 @@ class _Run:
             warm_ups=dict(sorted(self.moves.warm_ups.items())),
             moves=self.moves.log,
         )
-
-
-def _unplaced_note(policy: str, demand: ModelDemand, peak: Plan) -> str:
-    """Why a model never had an instance: its shape and SLOs, and what the planner said of
-    the GPUs it left unused on this cluster."""
-    slo = demand.slo
-    why = (
-        f"{demand.name} ({demand.model}): policy {policy} never placed an instance of it; "
-        f"it asks {demand.input_tokens} tokens in / {demand.output_tokens} out at "
-        f"{demand.request_rate_per_s:.3g} req/s within TTFT p99 {slo.ttft_p99_s * 1e3:.0f} ms "
-        f"and TPOT p99 {slo.tpot_p99_s * 1e3:.0f} ms"
-    )
-    mine = [i for i in peak.instances if i.model == demand.name]
-    if mine:
-        return f"{why}; the planner would place {len(mine)} at the peak rate"
-    reasons = sorted({f"{u.gpu_id}: {u.reason}" for u in peak.unused})
-    return f"{why}; the planner, for this cluster: " + ("; ".join(reasons) or "no GPU is free")
 
 
 def simulate(

@@ -384,7 +384,9 @@ shift:
     # the light test load is covered by either plan: the freed gpu1 must not need a goodput
     # gain to be tried (this test is about what happens when the try fails)
     resource_min_gain_fraction: 0.0
-  pricing: {horizon_s: 7200}  # and the in-place gap must not outweigh it at this load
+  # and the in-place gap must not outweigh it at this load; a try that gives a GPU back must
+  # not need the headroom a down-shift keeps over the declared rate
+  pricing: {horizon_s: 7200, down_headroom: 0}
 """
 
 

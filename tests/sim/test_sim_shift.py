@@ -40,8 +40,9 @@ SEED_CLUSTER = ROOT / "examples" / "clusters" / "fragmented-4gpu.yaml"
 DATA = Path(__file__).parents[1] / "data"
 
 
-def _seed(duration_s: float, resources: list[dict[str, Any]]) -> Any:
-    """The seed's cluster, llama-2-7b at 8 req/s (1024 in, 256 out) from t = 30 s."""
+def _seed(duration_s: float, resources: list[dict[str, Any]], **extra: Any) -> Any:
+    """The seed's cluster, llama-2-7b at 8 req/s (1024 in, 256 out) from t = 30 s; `extra`:
+    more of the scenario (a `controller:` section)."""
     doc = {
         "name": "seed-short", "duration_s": duration_s, "seed": 0, "report_interval_s": 30,
         "cluster": {"file": str(SEED_CLUSTER)},
@@ -54,14 +55,23 @@ def _seed(duration_s: float, resources: list[dict[str, Any]]) -> Any:
                                          "max": 3072},
                        "output_tokens": {"dist": "exponential", "mean": 256, "max": 1024}}],
         "resources": resources,
+        **extra,
     }  # fmt: skip
     return parse_scenario(doc, ROOT)
 
 
+# The seed's give-back at 8 req/s (the L40S, the two A100s left at 100 % of their planned
+# capacity) needs no down-shift headroom: the in-place shift the tests below read.
+LAX = {"controller": {"shift": {"pricing": {"down_headroom": 0}}}}
+
+
 @pytest.fixture(scope="module")
 def tenant_leaves() -> Any:
-    """The other tenant leaves gpu1 at t = 100 s (seed 000 §4.1)."""
-    return simulate(_seed(220, [{"at_s": 100, "release": ["gpu1"]}]), "flexpipe")
+    """The other tenant leaves gpu1 at t = 100 s (seed 000 §4.1). The plan for the GPUs free
+    then (two A100s for the 8 req/s) gives the L40S back at 100 % of its capacity: with no
+    down-shift headroom asked (`down_headroom: 0`; 0.25 by default keeps the three), the
+    in-place shift the seed describes."""
+    return simulate(_seed(220, [{"at_s": 100, "release": ["gpu1"]}], **LAX), "flexpipe")
 
 
 def test_the_first_plan_is_the_planners_and_serves_once_loaded(tenant_leaves: Any) -> None:
@@ -376,7 +386,6 @@ def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute(
     on its destination ahead of the queue (priority -1, as the gateway sends it), and ends
     with all its tokens; none fails."""
     from flexpipe.gateway.core.warm_up import MOVE_PRIORITY
-    from flexpipe.sim.controller import ControllerParams
     from flexpipe.sim.gateway import SimGateway
 
     placed: list[int] = []  # the priority of each request a move placed
@@ -387,8 +396,8 @@ def test_requests_left_at_the_drain_deadline_are_moved_by_kv_or_recompute(
         place(self, req, url, now)
 
     monkeypatch.setattr(SimGateway, "place", spy_place)
-    sc = _seed(220, [{"at_s": 100, "release": ["gpu1"]}])
-    r = simulate(replace(sc, controller=ControllerParams(drain_deadline_s=0.5)), "flexpipe")
+    sc = _seed(220, [{"at_s": 100, "release": ["gpu1"]}], **LAX)
+    r = simulate(replace(sc, controller=replace(sc.controller, drain_deadline_s=0.5)), "flexpipe")
     rep = report(r)
     shift = r.shifts[1]
     # what would outlive the deadline moves at once (`plan_moves` waves): the in-place
@@ -535,7 +544,7 @@ def test_instances_go_through_the_pool_lifecycle_as_the_executor_tells_the_gatew
     monkeypatch.setattr(Pool, "add", spy_add)
     monkeypatch.setattr(Pool, "set_state", spy_set_state)
     monkeypatch.setattr(Pool, "remove", spy_remove)
-    r = simulate(_seed(220, [{"at_s": 100, "release": ["gpu1"]}]), "flexpipe")
+    r = simulate(_seed(220, [{"at_s": 100, "release": ["gpu1"]}], **LAX), "flexpipe")
     shift = r.shifts[1]
     url_of = {rec.key: rec.instance.url for rec in r.instances}
     first = r.shifts[0]["started"]
@@ -568,7 +577,7 @@ def test_the_controller_sees_each_ttft_when_the_first_token_comes(
     """As the live gateway observes TTFT when a stream's first token reaches its client (not
     when the request ends), so does the simulated one the controller reads: once a client
     request, warm-ups and continuations not counted."""
-    from flexpipe.sim.controller import ControllerParams, SimController
+    from flexpipe.sim.controller import SimController
 
     seen: list[tuple[str, float, float]] = []  # model, TTFT, virtual time observed
     original = SimController.first_token
@@ -580,8 +589,9 @@ def test_the_controller_sees_each_ttft_when_the_first_token_comes(
     monkeypatch.setattr(SimController, "first_token", spy)
     # the tenant leaves gpu1 at 100 s: an in-place shift with a 1 s drain deadline moves
     # requests (warm-ups, continuations)
-    sc = _seed(220, [{"at_s": 100, "release": ["gpu1"]}])
-    result = simulate(replace(sc, controller=ControllerParams(drain_deadline_s=1.0)), "flexpipe")
+    sc = _seed(220, [{"at_s": 100, "release": ["gpu1"]}], **LAX)
+    controller = replace(sc.controller, drain_deadline_s=1.0)
+    result = simulate(replace(sc, controller=controller), "flexpipe")
     assert result.num_moves and result.warm_ups
     served = sorted(
         (r for r in result.requests if r.first_token_s >= 0), key=lambda r: r.first_token_s

@@ -20,6 +20,7 @@ from flexpipe.sim import load_scenario, report, resolve, simulate
 from flexpipe.sim.deployment import Deployment
 from flexpipe.sim.scenario import Scenario, parse_scenario
 from flexpipe.sim.simulator import SimResult
+from flexpipe.sim.start import StartParams
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parents[1] / "data"
@@ -155,7 +156,8 @@ def test_agreement_with_the_live_system() -> None:
 def test_the_first_plan_holds_its_model_while_its_engines_load() -> None:
     """As live (the controller holds the first plan's models in the gateway): a request that
     arrives while the first engines load waits and is served, none gets a 404."""
-    sc = replace(load_scenario(resolve("seed-fragmented")), duration_s=60)
+    # (cold: the scenario itself starts warm, its engines loaded before the traffic)
+    sc = replace(load_scenario(resolve("seed-fragmented")), duration_s=60, start=StartParams())
     result = simulate(sc)
     assert not [r for r in result.requests if r.failed.startswith("404")]
     served = [r for r in result.requests if r.completed]
