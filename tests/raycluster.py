@@ -31,6 +31,7 @@ _NODE_MAIN = (
     "services.resolve_ip_for_localhost = lambda host: host; "
     "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"
 )
+HEAD_GRACE_S = 1.0
 DRIVER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -58,6 +59,13 @@ class LocalRayCluster:
     def start_node(self, name: str, num_gpus: int, accelerator: str, num_cpus: int = 1) -> None:
         """Start a node and wait until it runs (the first one is the head)."""
         self._wait_started(self._spawn(name, num_gpus, accelerator, num_cpus))
+
+    def start_workers(self, *nodes: tuple[str, int, str]) -> None:
+        """Start worker nodes (name, GPUs, accelerator) together once the head runs, and wait
+        until all run: each start is seconds of Ray's own start-up, which need not queue."""
+        assert self.nodes, "start the head first"
+        for node in [self._spawn(name, gpus, accelerator, 1) for name, gpus, accelerator in nodes]:
+            self._wait_started(node)
 
     def _spawn(self, name: str, num_gpus: int, accelerator: str, num_cpus: int) -> RayNodeProcess:
         head = not self.nodes
@@ -103,10 +111,15 @@ class LocalRayCluster:
             time.sleep(0.2)
         raise RuntimeError(f"ray node {node.name} did not start in {timeout_s:g} s")
 
-    def stop_node(self, name: str) -> None:
-        self.nodes.pop(name).stop()
+    def stop_node(self, name: str, grace_s: float = 10.0) -> None:
+        self.nodes.pop(name).stop(grace_s)
 
     def stop(self) -> None:
-        for name in reversed(list(self.nodes)):  # workers first, the head last
+        names = list(self.nodes)
+        for name in reversed(names[1:]):  # workers first, the head last
             self.stop_node(name)
+        if names:
+            # The head's `ray start --block` answers SIGTERM only after about 30 s (measured),
+            # so its group was always SIGKILLed at the end of the grace: do that sooner.
+            self.stop_node(names[0], grace_s=HEAD_GRACE_S)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
