@@ -60,13 +60,6 @@ class LocalRayCluster:
         """Start a node and wait until it runs (the first one is the head)."""
         self._wait_started(self._spawn(name, num_gpus, accelerator, num_cpus))
 
-    def start_workers(self, *nodes: tuple[str, int, str]) -> None:
-        """Start worker nodes (name, GPUs, accelerator) together once the head runs, and wait
-        until all run: each start is seconds of Ray's own start-up, which need not queue."""
-        assert self.nodes, "start the head first"
-        for node in [self._spawn(name, gpus, accelerator, 1) for name, gpus, accelerator in nodes]:
-            self._wait_started(node)
-
     def _spawn(self, name: str, num_gpus: int, accelerator: str, num_cpus: int) -> RayNodeProcess:
         head = not self.nodes
         argv = [

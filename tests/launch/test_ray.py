@@ -53,7 +53,8 @@ def ray_cluster() -> Iterator[LocalRayCluster]:
     cluster = LocalRayCluster()
     try:
         cluster.start_node("node0", 1, "L4", num_cpus=2)
-        cluster.start_workers(("node1", 2, "A100"), ("node2", 1, "L40S"))
+        cluster.start_node("node1", 2, "A100")
+        cluster.start_node("node2", 1, "L40S")
         ray_client.connect(cluster.address)
         _until(lambda: len([n for n in ray_client.nodes() if n.alive]) == 3, 60, "3 nodes")
         print(f"\nray: 3 nodes up in {time.monotonic() - started:.1f} s", flush=True)
