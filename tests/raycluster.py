@@ -31,6 +31,7 @@ _NODE_MAIN = (
     "services.resolve_ip_for_localhost = lambda host: host; "
     "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"
 )
+HEAD_GRACE_S = 1.0
 DRIVER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -103,10 +104,15 @@ class LocalRayCluster:
             time.sleep(0.2)
         raise RuntimeError(f"ray node {node.name} did not start in {timeout_s:g} s")
 
-    def stop_node(self, name: str) -> None:
-        self.nodes.pop(name).stop()
+    def stop_node(self, name: str, grace_s: float = 10.0) -> None:
+        self.nodes.pop(name).stop(grace_s)
 
     def stop(self) -> None:
-        for name in reversed(list(self.nodes)):  # workers first, the head last
+        names = list(self.nodes)
+        for name in reversed(names[1:]):  # workers first, the head last
             self.stop_node(name)
+        if names:
+            # The head's `ray start --block` answers SIGTERM only after about 30 s (measured),
+            # so its group was always SIGKILLed at the end of the grace: do that sooner.
+            self.stop_node(names[0], grace_s=HEAD_GRACE_S)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
