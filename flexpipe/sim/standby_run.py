@@ -34,6 +34,7 @@ from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.policies.shift.standby_outlook import outlook_rates
 from flexpipe.policies.shift.standby_sleepers import (
     arrived,
+    guests,
     idle_since,
     most_awake,
     peak_rates,
@@ -75,6 +76,7 @@ class StandbyRun:
         self.main_keys: set[str] = set()
         self.every_s = params.shift.standby.aside_tick_s or params.tick_s
         self.checked_s = -math.inf  # when standbys were last looked for
+        self.guest_keys: set[str] = set()  # standbys placed beside another model's engine
         self.planner = ctl.planner  # standbys planned at the SLO with `standby.slo_gears`
         if params.shift.standby.slo_gears:
             slo = dataclasses.replace(params.planner, sizing="slo")
@@ -203,7 +205,7 @@ class StandbyRun:
         waiting = {m for m, n in ctl.queued_by_model().items() if n > 0}
         # every sleeper, waking ones too: no standby lands on their GPUs
         sleeping = [r.planned for r in ctl.sleepers.values() if r.released_s < 0]
-        return standbys_to_start(
+        chosen = standbys_to_start(
             self.view(ctl.cluster),
             ctl.cluster,
             self.aside_gpus,
@@ -218,6 +220,9 @@ class StandbyRun:
             self.footprint_bytes,
             skip=waiting,
         )
+        if params.hosts_take_back:
+            self.guest_keys |= guests(chosen, [*awake, *busy, *sleeping])
+        return chosen
 
     def footprint_bytes(self, inst: PlannedInstance, awake: bool) -> float:
         """`footprint_bytes` of `inst` priced by the performance model (asleep: its reserve,
@@ -245,6 +250,7 @@ class StandbyRun:
             self.main_gpus,
             self.main_keys,
             params.wakes_per_tick,
+            self.guest_keys,
         )
         if not swaps:
             return False

@@ -16,8 +16,9 @@ from flexpipe.sim.scenario import Scenario, load_scenario, resolve
 
 def standby_as_pinned(sc: Scenario) -> Scenario:
     """bursty-serverless with the standby keys this test was written against: one standby
-    a model at least, the finished requests' peak, the factor alone, guests unspread (the
-    scenario's later keys, docs/shift-policy.md "bursty-serverless", off)."""
+    a model at least, the finished requests' peak, the factor alone, guests unspread, the
+    planner's capacities, no take-back, a 30 s drain (the scenario's later keys,
+    docs/shift-policy.md "bursty-serverless", off)."""
     standby = dataclasses.replace(
         sc.controller.shift.standby,
         num_per_model=1,
@@ -26,9 +27,12 @@ def standby_as_pinned(sc: Scenario) -> Scenario:
         outlook_horizon_s=0.0,
         max_models_per_gpu=0,
         quiet_hosts_first=False,
+        slo_gears=False,
+        hosts_take_back=False,
     )
     shift = dataclasses.replace(sc.controller.shift, standby=standby)
-    return dataclasses.replace(sc, controller=dataclasses.replace(sc.controller, shift=shift))
+    controller = dataclasses.replace(sc.controller, shift=shift, drain_deadline_s=30.0)
+    return dataclasses.replace(sc, controller=controller)
 
 
 def test_bursts_are_answered_by_standby_sleepers_woken_beside_the_shifts() -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "StandbyParams",
     "Swap",
     "arrived",
+    "guests",
     "idle_since",
     "most_awake",
     "peak_rates",
@@ -100,6 +101,11 @@ class StandbyParams:
     # time-sharing: a standby goes beside the engines of the model busy the least share of
     # the time first (mean over peak rate): its own bursts seldom find the guest awake there
     quiet_hosts_first: bool = False
+    # time-sharing: a model takes its own GPU back from another model's standby placed
+    # beside its engine there (a guest, `guests`), even while the guest serves: else a burst
+    # of the host found its best GPU held by a guest serving a burst of its own and waited
+    # with what else it had (bursty-serverless seed 1: code-7b's H100, chat-8b's guest)
+    hosts_take_back: bool = False
 
     def __post_init__(self) -> None:
         if self.num_per_model < 0 or self.max_per_model < 0:
@@ -583,22 +589,46 @@ class Swap:
     sleep: tuple[PlannedInstance, ...]
 
 
+def guests(placed: Sequence[PlannedInstance], before: Iterable[PlannedInstance]) -> set[str]:
+    """The keys of the standbys `placed` (in the order they were placed) that are guests:
+    on a GPU an instance of another model holds (in `before`, or placed ahead of them). A
+    guest gives its host's GPU back (`yields_to`, `hosts_take_back`)."""
+    models_on: dict[str, set[str]] = {}
+    for inst in before:
+        for g in inst.gpu_ids:
+            models_on.setdefault(g, set()).add(inst.model)
+    out: set[str] = set()
+    for inst in placed:
+        if any(models_on.get(g, set()) - {inst.model} for g in inst.gpu_ids):
+            out.add(instance_key(inst))
+        for g in inst.gpu_ids:
+            models_on.setdefault(g, set()).add(inst.model)
+    return out
+
+
 def yields_to(
     holder: PlannedInstance,
     model: str,
     priorities: Mapping[str, float],
     pressed_models: Collection[str],
     num_in_flight: float,
+    guest: bool = False,
 ) -> bool:
     """Whether `holder` (running) is put to sleep so that a sleeper of `model` wakes on
-    its GPUs: never for its own model, nor when its model needs more engines itself
-    (`pressed_models`), nor for a lower-priority model; for one of the same priority only
-    when it serves nothing (`num_in_flight`: its requests in flight); for a higher-priority
-    model even while it serves (drained as any leaving instance)."""
-    if holder.model == model or holder.model in pressed_models:
+    its GPUs: never for its own model, nor for a lower-priority model; a `guest` (a standby
+    placed beside `model`'s engine there) always else, even while it serves or its model
+    needs more engines: the GPU is its host's first; otherwise not when its model needs more
+    engines itself (`pressed_models`); for one of the same priority only when it serves
+    nothing (`num_in_flight`: its requests in flight); for a higher-priority model even
+    while it serves (drained as any leaving instance)."""
+    if holder.model == model:
         return False
     mine, theirs = priorities.get(model, 1.0), priorities.get(holder.model, 1.0)
     if theirs > mine:
+        return False
+    if guest:
+        return True
+    if holder.model in pressed_models:
         return False
     return theirs < mine or num_in_flight <= 0
 
@@ -613,6 +643,7 @@ def swaps_aside(
     busy_gpu_ids: Collection[str],
     busy_keys: Collection[str] = (),
     max_per_model: int = 0,
+    guest_keys: Collection[str] = (),
 ) -> list[Swap]:
     """The swaps to carry out now for the models that need more engines
     (`waiting_by_model`: `pressed`), highest priority first: a sleeper of such a model on
@@ -620,7 +651,8 @@ def swaps_aside(
     requests in flight: `in_flight_by_key`, by `instance_key`); none on GPUs or keys of the
     shift in progress (`busy_gpu_ids`, `busy_keys`), the sleeper still `keepable`, no GPU
     in two swaps; at most `max_per_model` a model (0: all), the most requests per GPU
-    first. A sleeper on GPUs nothing runs on is `wakes_aside`'s, not a swap."""
+    first. A holder among `guest_keys` (`guests`) yields to a sleeper that is none, its
+    host. A sleeper on GPUs nothing runs on is `wakes_aside`'s, not a swap."""
     wanted = {m for m, n in waiting_by_model.items() if n > 0}
     taken = set(busy_gpu_ids)
     holders: dict[str, PlannedInstance] = {}
@@ -642,10 +674,18 @@ def swaps_aside(
             ):
                 continue
             sleep = {instance_key(holders[g]): holders[g] for g in inst.gpu_ids if g in holders}
+            host = instance_key(inst) not in guest_keys
             if not sleep or any(
                 k in busy_keys
                 or set(h.gpu_ids) & taken
-                or not yields_to(h, model, priorities, wanted, in_flight_by_key.get(k, 0.0))
+                or not yields_to(
+                    h,
+                    model,
+                    priorities,
+                    wanted,
+                    in_flight_by_key.get(k, 0.0),
+                    host and k in guest_keys,
+                )
                 for k, h in sleep.items()
             ):
                 continue
