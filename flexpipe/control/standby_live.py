@@ -46,6 +46,7 @@ from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.policies.shift.standby_sleepers import (
+    guests,
     idle_since,
     most_awake,
     peak_rates,
@@ -84,6 +85,7 @@ class StandbySleepers:
         # until the holders are back (the load runs outside the `aside` lock)
         self.yield_gpus: set[str] = set()
         self.yield_keys: set[str] = set()
+        self.guest_keys: set[str] = set()  # standbys placed beside another model's engine
         self.checked_s = -math.inf  # when standbys were last looked for
         self.to_sleep: set[str] = set()  # standbys of the first plan, put to sleep after it
 
@@ -213,13 +215,15 @@ class StandbySleepers:
         progress touches nor for a model with requests waiting (its shift comes first)."""
         ctl = self.ctl
         waiting = {m for m, n in queued.items() if n > 0}
+        running = [i.planned for i in ctl.running.values()]
+        asleep = [i.planned for i in ctl.executor.sleepers.values()]
         wanted = standbys_to_start(
             self.view(),
             ctl.cluster,
             self.aside_gpus,
             ctl.cfg.demands,
-            [i.planned for i in ctl.running.values()],
-            [i.planned for i in ctl.executor.sleepers.values()],
+            running,
+            asleep,
             self.peak_awake,
             self.peak_rates,
             ctl.planner,
@@ -229,7 +233,12 @@ class StandbySleepers:
             skip=waiting,
         )
         busy_gpus, _ = self.busy()
-        return [s for s in wanted if not set(s.gpu_ids) & busy_gpus]
+        chosen = [s for s in wanted if not set(s.gpu_ids) & busy_gpus]
+        if ctl.cfg.shift.standby.hosts_take_back:  # a guest gives its host's GPU back
+            before = [*running, *asleep]
+            kept = {instance_key(s) for s in chosen}
+            self.guest_keys |= guests(wanted, before) & kept
+        return chosen
 
     async def start_standbys(
         self,
@@ -389,6 +398,7 @@ class StandbySleepers:
             busy_gpus,
             busy_keys,
             p.wakes_per_tick,
+            self.guest_keys,
         )
         if not swaps:
             return False

@@ -132,3 +132,14 @@ def test_without_time_share_nothing_is_swapped() -> None:
     w = world()
     beside = shell(w, {"a": 1, "b": 2}, replace(SHARE, time_share=False))
     assert not swap(w, beside) and w.log == []
+
+
+def test_a_busy_guest_gives_its_host_the_gpu_back() -> None:
+    """`hosts_take_back`: the holder is a guest (a standby placed beside b's engine): it
+    yields to b while it serves, where a holder of equal priority would not."""
+    w = world()
+    beside = shell(w, {"a": 1, "b": 1}, replace(SHARE, hosts_take_back=True))
+    assert not swap(w, beside, num_in_flight=2) and w.log == []
+    beside.guest_keys = {instance_key(HOLDER)}
+    assert swap(w, beside, num_in_flight=2)
+    assert w.log == [("swap-sleep", ["a-1"]), ("swap-wake", ["a-1", "b-0"])]
