@@ -46,15 +46,17 @@ from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.policies.shift.standby_sleepers import (
-    guests,
     idle_since,
     most_awake,
     peak_rates,
     pressed,
     recent_rates,
     sleeps_aside,
-    swaps_aside,
     wakes_aside,
+)
+from flexpipe.policies.shift.time_share import (
+    guests,
+    swaps_aside,
 )
 
 if TYPE_CHECKING:

@@ -34,15 +34,17 @@ from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.policies.shift.standby_outlook import outlook_rates
 from flexpipe.policies.shift.standby_sleepers import (
     arrived,
-    guests,
     idle_since,
     most_awake,
     peak_rates,
     pressed,
     recent_rates,
     sleeps_aside,
-    swaps_aside,
     wakes_aside,
+)
+from flexpipe.policies.shift.time_share import (
+    guests,
+    swaps_aside,
 )
 from flexpipe.sim.loop import CONTROL
 from flexpipe.sim.shift_record import REASONS, record

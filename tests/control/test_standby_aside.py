@@ -31,7 +31,12 @@ from flexpipe.perf import perf_model_for
 from flexpipe.policies.planner import ModelDemand, Plan, PlannedInstance, Slo, plan
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.snapshot import instance_key
-from flexpipe.policies.shift.standby_sleepers import StandbyParams, Swap
+from flexpipe.policies.shift.standby_sleepers import (
+    StandbyParams,
+)
+from flexpipe.policies.shift.time_share import (
+    Swap,
+)
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,8 +22,10 @@ from flexpipe.policies.shift.standby_sleepers import (
     arrived,
     peak_rates,
     recent_rates,
-    standby_time_shared,
     standby_wanted,
+)
+from flexpipe.policies.shift.time_share import (
+    standby_time_shared,
 )
 
 

@@ -14,7 +14,13 @@ from test_standby_sleepers import inst
 from test_standby_time_share import swaps
 
 from flexpipe.policies.shift.snapshot import instance_key
-from flexpipe.policies.shift.standby_sleepers import StandbyParams, guests, yields_to
+from flexpipe.policies.shift.standby_sleepers import (
+    StandbyParams,
+)
+from flexpipe.policies.shift.time_share import (
+    guests,
+    yields_to,
+)
 
 
 def test_guests_are_the_standbys_placed_beside_another_models_instance() -> None:

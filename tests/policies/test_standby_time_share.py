@@ -19,6 +19,8 @@ from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.policies.shift.standby_sleepers import (
     StandbyParams,
+)
+from flexpipe.policies.shift.time_share import (
     Swap,
     standby_time_shared,
     swaps_aside,

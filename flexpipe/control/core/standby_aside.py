@@ -36,12 +36,14 @@ from flexpipe.policies.planner import ModelDemand, PlannedInstance
 from flexpipe.policies.shift.candidates import Planner
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.policies.shift.standby_sleepers import (
-    Footprint,
     StandbyParams,
-    Swap,
-    standby_time_shared,
     standby_wanted,
     with_sleepers,
+)
+from flexpipe.policies.shift.time_share import (
+    Footprint,
+    Swap,
+    standby_time_shared,
     yields_to,
 )
 
