@@ -123,7 +123,10 @@ class StandbySleepers:
                 await self.run_aside(ctl.running, target, "standby")
 
     def observe(self, now_s: float, readings: Readings) -> Cluster:
-        """A tick's readings kept (most awake, peak rates); the cluster the policy decides on."""
+        """A tick's readings kept (most awake; the rates standby sets are sized for,
+        `rates_observed`: with `arrival_peaks` the gateway's in flight and waiting count, with
+        `outlook_horizon_s` the outlook's, as the simulator's); the cluster the policy
+        decides on."""
         ctl = self.ctl
         running = [i.planned for i in ctl.running.values()]
         self.peak_awake = most_awake(self.peak_awake, running)
