@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +24,7 @@ from flexpipe.control.core.samples import gateway_totals
 from flexpipe.control.core.shift_outcome import ShiftOutcome, said
 from flexpipe.control.core.standby_aside import (
     ASIDE_REASONS,
+    StandbyRates,
     asleep_gpu_bytes,
     evicts_asleep,
     first_asleep,
@@ -33,6 +33,8 @@ from flexpipe.control.core.standby_aside import (
     holders_to_yield,
     holds_to_lift,
     launched_first,
+    rates_observed,
+    standby_planner,
     standby_view,
     standbys_to_start,
     swap_procedure,
@@ -43,14 +45,13 @@ from flexpipe.control.executor import LiveInstance
 from flexpipe.engine_kinds import engine_kind
 from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import PlannedInstance
+from flexpipe.policies.shift.candidates import Planner
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.snapshot import instance_key
 from flexpipe.policies.shift.standby_sleepers import (
     idle_since,
     most_awake,
-    peak_rates,
     pressed,
-    recent_rates,
     sleeps_aside,
     wakes_aside,
 )
@@ -74,9 +75,8 @@ class StandbySleepers:
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl
         self.peak_awake: dict[str, int] = {}  # model -> most instances awake at once
-        self.peak_rates: dict[str, float] = {}  # model -> highest rate measured, req/s
-        # (tick time, finished requests by model then): the rate over the last ticks
-        self.done_seen: deque[tuple[float, dict[str, float]]] = deque(maxlen=3)
+        self.rates = StandbyRates()  # the rates standby sets are sized for (`rates_observed`)
+        self.sizing: Planner | None = None  # what plans standbys (`planner`), built at first use
         self.idle_since: dict[str, float] = {}  # model -> since when it serves nothing
         self.aside = asyncio.Lock()  # one wake or sleep beside the shifts at a time
         self.aside_gpus: set[str] = set()  # GPUs the standbys loading beside take
@@ -125,16 +125,33 @@ class StandbySleepers:
                 await self.run_aside(ctl.running, target, "standby")
 
     def observe(self, now_s: float, readings: Readings) -> Cluster:
-        """A tick's readings kept (most awake, peak rates); the cluster the policy decides on."""
+        """A tick's readings kept (most awake; the rates standby sets are sized for,
+        `rates_observed`: with `arrival_peaks` the gateway's in flight and waiting count, with
+        `outlook_horizon_s` the outlook's, as the simulator's); the cluster the policy
+        decides on."""
         ctl = self.ctl
         running = [i.planned for i in ctl.running.values()]
         self.peak_awake = most_awake(self.peak_awake, running)
-        self.done_seen.append((now_s, dict(readings.done_by_model)))
         # per modelled second, as the core's rates (`time_scale`: wall s per modelled s)
         scale = ctl.cfg.time_scale if ctl.cfg.time_scale > 0 else 1.0
-        recent = {m: r * scale for m, r in recent_rates(self.done_seen).items()}
-        self.peak_rates = peak_rates(self.peak_rates, recent)
+        self.rates = rates_observed(
+            self.rates,
+            now_s,
+            readings.done_by_model,
+            readings.instances,
+            readings.queued_by_model or {},
+            ctl.cfg.shift.forecast,
+            ctl.cfg.shift.standby,
+            scale,
+        )
         return self.view()
+
+    def planner(self) -> Planner:
+        """What plans the standbys (`standby_planner`: the controller's, at the SLO with
+        `slo_gears`), as the simulator's; built once, so that its memo is kept."""
+        if self.sizing is None:
+            self.sizing = standby_planner(self.ctl.planner, self.ctl.cfg.shift.standby)
+        return self.sizing
 
     def view(self) -> Cluster:
         """The GPUs free to us as the planner sees them beside standby sleepers: the memory
@@ -227,8 +244,8 @@ class StandbySleepers:
             running,
             asleep,
             self.peak_awake,
-            self.peak_rates,
-            ctl.planner,
+            self.rates.peak_rates,
+            self.planner(),
             ctl.clock(),
             ctl.cfg.shift.standby,
             self.footprint_bytes,

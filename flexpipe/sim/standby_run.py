@@ -9,19 +9,19 @@ of models with no instance are the core's (control/core/standby.py), not this.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.control.core.standby_aside import (
     AsideStep,
+    StandbyRates,
     evicts_asleep,
     first_asleep,
     footprint_bytes,
+    rates_observed,
+    standby_planner,
     standby_view,
     standbys_to_start,
     swap_procedure,
@@ -31,14 +31,10 @@ from flexpipe.model_spec import load_model_spec
 from flexpipe.policies.planner import PlannedInstance
 from flexpipe.policies.shift.migration import perf_model_of
 from flexpipe.policies.shift.snapshot import instance_key
-from flexpipe.policies.shift.standby_outlook import outlook_rates
 from flexpipe.policies.shift.standby_sleepers import (
-    arrived,
     idle_since,
     most_awake,
-    peak_rates,
     pressed,
-    recent_rates,
     sleeps_aside,
     wakes_aside,
 )
@@ -64,10 +60,7 @@ class StandbyRun:
         self.ctl = ctl
         params = ctl.params
         self.peak_awake: dict[str, int] = {}  # model -> most instances awake at once
-        self.peak_rates: dict[str, float] = {}  # model -> highest rate measured, req/s
-        self.rate_history: dict[str, list[tuple[float, float]]] = {}  # model -> (s, req/s)
-        # (tick time, finished requests by model then): the rate over the last ticks
-        self.done_seen: deque[tuple[float, dict[str, float]]] = deque(maxlen=3)
+        self.rates = StandbyRates()  # the rates standby sets are sized for (`rates_observed`)
         self.idle_since: dict[str, float] = {}  # model -> since when it serves nothing
         self.to_sleep: set[str] = set()  # standbys of the first plan, put to sleep after it
         self.waking = False  # sleepers wake beside the shifts
@@ -79,26 +72,23 @@ class StandbyRun:
         self.every_s = params.shift.standby.aside_tick_s or params.tick_s
         self.checked_s = -math.inf  # when standbys were last looked for
         self.guest_keys: set[str] = set()  # standbys placed beside another model's engine
-        self.planner = ctl.planner  # standbys planned at the SLO with `standby.slo_gears`
-        if params.shift.standby.slo_gears:
-            slo = dataclasses.replace(params.planner, sizing="slo")
-            self.planner = ControllerPlanner(ctl.planner.performance, ctl.planner.efficiency, slo)
+        # standbys planned at the SLO with `standby.slo_gears`
+        self.planner = standby_planner(ctl.planner, params.shift.standby)
 
     def observe(self, now: float, running: list[PlannedInstance], cluster: Cluster) -> Cluster:
         """A tick's readings kept (most awake, peak rates); the cluster the policy decides on."""
+        ctl = self.ctl
         self.peak_awake = most_awake(self.peak_awake, running)
-        done = dict(self.ctl._done)
-        if self.ctl.params.shift.standby.arrival_peaks:
-            done = arrived(done, self.ctl.gateway_pool(), self.ctl.queued_by_model())
-        self.done_seen.append((now, done))
-        rates = recent_rates(self.done_seen)
-        self.peak_rates = peak_rates(self.peak_rates, rates)
-        standby = self.ctl.params.shift.standby
-        if standby.outlook_horizon_s > 0:  # the outlook's rates instead (standby_outlook.py)
-            for m, r in rates.items():
-                self.rate_history.setdefault(m, []).append((now, r))
-            forecast = self.ctl.params.shift.forecast
-            self.peak_rates = outlook_rates(self.rate_history, now, forecast, standby)
+        standby = ctl.params.shift.standby
+        self.rates = rates_observed(
+            self.rates,
+            now,
+            ctl._done,
+            ctl.gateway_pool() if standby.arrival_peaks else (),
+            ctl.queued_by_model() if standby.arrival_peaks else {},
+            ctl.params.shift.forecast,
+            standby,
+        )
         return self.view(cluster)
 
     def asleep_now(self) -> list[Any]:
@@ -215,7 +205,7 @@ class StandbyRun:
             [*awake, *busy],
             sleeping,
             self.peak_awake,
-            self.peak_rates,
+            self.rates.peak_rates,
             self.planner,
             now,
             params,

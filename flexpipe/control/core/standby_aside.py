@@ -21,22 +21,32 @@ docs/controller.md, "Standby sleepers"):
   awake engine) and `holds_to_lift` (the models served again once they loaded);
 - the first plan with standbys: `first_plan` (each model's standby set in place of the
   planner's instances), `launched_first` (the standbys it may launch where the engine kind
-  cannot load beside another engine) and `first_asleep` (which of them sleep once it is up).
+  cannot load beside another engine) and `first_asleep` (which of them sleep once it is up);
+- what the standby sets are sized by: `rates_observed` (the rates kept from each reading,
+  `StandbyRates`: peaks, or the outlook's) and `standby_planner` (the planner, SLO-sized
+  with `slo_gears`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flexpipe.cluster import Cluster
+from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.perf import PerfModel
-from flexpipe.policies.planner import ModelDemand, PlannedInstance
+from flexpipe.policies.planner import ModelDemand, PlannedInstance, PlannerConfig
 from flexpipe.policies.shift.candidates import Planner
+from flexpipe.policies.shift.forecast import ForecastParams, RateSample
 from flexpipe.policies.shift.snapshot import instance_key
+from flexpipe.policies.shift.standby_outlook import outlook_rates
 from flexpipe.policies.shift.standby_sleepers import (
     StandbyParams,
+    arrived,
+    peak_rates,
+    recent_rates,
     standby_wanted,
     with_sleepers,
 )
@@ -50,6 +60,7 @@ from flexpipe.policies.shift.time_share import (
 __all__ = [
     "ASIDE_REASONS",
     "AsideStep",
+    "StandbyRates",
     "SwapState",
     "asleep_gpu_bytes",
     "evicts_asleep",
@@ -60,6 +71,8 @@ __all__ = [
     "holds_to_lift",
     "launch_waves",
     "launched_first",
+    "rates_observed",
+    "standby_planner",
     "standby_view",
     "standbys_to_start",
     "swap_procedure",
@@ -377,3 +390,66 @@ def asleep_gpu_bytes(pm: PerfModel) -> float:
     """The GPU memory an engine asleep (level 1 or 2) still holds, all its GPUs together:
     each GPU's reserve; its weights and KV cache are offloaded or dropped."""
     return sum(g.reserve_bytes for g in pm.memory.per_gpu)
+
+
+# readings a burst's rate is read over (`recent_rates`): a few ticks, which the minute's
+# rate the forecast reads would dilute
+NUM_READINGS_KEPT = 3
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyRates:
+    """What a shell keeps of the controller's readings to size standby sets by."""
+
+    # (s, requests by model so far) of the last `NUM_READINGS_KEPT` readings, oldest first
+    seen: tuple[tuple[float, Mapping[str, float]], ...] = ()
+    # model -> the rate its standby set is sized for, req/s: the highest measured, or with
+    # `outlook_horizon_s` the outlook's (`outlook_rates`)
+    peak_rates: Mapping[str, float] = field(default_factory=dict)
+    # model -> (s, req/s) of every reading, oldest first: the outlook's history (kept only
+    # with `outlook_horizon_s`)
+    history: Mapping[str, tuple[RateSample, ...]] = field(default_factory=dict)
+
+
+def rates_observed(
+    before: StandbyRates,
+    now_s: float,
+    finished_by_model: Mapping[str, float],
+    instances: Sequence[Mapping[str, Any]],
+    queued_by_model: Mapping[str, int],
+    forecast: ForecastParams,
+    params: StandbyParams,
+    scale: float = 1.0,
+) -> StandbyRates:
+    """`before` with one reading at `now_s` kept, as both shells keep each tick's: the
+    requests finished by model (`finished_by_model`, cumulative), or with `arrival_peaks`
+    arrived (`arrived`: in flight on the gateway's pool records `instances` and waiting,
+    `queued_by_model`, as well: a burst the engines fall behind on reads at its arrival
+    rate); the rate over the readings kept (`recent_rates`, times `scale`: the live sim
+    engines' wall seconds per modelled second, so rates are per modelled second as the
+    SLOs) raises the peaks (`peak_rates`); with `outlook_horizon_s` each rate joins the
+    history and the outlook's rates (`outlook_rates`) replace the peaks."""
+    counts = dict(finished_by_model)
+    if params.arrival_peaks:
+        counts = arrived(counts, instances, queued_by_model)
+    seen = (*before.seen, (now_s, counts))[-NUM_READINGS_KEPT:]
+    rates = {m: r * scale for m, r in recent_rates(seen).items()}
+    peaks = peak_rates(before.peak_rates, rates)
+    history = before.history
+    if params.outlook_horizon_s > 0:  # the outlook's rates instead (standby_outlook.py)
+        grown = dict(history)
+        for m, r in rates.items():
+            grown[m] = (*grown.get(m, ()), (now_s, r))
+        history = grown
+        peaks = outlook_rates(history, now_s, forecast, params)
+    return StandbyRates(seen, peaks, history)
+
+
+def standby_planner(planner: ControllerPlanner, params: StandbyParams) -> ControllerPlanner:
+    """The planner standby sets are sized by: with `slo_gears`, `planner`'s gear table and
+    efficiency at `sizing: slo` (a standby covers the rate at which it meets the TTFT and TPOT
+    p99 with queueing, perf/slo_capacity.py), its other knobs kept; else `planner`."""
+    if not params.slo_gears:
+        return planner
+    slo = dataclasses.replace(planner.config or PlannerConfig(), sizing="slo")
+    return ControllerPlanner(planner.performance, planner.efficiency, slo)
