@@ -196,7 +196,8 @@ def controller(
     log_level: Annotated[str, typer.Option(help="Log level.")] = "warning",
 ) -> None:
     """Launch the plan's engines, register them in the gateway, shift gears while serving."""
-    from flexpipe.control.controller import Controller, ControllerConfig
+    from flexpipe.control.controller import Controller
+    from flexpipe.control.controller_config import ControllerConfig
     from flexpipe.control.engines.launching import engine_spec, load_models
     from flexpipe.control.gateway_fleet import GatewayFleet, deployment_of, keep_replicas
     from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS, DEFAULT_SHIFT

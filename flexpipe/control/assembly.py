@@ -48,7 +48,7 @@ from flexpipe.store.instance_registry import InstanceRegistry
 from flexpipe.store.shift_log import ShiftLog
 
 if TYPE_CHECKING:
-    from flexpipe.control.controller import ClusterSource, ControllerConfig
+    from flexpipe.control.controller_config import ClusterSource, ControllerConfig
 
 __all__ = ["DEFAULT_DISCOVER_INTERVAL_S", "ControllerParts", "assemble"]
 

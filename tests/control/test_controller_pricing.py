@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from flexpipe.control.api.gateway_client import GatewayClient
-from flexpipe.control.controller import Controller, ControllerConfig
+from flexpipe.control.controller import Controller
+from flexpipe.control.controller_config import ControllerConfig
 from flexpipe.launch import LocalLauncher
 from flexpipe.policies.planner import ModelDemand, Slo
 from flexpipe.policies.shift import PricingParams, ShiftParams

@@ -27,7 +27,8 @@ from test_gateway_api import Running
 from test_gateway_fakes import LoopThread
 
 from flexpipe.control.api.gateway_client import GatewayClient
-from flexpipe.control.controller import Controller, ControllerConfig
+from flexpipe.control.controller import Controller
+from flexpipe.control.controller_config import ControllerConfig
 from flexpipe.control.engines.launching import engine_spec
 from flexpipe.control.standby import Renewal, renewal
 from flexpipe.gateway.core.holds import STANDBY_HOLD_S

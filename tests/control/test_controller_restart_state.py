@@ -15,7 +15,8 @@ from pathlib import Path
 
 from flexpipe.cluster import Cluster
 from flexpipe.control.api.gateway_client import GatewayClient
-from flexpipe.control.controller import Controller, ControllerConfig, first_plan_note
+from flexpipe.control.controller import Controller, first_plan_note
+from flexpipe.control.controller_config import ControllerConfig
 from flexpipe.control.core.resources import Occupation, Overrides
 from flexpipe.control.core.shift_outcome import ShiftOutcome
 from flexpipe.control.core.wait_notice import WaitNotice

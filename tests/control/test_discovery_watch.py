@@ -20,7 +20,8 @@ from test_discover import FakeGpu, FakeNvml
 from flexpipe.cluster import Cluster
 from flexpipe.cluster.nvml import cluster_doc, read_inventory, to_cluster
 from flexpipe.control.api.gateway_client import GatewayClient
-from flexpipe.control.controller import Controller, ControllerConfig
+from flexpipe.control.controller import Controller
+from flexpipe.control.controller_config import ControllerConfig
 from flexpipe.control.core.resources import Resources
 from flexpipe.control.watch.discovery_watch import DISCOVERED_MARK, LOST_OWNER, DiscoveryWatch
 from flexpipe.hardware import GiB

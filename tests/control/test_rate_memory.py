@@ -10,7 +10,8 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from flexpipe.control.api.gateway_client import GatewayClient
-from flexpipe.control.controller import Controller, ControllerConfig
+from flexpipe.control.controller import Controller
+from flexpipe.control.controller_config import ControllerConfig
 from flexpipe.control.core.observe import RateWindow
 from flexpipe.control.state.rate_memory import RateMemory
 from flexpipe.launch import LocalLauncher

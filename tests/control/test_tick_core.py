@@ -21,7 +21,8 @@ from typing import Any, cast
 
 from flexpipe.cluster import load_cluster
 from flexpipe.control.api.gateway_client import GatewayClient
-from flexpipe.control.controller import Controller, ControllerConfig
+from flexpipe.control.controller import Controller
+from flexpipe.control.controller_config import ControllerConfig
 from flexpipe.control.core.planner import ControllerPlanner
 from flexpipe.control.core.resources import Resources
 from flexpipe.control.core.samples import TTFT_HISTOGRAM, Buckets

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from flexpipe.control.api.gateway_client import GatewayClient
-from flexpipe.control.controller import Controller, ControllerConfig
+from flexpipe.control.controller import Controller
+from flexpipe.control.controller_config import ControllerConfig
 from flexpipe.control.engines.takeover import Takeover
 from flexpipe.control.state.lease import pid_alive
 from flexpipe.launch import EngineHandle, LocalLauncher
