@@ -236,10 +236,7 @@ def standby_wanted(
         for name, ask in list(asks.items()):
             mine = [i for i in asleep if i.model == name]
             views = [asleep, mine] if params.share_gpus else [asleep]
-            rest = replace(
-                ask,
-                request_rate_per_s=max(0.0, ask.request_rate_per_s - capacity.get(name, 0.0)),
-            )
+            rest = _uncovered(ask, capacity)
             placed: list[PlannedInstance] = []
             for sleeping in views:
                 taken = free_of(cluster, [*awake, *chosen, *sleeping])
@@ -250,14 +247,35 @@ def standby_wanted(
                 del asks[name]
                 continue
             chosen.extend(placed)
-            have[name] = have.get(name, 0) + 1
-            capacity[name] = capacity.get(name, 0.0) + placed[0].capacity_requests_per_s
-            want = max(params.num_per_model, peak_counts.get(name, 0))
-            if have[name] >= params.max_per_model or (
-                capacity[name] >= ask.request_rate_per_s and have[name] >= want
-            ):
-                del asks[name]
+            _count_placed(asks, ask, placed[0], have, capacity, peak_counts, params)
     return chosen
+
+
+def _uncovered(ask: ModelDemand, capacity: Mapping[str, float]) -> ModelDemand:
+    """`ask` for the rate its model's engines do not cover yet."""
+    covered = capacity.get(ask.name, 0.0)
+    return replace(ask, request_rate_per_s=max(0.0, ask.request_rate_per_s - covered))
+
+
+def _count_placed(
+    asks: dict[str, ModelDemand],
+    ask: ModelDemand,
+    placed: PlannedInstance,
+    have: dict[str, int],
+    capacity: dict[str, float],
+    peak_counts: Mapping[str, int],
+    params: StandbyParams,
+) -> None:
+    """One more standby of `ask`'s model counted; its ask dropped once the model has the
+    engines it wants and their capacity covers its rate, or has `max_per_model`."""
+    name = ask.name
+    have[name] = have.get(name, 0) + 1
+    capacity[name] = capacity.get(name, 0.0) + placed.capacity_requests_per_s
+    want = max(params.num_per_model, peak_counts.get(name, 0))
+    if have[name] >= params.max_per_model or (
+        capacity[name] >= ask.request_rate_per_s and have[name] >= want
+    ):
+        del asks[name]
 
 
 def _placed(

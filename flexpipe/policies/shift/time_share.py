@@ -14,13 +14,20 @@ flexpipe/policies/shift/standby_sleepers.py; the shells carry the answers out.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from flexpipe.cluster import Cluster
 from flexpipe.policies.planner import ModelDemand, PlannedInstance
 from flexpipe.policies.shift.candidates import Planner, free_of, keepable
 from flexpipe.policies.shift.snapshot import instance_key
-from flexpipe.policies.shift.standby_sleepers import StandbyParams, _asks, _placed, _tally
+from flexpipe.policies.shift.standby_sleepers import (
+    StandbyParams,
+    _asks,
+    _count_placed,
+    _placed,
+    _tally,
+    _uncovered,
+)
 
 __all__ = [
     "Footprint",
@@ -125,10 +132,7 @@ def standby_time_shared(
             view = time_share_view(cluster, name, awake, sleeping, footprint)
             if params.max_models_per_gpu:
                 view = free_of(view, _crowded(name, [*awake, *sleeping], params))
-            rest = replace(
-                ask,
-                request_rate_per_s=max(0.0, ask.request_rate_per_s - capacity.get(name, 0.0)),
-            )
+            rest = _uncovered(ask, capacity)
             placed: list[PlannedInstance] = []
             hosts = _host_views(view, name, demands, [*awake, *sleeping], peak_rates_per_s, params)
             for host_view in hosts:
@@ -140,13 +144,7 @@ def standby_time_shared(
                 del asks[name]
                 continue
             chosen.append(placed[0])
-            have[name] = have.get(name, 0) + 1
-            capacity[name] = capacity.get(name, 0.0) + placed[0].capacity_requests_per_s
-            want = max(params.num_per_model, peak_counts.get(name, 0))
-            if have[name] >= params.max_per_model or (
-                capacity[name] >= ask.request_rate_per_s and have[name] >= want
-            ):
-                del asks[name]
+            _count_placed(asks, ask, placed[0], have, capacity, peak_counts, params)
     return chosen
 
 
