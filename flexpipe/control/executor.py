@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from flexpipe.cluster import Cluster
 from flexpipe.control import rehearsal
 from flexpipe.control.api.gateway_client import GatewayAdmin, GatewayError
+from flexpipe.control.core.instance_names import gather_names
 from flexpipe.control.core.shift_commands import (
     AwaitReady,
     Command,
@@ -55,7 +56,10 @@ from flexpipe.control.core.shift_commands import (
     Wave,
 )
 from flexpipe.control.core.shift_outcome import ShiftOutcome
-from flexpipe.control.core.shift_procedure import ShiftParams, ShiftProcedure, gather_names
+from flexpipe.control.core.shift_procedure import (
+    ShiftParams,
+    ShiftProcedure,
+)
 from flexpipe.control.core.sleeping import in_place_chooser, leaving_of, sleep_levels
 from flexpipe.http.client import ClientPool, Timeouts, UpstreamError
 from flexpipe.launch import EngineHandle, EngineSpec, Launcher

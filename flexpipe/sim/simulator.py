@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flexpipe.cluster import Cluster
-from flexpipe.control.core.shift_procedure import unique_name
+from flexpipe.control.core.instance_names import unique_name
 from flexpipe.engine.request import EngineRequest
 from flexpipe.engine.sleep import SleepState
 from flexpipe.gateway.core.cut_over import fence_until_s

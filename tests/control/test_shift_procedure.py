@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from flexpipe.cluster import load_cluster
+from flexpipe.control.core.instance_names import unique_name
 from flexpipe.control.core.shift_commands import (
     AwaitReady,
     Command,
@@ -43,7 +44,6 @@ from flexpipe.control.core.shift_procedure import (
     ShiftParams,
     ShiftProcedure,
     in_place_hold_s,
-    unique_name,
 )
 from flexpipe.policies.planner import PlannedInstance, parse_models, plan
 from flexpipe.policies.shift.in_place import SIDE_BY_SIDE, WAKE, InPlaceChoice

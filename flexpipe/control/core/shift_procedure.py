@@ -38,6 +38,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from flexpipe.control.core.instance_names import unique_name
 from flexpipe.control.core.shift_commands import (
     AwaitReady,
     Command,
@@ -78,7 +79,6 @@ __all__ = [
     "ShiftParams",
     "ShiftProcedure",
     "in_place_hold_s",
-    "unique_name",
 ]
 
 T = TypeVar("T")
@@ -119,17 +119,6 @@ def in_place_hold_s(cold_start_s: float, drain_deadline_s: float) -> float:
     capacity away and the replacement starts on the same GPUs: twice the cold start the
     leaving instances took, plus the drain, plus a margin; released after the step."""
     return 2 * cold_start_s + drain_deadline_s + IN_PLACE_MARGIN_S
-
-
-def unique_name(name: str, taken: set[str]) -> str:
-    """`name`, or `name.2`, `name.3`, ... : the first no earlier instance had. The planner
-    names instances `<model>-<n>` per plan, so two plans reuse names; an instance's name
-    must say which one it is for the life of the deployment."""
-    out, k = name, 1
-    while out in taken:
-        k += 1
-        out = f"{name}.{k}"
-    return out
 
 
 class ShiftProcedure:
@@ -608,8 +597,3 @@ class ShiftProcedure:
         )
         self._count(Moved(continued))
         return waves, num_stuck
-
-
-def gather_names(running: Mapping[str, Any]) -> set[str]:
-    """The names of the instances running now (a deployment adopted after a restart)."""
-    return {i.planned.name for i in running.values()}
