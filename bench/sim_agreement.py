@@ -6,11 +6,11 @@ requests (arrival times, prompt and output lengths) are then replayed live: two 
 `python -m flexpipe.engine.sim` processes (`--cluster FILE --gpu-ids g0|g1`, the flags
 `flexpipe up` gives them, cold start skipped) behind a real `python -m flexpipe gateway`
 process, over HTTP on 127.0.0.1, with the official `openai` client streaming
-`/v1/completions`. Each prompt is `num_prompt_tokens - 1` words of 3 letters (the engine's
-tokenizer: one token a word, plus BOS; the gateway's estimate: 4 bytes a token, as the
-simulator's prompts), the first unique per request (no prefix-cache hits, as in the
-simulation). Live times are the client's (send, first and last streamed token), divided by
-the engines' time scale.
+`/v1/completions`; the gateway runs one worker, as the simulator routes. Each prompt is
+`num_prompt_tokens - 1` words of 3 letters (the engine's tokenizer: one token a word, plus
+BOS; the gateway's estimate: 4 bytes a token, as the simulator's prompts), the first unique
+per request (no prefix-cache hits, as in the simulation). Live times are the client's (send,
+first and last streamed token), divided by the engines' time scale.
 
 Compared: output tokens/s (first arrival to last finish) and TTFT / TPOT p50 and p90.
 
@@ -198,8 +198,10 @@ def _scraped(url: str, num_instances: int) -> bool:
 @contextlib.contextmanager
 def _gateway(backends: Sequence[str]) -> Iterator[str]:
     port = free_port()
+    # one worker: the simulator routes as one gateway process does (with --workers N each
+    # worker keeps its own round_robin credits, and the kernel deals connections between them)
     cmd = [sys.executable, "-m", "flexpipe", "gateway", "--port", str(port), "--model", MODEL,
-           "--policy", ROUTING]  # fmt: skip
+           "--policy", ROUTING, "--workers", "1"]  # fmt: skip
     for b in backends:
         cmd += ["--backend", b]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLEXPIPE_ADMIN_TOKEN": ADMIN_TOKEN}

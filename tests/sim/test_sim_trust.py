@@ -141,14 +141,15 @@ def test_same_scenario_and_seed_same_bytes_across_processes() -> None:
 
 
 def test_agreement_with_the_live_system() -> None:
-    """The simulator and the live system (a real gateway and two real sim engines, L4 /
-    llama-2-7b, round_robin routing) on the same 30 requests: throughput and TTFT / TPOT p50
-    and p90 within 10%. Time scale 4 (the engines sleep 4x the modelled time): this VM's own
-    per-request HTTP work (20-150 ms of wall time on the shared 2-core machine, with its load)
-    shrinks 4x in modelled time; the simulator models the GPUs, not that
-    (bench/sim_agreement.py, BENCHMARKS.md)."""
+    """The simulator and the live system (a real gateway of one worker and two real sim
+    engines, L4 / llama-2-7b, round_robin routing) on the same 30 requests: each routed to the
+    same engine, throughput and TTFT / TPOT p50 and p90 within 10%. Time scale 4 (the engines
+    sleep 4x the modelled time): this VM's own per-request HTTP work (20-150 ms of wall time on
+    the shared 2-core machine, with its load) shrinks 4x in modelled time; the simulator models
+    the GPUs, not that (bench/sim_agreement.py, BENCHMARKS.md)."""
     sim, live, n, done, same = compare(duration_s=10, rate_per_s=3, seed=0, time_scale=4)
     assert done == n > 25
+    assert same == n  # routed alike, request by request (one gateway worker, as simulated)
     devs = {k: round(deviation(sim[k], live[k]), 4) for k in METRICS}
     assert all(abs(d) <= 0.10 for d in devs.values()), (devs, f"{same}/{n} on the same engine")
 
