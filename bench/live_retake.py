@@ -9,10 +9,10 @@ live profile (examples/shift/live.yaml, what `flexpipe up` runs without --shift-
 built-in example: the seed's fragmented 4-GPU cluster and llama-7b (2048-token prompts,
 256-token answers). A light load (`--low-rate-per-s`) lets the controller shift down onto
 gpu2 alone, releasing gpu1; as soon as it does, `--high-rate-per-s` more arrives for
-`--high-s` (with the light load, which goes on for `--low-s` from the start: 4 req/s by
-default), more than the example serves without gpu1 (gpu2, gpu3 and gpu0 carry about 3.4
-SLO-meeting req/s, the four GPUs 5.4). Both loads are `flexpipe replay` runs of Mooncake
-traces written here, compressed by 1 / time scale.
+`--high-s` (with the light load, which goes on from the start until the high load ends, for
+at most `--low-s`: 4 req/s by default), more than the example serves without gpu1 (gpu2,
+gpu3 and gpu0 carry about 3.4 SLO-meeting req/s, the four GPUs 5.4). Both loads are
+`flexpipe replay` runs of Mooncake traces written here, compressed by 1 / time scale.
 
 Durations are MODELLED seconds: the live controller's tick and every duration of the profile
 its policy keeps on the wall clock (the triggers' and the forecast's, `wall_durations`) are
@@ -47,6 +47,7 @@ from flexpipe.control.api.client import ControllerClient, ControllerError
 from flexpipe.examples import DEFAULT_CLUSTER, DEFAULT_MODELS, DEFAULT_SHIFT
 from flexpipe.launch import free_port
 from flexpipe.policies.shift import ShiftParams
+from flexpipe.replay import INTERRUPTED
 from flexpipe.store import Store
 from flexpipe.store.shift_entry import ShiftEntry
 from flexpipe.store.shift_log import ShiftLog
@@ -196,15 +197,21 @@ def run(profile: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             return result
         high_json = tmp / "high.json"
         replays.append(("high", replay(high, "llama-7b", port, high_json, a), high_json))
-        for name, proc, path in replays:
+        for name, proc, path in reversed(replays):  # the high load first
+            if name == "low" and proc.poll() is None:
+                # the measurement is over with the high load: the light one stops there (its
+                # requests in flight fail as interrupted: `replay`'s clean Ctrl-C, not counted)
+                proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=a.max_wall_s)
-            if proc.returncode != 0:
+            if proc.returncode not in (0, 130 if name == "low" else 0):
                 notes.append(f"{name} replay exited {proc.returncode}: {err.strip()[-300:]}")
             if path.stat().st_size:
                 records = json.loads(path.read_text())["requests"]
                 result[name] = {
                     "num_requests": len(records),
-                    "num_failed": sum(1 for r in records if r["failed"]),
+                    "num_failed": sum(
+                        1 for r in records if r["failed"] and r["failed"] != INTERRUPTED
+                    ),
                 }
         log = ShiftLog(Store(store_url))
         entries = log.entries()
