@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from typing import Any, NamedTuple
 
@@ -32,6 +35,20 @@ log = logging.getLogger("flexpipe.gateway")
 # body validates in 0.016 ms)
 PARSE_OFF_LOOP_BYTES = 256 * 1024
 _NUM_PARSER_PROCESSES = 2  # large bodies validated at once; the rest wait their turn
+_PARENT_CHECK_S = 1.0  # how often a parser process looks for its gateway
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A parser process's initializer: it exits once its gateway is gone. A gateway killed
+    (kill -9, or ended before it shut its pool down) would otherwise leave it waiting for work
+    forever: it holds both ends of its call queue's pipe, so it never reads an end of file."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-gateway", daemon=True).start()
 
 
 class BodySummary(NamedTuple):
@@ -88,7 +105,12 @@ class BodyParser:
         for attempt in range(2):
             if self._parsers is None:
                 context = multiprocessing.get_context("spawn")  # no fork of a threaded loop
-                self._parsers = ProcessPoolExecutor(_NUM_PARSER_PROCESSES, mp_context=context)
+                self._parsers = ProcessPoolExecutor(
+                    _NUM_PARSER_PROCESSES,
+                    mp_context=context,
+                    initializer=_exit_with_parent,
+                    initargs=(os.getpid(),),
+                )
             parsers = self._parsers
             try:
                 return await loop.run_in_executor(
