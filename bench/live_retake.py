@@ -194,6 +194,10 @@ def run(profile: str, a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             time.sleep(0.2)
         else:
             notes.append(f"{GPU} was never released")
+            result["log"] = [
+                f"{e.kind} {e.trigger} {e.outcome}: {e.reason}"[:200]
+                for e in ShiftLog(Store(store_url)).entries()
+            ]
             return result
         high_json = tmp / "high.json"
         replays.append(("high", replay(high, "llama-7b", port, high_json, a), high_json))

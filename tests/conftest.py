@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,12 @@ for _group in sorted(Path(__file__).parent.iterdir()):
         sys.path.insert(0, str(_group))
 
 from test_gateway_fakes import LoopThread  # noqa: E402
+
+# pytest-xdist's workers (make test runs two) set COLUMNS=80 and LINES=24 for their children;
+# off a terminal the CLI prints its tables 160 columns wide unless COLUMNS says otherwise
+# (cli/common.py `console`), so the tests read the same output under either runner
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture

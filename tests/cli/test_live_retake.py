@@ -1,6 +1,6 @@
 """Fast up live by default (docs/shift-policy.md, "Fast up, slow down"): the live profile that
 `flexpipe up` and `flexpipe controller` run without --shift-config, and a real `flexpipe up`
-(sim engines, time scale 0.25) under it taking gpu1 back within a few ticks of the load
+(sim engines, time scale 0.5) under it taking gpu1 back within a few ticks of the load
 needing it, not after the 180 s cooldown of the down-shift that released it, with no
 request failed (`python -m bench live_retake` drives it; the code defaults took 185 s)."""
 
@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+import pytest
 import yaml
 
 from bench.live_retake import run, shift_doc, wall_durations
@@ -87,9 +88,13 @@ def test_the_bench_scales_every_wall_clock_duration() -> None:
     assert scaled["triggers"]["window_s"] == code.triggers.window_s / 2
 
 
+@pytest.mark.solo
+@pytest.mark.timeout(480)  # ~80 s; the release may take 225 s (modelled) on a loaded machine
 def test_gpu1_is_taken_back_within_a_few_ticks_of_the_load_needing_it(tmp_path: Path) -> None:
     args = argparse.Namespace(
-        time_scale=0.25,
+        # (0.25 halves the test's time, but this VM's CPU hiccups then count 4x in the modelled
+        # TTFT: a sample over half the SLO now and then kept the pair and never released gpu1)
+        time_scale=0.5,
         tick_s=10.0,
         low_rate_per_s=1.0,
         # at most: it stops when the high load ends (the release takes 5 samples in the down
@@ -102,7 +107,7 @@ def test_gpu1_is_taken_back_within_a_few_ticks_of_the_load_needing_it(tmp_path: 
         max_wall_s=300.0,
     )
     result = run("live", args, tmp_path)
-    assert result["notes"] == [] and result["up_exit_code"] == 0, result.get("up_tail")
+    assert result["notes"] == [] and result["up_exit_code"] == 0, result
     assert result["release"].startswith("down:"), result
     assert result["retake"].startswith("up:"), result
     # within three ticks of the release, the light load's and the high load's first

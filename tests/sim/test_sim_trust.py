@@ -140,6 +140,7 @@ def test_same_scenario_and_seed_same_bytes_across_processes() -> None:
     assert json.loads(a)["num_completed"] > 0
 
 
+@pytest.mark.solo
 def test_agreement_with_the_live_system() -> None:
     """The simulator and the live system (a real gateway of one worker and two real sim
     engines, L4 / llama-2-7b, round_robin routing) on the same 30 requests: each routed to the
