@@ -14,7 +14,14 @@ from rich.console import Console
 from rich.table import Table
 
 from flexpipe.cli.common import console, parse_overrides, user_errors
-from flexpipe.gears.gear import GearError, GpuSlot, Placement, parse_gear, uniform_placement
+from flexpipe.gears.gear import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    GearError,
+    GpuSlot,
+    Placement,
+    parse_gear,
+    uniform_placement,
+)
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import Efficiency, PerfModel
@@ -311,7 +318,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
         prompt_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 1024,
         output_len: Annotated[int, typer.Option(help="Output tokens per request.")] = 256,
-        gpu_memory_utilization: Annotated[float, typer.Option()] = 0.9,
+        gpu_memory_utilization: Annotated[float, typer.Option()] = DEFAULT_GPU_MEMORY_UTILIZATION,
         max_model_len: Annotated[int | None, typer.Option()] = None,
         efficiency: Annotated[
             Path | None, typer.Option(help="YAML with efficiency factor overrides.")

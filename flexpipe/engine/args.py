@@ -19,7 +19,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from flexpipe.gears.gear import Gear, GearError, GpuSlot, uniform_placement
+from flexpipe.gears.gear import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    Gear,
+    GearError,
+    GpuSlot,
+    uniform_placement,
+)
 from flexpipe.hardware import link_spec
 from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import PerfModel
@@ -53,7 +59,7 @@ def build_parser(prog: str = "flexpipe engine sim") -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     _bool_flag(p, "--enable-prefix-caching", True, "prefix caching (default on)")

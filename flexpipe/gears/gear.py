@@ -14,6 +14,9 @@ from flexpipe.hardware import GpuSpec, LinkSpec, gpu_spec, link_spec
 from flexpipe.precision import Precision, precision
 
 NO_LINK = "none"  # the link class of a single-GPU gear
+# the share of each GPU's memory an engine takes (weights, activations, KV cache) unless told
+# otherwise: vLLM's --gpu-memory-utilization default
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 class GearError(ValueError):

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from flexpipe.gears.gear import Gear
+from flexpipe.gears.gear import DEFAULT_GPU_MEMORY_UTILIZATION, Gear
 
 if TYPE_CHECKING:
     from flexpipe.store.instance_registry import InstanceRecord
@@ -66,7 +66,7 @@ class EngineSpec:
     pp_link: str | None = None
     served_model_name: str | None = None
     max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()  # extra environment (VLLM_PP_LAYER_PARTITION)
     placement: tuple[GpuPlace, ...] = ()  # the GPUs in pipeline order, tp per stage

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flexpipe.gears.gear import Gear, GpuSlot, Placement
+from flexpipe.gears.gear import DEFAULT_GPU_MEMORY_UTILIZATION, Gear, GpuSlot, Placement
 from flexpipe.model_spec import ModelSpec
 from flexpipe.perf.efficiency import Efficiency
 from flexpipe.precision import kv_bytes_per_element
@@ -94,7 +94,7 @@ def memory_plan(
     gear: Gear,
     placement: Placement,
     eff: Efficiency,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     max_model_len: int | None = None,
 ) -> MemoryPlan:
     if placement.tp != gear.tp or placement.pp != gear.pp:

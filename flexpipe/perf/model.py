@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flexpipe.gears.gear import Gear, GpuSlot, Placement, parse_gear, uniform_placement
+from flexpipe.gears.gear import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    Gear,
+    GpuSlot,
+    Placement,
+    parse_gear,
+    uniform_placement,
+)
 from flexpipe.hardware import GpuSpec, LinkSpec, gpu_spec, link_spec
 from flexpipe.model_spec import ModelSpec, load_model_spec
 from flexpipe.perf import weights
@@ -82,7 +89,7 @@ class PerfModel:
         gear: Gear,
         placement: Placement,
         efficiency: Efficiency | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         max_model_len: int | None = None,
     ) -> None:
         self.model = model
@@ -469,7 +476,7 @@ def perf_model_for(
     link: str = "nvlink3",
     pp_link: str | None = None,
     efficiency: Efficiency | None = None,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     max_model_len: int | None = None,
 ) -> PerfModel:
     """Convenience: `tp x pp` identical whole GPUs of `gpu_type` joined by `link`."""

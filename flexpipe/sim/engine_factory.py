@@ -14,11 +14,11 @@ from __future__ import annotations
 from flexpipe.cluster import Cluster, placement_on
 from flexpipe.engine.args import EngineConfig
 from flexpipe.engine.build import engine_core
+from flexpipe.gears.gear import DEFAULT_GPU_MEMORY_UTILIZATION
 from flexpipe.model_spec import load_model_spec
 from flexpipe.perf import PerfModel
 from flexpipe.sim.deployment import Deployment
 
-GPU_MEMORY_UTILIZATION = 0.9  # EngineSpec's default, what `flexpipe up` launches with
 # what `vllm_flags` (flexpipe/launch/local.py) passes as --scheduling-policy: a request the
 # controller moves comes with a negative priority and takes the next free slot
 SCHEDULING_POLICY = "priority"
@@ -32,9 +32,10 @@ def engine_config(
 ) -> EngineConfig:
     """Raises ValueError (InfeasibleGear, GearError) when the gear cannot run there.
     `gpu_memory_utilization` None: the deployment's memory fraction when it shares its GPU
-    (its KV cache sized from its own fraction, as vLLM's), else `GPU_MEMORY_UTILIZATION`."""
+    (its KV cache sized from its own fraction, as vLLM's), else
+    `DEFAULT_GPU_MEMORY_UTILIZATION` (what `flexpipe up` launches with)."""
     if gpu_memory_utilization is None:
-        gpu_memory_utilization = dep.gpu_memory_fraction or GPU_MEMORY_UTILIZATION
+        gpu_memory_utilization = dep.gpu_memory_fraction or DEFAULT_GPU_MEMORY_UTILIZATION
     model = load_model_spec(dep.model_id)
     gear = dep.gear
     placement = placement_on(cluster, dep.stages, model.num_layers, dep.layers_per_stage or None)
@@ -65,4 +66,4 @@ def engine_config(
     )
 
 
-__all__ = ["GPU_MEMORY_UTILIZATION", "SCHEDULING_POLICY", "engine_config", "engine_core"]
+__all__ = ["SCHEDULING_POLICY", "engine_config", "engine_core"]

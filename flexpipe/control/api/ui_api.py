@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 from flexpipe.cluster import Cluster
 from flexpipe.control.api.admin_api import authorize
 from flexpipe.control.gateway_fleet import fleet_view
+from flexpipe.gears.gear import DEFAULT_GPU_MEMORY_UTILIZATION
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S, LinkSpec
 from flexpipe.http.server import App, HttpError, Request, Response, json_response
-from flexpipe.launch import EngineSpec
 from flexpipe.perf.memory import engine_budget_bytes
 from flexpipe.policies.planner import ModelDemand, PlannedInstance
 from flexpipe.store.shift_entry import KINDS
@@ -39,8 +39,6 @@ TOPOLOGY_PATH = "/admin/topology"
 SHIFTS_PATH = "/admin/shifts"
 _MAX_SHIFTS = 500
 _SHOWN_KINDS = tuple(k for k in KINDS if k != "hold")  # a hold per tick would drown the rest
-# what the engines the controller launches may take of a GPU (vLLM's --gpu-memory-utilization)
-_GPU_MEMORY_UTILIZATION = EngineSpec(model="").gpu_memory_utilization
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +80,7 @@ def topology_doc(
     instances: Sequence[UiInstance],
     demands: Sequence[ModelDemand],
     time_scale: float = 1.0,
-    gpu_memory_utilization: float = _GPU_MEMORY_UTILIZATION,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
 ) -> dict[str, Any]:
     """The GPU map. `cluster` is the cluster as free for us (other tenants' memory used,
     admin occupations laid over it); an engine's memory on a GPU is what the memory plan lets

@@ -12,9 +12,10 @@ import yaml
 
 from flexpipe.cluster import Cluster
 from flexpipe.cluster.topology import sub_cluster
+from flexpipe.gears.gear import DEFAULT_GPU_MEMORY_UTILIZATION
 from flexpipe.launch import EngineSpec, GpuPlace
 from flexpipe.perf.memory import engine_budget_bytes
-from flexpipe.policies.planner import ModelDemand, PlannedInstance, PlannerConfig, parse_models
+from flexpipe.policies.planner import ModelDemand, PlannedInstance, parse_models
 from flexpipe.policies.planner.checkpoint import checkpoint_for
 
 __all__ = [
@@ -25,8 +26,6 @@ __all__ = [
     "load_models",
     "with_sleep_mode",
 ]
-
-_GPU_MEMORY_UTILIZATION = PlannerConfig().gpu_memory_utilization
 
 
 class ModelsFileError(ValueError):
@@ -52,7 +51,7 @@ def gpu_places(cluster: Cluster, gpu_ids: Sequence[str]) -> tuple[GpuPlace, ...]
 
 
 def gpu_memory_utilization(
-    cluster: Cluster, gpu_ids: Sequence[str], utilization: float = _GPU_MEMORY_UTILIZATION
+    cluster: Cluster, gpu_ids: Sequence[str], utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
 ) -> float:
     """The engine's `--gpu-memory-utilization` (vLLM: a fraction of each GPU's whole memory):
     what the planner's memory plan gave it on its tightest GPU, other tenants' memory
@@ -105,7 +104,7 @@ def engine_spec(
         placement=gpu_places(cluster, gpu_ids),
         topology=sub_cluster(cluster, gpu_ids).to_yaml(),
         gpu_memory_utilization=gpu_memory_utilization(
-            cluster, gpu_ids, inst.gpu_memory_fraction or _GPU_MEMORY_UTILIZATION
+            cluster, gpu_ids, inst.gpu_memory_fraction or DEFAULT_GPU_MEMORY_UTILIZATION
         ),
         weights=ckpt.path if ckpt else None,
         quantization=ckpt.quantization if ckpt else None,

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from flexpipe.gears.gear import Gear
+from flexpipe.gears.gear import DEFAULT_GPU_MEMORY_UTILIZATION, Gear
 from flexpipe.hardware import DEFAULT_FAST_LINK_BYTES_PER_S
 from flexpipe.perf.gear_lookup import GearEstimate
 from flexpipe.perf.steady_state import Workload
@@ -115,7 +115,7 @@ class PlannerConfig:
     sizing: Literal["throughput", "slo"] = "throughput"
     # A GPU free only until `free_until_s` is used when at least this much time is left.
     min_lease_s: float = 900.0
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_alternatives: int = 6
     # Baselines (one big group, wait for identical GPUs) are computed up to this many GPUs.
     max_baseline_gpus: int = 4
