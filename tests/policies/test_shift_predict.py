@@ -136,6 +136,11 @@ def test_a_growing_queue_adds_to_the_arrivals_the_finished_rate_misses() -> None
     )
     assert slow_drain._loads(draining, {"llama-7b"}, [])["llama-7b"] == (3.0, 3.0)
     assert fast_policy()._loads(snap, {"llama-7b"}, [])["llama-7b"] == (32.0, 32.0)
+    # sim engines at time scale 0.25 (a modelled second is 0.25 s of the controller's clock):
+    # the queue grew 40 in 30 s of that clock, 120 modelled seconds (rates are per modelled s)
+    scaled = replace(snap, time_scale=0.25)
+    now, _ = slow_drain._loads(scaled, {"llama-7b"}, [])["llama-7b"]
+    assert now == pytest.approx(2.0 + 40 / 30 * 0.25 + 1.0, abs=1e-12)
 
 
 def test_the_new_trigger_numbers_read_from_yaml_and_are_checked() -> None:

@@ -240,6 +240,7 @@ class TickCore:
             self.history,
             self.resources_changed_s,
             asleep,
+            p.time_scale,
         )
         decision = self.policy.decide(snapshot, now_s, self.rng)
         if decision.action != "shift" or decision.target is None:

@@ -164,7 +164,7 @@ class ShiftPolicy:
                     # counts finished requests, plus what the queue grows by)
                     arrivals = m.request_rate_per_s
                     if tp.backlog_drain_s > 0:
-                        arrivals += _queue_growth_per_s(m, tp.window_s)
+                        arrivals += _queue_growth_per_s(m, tp.window_s) * snapshot.time_scale
                     drain_s = tp.backlog_drain_s or m.demand.slo.ttft_p99_s
                     now = max(now, arrivals + queue / drain_s)
                     expected = max(expected, now)
@@ -565,10 +565,10 @@ class ShiftPolicy:
 
 
 def _queue_growth_per_s(model: ModelState, window_s: float) -> float:
-    """How fast the queue grew over the samples of the last `window_s` (0: it did not, or
-    fewer than two samples). The rate measured counts finished requests over about that
-    long; a saturated model (or one still starting) finishes fewer than arrive, and the
-    difference waits."""
+    """How fast the queue grew over the samples of the last `window_s`, per second of their
+    clock (0: it did not, or fewer than two samples). The rate measured counts finished
+    requests over about that long; a saturated model (or one still starting) finishes fewer
+    than arrive, and the difference waits."""
     newest = max(model.samples, key=lambda x: x.at_s, default=None)
     if newest is None:
         return 0.0

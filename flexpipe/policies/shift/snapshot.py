@@ -103,6 +103,10 @@ class ShiftSnapshot:
     None when they have not, so the resource-driven trigger need not ask the planner.
     `asleep`: instance key -> sleep level of the engines asleep on GPUs free to us (sleep
     mode): a target with one of them wakes it, priced at its wake time, not a cold start.
+    `time_scale`: seconds of the controller's clock (`now_s`, the samples' `at_s`) per
+    modelled second (sim engines at a time scale; 1 in production and in the simulator): a
+    rate the policy derives from the samples' times is per modelled second, as the arrival
+    rates measured are.
     """
 
     cluster: Cluster
@@ -111,6 +115,7 @@ class ShiftSnapshot:
     history: tuple[ShiftRecord, ...] = ()
     resources_changed_s: float | None = None
     asleep: tuple[tuple[PlannedInstance, int], ...] = ()  # (instance, its sleep level)
+    time_scale: float = 1.0
 
     @property
     def asleep_levels(self) -> dict[str, int]:
@@ -138,6 +143,7 @@ class ShiftSnapshot:
         history: Sequence[ShiftRecord] = (),
         resources_changed_s: float | None = None,
         asleep: Sequence[tuple[PlannedInstance, int]] = (),
+        time_scale: float = 1.0,
     ) -> ShiftSnapshot:
         return ShiftSnapshot(
             cluster,
@@ -146,4 +152,5 @@ class ShiftSnapshot:
             tuple(history),
             resources_changed_s,
             tuple(asleep),
+            time_scale if time_scale > 0 else 1.0,
         )
