@@ -25,10 +25,8 @@ TTFT p99 within the SLO. JSON goes to bench/results/live_bursty-<UTC time>.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.shift import Output, _leftover_pids
+from bench.shift import Output, kill_leftovers, stop_up
 from flexpipe.cli.run_dir import find_admin_token
 from flexpipe.control.api.client import ControllerClient, ControllerError
 from flexpipe.launch import free_port
@@ -227,19 +225,8 @@ def run(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                notes.append("`up` did not stop within 60 s of SIGTERM: killed")
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
-        result["up_exit_code"] = up.returncode
-        for pid in _leftover_pids([str(tmp), f"--port {port} "]):
-            notes.append(f"process {pid} outlived `up`: killed")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        result["up_exit_code"] = stop_up(up, notes)
+        kill_leftovers(tmp, port, notes)
         if up.returncode not in (0, None) or notes:
             result["up_tail"] = out.tail(30)
 

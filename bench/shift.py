@@ -205,6 +205,31 @@ def _leftover_pids(markers: Sequence[str]) -> list[int]:
     return out
 
 
+def stop_up(proc: subprocess.Popen[str], notes: list[str], grace_s: float = 60) -> int | None:
+    """SIGTERM `flexpipe up` (it stops its controller, engines and gateway), its process group
+    killed if it has not stopped within `grace_s`; returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            notes.append(f"`up` did not stop within {grace_s:g} s of SIGTERM: killed")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def kill_leftovers(tmp: Path, port: int, notes: list[str]) -> list[int]:
+    """Kill what outlived `up`: processes that name this run's directory or its gateway's port
+    (`_leftover_pids`), each noted; returns their pids."""
+    leftover = _leftover_pids([str(tmp), f"--port {port} "])
+    for pid in leftover:
+        notes.append(f"process {pid} outlived `up`: killed")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return leftover
+
+
 class Run:
     def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
         self.args = args
@@ -312,22 +337,9 @@ class Run:
             self.load.stop()
             self.load.join(5)
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(90)
-                except subprocess.TimeoutExpired:
-                    self.notes.append("`up` did not stop within 90 s of SIGTERM: killed")
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                    self.proc.wait()
-            result["up_exit_code"] = self.proc.returncode
+            result["up_exit_code"] = stop_up(self.proc, self.notes, grace_s=90)
         time.sleep(1)
-        leftover = _leftover_pids([str(self.tmp), f"--port {self.port} "])
-        result["leftover_processes"] = leftover
-        for pid in leftover:  # ours: they name this run's directory or port
-            self.notes.append(f"process {pid} outlived `up`: killed")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        result["leftover_processes"] = kill_leftovers(self.tmp, self.port, self.notes)
         return result
 
     def shift_log(self) -> list[dict[str, Any]]:
