@@ -655,3 +655,24 @@ def test_a_wake_trigger_wakes_the_sleeping_instance_rather_than_cold_starting_on
     assert d.target == (asleep,), d.alternatives
     cold = decide(policy(), replace(s, asleep=()), 40)
     assert cold.target is not None and cold.target != (asleep,)  # no sleeper: a cold start
+
+
+def test_a_model_a_time_share_swap_put_aside_is_not_below_its_floor() -> None:
+    """Model a (minimum 1) sleeps on gpu3, where a swap woke model b: the swap's own decisions
+    wake a back (policies/shift/time_share.py), so neither the floor nor the wake trigger
+    re-plans gpu3 away from b (live, that stopped b's engine just after its wake). Asleep on
+    a GPU nothing of ours runs on, a is below its floor as before."""
+    (inst,) = [i for i in running_for(FREED, demand(8.0)) if i.gpu_ids == ("gpu3",)]
+    a, b = replace(inst, name="a-1", model="a"), replace(inst, name="b-1", model="b")
+    waiting = (Sample(40, 3, 100, None, None, 0.0),)  # a's requests wait for it
+    models = [
+        ModelState(demand(1.0, name="a"), waiting, min_instances=1),
+        ModelState(demand(1.0, name="b"), ()),
+    ]
+    swapped = ShiftSnapshot.of(FREED, (b,), models, asleep=((a, 1),))
+    d = decide(policy(), swapped, 40)
+    assert d.action == "hold" and d.trigger not in ("floor", "wake"), d.reason
+    other = next(i for i in running_for(FREED, demand(8.0)) if "gpu3" not in i.gpu_ids)
+    elsewhere = replace(swapped, running=(replace(other, name="b-1", model="b"),))
+    floor = decide(policy(), elsewhere, 40)
+    assert (floor.action, floor.trigger) == ("shift", "floor"), floor.reason

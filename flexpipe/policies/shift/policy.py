@@ -107,7 +107,7 @@ class ShiftPolicy:
         if lost:
             return self._reclaim(snapshot, now_s, rng, signals, lost)
         counts = {m.name: 0 for m in snapshot.models}
-        for inst in snapshot.running:
+        for inst in [*snapshot.running, *_swapped_out(snapshot)]:
             counts[inst.model] += 1
         below = [m.name for m in snapshot.models if counts[m.name] < m.min_instances]
         if below:
@@ -562,6 +562,18 @@ class ShiftPolicy:
             )
             scored = [forced, *(c for c in scored if c.name != "drop lost")]
         return self._choose(now_s, rng, signals, "reclaim", why, scored, degraded)
+
+
+def _swapped_out(snapshot: ShiftSnapshot) -> list[PlannedInstance]:
+    """The instances asleep on a GPU another model's running instance holds: a time-share
+    swap put them aside, and its own decisions wake them back (policies/shift/time_share.py).
+    They count as their model's for the floor and the wake triggers, which would otherwise
+    re-plan the GPU away from the model the swap woke (docs/shift-policy.md,
+    "Time-sharing, live")."""
+    held = {g: i.model for i in snapshot.running for g in i.gpu_ids}
+    return [
+        i for i, _ in snapshot.asleep if any(g in held and held[g] != i.model for g in i.gpu_ids)
+    ]
 
 
 def _queue_growth_per_s(model: ModelState, window_s: float) -> float:
