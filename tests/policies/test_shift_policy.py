@@ -40,6 +40,7 @@ from flexpipe.policies.shift import (
     price,
 )
 from flexpipe.policies.shift.signals import pressure_of, zone_of
+from flexpipe.policies.shift.standby_sleepers import StandbyParams
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = load_cluster(ROOT / "examples" / "clusters" / "fragmented-4gpu.yaml")
@@ -670,9 +671,14 @@ def test_a_model_a_time_share_swap_put_aside_is_not_below_its_floor() -> None:
         ModelState(demand(1.0, name="b"), ()),
     ]
     swapped = ShiftSnapshot.of(FREED, (b,), models, asleep=((a, 1),))
-    d = decide(policy(), swapped, 40)
+    time_share = policy(standby=StandbyParams(enabled=True, time_share=True))
+    d = decide(time_share, swapped, 40)
     assert d.action == "hold" and d.trigger not in ("floor", "wake"), d.reason
     other = next(i for i in running_for(FREED, demand(8.0)) if "gpu3" not in i.gpu_ids)
     elsewhere = replace(swapped, running=(replace(other, name="b-1", model="b"),))
-    floor = decide(policy(), elsewhere, 40)
+    floor = decide(time_share, elsewhere, 40)
     assert (floor.action, floor.trigger) == ("shift", "floor"), floor.reason
+    # without time-sharing (or with its own share of the GPU's memory) a sleeper is missing
+    assert decide(policy(), swapped, 40).trigger == "floor"
+    shared = replace(swapped, asleep=((replace(a, gpu_memory_fraction=0.4), 1),))
+    assert decide(time_share, shared, 40).trigger == "floor"

@@ -107,7 +107,8 @@ class ShiftPolicy:
         if lost:
             return self._reclaim(snapshot, now_s, rng, signals, lost)
         counts = {m.name: 0 for m in snapshot.models}
-        for inst in [*snapshot.running, *_swapped_out(snapshot)]:
+        swapped_out = _swapped_out(snapshot) if self.params.standby.time_share else []
+        for inst in [*snapshot.running, *swapped_out]:
             counts[inst.model] += 1
         below = [m.name for m in snapshot.models if counts[m.name] < m.min_instances]
         if below:
@@ -565,14 +566,19 @@ class ShiftPolicy:
 
 
 def _swapped_out(snapshot: ShiftSnapshot) -> list[PlannedInstance]:
-    """The instances asleep on a GPU another model's running instance holds: a time-share
-    swap put them aside, and its own decisions wake them back (policies/shift/time_share.py).
-    They count as their model's for the floor and the wake triggers, which would otherwise
-    re-plan the GPU away from the model the swap woke (docs/shift-policy.md,
-    "Time-sharing, live")."""
+    """With time-sharing on, the instances asleep on a GPU another model's running instance
+    holds: a time-share swap put them aside, and its own decisions wake them back
+    (policies/shift/time_share.py). They count as their model's for the floor and the wake
+    triggers, which would otherwise re-plan the GPU away from the model the swap woke
+    (docs/shift-policy.md, "Time-sharing, live"). Not an instance with its own share of the
+    GPU's memory (`gpu_memory_fraction`, GPU sharing): it wakes beside the other, so the
+    wake trigger still wakes it."""
     held = {g: i.model for i in snapshot.running for g in i.gpu_ids}
     return [
-        i for i, _ in snapshot.asleep if any(g in held and held[g] != i.model for g in i.gpu_ids)
+        i
+        for i, _ in snapshot.asleep
+        if i.gpu_memory_fraction is None
+        and any(g in held and held[g] != i.model for g in i.gpu_ids)
     ]
 
 
