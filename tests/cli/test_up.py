@@ -77,6 +77,7 @@ def test_up_serves_the_plan_and_stops_everything(
     store_url = f"sqlite:///{tmp_path / 'fp.db'}"
     argv = [
         sys.executable, "-m", "flexpipe", "up", "--port", str(port), "--time-scale", "0.02",
+        "--controller-port", str(free_port()),
         "--models", str(write_models(tmp_path, marker)), "--store", store_url,
     ]  # fmt: skip
     env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
@@ -161,6 +162,7 @@ def test_engines_die_with_a_killed_up(marker: str, tmp_path: Path) -> None:  # n
     port = free_port()
     argv = [
         sys.executable, "-m", "flexpipe", "up", "--port", str(port), "--time-scale", "0.02",
+        "--controller-port", str(free_port()),
         "--models", str(write_models(tmp_path, marker)),
         "--store", f"sqlite:///{tmp_path / 'fp.db'}",
     ]  # fmt: skip
@@ -194,6 +196,7 @@ def test_a_request_sent_while_the_engines_load_waits_for_them(
     port = free_port()
     argv = [
         sys.executable, "-m", "flexpipe", "up", "--port", str(port), "--time-scale", "0.2",
+        "--controller-port", str(free_port()),
         "--models", str(write_models(tmp_path, marker)),
     ]  # fmt: skip
     env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}

@@ -45,9 +45,10 @@ def test_two_models_share_the_one_gpu(marker: str, tmp_path: Path) -> None:  # n
     cluster.write_text(ONE_GPU)
     models = tmp_path / "models.yaml"
     models.write_text(MODELS.format(marker=marker))
-    port = free_port()
+    port, controller_port = free_port(), free_port()
     argv = [
         sys.executable, "-m", "flexpipe", "up", "--share-gpus", "--port", str(port),
+        "--controller-port", str(controller_port),
         "--time-scale", "0.02", "--cluster", str(cluster), "--models", str(models),
         "--store", f"sqlite:///{tmp_path / 'fp.db'}",
     ]  # fmt: skip
@@ -73,7 +74,7 @@ def test_two_models_share_the_one_gpu(marker: str, tmp_path: Path) -> None:  # n
         token_file = text.split("admin token in ", 1)[1].split(" ", 1)[0]
         token = Path(token_file).read_text().strip()
         req = urllib.request.Request(
-            f"http://127.0.0.1:{port + 100}{TOPOLOGY_PATH}",
+            f"http://127.0.0.1:{controller_port}{TOPOLOGY_PATH}",
             headers={"Authorization": f"Bearer {token}"},
         )
         with urllib.request.urlopen(req, timeout=10) as resp:

@@ -249,7 +249,8 @@ def test_up_on_three_ray_nodes_serves_loses_no_request_to_a_lost_node_and_cleans
     env = {**os.environ, **DRIVER_ENV, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": ray_cluster.address}
     store = Store(f"sqlite:///{tmp_path / 'store.db'}")
     argv = [sys.executable, "-m", "flexpipe", "up", "--ray", "auto", "--cluster", str(FRAGMENTED),
-            "--port", str(port), "--sim-load-time-s", "0.2", "--tick-s", "2",
+            "--port", str(port), "--controller-port", str(free_port()),
+            "--sim-load-time-s", "0.2", "--tick-s", "2",
             "--store", store.url]  # fmt: skip
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                           text=True, start_new_session=True)  # fmt: skip
